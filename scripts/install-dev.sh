@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install grpo_parts with everything its test suite needs, on CPU, into the current Python.
+# torch first, from the CPU wheel, so nothing pulls a CUDA build.
+set -euo pipefail
+PIP="python -m pip"
+$PIP install -q --upgrade pip
+$PIP install -q torch==2.13.0
+# transformers 5.10.x is the version verl 0.9.1, OpenRLHF 0.11.2 (at our seams) and TRL 1.16 all accept.
+$PIP install -q -e ".[dev,trl,verl]" "transformers>=5.10,<5.11"
+# verl 0.9.1 pins a CUDA stack; its CPU seams (DataProto, core_algos) need only what [verl] lists.
+$PIP install -q --no-deps verl==0.9.1
+$PIP install -q "tensordict>=0.8,<=0.10.0,!=0.9.0"

@@ -1,0 +1,20 @@
+"""Attention backends. Select by name with :func:`get_attention_class`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..registry import load
+from .protocol import AttentionBackend, LogprobBatch, LogprobOutput
+
+IMPLEMENTATIONS: dict[str, str] = {
+    "reference": "grpo_parts.attention.reference:RepeatedPrefixAttention",
+}
+AUTO_PRIORITY: tuple[str, ...] = ("reference",)
+
+
+def get_attention_class(name: str) -> Any:
+    return load(IMPLEMENTATIONS, name, "attention")
+
+
+__all__ = ["AUTO_PRIORITY", "IMPLEMENTATIONS", "AttentionBackend", "LogprobBatch", "LogprobOutput", "get_attention_class"]

@@ -1,0 +1,98 @@
+"""The ``AttentionBackend`` Protocol, at two levels.
+
+1. Trainer level -- :meth:`AttentionBackend.completion_logprobs`: per-token log-probs (and
+   optionally entropies) of the completions of a batch of groups, given a model. This is what
+   TRL's ``_get_per_token_logps_and_entropies``, verl's ``compute_log_prob`` and OpenRLHF's
+   ``Actor.forward`` call; GRPO runs it three times (policy with grad, old policy and reference
+   without).
+2. Kernel level -- :meth:`AttentionBackend.register_kernel`: the attention function a backend
+   registers with transformers' ``AttentionInterface`` (``attn_implementation=<name>``), or None
+   when the backend uses the model's own attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import GRPOPartsError, check_tensor
+from ..types import Rollout
+
+__all__ = ["AttentionBackend", "LogprobBatch", "LogprobOutput"]
+
+
+@dataclass(frozen=True)
+class LogprobBatch:
+    """``prompt_ids: [N, P]`` left-padded with ``prompt_mask``; ``completion_ids: [N, T]``
+    right-padded with ``completion_mask``; ``group_index: [N]`` the prompt of each row.
+
+    Rows with the same ``group_index`` must carry the same prompt (a shared-prefix backend encodes
+    it once); they may arrive in any order.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    group_index: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_tensor("LogprobBatch.prompt_ids", self.prompt_ids, ndim=2, dtype="int")
+        n = self.prompt_ids.shape[0]
+        check_tensor("LogprobBatch.prompt_mask", self.prompt_mask, shape=list(self.prompt_ids.shape), dtype="bool_or_int")
+        check_tensor("LogprobBatch.completion_ids", self.completion_ids, shape=[n, None], dtype="int")
+        check_tensor(
+            "LogprobBatch.completion_mask",
+            self.completion_mask,
+            shape=list(self.completion_ids.shape),
+            dtype="bool_or_int",
+        )
+        check_tensor("LogprobBatch.group_index", self.group_index, shape=[n], dtype="int")
+        if int(self.group_index.min()) < 0:
+            raise GRPOPartsError(f"LogprobBatch.group_index: expected values >= 0, got {int(self.group_index.min())}")
+        empty = self.prompt_mask.long().sum(-1) == 0
+        if bool(empty.any()):
+            raise GRPOPartsError(
+                f"LogprobBatch.prompt_mask: expected >= 1 prompt token per row, row {int(empty.nonzero()[0])} has 0"
+            )
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout) -> LogprobBatch:
+        return cls(
+            rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, rollout.group_index
+        )
+
+
+@dataclass(frozen=True)
+class LogprobOutput:
+    """``logprobs: [N, T]`` (0 where ``completion_mask`` is 0); ``entropies: [N, T]`` or None."""
+
+    logprobs: torch.Tensor
+    entropies: torch.Tensor | None = None
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    name: ClassVar[str]
+
+    def completion_logprobs(
+        self,
+        model: torch.nn.Module,
+        batch: LogprobBatch,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+    ) -> LogprobOutput:
+        """Per-token ``log_softmax(logits / temperature)`` of each completion token, differentiable
+        w.r.t. the model's parameters when grad is enabled."""
+        ...
+
+    def register_kernel(self) -> str | None:
+        """Register this backend's attention function with transformers' ``AttentionInterface``
+        (idempotent) and return its name, or None when the backend needs no kernel."""
+        ...
+
+    def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
+        """Why this backend cannot run ``model`` (and ``batch``, when given); empty = supported."""
+        ...

@@ -1,0 +1,62 @@
+"""Reference attention backend: every completion re-encodes its prompt (the standard GRPO path).
+
+Each row is ``[left-padded prompt | right-padded completion]``, run through the model as-is with
+its own attention implementation. Positions count real tokens only, as during sampling, so the
+log-probs equal the sampler's. The logit predicting completion token t sits at position P + t - 1.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..core import token_logprobs
+from ..errors import GRPOPartsError
+from .protocol import LogprobBatch, LogprobOutput
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` over the last dim."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class RepeatedPrefixAttention:
+    name: ClassVar[str] = "reference"
+
+    def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
+        cfg = getattr(model, "config", None)
+        if cfg is None:
+            return [f"model: expected a transformers causal LM with .config, got {type(model).__name__}"]
+        if getattr(cfg, "is_encoder_decoder", False):
+            return [f"model: encoder-decoder models ({cfg.model_type}) are not supported"]
+        return []
+
+    def register_kernel(self) -> str | None:
+        return None  # uses the model's own attention implementation
+
+    def completion_logprobs(
+        self,
+        model: torch.nn.Module,
+        batch: LogprobBatch,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+    ) -> LogprobOutput:
+        reasons = self.not_supported_reasons(model, batch)
+        if reasons:
+            raise GRPOPartsError("; ".join(reasons))
+        p, t = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+        mask = torch.cat([batch.prompt_mask.long(), batch.completion_mask.long()], dim=1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Only the logits that predict completion tokens are needed: positions P-1 .. P+T-2.
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=t + 1).logits[:, :-1]
+        assert logits.shape[1] == t, (logits.shape, p, t)
+        logps = token_logprobs(logits, batch.completion_ids, temperature)
+        cm = batch.completion_mask.bool()
+        logps = logps.masked_fill(~cm, 0.0)
+        if not compute_entropy:
+            return LogprobOutput(logps, None)
+        ent = entropy_from_logits(logits.float() if logits.dtype != torch.float64 else logits, temperature)
+        return LogprobOutput(logps, ent.masked_fill(~cm, 0.0))

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): each module compares optimized and reference parts side by side."""

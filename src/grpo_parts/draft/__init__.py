@@ -1,0 +1,28 @@
+"""Draft models for speculative sampling. Select by name with :func:`get_draft_class`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..registry import load
+from .protocol import DraftContext, DraftModel, DraftProposal, DraftTrainingBatch
+
+IMPLEMENTATIONS: dict[str, str] = {
+    "frozen_lm": "grpo_parts.draft.reference:FrozenLMDraft",
+}
+AUTO_PRIORITY: tuple[str, ...] = ("frozen_lm",)
+
+
+def get_draft_class(name: str) -> Any:
+    return load(IMPLEMENTATIONS, name, "draft")
+
+
+__all__ = [
+    "AUTO_PRIORITY",
+    "IMPLEMENTATIONS",
+    "DraftContext",
+    "DraftModel",
+    "DraftProposal",
+    "DraftTrainingBatch",
+    "get_draft_class",
+]

@@ -1,0 +1,126 @@
+"""The ``DraftModel`` Protocol: propose tokens for a speculative sampler to verify.
+
+A draft sees the rows still generating (their token ids so far, and optionally the policy's last
+hidden state, for EAGLE-style heads) and proposes ``num_tokens`` tokens per row with the
+distribution it drew them from. The speculative sampler verifies them losslessly against the
+policy. Learnable drafts are trained after each rollout with :meth:`DraftModel.update`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import GRPOPartsError, check_tensor
+from ..sampler.protocol import SamplingParams
+
+__all__ = ["DraftContext", "DraftModel", "DraftProposal", "DraftTrainingBatch"]
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """The rows a draft should extend.
+
+    ``tokens: [A, L]`` every token so far (prompt + emitted), **right-aligned**: row ``a`` holds its
+    ``lengths[a]`` real tokens in ``tokens[a, L - lengths[a]:]``, left-padded with ``pad_token_id``.
+    ``rows: [A]`` stable ids of these rows inside the rollout (so stateful drafts can keep
+    per-row caches as rows finish). ``group_index: [A]`` the prompt of each row (history drafts
+    use sibling completions). ``hidden: [A, H]`` the policy's last-layer hidden state at the last
+    position, or None when the draft does not declare ``needs_hidden_states``.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    rows: torch.Tensor
+    group_index: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_tensor("DraftContext.tokens", self.tokens, ndim=2, dtype="int")
+        a = self.tokens.shape[0]
+        check_tensor("DraftContext.lengths", self.lengths, shape=[a], dtype="int")
+        check_tensor("DraftContext.rows", self.rows, shape=[a], dtype="int")
+        check_tensor("DraftContext.group_index", self.group_index, shape=[a], dtype="int")
+        if self.hidden is not None:
+            check_tensor("DraftContext.hidden", self.hidden, shape=[a, None], dtype="float")
+        if bool((self.lengths < 1).any()) or bool((self.lengths > self.tokens.shape[1]).any()):
+            raise GRPOPartsError(
+                f"DraftContext.lengths: expected values in [1, {self.tokens.shape[1]}], "
+                f"got range [{int(self.lengths.min())}, {int(self.lengths.max())}]"
+            )
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """``tokens: [A, k]`` proposed continuations; ``probs: [A, k, V]`` the (already processed:
+    temperature/top-k/top-p) distributions each token was drawn from, or None for a deterministic
+    draft (a point mass on the proposed token, e.g. n-gram lookup)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_tensor("DraftProposal.tokens", self.tokens, ndim=2, dtype="int", allow_empty=True)
+        if self.probs is not None:
+            a, k = self.tokens.shape
+            check_tensor("DraftProposal.probs", self.probs, shape=[a, k, None], dtype="float", allow_empty=True)
+
+
+@dataclass(frozen=True)
+class DraftTrainingBatch:
+    """What a learnable draft distils from after a rollout, at the rollout's real positions.
+
+    ``input_ids: [N, L]`` prompt+completion (left-padded prompt, right-padded completion),
+    ``loss_mask: [N, L]`` 1 at positions whose next token was emitted by the policy,
+    ``hidden: [N, L, H]`` the policy's last hidden states, ``target_logits: [N, L, V]`` the
+    policy's logits (next-token distributions) at those positions.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden: torch.Tensor | None
+    target_logits: torch.Tensor | None
+
+
+@runtime_checkable
+class DraftModel(Protocol):
+    name: ClassVar[str]
+    #: True when ``update`` trains weights (the sampler then calls it after each rollout).
+    learnable: ClassVar[bool]
+    #: True when ``propose`` reads ``DraftContext.hidden`` (the sampler must supply it).
+    needs_hidden_states: ClassVar[bool]
+
+    def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
+        """Start of a rollout: ``prompts: [N, P]`` left-padded rows about to be generated."""
+        ...
+
+    def propose(
+        self,
+        context: DraftContext,
+        num_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        """Draft ``num_tokens`` tokens for every row of ``context``."""
+        ...
+
+    def observe(self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor) -> None:
+        """End of a rollout: the emitted ``completions: [N, T]`` (history drafts index them)."""
+        ...
+
+    def update(self, batch: DraftTrainingBatch) -> dict[str, float]:
+        """One round of online learning; returns metrics (empty dict for frozen drafts)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights, optimizer and history: everything a checkpoint must restore."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
+        """Why this draft cannot serve ``policy`` (e.g. a different vocabulary)."""
+        ...

@@ -1,0 +1,79 @@
+"""Reference draft: a frozen small causal LM.
+
+Deliberately simple: every ``propose`` re-encodes the full context (no KV cache), so it is
+obviously correct; optimized drafts keep caches. It must share the policy's tokenizer (vocab).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import GRPOPartsError
+from ..sampler.logits import sampling_probs
+from ..sampler.protocol import SamplingParams
+from .protocol import DraftContext, DraftProposal, DraftTrainingBatch
+
+
+class FrozenLMDraft:
+    name: ClassVar[str] = "frozen_lm"
+    learnable: ClassVar[bool] = False
+    needs_hidden_states: ClassVar[bool] = False
+
+    def __init__(self, model: torch.nn.Module):
+        if getattr(model, "config", None) is None:
+            raise GRPOPartsError(f"model: expected a transformers causal LM with .config, got {type(model).__name__}")
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
+        reasons = []
+        pv = policy.get_output_embeddings().weight.shape[0]  # type: ignore[operator, union-attr]
+        dv = self.model.get_output_embeddings().weight.shape[0]  # type: ignore[operator, union-attr]
+        if pv != dv:
+            reasons.append(f"vocab size: draft has {dv} logits, policy has {pv}; they must share a tokenizer")
+        return reasons
+
+    def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
+        return None
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        context: DraftContext,
+        num_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        tokens = context.tokens
+        width = tokens.shape[1]
+        mask = (torch.arange(width, device=tokens.device)[None, :] >= (width - context.lengths)[:, None]).long()
+        out_tok, out_prob = [], []
+        for _ in range(num_tokens):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[:, -1]
+            probs = sampling_probs(logits, params)
+            if params.greedy:
+                tok = probs.argmax(-1)
+            else:
+                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            out_tok.append(tok)
+            out_prob.append(probs)
+            tokens = torch.cat([tokens, tok[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        return DraftProposal(torch.stack(out_tok, 1), torch.stack(out_prob, 1))
+
+    def observe(self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor) -> None:
+        return None
+
+    def update(self, batch: DraftTrainingBatch) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # frozen: nothing changes, nothing to checkpoint
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None

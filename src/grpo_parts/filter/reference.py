@@ -1,0 +1,20 @@
+"""Reference filter: keep every completion (the standard GRPO path)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .protocol import FilterResult, ScoredBatch
+
+
+class KeepAll:
+    name: ClassVar[str] = "keep_all"
+
+    def not_supported_reasons(self, batch: ScoredBatch) -> list[str]:
+        return []
+
+    def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
+        kept = torch.arange(batch.size, dtype=torch.long, device=batch.rewards.device)
+        return FilterResult(kept=kept, extra_prompts_wanted=0, info={"kept_fraction": 1.0 if batch.size else 0.0})

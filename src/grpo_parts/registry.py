@@ -1,0 +1,58 @@
+"""Selection by name: one small table per part, lazy imports, explicit ``"auto"`` priority.
+
+Each part's ``__init__`` holds ``IMPLEMENTATIONS: dict[name, "module:Class"]`` and ``AUTO_PRIORITY``.
+Nothing is imported until a name is resolved, and nothing is global state that tests must patch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import GRPOPartsError
+
+
+def load(table: Mapping[str, str], name: str, part: str) -> Any:
+    """Import and return the class registered under ``name`` in ``table``."""
+    if name not in table:
+        raise GRPOPartsError(f"{part}: unknown implementation {name!r}; expected one of {sorted(table)}")
+    module, _, attr = table[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass
+class Choice:
+    """The outcome of ``"auto"`` selection: what was chosen and why the others were refused."""
+
+    name: str
+    refused: dict[str, list[str]] = field(default_factory=dict)
+
+    def explain(self) -> str:
+        lines = [f"chose {self.name!r}"]
+        for n, reasons in self.refused.items():
+            lines.append(f"refused {n!r}: " + "; ".join(reasons))
+        return "\n".join(lines)
+
+
+def choose(
+    table: Mapping[str, str],
+    priority: Sequence[str],
+    part: str,
+    reasons_for: Callable[[Any], list[str]],
+) -> Choice:
+    """Walk ``priority``; return the first implementation whose ``reasons_for(cls)`` is empty."""
+    refused: dict[str, list[str]] = {}
+    for name in priority:
+        try:
+            cls = load(table, name, part)
+        except ImportError as e:  # optional dependency missing
+            refused[name] = [f"import failed: {e}"]
+            continue
+        reasons = reasons_for(cls)
+        if not reasons:
+            return Choice(name, refused)
+        refused[name] = reasons
+    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in refused.items())
+    raise GRPOPartsError(f"{part}: no implementation supports this input ({detail})")

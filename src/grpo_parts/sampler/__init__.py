@@ -1,0 +1,21 @@
+"""Samplers. Select by name with :func:`get_sampler`; ``"auto"`` walks ``AUTO_PRIORITY``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..registry import load
+from .protocol import PromptBatch, Rollout, Sampler, SamplingParams
+
+#: name -> "module:Class", imported lazily.
+IMPLEMENTATIONS: dict[str, str] = {
+    "reference": "grpo_parts.sampler.reference:ReferenceSampler",
+}
+AUTO_PRIORITY: tuple[str, ...] = ("reference",)
+
+
+def get_sampler_class(name: str) -> Any:
+    return load(IMPLEMENTATIONS, name, "sampler")
+
+
+__all__ = ["AUTO_PRIORITY", "IMPLEMENTATIONS", "PromptBatch", "Rollout", "Sampler", "SamplingParams", "get_sampler_class"]

@@ -1,0 +1,112 @@
+"""Reference sampler: plain batched autoregressive sampling with a KV cache.
+
+One policy forward per emitted token for all rows at once. This is the baseline every speedup is
+measured against, so it is deliberately lean (no logits-processor stack, prefill computes only the
+last position's logits) -- docs/benchmarks.md shows it is at least as fast as ``generate``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..core import token_logprobs
+from ..errors import GRPOPartsError
+from .logits import sample_tokens
+from .protocol import PromptBatch, Rollout, SamplingParams
+
+
+def expand_prompts(prompts: PromptBatch, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Repeat each prompt G times (prompt-major). Returns ``ids [N, P]``, ``mask [N, P]``, ``group_index [N]``."""
+    ids = prompts.input_ids.repeat_interleave(group_size, dim=0)
+    mask = prompts.attention_mask.long().repeat_interleave(group_size, dim=0)
+    group = torch.arange(prompts.num_prompts, device=ids.device).repeat_interleave(group_size)
+    return ids, mask, group
+
+
+def check_model(model: torch.nn.Module) -> list[str]:
+    """Reasons a module cannot be sampled from like a transformers causal LM (empty = fine)."""
+    reasons = []
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        reasons.append(f"model: expected a transformers PreTrainedModel with .config, got {type(model).__name__}")
+    elif getattr(cfg, "is_encoder_decoder", False):
+        reasons.append(f"model: encoder-decoder models ({cfg.model_type}) are not supported, only decoder-only LMs")
+    return reasons
+
+
+class ReferenceSampler:
+    """Batched sampling from any transformers causal LM (``AutoModelForCausalLM``)."""
+
+    name: ClassVar[str] = "reference"
+
+    def __init__(self, model: torch.nn.Module):
+        reasons = check_model(model)
+        if reasons:
+            raise GRPOPartsError("; ".join(reasons))
+        self.model = model
+
+    def not_supported_reasons(self, params: SamplingParams) -> list[str]:
+        return check_model(self.model)
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        # The reference sampler samples from the training module itself; a different module means
+        # the caller wants us to follow it.
+        if policy is not self.model:
+            self.model = policy
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
+    ) -> Rollout:
+        model = self.model
+        device = next(model.parameters()).device
+        ids, mask, group = expand_prompts(prompts, params.group_size)
+        ids, mask, group = ids.to(device), mask.to(device), group.to(device)
+        n = ids.shape[0]
+        eos = torch.tensor(params.eos_token_ids or (-1,), device=device)
+        # Left padding: positions count real tokens only, so every row's first token has position 0.
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        next_pos = pos[:, -1:] + 1
+
+        tokens, logps = [], []
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+        for step in range(params.max_new_tokens):
+            tok = sample_tokens(logits, params, generator)
+            tok = torch.where(done, torch.full_like(tok, params.pad_token_id), tok)
+            tokens.append(tok)
+            logps.append(token_logprobs(logits, tok, params.logprob_temperature))
+            done = done | torch.isin(tok, eos)
+            if bool(done.all()) or step == params.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(
+                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            next_pos = next_pos + 1
+
+        completion = torch.stack(tokens, dim=1)
+        lp = torch.stack(logps, dim=1)
+        cmask = completion_mask_from_eos(completion, params.eos_token_ids)
+        return Rollout(
+            prompt_ids=ids,
+            prompt_mask=mask[:, : ids.shape[1]],
+            completion_ids=completion.masked_fill(cmask == 0, params.pad_token_id),
+            completion_mask=cmask,
+            logprobs=lp.float().masked_fill(cmask == 0, 0.0),
+            group_index=group,
+            num_prompts=prompts.num_prompts,
+        )
+
+
+def completion_mask_from_eos(completion: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """``[N, T]`` mask: 1 up to and including the first EOS of each row, 0 after."""
+    if not eos_token_ids:
+        return torch.ones_like(completion)
+    is_eos = torch.isin(completion, torch.tensor(eos_token_ids, device=completion.device)).long()
+    after = is_eos.cumsum(-1) - is_eos  # number of EOS strictly before each position
+    return (after == 0).long()

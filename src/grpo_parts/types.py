@@ -1,0 +1,168 @@
+"""Batch types exchanged between parts (re-exported by each part's ``protocol.py``).
+
+Tensors follow one layout everywhere (the layout TRL and verl use at their seams):
+
+* prompts are **left-padded**: ``prompt_ids: [N, P]`` with ``prompt_mask: [N, P]`` (1 = real token);
+* completions are **right-padded**: ``completion_ids: [N, T]`` with ``completion_mask: [N, T]``
+  (1 for every emitted token, EOS included, 0 after it);
+* ``group_index: [N]`` (int64) maps each row to its prompt ``0 .. num_prompts - 1``. Rows of a group
+  need not be adjacent (TRL shuffles them) and groups need not be equal-sized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .errors import GRPOPartsError, check_tensor
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """``B`` prompts to roll out. ``input_ids: [B, P]`` left-padded, ``attention_mask: [B, P]``."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_tensor("PromptBatch.input_ids", self.input_ids, ndim=2, dtype="int")
+        check_tensor(
+            "PromptBatch.attention_mask", self.attention_mask, shape=list(self.input_ids.shape), dtype="bool_or_int"
+        )
+        lens = self.attention_mask.sum(-1)
+        if bool((lens == 0).any()):
+            row = int((lens == 0).nonzero()[0])
+            raise GRPOPartsError(f"PromptBatch.attention_mask: expected >= 1 real token per prompt, row {row} has 0")
+        # left padding: once a row starts, it has no holes
+        m = self.attention_mask.long()
+        if bool((m[:, 1:] < m[:, :-1]).any()):
+            raise GRPOPartsError("PromptBatch.attention_mask: expected left padding (0s then 1s) in every row")
+
+    @property
+    def num_prompts(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def from_lists(cls, prompts: list[list[int]], pad_token_id: int) -> PromptBatch:
+        """Left-pad a list of token-id lists."""
+        if not prompts:
+            raise GRPOPartsError("prompts: expected at least one prompt, got an empty list")
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise GRPOPartsError(f"prompts[{i}]: expected at least one token, got an empty prompt")
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        return cls(ids, mask)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """``N`` completions (``N = sum of group sizes``) of ``num_prompts`` prompts.
+
+    ``logprobs: [N, T]`` are the sampling policy's log-probs of the emitted tokens, defined as
+    :func:`grpo_parts.core.token_logprobs` (temperature applied, top-p/top-k not), 0 where masked.
+    ``stats`` carries sampler diagnostics (e.g. ``accepted_per_verify``) as plain floats.
+    """
+
+    prompt_ids: torch.Tensor  # [N, P]
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, T]
+    completion_mask: torch.Tensor  # [N, T]
+    logprobs: torch.Tensor  # [N, T]
+    group_index: torch.Tensor  # [N]
+    num_prompts: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = self.prompt_ids.shape[0] if isinstance(self.prompt_ids, torch.Tensor) else -1
+        check_tensor("Rollout.prompt_ids", self.prompt_ids, ndim=2, dtype="int")
+        check_tensor("Rollout.prompt_mask", self.prompt_mask, shape=list(self.prompt_ids.shape), dtype="bool_or_int")
+        check_tensor("Rollout.completion_ids", self.completion_ids, shape=[n, None], dtype="int", allow_empty=True)
+        t = self.completion_ids.shape[1]
+        check_tensor(
+            "Rollout.completion_mask", self.completion_mask, shape=[n, t], dtype="bool_or_int", allow_empty=True
+        )
+        check_tensor("Rollout.logprobs", self.logprobs, shape=[n, t], dtype="float", allow_empty=True)
+        check_tensor("Rollout.group_index", self.group_index, shape=[n], dtype="int")
+        if int(self.group_index.min()) < 0 or int(self.group_index.max()) >= self.num_prompts:
+            raise GRPOPartsError(
+                f"Rollout.group_index: expected values in [0, {self.num_prompts}), "
+                f"got range [{int(self.group_index.min())}, {int(self.group_index.max())}]"
+            )
+
+    @property
+    def num_completions(self) -> int:
+        return int(self.completion_ids.shape[0])
+
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.long().sum(-1)
+
+    def select(self, rows: torch.Tensor) -> Rollout:
+        """Keep ``rows: [K]``; ``group_index`` keeps its original prompt numbering."""
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids[rows],
+            prompt_mask=self.prompt_mask[rows],
+            completion_ids=self.completion_ids[rows],
+            completion_mask=self.completion_mask[rows],
+            logprobs=self.logprobs[rows],
+            group_index=self.group_index[rows],
+        )
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """What a :class:`~grpo_parts.filter.protocol.CompletionFilter` sees: one row per completion.
+
+    ``rewards: [N]``, ``advantages: [N]``, ``group_index: [N]``, optional ``completion_lengths: [N]``
+    (token counts, for filters and loss renormalisation). Adapters build it from their own batches.
+    """
+
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    group_index: torch.Tensor
+    completion_lengths: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_tensor("ScoredBatch.rewards", self.rewards, ndim=1, dtype="float", allow_empty=True)
+        n = self.rewards.shape[0]
+        check_tensor("ScoredBatch.advantages", self.advantages, shape=[n], dtype="float", allow_empty=True)
+        check_tensor("ScoredBatch.group_index", self.group_index, shape=[n], dtype="int", allow_empty=True)
+        if n and int(self.group_index.min()) < 0:
+            raise GRPOPartsError(f"ScoredBatch.group_index: expected values >= 0, got {int(self.group_index.min())}")
+        if self.completion_lengths is not None:
+            check_tensor(
+                "ScoredBatch.completion_lengths", self.completion_lengths, shape=[n], dtype="int", allow_empty=True
+            )
+        if bool(torch.isnan(self.advantages).any()):
+            raise GRPOPartsError("ScoredBatch.advantages: expected finite values, got NaN")
+
+    @property
+    def size(self) -> int:
+        return int(self.rewards.shape[0])
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    """``kept: [K]`` int64 row indices, ascending; ``extra_prompts_wanted``: how many more prompts
+    the loop should roll out (and filter) to fill the batch to its target size (0 = none);
+    ``info``: diagnostics such as ``kept_fraction``."""
+
+    kept: torch.Tensor
+    extra_prompts_wanted: int = 0
+    info: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_tensor("FilterResult.kept", self.kept, ndim=1, dtype=torch.long, allow_empty=True)
+        if self.extra_prompts_wanted < 0:
+            raise GRPOPartsError(f"FilterResult.extra_prompts_wanted: expected >= 0, got {self.extra_prompts_wanted}")
+        if self.kept.numel() > 1 and bool((self.kept[1:] <= self.kept[:-1]).any()):
+            raise GRPOPartsError("FilterResult.kept: expected strictly ascending row indices")
+
+    @property
+    def is_empty(self) -> bool:
+        return self.kept.numel() == 0
