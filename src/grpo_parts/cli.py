@@ -13,7 +13,10 @@ import sys
 
 #: bench name -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
-    "sampler": ("grpo_parts.bench.sampler", "tokens/s of samplers vs the reference sampler and transformers generate"),
+    "sampler": (
+        "grpo_parts.bench.sampler",
+        "tokens/s of samplers vs the reference sampler and transformers generate",
+    ),
     "attention": ("grpo_parts.bench.attention", "shared-prefix vs repeated-prefix forward+backward"),
     "filter": ("grpo_parts.bench.filter", "training-phase time vs CPPO pruning rate"),
     "e2e": ("grpo_parts.bench.e2e", "reference vs optimized parts end to end on the built-in task"),

@@ -69,7 +69,9 @@ class LossConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
         if self.norm_constant is not None and self.agg != "seq-mean-token-sum-norm":
-            raise ValueError(f"norm_constant: only used with agg='seq-mean-token-sum-norm', got agg={self.agg!r}")
+            raise ValueError(
+                f"norm_constant: only used with agg='seq-mean-token-sum-norm', got agg={self.agg!r}"
+            )
         return self
 
 
@@ -270,6 +272,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     if temperature <= 0:
         raise GRPOPartsError(f"temperature: expected > 0 for log-probs, got {temperature}")
     lg = logits if temperature == 1.0 else logits / temperature
-    return torch.log_softmax(lg.float() if lg.dtype in (torch.float16, torch.bfloat16) else lg, dim=-1).gather(
-        -1, tokens.unsqueeze(-1)
-    ).squeeze(-1)
+    return (
+        torch.log_softmax(lg.float() if lg.dtype in (torch.float16, torch.bfloat16) else lg, dim=-1)
+        .gather(-1, tokens.unsqueeze(-1))
+        .squeeze(-1)
+    )

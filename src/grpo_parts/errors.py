@@ -72,4 +72,6 @@ def check_same_shape(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> N
     ref = tensors[0]
     for n, t in zip(names[1:], tensors[1:]):
         if t.shape != ref.shape:
-            raise GRPOPartsError(f"{n}: expected shape {_shape(ref)} (the shape of {names[0]}), got {_shape(t)}")
+            raise GRPOPartsError(
+                f"{n}: expected shape {_shape(ref)} (the shape of {names[0]}), got {_shape(t)}"
+            )

@@ -66,5 +66,7 @@ def tiny_causal_lm(
     config = config_cls(**kw)
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=dtype, attn_implementation=attn_implementation
+    )
     return model.eval()

@@ -28,16 +28,23 @@ class PromptBatch:
     def __post_init__(self) -> None:
         check_tensor("PromptBatch.input_ids", self.input_ids, ndim=2, dtype="int")
         check_tensor(
-            "PromptBatch.attention_mask", self.attention_mask, shape=list(self.input_ids.shape), dtype="bool_or_int"
+            "PromptBatch.attention_mask",
+            self.attention_mask,
+            shape=list(self.input_ids.shape),
+            dtype="bool_or_int",
         )
         lens = self.attention_mask.sum(-1)
         if bool((lens == 0).any()):
             row = int((lens == 0).nonzero()[0])
-            raise GRPOPartsError(f"PromptBatch.attention_mask: expected >= 1 real token per prompt, row {row} has 0")
+            raise GRPOPartsError(
+                f"PromptBatch.attention_mask: expected >= 1 real token per prompt, row {row} has 0"
+            )
         # left padding: once a row starts, it has no holes
         m = self.attention_mask.long()
         if bool((m[:, 1:] < m[:, :-1]).any()):
-            raise GRPOPartsError("PromptBatch.attention_mask: expected left padding (0s then 1s) in every row")
+            raise GRPOPartsError(
+                "PromptBatch.attention_mask: expected left padding (0s then 1s) in every row"
+            )
 
     @property
     def num_prompts(self) -> int:
@@ -80,11 +87,19 @@ class Rollout:
     def __post_init__(self) -> None:
         n = self.prompt_ids.shape[0] if isinstance(self.prompt_ids, torch.Tensor) else -1
         check_tensor("Rollout.prompt_ids", self.prompt_ids, ndim=2, dtype="int")
-        check_tensor("Rollout.prompt_mask", self.prompt_mask, shape=list(self.prompt_ids.shape), dtype="bool_or_int")
-        check_tensor("Rollout.completion_ids", self.completion_ids, shape=[n, None], dtype="int", allow_empty=True)
+        check_tensor(
+            "Rollout.prompt_mask", self.prompt_mask, shape=list(self.prompt_ids.shape), dtype="bool_or_int"
+        )
+        check_tensor(
+            "Rollout.completion_ids", self.completion_ids, shape=[n, None], dtype="int", allow_empty=True
+        )
         t = self.completion_ids.shape[1]
         check_tensor(
-            "Rollout.completion_mask", self.completion_mask, shape=[n, t], dtype="bool_or_int", allow_empty=True
+            "Rollout.completion_mask",
+            self.completion_mask,
+            shape=[n, t],
+            dtype="bool_or_int",
+            allow_empty=True,
         )
         check_tensor("Rollout.logprobs", self.logprobs, shape=[n, t], dtype="float", allow_empty=True)
         check_tensor("Rollout.group_index", self.group_index, shape=[n], dtype="int")
@@ -133,10 +148,16 @@ class ScoredBatch:
         check_tensor("ScoredBatch.advantages", self.advantages, shape=[n], dtype="float", allow_empty=True)
         check_tensor("ScoredBatch.group_index", self.group_index, shape=[n], dtype="int", allow_empty=True)
         if n and int(self.group_index.min()) < 0:
-            raise GRPOPartsError(f"ScoredBatch.group_index: expected values >= 0, got {int(self.group_index.min())}")
+            raise GRPOPartsError(
+                f"ScoredBatch.group_index: expected values >= 0, got {int(self.group_index.min())}"
+            )
         if self.completion_lengths is not None:
             check_tensor(
-                "ScoredBatch.completion_lengths", self.completion_lengths, shape=[n], dtype="int", allow_empty=True
+                "ScoredBatch.completion_lengths",
+                self.completion_lengths,
+                shape=[n],
+                dtype="int",
+                allow_empty=True,
             )
         if bool(torch.isnan(self.advantages).any()):
             raise GRPOPartsError("ScoredBatch.advantages: expected finite values, got NaN")
@@ -159,7 +180,9 @@ class FilterResult:
     def __post_init__(self) -> None:
         check_tensor("FilterResult.kept", self.kept, ndim=1, dtype=torch.long, allow_empty=True)
         if self.extra_prompts_wanted < 0:
-            raise GRPOPartsError(f"FilterResult.extra_prompts_wanted: expected >= 0, got {self.extra_prompts_wanted}")
+            raise GRPOPartsError(
+                f"FilterResult.extra_prompts_wanted: expected >= 0, got {self.extra_prompts_wanted}"
+            )
         if self.kept.numel() > 1 and bool((self.kept[1:] <= self.kept[:-1]).any()):
             raise GRPOPartsError("FilterResult.kept: expected strictly ascending row indices")
 

@@ -17,4 +17,11 @@ def get_attention_class(name: str) -> Any:
     return load(IMPLEMENTATIONS, name, "attention")
 
 
-__all__ = ["AUTO_PRIORITY", "IMPLEMENTATIONS", "AttentionBackend", "LogprobBatch", "LogprobOutput", "get_attention_class"]
+__all__ = [
+    "AUTO_PRIORITY",
+    "IMPLEMENTATIONS",
+    "AttentionBackend",
+    "LogprobBatch",
+    "LogprobOutput",
+    "get_attention_class",
+]

@@ -41,7 +41,12 @@ class LogprobBatch:
     def __post_init__(self) -> None:
         check_tensor("LogprobBatch.prompt_ids", self.prompt_ids, ndim=2, dtype="int")
         n = self.prompt_ids.shape[0]
-        check_tensor("LogprobBatch.prompt_mask", self.prompt_mask, shape=list(self.prompt_ids.shape), dtype="bool_or_int")
+        check_tensor(
+            "LogprobBatch.prompt_mask",
+            self.prompt_mask,
+            shape=list(self.prompt_ids.shape),
+            dtype="bool_or_int",
+        )
         check_tensor("LogprobBatch.completion_ids", self.completion_ids, shape=[n, None], dtype="int")
         check_tensor(
             "LogprobBatch.completion_mask",
@@ -51,7 +56,9 @@ class LogprobBatch:
         )
         check_tensor("LogprobBatch.group_index", self.group_index, shape=[n], dtype="int")
         if int(self.group_index.min()) < 0:
-            raise GRPOPartsError(f"LogprobBatch.group_index: expected values >= 0, got {int(self.group_index.min())}")
+            raise GRPOPartsError(
+                f"LogprobBatch.group_index: expected values >= 0, got {int(self.group_index.min())}"
+            )
         empty = self.prompt_mask.long().sum(-1) == 0
         if bool(empty.any()):
             raise GRPOPartsError(
@@ -61,7 +68,11 @@ class LogprobBatch:
     @classmethod
     def from_rollout(cls, rollout: Rollout) -> LogprobBatch:
         return cls(
-            rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, rollout.group_index
+            rollout.prompt_ids,
+            rollout.prompt_mask,
+            rollout.completion_ids,
+            rollout.completion_mask,
+            rollout.group_index,
         )
 
 

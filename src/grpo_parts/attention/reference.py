@@ -51,7 +51,9 @@ class RepeatedPrefixAttention:
         mask = torch.cat([batch.prompt_mask.long(), batch.completion_mask.long()], dim=1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         # Only the logits that predict completion tokens are needed: positions P-1 .. P+T-2.
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=t + 1).logits[:, :-1]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=t + 1).logits[
+            :, :-1
+        ]
         assert logits.shape[1] == t, (logits.shape, p, t)
         logps = token_logprobs(logits, batch.completion_ids, temperature)
         cm = batch.completion_mask.bool()

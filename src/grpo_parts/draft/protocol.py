@@ -66,7 +66,9 @@ class DraftProposal:
         check_tensor("DraftProposal.tokens", self.tokens, ndim=2, dtype="int", allow_empty=True)
         if self.probs is not None:
             a, k = self.tokens.shape
-            check_tensor("DraftProposal.probs", self.probs, shape=[a, k, None], dtype="float", allow_empty=True)
+            check_tensor(
+                "DraftProposal.probs", self.probs, shape=[a, k, None], dtype="float", allow_empty=True
+            )
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,9 @@ class DraftModel(Protocol):
         """Draft ``num_tokens`` tokens for every row of ``context``."""
         ...
 
-    def observe(self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor) -> None:
+    def observe(
+        self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor
+    ) -> None:
         """End of a rollout: the emitted ``completions: [N, T]`` (history drafts index them)."""
         ...
 

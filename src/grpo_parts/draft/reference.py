@@ -24,7 +24,9 @@ class FrozenLMDraft:
 
     def __init__(self, model: torch.nn.Module):
         if getattr(model, "config", None) is None:
-            raise GRPOPartsError(f"model: expected a transformers causal LM with .config, got {type(model).__name__}")
+            raise GRPOPartsError(
+                f"model: expected a transformers causal LM with .config, got {type(model).__name__}"
+            )
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -50,11 +52,15 @@ class FrozenLMDraft:
     ) -> DraftProposal:
         tokens = context.tokens
         width = tokens.shape[1]
-        mask = (torch.arange(width, device=tokens.device)[None, :] >= (width - context.lengths)[:, None]).long()
+        mask = (
+            torch.arange(width, device=tokens.device)[None, :] >= (width - context.lengths)[:, None]
+        ).long()
         out_tok, out_prob = [], []
         for _ in range(num_tokens):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[:, -1]
+            logits = self.model(
+                input_ids=tokens, attention_mask=mask, position_ids=pos, logits_to_keep=1
+            ).logits[:, -1]
             probs = sampling_probs(logits, params)
             if params.greedy:
                 tok = probs.argmax(-1)
@@ -66,7 +72,9 @@ class FrozenLMDraft:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         return DraftProposal(torch.stack(out_tok, 1), torch.stack(out_prob, 1))
 
-    def observe(self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor) -> None:
+    def observe(
+        self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor
+    ) -> None:
         return None
 
     def update(self, batch: DraftTrainingBatch) -> dict[str, float]:

@@ -17,4 +17,11 @@ def get_filter_class(name: str) -> Any:
     return load(IMPLEMENTATIONS, name, "filter")
 
 
-__all__ = ["AUTO_PRIORITY", "IMPLEMENTATIONS", "CompletionFilter", "FilterResult", "ScoredBatch", "get_filter_class"]
+__all__ = [
+    "AUTO_PRIORITY",
+    "IMPLEMENTATIONS",
+    "CompletionFilter",
+    "FilterResult",
+    "ScoredBatch",
+    "get_filter_class",
+]

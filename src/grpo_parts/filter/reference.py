@@ -17,4 +17,6 @@ class KeepAll:
 
     def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
         kept = torch.arange(batch.size, dtype=torch.long, device=batch.rewards.device)
-        return FilterResult(kept=kept, extra_prompts_wanted=0, info={"kept_fraction": 1.0 if batch.size else 0.0})
+        return FilterResult(
+            kept=kept, extra_prompts_wanted=0, info={"kept_fraction": 1.0 if batch.size else 0.0}
+        )

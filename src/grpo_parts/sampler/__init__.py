@@ -18,4 +18,12 @@ def get_sampler_class(name: str) -> Any:
     return load(IMPLEMENTATIONS, name, "sampler")
 
 
-__all__ = ["AUTO_PRIORITY", "IMPLEMENTATIONS", "PromptBatch", "Rollout", "Sampler", "SamplingParams", "get_sampler_class"]
+__all__ = [
+    "AUTO_PRIORITY",
+    "IMPLEMENTATIONS",
+    "PromptBatch",
+    "Rollout",
+    "Sampler",
+    "SamplingParams",
+    "get_sampler_class",
+]

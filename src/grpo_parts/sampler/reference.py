@@ -30,9 +30,13 @@ def check_model(model: torch.nn.Module) -> list[str]:
     reasons = []
     cfg = getattr(model, "config", None)
     if cfg is None:
-        reasons.append(f"model: expected a transformers PreTrainedModel with .config, got {type(model).__name__}")
+        reasons.append(
+            f"model: expected a transformers PreTrainedModel with .config, got {type(model).__name__}"
+        )
     elif getattr(cfg, "is_encoder_decoder", False):
-        reasons.append(f"model: encoder-decoder models ({cfg.model_type}) are not supported, only decoder-only LMs")
+        reasons.append(
+            f"model: encoder-decoder models ({cfg.model_type}) are not supported, only decoder-only LMs"
+        )
     return reasons
 
 
@@ -84,7 +88,11 @@ class ReferenceSampler:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = model(
-                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
             )
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1

@@ -1,0 +1,256 @@
+"""``grpo-parts bench sampler``: tokens/s of samplers vs the reference sampler and transformers ``generate``.
+
+Every sampler runs on the same policy, prompts, ``max_new_tokens`` and sampling settings, with no
+EOS so every row emits exactly ``max_new_tokens`` tokens (equal work for everyone). Each point is
+the best of ``--repeats`` timed runs after one warm-up run.
+
+Adding a sampler (e.g. the speculative one): write a factory ``(policy, args) -> list[BenchSampler]``
+and add it to :data:`FACTORIES` (one factory may return several rows, e.g. one per draft). Rows whose
+factory raises ``ImportError`` / ``NotSupportedError`` are skipped with a note.
+
+JSON (``--json PATH``): ``{"setup": {...}, "points": [...]}``; each point has the keys
+``sampler``, ``draft``, ``batch``, ``mode``, ``tokens_per_s``, ``speedup`` (vs the reference sampler,
+same batch and mode), ``ratio_vs_generate``, ``accepted_per_verify`` (None when not speculative),
+``seconds``, ``tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from ..errors import GRPOPartsError
+from ..sampler.protocol import PromptBatch, Rollout, SamplingParams
+from ..sampler.reference import completion_mask_from_eos, expand_prompts
+
+
+@dataclass
+class BenchSampler:
+    """One row of the benchmark: a sampler (anything with the ``Sampler.generate`` signature)."""
+
+    name: str
+    sampler: Any
+    draft: str | None = None
+
+
+class GenerateSampler:
+    """transformers ``model.generate`` behind the ``Sampler.generate`` signature (the yardstick).
+
+    It does not compute log-probs (``logprobs`` are zeros), which only favours ``generate``.
+    """
+
+    name = "generate"
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
+    ) -> Rollout:
+        device = next(self.model.parameters()).device
+        ids, mask, group = expand_prompts(prompts, params.group_size)
+        ids, mask = ids.to(device), mask.to(device)
+        kw: dict[str, Any] = dict(do_sample=False)
+        if not params.greedy:
+            kw = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        out = self.model.generate(  # type: ignore[operator]
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0 if params.eos_token_ids else params.max_new_tokens,
+            eos_token_id=list(params.eos_token_ids) or None,
+            pad_token_id=params.pad_token_id,
+            **kw,
+        )
+        completion = out[:, ids.shape[1] :]
+        cmask = completion_mask_from_eos(completion, params.eos_token_ids)
+        return Rollout(ids, mask, completion, cmask, torch.zeros(completion.shape), group.to(device), prompts.num_prompts)
+
+
+def _reference(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
+    from ..sampler.reference import ReferenceSampler
+
+    return [BenchSampler("reference", ReferenceSampler(policy))]
+
+
+def _generate(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
+    return [BenchSampler("generate", GenerateSampler(policy))]
+
+
+SamplerFactory = Callable[[torch.nn.Module, argparse.Namespace], list[BenchSampler]]
+#: name -> factory. "reference" and "generate" are the two yardsticks; others add rows.
+FACTORIES: dict[str, SamplerFactory] = {
+    "generate": _generate,
+    "reference": _reference,
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write all points as JSON")
+    p.add_argument("--quick", action="store_true", help="small run (smoke test): batch 1 and 4, 16 new tokens")
+    p.add_argument("--batches", default="1,16", help="comma-separated batch sizes (rows generated at once)")
+    p.add_argument("--samplers", default=",".join(FACTORIES), help=f"comma-separated, from {list(FACTORIES)}")
+    p.add_argument("--modes", default="greedy,sample", help="greedy and/or sample (temperature 1)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; others are 50-100%% of it")
+    p.add_argument("--group-size", type=int, default=1, help="completions per prompt (batch = prompts * G)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def make_policy(args: argparse.Namespace) -> torch.nn.Module:
+    from ..tiny import tiny_causal_lm
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    heads = max(1, args.hidden // 64)
+    model = tiny_causal_lm(
+        "qwen2",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 2),
+        intermediate_size=4 * args.hidden,
+        dtype=getattr(torch, dtype),
+        seed=args.seed,
+    )
+    return model.to(device)
+
+
+def make_prompts(batch: int, group_size: int, prompt_len: int, vocab: int, seed: int) -> PromptBatch:
+    if batch % group_size:
+        raise GRPOPartsError(f"--batches: expected multiples of --group-size={group_size}, got {batch}")
+    g = torch.Generator().manual_seed(seed)
+    n = batch // group_size
+    lens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (n,), generator=g).tolist()
+    prompts = [torch.randint(1, vocab, (int(n_tok),), generator=g).tolist() for n_tok in lens]
+    return PromptBatch.from_lists(prompts, pad_token_id=0)
+
+
+def time_sampler(
+    bs: BenchSampler, prompts: PromptBatch, params: SamplingParams, repeats: int, seed: int, device: torch.device
+) -> tuple[float, int, Rollout]:
+    """Best wall time of ``repeats`` runs (after one warm-up) and the tokens emitted per run."""
+    cuda = device.type == "cuda"
+    best, rollout = float("inf"), None
+    for i in range(repeats + 1):
+        torch.manual_seed(seed)  # generate() draws from the global RNG
+        gen = torch.Generator(device=device).manual_seed(seed)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rollout = bs.sampler.generate(prompts, params, gen)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if i > 0:
+            best = min(best, dt)
+    assert rollout is not None
+    return best, int(rollout.completion_mask.sum()), rollout
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.batches, args.max_new_tokens, args.repeats, args.prompt_len = "1,4", 16, 1, 16
+    batches = [int(b) for b in args.batches.split(",")]
+    policy = make_policy(args)
+    device = next(policy.parameters()).device
+    rows: list[BenchSampler] = []
+    for name in args.samplers.split(","):
+        if name not in FACTORIES:
+            raise GRPOPartsError(f"--samplers: expected names from {list(FACTORIES)}, got {name!r}")
+        try:
+            rows += FACTORIES[name](policy, args)
+        except (ImportError, GRPOPartsError) as e:  # NotSupportedError is a GRPOPartsError
+            print(f"skipping {name}: {e}")
+    setup = {
+        "command": "grpo-parts bench sampler " + ("--quick" if args.quick else f"--batches {args.batches}"),
+        "policy": f"qwen2 tiny_causal_lm hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
+        f"params={sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M",
+        "device": str(next(policy.parameters()).device),
+        "dtype": str(next(policy.parameters()).dtype),
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch threads={torch.get_num_threads()}",
+        "torch": torch.__version__,
+        "max_new_tokens": args.max_new_tokens,
+        "prompt_len": args.prompt_len,
+        "group_size": args.group_size,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    print(json.dumps(setup, indent=1))
+    points: list[dict[str, Any]] = []
+    for mode in args.modes.split(","):
+        if mode not in ("greedy", "sample"):
+            raise GRPOPartsError(f"--modes: expected 'greedy' and/or 'sample', got {mode!r}")
+        params = SamplingParams(
+            group_size=args.group_size,
+            max_new_tokens=args.max_new_tokens,
+            temperature=0.0 if mode == "greedy" else 1.0,
+        )
+        for batch in batches:
+            prompts = make_prompts(batch, args.group_size, args.prompt_len, args.vocab, args.seed)
+            found: list[dict[str, Any]] = []
+            for bs in rows:
+                secs, toks, rollout = time_sampler(bs, prompts, params, args.repeats, args.seed, device)
+                found.append(
+                    dict(
+                        sampler=bs.name,
+                        draft=bs.draft,
+                        batch=batch,
+                        mode=mode,
+                        tokens_per_s=toks / secs,
+                        seconds=secs,
+                        tokens=toks,
+                        accepted_per_verify=rollout.stats.get("accepted_per_verify"),
+                    )
+                )
+            ref = next((p["tokens_per_s"] for p in found if p["sampler"] == "reference"), None)
+            gen = next((p["tokens_per_s"] for p in found if p["sampler"] == "generate"), None)
+            for p in found:
+                p["speedup"] = p["tokens_per_s"] / ref if ref else None
+                p["ratio_vs_generate"] = p["tokens_per_s"] / gen if gen else None
+                print(
+                    f"{mode:6s} batch={batch:3d} {p['sampler']:>12s} draft={p['draft']!s:10s} "
+                    f"{p['tokens_per_s']:9.1f} tok/s  vs reference {_fmt(p['speedup'])}  "
+                    f"vs generate {_fmt(p['ratio_vs_generate'])}"
+                )
+            points += found
+    print()
+    print(markdown_table(points))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": setup, "points": points}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _fmt(x: float | None) -> str:
+    return "   -  " if x is None else f"{x:5.2f}x"
+
+
+def markdown_table(points: list[dict[str, Any]]) -> str:
+    lines = [
+        "| mode | batch | sampler | draft | tokens/s | vs reference | vs generate |",
+        "|---|---:|---|---|---:|---:|---:|",
+    ]
+    for p in points:
+        lines.append(
+            f"| {p['mode']} | {p['batch']} | {p['sampler']} | {p['draft'] or '-'} | {p['tokens_per_s']:.1f} "
+            f"| {_fmt(p['speedup']).strip()} | {_fmt(p['ratio_vs_generate']).strip()} |"
+        )
+    return "\n".join(lines)
