@@ -73,7 +73,9 @@ class GenerateSampler:
         )
         completion = out[:, ids.shape[1] :]
         cmask = completion_mask_from_eos(completion, params.eos_token_ids)
-        return Rollout(ids, mask, completion, cmask, torch.zeros(completion.shape), group.to(device), prompts.num_prompts)
+        return Rollout(
+            ids, mask, completion, cmask, torch.zeros(completion.shape), group.to(device), prompts.num_prompts
+        )
 
 
 def _reference(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
@@ -96,7 +98,9 @@ FACTORIES: dict[str, SamplerFactory] = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write all points as JSON")
-    p.add_argument("--quick", action="store_true", help="small run (smoke test): batch 1 and 4, 16 new tokens")
+    p.add_argument(
+        "--quick", action="store_true", help="small run (smoke test): batch 1 and 4, 16 new tokens"
+    )
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes (rows generated at once)")
     p.add_argument("--samplers", default=",".join(FACTORIES), help=f"comma-separated, from {list(FACTORIES)}")
     p.add_argument("--modes", default="greedy,sample", help="greedy and/or sample (temperature 1)")
@@ -144,7 +148,12 @@ def make_prompts(batch: int, group_size: int, prompt_len: int, vocab: int, seed:
 
 
 def time_sampler(
-    bs: BenchSampler, prompts: PromptBatch, params: SamplingParams, repeats: int, seed: int, device: torch.device
+    bs: BenchSampler,
+    prompts: PromptBatch,
+    params: SamplingParams,
+    repeats: int,
+    seed: int,
+    device: torch.device,
 ) -> tuple[float, int, Rollout]:
     """Best wall time of ``repeats`` runs (after one warm-up) and the tokens emitted per run."""
     cuda = device.type == "cuda"
