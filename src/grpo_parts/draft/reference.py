@@ -42,7 +42,7 @@ class FrozenLMDraft:
     def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
         return None
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: rollout tensors feed autograd later
     def propose(
         self,
         context: DraftContext,

@@ -60,7 +60,7 @@ class ReferenceSampler:
         if policy is not self.model:
             self.model = policy
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: rollout tensors feed autograd later
     def generate(
         self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:
@@ -105,7 +105,7 @@ class ReferenceSampler:
             prompt_mask=mask[:, : ids.shape[1]],
             completion_ids=completion.masked_fill(cmask == 0, params.pad_token_id),
             completion_mask=cmask,
-            logprobs=lp.float().masked_fill(cmask == 0, 0.0),
+            logprobs=(lp if lp.dtype == torch.float64 else lp.float()).masked_fill(cmask == 0, 0.0),
             group_index=group,
             num_prompts=prompts.num_prompts,
         )
