@@ -9,6 +9,9 @@ from .protocol import CompletionFilter, FilterResult, ScoredBatch
 
 IMPLEMENTATIONS: dict[str, str] = {
     "keep_all": "grpo_parts.filter.reference:KeepAll",
+    "cppo": "grpo_parts.filter.cppo:TopKAbsAdvantage",
+    "zero_variance": "grpo_parts.filter.group:ZeroVarianceGroups",
+    "pods": "grpo_parts.filter.pods:MaxVarianceDownsample",
 }
 AUTO_PRIORITY: tuple[str, ...] = ("keep_all",)
 

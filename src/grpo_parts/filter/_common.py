@@ -1,0 +1,90 @@
+"""Pieces shared by the filters: the priority order (tie rule), zero-variance rows, pruning counts
+and the ``extra_prompts_wanted`` estimate.
+
+Priority order (the tie rule every filter and the refill trim use): rows of zero-variance groups
+come last; otherwise larger ``|advantage|`` first; equal ``|advantage|`` -> lower row index first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core import group_stats
+from ..types import ScoredBatch
+
+#: guards ``floor(P * n)`` against float error (0.29 * 100 = 28.999999999999996)
+_FLOOR_EPS = 1e-9
+
+
+def num_pruned(n: int, pruning_rate: float) -> int:
+    """How many of ``n`` rows a pruning rate ``P`` removes: ``floor(P * n)`` (never more than a
+    fraction P is pruned, so the kept count is ``n - floor(P * n) = ceil((1 - P) * n)``)."""
+    return int(math.floor(pruning_rate * n + _FLOOR_EPS))
+
+
+def num_kept(n: int, pruning_rate: float) -> int:
+    return n - num_pruned(n, pruning_rate)
+
+
+def zero_variance_rows(batch: ScoredBatch) -> torch.Tensor:
+    """``[N]`` bool: the row's group has all-equal rewards (or a single row).
+
+    Decided from the rewards by exact comparison (:func:`grpo_parts.core.group_stats`), not from the
+    advantages, so a framework whose advantages for such groups are ``1e-17`` instead of 0 (rounding
+    in the mean) still gets them pruned first.
+    """
+    if batch.size == 0:
+        return torch.zeros(0, dtype=torch.bool, device=batch.rewards.device)
+    gi = batch.group_index.long()
+    _, _, _, zero_var = group_stats(batch.rewards, gi)
+    return zero_var[gi]
+
+
+def priority_order(batch: ScoredBatch, zero_var: torch.Tensor | None = None) -> torch.Tensor:
+    """All row indices ``[N]`` from most to least worth training on (see module docstring)."""
+    zv = zero_variance_rows(batch) if zero_var is None else zero_var
+    abs_a = batch.advantages.detach().abs()
+    # Lexicographic sort by successive stable sorts, least significant key first:
+    # the row index (arange), then -|A|, then the zero-variance flag.
+    order = torch.sort(-abs_a, stable=True).indices
+    return order[torch.sort(zv[order].to(torch.int8), stable=True).indices]
+
+
+def rank_in_group(batch: ScoredBatch, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the rows in ``order`` (a priority order), return ``(rows, rank)`` where ``rows`` is ``order``
+    regrouped by group (stable, so priority is kept inside a group) and ``rank[i]`` is the position
+    of ``rows[i]`` inside its group (0 = highest priority)."""
+    gi = batch.group_index.long()
+    rows = order[torch.sort(gi[order], stable=True).indices]
+    g_sorted = gi[rows]
+    counts = torch.bincount(g_sorted, minlength=int(gi.max()) + 1 if gi.numel() else 0)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(rows.numel(), device=rows.device) - starts[g_sorted]
+    return rows, rank
+
+
+def num_groups_present(batch: ScoredBatch) -> int:
+    return int(torch.unique(batch.group_index).numel()) if batch.size else 0
+
+
+def extra_prompts(kept: int, target_size: int | None, num_prompts: int, nominal_per_prompt: float) -> int:
+    """How many more prompts should fill the gap ``target_size - kept``.
+
+    ``ceil(deficit / yield)`` where ``yield`` is the kept rows per prompt observed in this batch
+    (``kept / num_prompts``) or, when nothing was kept, the filter's nominal yield (e.g.
+    ``(1 - P) * G``). At least 1 while there is a deficit; 0 when ``target_size`` is None or met.
+    """
+    if target_size is None or kept >= target_size:
+        return 0
+    deficit = target_size - kept
+    per_prompt = kept / num_prompts if kept > 0 and num_prompts > 0 else nominal_per_prompt
+    if per_prompt <= 0:
+        return deficit  # nothing to go on: assume one kept row per prompt
+    return max(1, math.ceil(deficit / per_prompt - _FLOOR_EPS))
+
+
+def kept_mask_to_rows(mask: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool -> ascending int64 row indices (what ``FilterResult.kept`` wants)."""
+    return mask.nonzero().flatten().to(torch.long)

@@ -1,0 +1,232 @@
+"""Dynamic allocation (refill): turn pruned slots into more prompts until the kept batch is full.
+
+CPPO's own code rolls out ``B / (1 - P)`` prompts and keeps ``G (1 - P)`` per prompt, so both must be
+integers. Here a :class:`Refiller` works for any pruning rate and any filter:
+
+1. round 1 rolls out ``initial_prompts`` prompts, scores them and filters them with
+   ``target_size`` = the rows still missing;
+2. while kept < target: roll out ``FilterResult.extra_prompts_wanted`` more prompts (the filter's
+   estimate ``ceil(deficit / kept-per-prompt)``; the Refiller computes the same itself when a filter
+   returns 0) from the stream and filter them the same way;
+3. overshoot is trimmed from the *last* round only, deterministically: its kept rows are ranked by
+   the priority order of :mod:`grpo_parts.filter._common` (zero-variance last, larger ``|A|``
+   first, lower row first) and the first ``deficit`` are kept.
+
+The kept count is then exactly ``target_size`` unless the stream ran out or ``max_rounds`` /
+``max_prompts`` was reached (``RefillOutcome.filled`` is False; the loop trains on what it has, or
+skips when it is empty). Advantages are per group, so filtering each round on its own is the same
+as filtering the union (for group-scope filters exactly; a global top-k is taken per round).
+
+:meth:`Refiller.fill` is framework-agnostic: it calls ``produce(n) -> Chunk | None`` and returns
+which rows of each chunk's payload (a :class:`Rollout`, a TRL dict, a verl ``DataProto``...) to keep.
+:func:`fill_rollouts` wires it to a prompt iterator, a sampler callable and a reward function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core import AdvantageConfig, group_advantages
+from ..errors import GRPOPartsError, check_tensor
+from ..types import Rollout
+from ._common import extra_prompts, num_groups_present, priority_order
+from .protocol import CompletionFilter, ScoredBatch
+
+T = TypeVar("T")
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class Chunk(Generic[T]):
+    """One round's rollout: ``payload`` (anything), its ``scored`` rows and how many prompts it used."""
+
+    payload: T
+    scored: ScoredBatch
+    num_prompts: int
+
+
+@dataclass(frozen=True)
+class Selection(Generic[T]):
+    """Rows ``kept`` (ascending) of ``chunk.payload`` to train on."""
+
+    chunk: Chunk[T]
+    kept: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RefillOutcome(Generic[T]):
+    selections: list[Selection[T]]
+    num_kept: int
+    target_size: int
+    rounds: int
+    prompts_used: int
+    rows_generated: int
+    info: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def filled(self) -> bool:
+        return self.num_kept == self.target_size
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_kept == 0
+
+
+class Refiller(BaseModel):
+    """Fill a kept batch of exactly ``target_size`` rows (see module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target_size: int = Field(..., ge=1, description="kept rows wanted (e.g. B * G of the unpruned run)")
+    initial_prompts: int = Field(..., ge=1, description="prompts in round 1 (B, or ceil(B / (1 - P)))")
+    max_rounds: int = Field(16, ge=1)
+    max_prompts: int | None = Field(None, ge=1, description="cap on prompts pulled per fill")
+
+    def fill(self, filt: CompletionFilter, produce: Callable[[int], Chunk[T] | None]) -> RefillOutcome[T]:
+        selections: list[Selection[T]] = []
+        kept_total = prompts_used = rows = rounds = 0
+        want = self.initial_prompts
+        while kept_total < self.target_size and rounds < self.max_rounds:
+            if self.max_prompts is not None:
+                want = min(want, self.max_prompts - prompts_used)
+            if want <= 0:
+                break
+            chunk = produce(want)
+            if chunk is None or chunk.scored.size == 0:
+                break  # stream exhausted
+            rounds += 1
+            prompts_used += chunk.num_prompts
+            rows += chunk.scored.size
+            deficit = self.target_size - kept_total
+            res = filt.select(chunk.scored, target_size=deficit)
+            kept = res.kept
+            if kept.numel() > deficit:  # trim overshoot by priority, deterministically
+                order = priority_order(chunk.scored)
+                is_kept = torch.zeros(chunk.scored.size, dtype=torch.bool, device=order.device)
+                is_kept[kept.to(order.device)] = True
+                kept = torch.sort(order[is_kept[order]][:deficit]).values
+            if kept.numel():
+                selections.append(Selection(chunk, kept))
+            kept_total += int(kept.numel())
+            want = res.extra_prompts_wanted or extra_prompts(
+                int(res.kept.numel()),
+                deficit,
+                num_groups_present(chunk.scored),
+                chunk.scored.size / chunk.num_prompts,
+            )
+        info = {"rounds": float(rounds), "prompts_used": float(prompts_used), "rows_generated": float(rows)}
+        info["kept_fraction"] = kept_total / rows if rows else 0.0
+        return RefillOutcome(selections, kept_total, self.target_size, rounds, prompts_used, rows, info)
+
+
+# ------------------------------------------------------------------------------ Rollout convenience
+
+
+def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> Rollout:
+    """Stack rollouts with different widths: prompts re-left-padded, completions re-right-padded;
+    ``group_index`` is offset so that groups of different rollouts stay distinct."""
+    if not rollouts:
+        raise GRPOPartsError("rollouts: expected at least one Rollout, got an empty list")
+    pw = max(r.prompt_ids.shape[1] for r in rollouts)
+    tw = max(r.completion_ids.shape[1] for r in rollouts)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("pi", "pm", "ci", "cm", "lp", "gi")}
+    offset = 0
+    for r in rollouts:
+        dp, dt = pw - r.prompt_ids.shape[1], tw - r.completion_ids.shape[1]
+        pad = torch.nn.functional.pad
+        parts["pi"].append(pad(r.prompt_ids, (dp, 0), value=pad_token_id))
+        parts["pm"].append(pad(r.prompt_mask, (dp, 0), value=0))
+        parts["ci"].append(pad(r.completion_ids, (0, dt), value=pad_token_id))
+        parts["cm"].append(pad(r.completion_mask, (0, dt), value=0))
+        parts["lp"].append(pad(r.logprobs, (0, dt), value=0.0))
+        parts["gi"].append(r.group_index + offset)
+        offset += r.num_prompts
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+    return Rollout(cat["pi"], cat["pm"], cat["ci"], cat["cm"], cat["lp"], cat["gi"], offset)
+
+
+@dataclass(frozen=True)
+class FilledBatch(Generic[P]):
+    """The kept rows of every round, concatenated. ``rollout.group_index`` numbers the prompts that
+    kept at least one row, ``0 .. len(prompts) - 1``; ``rollout`` is None when nothing was kept."""
+
+    rollout: Rollout | None
+    rewards: torch.Tensor  # [K]
+    advantages: torch.Tensor  # [K]
+    prompts: list[P]
+    outcome: RefillOutcome[Any]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.rollout is None
+
+
+def fill_rollouts(
+    filt: CompletionFilter,
+    refiller: Refiller,
+    prompts: Iterator[P],
+    sample: Callable[[list[P]], Rollout],
+    reward: Callable[[list[P], Rollout], torch.Tensor],
+    advantage_config: AdvantageConfig | None = None,
+    pad_token_id: int = 0,
+) -> FilledBatch[P]:
+    """Pull prompts from ``prompts``, ``sample`` them (one :class:`Rollout` with ``group_index``
+    numbering the given prompts), score with ``reward(prompts, rollout) -> [N]``, compute group
+    advantages (:func:`grpo_parts.core.group_advantages`), filter and refill to ``refiller.target_size``."""
+
+    def produce(n: int) -> Chunk[tuple[list[P], Rollout, torch.Tensor, torch.Tensor]] | None:
+        batch: list[P] = []
+        for _ in range(n):
+            try:
+                batch.append(next(prompts))
+            except StopIteration:
+                break
+        if not batch:
+            return None
+        rollout = sample(batch)
+        if rollout.num_prompts != len(batch):
+            raise GRPOPartsError(
+                f"sample: expected a Rollout of {len(batch)} prompts, got num_prompts={rollout.num_prompts}"
+            )
+        r = check_tensor(
+            "reward(...)", reward(batch, rollout), shape=[rollout.num_completions], dtype="float"
+        )
+        adv = group_advantages(r, rollout.group_index, advantage_config, num_groups=rollout.num_prompts)
+        scored = ScoredBatch(r, adv, rollout.group_index, rollout.completion_lengths())
+        return Chunk((batch, rollout, r, adv), scored, len(batch))
+
+    outcome = refiller.fill(filt, produce)
+    if outcome.is_empty:
+        empty = torch.zeros(0)
+        return FilledBatch(None, empty, empty, [], outcome)
+    subs: list[Rollout] = []
+    rewards: list[torch.Tensor] = []
+    advs: list[torch.Tensor] = []
+    kept_prompts: list[P] = []
+    for sel in outcome.selections:
+        batch, rollout, r, adv = sel.chunk.payload
+        sub = rollout.select(sel.kept)
+        # compact group ids to the prompts that kept rows, in stream order
+        used, new_gi = torch.unique(sub.group_index, sorted=True, return_inverse=True)
+        kept_prompts.extend(batch[i] for i in used.tolist())
+        subs.append(
+            Rollout(
+                sub.prompt_ids,
+                sub.prompt_mask,
+                sub.completion_ids,
+                sub.completion_mask,
+                sub.logprobs,
+                new_gi.to(torch.long),
+                int(used.numel()),
+                dict(rollout.stats),
+            )
+        )
+        rewards.append(r[sel.kept])
+        advs.append(adv[sel.kept])
+    merged = concat_rollouts(subs, pad_token_id)
+    return FilledBatch(merged, torch.cat(rewards), torch.cat(advs), kept_prompts, outcome)

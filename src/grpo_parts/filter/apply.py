@@ -1,0 +1,125 @@
+"""Apply a :class:`FilterResult`: slice the rollout and its per-row tensors to the kept rows and
+recompute the loss normalisation for the kept set.
+
+Normalisation (the documented rule): the pruned loss is :func:`grpo_parts.core.grpo_loss` over the
+kept rows, normalised by the kept set's own denominators -- ``num_tokens`` = completion tokens of
+the kept rows (token-mean), ``num_seqs`` = kept rows with at least one token (sequence means). Pass
+them to ``grpo_loss(..., num_tokens=, num_seqs=)`` when the kept set is split into micro-batches
+(TRL's ``num_items_in_batch``). Consequently the gradient of the pruned loss is the full batch's
+per-completion gradients restricted to the kept rows, times ``D_full / D_kept``.
+
+An empty kept set (every advantage zero) gives ``KeptBatch.is_empty``: the loop skips the update
+(no forward, no optimizer step, no NaN).
+
+Typical use in a loop (the built-in trainer and the adapters do this)::
+
+    res = filt.select(ScoredBatch(rewards, advantages, rollout.group_index))
+    kb = apply_filter(res, rollout, advantages)
+    if kb.is_empty:
+        continue  # nothing to learn from this batch
+    old = backend.completion_logprobs(old_model, LogprobBatch.from_rollout(kb.rollout)).logprobs
+    ...
+    out = grpo_loss(logps, old, kb.advantages, kb.rollout.completion_mask, cfg,
+                    num_tokens=kb.num_tokens, num_seqs=kb.num_seqs)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import GRPOPartsError, check_tensor
+from ..types import FilterResult, Rollout
+
+__all__ = ["KeptBatch", "apply_filter", "loss_denominators", "select_rows"]
+
+
+def loss_denominators(completion_mask: torch.Tensor) -> tuple[float, float]:
+    """``(num_tokens, num_seqs)`` of a batch, as :func:`grpo_parts.core.aggregate` counts them:
+    masked-in tokens, and rows with at least one masked-in token."""
+    m = completion_mask.long()
+    return float(m.sum()), float((m.sum(-1) > 0).sum())
+
+
+def _check_kept(kept: torch.Tensor, n: int) -> None:
+    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= n):
+        raise GRPOPartsError(
+            f"FilterResult.kept: expected row indices in [0, {n}), got range [{int(kept.min())}, {int(kept.max())}]"
+        )
+
+
+@dataclass(frozen=True)
+class KeptBatch:
+    """The kept rows. ``rollout`` is None when nothing was kept (then every tensor has 0 rows).
+    ``num_tokens`` / ``num_seqs``: the kept set's loss denominators (see module docstring)."""
+
+    rollout: Rollout | None
+    advantages: torch.Tensor  # [K]
+    kept: torch.Tensor  # [K] rows of the original batch
+    num_tokens: float
+    num_seqs: float
+    old_logps: torch.Tensor | None = None  # [K, T]
+    ref_logps: torch.Tensor | None = None  # [K, T]
+    rewards: torch.Tensor | None = None  # [K]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.rollout is None
+
+    @property
+    def size(self) -> int:
+        return int(self.kept.numel())
+
+
+def apply_filter(
+    result: FilterResult,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    rewards: torch.Tensor | None = None,
+) -> KeptBatch:
+    """Slice ``rollout`` and the per-row tensors (``advantages: [N]`` or ``[N, T]``, ``old_logps``,
+    ``ref_logps: [N, T]``, ``rewards: [N]``) to ``result.kept``. ``group_index`` keeps the original
+    prompt numbering, so a shared-prefix backend still sees which rows share a prompt."""
+    n, t = rollout.num_completions, rollout.completion_ids.shape[1]
+    check_tensor("advantages", advantages, shape=[n] if advantages.ndim == 1 else [n, t], dtype="float")
+    for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if x is not None:
+            check_tensor(name, x, shape=[n, t], dtype="float")
+    if rewards is not None:
+        check_tensor("rewards", rewards, shape=[n], dtype="float")
+    kept = result.kept.to(rollout.completion_ids.device)
+    _check_kept(kept, n)
+
+    def take(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[kept]
+
+    if result.is_empty:
+        return KeptBatch(
+            None, advantages[kept], kept, 0.0, 0.0, take(old_logps), take(ref_logps), take(rewards)
+        )
+    sub = rollout.select(kept)
+    num_tokens, num_seqs = loss_denominators(sub.completion_mask)
+    return KeptBatch(
+        sub, advantages[kept], kept, num_tokens, num_seqs, take(old_logps), take(ref_logps), take(rewards)
+    )
+
+
+def select_rows(batch: Mapping[str, Any], kept: torch.Tensor, num_rows: int) -> dict[str, Any]:
+    """Slice every per-row entry of a framework's batch dict (TRL's ``inputs``: tensors whose first
+    dim is ``num_rows``, or lists of that length) to ``kept``; other entries are passed through."""
+    _check_kept(kept, num_rows)
+    idx = kept.tolist()
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == num_rows:
+            out[key] = value[kept.to(value.device)]
+        elif isinstance(value, (list, tuple)) and len(value) == num_rows:
+            out[key] = type(value)(value[i] for i in idx)
+        else:
+            out[key] = value
+    return out

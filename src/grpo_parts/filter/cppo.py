@@ -1,0 +1,121 @@
+"""CPPO completion pruning: keep the completions with the largest ``|advantage|`` (arXiv 2503.22342).
+
+A completion's share of the policy gradient scales with ``|A|``, so training on the top-k rows
+keeps most of the signal at a fraction of the old-policy / reference / policy forward-backward cost.
+
+Scope:
+
+* ``"global"`` (CPPO's own open-r1 code and the verl port): one top-k over the whole batch; how many
+  completions each prompt keeps varies (a prompt with extreme rewards can keep all G, another none).
+  ``k`` is the total kept; a pruning rate keeps ``N - floor(P * N)`` rows.
+* ``"group"``: ``k`` rows per group (every prompt keeps the same number, given it has that many
+  non-zero advantages); a pruning rate keeps ``G_g - floor(P * G_g)`` rows of a group of ``G_g``.
+
+Tie rule (deterministic, unlike the paper's code): zero-variance groups last, then larger ``|A|``,
+then lower row index. Rows whose advantage is exactly 0, and every row of a zero-variance group
+(all rewards equal), are never kept when ``drop_zero_advantage`` is True (the default): they carry
+no policy-gradient signal, so a batch with all-zero advantages gives an empty kept set.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ._common import (
+    extra_prompts,
+    kept_mask_to_rows,
+    num_groups_present,
+    num_kept,
+    priority_order,
+    rank_in_group,
+    zero_variance_rows,
+)
+from .protocol import FilterResult, ScoredBatch
+
+
+class TopKAbsAdvantage(BaseModel):
+    """Keep the top-k rows by ``|advantage|``. Give exactly one of ``k`` or ``pruning_rate``.
+
+    ``min_per_group``: every group with non-zero advantages keeps at least this many rows (as many
+    as it has, if fewer); the minimum wins over ``k``, so the kept count can exceed ``k``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: ClassVar[str] = "cppo"
+
+    k: int | None = Field(None, ge=1, description="rows kept (global) or rows kept per group (group)")
+    pruning_rate: float | None = Field(None, ge=0.0, lt=1.0, description="fraction P of rows pruned")
+    scope: Literal["global", "group"] = "global"
+    min_per_group: int = Field(0, ge=0)
+    drop_zero_advantage: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TopKAbsAdvantage:
+        if (self.k is None) == (self.pruning_rate is None):
+            raise ValueError(
+                f"k / pruning_rate: expected exactly one of them, got k={self.k}, pruning_rate={self.pruning_rate}"
+            )
+        if self.scope == "group" and self.k is not None and self.min_per_group > self.k:
+            raise ValueError(
+                f"min_per_group: expected <= k={self.k} with scope='group', got {self.min_per_group}"
+            )
+        return self
+
+    def not_supported_reasons(self, batch: ScoredBatch) -> list[str]:
+        return []
+
+    def _nominal_per_prompt(self, n_rows: int, n_prompts: int) -> float:
+        """Kept rows per prompt this filter aims for (used for refill when nothing was kept)."""
+        if self.k is not None:
+            return float(self.k) if self.scope == "group" else self.k / n_prompts
+        return (1.0 - float(self.pruning_rate or 0.0)) * n_rows / n_prompts
+
+    def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
+        n = batch.size
+        n_prompts = num_groups_present(batch)
+        if n == 0:
+            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {"kept_fraction": 0.0, "num_kept": 0.0})
+        zv = zero_variance_rows(batch)
+        eligible = torch.ones(n, dtype=torch.bool, device=zv.device)
+        if self.drop_zero_advantage:
+            eligible = ~zv & (batch.advantages != 0)
+        order = priority_order(batch, zv)
+        rows, rank = rank_in_group(batch, order)
+        # Ineligible rows of a group sort after its eligible ones (|A| = 0 is the smallest), so
+        # ``rank`` is also the rank among the group's eligible rows.
+        keep = torch.zeros(n, dtype=torch.bool, device=zv.device)
+        if self.scope == "group":
+            gi = batch.group_index.long()
+            sizes = torch.bincount(gi)
+            if self.k is not None:
+                quota = torch.full_like(sizes, self.k)
+            else:
+                p = float(self.pruning_rate or 0.0)
+                quota = torch.tensor([num_kept(int(s), p) for s in sizes.tolist()], dtype=torch.long)
+            quota = quota.clamp(min=self.min_per_group).to(rows.device)
+            sel = rows[rank < quota[gi[rows]]]
+            keep[sel] = True
+        else:
+            total = self.k if self.k is not None else num_kept(n, float(self.pruning_rate or 0.0))
+            forced = rows[rank < self.min_per_group]
+            keep[forced] = True
+            keep &= eligible
+            budget = total - int(keep.sum())
+            if budget > 0:
+                rest = order[(eligible & ~keep)[order]]
+                keep[rest[:budget]] = True
+        keep &= eligible
+        kept = kept_mask_to_rows(keep)
+        k_n = int(kept.numel())
+        extra = extra_prompts(k_n, target_size, n_prompts, self._nominal_per_prompt(n, n_prompts))
+        info = {
+            "kept_fraction": k_n / n,
+            "num_kept": float(k_n),
+            "num_rows": float(n),
+            "zero_variance_rows": float(zv.sum()),
+            "num_groups": float(n_prompts),
+        }
+        return FilterResult(kept, extra, info)

@@ -1,0 +1,90 @@
+"""PODS max-variance down-sampling: keep the ``m`` completions of each group whose rewards have the
+largest variance (arXiv 2504.13818).
+
+The subset of size ``m`` with maximal variance is always made of extremes: the ``i`` lowest and the
+``m - i`` highest rewards for some ``i`` in ``0..m`` (PODS, Lemma 1), so each group costs
+``O(G log G + m^2)`` instead of a search over ``C(G, m)`` subsets.
+
+Tie rule: rows of a group are ordered by ``(reward, row index)`` ascending; candidate ``i`` takes the
+first ``i`` and the last ``m - i`` of that order; among candidates with equal variance the smallest
+``i`` wins. Zero-variance groups are dropped (``drop_zero_variance``, default) since any subset of
+them has variance 0. Advantages are not changed: the kept rows carry the advantages computed over
+the whole group (recompute them with :func:`grpo_parts.core.group_advantages` on the kept rows if
+you want PODS' subset-normalised variant).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ._common import extra_prompts, kept_mask_to_rows, num_groups_present, num_kept, zero_variance_rows
+from .protocol import FilterResult, ScoredBatch
+
+
+def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
+    """Positions (into ``rewards: [G]``) of the size-``min(m, G)`` subset with the largest population
+    variance, ascending; tie rule in the module docstring."""
+    g = int(rewards.numel())
+    if m >= g:
+        return torch.arange(g, dtype=torch.long)
+    r = rewards.detach().to(torch.float64)
+    order = torch.sort(r, stable=True).indices  # (reward, position) ascending
+    best_i, best_var = 0, -1.0
+    for i in range(m + 1):
+        pick = torch.cat([order[:i], order[g - (m - i) :]])
+        var = float(r[pick].var(unbiased=False)) if m > 1 else 0.0
+        if var > best_var:
+            best_i, best_var = i, var
+    pick = torch.cat([order[:best_i], order[g - (m - best_i) :]])
+    return torch.sort(pick).values
+
+
+class MaxVarianceDownsample(BaseModel):
+    """Keep ``m`` rows per group (or ``G_g - floor(P * G_g)`` with a pruning rate) maximising the
+    group's reward variance. Give exactly one of ``m`` or ``pruning_rate``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: ClassVar[str] = "pods"
+
+    m: int | None = Field(None, ge=1, description="rows kept per group")
+    pruning_rate: float | None = Field(None, ge=0.0, lt=1.0)
+    drop_zero_variance: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> MaxVarianceDownsample:
+        if (self.m is None) == (self.pruning_rate is None):
+            raise ValueError(
+                f"m / pruning_rate: expected exactly one of them, got m={self.m}, pruning_rate={self.pruning_rate}"
+            )
+        return self
+
+    def not_supported_reasons(self, batch: ScoredBatch) -> list[str]:
+        return []
+
+    def _m_for(self, group_size: int) -> int:
+        return self.m if self.m is not None else num_kept(group_size, float(self.pruning_rate or 0.0))
+
+    def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
+        n = batch.size
+        if n == 0:
+            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {"kept_fraction": 0.0, "num_kept": 0.0})
+        zv = zero_variance_rows(batch)
+        keep = torch.zeros(n, dtype=torch.bool)
+        gi = batch.group_index.long().cpu()
+        rewards = batch.rewards.detach().cpu()
+        for g in torch.unique(gi).tolist():
+            rows = (gi == g).nonzero().flatten()  # ascending row index
+            if self.drop_zero_variance and bool(zv[rows[0]]):
+                continue
+            keep[rows[max_variance_subset(rewards[rows], self._m_for(rows.numel()))]] = True
+        kept = kept_mask_to_rows(keep).to(batch.rewards.device)
+        n_prompts = num_groups_present(batch)
+        k_n = int(kept.numel())
+        nominal = float(self._m_for(round(n / n_prompts)))
+        extra = extra_prompts(k_n, target_size, n_prompts, nominal)
+        return FilterResult(
+            kept, extra, {"kept_fraction": k_n / n, "num_kept": float(k_n), "num_rows": float(n)}
+        )
