@@ -30,6 +30,12 @@ class DraftContext:
     per-row caches as rows finish). ``group_index: [A]`` the prompt of each row (history drafts
     use sibling completions). ``hidden: [A, H]`` the policy's last-layer hidden state at the last
     position, or None when the draft does not declare ``needs_hidden_states``.
+
+    ``new_hidden: [A, M, H]`` and ``num_new: [A]`` (only for drafts with ``needs_hidden_states``):
+    the policy's hidden states computed since the previous ``propose`` for the row (the whole prompt
+    on the first call), right-aligned: the last ``num_new[a]`` entries are the states at the
+    positions of ``tokens[a, L-1-num_new[a] : L-1]``, i.e. those that predicted the row's last
+    ``num_new[a]`` tokens (``hidden == new_hidden[:, -1]``). A KV-cached head feeds exactly these.
     """
 
     tokens: torch.Tensor
@@ -37,6 +43,8 @@ class DraftContext:
     rows: torch.Tensor
     group_index: torch.Tensor
     hidden: torch.Tensor | None = None
+    new_hidden: torch.Tensor | None = None
+    num_new: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_tensor("DraftContext.tokens", self.tokens, ndim=2, dtype="int")
@@ -46,6 +54,17 @@ class DraftContext:
         check_tensor("DraftContext.group_index", self.group_index, shape=[a], dtype="int")
         if self.hidden is not None:
             check_tensor("DraftContext.hidden", self.hidden, shape=[a, None], dtype="float")
+        if (self.new_hidden is None) != (self.num_new is None):
+            raise GRPOPartsError("DraftContext.new_hidden/num_new: expected both or neither to be given")
+        if self.new_hidden is not None and self.num_new is not None:
+            check_tensor("DraftContext.new_hidden", self.new_hidden, shape=[a, None, None], dtype="float")
+            check_tensor("DraftContext.num_new", self.num_new, shape=[a], dtype="int")
+            m = self.new_hidden.shape[1]
+            if bool((self.num_new < 1).any()) or bool((self.num_new > m).any()):
+                raise GRPOPartsError(
+                    f"DraftContext.num_new: expected values in [1, {m}] (new_hidden has {m} entries per row), "
+                    f"got range [{int(self.num_new.min())}, {int(self.num_new.max())}]"
+                )
         if bool((self.lengths < 1).any()) or bool((self.lengths > self.tokens.shape[1]).any()):
             raise GRPOPartsError(
                 f"DraftContext.lengths: expected values in [1, {self.tokens.shape[1]}], "
@@ -79,12 +98,15 @@ class DraftTrainingBatch:
     ``loss_mask: [N, L]`` 1 at positions whose next token was emitted by the policy,
     ``hidden: [N, L, H]`` the policy's last hidden states, ``target_logits: [N, L, V]`` the
     policy's logits (next-token distributions) at those positions.
+    ``attention_mask: [N, L]`` 1 at real tokens (prompt padding and completion padding are 0);
+    None means every position is real.
     """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     hidden: torch.Tensor | None
     target_logits: torch.Tensor | None
+    attention_mask: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -127,4 +149,9 @@ class DraftModel(Protocol):
 
     def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
         """Why this draft cannot serve ``policy`` (e.g. a different vocabulary)."""
+        ...
+
+    def bind_policy(self, policy: torch.nn.Module) -> None:
+        """The sampler's policy module (called by ``Sampler.sync_weights``): drafts that share the
+        policy's embedding / lm_head read them from here; others ignore it."""
         ...

@@ -39,6 +39,9 @@ class FrozenLMDraft:
             reasons.append(f"vocab size: draft has {dv} logits, policy has {pv}; they must share a tokenizer")
         return reasons
 
+    def bind_policy(self, policy: torch.nn.Module) -> None:
+        return None  # an independent model: nothing shared with the policy
+
     def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
         return None
 

@@ -1,0 +1,210 @@
+"""Concurrency-aware draft sizing: how many tokens to draft when ``A`` rows are still generating.
+
+One speculative step with draft length ``k`` costs ``t_verify(A, k + 1) + t_draft(A, k)`` and emits
+on average ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens per row (Leviathan et al.), ``a`` being the
+per-token acceptance rate. Plain decoding (``k = 0``) emits 1 token per row for ``t_verify(A, 1)``.
+We pick the ``k`` with the most tokens per second, so ``k`` shrinks as the batch grows (verifying
+more tokens per row stops being free once the hardware is busy) and grows again as rows finish;
+``k = 0`` switches speculation off. This replaces FastGRPO's hand-set verification budget ``C``:
+``t_verify`` is *measured* on the running machine at start-up (:func:`calibrate_policy`), never a
+constant, and ``t_draft`` is measured at start-up and refined online from every draft call.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Mean tokens emitted per row by one verification of ``k`` drafted tokens (bonus included)."""
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation, linear extrapolation from the last two points."""
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0] if x > xs[0] else 1.0)
+    i = min(max(bisect.bisect_left(list(xs), x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, 1e-9)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Online per-token acceptance rate with exponential forgetting and a weak prior.
+
+    A chain of ``k`` drafts with ``n`` accepted is ``n`` successes and (if ``n < k``) one failure of
+    a geometric model, so ``a = successes / trials`` is its maximum-likelihood estimate.
+    """
+
+    prior: float = 0.6
+    prior_weight: float = 4.0
+    decay: float = 0.98
+    successes: float = 0.0
+    trials: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        a = (self.successes + self.prior * self.prior_weight) / (self.trials + self.prior_weight)
+        return min(a, 0.995)
+
+    def update(self, num_accepted: torch.Tensor, k: int) -> None:
+        if k <= 0 or num_accepted.numel() == 0:
+            return
+        s = float(num_accepted.sum())
+        t = s + float((num_accepted < k).sum())
+        # forget per verification step, weighting by rows so big batches are not drowned out
+        self.successes = self.successes * self.decay + s / num_accepted.numel()
+        self.trials = self.trials * self.decay + t / num_accepted.numel()
+
+
+@dataclass
+class CostModel:
+    """Measured step costs. ``verify[A][j]`` = seconds for a policy forward of ``A`` rows x
+    ``tokens[j]`` tokens with a warm cache; ``draft_fixed[A]`` + ``k * draft_per_token[A]`` = seconds
+    for ``draft.propose`` of ``k`` tokens on ``A`` rows (refined online by :meth:`observe_draft`)."""
+
+    batch_sizes: list[int]
+    tokens: list[int]
+    verify: dict[int, list[float]]
+    draft_fixed: dict[int, float] = field(default_factory=dict)
+    draft_per_token: dict[int, float] = field(default_factory=dict)
+    ema: float = 0.8
+
+    def t_verify(self, a: int, t: int) -> float:
+        per_a = [_interp(self.tokens, self.verify[b], float(t)) for b in self.batch_sizes]
+        return _interp([float(b) for b in self.batch_sizes], per_a, float(a))
+
+    def t_draft(self, a: int, k: int) -> float:
+        if k <= 0 or not self.draft_fixed:
+            return 0.0
+        bs = sorted(self.draft_fixed)
+        f = _interp([float(b) for b in bs], [self.draft_fixed[b] for b in bs], float(a))
+        g = _interp([float(b) for b in bs], [self.draft_per_token[b] for b in bs], float(a))
+        return f + k * g
+
+    def observe_draft(self, a: int, k: int, seconds: float) -> None:
+        """Fold a measured ``draft.propose`` time into the nearest calibrated batch size."""
+        if k <= 0 or not self.draft_fixed:
+            return
+        b = min(self.draft_fixed, key=lambda x: abs(math.log(x) - math.log(max(a, 1))))
+        pred = self.draft_fixed[b] + k * self.draft_per_token[b]
+        scale = (seconds * b / max(a, 1) if a > b else seconds) / max(pred, 1e-9)
+        scale = min(max(scale, 0.25), 4.0)
+        m = self.ema + (1 - self.ema) * scale
+        self.draft_fixed[b] *= m
+        self.draft_per_token[b] *= m
+
+    def rate(self, a: int, k: int, accept: float) -> float:
+        """Tokens per second per row at draft length ``k``."""
+        return expected_tokens(accept, k) / (self.t_verify(a, k + 1) + self.t_draft(a, k))
+
+    def choose(self, active: int, accept: float, max_k: int) -> int:
+        """Draft length with the highest expected throughput (0 = plain decoding)."""
+        best_k, best = 0, self.rate(active, 0, accept)
+        for k in range(1, max_k + 1):
+            r = self.rate(active, k, accept)
+            if r > best:
+                best_k, best = k, r
+        return best_k
+
+    def break_even_acceptance(self, active: int) -> float:
+        """Smallest acceptance rate at which drafting one token beats plain decoding (>= 1: never)."""
+        return (self.t_verify(active, 2) + self.t_draft(active, 1)) / self.t_verify(active, 1) - 1.0
+
+    def summary(self) -> dict[str, float]:
+        out = {}
+        for b in self.batch_sizes:
+            out[f"t_verify_b{b}_t1_ms"] = 1e3 * self.t_verify(b, 1)
+            out[f"t_verify_b{b}_t{self.tokens[-1]}_ms"] = 1e3 * self.t_verify(b, self.tokens[-1])
+        for b in sorted(self.draft_fixed):
+            out[f"t_draft_b{b}_per_token_ms"] = 1e3 * self.draft_per_token[b]
+        return out
+
+
+def batch_grid(max_rows: int) -> list[int]:
+    """1, 2, 4, ... up to (and including) ``max_rows``."""
+    out, b = [], 1
+    while b < max_rows:
+        out.append(b)
+        b *= 2
+    out.append(max_rows)
+    return out
+
+
+def token_grid(max_tokens: int) -> list[int]:
+    return sorted({t for t in (1, 2, 3, 5, max_tokens) if t <= max_tokens})
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.no_grad()
+def calibrate_policy(
+    model: torch.nn.Module,
+    batch_sizes: Sequence[int],
+    tokens: Sequence[int],
+    context_len: int,
+    repeats: int = 2,
+) -> dict[int, list[float]]:
+    """Time the policy's cached forward of ``A x T`` tokens on a ``context_len`` cache (random ids).
+
+    Minimum of ``repeats`` runs after a warm-up: the minimum is the least disturbed by other
+    processes sharing the machine.
+    """
+    device = next(model.parameters()).device
+    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    table: dict[int, list[float]] = {}
+    for a in batch_sizes:
+        ids = torch.randint(0, vocab, (a, context_len), generator=gen).to(device)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        row: list[float] = []
+        for t in tokens:
+            step = torch.randint(0, vocab, (a, t), generator=gen).to(device)
+            mask = torch.ones(a, context_len + t, dtype=torch.long, device=device)
+            pos = torch.arange(context_len, context_len + t, device=device).expand(a, t)
+
+            def fwd(
+                step: torch.Tensor = step,
+                mask: torch.Tensor = mask,
+                pos: torch.Tensor = pos,
+                cache: Any = cache,
+            ) -> None:
+                model(
+                    input_ids=step,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                cache.crop(context_len)
+                sync()
+
+            fwd()  # warm-up
+            row.append(_best_time(fwd, repeats))
+        # cost never decreases with more tokens; enforce it against timing noise
+        for j in range(1, len(row)):
+            row[j] = max(row[j], row[j - 1])
+        table[a] = row
+    return table
