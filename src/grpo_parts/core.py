@@ -181,6 +181,7 @@ def aggregate(
     do not count as sequences. An all-masked batch gives 0, not NaN.
     """
     m = mask.to(loss_mat.dtype)
+    loss_mat = torch.where(m > 0, loss_mat, torch.zeros_like(loss_mat))  # NaN/inf at padding must not leak
     if mode == "token-mean":
         denom = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=loss_mat.dtype)
         return (loss_mat * m).sum() / denom.clamp(min=1.0)
@@ -204,7 +205,7 @@ class LossOutput:
     """``loss`` is the scalar to backprop; the rest are detached diagnostics."""
 
     loss: torch.Tensor
-    per_token_loss: torch.Tensor  # [N, T] before aggregation (policy term + kl_coef * kl)
+    per_token_loss: torch.Tensor  # [N, T] before aggregation (policy term + kl_coef * kl), 0 where masked
     clip_fraction: float
     kl: float  # masked mean of the KL estimate (0.0 when kl_coef == 0 and no ref given)
     ratio_mean: float
@@ -236,6 +237,14 @@ def grpo_loss(
     else:
         check_tensor("advantages", advantages, shape=list(logps.shape), dtype="float")
         adv = advantages
+    # Padding positions may hold anything (-inf, NaN): zero them first so that neither the loss,
+    # the diagnostics nor the gradient can see them (torch.where passes no gradient to them).
+    keep = mask != 0
+    logps, old_logps = torch.where(keep, logps, 0.0), torch.where(keep, old_logps, 0.0)
+    if ref_logps is not None and ref_logps.shape == logps.shape:
+        ref_logps = torch.where(keep, ref_logps, 0.0)
+    if adv.shape == logps.shape:
+        adv = torch.where(keep, adv, 0.0)
     log_ratio = logps - old_logps
     if cfg.log_ratio_clamp is not None:
         log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
@@ -260,7 +269,7 @@ def grpo_loss(
         denom = m.sum().clamp(min=1.0)
         clip_frac = float(((loss2 > loss1).to(m.dtype) * m).sum() / denom)
         ratio_mean = float((ratio * m).sum() / denom)
-    return LossOutput(loss, per_token.detach(), clip_frac, kl_val, ratio_mean)
+    return LossOutput(loss, per_token.detach().masked_fill(~keep, 0.0), clip_frac, kl_val, ratio_mean)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
