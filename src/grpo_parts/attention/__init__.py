@@ -9,8 +9,9 @@ from .protocol import AttentionBackend, LogprobBatch, LogprobOutput
 
 IMPLEMENTATIONS: dict[str, str] = {
     "reference": "grpo_parts.attention.reference:RepeatedPrefixAttention",
+    "shared_prefix": "grpo_parts.attention.shared_prefix:SharedPrefixAttention",
 }
-AUTO_PRIORITY: tuple[str, ...] = ("reference",)
+AUTO_PRIORITY: tuple[str, ...] = ("shared_prefix", "reference")
 
 
 def get_attention_class(name: str) -> Any:

@@ -1,0 +1,163 @@
+"""Shared-prefix layout: regroup a :class:`LogprobBatch` into one row per prompt, and back.
+
+Each group (the rows sharing a ``group_index``) becomes one row of a grid::
+
+    [ prefix (Pp, right-padded) | slot 0 (S) | slot 1 (S) | ... | slot G-1 (S) ]
+
+``Pp`` is the longest prompt, ``S`` the longest completion and ``G`` the largest group in the
+batch; shorter prompts/completions and missing slots are padding. Position ids count real tokens,
+as in the reference: prefix ``0..p-1``, every slot ``p..p+len-1``. The kernels
+(:mod:`.kernels`) read :class:`PrefixLayout` to know where the segments are; because every row
+has the same segment boundaries they can batch all groups and all slots in a few tensor ops.
+
+Padding inside the prefix is put at its *end* (right-padded), so the prefix's causal
+self-attention never sees a pad key from a real query; only suffix -> prefix attention needs a key
+mask (and only when prompt lengths differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import GRPOPartsError
+from .protocol import LogprobBatch
+
+#: the kwarg that carries the layout through ``model(...)`` to the attention function
+LAYOUT_KWARG = "grpo_prefix_layout"
+
+
+@dataclass(frozen=True)
+class PrefixLayout:
+    """Segment boundaries of the grid (identical for every row), as the attention kernels see them.
+
+    ``prefix_valid: [B, Pp]`` is True on real prefix tokens, or None when every prompt has length
+    ``Pp`` (no key mask needed). ``max_span`` is the longest real sequence (prompt + completion):
+    attention never spans more tokens than this (used to check sliding windows).
+    """
+
+    prefix_len: int
+    num_slots: int
+    slot_len: int
+    prefix_valid: torch.Tensor | None
+    max_span: int
+    kernel: str = "sdpa"
+
+    @property
+    def row_len(self) -> int:
+        return self.prefix_len + self.num_slots * self.slot_len
+
+
+@dataclass(frozen=True)
+class GroupedInputs:
+    """Model inputs in the grid layout plus the maps needed to un-group its outputs."""
+
+    input_ids: torch.Tensor  # [B, L]
+    position_ids: torch.Tensor  # [B, L]
+    layout: PrefixLayout
+    keep: torch.Tensor  # [K] grid columns whose logits are needed (``logits_to_keep``)
+    row_group: torch.Tensor  # [N] grid row of each batch row
+    row_keep: torch.Tensor  # [N, S] index into ``keep`` of the logit predicting completion token t
+    completion_len: torch.Tensor  # [N]
+
+
+def _check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    pm, cm = batch.prompt_mask.bool(), batch.completion_mask.bool()
+    bad = (~pm[:, -1]).nonzero()
+    if bad.numel():
+        r = int(bad[0])
+        raise GRPOPartsError(
+            f"LogprobBatch.prompt_mask: expected left-padded prompts (last column real), row {r} ends in padding"
+        )
+    gaps = (cm[:, 1:] & ~cm[:, :-1]).any(-1).nonzero()
+    if gaps.numel():
+        r = int(gaps[0])
+        raise GRPOPartsError(
+            f"LogprobBatch.completion_mask: expected right-padded completions (1s then 0s), row {r} is "
+            f"{cm[r].int().tolist()}"
+        )
+    clen = cm.sum(-1)
+    empty = (clen == 0).nonzero()
+    if empty.numel():
+        r = int(empty[0])
+        raise GRPOPartsError(
+            f"LogprobBatch.completion_mask: expected >= 1 completion token per row, row {r} has 0 "
+            "(an empty suffix has no tokens to score; drop the row before calling the backend)"
+        )
+    return pm, cm
+
+
+def build_grouped_inputs(
+    batch: LogprobBatch, *, max_positions: int | None = None, pad_token_id: int = 0, kernel: str = "sdpa"
+) -> GroupedInputs:
+    """Regroup ``batch`` (rows in any order) into the grid layout; see the module docstring."""
+    pm, cm = _check_masks(batch)
+    device = batch.prompt_ids.device
+    n = batch.prompt_ids.shape[0]
+    plen_row = pm.sum(-1)
+    clen = cm.sum(-1)
+    if max_positions is not None:
+        total = plen_row + clen
+        over = (total > max_positions).nonzero()
+        if over.numel():
+            r = int(over[0])
+            raise GRPOPartsError(
+                f"LogprobBatch: row {r} has {int(plen_row[r])} prompt + {int(clen[r])} completion tokens = "
+                f"{int(total[r])}, expected <= the model's context (max_position_embeddings={max_positions})"
+            )
+    # Compact each prompt's real tokens into a right-padded [N, Pp] tensor (the reference ignores
+    # masked prompt tokens entirely, so dropping them is exact).
+    pp = int(plen_row.max())
+    dst = (pm.long().cumsum(-1) - 1).clamp(min=0)
+    rows = torch.arange(n, device=device).unsqueeze(-1).expand_as(pm)
+    prompts = torch.full((n, pp), pad_token_id, dtype=batch.prompt_ids.dtype, device=device)
+    prompts[rows[pm], dst[pm]] = batch.prompt_ids[pm]
+
+    # Groups in ascending group_index order; slots in order of appearance (stable).
+    uniq, row_group = torch.unique(batch.group_index, return_inverse=True)
+    b = int(uniq.numel())
+    order = torch.sort(row_group, stable=True).indices
+    sizes = torch.bincount(row_group, minlength=b)
+    starts = sizes.cumsum(0) - sizes
+    row_slot = torch.empty_like(row_group)
+    row_slot[order] = torch.arange(n, device=device) - starts[row_group[order]]
+    rep = order[starts]  # first row of each group: its prompt is the group's prefix
+    same = (prompts == prompts[rep[row_group]]).all(-1) & (plen_row == plen_row[rep[row_group]])
+    if not bool(same.all()):
+        r = int((~same).nonzero()[0])
+        raise GRPOPartsError(
+            f"LogprobBatch.group_index: rows {int(rep[row_group[r]])} and {r} share group_index "
+            f"{int(batch.group_index[r])} but carry different prompts; expected one prompt per group"
+        )
+    g, s = int(sizes.max()), int(clen.max())
+    plen = plen_row[rep]  # [B]
+
+    ids = torch.full((b, pp + g * s), pad_token_id, dtype=batch.prompt_ids.dtype, device=device)
+    ids[:, :pp] = prompts[rep]
+    ar_s = torch.arange(s, device=device)
+    cols = pp + row_slot.unsqueeze(-1) * s + ar_s  # [N, S] grid column of completion token t
+    ids[row_group.unsqueeze(-1).expand(n, s), cols] = batch.completion_ids[:, :s]
+    pos = torch.cat(
+        [torch.arange(pp, device=device).expand(b, pp), (plen.unsqueeze(-1) + ar_s).repeat(1, g)], dim=1
+    )
+
+    # Logits needed: the last real prefix token of each distinct prompt length, then positions
+    # 0..S-2 of every slot (the last suffix token predicts nothing).
+    last, last_inv = torch.unique(plen - 1, return_inverse=True)
+    k0 = int(last.numel())
+    slot_cols = (pp + torch.arange(g, device=device).unsqueeze(-1) * s + ar_s[: s - 1]).reshape(-1)
+    keep = torch.cat([last, slot_cols])
+    row_keep = torch.empty(n, s, dtype=torch.long, device=device)
+    row_keep[:, 0] = last_inv[row_group]
+    row_keep[:, 1:] = k0 + row_slot.unsqueeze(-1) * (s - 1) + ar_s[: s - 1]
+    valid = None if bool((plen == pp).all()) else torch.arange(pp, device=device) < plen.unsqueeze(-1)
+    layout = PrefixLayout(pp, g, s, valid, int((plen_row + clen).max()), kernel)
+    return GroupedInputs(ids, pos, layout, keep, row_group, row_keep, clen)
+
+
+def ungroup_logits(kept_logits: torch.Tensor, grouped: GroupedInputs) -> torch.Tensor:
+    """``[B, K, V]`` logits at ``grouped.keep`` -> ``[N, S, V]`` logits predicting each completion
+    token. The last prefix token's logit is gathered once per completion of its group, so in
+    backward the prefix receives the gradient of all of them."""
+    return kept_logits[grouped.row_group.unsqueeze(-1), grouped.row_keep]

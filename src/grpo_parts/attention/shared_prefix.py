@@ -1,0 +1,213 @@
+"""Shared-prefix attention backend (Prefix Grouper, arXiv 2506.05433): each prompt is encoded
+once per group instead of once per completion, with the same log-probs and gradients as
+:class:`~grpo_parts.attention.reference.RepeatedPrefixAttention`.
+
+``completion_logprobs`` regroups the rows by ``group_index`` (:mod:`.layout`), runs the model on
+one row per group with this module's attention function (:mod:`.kernels`) selected for the
+duration of the call, computes logits only where they predict a completion token (the last
+prefix token's logit is shared by every completion of the group), and un-groups them.
+
+The layout reaches the attention function as an extra keyword argument of ``model(...)``, which
+transformers forwards to every ``AttentionInterface`` function. A 4-D placeholder
+``attention_mask`` makes transformers skip building a dense mask that the kernels would ignore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from ..core import token_logprobs
+from ..errors import GRPOPartsError, NotSupportedError
+from .layout import LAYOUT_KWARG, build_grouped_inputs, ungroup_logits
+from .protocol import LogprobBatch, LogprobOutput
+from .reference import entropy_from_logits
+
+#: name under which the attention function is registered with transformers
+KERNEL_NAME = "grpo_shared_prefix"
+#: ``kernel="auto"`` tries these in order
+KERNEL_PRIORITY: tuple[str, ...] = ("sdpa", "flex", "eager")
+
+
+def register_attention() -> str:
+    """Register the attention function (and SDPA's mask builder for ordinary forwards) with
+    transformers under :data:`KERNEL_NAME`. Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from .kernels import shared_prefix_attention
+
+    AttentionInterface.register(KERNEL_NAME, shared_prefix_attention)
+    AttentionMaskInterface.register(KERNEL_NAME, sdpa_mask)
+    return KERNEL_NAME
+
+
+def _attn_configs(model: torch.nn.Module) -> list[Any]:
+    cfg = model.config  # type: ignore[union-attr]
+    out = [cfg]
+    for key in getattr(cfg, "sub_configs", {}) or {}:
+        sub = getattr(cfg, key, None)
+        if sub is not None:
+            out.append(sub)
+    return out
+
+
+@contextlib.contextmanager
+def _use_kernel(model: torch.nn.Module) -> Iterator[None]:
+    """Select the shared-prefix attention function on ``model`` for the duration of a forward."""
+    cfgs = _attn_configs(model)
+    saved = [c._attn_implementation for c in cfgs]
+    for c in cfgs:
+        c._attn_implementation_internal = KERNEL_NAME
+    try:
+        yield
+    finally:
+        for c, s in zip(cfgs, saved):
+            c._attn_implementation_internal = s
+
+
+def _text_config(model: torch.nn.Module) -> Any:
+    cfg = model.config  # type: ignore[union-attr]
+    get = getattr(cfg, "get_text_config", None)
+    return get() if callable(get) else cfg
+
+
+class SharedPrefixAttention:
+    """Optimized ``AttentionBackend``. ``kernel``: ``"auto"`` (default), ``"sdpa"``, ``"eager"``,
+    ``"flex"``; see :mod:`.kernels` for what each supports. ``last_choice`` explains the last
+    automatic choice."""
+
+    name: ClassVar[str] = "shared_prefix"
+
+    def __init__(self, kernel: str = "auto") -> None:
+        from .kernels import KERNELS
+
+        if kernel != "auto" and kernel not in (*KERNELS, "flash_varlen"):
+            raise GRPOPartsError(f"kernel: expected 'auto' or one of {KERNELS}, got {kernel!r}")
+        self.kernel = kernel
+        self.last_choice: str = ""
+
+    # ------------------------------------------------------------------------------ capabilities
+
+    def _model_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None) -> list[str]:
+        cfg = getattr(model, "config", None)
+        if cfg is None:
+            return [f"model: expected a transformers causal LM with .config, got {type(model).__name__}"]
+        if getattr(cfg, "is_encoder_decoder", False):
+            return [f"model: encoder-decoder models ({cfg.model_type}) are not supported"]
+        tc = _text_config(model)
+        out = []
+        if not getattr(tc, "is_causal", True) or getattr(tc, "use_bidirectional_attention", False):
+            out.append(f"model: {tc.model_type} uses bidirectional attention")
+        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+            out.append(f"model: {type(model).__name__}.forward has no logits_to_keep argument")
+        window = getattr(tc, "sliding_window", None)
+        uses_window = window is not None and (
+            getattr(tc, "use_sliding_window", True)
+            or "sliding_attention" in (getattr(tc, "layer_types", None) or [])
+        )
+        if uses_window and batch is not None:
+            span = int((batch.prompt_mask.long().sum(-1) + batch.completion_mask.long().sum(-1)).max())
+            if span > window:
+                out.append(
+                    f"model: sliding window {window} < longest sequence ({span} tokens) is not implemented"
+                )
+        if model.training and float(getattr(tc, "attention_dropout", 0.0) or 0.0) > 0.0:
+            out.append(
+                "model: attention dropout > 0 in training mode (randomness cannot match the reference)"
+            )
+        return out
+
+    def _softcap(self, model: torch.nn.Module) -> bool:
+        return getattr(_text_config(model), "attn_logit_softcapping", None) is not None
+
+    def kernel_reasons(self, model: torch.nn.Module, kernel: str) -> list[str]:
+        from .kernels import kernel_reasons
+
+        p = next(model.parameters())
+        return kernel_reasons(
+            kernel, device=p.device, dtype=p.dtype, softcap=self._softcap(model), grad=torch.is_grad_enabled()
+        )
+
+    def choose_kernel(self, model: torch.nn.Module) -> str:
+        """The kernel to run (``self.kernel`` or the first supported in :data:`KERNEL_PRIORITY`);
+        sets :attr:`last_choice` to an explanation."""
+        if self.kernel != "auto":
+            reasons = self.kernel_reasons(model, self.kernel)
+            if reasons:
+                raise NotSupportedError(f"shared_prefix[{self.kernel}]", reasons)
+            self.last_choice = f"kernel {self.kernel!r} (requested)"
+            return self.kernel
+        refused = {}
+        for k in KERNEL_PRIORITY:
+            reasons = self.kernel_reasons(model, k)
+            if not reasons:
+                lines = [f"chose kernel {k!r}"] + [
+                    f"refused {n!r}: {'; '.join(r)}" for n, r in refused.items()
+                ]
+                self.last_choice = "\n".join(lines)
+                return k
+            refused[k] = reasons
+        raise NotSupportedError("shared_prefix[auto]", [f"{n}: {'; '.join(r)}" for n, r in refused.items()])
+
+    def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
+        out = self._model_reasons(model, batch)
+        if out:
+            return out
+        if self.kernel != "auto":
+            return self.kernel_reasons(model, self.kernel)
+        per = {k: self.kernel_reasons(model, k) for k in KERNEL_PRIORITY}
+        if all(per.values()):
+            return [f"{k}: {'; '.join(r)}" for k, r in per.items()]
+        return []
+
+    def register_kernel(self) -> str | None:
+        return register_attention()
+
+    # ------------------------------------------------------------------------------------- compute
+
+    def completion_logprobs(
+        self,
+        model: torch.nn.Module,
+        batch: LogprobBatch,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+    ) -> LogprobOutput:
+        reasons = self._model_reasons(model, batch)
+        if reasons:
+            raise NotSupportedError("shared_prefix", reasons)
+        kernel = self.choose_kernel(model)
+        register_attention()
+        tc = _text_config(model)
+        grouped = build_grouped_inputs(
+            batch, max_positions=getattr(tc, "max_position_embeddings", None), kernel=kernel
+        )
+        b = grouped.input_ids.shape[0]
+        placeholder = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=grouped.input_ids.device)
+        with _use_kernel(model):
+            out = model(
+                input_ids=grouped.input_ids,
+                position_ids=grouped.position_ids,
+                attention_mask=placeholder,  # 4-D: transformers passes it through instead of building a mask
+                logits_to_keep=grouped.keep,
+                use_cache=False,
+                **{LAYOUT_KWARG: grouped.layout},
+            )
+        logits = ungroup_logits(out.logits, grouped)  # [N, S, V]
+        n, t = batch.completion_ids.shape
+        s = logits.shape[1]
+        cm = batch.completion_mask.bool()
+        lp = token_logprobs(logits, batch.completion_ids[:, :s], temperature)
+        logps = lp.new_zeros(n, t)
+        logps[:, :s] = lp
+        logps = logps.masked_fill(~cm, 0.0)
+        if not compute_entropy:
+            return LogprobOutput(logps, None)
+        ent = entropy_from_logits(logits.float() if logits.dtype != torch.float64 else logits, temperature)
+        ents = ent.new_zeros(n, t)
+        ents[:, :s] = ent
+        return LogprobOutput(logps, ents.masked_fill(~cm, 0.0))
