@@ -1,0 +1,21 @@
+"""grpo_parts as a verl 0.9.1 plugin (``pip install -e .[verl]`` plus ``pip install --no-deps verl==0.9.1``).
+
+Importing this package imports nothing from verl. Importing :mod:`grpo_parts_adapters.verl.plugin`
+registers every part with verl's own registries (verl loads it through the ``verl.plugins`` entry
+point, ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib``):
+
+* advantage estimator ``grpo_parts_grpo`` (``algorithm.adv_estimator=grpo_parts_grpo``) -- :mod:`.advantage`;
+* trainer mode ``grpo_parts_sync`` (``trainer.v1.trainer_mode=grpo_parts_sync``): CPPO / DAPO / PODS
+  filters with refill before the old-policy, reference and actor passes -- :mod:`.trainer`,
+  :mod:`.filtering` (the ``DataProto`` function for the legacy loop);
+* shared-prefix log-probs for verl's packed (remove-padding) micro-batches, grouped by ``uid`` --
+  :mod:`.attention`;
+* agent loop ``grpo_parts_agent`` running a grpo_parts ``Sampler`` -- :mod:`.agent_loop`; vLLM
+  speculative config and draft-weight sync -- :mod:`.speculative`.
+
+See docs/adapters/verl.md for the override set and how each part scales across Ray workers.
+"""
+
+PLUGIN_MODULE = "grpo_parts_adapters.verl.plugin"
+
+__all__ = ["PLUGIN_MODULE"]

@@ -1,0 +1,184 @@
+"""CompletionFilter on verl batches: the legacy ``DataProto`` loop and the v1 TransferQueue loop.
+
+Both compute GRPO advantages with :func:`grpo_parts.core.group_advantages` (groups = ``uid``), hand a
+:class:`~grpo_parts.types.ScoredBatch` to any grpo_parts filter (``cppo``, ``zero_variance`` (DAPO),
+``pods``, ...) chosen by name, and keep the selected rows. Nothing here re-ranks rows itself: the
+only row choice made on this side is rounding the kept count to a multiple verl needs (mini-batch
+or data-parallel size), which re-adds the best pruned rows (or drops the worst kept ones) in the
+filter-independent priority order of :mod:`grpo_parts.filter._common`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from grpo_parts.core import AdvantageConfig, group_advantages
+from grpo_parts.errors import GRPOPartsError, check_tensor
+from grpo_parts.filter import get_filter_class
+from grpo_parts.filter.protocol import CompletionFilter
+from grpo_parts.types import ScoredBatch
+
+from .advantage import uid_to_group_index
+
+
+class FilterOptions(BaseModel):
+    """``+grpo_parts.filter.*`` in a verl config.
+
+    ``name``/``kwargs``: a grpo_parts filter (``cppo`` with ``{k: 4}`` or ``{pruning_rate: 0.75}``,
+    ``zero_variance``, ``pods`` with ``{m: 4}``). ``target_rows``: completions to train on per step
+    (None = whatever the filter keeps). ``refill``: roll out more prompts until ``target_rows`` are
+    kept (v1 trainer only). ``multiple_of``/``rounding``: make the kept count a multiple of this.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = "cppo"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    target_rows: int | None = Field(None, ge=1)
+    refill: bool = False
+    max_rounds: int = Field(4, ge=1)
+    multiple_of: int = Field(1, ge=1)
+    rounding: Literal["up", "down"] = "up"
+    norm_adv_by_std: bool = True
+
+    def build(self) -> CompletionFilter:
+        return build_filter(self.name, self.kwargs)
+
+    @property
+    def advantage_config(self) -> AdvantageConfig:
+        return AdvantageConfig(norm="group" if self.norm_adv_by_std else "none", eps=1e-6)
+
+
+def build_filter(name: str, kwargs: Mapping[str, Any] | None = None) -> CompletionFilter:
+    """Instantiate the grpo_parts filter registered as ``name``."""
+    cls = get_filter_class(name)
+    return cls(**dict(kwargs or {}))
+
+
+def scored_batch(
+    rewards: torch.Tensor,
+    uid: Sequence[Any] | np.ndarray,
+    response_mask: torch.Tensor | None = None,
+    adv_config: AdvantageConfig | None = None,
+) -> ScoredBatch:
+    """``rewards: [B]`` (one per completion), ``uid: [B]`` -> ScoredBatch with GRPO advantages."""
+    check_tensor("rewards", rewards, ndim=1, dtype="float")
+    if len(uid) != rewards.shape[0]:
+        raise GRPOPartsError(f"uid: expected {rewards.shape[0]} entries (one per row), got {len(uid)}")
+    gi, _ = uid_to_group_index(uid)
+    gi = gi.to(rewards.device)
+    adv = group_advantages(rewards, gi, adv_config or AdvantageConfig())
+    lengths = None if response_mask is None else response_mask.long().sum(-1)
+    return ScoredBatch(rewards=rewards, advantages=adv, group_index=gi, completion_lengths=lengths)
+
+
+def round_kept(
+    kept: torch.Tensor, scored: ScoredBatch, multiple_of: int, rounding: Literal["up", "down"] = "up"
+) -> torch.Tensor:
+    """Make ``len(kept)`` a multiple of ``multiple_of`` (ascending rows out)."""
+    from grpo_parts.filter._common import priority_order
+
+    n_kept = int(kept.numel())
+    if multiple_of <= 1 or n_kept % multiple_of == 0:
+        return kept
+    order = priority_order(scored)
+    is_kept = torch.zeros(scored.size, dtype=torch.bool, device=order.device)
+    is_kept[kept.to(order.device)] = True
+    want = (
+        -(-n_kept // multiple_of) * multiple_of if rounding == "up" else (n_kept // multiple_of) * multiple_of
+    )
+    if want > scored.size:  # not enough rows to round up: round down instead
+        want = (n_kept // multiple_of) * multiple_of
+    if want == 0:
+        raise GRPOPartsError(
+            f"multiple_of: the filter kept {n_kept} rows of {scored.size}; no multiple of {multiple_of} "
+            "can be formed (roll out more prompts or lower multiple_of)"
+        )
+    if want > n_kept:
+        extra = order[~is_kept[order]][: want - n_kept]
+        out = torch.cat([kept.to(order.device), extra])
+    else:
+        out = order[is_kept[order]][:want]
+    return torch.sort(out).values
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Rows kept (ascending, int64) and diagnostics for verl's metrics dict."""
+
+    kept: torch.Tensor
+    extra_prompts_wanted: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def select(
+    scored: ScoredBatch,
+    filt: CompletionFilter,
+    target_rows: int | None = None,
+    multiple_of: int = 1,
+    rounding: Literal["up", "down"] = "up",
+) -> Selection:
+    """Run ``filt`` and round the kept count; metrics are prefixed ``grpo_parts/filter/``."""
+    res = filt.select(scored, target_size=target_rows)
+    kept = round_kept(res.kept, scored, multiple_of, rounding)
+    n = scored.size
+    metrics = {
+        "grpo_parts/filter/rows_in": float(n),
+        "grpo_parts/filter/rows_kept": float(kept.numel()),
+        "grpo_parts/filter/kept_fraction": float(kept.numel()) / n if n else 0.0,
+        "grpo_parts/filter/extra_prompts_wanted": float(res.extra_prompts_wanted),
+    }
+    return Selection(kept, res.extra_prompts_wanted, metrics)
+
+
+def filter_data_proto(
+    data: Any,
+    filt: CompletionFilter,
+    *,
+    target_rows: int | None = None,
+    multiple_of: int = 1,
+    rounding: Literal["up", "down"] = "up",
+    reward_key: str = "token_level_rewards",
+    adv_config: AdvantageConfig | None = None,
+) -> tuple[Any, Selection]:
+    """Legacy loop (``main_ppo_v0``): filter a ``DataProto`` right after rewards, before the
+    old-policy / reference forwards, with ``DataProto.select_idxs``. Every tensor and non-tensor
+    key keeps its trailing shape; ``uid`` keeps its values, so verl's own advantage estimator run
+    afterwards groups the kept rows correctly."""
+    if data.batch is None or reward_key not in data.batch.keys():
+        got = [] if data.batch is None else sorted(data.batch.keys())
+        raise GRPOPartsError(f"data.batch[{reward_key!r}]: expected per-token rewards [B, T], got keys {got}")
+    if "uid" not in data.non_tensor_batch:
+        raise GRPOPartsError(
+            f"data.non_tensor_batch['uid']: expected one group id per row, got keys {sorted(data.non_tensor_batch)}"
+        )
+    mask = data.batch["response_mask"] if "response_mask" in data.batch.keys() else None
+    rewards = data.batch[reward_key].sum(-1)
+    scored = scored_batch(rewards, data.non_tensor_batch["uid"], mask, adv_config)
+    sel = select(scored, filt, target_rows, multiple_of, rounding)
+    if sel.kept.numel() == 0:
+        raise GRPOPartsError(
+            "filter: kept 0 rows (every group has all-equal rewards?); skip this step or refill before updating"
+        )
+    return data.select_idxs(sel.kept.cpu().numpy()), sel
+
+
+# ------------------------------------------------------------------------------ v1 (TransferQueue)
+
+#: Fields the v1 filter reads from TransferQueue.
+KV_FIELDS = ("uid", "rm_scores", "response_mask")
+
+
+def rewards_from_fields(fields: Any) -> tuple[torch.Tensor, list[Any], torch.Tensor]:
+    """TransferQueue fields (nested or padded) -> ``rewards [B]``, ``uid``, ``response_mask [B, T]``."""
+    td = fields.to_padded_tensor() if hasattr(fields, "to_padded_tensor") else fields
+    scores, mask = td["rm_scores"], td["response_mask"]
+    uid = td["uid"]
+    uid = uid.tolist() if hasattr(uid, "tolist") else list(uid)
+    return scores.float().sum(-1), uid, mask

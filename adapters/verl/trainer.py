@@ -1,0 +1,154 @@
+"""Trainer mode ``grpo_parts_sync``: verl's v1 sync trainer with a grpo_parts filter (and refill)
+between sampling and the old-policy / reference / actor passes.
+
+Enable with ``trainer.use_v1=True trainer.v1.trainer_mode=grpo_parts_sync +grpo_parts.filter.name=cppo
++grpo_parts.filter.kwargs.k=8`` (see docs/adapters/verl.md). The trainer wraps its replay buffer so
+that ``sample`` returns only the kept rows: pruning happens *before* ``_compute_old_log_prob``, so the
+old-policy, reference and actor passes run on the kept rows only, and dropped rows are cleared
+from TransferQueue. With ``refill=True`` it asks the rollout for ``extra_prompts_wanted`` more prompts
+(``_add_prompts_to_generate``) and samples again, still inside the sampling phase (the rollout
+replicas are awake), until ``target_rows`` rows are kept or ``max_rounds`` is reached
+(:class:`grpo_parts.filter.allocation.Refiller`). Rewards must be known at sampling time (rule-based
+reward or ``reward.reward_model.enable_resource_pool=True``), exactly as for verl's DAPO filter.
+
+This module imports verl (and TransferQueue) at import time; the plugin imports it only when verl's
+v1 trainer is importable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transfer_queue as tq
+from omegaconf import OmegaConf
+from transfer_queue import KVBatchMeta
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+from grpo_parts.filter.allocation import Chunk, Refiller
+from grpo_parts.filter.protocol import CompletionFilter
+
+from .filtering import KV_FIELDS, FilterOptions, rewards_from_fields, round_kept, scored_batch
+
+NAME = "grpo_parts_sync"
+
+
+def filter_options_from(config: Any) -> FilterOptions | None:
+    """``config.grpo_parts.filter`` (absent or ``name: null`` = off) -> FilterOptions."""
+    node = OmegaConf.select(config, "grpo_parts.filter", default=None)
+    if node is None:
+        return None
+    opts = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    if not opts or opts.get("name") in (None, "", "keep_all"):
+        return None
+    return FilterOptions(**opts)  # type: ignore[arg-type]
+
+
+def filter_kv_batch(
+    batch: KVBatchMeta,
+    filt: CompletionFilter,
+    options: FilterOptions,
+    *,
+    store: Any = tq,
+    more: Any = None,
+) -> tuple[KVBatchMeta, dict[str, float]]:
+    """Filter one sampled v1 batch; ``more(n_prompts) -> KVBatchMeta | None`` rolls out and samples
+    ``n`` more prompts (refill). Dropped rows are cleared from ``store`` (TransferQueue)."""
+    chunks: list[KVBatchMeta] = []
+
+    def produce(n_prompts: int) -> Chunk[KVBatchMeta] | None:
+        b = batch if not chunks else (more(n_prompts) if more is not None else None)
+        if b is None or len(b.keys) == 0:
+            return None
+        chunks.append(b)
+        fields = store.kv_batch_get(keys=b.keys, partition_id=b.partition_id, select_fields=list(KV_FIELDS))
+        rewards, uid, mask = rewards_from_fields(fields)
+        scored = scored_batch(rewards, uid, mask, options.advantage_config)
+        return Chunk(payload=b, scored=scored, num_prompts=len(set(uid)))
+
+    target = options.target_rows or len(batch.keys)
+    refiller = Refiller(
+        target_size=target,
+        initial_prompts=max(1, len({t.get("uid", k) for k, t in zip(batch.keys, batch.tags)})),
+        max_rounds=options.max_rounds if (options.refill and more is not None) else 1,
+    )
+    outcome = refiller.fill(filt, produce)
+    keys: list[str] = []
+    tags: list[dict] = []
+    kept_by_chunk: dict[int, set[int]] = {}
+    for sel in outcome.selections:
+        rows = sel.kept
+        if sel is outcome.selections[-1] and options.multiple_of > 1:
+            rows = round_kept(rows, sel.chunk.scored, options.multiple_of, options.rounding)
+        kept_by_chunk[id(sel.chunk.payload)] = set(rows.tolist())
+    for b in chunks:
+        kept = kept_by_chunk.get(id(b), set())
+        dropped = [k for i, k in enumerate(b.keys) if i not in kept]
+        if dropped:
+            store.kv_clear(keys=dropped, partition_id=b.partition_id)
+        for i in sorted(kept):
+            keys.append(b.keys[i])
+            tags.append(b.tags[i])
+    metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
+    metrics["grpo_parts/filter/rows_kept"] = float(len(keys))
+    metrics["grpo_parts/filter/target_rows"] = float(target)
+    out = KVBatchMeta(
+        partition_id=batch.partition_id, keys=keys, tags=tags, extra_info=dict(batch.extra_info or {})
+    )
+    return out, metrics
+
+
+class _FilteringReplayBuffer:
+    """Wraps verl's replay buffer: ``sample`` returns only the rows the filter keeps."""
+
+    def __init__(self, inner: Any, trainer: GrpoPartsSyncTrainer):
+        self._inner = inner
+        self._trainer = trainer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
+        batch, metrics = self._inner.sample(
+            global_steps=global_steps, partition_id=partition_id, batch_size=batch_size
+        )
+        opts, filt = self._trainer.grpo_parts_filter_options, self._trainer.grpo_parts_filter
+        if partition_id == "val" or opts is None or filt is None:
+            return batch, metrics
+
+        def more(n_prompts: int) -> KVBatchMeta | None:
+            self._trainer._add_prompts_to_generate(n_prompts)
+            b, m = self._inner.sample(
+                global_steps=global_steps, partition_id=partition_id, batch_size=n_prompts
+            )
+            metrics.update({f"grpo_parts/refill/{k}": v for k, v in m.items()})
+            return b
+
+        kept, fmetrics = filter_kv_batch(batch, filt, opts, more=more if opts.refill else None)
+        metrics.update(fmetrics)
+        return kept, metrics
+
+
+class GrpoPartsSyncTrainer(PPOTrainerSync):
+    """verl's sync v1 trainer + a grpo_parts CompletionFilter before the policy passes."""
+
+    def __init__(self, config: Any):
+        self.grpo_parts_filter_options = filter_options_from(config)
+        self.grpo_parts_filter = (
+            None if self.grpo_parts_filter_options is None else self.grpo_parts_filter_options.build()
+        )
+        super().__init__(config)
+
+    def _build_replay_buffer(self) -> Any:
+        # verl branches on ``trainer_mode == "sync"`` in several places (replay buffer class, refill,
+        # checkpoint restore); this mode *is* the sync trainer, so it answers "sync" from here on.
+        # (``PPOTrainer.__init__`` sets trainer_mode just before calling this method.)
+        self.trainer_mode = "sync"
+        inner = super()._build_replay_buffer()
+        return inner if self.grpo_parts_filter is None else _FilteringReplayBuffer(inner, self)
+
+
+def register() -> None:
+    """Register ``grpo_parts_sync`` with verl's trainer registry (idempotent)."""
+    if TRAINER_REGISTRY.get(NAME) is not GrpoPartsSyncTrainer:
+        register_trainer(NAME)(GrpoPartsSyncTrainer)
