@@ -1,0 +1,252 @@
+"""EAGLE-style draft head with online learning (EAGLE, arXiv 2401.15077; FastGRPO, arXiv 2509.21792).
+
+The head predicts the policy's next last-layer feature: at position ``t + 1`` its input is
+``fc(concat(embed(x_{t+1}), f_t))`` -- the embedding of the token the policy just emitted and the
+policy's feature that predicted it -- fed through **one decoder layer** of the policy's own family
+(built from the policy's config, so attention, RoPE and norms match) and the family's final norm.
+The policy's **frozen** embedding and lm_head are shared (read from the bound policy, never
+trained here), so a draft token costs one small layer plus the lm_head.
+
+Drafting keeps a KV cache per row: each ``propose`` first feeds the policy's *true* features of the
+tokens verified since the last call (``DraftContext.new_hidden``), then drafts ``k`` tokens
+autoregressively on its own predicted features; those ``k - 1`` speculative entries are cropped at
+the next call. Rows feeding fewer true features than others leave masked holes (explicit positions,
+as in the speculative sampler).
+
+Online learning (:meth:`EagleDraft.update`): after each rollout, on the policy's features and logits
+at the rollout's positions, ``feature_weight * SmoothL1(f_hat_{t+1}, f_{t+1}) + ce_weight *
+softCE(lm_head(f_hat_{t+1}), softmax(policy logits_{t+1}))`` (2.0 and 0.1 in FastGRPO), AdamW.
+``unroll = 2`` adds a second pass that feeds the head its own predicted features (what drafting
+does beyond the first token), which raises acceptance at depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import GRPOPartsError
+from ..sampler.logits import sampling_probs
+from ..sampler.protocol import SamplingParams
+from ..sampler.speculative import compact_cache
+from .protocol import DraftContext, DraftProposal, DraftTrainingBatch
+
+
+class EagleConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lr: float = Field(
+        1e-3, gt=0.0, description="AdamW lr (FastGRPO uses 1e-4 on 7B models; tiny ones like more)"
+    )
+    weight_decay: float = Field(0.0, ge=0.0)
+    feature_weight: float = Field(2.0, ge=0.0)
+    ce_weight: float = Field(0.1, ge=0.0)
+    epochs: int = Field(2, ge=1, description="passes over each rollout batch per update")
+    minibatch_rows: int = Field(16, ge=1)
+    unroll: int = Field(2, ge=1, le=4)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    seed: int = 0
+
+
+def _body_config(policy: torch.nn.Module) -> Any:
+    d = policy.config.to_dict()
+    d.update(num_hidden_layers=1, vocab_size=1)
+    d.pop("layer_types", None)
+    return type(policy.config).from_dict(d)
+
+
+class EagleHead(torch.nn.Module):
+    """``fc(concat(embed, feature))`` -> one decoder layer + final norm of the policy's family."""
+
+    def __init__(self, policy: torch.nn.Module):
+        import transformers
+
+        super().__init__()
+        h = int(policy.config.hidden_size)
+        p = next(policy.parameters())
+        self.fc = torch.nn.Linear(2 * h, h, device=p.device, dtype=p.dtype)
+        attn = policy.config._attn_implementation or "sdpa"
+        self.body = transformers.AutoModel.from_config(_body_config(policy), attn_implementation=attn)
+        self.body.to(device=p.device, dtype=p.dtype)
+
+    def forward(self, emb: torch.Tensor, feat: torch.Tensor, **kw: Any) -> Any:
+        x = self.fc(torch.cat([emb, feat.to(emb.dtype)], -1))
+        return self.body(inputs_embeds=x, **kw)
+
+
+class EagleDraft:
+    """``EagleDraft(policy, config)``: a learnable head sharing ``policy``'s embedding and lm_head."""
+
+    name: ClassVar[str] = "eagle"
+    learnable: ClassVar[bool] = True
+    needs_hidden_states: ClassVar[bool] = True
+
+    def __init__(self, policy: torch.nn.Module, config: EagleConfig | None = None):
+        if getattr(policy, "config", None) is None:
+            raise GRPOPartsError(
+                f"policy: expected a transformers causal LM with .config, got {type(policy).__name__}"
+            )
+        self.config = config or EagleConfig()
+        torch.manual_seed(self.config.seed)
+        self.head = EagleHead(policy)
+        self.bind_policy(policy)
+        self.opt = torch.optim.AdamW(
+            self.head.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
+        )
+        self.updates = 0
+        self._cache: Any = None
+        self._mask = self._rows = torch.empty(0, dtype=torch.long)
+        self._spec = 0
+
+    def bind_policy(self, policy: torch.nn.Module) -> None:
+        self.embed = policy.get_input_embeddings()
+        self.lm_head = policy.get_output_embeddings()
+        self._policy_hidden = int(policy.config.hidden_size)
+
+    def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
+        h = int(policy.config.hidden_size)
+        if h != self.head.fc.out_features:
+            return [f"hidden size: head built for {self.head.fc.out_features}, policy has {h}"]
+        return []
+
+    # ------------------------------------------------------------------ drafting
+    def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache()
+        self._mask = torch.zeros(prompts.shape[0], 0, dtype=torch.long, device=prompts.device)
+        self._rows = torch.arange(prompts.shape[0], device=prompts.device)
+        self._spec = 0
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        # the policy's lm_head, detached: the draft never trains (or accumulates grads into) the policy
+        w = self.lm_head.weight.detach()  # type: ignore[union-attr]
+        b = getattr(self.lm_head, "bias", None)
+        return torch.nn.functional.linear(h.to(w.dtype), w, None if b is None else b.detach())
+
+    @torch.no_grad()
+    def propose(
+        self,
+        context: DraftContext,
+        num_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        if context.new_hidden is None or context.num_new is None:
+            raise GRPOPartsError(
+                "DraftContext.new_hidden: the eagle draft needs the policy's hidden states, got None"
+            )
+        self.head.eval()
+        cache = self._cache
+        if self._spec:  # drop last call's drafted entries: the policy's true features replace them
+            cache.crop(self._mask.shape[1] - self._spec)
+            self._mask = self._mask[:, : -self._spec]
+        if not torch.equal(context.rows, self._rows):  # rows finished since the last call
+            pos_of = {int(r): i for i, r in enumerate(self._rows.tolist())}
+            sel = torch.tensor([pos_of[int(r)] for r in context.rows.tolist()], device=self._mask.device)
+            cache.batch_select_indices(sel)
+            self._mask, self._rows = self._mask[sel], context.rows.clone()
+        if self._mask.shape[1] > 64 and float(self._mask.sum(-1).max()) < 0.5 * self._mask.shape[1]:
+            new = compact_cache(cache, self._mask)  # too many holes: gather live entries
+            self._mask = self._mask if new is None else new
+        feats, num = context.new_hidden, context.num_new
+        a, m = feats.shape[:2]
+        j = torch.arange(m, device=feats.device)
+        valid = (j[None, :] >= (m - num)[:, None]).long()
+        pos = (context.lengths[:, None] - m + j[None, :]).clamp(min=0)
+        self._mask = torch.cat([self._mask, valid], 1)
+        out = self.head(
+            self.embed(context.tokens[:, -m:]), feats, attention_mask=self._mask, position_ids=pos,  # type: ignore[operator]
+            past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+        toks, probs = [], []
+        h = out.last_hidden_state[:, -1:]
+        for i in range(num_tokens):
+            q = sampling_probs(self._logits(h[:, 0]), params)
+            d = q.argmax(-1) if params.greedy else torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            toks.append(d)
+            probs.append(q)
+            if i == num_tokens - 1:
+                break
+            self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], 1)
+            out = self.head(
+                self.embed(d[:, None]), h, attention_mask=self._mask,  # type: ignore[operator]
+                position_ids=context.lengths[:, None] + i, past_key_values=cache, use_cache=True,
+            )  # fmt: skip
+            h = out.last_hidden_state
+        self._spec = num_tokens - 1
+        return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1))
+
+    def observe(
+        self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor
+    ) -> None:
+        self._cache = None  # free the rollout's cache
+
+    # ------------------------------------------------------------------ online learning
+    def loss(self, batch: DraftTrainingBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The distillation loss on ``batch`` (optionally only ``rows``), differentiable."""
+        if batch.hidden is None or batch.target_logits is None:
+            raise GRPOPartsError(
+                "DraftTrainingBatch.hidden/target_logits: the eagle draft needs both, got None"
+            )
+        sl = slice(None) if rows is None else rows
+        ids, feat, tl = batch.input_ids[sl], batch.hidden[sl], batch.target_logits[sl]
+        attn = (torch.ones_like(ids) if batch.attention_mask is None else batch.attention_mask[sl]).long()
+        w = (batch.loss_mask[sl][:, 1:] * attn[:, 1:] * attn[:, :-1]).to(feat.dtype)  # pairs (t, t+1)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, 1:]
+        emb = self.embed(ids[:, 1:]).detach()  # type: ignore[operator]
+        target_f = feat[:, 1:]
+        target_p = torch.softmax(tl[:, 1:].to(feat.dtype), -1)
+        inp = feat[:, :-1]
+        total = feat.new_zeros(())
+        denom = w.sum().clamp(min=1.0)
+        for _ in range(self.config.unroll):
+            pred = self.head(
+                emb, inp, attention_mask=attn[:, 1:] * attn[:, :-1], position_ids=pos
+            ).last_hidden_state
+            f_loss = torch.nn.functional.smooth_l1_loss(pred, target_f, reduction="none").mean(-1)
+            logq = torch.log_softmax(self._logits(pred).to(feat.dtype), -1)
+            ce = -(target_p * logq).sum(-1)
+            total = (
+                total + ((self.config.feature_weight * f_loss + self.config.ce_weight * ce) * w).sum() / denom
+            )
+            inp = torch.cat([feat[:, :1], pred[:, :-1]], 1)  # next pass: the head's own features
+        return total / self.config.unroll
+
+    @torch.enable_grad()  # the sampler calls this from inside its no_grad rollout
+    def update(self, batch: DraftTrainingBatch) -> dict[str, float]:
+        self.head.train()
+        n = batch.input_ids.shape[0]
+        g = torch.Generator().manual_seed(self.config.seed + self.updates)
+        losses = []
+        for _ in range(self.config.epochs):
+            order = torch.randperm(n, generator=g).to(batch.input_ids.device)
+            for s in range(0, n, self.config.minibatch_rows):
+                loss = self.loss(batch, order[s : s + self.config.minibatch_rows])
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.max_grad_norm)
+                self.opt.step()
+                losses.append(float(loss.detach()))
+        self.updates += 1
+        self.head.eval()
+        return {"loss": sum(losses) / max(len(losses), 1), "updates": float(self.updates)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "head": self.head.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "updates": self.updates,
+            "config": self.config.model_dump(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = {"head", "optimizer", "updates"} - set(state)
+        if missing:
+            raise GRPOPartsError(f"state: missing entries {sorted(missing)}, got keys {sorted(state)}")
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.updates = int(state["updates"])
