@@ -1,0 +1,29 @@
+"""grpo_parts in TRL 1.16's ``GRPOTrainer`` (``pip install -e .[trl]``).
+
+::
+
+    from grpo_parts_adapters.trl import GRPOPartsTrainer
+    trainer = GRPOPartsTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
+                               processing_class=tok, sampler="speculative", draft="ngram",
+                               attention="shared_prefix", completion_filter="cppo",
+                               filter_kwargs={"pruning_rate": 0.5})
+
+TRL is imported on first use of :class:`GRPOPartsTrainer` / :func:`make_trainer`, not by this package.
+See docs/adapters/trl.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .options import TRLPartsOptions
+
+__all__ = ["GRPOPartsTrainer", "TRLPartsOptions", "make_trainer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("GRPOPartsTrainer", "make_trainer", "build_part"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

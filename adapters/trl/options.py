@@ -1,0 +1,127 @@
+"""Options of the TRL adapter (no TRL import here) and the config checks that say why a part cannot
+apply to a user's TRL setup.
+
+The checks read plain attributes of a ``GRPOTrainer`` (``use_vllm``, ``rollout_func``, ``_is_vlm``...)
+so they run on a real trainer as well as on a stand-in object in tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PARTS = ("sampler", "attention", "completion_filter")
+
+
+class TRLPartsOptions(BaseModel):
+    """How the adapter applies the parts.
+
+    ``strict``: a part that cannot apply to the trainer's config raises
+    :class:`~grpo_parts.errors.NotSupportedError` listing the reasons (default); ``False`` logs the
+    reasons once and leaves that part of TRL untouched.
+
+    ``filter_remainder``: TRL splits the kept batch into ``steps_per_generation`` equal chunks and
+    silently drops the remainder, so the kept count is made a multiple of ``steps_per_generation``:
+    ``"restore"`` (default) puts back the pruned rows the filter ranked highest (zero-variance rows
+    last, larger ``|A|`` first, lower row first); ``"drop"`` removes the kept rows ranked lowest.
+    Either way at least ``steps_per_generation`` rows are trained (an all-pruned batch restores
+    its best rows: their advantage is 0, so the step only moves the KL term).
+
+    ``defer_logprobs``: run the old-policy / reference forwards after the filter, on the kept rows
+    only (CPPO's saving). Turned off automatically where TRL needs them before the filter (vLLM
+    importance-sampling correction) or computes them inside a PEFT adapter context.
+
+    ``refill``: honour ``FilterResult.extra_prompts_wanted`` by rolling out more prompts, drawn from
+    ``train_dataset`` in a seeded order independent of TRL's dataloader, until the kept batch has
+    ``refill_target_size`` rows (default: the generation batch's size) or ``max_refill_rounds``
+    rounds ran. Single process, map-style datasets only.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    strict: bool = True
+    filter_remainder: Literal["restore", "drop"] = "restore"
+    defer_logprobs: bool = True
+    refill: bool = False
+    refill_target_size: int | None = Field(None, ge=1)
+    max_refill_rounds: int = Field(4, ge=1)
+    max_refill_prompts: int | None = Field(None, ge=1)
+    refill_seed: int | None = Field(
+        None, description="seed of the refill prompt order (default: args.seed + 1)"
+    )
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    return getattr(obj, name, default)
+
+
+def sampler_config_reasons(trainer: Any) -> list[str]:
+    """Why a grpo_parts sampler cannot replace TRL's generation for this trainer (empty = it can).
+
+    The sampler replaces ``GRPOTrainer._generate_single_turn``'s plain ``transformers.generate`` path:
+    it samples in-process from the training model with TRL's temperature / top-p / top-k."""
+    reasons = []
+    args = _get(trainer, "args")
+    if _get(trainer, "use_vllm", False):
+        mode = _get(args, "vllm_mode", "?")
+        reasons.append(
+            f"use_vllm=True (vllm_mode={mode!r}): TRL generates in a vLLM engine/server, while a grpo_parts "
+            "sampler generates in-process with the training model; set use_vllm=False or sampler=None"
+        )
+    if _get(trainer, "use_transformers_continuous_batching", False):
+        reasons.append("use_transformers_continuous_batching=True: set it to False or sampler=None")
+    if _get(trainer, "rollout_func") is not None:
+        reasons.append(
+            "rollout_func is set: TRL calls it instead of _generate_single_turn; drop one of the two"
+        )
+    if _get(trainer, "_is_vlm", False):
+        reasons.append("multimodal (vision-language) model: grpo_parts samplers are text-only")
+    if _get(trainer, "min_p") is not None:
+        reasons.append(
+            f"min_p={_get(trainer, 'min_p')}: not implemented by grpo_parts samplers; set min_p=None"
+        )
+    rp = _get(trainer, "repetition_penalty", 1.0)
+    if rp is not None and rp != 1.0:
+        reasons.append(f"repetition_penalty={rp}: not implemented by grpo_parts samplers; set it to 1.0")
+    extra = dict(_get(args, "generation_kwargs") or {})
+    if extra:
+        reasons.append(
+            f"args.generation_kwargs={sorted(extra)}: only temperature/top_p/top_k/max_completion_length are "
+            "honoured by grpo_parts samplers; remove generation_kwargs"
+        )
+    if _get(trainer, "temperature", 1.0) <= 0:
+        reasons.append(f"temperature={_get(trainer, 'temperature')}: TRL samples; expected > 0")
+    return reasons
+
+
+def attention_config_reasons(trainer: Any) -> list[str]:
+    """Why a grpo_parts attention backend cannot compute this trainer's log-probs."""
+    reasons = []
+    if _get(trainer, "_is_vlm", False):
+        reasons.append("multimodal (vision-language) model: pixel inputs do not go through LogprobBatch")
+    if _get(trainer, "aux_loss_enabled", False):
+        reasons.append(
+            "MoE router aux loss (router_aux_loss_coef): TRL needs the router logits of its own forward"
+        )
+    return reasons
+
+
+def filter_config_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
+    """Why a completion filter cannot prune this trainer's generation batches."""
+    reasons = []
+    if _get(trainer, "_is_vlm", False):
+        reasons.append("multimodal (vision-language) model: image tensors are indexed per image, not per row")
+    if options.refill:
+        acc = _get(trainer, "accelerator")
+        if acc is not None and _get(acc, "num_processes", 1) > 1:
+            reasons.append(
+                "refill=True with several processes: each process would roll out a different number of rounds "
+                "and TRL's collective gathers would hang; use refill=False (or a larger generation_batch_size)"
+            )
+        ds = _get(trainer, "train_dataset")
+        if ds is not None and not hasattr(ds, "__getitem__"):
+            reasons.append(
+                "refill=True needs a map-style train_dataset (an IterableDataset cannot be re-drawn)"
+            )
+    return reasons

@@ -1,0 +1,202 @@
+"""Row bookkeeping between TRL's batches and grpo_parts' types (no TRL import, no maths).
+
+* :func:`prompt_runs` -- TRL repeats every prompt ``G`` times in a row; recover ``(unique prompts, G)``.
+* :func:`group_by_prompt` -- after TRL's shuffle and chunking, rows of a group are scattered:
+  identify groups by the content of their (left-padded) prompt.
+* :func:`regrouped_logprobs` -- run an :class:`~grpo_parts.attention.AttentionBackend` on TRL's
+  ``(input_ids, attention_mask, logits_to_keep)`` with rows regrouped by prompt, results in TRL's order.
+* :func:`round_kept` -- make the kept count a multiple of ``steps_per_generation``.
+* :func:`concat_batches` -- stack TRL batch dicts of different widths (refill rounds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.filter._common import priority_order
+from grpo_parts.types import ScoredBatch
+
+
+def prompt_runs(prompt_ids: Sequence[Sequence[int]], group_size: int) -> tuple[list[list[int]], int]:
+    """``(unique_prompts, group_size)`` when the rows are runs of ``group_size`` identical prompts
+    (TRL's order), else ``(rows, 1)`` (every row its own group: still correct, just no sharing)."""
+    rows = [list(p) for p in prompt_ids]
+    g = group_size
+    if g > 1 and len(rows) % g == 0 and all(rows[i] == rows[i - i % g] for i in range(len(rows))):
+        return [rows[i] for i in range(0, len(rows), g)], g
+    return rows, 1
+
+
+def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """``group_index: [N]``: rows with the same real prompt tokens (and padding) share a group.
+
+    Two dataset rows with the same prompt land in the same group; that is harmless (and cheaper):
+    a shared-prefix backend only needs rows of a group to carry the same prompt."""
+    key = prompt_ids.masked_fill(prompt_mask == 0, -1)
+    return torch.unique(key, dim=0, return_inverse=True)[1].to(torch.long)
+
+
+def regrouped_logprobs(
+    backend: AttentionBackend,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    temperature: float,
+    compute_entropy: bool,
+    batch_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TRL's ``_get_per_token_logps_and_entropies`` contract through a grpo_parts backend.
+
+    ``input_ids = [left-padded prompt | right-padded completion]`` with ``logits_to_keep`` completion
+    columns. Rows are sorted by group and cut into chunks of whole groups of about ``batch_size``
+    rows (TRL's memory bound), so a shared-prefix backend sees every group in one piece."""
+    n, width = input_ids.shape
+    p = width - logits_to_keep
+    if p < 1:
+        raise GRPOPartsError(
+            f"logits_to_keep: expected < input width {width} (a prompt is needed), got {logits_to_keep}"
+        )
+    prompt_ids, prompt_mask = input_ids[:, :p], attention_mask[:, :p]
+    completion_ids, completion_mask = input_ids[:, p:], attention_mask[:, p:]
+    group = group_by_prompt(prompt_ids, prompt_mask)
+    order = torch.sort(group, stable=True).indices
+    chunks: list[torch.Tensor] = []
+    limit = batch_size or n
+    start = 0
+    sorted_group = group[order]
+    while start < n:
+        end = min(start + limit, n)
+        while end < n and sorted_group[end] == sorted_group[end - 1]:
+            end += 1  # never split a group
+        chunks.append(order[start:end])
+        start = end
+    ents = None
+    out_logps, out_ents = [], []
+    for rows in chunks:
+        batch = LogprobBatch(
+            prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows], group[rows]
+        )
+        res = backend.completion_logprobs(
+            model, batch, temperature=temperature, compute_entropy=compute_entropy
+        )
+        out_logps.append(res.logprobs)
+        out_ents.append(res.entropies)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(n, device=order.device)
+    logps = torch.cat(out_logps, dim=0)[inv]
+    if compute_entropy:
+        if any(e is None for e in out_ents):
+            raise GRPOPartsError(
+                f"{type(backend).__name__}.completion_logprobs: compute_entropy=True but got no entropies"
+            )
+        ents = torch.cat([e for e in out_ents if e is not None], dim=0)[inv]
+    return logps, ents
+
+
+def round_kept(
+    scored: Sequence[ScoredBatch],
+    kept: Sequence[torch.Tensor],
+    multiple: int,
+    mode: Literal["restore", "drop"],
+) -> tuple[list[torch.Tensor], int]:
+    """Make ``sum(len(k) for k in kept)`` a positive multiple of ``multiple``.
+
+    ``"restore"`` adds pruned rows, ``"drop"`` removes kept rows, in the filters' priority order
+    (zero-variance rows last, larger ``|A|`` first, lower row first), latest round first. A total
+    of 0 always restores ``multiple`` rows. Returns the new kept lists and the signed change."""
+    kept = [k.clone() for k in kept]
+    total = sum(int(k.numel()) for k in kept)
+    rem = total % multiple
+    if rem == 0 and total > 0:
+        return kept, 0
+    if mode == "drop" and total >= multiple:
+        need = rem
+        for i in reversed(range(len(kept))):
+            if need == 0:
+                break
+            order = priority_order(scored[i])
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(order.numel(), device=order.device)
+            k = kept[i]
+            worst_first = k[torch.argsort(rank[k], descending=True)]
+            n_drop = min(need, int(k.numel()))
+            kept[i] = torch.sort(worst_first[n_drop:]).values
+            need -= n_drop
+        return kept, -rem
+    need = multiple - rem if total > 0 else multiple
+    added = 0
+    for i in reversed(range(len(kept))):
+        if need == 0:
+            break
+        order = priority_order(scored[i])
+        is_kept = torch.zeros(scored[i].size, dtype=torch.bool, device=order.device)
+        is_kept[kept[i]] = True
+        pruned = order[~is_kept[order]]
+        take = pruned[:need]
+        kept[i] = torch.sort(torch.cat([kept[i], take])).values
+        need -= int(take.numel())
+        added += int(take.numel())
+    if need:
+        raise GRPOPartsError(
+            f"steps_per_generation: expected a generation batch of at least {multiple} rows, got {total + added}"
+        )
+    return kept, added
+
+
+#: TRL batch keys and how to pad them when batches of different widths are stacked
+_LEFT = {"prompt_ids": "pad", "prompt_mask": 0}
+_RIGHT = {
+    "completion_ids": "pad",
+    "completion_mask": 0,
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+    "importance_sampling_ratio": 0.0,
+    "tool_mask": 1,
+    "advantages": 0.0,  # only when a subclass gives per-token [N, T] advantages
+}
+
+
+def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """Stack TRL batch dicts row-wise: prompts re-left-padded, completion-width tensors re-right-padded,
+    ``[N]`` tensors and lists concatenated. 0-d tensors (``num_items_in_batch``) are dropped: the
+    caller recomputes them for the stacked batch."""
+    if len(batches) == 1:
+        return dict(batches[0])
+    keys = list(batches[0])
+    for b in batches[1:]:
+        if list(b) != keys:
+            raise GRPOPartsError(f"refill batches: expected the same keys {keys}, got {list(b)}")
+    out: dict[str, Any] = {}
+    for key in keys:
+        vals = [b[key] for b in batches]
+        if vals[0] is None:
+            out[key] = None
+        elif isinstance(vals[0], list):
+            out[key] = [x for v in vals for x in v]
+        elif isinstance(vals[0], torch.Tensor) and vals[0].ndim == 0:
+            continue
+        elif isinstance(vals[0], torch.Tensor) and vals[0].ndim == 1:
+            out[key] = torch.cat(vals)
+        elif isinstance(vals[0], torch.Tensor) and (key in _LEFT or key in _RIGHT):
+            left = key in _LEFT
+            fill = (_LEFT if left else _RIGHT)[key]
+            fill = pad_token_id if fill == "pad" else fill
+            width = max(v.shape[1] for v in vals)
+            padded = []
+            for v in vals:
+                d = width - v.shape[1]  # per-sequence [N, 1] values all have width 1: d = 0
+                padded.append(torch.nn.functional.pad(v, (d, 0) if left else (0, d), value=fill))
+            out[key] = torch.cat(padded)
+        else:
+            raise GRPOPartsError(
+                f"refill: cannot stack batch key {key!r} of type {type(vals[0]).__name__}; "
+                "refill supports text-only batches (set refill=False)"
+            )
+    return out

@@ -1,0 +1,101 @@
+"""Tiny, offline GRPOTrainer set-up for the TRL adapter tests: a word-level tokenizer built with
+``tokenizers``, a float64 Qwen2 from a config, an in-memory dataset and a deterministic reward."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+WORDS = "a b c d e f g h i j k l m n o p q r s t u v w x y z".split()
+
+
+def tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {w: 3 + i for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def model(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    from grpo_parts.tiny import tiny_causal_lm
+
+    return tiny_causal_lm(
+        "qwen2", vocab_size=32, hidden_size=32, dtype=dtype, seed=seed, eos_token_id=1, pad_token_id=0
+    )
+
+
+def dataset(n: int = 8) -> Any:
+    from datasets import Dataset
+
+    prompts = ["a b c", "d e", "f g h i", "j", "k l m", "n o", "p q r s t", "u v"]
+    return Dataset.from_dict({"prompt": [prompts[i % len(prompts)] for i in range(n)]})
+
+
+def reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """Deterministic and spread out: how many vowels, minus a little length."""
+    return [sum(w in "aeiou" for w in c.split()) - 0.1 * len(c.split()) for c in completions]
+
+
+def config(**overrides: Any) -> Any:
+    from trl import GRPOConfig
+
+    kw: dict[str, Any] = dict(
+        output_dir="/tmp/grpo_parts_trl_tests",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=1,
+        learning_rate=1e-2,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,  # TRL defaults to bf16 autocast on CPU, under which its fused LM head runs in bf16
+    )
+    kw.update(overrides)
+    return GRPOConfig(**kw)
+
+
+class GradCapture:
+    """TrainerCallback that keeps a copy of every gradient right before each optimizer step."""
+
+    def __new__(cls) -> Any:
+        from transformers import TrainerCallback
+
+        class _Capture(TrainerCallback):
+            def __init__(self) -> None:
+                self.grads: list[dict[str, torch.Tensor]] = []
+
+            def on_pre_optimizer_step(
+                self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+            ) -> None:
+                self.grads.append(
+                    {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                )
+
+        return _Capture()
+
+
+def run(trainer_cls: Any, base: torch.nn.Module, args: Any, n_data: int = 8, **parts: Any) -> tuple[Any, Any]:
+    """Train ``copy.deepcopy(base)`` with ``trainer_cls``; returns ``(trainer, grad_capture)``."""
+    cap = GradCapture()
+    trainer = trainer_cls(
+        model=copy.deepcopy(base),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset(n_data),
+        processing_class=tokenizer(),
+        callbacks=[cap],
+        **parts,
+    )
+    trainer.train()
+    return trainer, cap
