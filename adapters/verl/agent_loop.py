@@ -1,0 +1,194 @@
+"""Agent loop ``grpo_parts_agent``: a verl ``AgentLoopBase`` that samples with grpo_parts.
+
+verl runs one agent loop per completion (prompts are already repeated ``rollout.n`` times) inside
+``AgentLoopWorker`` Ray actors, talking to the rollout servers through ``server_manager.generate``.
+This loop has two back ends, chosen by the ``sampler`` argument (set it in the agent-loop YAML
+given to ``actor_rollout_ref.rollout.agent.agent_loop_config_path``):
+
+* ``sampler: server`` (default) -- verl's rollout servers (vLLM / SGLang). Speculative decoding
+  is then vLLM's, configured by :mod:`.speculative`.
+* ``sampler: <grpo_parts sampler name>`` (``reference``, ``speculative``, ...) -- a grpo_parts
+  ``Sampler`` run in the agent-loop worker process through :class:`SamplerServer`, on the model
+  built by ``model_factory`` (``"module:function"``; default: ``AutoModelForCausalLM`` from
+  ``actor_rollout_ref.model.path``). One model per worker process. Its weights are *not* synced
+  by verl's checkpoint engine: this path is for small models and debugging, or for a trainer that
+  calls ``SamplerServer.sync_weights`` itself.
+
+Either way the output is verl's ``AgentLoopOutput`` with ``response_logprobs`` (the policy's
+log-probs of the sampled tokens), which verl's manager pads and batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from typing import Any
+from uuid import uuid4
+
+import torch
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.workers.rollout.replica import TokenOutput
+
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.sampler import get_sampler_class
+from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
+
+NAME = "grpo_parts_agent"
+
+
+def sampling_params_from_verl(
+    params: dict[str, Any], max_new_tokens: int, eos_token_ids: tuple[int, ...], pad_token_id: int
+) -> SamplingParams:
+    """verl/vLLM sampling dict (``top_k=-1`` = off, ``temperature=0`` = greedy) -> SamplingParams."""
+    top_k = int(params.get("top_k", -1) or 0)
+    return SamplingParams(
+        group_size=1,
+        max_new_tokens=int(params.get("max_tokens", max_new_tokens)),
+        temperature=float(params.get("temperature", 1.0)),
+        top_p=float(params.get("top_p", 1.0)),
+        top_k=max(top_k, 0),
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id,
+    )
+
+
+class SamplerServer:
+    """verl's ``generate(request_id, *, prompt_ids, sampling_params, ...) -> TokenOutput`` served by a
+    grpo_parts ``Sampler``. Generation runs in a thread so the agent-loop event loop keeps serving."""
+
+    def __init__(
+        self, sampler: Sampler, eos_token_ids: tuple[int, ...], pad_token_id: int, max_new_tokens: int
+    ):
+        self.sampler = sampler
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.max_new_tokens = max_new_tokens
+        self.stats: dict[str, float] = {}
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        self.sampler.sync_weights(policy)
+
+    def generate_sync(
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], seed: int | None = None
+    ) -> TokenOutput:
+        if not prompt_ids:
+            raise GRPOPartsError("prompt_ids: expected at least one token, got an empty list")
+        params = sampling_params_from_verl(
+            sampling_params, self.max_new_tokens, self.eos_token_ids, self.pad_token_id
+        )
+        batch = PromptBatch.from_lists([list(prompt_ids)], self.pad_token_id)
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        rollout = self.sampler.generate(batch, params, gen)
+        n = int(rollout.completion_mask[0].sum())
+        self.stats = dict(rollout.stats)
+        return TokenOutput(
+            token_ids=rollout.completion_ids[0, :n].tolist(),
+            log_probs=rollout.logprobs[0, :n].double().tolist(),
+            stop_reason="completed",
+            extra_fields={"grpo_parts_stats": dict(rollout.stats)},
+        )
+
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
+    ) -> TokenOutput:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.generate_sync, list(prompt_ids), dict(sampling_params))
+
+
+def _load(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise GRPOPartsError(f"model_factory: expected 'module:function', got {spec!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+_LOCAL_SERVERS: dict[tuple[str, str, str], SamplerServer] = {}  # one model per worker process
+
+
+def build_sampler(
+    name: str, model: torch.nn.Module, draft: str | None = None, draft_factory: str | None = None
+) -> Sampler:
+    """A grpo_parts sampler by name. Samplers that take a draft get ``draft_factory(policy)``
+    (``"module:function"``) or, without a factory, the draft class ``draft`` built from the policy
+    when its constructor needs a model (e.g. ``frozen_lm``) and with no arguments otherwise."""
+    cls = get_sampler_class(name)
+    if draft is None and draft_factory is None:
+        return cls(model)
+    if draft_factory is not None:
+        return cls(model, draft=_load(draft_factory)(model))
+    import inspect
+
+    from grpo_parts.draft import get_draft_class
+
+    dcls = get_draft_class(draft or "")
+    needs = [
+        p
+        for p in list(inspect.signature(dcls.__init__).parameters.values())[1:]
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return cls(model, draft=dcls(model) if needs else dcls())
+
+
+class GrpoPartsAgentLoop(AgentLoopBase):
+    """Single-turn agent loop over verl's server or an in-process grpo_parts sampler."""
+
+    def __init__(
+        self,
+        *args: Any,
+        sampler: str = "server",
+        draft: str | None = None,
+        draft_factory: str | None = None,
+        model_factory: str | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self.prompt_length = self.rollout_config.prompt_length
+        self.response_length = self.rollout_config.response_length
+        self.sampler_name, self.draft_name, self.draft_factory = sampler, draft, draft_factory
+        self.model_factory = model_factory
+
+    def _local_server(self) -> SamplerServer:
+        path = str(self.config.actor_rollout_ref.model.path)
+        key = (self.model_factory or path, self.sampler_name, f"{self.draft_name}|{self.draft_factory}")
+        if key not in _LOCAL_SERVERS:
+            if self.model_factory:
+                model = _load(self.model_factory)()
+            else:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(path).eval()
+            eos = self.tokenizer.eos_token_id
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+            sampler = build_sampler(self.sampler_name, model, self.draft_name, self.draft_factory)
+            _LOCAL_SERVERS[key] = SamplerServer(sampler, eos_ids, pad, self.response_length)
+        return _LOCAL_SERVERS[key]
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        messages = list(kwargs["raw_prompt"])
+        prompt_ids = await self.ct_build_initial_tokens(messages)
+        server = self.server_manager if self.sampler_name == "server" else self._local_server()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        out: TokenOutput = await server.generate(
+            request_id=uuid4().hex, prompt_ids=prompt_ids, sampling_params=dict(sampling_params)
+        )
+        elapsed = loop.time() - t0
+        n = min(len(out.token_ids), self.response_length)
+        logprobs = list(out.log_probs[:n]) if out.log_probs else None
+        extra = dict(out.extra_fields)
+        extra.update({"turn_scores": [], "tool_rewards": []})
+        return AgentLoopOutput(
+            prompt_ids=list(prompt_ids),
+            response_ids=list(out.token_ids[:n]),
+            response_mask=[1] * n,
+            response_logprobs=logprobs,
+            num_turns=2,
+            metrics=AgentLoopMetrics(generate_sequences=elapsed, num_preempted=out.num_preempted or -1),
+            extra_fields=extra,
+        )
+
+
+def register_agent_loop() -> None:
+    """Register ``grpo_parts_agent`` with verl's agent-loop registry (idempotent)."""
+    register(NAME)(GrpoPartsAgentLoop)

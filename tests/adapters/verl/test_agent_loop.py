@@ -1,0 +1,188 @@
+"""verl adapter: the ``grpo_parts_agent`` loop produces output verl's agent-loop worker accepts
+(``_agent_loop_postprocess`` + ``_postprocess`` -> DataProto), against a stand-in server manager."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl.experimental.agent_loop")
+
+from grpo_parts_adapters.verl import agent_loop as ours  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from verl.experimental.agent_loop import agent_loop as verl_agent_loop  # noqa: E402
+
+from grpo_parts.sampler.reference import ReferenceSampler  # noqa: E402
+from grpo_parts.tiny import tiny_causal_lm  # noqa: E402
+
+PROMPT_LEN, RESPONSE_LEN, VOCAB = 16, 6, 40
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"  # ids 4..39
+
+
+def tiny_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>", "<bos>"]
+    vocab = {t: i for i, t in enumerate([*specials, *CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", bos_token="<bos>"
+    )
+    hf.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return hf
+
+
+_MODEL = None
+
+
+def tiny_model():
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = tiny_causal_lm("qwen2", vocab_size=VOCAB, dtype=torch.float64, seed=3)
+    return _MODEL
+
+
+def trainer_config(path: str = "unused"):
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "model": {"path": path},
+                "rollout": {"prompt_length": PROMPT_LEN, "response_length": RESPONSE_LEN},
+            },
+            "data": {"apply_chat_template_kwargs": {}},
+        }
+    )
+
+
+class StandInServerManager:
+    """What verl's LLMServerClient offers the agent loop (``generate``), served by a grpo_parts
+    sampler on a tiny model; records every request."""
+
+    def __init__(self, tokenizer):
+        self.server = ours.SamplerServer(
+            ReferenceSampler(tiny_model()), (tokenizer.eos_token_id,), 0, RESPONSE_LEN
+        )
+        self.requests = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        self.requests.append((request_id, list(prompt_ids), dict(sampling_params)))
+        return await self.server.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+
+
+def make_loop(tokenizer, server_manager, **kw):
+    ours.register_agent_loop()
+    cfg = verl_agent_loop._agent_loop_registry[ours.NAME]
+    assert cfg["_target_"] == "grpo_parts_adapters.verl.agent_loop.GrpoPartsAgentLoop"
+    return ours.GrpoPartsAgentLoop(
+        trainer_config=verl_agent_loop.DictConfigWrap(trainer_config()),
+        server_manager=server_manager,
+        tokenizer=tokenizer,
+        processor=None,
+        dataset_cls=None,
+        data_config=verl_agent_loop.DictConfigWrap(trainer_config().data),
+        **kw,
+    )
+
+
+def verl_worker(tokenizer):
+    """verl's AgentLoopWorker with only the state its post-processing reads (no Ray, no servers)."""
+    w = object.__new__(verl_agent_loop.AgentLoopWorker)
+    w.tokenizer, w.processor = tokenizer, None
+    w.rollout_config = trainer_config().actor_rollout_ref.rollout
+    w.reward_loop_worker_handles = None
+    w.distillation_enabled = False
+    w.mm_processor_kwargs = {}
+    w.teacher_client = None
+    return w
+
+
+PROMPTS = ["abc", "hello", "z9"]
+
+
+async def _run_all(make, worker, params):
+    loop = make()  # verl builds agent loops inside the worker's running event loop
+    internal = []
+    for i, text in enumerate(PROMPTS):
+        for _ in range(2):  # rollout.n = 2: verl repeats each prompt
+            kwargs = {"raw_prompt": [{"role": "user", "content": text}], "uid": f"u{i}"}
+            out = await loop.run(params, **kwargs)
+            assert isinstance(out, verl_agent_loop.AgentLoopOutput)
+            internal.append(await worker._agent_loop_postprocess(out, False, **kwargs))
+    return internal
+
+
+@pytest.mark.parametrize("backend", ["stand_in_server", "local_reference"])
+def test_agent_loop_output_is_accepted_by_verl_postprocess(backend):
+    tok = tiny_tokenizer()
+    server = StandInServerManager(tok)
+    kw = (
+        {}
+        if backend == "stand_in_server"
+        else {"sampler": "reference", "model_factory": f"{__name__}:tiny_model"}
+    )
+    worker = verl_worker(tok)
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    internal = asyncio.run(_run_all(lambda: make_loop(tok, server, **kw), worker, params))
+    uids = np.array([f"u{i}" for i in range(len(PROMPTS)) for _ in range(2)], dtype=object)
+    data = worker._postprocess(internal, input_non_tensor_batch={"uid": uids})
+    n = 2 * len(PROMPTS)
+    assert len(server.requests) == (n if backend == "stand_in_server" else 0)
+    b = data.batch
+    assert b["prompts"].shape == (n, PROMPT_LEN) and b["responses"].shape == (n, RESPONSE_LEN)
+    assert (
+        b["input_ids"].shape
+        == b["attention_mask"].shape
+        == b["position_ids"].shape
+        == (n, PROMPT_LEN + RESPONSE_LEN)
+    )
+    assert b["rollout_log_probs"].shape == (n, RESPONSE_LEN)
+    assert list(data.non_tensor_batch["uid"]) == list(uids)
+    data.check_consistency()
+    # the prompts are the tokenizer's encoding of the chat template, left-padded
+    for i, text in enumerate(PROMPTS):
+        ids = tok(text)["input_ids"]
+        assert b["prompts"][2 * i, PROMPT_LEN - len(ids) :].tolist() == ids
+    # rollout log-probs are the policy's: recompute them with a plain forward
+    model = tiny_model()
+    with torch.no_grad():
+        logits = model(
+            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+        ).logits
+    lp = (
+        torch.log_softmax(logits[:, PROMPT_LEN - 1 : -1].double(), -1)
+        .gather(-1, b["responses"][..., None])
+        .squeeze(-1)
+    )
+    m = b["response_mask"].bool()
+    torch.testing.assert_close(
+        b["rollout_log_probs"][m].double(), lp[m], rtol=0, atol=1e-5
+    )  # stored as float32
+
+
+def test_greedy_local_sampler_equals_stand_in_server():
+    tok = tiny_tokenizer()
+    server = StandInServerManager(tok)
+    greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
+    kwargs = {"raw_prompt": [{"role": "user", "content": "hello"}]}
+
+    async def both():
+        a = make_loop(tok, server)
+        b = make_loop(tok, server, sampler="reference", model_factory=f"{__name__}:tiny_model")
+        return await a.run(greedy, **kwargs), await b.run(greedy, **kwargs)
+
+    out_a, out_b = asyncio.run(both())
+    assert out_a.response_ids == out_b.response_ids and out_a.prompt_ids == out_b.prompt_ids
+
+
+def test_sampling_params_translation():
+    p = ours.sampling_params_from_verl({"temperature": 0.7, "top_k": -1, "top_p": 0.9}, 5, (1,), 0)
+    assert (p.temperature, p.top_k, p.top_p, p.max_new_tokens, p.group_size) == (0.7, 0, 0.9, 5, 1)
+    with pytest.raises(ValueError, match="model_factory"):
+        ours._load("no_colon")
