@@ -1,0 +1,221 @@
+"""``grpo-parts bench filter``: time of the training phase vs CPPO pruning rate.
+
+The training phase is what pruning shrinks: the old-policy forward, the reference forward and the
+policy forward/backward (:func:`grpo_parts.core.grpo_loss` through the reference
+``AttentionBackend``), all on the kept rows, in micro-batches of a fixed size as TRL/verl do. The
+filter itself and :func:`~grpo_parts.filter.apply.apply_filter` are inside the timed region;
+rollout, rewards and the optimizer step are not (pruning does not change them). Each point reports
+``speedup`` = time(P = 0) / time(P) next to the ideal ``1 / (1 - P)``.
+
+The batch is synthetic but shaped like a GRPO step: B prompts x G completions, left-padded prompts
+of varying length, right-padded completions of varying length, continuous rewards (so every group
+has variance and the kept count is exactly ``N - floor(P * N)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the results (list of points) as JSON")
+    p.add_argument("--quick", action="store_true", help="small model and batch, one repeat (smoke test)")
+    p.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="pruning rates P")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (B)")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    p.add_argument(
+        "--prompt-len", type=int, default=96, help="max prompt tokens (lengths vary in [len/2, len])"
+    )
+    p.add_argument(
+        "--completion-len", type=int, default=128, help="max completion tokens (vary in [len/4, len])"
+    )
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward micro-batch")
+    p.add_argument("--scope", choices=["global", "group"], default="global", help="top-k scope")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median reported)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="speedup from wall time, or from process CPU time (steadier on a shared machine)",
+    )
+
+
+def _batch(args: argparse.Namespace, gen: torch.Generator) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    from grpo_parts.core import group_advantages
+    from grpo_parts.types import Rollout
+
+    b, g = args.prompts, args.group_size
+    n, pl, tl = b * g, args.prompt_len, args.completion_len
+    p_len = torch.randint(max(1, pl // 2), pl + 1, (b,), generator=gen).repeat_interleave(g)
+    prompt_ids = torch.randint(1, args.vocab, (b, pl), generator=gen).repeat_interleave(g, dim=0)
+    prompt_mask = (torch.arange(pl) >= pl - p_len[:, None]).long()
+    c_len = torch.randint(max(1, tl // 4), tl + 1, (n,), generator=gen)
+    completion_mask = (torch.arange(tl) < c_len[:, None]).long()
+    completion_ids = torch.randint(1, args.vocab, (n, tl), generator=gen) * completion_mask
+    group_index = torch.arange(b).repeat_interleave(g)
+    rollout = Rollout(
+        prompt_ids * prompt_mask,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        torch.zeros(n, tl),
+        group_index,
+        b,
+    )
+    rewards = torch.rand(n, generator=gen)
+    return rollout, rewards, group_advantages(rewards, group_index)
+
+
+def _training_phase(
+    filt: Any,
+    rollout: Any,
+    rewards: torch.Tensor,
+    adv: torch.Tensor,
+    policy: torch.nn.Module,
+    ref: torch.nn.Module,
+    micro: int,
+) -> tuple[float, float, int]:
+    from grpo_parts.attention.protocol import LogprobBatch
+    from grpo_parts.attention.reference import RepeatedPrefixAttention
+    from grpo_parts.core import LossConfig, grpo_loss
+    from grpo_parts.filter.apply import apply_filter
+    from grpo_parts.types import ScoredBatch
+
+    backend, cfg = RepeatedPrefixAttention(), LossConfig(kl_coef=0.04)
+    policy.zero_grad(set_to_none=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = filt.select(ScoredBatch(rewards, adv, rollout.group_index))
+    kb = apply_filter(res, rollout, adv)
+    if kb.is_empty:
+        return time.perf_counter() - t0, time.process_time() - c0, 0
+    kept = kb.rollout
+    assert kept is not None
+    chunks = [torch.arange(i, min(i + micro, kb.size)) for i in range(0, kb.size, micro)]
+    with torch.no_grad():  # old-policy and reference forwards on the kept rows only
+        old = torch.cat(
+            [
+                backend.completion_logprobs(policy, LogprobBatch.from_rollout(kept.select(c))).logprobs
+                for c in chunks
+            ]
+        )
+        refl = torch.cat(
+            [
+                backend.completion_logprobs(ref, LogprobBatch.from_rollout(kept.select(c))).logprobs
+                for c in chunks
+            ]
+        )
+    for c in chunks:
+        sub = kept.select(c)
+        logps = backend.completion_logprobs(policy, LogprobBatch.from_rollout(sub)).logprobs
+        out = grpo_loss(
+            logps, old[c], kb.advantages[c], sub.completion_mask, cfg, refl[c],
+            num_tokens=kb.num_tokens, num_seqs=kb.num_seqs,
+        )  # fmt: skip
+        out.loss.backward()
+    return time.perf_counter() - t0, time.process_time() - c0, kb.size
+
+
+def amdahl(train_speedup: float, rollout_fraction: float) -> float:
+    """End-to-end step speedup when only the training phase (1 - rollout_fraction of the step,
+    ignoring 'everything else') gets faster by ``train_speedup``: ``1 / (f_r + (1 - f_r) / s)``."""
+    return 1.0 / (rollout_fraction + (1.0 - rollout_fraction) / train_speedup)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from grpo_parts.filter.cppo import TopKAbsAdvantage
+    from grpo_parts.filter.reference import KeepAll
+    from grpo_parts.tiny import tiny_causal_lm
+
+    if args.quick:
+        args.prompts, args.group_size, args.prompt_len, args.completion_len = 8, 8, 48, 64
+        args.hidden, args.layers, args.vocab, args.repeats = 128, 2, 1024, 1
+    if 0.0 not in args.rates:
+        args.rates = [0.0, *args.rates]
+    if any(not 0.0 <= p < 1.0 for p in args.rates):
+        raise SystemExit(f"--rates: expected values in [0, 1), got {args.rates}")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    heads = max(1, args.hidden // 64)
+    policy = tiny_causal_lm(
+        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
+        num_kv_heads=max(1, heads // 2), intermediate_size=args.hidden * 3, seed=args.seed,
+    )  # fmt: skip
+    policy.train()
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    rollout, rewards, adv = _batch(args, torch.Generator().manual_seed(args.seed))
+    n = rollout.num_completions
+    filters = {
+        p: KeepAll() if p == 0.0 else TopKAbsAdvantage(pruning_rate=p, scope=args.scope) for p in args.rates
+    }
+    times: dict[float, list[float]] = {p: [] for p in args.rates}
+    cpu: dict[float, list[float]] = {p: [] for p in args.rates}
+    kept: dict[float, int] = {}
+    _training_phase(filters[args.rates[-1]], rollout, rewards, adv, policy, ref, args.micro_batch)  # warm-up
+    # interleave rates within each repeat so machine-load drift hits every point alike
+    for _ in tqdm(range(args.repeats), desc="bench filter", unit="repeat"):
+        for p in args.rates:
+            t, c, k = _training_phase(filters[p], rollout, rewards, adv, policy, ref, args.micro_batch)
+            times[p].append(t)
+            cpu[p].append(c)
+            kept[p] = k
+    clock = times if args.clock == "wall" else cpu
+    base = statistics.median(clock[0.0])
+    points = []
+    for p in args.rates:
+        t = statistics.median(clock[p])
+        ideal = n / kept[p] if kept[p] else float("inf")
+        points.append(
+            {
+                "pruning_rate": p,
+                "speedup": base / t,
+                "ideal": 1.0 / (1.0 - p),
+                "ideal_kept": ideal,
+                "fraction_of_ideal": (base / t) * (1.0 - p),
+                "seconds": statistics.median(times[p]),
+                "cpu_seconds": statistics.median(cpu[p]),
+                "clock": args.clock,
+                "kept_rows": kept[p],
+                "rows": n,
+                "step_speedup_rollout_65pct": amdahl(base / t, 0.65),
+                "step_speedup_rollout_90pct": amdahl(base / t, 0.90),
+            }
+        )
+    meta = (
+        f"qwen2 tiny: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; B={args.prompts} x "
+        f"G={args.group_size}; prompt <= {args.prompt_len}, completion <= {args.completion_len} tokens; "
+        f"micro-batch {args.micro_batch}; scope {args.scope}; {args.repeats} repeats (median, {args.clock} clock); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}"
+    )
+    print(meta)
+    print(
+        f"{'P':>7} {'kept':>5} {'wall s':>8} {'cpu s':>8} {'speedup':>8} {'ideal':>6} {'of ideal':>8} {'step@65%':>8}"
+    )
+    for pt in points:
+        print(
+            f"{pt['pruning_rate']:>7.4g} {pt['kept_rows']:>5d} {pt['seconds']:>8.3f} {pt['cpu_seconds']:>8.3f} "
+            f"{pt['speedup']:>8.2f} "
+            f"{pt['ideal']:>6.2f} {pt['fraction_of_ideal']:>8.2f} {pt['step_speedup_rollout_65pct']:>8.2f}"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(points, fh, indent=2)
+        print(f"wrote {args.json}")
+    return 0
