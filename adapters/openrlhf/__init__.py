@@ -1,0 +1,24 @@
+"""grpo_parts inside OpenRLHF 0.11.2's Ray GRPO loop (thin translation layer, no maths of its own).
+
+OpenRLHF has no plugin registry, so the parts go in by subclassing, and a launcher
+(``python -m grpo_parts_adapters.openrlhf.launch``) runs OpenRLHF's own ``cli/train_ppo_ray`` with
+the subclasses swapped in. Modules (each imports OpenRLHF only when it is itself imported):
+
+* :mod:`.config` -- ``PartsConfig``: the ``--grpo_parts.*`` flags, carried in ``strategy.args``.
+* :mod:`.layout` -- OpenRLHF's right-padded ``sequences``/``action_mask`` <-> ``LogprobBatch`` (no OpenRLHF import).
+* :mod:`.actor` -- AttentionBackend: ``attach_attention(actor, backend)`` makes ``Actor.forward``
+  compute action log-probs with the backend (shared-prefix for padded and packed inputs).
+* :mod:`.experience` -- CompletionFilter: ``GRPOPartsExperienceMaker``, a ``RemoteExperienceMaker``
+  computing ``group_norm`` advantages with :func:`grpo_parts.core.group_advantages`, filtering before
+  the old/ref forwards, refilling through the samples generator.
+* :mod:`.agent` -- Sampler: ``GRPOPartsAgentExecutor`` for ``--train.agent_func_path``.
+* :mod:`.vllm_spec` -- speculative config for OpenRLHF's vLLM engines and draft weight sync.
+* :mod:`.ray_actors` -- the Ray actor / trainer subclasses the launcher swaps in.
+* :mod:`.launch` -- the launcher. See docs/adapters/openrlhf.md.
+"""
+
+from __future__ import annotations
+
+from .config import PartsConfig
+
+__all__ = ["PartsConfig"]

@@ -1,0 +1,117 @@
+"""Which grpo_parts run inside OpenRLHF, as one validated config.
+
+The launcher adds ``--grpo_parts.*`` flags to OpenRLHF's own parser; OpenRLHF's ``hierarchize``
+turns them into ``args.grpo_parts`` (a namespace), which travels to every Ray actor inside
+``strategy.args``. :meth:`PartsConfig.from_args` reads it back there, so nothing depends on
+environment variables or global state.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from grpo_parts.errors import GRPOPartsError
+
+#: flag name (after ``--grpo_parts.``) -> (type for argparse, default, help)
+FLAGS: dict[str, tuple[type, Any, str]] = {
+    "attention": (
+        str,
+        "reference",
+        "AttentionBackend for actor/reference log-probs: reference | shared_prefix | auto",
+    ),
+    "attention_kwargs": (str, "{}", 'JSON kwargs for the attention backend, e.g. \'{"kernel": "sdpa"}\''),
+    "filter": (str, "keep_all", "CompletionFilter applied after group advantages: keep_all | cppo | ..."),
+    "filter_kwargs": (str, "{}", "JSON kwargs for the filter, e.g. '{\"pruning_rate\": 0.5}'"),
+    "refill_rounds": (
+        int,
+        0,
+        "max extra rollout rounds that refill slots freed by the filter (0 = no refill)",
+    ),
+    "grouped_microbatches": (int, 0, "1 = keep each prompt's completions in the same training micro-batch"),
+    "speculative_config": (
+        str,
+        "",
+        "JSON speculative_config passed to every vLLM engine (vLLM's own format)",
+    ),
+    "draft_sync": (str, "none", "draft weight sync after each policy update: none | shared (embed/lm_head)"),
+}
+
+
+def _json_dict(name: str, v: Any) -> dict[str, Any]:
+    if isinstance(v, dict):
+        return v
+    if v in (None, ""):
+        return {}
+    try:
+        out = json.loads(v)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}: expected a JSON object, got {v!r} ({e})") from e
+    if not isinstance(out, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {type(out).__name__}")
+    return out
+
+
+class PartsConfig(BaseModel):
+    """The parts to use. Defaults reproduce plain OpenRLHF GRPO exactly."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    attention: str = "reference"
+    attention_kwargs: dict[str, Any] = Field(default_factory=dict)
+    filter: str = "keep_all"
+    filter_kwargs: dict[str, Any] = Field(default_factory=dict)
+    refill_rounds: int = Field(0, ge=0)
+    grouped_microbatches: bool = False
+    speculative_config: dict[str, Any] = Field(default_factory=dict)
+    draft_sync: str = "none"
+
+    @field_validator("attention_kwargs", "filter_kwargs", "speculative_config", mode="before")
+    @classmethod
+    def _parse_json(cls, v: Any, info: Any) -> dict[str, Any]:
+        return _json_dict(info.field_name, v)
+
+    @field_validator("draft_sync")
+    @classmethod
+    def _draft_sync(cls, v: str) -> str:
+        if v not in ("none", "shared"):
+            raise ValueError(f"draft_sync: expected 'none' or 'shared', got {v!r}")
+        return v
+
+    @classmethod
+    def from_args(cls, args: Any) -> PartsConfig:
+        """Read ``args.grpo_parts`` (absent = defaults, i.e. plain OpenRLHF)."""
+        ns = getattr(args, "grpo_parts", None)
+        if ns is None:
+            return cls()
+        return cls(**{k: v for k, v in vars(ns).items() if v is not None})
+
+    # ----------------------------------------------------------------------------- builders
+
+    def build_filter(self) -> Any:
+        from grpo_parts.filter import get_filter_class
+
+        return get_filter_class(self.filter)(**self.filter_kwargs)
+
+    def build_attention(self, model: torch.nn.Module | None = None) -> Any:
+        """The backend named by ``attention``; ``"auto"`` needs ``model`` and walks ``AUTO_PRIORITY``."""
+        from grpo_parts.attention import AUTO_PRIORITY, IMPLEMENTATIONS, get_attention_class
+        from grpo_parts.registry import choose
+
+        name = self.attention
+        if name == "auto":
+            if model is None:
+                raise GRPOPartsError("attention: 'auto' needs the model to choose a backend")
+            choice = choose(
+                IMPLEMENTATIONS,
+                AUTO_PRIORITY,
+                "attention",
+                lambda c: c().not_supported_reasons(model),
+            )
+            name = choice.name
+            if name == "reference":
+                return get_attention_class(name)()
+        return get_attention_class(name)(**self.attention_kwargs)

@@ -1,0 +1,246 @@
+"""CompletionFilter in OpenRLHF: a ``RemoteExperienceMaker`` that computes GRPO advantages with
+:func:`grpo_parts.core.group_advantages`, filters completions, and refills through the samples
+generator.
+
+OpenRLHF's ``make_experience_batch`` runs the old-policy / reference (and reward-model) forwards on
+every rollout sample, then ``compute_advantages_and_returns`` (``group_norm`` for GRPO). When the
+rewards arrive with the samples (reward functions, remote RMs, agents: the usual GRPO set-up),
+:class:`GRPOPartsExperienceMaker` scores and filters **before** those forwards, so they run on the
+kept rows only (CPPO's saving). With a reward *model* the rewards exist only after the forwards;
+then the filter runs after them (it still saves the policy's forward/backward).
+
+Advantages are computed once per group on the full group (pruning never changes a kept row's
+advantage) and placed per token with OpenRLHF's own ``compute_reward`` / ``get_cumulative_returns``,
+so with the ``keep_all`` filter the output equals OpenRLHF's ``group_norm`` (or ``dr_grpo``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import torch
+from openrlhf.models.utils import compute_reward
+from openrlhf.trainer.ppo_utils.experience import Experience, split_experience_batch
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
+
+from grpo_parts.core import AdvantageConfig, group_advantages
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.filter.reference import KeepAll
+from grpo_parts.types import ScoredBatch
+
+#: OpenRLHF estimator -> the same advantage in grpo_parts terms (experience_maker.py, 0.11.2):
+#: group_norm = (r - mean) / (std + 1e-9) with torch's unbiased std; dr_grpo = r - mean.
+ADVANTAGE_CONFIGS: dict[str, AdvantageConfig] = {
+    "group_norm": AdvantageConfig(norm="group", unbiased_std=True, eps=1e-9),
+    "dr_grpo": AdvantageConfig(norm="none"),
+}
+_ADV_KEY = "grpo_parts_advantage"  # per-sample scalar advantage, carried in Experience.info
+
+
+def group_index_of(samples: list[Experience], group_size: int) -> torch.Tensor:
+    """OpenRLHF's grouping: consecutive runs of ``n_samples_per_prompt`` samples share a prompt
+    (its ``group_norm`` reshapes rewards to ``[-1, G]``). Checked against ``Experience.prompts``."""
+    n = sum(len(s.sequences) for s in samples)
+    if group_size < 1 or n % group_size:
+        raise GRPOPartsError(
+            f"rollout samples: expected a multiple of n_samples_per_prompt={group_size} rows, got {n}"
+        )
+    prompts = [p for s in samples for p in (s.prompts or [])]
+    if len(prompts) == n:
+        for g in range(n // group_size):
+            chunk = prompts[g * group_size : (g + 1) * group_size]
+            if any(p != chunk[0] for p in chunk):
+                raise GRPOPartsError(
+                    f"rollout samples: rows {g * group_size}..{(g + 1) * group_size - 1} should share one prompt "
+                    f"(OpenRLHF groups consecutive samples), got {len(set(chunk))} different prompts"
+                )
+    return torch.arange(n // group_size).repeat_interleave(group_size)
+
+
+class GRPOPartsExperienceMaker(RemoteExperienceMaker):
+    """``RemoteExperienceMaker`` with a grpo_parts ``CompletionFilter``.
+
+    ``completion_filter``: any grpo_parts filter (default keep-all = plain OpenRLHF).
+    ``samples_generator`` / ``generate_kwargs``: the trainer's, used to refill; ``refill_rounds``:
+    extra rollout rounds allowed per step (0 = train on what the filter kept).
+    ``last_info`` holds the last step's filter diagnostics (kept fraction, refill prompts).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        completion_filter: Any = None,
+        samples_generator: Any = None,
+        generate_kwargs: dict[str, Any] | None = None,
+        refill_rounds: int = 0,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        if self.advantage_estimator not in ADVANTAGE_CONFIGS:
+            raise GRPOPartsError(
+                f"algo.advantage.estimator: grpo_parts supports {sorted(ADVANTAGE_CONFIGS)}, "
+                f"got {self.advantage_estimator!r}"
+            )
+        self.adv_config = ADVANTAGE_CONFIGS[self.advantage_estimator]
+        self.completion_filter = completion_filter if completion_filter is not None else KeepAll()
+        self.samples_generator = samples_generator
+        self.generate_kwargs = dict(generate_kwargs or {})
+        self.refill_rounds = refill_rounds
+        self.last_info: dict[str, float] = {}
+
+    @property
+    def group_size(self) -> int:
+        return int(self.args.rollout.n_samples_per_prompt)
+
+    # ----------------------------------------------------------------------------- scoring
+
+    def score(self, samples: list[Experience]) -> ScoredBatch:
+        """Shape the rewards as OpenRLHF does (>= float32, length penalties; in place, once) and
+        compute every row's advantage on its full group."""
+        for s in samples:
+            s.rewards = s.rewards.to(torch.promote_types(s.rewards.dtype, torch.float32))
+        apply_length_penalties(samples, self.args)
+        rewards = torch.cat([s.rewards for s in samples])
+        gi = group_index_of(samples, self.group_size)
+        adv = group_advantages(rewards, gi, self.adv_config)
+        lengths = (
+            torch.cat([s.response_length for s in samples]).long()
+            if samples[0].response_length is not None
+            else None
+        )
+        for s, a in zip(samples, adv.split([len(s.sequences) for s in samples])):
+            s.info[_ADV_KEY] = a
+        return ScoredBatch(rewards, adv, gi, lengths)
+
+    def _select(self, samples: list[Experience]) -> list[Experience]:
+        """Filter (and refill) single-sample experiences whose rewards are known."""
+        scored = self.score(samples)
+        target = len(samples)
+        can_refill = self.refill_rounds > 0 and self.samples_generator is not None
+        if not can_refill:
+            res = self.completion_filter.select(scored, target_size=None)
+            self.last_info = {"kept_fraction": res.kept.numel() / max(target, 1), "refill_prompts": 0.0}
+            return [samples[i] for i in res.kept.tolist()]
+        from grpo_parts.filter.allocation import Chunk, Refiller
+
+        first = [True]
+
+        def produce(n: int) -> Any:
+            if first[0]:
+                first[0] = False
+                return Chunk(samples, scored, len(samples) // self.group_size)
+            more = self._generate_more(n)
+            return Chunk(more, self.score(more), len(more) // self.group_size) if more else None
+
+        refiller = Refiller(
+            target_size=target,
+            initial_prompts=len(samples) // self.group_size,
+            max_rounds=1 + self.refill_rounds,
+        )
+        out = refiller.fill(self.completion_filter, produce)
+        self.last_info = {
+            **out.info,
+            "refill_prompts": float(out.prompts_used - len(samples) // self.group_size),
+        }
+        return [sel.chunk.payload[i] for sel in out.selections for i in sel.kept.tolist()]
+
+    def _generate_more(self, num_prompts: int) -> list[Experience]:
+        """``num_prompts`` more prompts' samples from the trainer's samples generator (same
+        dataloader stream, so refill prompts are not seen twice in the episode)."""
+        gen = self.samples_generator
+        it = getattr(gen, "_dataloader_iter", None)
+        if it is None:
+            return []
+        from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+
+        sleep = bool(self.args.vllm.enable_sleep)
+        if sleep:
+            batch_vllm_engine_call(gen.vllm_engines, "wake_up")
+        try:
+            more, _, exhausted = gen._generate_vllm(
+                dataloader_iter=it,
+                num_prompts=num_prompts,
+                dynamic_filtering=self.args.algo.dynamic_filtering_enable,
+                **self.generate_kwargs,
+            )
+        finally:
+            if sleep:
+                batch_vllm_engine_call(gen.vllm_engines, "sleep")
+        if exhausted:
+            gen._dataloader_iter = None
+        return list(more)
+
+    # --------------------------------------------------------------------------- OpenRLHF hooks
+
+    @torch.no_grad()
+    def make_experience_batch(self, rollout_samples: list[Experience]) -> list[Experience]:
+        samples = list(rollout_samples)
+        if samples and all(s.rewards is not None for s in samples):
+            kept = self._select(samples)  # before the old/ref forwards
+            if not kept:
+                return []
+            return self.compute_advantages_and_returns(self.make_experience(self.split_rollout_samples(kept)))
+        # rewards come from a reward model: forwards first, then score and filter
+        experiences = self.make_experience(self.split_rollout_samples(samples))
+        singles = [one for e in experiences for one in _split(e)]
+        singles.sort(key=lambda e: e.index[0])  # back to rollout order (OpenRLHF's grouping)
+        kept = self._select(singles) if singles else []
+        if not kept:
+            return []
+        batches = [
+            Experience.concat_experiences(
+                kept[i : i + self.args.rollout.micro_batch_size], self.tokenizer.pad_token_id
+            )
+            for i in range(0, len(kept), self.args.rollout.micro_batch_size)
+        ]
+        return self.compute_advantages_and_returns(batches)
+
+    @torch.no_grad()
+    def compute_advantages_and_returns(self, experiences: list[Experience]) -> list[Experience]:
+        """Per-token advantages from the per-sample advantages (computed here when absent)."""
+        if not experiences:
+            return experiences
+        if any(_ADV_KEY not in e.info for e in experiences):
+            singles = [one for e in experiences for one in _split(e, keep_index=True)]
+            singles.sort(key=lambda e: e.index[0])
+            self.score(singles)
+            by_index = {s.index[0]: s for s in singles}
+            for e in experiences:
+                e.rewards = torch.cat([by_index[i].rewards for i in e.index])
+                e.info[_ADV_KEY] = torch.cat([by_index[i].info[_ADV_KEY] for i in e.index])
+        for e in experiences:
+            adv = e.info.pop(_ADV_KEY).to(e.rewards.dtype)
+            reward = compute_reward(
+                adv,
+                self.kl_ctl.value,
+                e.kl,
+                action_mask=e.action_mask,
+                reward_clip_range=self.args.reward.clip_range,
+            )
+            e.returns = self.get_cumulative_returns(reward, e.action_mask, 1.0)
+            e.advantages = e.returns.clone()
+            e.info["return"] = reward.sum(dim=-1)
+            e.kl = None
+        return experiences
+
+
+def _split(e: Experience, keep_index: bool = False) -> list[Experience]:
+    """One Experience per row (OpenRLHF's ``split_experience_batch``), keeping each row's ``index``."""
+    index = list(e.index) if e.index is not None else None
+    ones = split_experience_batch(e)
+    e.index = index
+    for i, one in enumerate(ones):
+        one.index = [index[i]] if index is not None else None
+        for f in fields(Experience):
+            v = getattr(one, f.name)
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and Experience.is_episode_tensor_field(f.name):
+                setattr(one, f.name, v.reshape(1))
+            elif isinstance(v, torch.Tensor) and Experience.is_step_tensor_field(f.name):
+                setattr(one, f.name, v.unsqueeze(0))
+        one.info = {
+            k: (v.reshape(1) if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
+            for k, v in one.info.items()
+        }
+    return ones

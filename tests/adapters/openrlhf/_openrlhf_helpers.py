@@ -1,0 +1,141 @@
+"""Builders for OpenRLHF-shaped test data (imported by the tests after the stand-ins are installed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from grpo_parts.tiny import tiny_causal_lm
+
+
+def tiny_model(family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    return tiny_causal_lm(
+        family, vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, dtype=dtype, seed=seed
+    )
+
+
+def openrlhf_batch(
+    gen: torch.Generator,
+    group_size: int,
+    num_prompts: int,
+    *,
+    vocab: int = 48,
+    pad: int = 0,
+    env_tokens: bool = False,
+    shuffle: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sequences [B, T]`` right-padded, ``attention_mask [B, T]``, ``action_mask [B, T-1]`` as
+    OpenRLHF's samples generator builds them (prompt tokens 0, action tokens 1 in the action
+    mask; with ``env_tokens`` some tokens inside a response are environment feedback, mask 0)."""
+    rows, acts = [], []
+    for _ in range(num_prompts):
+        p = int(torch.randint(1, 7, (1,), generator=gen))
+        prompt = torch.randint(3, vocab, (p,), generator=gen).tolist()
+        for _ in range(group_size):
+            c = int(torch.randint(1, 8, (1,), generator=gen))
+            resp = torch.randint(3, vocab, (c,), generator=gen).tolist()
+            act = [0] * p + [1] * c
+            if env_tokens and c >= 4:
+                act[p + 1] = act[p + 2] = 0  # two environment-feedback tokens after the first action
+            rows.append(prompt + resp)
+            acts.append(act)
+    order = torch.randperm(len(rows), generator=gen).tolist() if shuffle else list(range(len(rows)))
+    t = max(len(r) for r in rows)
+    seq = torch.full((len(rows), t), pad, dtype=torch.long)
+    att = torch.zeros((len(rows), t), dtype=torch.long)
+    am = torch.zeros((len(rows), t), dtype=torch.long)
+    for i, j in enumerate(order):
+        seq[i, : len(rows[j])] = torch.tensor(rows[j])
+        att[i, : len(rows[j])] = 1
+        am[i, : len(acts[j])] = torch.tensor(acts[j])
+    return seq, att, am[:, 1:].bool()
+
+
+class KeepFloat64(torch.nn.Module):
+    """Test-only wrapper: OpenRLHF's ``Actor.forward`` casts logits to float32 (``.to(torch.float32)``);
+    this keeps them float64 so the plain actor can be compared with grpo_parts at 1e-10. Nothing
+    else of the plain forward changes."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _Float64Output(logits=self.inner(*args, **kwargs).logits)
+
+
+class _Float64Output(dict):
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "logits" and value.dtype == torch.float32 and self["logits"].dtype == torch.float64:
+            return  # ignore the downcast; in-place ops (div_ by temperature) still apply
+        super().__setitem__(key, value)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as e:
+            raise AttributeError(key) from e
+
+
+def openrlhf_args(group_size: int, batch_size: int, **overrides: Any) -> SimpleNamespace:
+    """The slice of OpenRLHF's hierarchized args that the experience maker and training step read."""
+
+    def ns(**kw: Any) -> SimpleNamespace:
+        return SimpleNamespace(**kw)
+
+    args = ns(
+        algo=ns(
+            advantage=ns(
+                estimator="group_norm",
+                gamma=1.0,
+                lambd=1.0,
+                no_std_norm=False,
+                is_correction_level="off",
+                is_correction_mode="mask",
+                is_correction_gating="ratio",
+                is_correction_threshold=[0.5, 5.0],
+            ),
+            kl=ns(use_loss=True, init_coef=0.0, estimator="k3", unbiased_gradient=False),
+            dynamic_filtering_enable=False,
+        ),
+        rollout=ns(
+            n_samples_per_prompt=group_size,
+            batch_size=batch_size,
+            micro_batch_size=group_size,
+            max_new_tokens=8,
+        ),
+        train=ns(
+            dynamic_batch_enable=False,
+            colocate_all=False,
+            colocate_actor_ref=False,
+            max_epochs=1,
+            micro_batch_size=2,
+        ),
+        reward=ns(
+            clip_range=(-10.0, 10.0),
+            overlong_buffer_len=None,
+            overlong_penalty_factor=1.0,
+            stop_properly_penalty_coef=None,
+        ),
+        actor=ns(
+            entropy_coef=None,
+            aux_loss_coef=0.0,
+            eps_clip_low_high=(0.2, 0.2),
+            dual_clip=None,
+            loss_agg_mode="token-mean",
+            policy_loss_type="ppo",
+            num_nodes=1,
+            num_gpus_per_node=1,
+        ),
+        ds=ns(ring_attn_size=1, tensor_parallel_size=1, packing_samples=False),
+        vllm=ns(enable_sleep=False),
+    )
+    for path, value in overrides.items():
+        node = args
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = getattr(node, p)
+        setattr(node, leaf, value)
+    return args

@@ -1,0 +1,146 @@
+"""AttentionBackend in OpenRLHF's ``Actor.forward``: shared-prefix log-probs and gradients equal the
+plain OpenRLHF actor's (float64, 1e-10), for padded and ``packing_samples`` actors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _openrlhf_helpers import KeepFloat64, openrlhf_batch, tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_parts.attention import IMPLEMENTATIONS, get_attention_class
+
+TOL = 1e-10
+
+
+def shared_prefix_backend():
+    if "shared_prefix" not in IMPLEMENTATIONS:
+        pytest.skip("the 'shared_prefix' AttentionBackend is not registered yet (grpo_parts.attention)")
+    return get_attention_class("shared_prefix")()
+
+
+def plain_actor(model, temperature: float, packing: bool):
+    from openrlhf.models import Actor
+
+    actor = Actor(KeepFloat64(model), temperature=temperature)
+    actor.packing_samples = packing  # OpenRLHF sets it only when it loads the model from a path
+    return actor
+
+
+def parts_actor(model, backend, temperature: float, packing: bool):
+    from grpo_parts_adapters.openrlhf.actor import attach_attention
+    from openrlhf.models import Actor
+
+    actor = Actor(model, temperature=temperature)
+    actor.packing_samples = packing
+    return attach_attention(actor, backend)
+
+
+def logprobs_and_grads(actor, model, seq, att, am, weights):
+    model.zero_grad(set_to_none=True)
+    lp = actor(seq, am, attention_mask=att)
+    (lp * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp.detach(), grads
+
+
+def assert_same(a, b, ga, gb, tol=TOL):
+    assert a.dtype == b.dtype == torch.float64
+    torch.testing.assert_close(a, b, atol=tol, rtol=0)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(
+            ga[name], gb[name], atol=tol, rtol=0, msg=lambda m, n=name: f"grad {n}: {m}"
+        )
+
+
+@settings(max_examples=6)
+@given(
+    seed=st.integers(0, 10_000),
+    group_size=st.integers(1, 4),
+    num_prompts=st.integers(1, 3),
+    family=st.sampled_from(["qwen2", "llama"]),
+    temperature=st.sampled_from([1.0, 0.7]),
+    packing=st.booleans(),
+    env_tokens=st.booleans(),
+    shuffle=st.booleans(),
+)
+def test_shared_prefix_actor_matches_plain_actor(
+    seed, group_size, num_prompts, family, temperature, packing, env_tokens, shuffle
+):
+    backend = shared_prefix_backend()
+    gen = torch.Generator().manual_seed(seed)
+    model = tiny_model(family, seed=seed % 7)
+    model.train()
+    seq, att, am = openrlhf_batch(gen, group_size, num_prompts, env_tokens=env_tokens, shuffle=shuffle)
+    weights = torch.randn(am.shape, generator=gen, dtype=torch.float64)
+    ref = logprobs_and_grads(plain_actor(model, temperature, packing), model, seq, att, am, weights)
+    ours = logprobs_and_grads(parts_actor(model, backend, temperature, packing), model, seq, att, am, weights)
+    assert_same(ours[0], ref[0], ours[1], ref[1])
+
+
+def test_reference_backend_matches_unmodified_openrlhf_forward():
+    """The layout mapping against OpenRLHF's forward exactly as shipped (float32 logits cast)."""
+    from openrlhf.models import Actor
+
+    from grpo_parts.attention.reference import RepeatedPrefixAttention
+
+    gen = torch.Generator().manual_seed(3)
+    model = tiny_model("qwen2")
+    seq, att, am = openrlhf_batch(gen, 3, 2, env_tokens=True)
+    plain = Actor(model, temperature=0.8)
+    plain.packing_samples = False
+    ours = parts_actor(model, RepeatedPrefixAttention(), 0.8, packing=False)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(seq, am, attention_mask=att), plain(seq, am, attention_mask=att), atol=1e-5, rtol=0
+        )
+
+
+def test_entropy_output_matches_reference_backend():
+    from grpo_parts.attention.reference import RepeatedPrefixAttention
+
+    backend = shared_prefix_backend()
+    gen = torch.Generator().manual_seed(5)
+    model = tiny_model("qwen2")
+    seq, att, am = openrlhf_batch(gen, 3, 2)
+    outs = []
+    for b in (RepeatedPrefixAttention(), backend):
+        lp, out = parts_actor(model, b, 1.0, False)(
+            seq, am, attention_mask=att, return_output=True, return_entropy=True
+        )
+        assert out.entropy.shape == (seq.shape[0], seq.shape[1] - 1)
+        outs.append((lp, out.entropy[:, -am.shape[1] :] * am))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=TOL, rtol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=TOL, rtol=0)
+
+
+def test_unsupported_calls_fall_back_to_openrlhf_forward():
+    from grpo_parts.attention.reference import RepeatedPrefixAttention
+
+    gen = torch.Generator().manual_seed(1)
+    model = tiny_model("qwen2")
+    seq, att, am = openrlhf_batch(gen, 2, 1)
+    actor = parts_actor(model, RepeatedPrefixAttention(), 1.0, False)
+    with torch.no_grad():
+        out = actor(seq, None, attention_mask=att, return_output=True)
+    assert out["logits"].shape[:2] == seq.shape
+    assert sum(actor.fallbacks.values()) == 1
+
+
+def test_attach_refuses_unsupported_model():
+    from grpo_parts.errors import NotSupportedError
+
+    class Refuses:
+        name = "refuses"
+
+        def not_supported_reasons(self, model, batch=None):
+            return ["model: not this one"]
+
+    from openrlhf.models import Actor
+
+    with pytest.raises(NotSupportedError, match="not this one"):
+        from grpo_parts_adapters.openrlhf.actor import attach_attention
+
+        attach_attention(Actor(tiny_model("qwen2")), Refuses())
