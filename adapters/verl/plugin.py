@@ -1,0 +1,70 @@
+"""verl plugin entry: importing this module registers every grpo_parts part with verl.
+
+verl imports it through any of its own mechanisms:
+
+* the ``verl.plugins`` entry point this package installs (loaded by ``import verl`` in every
+  process, Ray workers included; ``VERL_USE_EXTERNAL_PLUGINS=none`` turns discovery off);
+* ``VERL_USE_EXTERNAL_MODULES=grpo_parts_adapters.verl.plugin``;
+* ``actor_rollout_ref.model.external_lib=grpo_parts_adapters.verl.plugin`` (imported when the
+  model config is built: enough for the estimator, agent loop and attention hook, but too late for
+  ``trainer.v1.trainer_mode``, which is looked up first -- use one of the two above for that).
+
+Registering is the point of this module, so it happens on import; each part is registered on its
+own and a part whose verl seam cannot be imported (e.g. no TransferQueue for the v1 trainer) is
+skipped with a warning instead of breaking ``import verl``. :data:`STATUS` says what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+def _advantage() -> None:
+    from .advantage import register
+
+    register()
+
+
+def _trainer() -> None:
+    from .trainer import register
+
+    register()
+
+
+def _agent_loop() -> None:
+    from .agent_loop import register_agent_loop
+
+    register_agent_loop()
+
+
+def _attention() -> None:
+    from .attention import install_engine_hook
+
+    install_engine_hook()  # only when $GRPO_PARTS_VERL_ATTENTION names a backend
+
+
+PARTS: dict[str, Callable[[], None]] = {
+    "advantage_estimator": _advantage,
+    "trainer": _trainer,
+    "agent_loop": _agent_loop,
+    "attention_hook": _attention,
+}
+
+
+def register_all() -> dict[str, str]:
+    """Register every part; returns ``{part: "registered" | "skipped: <why>"}``."""
+    status: dict[str, str] = {}
+    for part, fn in PARTS.items():
+        try:
+            fn()
+            status[part] = "registered"
+        except ImportError as e:  # a verl seam needs a package that is not installed
+            status[part] = f"skipped: {e}"
+            logger.warning("grpo_parts verl plugin: %s not registered (%s)", part, e)
+    return status
+
+
+STATUS = register_all()

@@ -1,0 +1,138 @@
+"""verl adapter: loading through verl's own plugin mechanisms, and the ``grpo_parts_sync`` trainer's
+filter + refill on TransferQueue batches (against an in-memory stand-in store)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transfer_queue")
+pytest.importorskip("verl.trainer.ppo.v1")
+
+from grpo_parts_adapters.verl import PLUGIN_MODULE  # noqa: E402
+from grpo_parts_adapters.verl import trainer as tr  # noqa: E402
+from grpo_parts_adapters.verl.filtering import FilterOptions  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from transfer_queue import KVBatchMeta  # noqa: E402
+from verl.utils.import_utils import import_external_libs  # noqa: E402
+
+
+def _registered() -> dict[str, bool]:
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    return {
+        "adv": "grpo_parts_grpo" in ADV_ESTIMATOR_REGISTRY,
+        "trainer": get_trainer_cls("grpo_parts_sync") is tr.GrpoPartsSyncTrainer,
+        "agent": "grpo_parts_agent" in _agent_loop_registry,
+    }
+
+
+def test_external_lib_registers_every_part():
+    import_external_libs(PLUGIN_MODULE)  # what actor_rollout_ref.model.external_lib does
+    from grpo_parts_adapters.verl import plugin
+
+    assert plugin.STATUS["advantage_estimator"] == plugin.STATUS["trainer"] == "registered"
+    assert plugin.STATUS["agent_loop"] == plugin.STATUS["attention_hook"] == "registered"
+    assert all(_registered().values())
+
+
+def test_entry_point_registers_on_import_verl_in_a_fresh_process():
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="verl.plugins")}
+    if eps.get("grpo_parts") != PLUGIN_MODULE:
+        pytest.skip("package not installed with `pip install -e .` (no verl.plugins entry point)")
+    code = (
+        "import verl, sys\n"
+        "from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY as A\n"
+        "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY as T\n"
+        "sys.exit(0 if 'grpo_parts_grpo' in A and 'grpo_parts_sync' in T else 3)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+class FakeStore:
+    """In-memory stand-in for TransferQueue's kv API (kv_batch_get / kv_clear)."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+
+    def put(self, key, uid, reward, length, width=4):
+        mask = torch.zeros(width, dtype=torch.long)
+        mask[:length] = 1
+        scores = torch.zeros(width)
+        scores[length - 1] = reward
+        self.rows[key] = {"uid": uid, "rm_scores": scores, "response_mask": mask}
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        rows = [self.rows[k] for k in keys]
+        td = TensorDict(
+            {f: torch.stack([r[f] for r in rows]) for f in select_fields if f != "uid"},
+            batch_size=[len(keys)],
+        )
+        td["uid"] = [r["uid"] for r in rows]
+        return td
+
+    def kv_clear(self, keys, partition_id):
+        for k in keys:
+            del self.rows[k]
+
+
+def _batch(store, prompt_rewards: dict[str, list[float]]):
+    keys, tags = [], []
+    for uid, rewards in prompt_rewards.items():
+        for j, r in enumerate(rewards):
+            key = f"{uid}_0_{j}"
+            store.put(key, uid, r, length=1 + j % 3)
+            keys.append(key)
+            tags.append({"uid": uid, "seq_len": 5})
+    return KVBatchMeta(partition_id="train", keys=keys, tags=tags, extra_info={"temperature": 1.0})
+
+
+def test_filter_kv_batch_keeps_top_k_and_clears_the_rest():
+    store = FakeStore()
+    batch = _batch(store, {"a": [1, 0, 0, 0], "b": [1, 1, 1, 1], "c": [0.0, 1.0, 0.5, 1.0]})
+    opts = FilterOptions(name="cppo", kwargs={"k": 3})
+    kept, metrics = tr.filter_kv_batch(batch, opts.build(), opts, store=store)
+    # group a: A = (1-.25)/.5 = 1.5 for row 0, -0.5 others; group b zero variance; group c |A| ~ 1.31, 0.87
+    # ties (c_0_1, c_0_3 at 0.78) break towards the lower row
+    assert kept.keys == ["a_0_0", "c_0_0", "c_0_1"]
+    assert set(store.rows) == set(kept.keys)  # pruned rows cleared from TransferQueue
+    assert [t["uid"] for t in kept.tags] == [k.split("_")[0] for k in kept.keys]
+    assert kept.partition_id == "train" and kept.extra_info == {"temperature": 1.0}
+    assert metrics["grpo_parts/filter/rows_kept"] == 3
+
+
+def test_filter_kv_batch_refills_until_target():
+    store = FakeStore()
+    batch = _batch(store, {"a": [1, 1], "b": [0, 1]})  # only b has signal: 2 rows
+    calls = []
+
+    def more(n_prompts):
+        calls.append(n_prompts)
+        i = len(calls)
+        return _batch(store, {f"r{i}x{j}": [0, 1] for j in range(n_prompts)})
+
+    opts = FilterOptions(name="zero_variance", target_rows=6, refill=True, max_rounds=5)
+    kept, metrics = tr.filter_kv_batch(batch, opts.build(), opts, store=store, more=more)
+    assert len(kept.keys) == 6 and calls  # refilled with more prompts
+    assert not any(k.startswith("a_") for k in kept.keys)
+    assert set(store.rows) == set(kept.keys)
+    assert metrics["grpo_parts/filter/rounds"] >= 2
+
+
+def test_filter_options_from_config():
+    assert tr.filter_options_from(OmegaConf.create({})) is None
+    cfg = OmegaConf.create({"grpo_parts": {"filter": {"name": "cppo", "kwargs": {"pruning_rate": 0.5}}}})
+    assert tr.filter_options_from(cfg) == FilterOptions(name="cppo", kwargs={"pruning_rate": 0.5})
+    with pytest.raises(ValueError):
+        tr.filter_options_from(OmegaConf.create({"grpo_parts": {"filter": {"name": "cppo", "bogus": 1}}}))
