@@ -9,4 +9,6 @@ $PIP install -q torch==2.13.0
 $PIP install -q -e ".[dev,trl,verl]" "transformers>=5.10,<5.11"
 # verl 0.9.1 pins a CUDA stack; its CPU seams (DataProto, core_algos) need only what [verl] lists.
 $PIP install -q --no-deps verl==0.9.1
+# verl v1 trainer seam (grpo_parts_sync) imports TransferQueue, whose deps pull ray[default]: --no-deps.
+$PIP install -q --no-deps "TransferQueue>=0.1.10"
 $PIP install -q "tensordict>=0.8,<=0.10.0,!=0.9.0"
