@@ -139,3 +139,18 @@ def openrlhf_args(group_size: int, batch_size: int, **overrides: Any) -> SimpleN
             node = getattr(node, p)
         setattr(node, leaf, value)
     return args
+
+
+def char_tokenizer() -> Any:
+    """A tiny offline transformers tokenizer: one token per character of ``"0123456789+= "``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *"0123456789+= "])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<pad>", "<eos>", "<unk>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )

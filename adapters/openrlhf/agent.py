@@ -1,0 +1,171 @@
+"""Sampler in OpenRLHF: an ``AgentExecutor`` (``--train.agent_func_path``) that rolls out with a
+grpo_parts :class:`~grpo_parts.sampler.protocol.Sampler` instead of the vLLM engine.
+
+OpenRLHF's rollout actor calls ``execute(prompt, ...)`` once per completion, ``n_samples_per_prompt``
+times concurrently for one prompt (``asyncio.gather``). The executor queues the concurrent calls and
+serves them with **one** ``Sampler.generate`` (``group_size`` = the number of identical prompts), so
+group-aware samplers (speculative decoding with sibling drafts) see whole groups. Each call returns
+the dict OpenRLHF's ``SamplesGenerator._process_response_into_experience`` reads.
+
+OpenRLHF instantiates ``AgentExecutor()`` without arguments, so an agent file subclasses
+:class:`GRPOPartsAgentExecutor` (docs/adapters/openrlhf.md has the file). The sampler runs on its
+own transformers copy of the policy inside the rollout actor; OpenRLHF's weight broadcast goes to the
+vLLM workers, not to that copy: call :meth:`GRPOPartsAgentExecutor.sync_weights` (or use the vLLM
+speculative path in :mod:`.vllm_spec`) to follow the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from openrlhf.utils.agent import AgentExecutorBase
+
+from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
+from grpo_parts.types import Rollout
+
+
+def sampling_params_from_vllm(
+    sp: Any,
+    prompt_len: int,
+    max_length: int,
+    eos_token_ids: tuple[int, ...],
+    pad_token_id: int,
+    group_size: int,
+) -> SamplingParams:
+    """vLLM ``SamplingParams`` (as OpenRLHF builds them) -> grpo_parts ``SamplingParams``."""
+    max_tokens = getattr(sp, "max_tokens", None) or max(1, max_length - prompt_len)
+    stop = tuple(getattr(sp, "stop_token_ids", None) or ())
+    top_k = int(getattr(sp, "top_k", -1) or -1)
+    return SamplingParams(
+        group_size=group_size,
+        max_new_tokens=int(max_tokens),
+        temperature=float(getattr(sp, "temperature", 1.0)),
+        top_p=float(getattr(sp, "top_p", 1.0)),
+        top_k=max(top_k, 0),
+        eos_token_ids=tuple(dict.fromkeys(eos_token_ids + stop)),
+        pad_token_id=pad_token_id,
+    )
+
+
+class GRPOPartsAgentExecutor(AgentExecutorBase):
+    """``sampler``: a grpo_parts Sampler (or a zero-argument factory, called on first use inside the
+    rollout actor). ``reward_fn(queries, prompts, labels)``: OpenRLHF's reward-function signature,
+    returning ``{"rewards": tensor, "scores": tensor, "extra_logs": dict}``; None = no reward.
+    ``seed``: sampling is reproducible per executor."""
+
+    def __init__(self, sampler: Any, reward_fn: Callable[..., Any] | None = None, seed: int | None = None):
+        self._sampler = sampler
+        self.reward_fn = reward_fn
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self._pending: list[tuple[tuple, list[int], asyncio.Future]] = []
+        self._flush: asyncio.Task | None = None
+        self.generate_calls = 0
+
+    @property
+    def sampler(self) -> Any:
+        if callable(self._sampler) and not hasattr(self._sampler, "generate"):
+            self._sampler = self._sampler()
+        return self._sampler
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        self.sampler.sync_weights(policy)
+
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: Any,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any = None,
+        images: Any = None,
+    ) -> dict[str, Any]:
+        if images:
+            raise NotImplementedError("GRPOPartsAgentExecutor: multimodal prompts are not supported")
+        ids = hf_tokenizer(text=prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][
+            0
+        ].tolist()
+        eos = hf_tokenizer.eos_token_id
+        eos_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+        pad = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else (eos_ids or (0,))[0]
+        key = (
+            sampling_params_from_vllm(sampling_params, len(ids), max_length, eos_ids, pad, 1),
+            max_length,
+        )
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending.append((key, ids, fut))
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().create_task(self._run_pending())
+        completion, logps, truncated = await fut
+        out: dict[str, Any] = {
+            "prompt": prompt,
+            "label": label,
+            "images": images,
+            "mm_train_inputs": None,
+            "observation_tokens": ids + completion,
+            "action_ranges": [(len(ids), len(ids) + len(completion))],
+            "rollout_log_probs": [0.0] * len(ids) + logps
+            if getattr(sampling_params, "logprobs", None) is not None
+            else None,
+            "truncated": truncated,
+            "reward": None,
+            "scores": None,
+            "extra_logs": {},
+        }
+        if self.reward_fn is not None:
+            query = hf_tokenizer.decode(out["observation_tokens"], skip_special_tokens=False)
+            info = await asyncio.to_thread(self.reward_fn, [query], [prompt], [label])
+            rewards = info.get("rewards")
+            scores = info.get("scores", rewards)
+            out.update(
+                reward=float(torch.as_tensor(rewards).flatten()[0]),
+                scores=float(torch.as_tensor(scores).flatten()[0]),
+                extra_logs=info.get("extra_logs") or {},
+            )
+        return out
+
+    async def _run_pending(self) -> None:
+        await asyncio.sleep(0)  # let every call of this gather enqueue first
+        pending, self._pending, self._flush = self._pending, [], None
+        by_key: dict[tuple, list[tuple[list[int], asyncio.Future]]] = {}
+        for key, ids, fut in pending:
+            by_key.setdefault(key, []).append((ids, fut))
+        for (params, _), reqs in by_key.items():
+            try:
+                results = await asyncio.to_thread(self._generate, params, [ids for ids, _ in reqs])
+            except Exception as e:  # hand the error to every waiting caller
+                for _, fut in reqs:
+                    fut.set_exception(e)
+                continue
+            for (_, fut), res in zip(reqs, results):
+                fut.set_result(res)
+
+    def _generate(
+        self, params: SamplingParams, prompts: list[list[int]]
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """One ``Sampler.generate`` for all queued prompts: identical prompts become one group."""
+        uniq: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(prompts):
+            uniq.setdefault(tuple(p), []).append(i)
+        counts = {len(v) for v in uniq.values()}
+        if len(counts) == 1:  # every prompt has the same multiplicity G: one group each
+            g, rows = counts.pop(), [i for v in uniq.values() for i in v]
+            batch = PromptBatch.from_lists([list(k) for k in uniq], params.pad_token_id)
+        else:
+            g, rows = 1, list(range(len(prompts)))
+            batch = PromptBatch.from_lists(prompts, params.pad_token_id)
+        self.generate_calls += 1
+        rollout: Rollout = self.sampler.generate(
+            batch, params.model_copy(update={"group_size": g}), self.generator
+        )
+        out: list[tuple[list[int], list[float], bool]] = [([], [], False)] * len(prompts)
+        eos = set(params.eos_token_ids)
+        for r, i in enumerate(rows):
+            n = int(rollout.completion_mask[r].sum())
+            toks = rollout.completion_ids[r, :n].tolist()
+            truncated = not (toks and toks[-1] in eos) and n >= params.max_new_tokens
+            out[i] = (toks, rollout.logprobs[r, :n].double().tolist(), truncated)
+        return out
