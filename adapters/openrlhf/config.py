@@ -31,7 +31,6 @@ FLAGS: dict[str, tuple[type, Any, str]] = {
         0,
         "max extra rollout rounds that refill slots freed by the filter (0 = no refill)",
     ),
-    "grouped_microbatches": (int, 0, "1 = keep each prompt's completions in the same training micro-batch"),
     "speculative_config": (
         str,
         "",
@@ -65,7 +64,6 @@ class PartsConfig(BaseModel):
     filter: str = "keep_all"
     filter_kwargs: dict[str, Any] = Field(default_factory=dict)
     refill_rounds: int = Field(0, ge=0)
-    grouped_microbatches: bool = False
     speculative_config: dict[str, Any] = Field(default_factory=dict)
     draft_sync: str = "none"
 

@@ -36,7 +36,12 @@ ADVANTAGE_CONFIGS: dict[str, AdvantageConfig] = {
     "group_norm": AdvantageConfig(norm="group", unbiased_std=True, eps=1e-9),
     "dr_grpo": AdvantageConfig(norm="none"),
 }
-_ADV_KEY = "grpo_parts_advantage"  # per-sample scalar advantage, carried in Experience.info
+_ADV_KEY = "grpo_parts_advantage"
+
+
+class NothingKept(GRPOPartsError):
+    """The filter kept no completion of this step (e.g. every group had equal rewards): the
+    trainer skips the update instead of training on an empty batch."""  # per-sample scalar advantage, carried in Experience.info
 
 
 def group_index_of(samples: list[Experience], group_size: int) -> torch.Tensor:
@@ -180,7 +185,9 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         if samples and all(s.rewards is not None for s in samples):
             kept = self._select(samples)  # before the old/ref forwards
             if not kept:
-                return []
+                raise NothingKept(
+                    f"completion filter {self.completion_filter.name!r} kept 0 of {len(samples)} rows"
+                )
             return self.compute_advantages_and_returns(self.make_experience(self.split_rollout_samples(kept)))
         # rewards come from a reward model: forwards first, then score and filter
         experiences = self.make_experience(self.split_rollout_samples(samples))
@@ -188,7 +195,9 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         singles.sort(key=lambda e: e.index[0])  # back to rollout order (OpenRLHF's grouping)
         kept = self._select(singles) if singles else []
         if not kept:
-            return []
+            raise NothingKept(
+                f"completion filter {self.completion_filter.name!r} kept 0 of {len(singles)} rows"
+            )
         batches = [
             Experience.concat_experiences(
                 kept[i : i + self.args.rollout.micro_batch_size], self.tokenizer.pad_token_id

@@ -1,0 +1,117 @@
+"""Launcher and vLLM plumbing (config level: no Ray cluster, no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+
+def test_launcher_help_lists_openrlhf_and_grpo_parts_flags(capsys):
+    from grpo_parts_adapters.openrlhf import launch
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ray import ppo_actor
+
+    before = (ppo_trainer.PPOTrainer, ppo_actor.PolicyModelActor, argparse.ArgumentParser.parse_args)
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in (
+        "--grpo_parts.filter",
+        "--grpo_parts.attention",
+        "--grpo_parts.speculative_config",
+        "--rollout.n_samples_per_prompt",
+    ):
+        assert flag in text
+    # everything swapped for the run is restored
+    assert (ppo_trainer.PPOTrainer, ppo_actor.PolicyModelActor, argparse.ArgumentParser.parse_args) == before
+
+
+def test_flags_reach_parts_config_through_hierarchize():
+    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.launch import add_parts_flags, parts_from_namespace
+    from openrlhf.utils.config import hierarchize
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--rollout.n_samples_per_prompt", type=int, default=8)
+    add_parts_flags(p)
+    ns = p.parse_args(
+        ["--grpo_parts.filter", "cppo", "--grpo_parts.filter_kwargs", '{"pruning_rate": 0.5}', "--grpo_parts.attention", "shared_prefix",
+         "--grpo_parts.speculative_config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}']
+    )  # fmt: skip
+    parts = parts_from_namespace(ns)
+    assert PartsConfig.from_args(hierarchize(ns)) == parts
+    assert parts.filter_kwargs == {"pruning_rate": 0.5} and parts.speculative_config["method"] == "ngram"
+    assert parts.build_filter().pruning_rate == 0.5
+    assert PartsConfig.from_args(argparse.Namespace()) == PartsConfig()
+
+
+def test_bad_flags_are_refused():
+    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.launch import check_supported
+    from pydantic import ValidationError
+
+    from grpo_parts.errors import GRPOPartsError
+
+    with pytest.raises(ValidationError, match="filter_kwargs: expected a JSON object"):
+        PartsConfig(filter_kwargs="[1, 2]")
+    with pytest.raises(ValidationError, match="draft_sync"):
+        PartsConfig(draft_sync="sometimes")
+    ns = argparse.Namespace(**{"train.async_enable": True})
+    with pytest.raises(GRPOPartsError, match="async"):
+        check_supported(ns, PartsConfig(filter="cppo"))
+
+
+def test_vllm_engines_get_speculative_config(monkeypatch):
+    """create_vllm_engines (OpenRLHF's, unmodified) hands every engine our extra kwargs."""
+    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.vllm_spec import WORKER_EXTENSION, create_vllm_engines_with
+    from openrlhf.trainer.ray import vllm_engine
+
+    created = []
+
+    class FakeActorClass:
+        def options(self, **options):
+            return self
+
+        def remote(self, **kwargs):
+            created.append(kwargs)
+            return object()
+
+    fake = FakeActorClass()
+    monkeypatch.setattr(vllm_engine, "RolloutRayActor", fake)
+    spec = {"method": "eagle", "model": "some/eagle-head", "num_speculative_tokens": 3}
+    parts = PartsConfig(speculative_config=spec, draft_sync="shared")
+    engines = create_vllm_engines_with(parts)(
+        2, 1, "some/model", 0, False, False, True, 256, shared_pg=object(), gpu_memory_utilization=0.5
+    )
+    assert len(engines) == 2 and len(created) == 2
+    for kw in created:
+        assert kw["speculative_config"] == spec and kw["worker_extension_cls"] == WORKER_EXTENSION
+        assert kw["model"] == "some/model" and kw["max_model_len"] == 256  # OpenRLHF's own kwargs intact
+    assert vllm_engine.RolloutRayActor is fake  # restored after the call
+
+
+def test_draft_sync_loads_shared_params_into_drafter():
+    import torch
+    from grpo_parts_adapters.openrlhf.vllm_spec import GRPOPartsWorkerWrap
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(2, 3, bias=False)
+            self.loaded = []
+
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.loaded.append(name)
+                dict(self.named_parameters())[name].data.copy_(w)
+
+    target, draft = Model(), Model()
+    w = GRPOPartsWorkerWrap()
+    w.model_runner = type("Runner", (), {"model": target, "drafter": type("D", (), {"model": draft})()})()
+    assert w._sync_draft("lm_head.weight") and torch.equal(draft.lm_head.weight, target.lm_head.weight)
+    assert not w._sync_draft("model.layers.0.mlp.up_proj.weight")
+    draft.lm_head.weight = target.lm_head.weight  # vLLM shares the tensor: nothing to copy
+    assert not w._sync_draft("lm_head.weight")
