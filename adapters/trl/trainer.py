@@ -71,10 +71,11 @@ def build_part(kind: str, spec: Any, model: torch.nn.Module, kwargs: dict[str, A
     getter |= {"attention": "get_attention_class", "completion_filter": "get_filter_class"}
     cls = getattr(mod, getter[kind])(spec)
     kw = dict(kwargs or {})
-    params = inspect.signature(cls).parameters
-    for name in ("model", "policy"):
-        if name in params and name not in kw:
-            kw[name] = model
+    # samplers take the policy as ``model``; learnable drafts as ``policy`` (a frozen draft's
+    # ``model`` is the draft LM itself, which the user must give in draft_kwargs)
+    name = {"sampler": "model", "draft": "policy"}.get(kind)
+    if name is not None and name in inspect.signature(cls).parameters and name not in kw:
+        kw[name] = model
     return cls(**kw)
 
 
@@ -165,10 +166,10 @@ class GRPOPartsTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------- sampler
 
     @contextmanager
-    def _gp_no_draft_training(self) -> Iterator[None]:
+    def _gp_no_draft_training(self, mode: str) -> Iterator[None]:
         """Eval rollouts must not train an online draft (speculative sampler's ``config.train_draft``)."""
         cfg = getattr(self.gp_sampler, "config", None)
-        if self._gp_mode() == "train" or not getattr(cfg, "train_draft", False):
+        if mode == "train" or not getattr(cfg, "train_draft", False):
             yield
             return
         self.gp_sampler.config = cfg.model_copy(update={"train_draft": False})  # type: ignore[union-attr]
@@ -192,10 +193,13 @@ class GRPOPartsTrainer(GRPOTrainer):
         params = self._gp_sampling_params(group_size)
         policy = self.accelerator.unwrap_model(self.model)
         self.gp_sampler.sync_weights(policy)
+        mode = self._gp_mode()
         was_training = policy.training
         policy.eval()  # no dropout while sampling, as transformers.generate
         try:
-            with torch.no_grad(), self._gp_no_draft_training():
+            # no torch.no_grad() here: samplers disable grad themselves, and an online draft trains
+            # (with grad) at the end of generate, on this rollout, before the policy update
+            with self._gp_no_draft_training(mode):
                 rollout = self.gp_sampler.generate(
                     PromptBatch.from_lists(unique, params.pad_token_id), params
                 )
@@ -259,6 +263,36 @@ class GRPOPartsTrainer(GRPOTrainer):
                 batch_size,
             )
         return logps, ents, None
+
+    @contextmanager
+    def _gp_kernel_scope(self) -> Iterator[None]:
+        """Keep the backend's attention function selected on the policy for a whole training step.
+
+        A backend selects its kernel only around its own forward; with gradient checkpointing the
+        layers are re-run during ``backward``, after that scope ended, and would recompute with the
+        model's default attention. Outside a backend forward the kernel must behave as the default
+        (the shared-prefix kernel falls back to SDPA when no layout is passed)."""
+        name = self.gp_attention.register_kernel() if self.gp_attention is not None else None
+        if not name:
+            yield
+            return
+        policy = self.accelerator.unwrap_model(self.model)
+        cfg = policy.config
+        cfgs = [cfg] + [
+            getattr(cfg, k) for k in (getattr(cfg, "sub_configs", None) or {}) if getattr(cfg, k, None)
+        ]
+        saved = [c._attn_implementation for c in cfgs]
+        for c in cfgs:
+            c._attn_implementation_internal = name
+        try:
+            yield
+        finally:
+            for c, s in zip(cfgs, saved):
+                c._attn_implementation_internal = s
+
+    def training_step(self, model, inputs, num_items_in_batch):  # type: ignore[no-untyped-def]
+        with self._gp_kernel_scope():
+            return super().training_step(model, inputs, num_items_in_batch)
 
     # ------------------------------------------------------------------------------------- filter
 

@@ -85,17 +85,40 @@ class GradCapture:
         return _Capture()
 
 
-def run(trainer_cls: Any, base: torch.nn.Module, args: Any, n_data: int = 8, **parts: Any) -> tuple[Any, Any]:
-    """Train ``copy.deepcopy(base)`` with ``trainer_cls``; returns ``(trainer, grad_capture)``."""
-    cap = GradCapture()
-    trainer = trainer_cls(
+def build(trainer_cls: Any, base: torch.nn.Module, args: Any, **parts: Any) -> Any:
+    """A trainer on ``copy.deepcopy(base)``, not trained."""
+    return trainer_cls(
         model=copy.deepcopy(base),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tokenizer(),
+        **parts,
+    )
+
+
+def run(
+    trainer_cls: Any, base: torch.nn.Module, args: Any, n_data: int = 8, make_parts: Any = None, **parts: Any
+) -> tuple[Any, Any]:
+    """Train ``copy.deepcopy(base)`` with ``trainer_cls``; returns ``(trainer, grad_capture)``.
+    ``make_parts(policy) -> dict`` builds parts that need the policy instance (e.g. a sampler)."""
+    cap = GradCapture()
+    policy = copy.deepcopy(base)
+    if args.beta != 0.0:  # TRL loads the reference model from config._name_or_path: point it at a local copy
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="grpo_parts_trl_ref_")
+        policy.save_pretrained(path)
+        policy.config._name_or_path = path
+    trainer = trainer_cls(
+        model=policy,
         reward_funcs=reward,
         args=args,
         train_dataset=dataset(n_data),
         processing_class=tokenizer(),
         callbacks=[cap],
         **parts,
+        **(make_parts(policy) if make_parts is not None else {}),
     )
     trainer.train()
     return trainer, cap

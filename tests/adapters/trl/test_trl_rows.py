@@ -1,0 +1,99 @@
+"""Row bookkeeping of the TRL adapter: prompt runs, regrouping after TRL's shuffle, the
+steps_per_generation rounding rule and stacking of refill batches."""
+
+from __future__ import annotations
+
+import torch
+from grpo_parts_adapters.trl.rows import (
+    concat_batches,
+    group_by_prompt,
+    prompt_runs,
+    regrouped_logprobs,
+    round_kept,
+)
+
+from grpo_parts.attention.protocol import LogprobBatch
+from grpo_parts.attention.reference import RepeatedPrefixAttention
+from grpo_parts.tiny import tiny_causal_lm
+from grpo_parts.types import ScoredBatch
+
+
+def test_prompt_runs() -> None:
+    rows = [[1, 2]] * 3 + [[3]] * 3
+    assert prompt_runs(rows, 3) == ([[1, 2], [3]], 3)
+    assert prompt_runs(rows, 2) == (rows, 1)  # not runs of 2: every row its own prompt
+    assert prompt_runs([[1], [2], [1], [2]], 2) == ([[1], [2], [1], [2]], 1)
+
+
+def test_group_by_prompt_ignores_row_order() -> None:
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6], [0, 0, 6]])
+    mask = (ids != 0).long()
+    g = group_by_prompt(ids, mask)
+    assert g[0] == g[2] and len({int(g[0]), int(g[1]), int(g[3])}) == 3
+
+
+def test_regrouped_logprobs_equal_direct_call_on_shuffled_rows() -> None:
+    model = tiny_causal_lm("qwen2", vocab_size=32, dtype=torch.float64, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.tensor([[0, 0, 4, 5], [6, 7, 8, 9], [0, 3, 3, 3]])
+    pm = (prompts != 0).long()
+    rows = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])[torch.randperm(8, generator=gen)]
+    comp = torch.randint(3, 32, (8, 5), generator=gen)
+    cm = torch.ones_like(comp)
+    cm[0, 3:] = 0
+    cm[5, 1:] = 0
+    ids = torch.cat([prompts[rows], comp.masked_fill(cm == 0, 0)], 1)
+    mask = torch.cat([pm[rows], cm], 1)
+    backend = RepeatedPrefixAttention()
+    for bs in (None, 2, 3):
+        lp, ent = regrouped_logprobs(backend, model, ids, mask, 5, 0.7, True, bs)
+        want = backend.completion_logprobs(
+            model, LogprobBatch(prompts[rows], pm[rows], comp, cm, rows), 0.7, True
+        )
+        assert want.entropies is not None and ent is not None
+        torch.testing.assert_close(lp, want.logprobs, rtol=0, atol=1e-12)
+        torch.testing.assert_close(ent, want.entropies, rtol=0, atol=1e-12)
+
+
+def _scored(adv: list[float], groups: list[int]) -> ScoredBatch:
+    a = torch.tensor(adv, dtype=torch.float64)
+    return ScoredBatch(a.clone(), a, torch.tensor(groups))
+
+
+def test_round_kept_restore_and_drop() -> None:
+    s = _scored([0.5, -2.0, 0.1, 1.0, 0.0, 0.0], [0, 0, 0, 0, 1, 1])  # group 1 has zero variance
+    kept = [torch.tensor([1, 3, 0])]
+    up, change = round_kept([s], kept, 2, "restore")
+    assert change == 1 and up[0].tolist() == [0, 1, 2, 3]  # next by |A| is row 2, zero-variance rows last
+    down, change = round_kept([s], kept, 2, "drop")
+    assert change == -1 and down[0].tolist() == [1, 3]  # row 0 has the smallest |A| of the kept
+    empty, change = round_kept([s], [torch.zeros(0, dtype=torch.long)], 2, "drop")
+    assert change == 2 and empty[0].tolist() == [1, 3]  # nothing kept: restore the best rows
+    same, change = round_kept([s], [torch.tensor([1, 3])], 2, "restore")
+    assert change == 0 and same[0].tolist() == [1, 3]
+
+
+def test_concat_batches_repads() -> None:
+    a = {
+        "prompt_ids": torch.tensor([[0, 5], [6, 7]]),
+        "prompt_mask": torch.tensor([[0, 1], [1, 1]]),
+        "completion_ids": torch.tensor([[8, 1, 0], [9, 9, 1]]),
+        "completion_mask": torch.tensor([[1, 1, 0], [1, 1, 1]]),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "num_items_in_batch": torch.tensor(5),
+    }
+    b = {
+        "prompt_ids": torch.tensor([[4, 4, 4]]),
+        "prompt_mask": torch.tensor([[1, 1, 1]]),
+        "completion_ids": torch.tensor([[1]]),
+        "completion_mask": torch.tensor([[1]]),
+        "advantages": torch.tensor([0.5]),
+        "num_items_in_batch": torch.tensor(1),
+    }
+    out = concat_batches([a, b], pad_token_id=0)
+    assert out["prompt_ids"].tolist() == [[0, 0, 5], [0, 6, 7], [4, 4, 4]]
+    assert out["prompt_mask"].tolist() == [[0, 0, 1], [0, 1, 1], [1, 1, 1]]
+    assert out["completion_ids"].tolist() == [[8, 1, 0], [9, 9, 1], [1, 0, 0]]
+    assert out["completion_mask"].tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert out["advantages"].tolist() == [1.0, -1.0, 0.5]
+    assert "num_items_in_batch" not in out  # recomputed by the caller

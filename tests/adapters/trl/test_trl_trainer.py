@@ -1,0 +1,204 @@
+"""GRPOPartsTrainer on a stock TRL 1.16 GRPOTrainer: a tiny float64 Qwen2, an offline tokenizer,
+a few real training steps per test (CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+import trl_tiny as _tiny  # noqa: E402
+from grpo_parts_adapters.trl import GRPOPartsTrainer, TRLPartsOptions  # noqa: E402
+from grpo_parts_adapters.trl.rows import round_kept  # noqa: E402
+from transformers import set_seed  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+from grpo_parts.errors import NotSupportedError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def base() -> torch.nn.Module:
+    return _tiny.model()
+
+
+def _assert_grads_close(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, atol: float
+) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_reference_parts_equal_plain_trl(base: torch.nn.Module) -> None:
+    """Same seed, same batch (the reference sampler draws exactly what transformers.generate draws):
+    first-step loss and gradients equal TRL's. TRL's fused LM head accumulates log-probs in float32,
+    so agreement is to float32 rounding, not float64."""
+    args = _tiny.config(gradient_accumulation_steps=2, max_steps=2)
+    set_seed(0)
+    plain, cap_plain = _tiny.run(GRPOTrainer, base, args)
+    set_seed(0)
+    parts, cap_parts = _tiny.run(
+        GRPOPartsTrainer, base, args, sampler="reference", attention="reference", completion_filter="keep_all"
+    )
+    lp, lq = plain.state.log_history[0], parts.state.log_history[0]
+    assert lq["completions/mean_length"] == lp["completions/mean_length"] and lq["reward"] == lp["reward"]
+    assert lq["loss"] == pytest.approx(lp["loss"], rel=1e-5, abs=1e-9)
+    _assert_grads_close(cap_plain.grads[0], cap_parts.grads[0], rtol=1e-5, atol=1e-8)
+    assert lq["parts/filter/kept_fraction"] == 1.0 and len(cap_parts.grads) == 2
+
+
+def _has(table: str, name: str) -> bool:
+    import importlib
+
+    return name in importlib.import_module(f"grpo_parts.{table}").IMPLEMENTATIONS
+
+
+@pytest.mark.skipif(not _has("attention", "shared_prefix"), reason="shared_prefix backend not registered yet")
+def test_shared_prefix_equals_reference_parts(base: torch.nn.Module) -> None:
+    """Policy, old-policy (num_iterations=2 makes TRL compute it) and reference (beta > 0) log-probs
+    through the shared-prefix backend, with TRL's default gradient checkpointing: loss and grads
+    equal the reference backend's within 1e-6 (float64)."""
+    args = _tiny.config(gradient_accumulation_steps=2, num_iterations=2, beta=0.1, max_steps=2)
+    assert args.gradient_checkpointing
+    runs = {}
+    for name in ("reference", "shared_prefix"):
+        set_seed(0)
+        runs[name] = _tiny.run(GRPOPartsTrainer, base, args, attention=name)
+    (ref, cap_ref), (sp, cap_sp) = runs["reference"], runs["shared_prefix"]
+    for a, b in zip(ref.state.log_history[:2], sp.state.log_history[:2]):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    for ga, gb in zip(cap_ref.grads, cap_sp.grads):
+        _assert_grads_close(ga, gb, rtol=0, atol=1e-6)
+
+
+class _Recording(GRPOPartsTrainer):
+    """Records what TRL trains on and which rows the no-grad (old / reference) forwards see."""
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.scored: list[tuple[dict[str, Any], Any]] = []
+        self.trained: list[dict[str, Any]] = []
+        self.losses: list[float] = []
+        self.nograd_rows: list[int] = []
+
+    def _gp_score(self, inputs):  # type: ignore[no-untyped-def]
+        out, deferred, scored = super()._gp_score(inputs)
+        self.scored.append(({k: v for k, v in out.items()}, scored))
+        return out, deferred, scored
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *a, **k):  # type: ignore[no-untyped-def]
+        if not torch.is_grad_enabled() and not self._gp_deferring:
+            self.nograd_rows.append(int(input_ids.shape[0]))
+        return super()._get_per_token_logps_and_entropies(model, input_ids, *a, **k)
+
+    def _compute_loss(self, model, inputs):  # type: ignore[no-untyped-def]
+        self.trained.append(dict(inputs))
+        loss = super()._compute_loss(model, inputs)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+def _rows(batch: dict[str, Any], idx: list[int] | None = None) -> list[tuple[Any, ...]]:
+    """Rows as hashable (prompt tokens, completion tokens, advantage) tuples."""
+    n = batch["completion_ids"].shape[0]
+    out = []
+    for i in range(n) if idx is None else idx:
+        p = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+        c = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()
+        out.append((tuple(p), tuple(c), round(float(batch["advantages"][i]), 12)))
+    return sorted(out)
+
+
+def test_filter_trains_exactly_the_kept_rows(base: torch.nn.Module) -> None:
+    """CPPO keeps half the completions: the micro-batches TRL trains on hold exactly the kept rows,
+    ``num_items_in_batch`` is the kept token count, the loss is normalised by it, and the old-policy /
+    reference forwards ran on the kept rows only."""
+    args = _tiny.config(gradient_accumulation_steps=2, num_iterations=2, beta=0.1, max_steps=1)
+    set_seed(0)
+    tr, _ = _tiny.run(_Recording, base, args, completion_filter="cppo", filter_kwargs={"pruning_rate": 0.5})
+    ((out, scored),) = tr.scored
+    res = tr.gp_filter.select(scored, None)
+    (kept,), _ = round_kept([scored], [res.kept], args.steps_per_generation, "restore")
+    assert 0 < kept.numel() < scored.size
+    assert kept.numel() % args.steps_per_generation == 0
+    trained = [r for b in tr.trained for r in _rows(b)]
+    assert sorted(trained) == _rows(out, kept.tolist())
+    kept_tokens = int(out["completion_mask"][kept].sum())
+    for b in tr.trained:
+        assert int(b["num_items_in_batch"]) == kept_tokens
+    # dapo loss at step 1 (ratio 1, policy == reference): -sum_i A_i * len_i / kept tokens
+    lens = out["completion_mask"][kept].sum(-1).double()
+    want = float(-(out["advantages"][kept].double() * lens).sum() / kept_tokens)
+    assert sum(tr.losses) == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert tr.nograd_rows == [kept.numel(), kept.numel()]  # old-policy and reference, kept rows only
+    log = tr.state.log_history[0]
+    assert log["parts/filter/num_kept"] == kept.numel()
+    assert log["parts/filter/kept_fraction"] == pytest.approx(kept.numel() / scored.size)
+
+
+def _reward_some_prompts(prompts: list[str], completions: list[str], **kw: Any) -> list[float]:
+    """Only prompts "a b c" and "d e" get a completion-dependent reward: the others are zero-variance."""
+    return [_VOWELS([c])[0] if p in ("a b c", "d e") else 0.0 for p, c in zip(prompts, completions)]
+
+
+_VOWELS = _tiny.reward
+
+
+def test_zero_variance_filter_with_refill(base: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_tiny, "reward", _reward_some_prompts)
+    args = _tiny.config(gradient_accumulation_steps=2, max_steps=2)
+    opts = TRLPartsOptions(refill=True, max_refill_rounds=16)
+    set_seed(0)
+    tr, _ = _tiny.run(_Recording, base, args, completion_filter="zero_variance", parts_options=opts)
+    assert len(tr.trained) == 4  # 2 steps x 2 micro-batches
+    for step in (tr.trained[:2], tr.trained[2:]):
+        rows = [r for b in step for r in _rows(b)]
+        assert len(rows) == 8  # refilled to the generation batch's size
+        assert {r[0] for r in rows} <= {(3, 4, 5), (6, 7)}  # only the informative prompts ("a b c", "d e")
+    assert max(h.get("parts/filter/rounds", 0) for h in tr.state.log_history) > 1
+
+
+def test_speculative_sampler_logs_acceptance(base: torch.nn.Module) -> None:
+    try:
+        from grpo_parts.draft.eagle import EagleDraft
+        from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    except ImportError as e:  # pragma: no cover - until the speculative sampler lands
+        pytest.skip(f"speculative sampler not available: {e}")
+    args = _tiny.config(max_steps=2)
+
+    def parts(policy: torch.nn.Module) -> dict[str, Any]:
+        cfg = SpeculativeConfig(draft_tokens=3)
+        return {"sampler": SpeculativeSampler(policy, EagleDraft(policy), cfg), "attention": "reference"}
+
+    set_seed(0)
+    tr, cap = _tiny.run(GRPOPartsTrainer, base, args, make_parts=parts)
+    assert len(cap.grads) == 2
+    for log in tr.state.log_history[:2]:
+        assert 0.0 <= log["parts/sampler/draft_accept_rate"] <= 1.0
+        assert log["parts/sampler/accepted_per_verify"] >= 1.0
+        assert log["parts/sampler/draft_updates"] >= 1  # the online draft learned from this rollout
+
+
+def test_part_that_cannot_apply_says_why(base: torch.nn.Module) -> None:
+    args = _tiny.config(generation_kwargs={"do_sample": True})
+    with pytest.raises(NotSupportedError, match="generation_kwargs"):
+        _tiny.build(GRPOPartsTrainer, base, args, sampler="reference")
+    tr = _tiny.build(
+        GRPOPartsTrainer, base, args, sampler="reference", parts_options=TRLPartsOptions(strict=False)
+    )
+    assert tr.gp_sampler is None and "generation_kwargs" in " ".join(tr.parts_refused["sampler"])
+
+
+def test_config_reasons_name_the_setting() -> None:
+    from types import SimpleNamespace
+
+    from grpo_parts_adapters.trl.options import attention_config_reasons, sampler_config_reasons
+
+    t = SimpleNamespace(
+        use_vllm=True, args=SimpleNamespace(vllm_mode="server", generation_kwargs=None), _is_vlm=True
+    )
+    assert any("vllm_mode='server'" in r for r in sampler_config_reasons(t))
+    assert any("multimodal" in r for r in attention_config_reasons(t))
