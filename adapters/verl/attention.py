@@ -160,8 +160,13 @@ def packed_logprobs(
 def _nested_parts(micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Any] | None]:
     input_ids = micro_batch["input_ids"]
     cu = input_ids.offsets()
-    rm = micro_batch["response_mask"]
-    response_lens = rm.offsets().diff() if getattr(rm, "is_nested", False) else rm.sum(-1)
+    # the same response lengths verl's no_padding_2_padding slices the log-probs with
+    rm = micro_batch["responses"] if "responses" in micro_batch.keys() else micro_batch["response_mask"]
+    if not getattr(rm, "is_nested", False):
+        raise GRPOPartsError(
+            "micro_batch['responses']: expected a nested (jagged) tensor in remove-padding mode"
+        )
+    response_lens = rm.offsets().diff()
     uid = micro_batch.get("uid", None) if hasattr(micro_batch, "get") else None
     keys = None if uid is None else (uid.tolist() if hasattr(uid, "tolist") else list(uid))
     return input_ids.values(), cu, response_lens.to(cu.device), keys
@@ -207,7 +212,8 @@ def install_engine_hook(backend: str | None = None) -> bool:
                 "grpo_parts %s attention: falling back to verl's forward (%s)", name, ", ".join(reasons)
             )
             return original(self, micro_batch, loss_function, forward_only)
-        micro_batch = micro_batch.to(get_device_id())
+        # as verl's forward_step, except on an accelerator-less host (CPU tests), where verl would fail
+        micro_batch = micro_batch.to(get_device_id() if torch.accelerator.is_available() else "cpu")
         ids, cu, resp, keys = _nested_parts(micro_batch)
         entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
@@ -228,4 +234,15 @@ def install_engine_hook(backend: str | None = None) -> bool:
 
     forward_step._grpo_parts_original = original  # type: ignore[attr-defined]
     FSDPEngineWithLMHead.forward_step = forward_step  # type: ignore[method-assign]
+    return True
+
+
+def uninstall_engine_hook() -> bool:
+    """Undo :func:`install_engine_hook`; returns True when a hook was removed."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    original = getattr(FSDPEngineWithLMHead.forward_step, "_grpo_parts_original", None)
+    if original is None:
+        return False
+    FSDPEngineWithLMHead.forward_step = original  # type: ignore[method-assign]
     return True
