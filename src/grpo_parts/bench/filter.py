@@ -89,7 +89,7 @@ def _training_phase(
     policy: torch.nn.Module,
     ref: torch.nn.Module,
     micro: int,
-) -> tuple[float, float, int]:
+) -> tuple[float, float, int, float]:
     from grpo_parts.attention.protocol import LogprobBatch
     from grpo_parts.attention.reference import RepeatedPrefixAttention
     from grpo_parts.core import LossConfig, grpo_loss
@@ -102,7 +102,7 @@ def _training_phase(
     res = filt.select(ScoredBatch(rewards, adv, rollout.group_index))
     kb = apply_filter(res, rollout, adv)
     if kb.is_empty:
-        return time.perf_counter() - t0, time.process_time() - c0, 0
+        return time.perf_counter() - t0, time.process_time() - c0, 0, 0.0
     kept = kb.rollout
     assert kept is not None
     chunks = [torch.arange(i, min(i + micro, kb.size)) for i in range(0, kb.size, micro)]
@@ -127,7 +127,7 @@ def _training_phase(
             num_tokens=kb.num_tokens, num_seqs=kb.num_seqs,
         )  # fmt: skip
         out.loss.backward()
-    return time.perf_counter() - t0, time.process_time() - c0, kb.size
+    return time.perf_counter() - t0, time.process_time() - c0, kb.size, kb.num_tokens
 
 
 def amdahl(train_speedup: float, rollout_fraction: float) -> float:
@@ -168,31 +168,32 @@ def run(args: argparse.Namespace) -> int:
     times: dict[float, list[float]] = {p: [] for p in args.rates}
     cpu: dict[float, list[float]] = {p: [] for p in args.rates}
     kept: dict[float, int] = {}
+    kept_tokens: dict[float, float] = {}
     _training_phase(filters[args.rates[-1]], rollout, rewards, adv, policy, ref, args.micro_batch)  # warm-up
     # interleave rates within each repeat so machine-load drift hits every point alike
     for _ in tqdm(range(args.repeats), desc="bench filter", unit="repeat"):
         for p in args.rates:
-            t, c, k = _training_phase(filters[p], rollout, rewards, adv, policy, ref, args.micro_batch)
+            t, c, k, tok = _training_phase(filters[p], rollout, rewards, adv, policy, ref, args.micro_batch)
             times[p].append(t)
             cpu[p].append(c)
-            kept[p] = k
+            kept[p], kept_tokens[p] = k, tok
     clock = times if args.clock == "wall" else cpu
     base = statistics.median(clock[0.0])
     points = []
     for p in args.rates:
         t = statistics.median(clock[p])
-        ideal = n / kept[p] if kept[p] else float("inf")
         points.append(
             {
                 "pruning_rate": p,
                 "speedup": base / t,
                 "ideal": 1.0 / (1.0 - p),
-                "ideal_kept": ideal,
+                "ideal_completion_tokens": kept_tokens[0.0] / kept_tokens[p] if kept[p] else float("inf"),
                 "fraction_of_ideal": (base / t) * (1.0 - p),
                 "seconds": statistics.median(times[p]),
                 "cpu_seconds": statistics.median(cpu[p]),
                 "clock": args.clock,
                 "kept_rows": kept[p],
+                "kept_completion_tokens": kept_tokens[p],
                 "rows": n,
                 "step_speedup_rollout_65pct": amdahl(base / t, 0.65),
                 "step_speedup_rollout_90pct": amdahl(base / t, 0.90),
