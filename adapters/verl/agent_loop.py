@@ -10,7 +10,8 @@ given to ``actor_rollout_ref.rollout.agent.agent_loop_config_path``):
 * ``sampler: <grpo_parts sampler name>`` (``reference``, ``speculative``, ...) -- a grpo_parts
   ``Sampler`` run in the agent-loop worker process through :class:`SamplerServer`, on the model
   built by ``model_factory`` (``"module:function"``; default: ``AutoModelForCausalLM`` from
-  ``actor_rollout_ref.model.path``). One model per worker process. Its weights are *not* synced
+  ``actor_rollout_ref.model.path``). One model per worker process; concurrent requests are
+  generated in batches (:class:`SamplerServer`). Its weights are *not* synced
   by verl's checkpoint engine: this path is for small models and debugging, or for a trainer that
   calls ``SamplerServer.sync_weights`` itself.
 
@@ -54,45 +55,95 @@ def sampling_params_from_verl(
 
 class SamplerServer:
     """verl's ``generate(request_id, *, prompt_ids, sampling_params, ...) -> TokenOutput`` served by a
-    grpo_parts ``Sampler``. Generation runs in a thread so the agent-loop event loop keeps serving."""
+    grpo_parts ``Sampler``.
+
+    verl calls agent loops once per completion, concurrently; requests that are waiting when the
+    sampler becomes free (and share sampling parameters) are generated as *one* batch of up to
+    ``max_batch`` rows, so the sampler sees the real concurrency (which FastGRPO's draft sizing is
+    about). Generation runs in a thread so the event loop keeps accepting requests meanwhile.
+    """
 
     def __init__(
-        self, sampler: Sampler, eos_token_ids: tuple[int, ...], pad_token_id: int, max_new_tokens: int
+        self,
+        sampler: Sampler,
+        eos_token_ids: tuple[int, ...],
+        pad_token_id: int,
+        max_new_tokens: int,
+        max_batch: int = 256,
     ):
         self.sampler = sampler
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_new_tokens = max_new_tokens
+        self.max_batch = max_batch
         self.stats: dict[str, float] = {}
+        self.batch_sizes: list[int] = []
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._draining = False
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         self.sampler.sync_weights(policy)
 
-    def generate_sync(
-        self, prompt_ids: list[int], sampling_params: dict[str, Any], seed: int | None = None
-    ) -> TokenOutput:
-        if not prompt_ids:
-            raise GRPOPartsError("prompt_ids: expected at least one token, got an empty list")
-        params = sampling_params_from_verl(
+    def params(self, sampling_params: dict[str, Any]) -> SamplingParams:
+        return sampling_params_from_verl(
             sampling_params, self.max_new_tokens, self.eos_token_ids, self.pad_token_id
         )
-        batch = PromptBatch.from_lists([list(prompt_ids)], self.pad_token_id)
+
+    def generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+    ) -> list[TokenOutput]:
+        """One sampler call for several prompts (one completion each)."""
+        if any(len(p) == 0 for p in prompts):
+            raise GRPOPartsError("prompt_ids: expected at least one token per request, got an empty list")
+        batch = PromptBatch.from_lists([list(p) for p in prompts], self.pad_token_id)
         gen = None if seed is None else torch.Generator().manual_seed(seed)
         rollout = self.sampler.generate(batch, params, gen)
-        n = int(rollout.completion_mask[0].sum())
         self.stats = dict(rollout.stats)
-        return TokenOutput(
-            token_ids=rollout.completion_ids[0, :n].tolist(),
-            log_probs=rollout.logprobs[0, :n].double().tolist(),
-            stop_reason="completed",
-            extra_fields={"grpo_parts_stats": dict(rollout.stats)},
-        )
+        self.batch_sizes.append(len(prompts))
+        outs = []
+        for i in range(len(prompts)):
+            n = int(rollout.completion_mask[i].sum())
+            outs.append(
+                TokenOutput(
+                    token_ids=rollout.completion_ids[i, :n].tolist(),
+                    log_probs=rollout.logprobs[i, :n].double().tolist(),
+                    stop_reason="completed",
+                    extra_fields={"grpo_parts_stats": dict(rollout.stats)},
+                )
+            )
+        return outs
 
     async def generate(
         self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
     ) -> TokenOutput:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.generate_sync, list(prompt_ids), dict(sampling_params))
+        fut: asyncio.Future = loop.create_future()
+        self._pending.append((list(prompt_ids), self.params(sampling_params), fut))
+        if not self._draining:
+            self._draining = True
+            loop.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._pending:
+                await asyncio.sleep(0)  # let requests scheduled in the same tick join this batch
+                params = self._pending[0][1]
+                take = [r for r in self._pending if r[1] == params][: self.max_batch]
+                self._pending = [r for r in self._pending if all(r is not t for t in take)]
+                try:
+                    outs = await loop.run_in_executor(None, self.generate_batch, [r[0] for r in take], params)
+                except Exception as e:  # hand the error to every waiting request
+                    for r in take:
+                        if not r[2].done():
+                            r[2].set_exception(e)
+                    continue
+                for r, o in zip(take, outs):
+                    if not r[2].done():  # a cancelled request just drops its result
+                        r[2].set_result(o)
+        finally:
+            self._draining = False
 
 
 def _load(spec: str) -> Any:

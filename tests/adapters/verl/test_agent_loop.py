@@ -181,6 +181,47 @@ def test_greedy_local_sampler_equals_stand_in_server():
     assert out_a.response_ids == out_b.response_ids and out_a.prompt_ids == out_b.prompt_ids
 
 
+def test_concurrent_requests_are_batched_and_match_one_by_one():
+    """verl runs the agent loops of a batch concurrently; the in-process sampler batches them."""
+    tok = tiny_tokenizer()
+    server = StandInServerManager(tok).server
+    greedy = server.params({"temperature": 0.0})
+    prompts = [tok(t)["input_ids"] for t in ["abc", "hello", "z9", "q", "longer prompt"]]
+
+    async def concurrent():
+        return await asyncio.gather(
+            *[
+                server.generate(str(i), prompt_ids=p, sampling_params={"temperature": 0.0})
+                for i, p in enumerate(prompts)
+            ]
+        )
+
+    together = asyncio.run(concurrent())
+    assert max(server.batch_sizes) > 1  # several requests went through one sampler call
+    for p, out in zip(prompts, together):
+        alone = server.generate_batch([p], greedy)[0]
+        assert out.token_ids == alone.token_ids
+        torch.testing.assert_close(
+            torch.tensor(out.log_probs), torch.tensor(alone.log_probs), rtol=0, atol=1e-9
+        )
+
+
+def test_sampler_errors_reach_every_waiting_request():
+    tok = tiny_tokenizer()
+    server = StandInServerManager(tok).server
+
+    async def run():
+        return await asyncio.gather(
+            server.generate("a", prompt_ids=[], sampling_params={}),
+            server.generate("b", prompt_ids=[5], sampling_params={}),
+            return_exceptions=True,
+        )
+
+    a, b = asyncio.run(run())
+    assert isinstance(a, ValueError) and "prompt_ids" in str(a)
+    assert isinstance(b, ValueError) or hasattr(b, "token_ids")
+
+
 def test_sampling_params_translation():
     p = ours.sampling_params_from_verl({"temperature": 0.7, "top_k": -1, "top_p": 0.9}, 5, (1,), 0)
     assert (p.temperature, p.top_k, p.top_p, p.max_new_tokens, p.group_size) == (0.7, 0, 0.9, 5, 1)
