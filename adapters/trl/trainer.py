@@ -101,6 +101,7 @@ class GRPOPartsTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.parts_options = parts_options or TRLPartsOptions()
         self.parts_refused: dict[str, list[str]] = {}
+        self.parts_choice: dict[str, str] = {}  # how "auto" chose
         self._gp_deferring = False
         self._gp_deferred: list[tuple[torch.Tensor, tuple[Any, ...]]] = []
         self._gp_rewards_per_func: torch.Tensor | None = None
@@ -120,6 +121,8 @@ class GRPOPartsTrainer(GRPOTrainer):
             s_reasons = list(s.not_supported_reasons(self._gp_sampling_params(self.num_generations)))
         self.gp_sampler = self._gp_accept("sampler", s, s_reasons)
 
+        if attention == "auto":
+            attention = self._gp_auto_attention(policy, attention_kwargs)
         a = build_part("attention", attention, policy, attention_kwargs)
         a_reasons = attention_config_reasons(self)
         if a is not None and not a_reasons:
@@ -132,6 +135,24 @@ class GRPOPartsTrainer(GRPOTrainer):
         )
 
     # ------------------------------------------------------------------------------------- helpers
+
+    def _gp_auto_attention(self, policy: torch.nn.Module, kwargs: dict[str, Any] | None) -> str | None:
+        """``attention="auto"``: the first backend of ``AUTO_PRIORITY`` that supports this trainer
+        and model; ``None`` (TRL's own forward) when TRL's config rules every backend out."""
+        from grpo_parts.attention import AUTO_PRIORITY, IMPLEMENTATIONS
+        from grpo_parts.registry import choose
+
+        if attention_config_reasons(self):
+            self.parts_choice["attention"] = "TRL's own forward: " + "; ".join(attention_config_reasons(self))
+            return None
+        choice = choose(
+            IMPLEMENTATIONS,
+            AUTO_PRIORITY,
+            "attention",
+            lambda cls: list(cls(**(kwargs or {})).not_supported_reasons(policy)),
+        )
+        self.parts_choice["attention"] = choice.explain()
+        return choice.name
 
     def _gp_accept(self, part: str, obj: Any, reasons: list[str]) -> Any:
         if obj is None or not reasons:
@@ -312,6 +333,7 @@ class GRPOPartsTrainer(GRPOTrainer):
     def _gp_score(self, inputs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], ScoredBatch]:
         """TRL's generation + scoring of ``inputs`` with the no-grad forwards postponed."""
         self._gp_deferred, self._gp_deferring = [], self._gp_can_defer()
+        self._gp_rewards_per_func = None
         try:
             out = super()._generate_and_score_completions(inputs)
         finally:

@@ -3,6 +3,7 @@ a few real training steps per test (CPU)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 pytest.importorskip("trl")
 
 import trl_tiny as _tiny  # noqa: E402
-from grpo_parts_adapters.trl import GRPOPartsTrainer, TRLPartsOptions  # noqa: E402
+from grpo_parts_adapters.trl import GRPOPartsTrainer, TRLPartsOptions, make_trainer  # noqa: E402
 from grpo_parts_adapters.trl.rows import round_kept  # noqa: E402
 from transformers import set_seed  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
@@ -186,10 +187,18 @@ def test_part_that_cannot_apply_says_why(base: torch.nn.Module) -> None:
     args = _tiny.config(generation_kwargs={"do_sample": True})
     with pytest.raises(NotSupportedError, match="generation_kwargs"):
         _tiny.build(GRPOPartsTrainer, base, args, sampler="reference")
-    tr = _tiny.build(
-        GRPOPartsTrainer, base, args, sampler="reference", parts_options=TRLPartsOptions(strict=False)
+    tr = make_trainer(
+        copy.deepcopy(base),
+        _tiny.reward,
+        _tiny.dataset(),
+        _tiny.tokenizer(),
+        args=args,
+        sampler="reference",
+        attention="auto",
+        parts_options=TRLPartsOptions(strict=False),
     )
     assert tr.gp_sampler is None and "generation_kwargs" in " ".join(tr.parts_refused["sampler"])
+    assert tr.gp_attention is not None and "chose" in tr.parts_choice["attention"]
 
 
 def test_config_reasons_name_the_setting() -> None:
