@@ -222,6 +222,40 @@ def test_sampler_errors_reach_every_waiting_request():
     assert isinstance(b, ValueError) or hasattr(b, "token_ids")
 
 
+def tiny_draft(policy):
+    from grpo_parts.draft.reference import FrozenLMDraft
+
+    return FrozenLMDraft(tiny_causal_lm("qwen2", vocab_size=VOCAB, dtype=torch.float64, seed=7, num_layers=1))
+
+
+def test_speculative_sampler_in_the_agent_loop_is_greedy_identical():
+    from grpo_parts.sampler import IMPLEMENTATIONS
+
+    if "speculative" not in IMPLEMENTATIONS:
+        pytest.skip("the 'speculative' sampler has not landed in grpo_parts.sampler.IMPLEMENTATIONS")
+    tok = tiny_tokenizer()
+    server = StandInServerManager(tok)
+    greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
+    kwargs = {"raw_prompt": [{"role": "user", "content": "abcabc"}]}
+
+    async def both():
+        ref = make_loop(tok, server)
+        spec = make_loop(
+            tok,
+            server,
+            sampler="speculative",
+            draft_factory=f"{__name__}:tiny_draft",
+            model_factory=f"{__name__}:tiny_model",
+        )
+        return await ref.run(greedy, **kwargs), await spec.run(greedy, **kwargs)
+
+    out_ref, out_spec = asyncio.run(both())
+    assert out_spec.response_ids == out_ref.response_ids
+    torch.testing.assert_close(
+        torch.tensor(out_spec.response_logprobs), torch.tensor(out_ref.response_logprobs), rtol=0, atol=1e-9
+    )
+
+
 def test_sampling_params_translation():
     p = ours.sampling_params_from_verl({"temperature": 0.7, "top_k": -1, "top_p": 0.9}, 5, (1,), 0)
     assert (p.temperature, p.top_k, p.top_p, p.max_new_tokens, p.group_size) == (0.7, 0, 0.9, 5, 1)
