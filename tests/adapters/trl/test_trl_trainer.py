@@ -211,3 +211,30 @@ def test_config_reasons_name_the_setting() -> None:
     )
     assert any("vllm_mode='server'" in r for r in sampler_config_reasons(t))
     assert any("multimodal" in r for r in attention_config_reasons(t))
+
+
+def test_eval_batches_are_not_filtered_and_do_not_train_the_draft(base: torch.nn.Module) -> None:
+    try:
+        from grpo_parts.draft.eagle import EagleDraft
+        from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    except ImportError as e:  # pragma: no cover - until the speculative sampler lands
+        pytest.skip(f"speculative sampler not available: {e}")
+    args = _tiny.config(per_device_eval_batch_size=8)
+    policy = copy.deepcopy(base)
+    sampler = SpeculativeSampler(policy, EagleDraft(policy), SpeculativeConfig(draft_tokens=2))
+    tr = GRPOPartsTrainer(
+        model=policy,
+        reward_funcs=_tiny.reward,
+        args=args,
+        train_dataset=_tiny.dataset(),
+        eval_dataset=_tiny.dataset(4),
+        processing_class=_tiny.tokenizer(),
+        sampler=sampler,
+        completion_filter="cppo",
+        filter_kwargs={"k": 2},
+    )
+    metrics = tr.evaluate()
+    assert "eval_parts/sampler/accepted_per_verify" in metrics
+    assert not any("draft_update" in k for k in metrics)  # eval rollouts leave the online draft alone
+    assert not any(k.startswith("eval_parts/filter") for k in metrics)  # eval batches are not pruned
+    assert sampler.config.train_draft  # restored after the eval rollout
