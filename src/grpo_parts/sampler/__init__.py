@@ -10,6 +10,7 @@ from .protocol import PromptBatch, Rollout, Sampler, SamplingParams
 #: name -> "module:Class", imported lazily.
 IMPLEMENTATIONS: dict[str, str] = {
     "reference": "grpo_parts.sampler.reference:ReferenceSampler",
+    "speculative": "grpo_parts.sampler.speculative:SpeculativeSampler",
 }
 AUTO_PRIORITY: tuple[str, ...] = ("reference",)
 
