@@ -97,72 +97,104 @@ def _flash_ops() -> tuple[Any, Any] | None:
     return None
 
 
-class _CascadeSuffix(torch.autograd.Function):
-    """Suffix attention = softmax over [prefix keys | own-suffix keys], computed as two flash calls
-    merged by log-sum-exp. The flash ops return the LSE but not its gradient; backward is still
-    exact because the flash backward of each part, given the *merged* output and LSE, yields that
-    part's share of the joint softmax's gradient (P = exp(S - LSE), D = rowsum(dO * O))."""
+#: cap on the elements of one suffix-self score chunk (slots are processed in chunks below it)
+_CHUNK_ELEMS = 1 << 24
+
+
+def _slot_chunks(lay_dims: tuple[int, ...]) -> list[tuple[int, int]]:
+    b, h, g, s = lay_dims
+    step = max(1, _CHUNK_ELEMS // max(1, b * h * s * s))
+    return [(i, min(g, i + step)) for i in range(0, g, step)]
+
+
+class _Cascade(torch.autograd.Function):
+    """Shared-prefix attention as two parts merged by log-sum-exp:
+
+    (a) every query of the row against the prefix keys: one CPU flash call with ``is_causal``
+        (top-left aligned, so a prefix query sees the prefix causally and a suffix query all of it);
+    (b) each suffix against itself, causal: small batched matmuls ``[B, Hkv, rep, G, S, S]``
+        (chunked over slots), grouped-query heads broadcast instead of repeated.
+
+    The flash op returns the LSE but not its gradient; backward is still exact because the flash
+    backward of (a), given the *merged* output and LSE, yields (a)'s share of the joint softmax's
+    gradient (it recomputes ``P = exp(S - LSE)`` and ``D = rowsum(dO * O)``); (b)'s backward is
+    written out the same way. Inputs are the full ``q: [B, H, L, D]``, ``k, v: [B, Hkv, L, D]``
+    so that no slicing/repeat backward allocates zero-filled full-size gradients."""
 
     @staticmethod
-    def forward(ctx, qs, kp, vp, ks, vs, bias, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, bias, p, g, s, scale):  # type: ignore[override]
         fwd, _ = _flash_ops()  # type: ignore[misc]
-        b, h, g, s, d = qs.shape
-        q1 = qs.reshape(b, h, g * s, d)
-        o1, l1 = fwd(q1, kp, vp, 0.0, False, attn_mask=bias, scale=scale)
-        q2 = qs.transpose(1, 2).reshape(b * g, h, s, d)
-        k2 = ks.transpose(1, 2).reshape(b * g, h, s, d)
-        v2 = vs.transpose(1, 2).reshape(b * g, h, s, d)
-        o2, l2 = fwd(q2, k2, v2, 0.0, True, scale=scale)
-        o2 = o2.view(b, g, h, s, d).transpose(1, 2).reshape(b, h, g * s, d)
-        l2 = l2.view(b, g, h, s).transpose(1, 2).reshape(b, h, g * s)
-        lse = torch.logaddexp(l1, l2)
-        out = o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)
-        ctx.save_for_backward(q1, kp, vp, q2, k2, v2, bias if bias is not None else torch.empty(0), out, lse)
-        ctx.has_bias, ctx.scale, ctx.shape = bias is not None, scale, (b, h, g, s, d)
-        return out.view(b, h, g, s, d)
+        b, h, length, d = q.shape
+        hk = k.shape[1]
+        rep = h // hk
+        kp, vp = _repeat_kv(k[:, :, :p], rep), _repeat_kv(v[:, :, :p], rep)
+        out, lse = fwd(q, kp, vp, 0.0, True, attn_mask=bias, scale=scale)
+        qs = q[:, :, p:].reshape(b, hk, rep, g, s, d)
+        ks = k[:, :, p:].reshape(b, hk, 1, g, s, d)
+        vs = v[:, :, p:].reshape(b, hk, 1, g, s, d)
+        out_s = out[:, :, p:].view(b, hk, rep, g, s, d)
+        lse_s = lse[:, :, p:].view(b, hk, rep, g, s)
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        for i, j in _slot_chunks((b, h, g, s)):
+            sc = (qs[:, :, :, i:j] @ ks[:, :, :, i:j].transpose(-1, -2)) * scale
+            sc = sc.masked_fill_(~causal, float("-inf"))
+            lb = sc.logsumexp(-1)
+            ob = sc.sub_(lb.unsqueeze(-1)).exp_() @ vs[:, :, :, i:j]
+            la = lse_s[:, :, :, i:j]
+            ls = torch.logaddexp(la, lb)
+            out_s[:, :, :, i:j] = out_s[:, :, :, i:j] * (la - ls).exp().unsqueeze(-1) + ob * (
+                lb - ls
+            ).exp().unsqueeze(-1)
+            lse_s[:, :, :, i:j] = ls
+        ctx.save_for_backward(q, k, v, kp, vp, bias if bias is not None else torch.empty(0), out, lse)
+        ctx.has_bias, ctx.scale, ctx.dims = bias is not None, scale, (p, g, s)
+        return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         _, bwd = _flash_ops()  # type: ignore[misc]
-        q1, kp, vp, q2, k2, v2, bias, out, lse = ctx.saved_tensors
-        b, h, g, s, d = ctx.shape
-        do1 = dout.reshape(b, h, g * s, d).contiguous()
-        dq1, dkp, dvp = bwd(
-            do1, q1, kp, vp, out, lse, 0.0, False, attn_mask=bias if ctx.has_bias else None, scale=ctx.scale
+        q, k, v, kp, vp, bias, out, lse = ctx.saved_tensors
+        p, g, s = ctx.dims
+        b, h, length, d = q.shape
+        hk = k.shape[1]
+        rep, scale = h // hk, ctx.scale
+        dout = dout.contiguous()
+        dq, dkp, dvp = bwd(
+            dout, q, kp, vp, out, lse, 0.0, True, attn_mask=bias if ctx.has_bias else None, scale=scale
         )
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        dk[:, :, :p] = dkp.view(b, hk, rep, p, d).sum(2)
+        dv[:, :, :p] = dvp.view(b, hk, rep, p, d).sum(2)
+        qs = q[:, :, p:].reshape(b, hk, rep, g, s, d)
+        ks = k[:, :, p:].reshape(b, hk, 1, g, s, d)
+        vs = v[:, :, p:].reshape(b, hk, 1, g, s, d)
+        dos = dout[:, :, p:].view(b, hk, rep, g, s, d)
+        dqs = dq[:, :, p:].view(b, hk, rep, g, s, d)
+        dks = dk[:, :, p:].view(b, hk, g, s, d)
+        dvs = dv[:, :, p:].view(b, hk, g, s, d)
+        delta = (dos * out[:, :, p:].view(b, hk, rep, g, s, d)).sum(-1, keepdim=True)
+        lse_s = lse[:, :, p:].view(b, hk, rep, g, s, 1)
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        for i, j in _slot_chunks((b, h, g, s)):
+            sc = (qs[:, :, :, i:j] @ ks[:, :, :, i:j].transpose(-1, -2)) * scale
+            pr = (
+                sc.masked_fill_(~causal, float("-inf")).sub_(lse_s[:, :, :, i:j]).exp_()
+            )  # joint softmax share
+            dvs[:, :, i:j] = (pr.transpose(-1, -2) @ dos[:, :, :, i:j]).sum(2)
+            ds = (dos[:, :, :, i:j] @ vs[:, :, :, i:j].transpose(-1, -2)).sub_(delta[:, :, :, i:j]).mul_(pr)
+            dqs[:, :, :, i:j] += (ds @ ks[:, :, :, i:j]) * scale
+            dks[:, :, i:j] = (ds.transpose(-1, -2) @ qs[:, :, :, i:j]).sum(2) * scale
+        return dq, dk, dv, None, None, None, None, None
 
-        def per_slot(x: torch.Tensor) -> torch.Tensor:
-            return (
-                x.view(b, h, g, s, *x.shape[3:])
-                .transpose(1, 2)
-                .reshape(b * g, h, s, *x.shape[3:])
-                .contiguous()
-            )
 
-        dq2, dk2, dv2 = bwd(
-            per_slot(do1), q2, k2, v2, per_slot(out), per_slot(lse), 0.0, True, scale=ctx.scale
-        )
-
-        def back(x: torch.Tensor) -> torch.Tensor:
-            return x.view(b, g, h, s, d).transpose(1, 2)
-
-        dqs = dq1.view(b, h, g, s, d) + back(dq2)
-        return dqs, dkp, dvp, back(dk2), back(dv2), None, None
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, scale: float):
-    fwd, _ = _flash_ops()  # type: ignore[misc]
-    qp, qs = _split(q, lay)
-    kp, ks = _split(k, lay)
-    vp, vs = _split(v, lay)
-    # Prefix: plain causal attention (differentiable through the public SDPA).
-    out_p = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, scale: float) -> torch.Tensor:
+    """``q: [B, H, L, D]``, ``k, v: [B, Hkv, L, D]`` (not repeated) -> ``[B, H, L, D]``."""
     bias = None
     if lay.prefix_valid is not None:
         bias = torch.zeros(lay.prefix_valid.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(~lay.prefix_valid, float("-inf"))[:, None, None, :]
-    out_s = _CascadeSuffix.apply(qs, kp.contiguous(), vp.contiguous(), ks, vs, bias, scale)
-    return out_p, out_s
+    return _Cascade.apply(q, k, v, bias, lay.prefix_len, lay.num_slots, lay.slot_len, scale)
 
 
 # ------------------------------------------------------------------------------------------ flex
@@ -294,11 +326,11 @@ def shared_prefix_attention(
     if lay.kernel == "flex":
         out = _flex(query, key, value, lay, scale, softcap)
         return out.transpose(1, 2).contiguous(), None
+    if lay.kernel == "sdpa":
+        return _sdpa(query, key, value, lay, scale).transpose(1, 2).contiguous(), None
     k, v = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     if lay.kernel == "eager":
         out_p, out_s = _eager(query, k, v, lay, scale, softcap)
-    elif lay.kernel == "sdpa":
-        out_p, out_s = _sdpa(query, k, v, lay, scale)
     else:  # pragma: no cover - kernel_reasons refuses unknown kernels
         raise GRPOPartsError(f"kernel: unknown {lay.kernel!r}")
     b, h, _, d = query.shape

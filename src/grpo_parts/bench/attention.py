@@ -1,0 +1,239 @@
+"""``grpo-parts bench attention``: shared-prefix vs repeated-prefix forward+backward.
+
+For each point (G completions of one prompt of length P, each S tokens) it times one
+forward+backward of ``sum(w * logprobs)`` through a small Qwen2-style model, three ways:
+
+* ``reference``: :class:`RepeatedPrefixAttention` (G rows of P+S tokens, transformers SDPA);
+* ``shared``: :class:`SharedPrefixAttention` (one row of P+G*S tokens, cascade kernel);
+* ``dense``: the same single row with a dense 4-D mask through transformers SDPA (what a direct
+  port of the Prefix Grouper layout without a dedicated kernel costs).
+
+Peak memory: torch's CPU allocator events recorded by ``torch.profiler`` (``profile_memory=True``)
+during a separate forward+backward; peak = max running sum of allocated minus freed bytes, i.e.
+the activation/gradient memory on top of what existed before the step (parameters excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+FULL_GRID = [(g, p, s) for p in (256, 1024, 4096) for s in (64, 256, 1024) for g in (4, 8, 16)]
+ACCEPTANCE = (8, 1024, 128)
+QUICK_GRID = [(4, 256, 64), ACCEPTANCE]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", metavar="PATH", help="write one JSON object per point to PATH (a JSON list)"
+    )
+    parser.add_argument("--quick", action="store_true", help=f"only {QUICK_GRID} (G, P, S) (CI-speed)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats per variant (the fastest is reported)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: perf_counter; cpu: process CPU time (all threads) -- steadier on a shared, loaded machine",
+    )
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=1408, help="MLP width (Qwen2 uses ~5.5x hidden)")
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave torch's default)")
+    parser.add_argument(
+        "--max-ref-tokens",
+        type=int,
+        default=40_000,
+        help="skip points whose reference batch G*(P+S) exceeds this (memory guard; reported as skipped)",
+    )
+    parser.add_argument(
+        "--max-dense-tokens",
+        type=int,
+        default=12_000,
+        help="skip the dense-mask variant above this row length",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def ideal_ratio(g: int, p: int, s: int) -> float:
+    """Token reduction ``G(P+S) / (P + G*S)``."""
+    return g * (p + s) / (p + g * s)
+
+
+def _peak_bytes(fn: Callable[[], Any]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    run = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        run += e.nbytes()
+        peak = max(peak, run)
+    return peak
+
+
+def _time(fn: Callable[[], Any], repeats: int, clock: str = "wall") -> float:
+    """Fastest of ``repeats`` runs after one warm-up (interference from other processes only adds)."""
+    now = time.perf_counter if clock == "wall" else time.process_time
+    fn()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t0 = now()
+        fn()
+        ts.append(now() - t0)
+    return min(ts)
+
+
+def _dense_logprobs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """Single grouped row + dense additive 4-D mask through the model's own (SDPA) attention."""
+    from ..attention.layout import build_grouped_inputs, ungroup_logits
+    from ..core import token_logprobs
+
+    gi = build_grouped_inputs(batch)
+    lay = gi.layout
+    length = lay.row_len
+    idx = torch.arange(length)
+    seg = torch.where(idx < lay.prefix_len, 0, (idx - lay.prefix_len) // max(lay.slot_len, 1) + 1)
+    allowed = ((seg[None, :] == seg[:, None]) & (idx[None, :] <= idx[:, None])) | (
+        (seg[None, :] == 0) & (seg[:, None] > 0)
+    )
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(length, length, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = mask.expand(gi.input_ids.shape[0], 1, length, length)
+    out = model(
+        input_ids=gi.input_ids, position_ids=gi.position_ids, attention_mask=mask, logits_to_keep=gi.keep
+    )
+    logits = ungroup_logits(out.logits, gi)
+    return token_logprobs(logits, batch.completion_ids[:, : logits.shape[1]])
+
+
+def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Namespace) -> dict[str, Any]:
+    from ..attention.protocol import LogprobBatch
+    from ..attention.reference import RepeatedPrefixAttention
+    from ..attention.shared_prefix import SharedPrefixAttention
+
+    row: dict[str, Any] = {"G": g, "P": p, "S": s, "ideal": round(ideal_ratio(g, p, s), 4)}
+    if g * (p + s) > args.max_ref_tokens:
+        row.update(
+            speedup=None,
+            memory_ratio=None,
+            max_abs_logprob_diff=None,
+            skipped=f"reference batch {g * (p + s)} tokens > --max-ref-tokens {args.max_ref_tokens}",
+        )
+        return row
+    gen = torch.Generator().manual_seed(args.seed + g * 7 + p * 13 + s)
+    vocab = args.vocab
+    prompt = torch.randint(1, vocab, (1, p), generator=gen).repeat(g, 1)
+    batch = LogprobBatch(
+        prompt,
+        torch.ones(g, p, dtype=torch.long),
+        torch.randint(1, vocab, (g, s), generator=gen),
+        torch.ones(g, s, dtype=torch.long),
+        torch.zeros(g, dtype=torch.long),
+    )
+    w = torch.rand(g, s, generator=gen)
+    ref, shared = RepeatedPrefixAttention(), SharedPrefixAttention("auto")
+
+    def step(lp_fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def f() -> torch.Tensor:
+            model.zero_grad(set_to_none=True)
+            lp = lp_fn()
+            (lp * w).sum().backward()
+            return lp.detach()
+
+        return f
+
+    variants = {
+        "ref": step(lambda: ref.completion_logprobs(model, batch).logprobs),
+        "shared": step(lambda: shared.completion_logprobs(model, batch).logprobs),
+    }
+    if p + g * s <= args.max_dense_tokens:
+        variants["dense"] = step(lambda: _dense_logprobs(model, batch))
+    lps = {k: f() for k, f in variants.items()}
+    times = {k: _time(f, args.repeats, args.clock) for k, f in variants.items()}
+    peaks = {k: _peak_bytes(f) for k, f in variants.items()}
+    row.update(
+        speedup=round(times["ref"] / times["shared"], 4),
+        memory_ratio=round(peaks["ref"] / max(peaks["shared"], 1), 4),
+        max_abs_logprob_diff=float((lps["shared"] - lps["ref"]).abs().max()),
+        efficiency=round(times["ref"] / times["shared"] / ideal_ratio(g, p, s), 4),
+        time_ref_s=round(times["ref"], 4),
+        time_shared_s=round(times["shared"], 4),
+        peak_ref_mb=round(peaks["ref"] / 2**20, 1),
+        peak_shared_mb=round(peaks["shared"] / 2**20, 1),
+        kernel=shared.last_choice.splitlines()[0] if shared.last_choice else "",
+    )
+    if "dense" in variants:
+        row.update(
+            speedup_vs_dense=round(times["dense"] / times["shared"], 4),
+            memory_ratio_vs_dense=round(peaks["dense"] / max(peaks["shared"], 1), 4),
+            time_dense_s=round(times["dense"], 4),
+            peak_dense_mb=round(peaks["dense"] / 2**20, 1),
+            max_abs_logprob_diff_dense=float((lps["dense"] - lps["ref"]).abs().max()),
+        )
+    return row
+
+
+def _fmt(v: Any, nd: int = 2) -> str:
+    return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..tiny import tiny_causal_lm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    grid = (
+        QUICK_GRID if args.quick else sorted(set(FULL_GRID) | {ACCEPTANCE}, key=lambda t: (t[1], t[2], t[0]))
+    )
+    model = tiny_causal_lm(
+        "qwen2",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=8192,
+        dtype=torch.float32,
+        seed=args.seed,
+        attn_implementation="sdpa",
+    )
+    model.train()  # attention_dropout is 0, so train mode changes nothing but is what a policy update uses
+    print(
+        f"model: qwen2 hidden={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads} "
+        f"intermediate={args.intermediate} vocab={args.vocab} float32; torch threads={torch.get_num_threads()}; "
+        f"clock={args.clock}, fastest of {args.repeats} after a warm-up"
+    )
+    header = "   G     P     S  ideal  speedup  eff  mem_ratio  vs_dense  max|dlogp|  t_ref(s) t_shared(s)"
+    rows = []
+    bar = tqdm(grid, desc="attention bench", leave=False)
+    for g, p, s in bar:
+        bar.set_postfix(G=g, P=p, S=s)
+        row = run_point(model, g, p, s, args)
+        rows.append(row)
+        tqdm.write(header if len(rows) == 1 else "", end="\n" if len(rows) == 1 else "")
+        tqdm.write(
+            f"{g:4d} {p:5d} {s:5d} {row['ideal']:6.2f} {_fmt(row['speedup']):>8} {_fmt(row.get('efficiency')):>4} "
+            f"{_fmt(row['memory_ratio']):>10} {_fmt(row.get('speedup_vs_dense')):>9} "
+            f"{_fmt(row['max_abs_logprob_diff'], 1) if row['max_abs_logprob_diff'] is None else format(row['max_abs_logprob_diff'], '.1e'):>10} "
+            f"{_fmt(row.get('time_ref_s'), 3):>9} {_fmt(row.get('time_shared_s'), 3):>11}"
+            + (f"  ({row['skipped']})" if "skipped" in row else "")
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0

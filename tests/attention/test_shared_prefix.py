@@ -1,0 +1,134 @@
+"""Shared-prefix backend == repeated-prefix reference: log-probs and every parameter gradient of a
+GRPO loss, float64 on CPU, live reference, 1e-10 absolute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _attention_helpers import exact_model, random_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_parts.attention import IMPLEMENTATIONS, get_attention_class
+from grpo_parts.attention.reference import RepeatedPrefixAttention
+from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+from grpo_parts.core import grpo_loss
+
+ATOL = 1e-10
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
+
+
+def logps_and_grads(backend, model, batch, temperature=1.0):  # type: ignore[no-untyped-def]
+    out = backend.completion_logprobs(model, batch, temperature=temperature, compute_entropy=True)
+    n = batch.prompt_ids.shape[0]
+    adv = torch.linspace(-1.0, 1.5, n, dtype=torch.float64)
+    old = out.logprobs.detach() + 0.03 * torch.cos(
+        torch.arange(out.logprobs.numel(), dtype=torch.float64)
+    ).view_as(out.logprobs)
+    loss = grpo_loss(out.logprobs, old, adv, batch.completion_mask).loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return out, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def assert_equivalent(model, batch, kernel, temperature=1.0):  # type: ignore[no-untyped-def]
+    ref, ref_g = logps_and_grads(RepeatedPrefixAttention(), model, batch, temperature)
+    out, out_g = logps_and_grads(SharedPrefixAttention(kernel), model, batch, temperature)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.entropies, ref.entropies, atol=ATOL, rtol=0)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, a, b in zip(names, out_g, ref_g):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+@st.composite
+def cases(draw):  # type: ignore[no-untyped-def]
+    family = draw(st.sampled_from(FAMILIES))
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2]))
+    head_dim = draw(st.sampled_from([4, 8]))
+    layers = draw(st.integers(1, 2))
+    groups = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    return dict(
+        family=family,
+        heads=heads,
+        kv=kv,
+        head_dim=head_dim,
+        layers=layers,
+        groups=groups,
+        max_prompt=draw(st.integers(1, 6)),
+        max_completion=draw(st.integers(1, 5)),
+        kernel=draw(st.sampled_from(["sdpa", "eager"])),
+        temperature=draw(st.sampled_from([1.0, 0.7])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=30)
+@given(case=cases())
+def test_equivalent_to_reference(case):  # type: ignore[no-untyped-def]
+    model = exact_model(
+        case["family"],
+        vocab_size=48,
+        hidden_size=case["heads"] * case["head_dim"],
+        num_heads=case["heads"],
+        num_kv_heads=case["kv"],
+        head_dim=case["head_dim"],
+        num_layers=case["layers"],
+        seed=case["seed"],
+    )
+    gen = torch.Generator().manual_seed(case["seed"])
+    batch = random_batch(
+        gen, case["groups"], vocab=48, max_prompt=case["max_prompt"], max_completion=case["max_completion"]
+    )
+    assert_equivalent(model, batch, case["kernel"], case["temperature"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_both_kernels(family):  # type: ignore[no-untyped-def]
+    """Deterministic coverage of each architecture: GQA, shuffled rows, a singleton group,
+    variable prompt and completion lengths."""
+    model = exact_model(family, vocab_size=48, hidden_size=32, num_heads=4, num_kv_heads=2, num_layers=2)
+    batch = random_batch(
+        torch.Generator().manual_seed(3), [3, 1, 2], vocab=48, max_prompt=7, max_completion=5
+    )
+    for kernel in ("sdpa", "eager"):
+        assert_equivalent(model, batch, kernel)
+
+
+def test_no_grad_forwards_and_flex():  # type: ignore[no-untyped-def]
+    """Old-policy / reference forwards run without grad; FlexAttention runs there on CPU."""
+    model = exact_model("qwen2", vocab_size=48, hidden_size=32, num_heads=4, num_kv_heads=2)
+    batch = random_batch(torch.Generator().manual_seed(5), [2, 3], vocab=48, max_prompt=6, max_completion=4)
+    with torch.no_grad():
+        ref = RepeatedPrefixAttention().completion_logprobs(model, batch).logprobs
+        for kernel in ("auto", "sdpa", "eager", "flex"):
+            out = SharedPrefixAttention(kernel).completion_logprobs(model, batch).logprobs
+            torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_registry_and_auto_choice():  # type: ignore[no-untyped-def]
+    assert "shared_prefix" in IMPLEMENTATIONS
+    backend = get_attention_class("shared_prefix")()
+    model = exact_model("llama", vocab_size=48)
+    batch = random_batch(torch.Generator().manual_seed(0), [2], vocab=48, max_prompt=4, max_completion=3)
+    assert backend.not_supported_reasons(model, batch) == []
+    backend.completion_logprobs(model, batch)
+    assert "chose kernel 'sdpa'" in backend.last_choice
+    assert model.config._attn_implementation == "sdpa"  # restored after the call
+
+
+def test_fallback_without_layout_is_sdpa():  # type: ignore[no-untyped-def]
+    """Registered as attn_implementation, the kernel behaves like SDPA for ordinary forwards."""
+    from grpo_parts.attention.shared_prefix import KERNEL_NAME, register_attention
+
+    register_attention()
+    model = exact_model("qwen2", vocab_size=48)
+    ids = torch.randint(1, 48, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation(KERNEL_NAME)
+        out = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
