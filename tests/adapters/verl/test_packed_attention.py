@@ -4,6 +4,8 @@ forward and backward."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from grpo_parts_adapters.verl import attention
@@ -38,9 +40,25 @@ def packed_batches(draw):
     return ids, cu, resp_lens, uids, temperature
 
 
+def _float64_rms_norm(self, x):
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
 @pytest.fixture(scope="module")
 def model():
-    return tiny_causal_lm("qwen2", dtype=torch.float64, attn_implementation="sdpa", num_kv_heads=2, seed=1)
+    """float64 end to end. transformers' RMSNorm computes in float32 (a *downcast* for a float64
+    model), so a shared prefix that sums its gradient over G suffixes before the norm's backward
+    differs from the per-row reference at ~1e-7 (rounding order); tests/attention/helpers.py found
+    the same. Replace each norm instance's forward by the same formula without the cast."""
+    m = tiny_causal_lm("qwen2", dtype=torch.float64, attn_implementation="sdpa", num_kv_heads=2, seed=1)
+    for mod in m.modules():
+        if type(mod).__name__.endswith("RMSNorm"):
+            mod.forward = types.MethodType(_float64_rms_norm, mod)
+    with torch.no_grad():  # larger weights: attention far from uniform, so a wrong mask shows
+        for p in m.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+    return m
 
 
 def plain_packed_logprobs(model, ids, cu, temperature):
