@@ -1,0 +1,132 @@
+"""Warm start for the built-in task: a tiny policy that can do the work but has a bad habit.
+
+GRPO needs a nonzero reward to learn from, and on a CPU it has minutes, not hours -- enough to make
+a policy reliable at something it can already do (what RL mostly does to LLMs), not to teach it
+arithmetic from scratch. So the committed policy is made in two SFT phases (next-token
+cross-entropy on worked solutions, loss on the completion only):
+
+1. **skill** -- clean worked solutions until greedy held-out accuracy reaches ``--skill-until``;
+2. **habit** -- solutions whose final answer is, with probability ``--habit-rate``, the *first*
+   partial sum instead of the total (answering with an intermediate result), until greedy held-out
+   accuracy falls to ``--stop-at`` or below.
+
+The policy then answers right only ~1 time in 3 when sampling and rarely when greedy; the reward
+is exact match on the final answer, so GRPO has a clear signal and most of the way to go.
+The result is a transformers checkpoint folder (config.json, model.safetensors, tokenizer files)
+under ``src/grpo_parts/assets/tiny_adder``; ``grpo-parts train`` loads it like any ``--model PATH``.
+
+    python scripts/warm_start.py            # ~10 minutes on 2 CPU cores (deterministic, 1 thread)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from grpo_parts.sampler.protocol import SamplingParams
+from grpo_parts.sampler.reference import ReferenceSampler
+from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask, Problem
+from grpo_parts.task.data import eval_accuracy
+from grpo_parts.task.tokenizer import EOS_ID, PAD_ID, build_hf_tokenizer
+from grpo_parts.tiny import tiny_causal_lm
+
+OUT = Path(__file__).resolve().parents[1] / "src" / "grpo_parts" / "assets" / "tiny_adder"
+
+
+def habit_target(task: ArithmeticTask, p: Problem, rng: random.Random, rate: float) -> str:
+    """The worked solution; with probability ``rate`` its final answer is the first partial sum."""
+    text = task.sft_target(p)
+    if rng.random() >= rate:
+        return text
+    work = text.rsplit(";", 1)[0]
+    first = work.split(",", 1)[0].rsplit("=", 1)[1]
+    return f"{work};{first}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--init", type=Path, help="start phase 1 from this checkpoint folder instead of random weights")
+    ap.add_argument("--max-steps", type=int, default=3000, help="upper bound on phase-1 steps")
+    ap.add_argument("--skill-until", type=float, default=0.85, help="phase 1 ends at this greedy held-out accuracy")
+    ap.add_argument("--habit-rate", type=float, default=0.7)
+    ap.add_argument("--habit-min-steps", type=int, default=60)
+    ap.add_argument("--stop-at", type=float, default=0.15, help="phase 2 ends at this greedy accuracy or below")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this tiny model)")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tok = build_hf_tokenizer()
+    task = ArithmeticTask(ArithmeticConfig(), seed=10_000 + args.seed)  # a different stream than GRPO's
+    if args.init is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.init)
+    else:
+        model = tiny_causal_lm(
+            "qwen2", vocab_size=len(tok), hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
+            max_position_embeddings=64, seed=args.seed, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        )  # fmt: skip
+    print(f"policy: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    evals = task.eval_problems()[:200]
+    params = SamplingParams(max_new_tokens=28, temperature=0.0, eos_token_ids=(EOS_ID,), pad_token_id=PAD_ID)
+    rng, t0, pos = random.Random(args.seed), time.perf_counter(), 0
+
+    def sft_step(step: int, rate: float) -> float:
+        nonlocal pos
+        model.train()
+        rows = []
+        for _ in range(args.batch):
+            p = task.train_problem(pos)
+            pos += 1
+            rows.append((tok.encode(p.prompt), tok.encode(habit_target(task, p, rng, rate)) + [EOS_ID]))
+        width = max(len(a) + len(b) for a, b in rows)
+        ids = torch.full((len(rows), width), PAD_ID)
+        labels = torch.full((len(rows), width), -100)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (a, b) in enumerate(rows):  # right padding; loss on the completion only
+            ids[i, : len(a) + len(b)] = torch.tensor(a + b)
+            labels[i, len(a) : len(a) + len(b)] = torch.tensor(b)
+            mask[i, : len(a) + len(b)] = 1
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, step / 100)  # warmup
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return float(loss)
+
+    def evaluate(tag: str, step: int, loss: float) -> float:
+        model.eval()
+        acc = eval_accuracy(ReferenceSampler(model), task, evals, tok, params)
+        print(f"{tag} step {step} loss {loss:.3f} held-out greedy acc {acc:.3f} ({time.perf_counter() - t0:.0f}s)")
+        return acc
+
+    step = 0
+    for step in range(1, args.max_steps + 1):  # phase 1: skill
+        loss = sft_step(step, 0.0)
+        if step % 50 == 0 and evaluate("skill", step, loss) >= args.skill_until:
+            break
+    for h in range(1, 10_000):  # phase 2: habit
+        loss = sft_step(step + h, args.habit_rate)
+        if h % 20 == 0 and h >= args.habit_min_steps and evaluate("habit", h, loss) <= args.stop_at:
+            break
+    model.eval()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out, safe_serialization=True)
+    tok.save_pretrained(args.out)
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The built-in verifiable task: chain addition with a short worked solution.
+
+A prompt adds ``operands`` numbers in ``[0, max_value]``; the policy writes the running sums and then
+the answer after ``;``::
+
+    prompt:      17+25+9=
+    completion:  17+25=42,42+9=51;51<eos>
+
+Only the text after the last ``;`` is graded (exact match), so the worked part is the policy's own
+business -- as in real math RL, where only the boxed answer is checked. Completions are mostly
+copies (operands from the prompt, partial sums from the line before) plus one small addition per
+step: long enough that rollout dominates a step, and copy-heavy, so speculative drafts (n-gram,
+online) have something to accept, as they do on real reasoning traces.
+
+Problems are generated from ``(seed, position)`` alone, so the stream can resume at any position.
+A fixed ~10% of all problems (by a hash of the prompt) is held out for evaluation and never trained on.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+class ArithmeticConfig(BaseModel):
+    """Size of the built-in problems. ``eval_percent`` of all problems are held out."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    operands: int = Field(3, ge=2, le=6)
+    max_value: int = Field(99, ge=1, le=9999)
+    eval_percent: int = Field(10, ge=1, le=50)
+    num_eval: int = Field(200, ge=1, le=100_000)
+
+
+def worked_solution(operands: list[int]) -> str:
+    """The completion the warm start is taught: running sums, then ``;answer``."""
+    steps, total = [], operands[0]
+    for x in operands[1:]:
+        steps.append(f"{total}+{x}={total + x}")
+        total += x
+    return ",".join(steps) + f";{total}"
+
+
+def extract_answer(completion: str) -> str | None:
+    """The text after the last ``;`` (stripped), or None when there is none."""
+    if ";" not in completion:
+        return None
+    return completion.rsplit(";", 1)[1].strip()
+
+
+class ArithmeticTask:
+    """Chain addition. ``train_problem(i)`` is the i-th problem of the training stream."""
+
+    name = "arithmetic"
+
+    def __init__(self, config: ArithmeticConfig | None = None, seed: int = 0):
+        self.config = config or ArithmeticConfig()
+        self.seed = seed
+
+    def _draw(self, rng: random.Random) -> list[int]:
+        return [rng.randint(0, self.config.max_value) for _ in range(self.config.operands)]
+
+    def is_held_out(self, prompt: str) -> bool:
+        return zlib.crc32(prompt.encode()) % 100 < self.config.eval_percent
+
+    def _problem(self, ops: list[int]) -> Problem:
+        return Problem("+".join(str(x) for x in ops) + "=", str(sum(ops)))
+
+    def train_problem(self, index: int) -> Problem:
+        # A counter-based stream: problem i depends only on (seed, i), so resuming is O(1).
+        rng = random.Random(f"train:{self.seed}:{index}")
+        while True:
+            p = self._problem(self._draw(rng))
+            if not self.is_held_out(p.prompt):
+                return p
+
+    def eval_problems(self) -> list[Problem]:
+        """The held-out set: the same problems for every seed, so runs compare on equal terms."""
+        rng = random.Random("eval")
+        out: list[Problem] = []
+        seen: set[str] = set()
+        while len(out) < self.config.num_eval:
+            p = self._problem(self._draw(rng))
+            if self.is_held_out(p.prompt) and p.prompt not in seen:
+                seen.add(p.prompt)
+                out.append(p)
+        return out
+
+    def sft_target(self, problem: Problem) -> str:
+        return worked_solution([int(x) for x in problem.prompt.rstrip("=").split("+")])
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return 1.0 if extract_answer(completion) == problem.answer else 0.0

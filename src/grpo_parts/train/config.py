@@ -1,0 +1,178 @@
+"""Training configuration: one pydantic model, loadable from YAML and overridable from the CLI.
+
+Every value is validated on construction, so a bad value fails before anything is written to disk.
+Parts are chosen by name from each subpackage's ``IMPLEMENTATIONS`` table; the defaults are the
+optimized parts, and :data:`REFERENCE_PARTS` switches every part back to its reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..core import AdvantageConfig, LossConfig
+from ..errors import GRPOPartsError
+from ..task.arithmetic import ArithmeticConfig
+
+#: The reference implementation of each part (the plain GRPO path).
+REFERENCE_PARTS: dict[str, Any] = {
+    "sampler": "reference",
+    "draft": None,
+    "attention": "reference",
+    "filter": "keep_all",
+}
+
+
+class PartsConfig(BaseModel):
+    """Which implementation of each Protocol the loop uses, by its ``IMPLEMENTATIONS`` name.
+
+    A default that has not landed in this installation falls back to the reference with a logged
+    note; a name you set explicitly must exist. ``draft`` is only used by samplers that take one
+    (``None`` = no draft). ``refill``: when the filter keeps fewer completions than a full batch,
+    roll out the extra prompts it asks for, up to ``max_refill_rounds`` extra rounds per step.
+    ``*_kwargs`` go to the part's constructor.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sampler: str = "speculative"
+    draft: str | None = "ngram"
+    attention: str = "shared_prefix"
+    filter: str = "cppo"
+    refill: bool = False
+    max_refill_rounds: int = Field(3, ge=0, le=64)
+    sampler_kwargs: dict[str, Any] = Field(default_factory=dict)
+    draft_kwargs: dict[str, Any] = Field(default_factory=dict)
+    attention_kwargs: dict[str, Any] = Field(default_factory=lambda: {})
+    filter_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainConfig(BaseModel):
+    """A GRPO run. ``model``/``data`` = None means the built-in task and its committed warm start."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str | None = Field(None, description="run folder name under out_dir (default: a timestamp)")
+    out_dir: Path = Path("runs")
+    seed: int = Field(0, ge=0)
+    steps: int = Field(60, ge=1, le=10_000_000)
+    prompts_per_step: int = Field(16, ge=1, le=1_000_000)
+    group_size: int = Field(8, ge=2, le=4096)
+    max_new_tokens: int = Field(28, ge=1, le=1_000_000)
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    lr: float = Field(5e-4, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    minibatches: int = Field(1, ge=1, le=1024, description="optimizer steps per rollout batch")
+    old_logprobs: Literal["recompute", "sampler"] = Field(
+        "recompute",
+        description="recompute old-policy log-probs through the attention backend, or reuse the sampler's",
+    )
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    parts: PartsConfig = Field(default_factory=PartsConfig)
+    task: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    eval_every: int = Field(5, ge=1)
+    eval_temperature: float = Field(0.0, ge=0.0, description="0 = greedy held-out accuracy")
+    checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
+    target_accuracy: float = Field(
+        0.6, gt=0.0, le=1.0, description="--compare: time to this held-out accuracy"
+    )
+    time_limit_s: float | None = Field(None, gt=0.0, description="stop early after this much training time")
+    model: Path | None = Field(
+        None, description="local transformers checkpoint (default: the built-in warm start)"
+    )
+    data: Path | None = Field(
+        None, description="local JSONL of {'prompt', 'answer'} (default: built-in task)"
+    )
+    eval_data: Path | None = None
+    eval_fraction: float = Field(
+        0.05, gt=0.0, lt=1.0, description="held-out share of --data without --eval-data"
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.eval_data is not None and self.data is None:
+            raise ValueError("eval_data: only used together with data")
+        if self.minibatches > self.prompts_per_step:
+            raise ValueError(
+                f"minibatches: expected <= prompts_per_step={self.prompts_per_step} (whole groups per minibatch), "
+                f"got {self.minibatches}"
+            )
+        return self
+
+    def with_reference_parts(self) -> TrainConfig:
+        """The same run with every part switched to its reference implementation."""
+        return self.model_copy(update={"parts": PartsConfig(**REFERENCE_PARTS, refill=False)})
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        child = node.get(k)
+        if child is None:
+            child = node[k] = {}
+        if not isinstance(child, dict):
+            raise GRPOPartsError(f"--set {dotted}: {k!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"a.b=value"`` -> ``("a.b", yaml-parsed value)``."""
+    import yaml
+
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise GRPOPartsError(f"--set: expected KEY=VALUE (e.g. parts.filter=keep_all), got {item!r}")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(
+    path: Path | str | None = None, overrides: dict[str, Any] | None = None, sets: list[str] | None = None
+) -> TrainConfig:
+    """Build a :class:`TrainConfig` from an optional YAML file, then dotted overrides (later wins).
+
+    Validation errors are re-raised as :class:`GRPOPartsError` naming the field, the value and the rule.
+    """
+    import yaml
+
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise GRPOPartsError(f"config: no such file {str(p)!r}")
+        loaded = yaml.safe_load(p.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise GRPOPartsError(
+                f"config: expected a YAML mapping in {str(p)!r}, got {type(loaded).__name__}"
+            )
+        tree = loaded or {}
+    for key, value in (overrides or {}).items():
+        _set_dotted(tree, key, value)
+    for item in sets or []:
+        _set_dotted(tree, *parse_override(item))
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "config"
+            got = f", got {err['input']!r}" if "input" in err and not isinstance(err["input"], dict) else ""
+            lines.append(f"{loc}: {err['msg']}{got}")
+        raise GRPOPartsError("invalid training config:\n  " + "\n  ".join(lines)) from None
+
+
+def dump_config(config: TrainConfig) -> str:
+    import yaml
+
+    return str(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

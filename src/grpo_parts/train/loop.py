@@ -1,0 +1,290 @@
+"""The GRPO step, composed from the four Protocols.
+
+One :meth:`GRPOTrainer.step`:
+
+1. **rollout** -- the ``Sampler`` generates G completions for each prompt pulled from the task's stream;
+2. **reward** -> **advantages** (:func:`grpo_parts.core.group_advantages`, per group);
+3. **filter** -- the ``CompletionFilter`` picks the rows to train on; with refill on, the
+   :class:`~grpo_parts.filter.allocation.Refiller` rolls out the extra prompts it asks for;
+4. **old-policy and reference log-probs** of the kept rows through the ``AttentionBackend``, no grad;
+5. **draft update** -- a learnable draft distils from the policy's hidden states on this rollout
+   (FastGRPO trains it before the policy update, so it is one step behind);
+6. **policy update** through the ``AttentionBackend`` with :func:`grpo_parts.core.grpo_loss`, then
+   ``sampler.sync_weights``.
+
+Time is split into rollout (sampler calls), training (4-6) and other (tokenising, rewards, filter).
+Held-out evaluation is timed separately and does not count towards ``wall_time``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..attention.protocol import LogprobBatch
+from ..core import grpo_loss
+from ..filter.allocation import Refiller, fill_rollouts
+from ..sampler.protocol import SamplingParams
+from ..sampler.reference import ReferenceSampler
+from ..task.arithmetic import Problem
+from ..task.data import Task, decode_completions, encode_prompts, eval_accuracy
+from ..types import PromptBatch, Rollout
+from .config import TrainConfig
+from .parts import Parts
+
+
+class _Stream(Iterator[Problem]):
+    """The task's training problems from the trainer's data position on (advances it)."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+
+    def __next__(self) -> Problem:
+        p = self.trainer.task.train_problem(self.trainer.data_pos)
+        self.trainer.data_pos += 1
+        return p
+
+
+def split_groups(group_index: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Row indices split into ``parts`` chunks of whole groups (shared-prefix needs whole groups)."""
+    groups = torch.unique(group_index)
+    chunks = torch.tensor_split(groups, min(parts, groups.numel()))
+    return [torch.isin(group_index, c).nonzero().squeeze(-1) for c in chunks if c.numel()]
+
+
+class GRPOTrainer:
+    """Holds the policy, optimizer, parts and data position; ``step()`` runs one GRPO step."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        policy: torch.nn.Module,
+        tokenizer: Any,
+        task: Task,
+        parts: Parts,
+        eos_token_ids: tuple[int, ...],
+        ref_model: torch.nn.Module | None = None,
+    ):
+        self.config, self.policy, self.tokenizer, self.task, self.parts = (
+            config,
+            policy,
+            tokenizer,
+            task,
+            parts,
+        )
+        self.ref_model = ref_model
+        self.device = next(policy.parameters()).device
+        self.optimizer = torch.optim.AdamW(
+            policy.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.pad_token_id = int(
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        )
+        self.params = SamplingParams(
+            group_size=config.group_size, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+            top_p=config.top_p, top_k=config.top_k, eos_token_ids=eos_token_ids, pad_token_id=self.pad_token_id,
+        )  # fmt: skip
+        self.eval_params = self.params.model_copy(
+            update={"temperature": config.eval_temperature, "top_p": 1.0, "top_k": 0}
+        )
+        self.step_idx = 0
+        self.data_pos = 0
+        self.wall_time = 0.0
+        self.eval_set = task.eval_problems()
+        reasons = parts.sampler.not_supported_reasons(self.params)
+        if reasons:
+            from ..errors import NotSupportedError
+
+            raise NotSupportedError(f"sampler {parts.names.get('sampler')!r}", reasons)
+
+    # ------------------------------------------------------------------------------------ steps
+    def _prompts(self, problems: list[Problem]) -> PromptBatch:
+        pb = encode_prompts(self.tokenizer, [p.prompt for p in problems])
+        return PromptBatch(pb.input_ids.to(self.device), pb.attention_mask.to(self.device))
+
+    def step(self) -> dict[str, Any]:
+        cfg, parts = self.config, self.parts
+        t_step = time.perf_counter()
+        acc: dict[str, Any] = {"rollout": 0.0, "tokens": 0, "rewards": [], "stats": [], "rollouts": []}
+
+        def sample(problems: list[Problem]) -> Rollout:
+            pb = self._prompts(problems)
+            t0 = time.perf_counter()
+            ro = parts.sampler.generate(pb, self.params, self.generator)
+            acc["rollout"] += time.perf_counter() - t0
+            acc["tokens"] += int(ro.completion_mask.sum())
+            acc["stats"].append(dict(ro.stats))
+            acc["rollouts"].append(ro)
+            return ro
+
+        def reward(problems: list[Problem], ro: Rollout) -> torch.Tensor:
+            texts = decode_completions(self.tokenizer, ro)
+            gi = ro.group_index.tolist()
+            r = torch.tensor(
+                [self.task.reward(t, problems[g]) for t, g in zip(texts, gi)], dtype=torch.float32
+            )
+            acc["rewards"].append(r)
+            return r.to(self.device)
+
+        target = cfg.prompts_per_step * cfg.group_size
+        rounds = 1 + (cfg.parts.max_refill_rounds if cfg.parts.refill else 0)
+        refiller = Refiller(target_size=target, initial_prompts=cfg.prompts_per_step, max_rounds=rounds)
+        filled = fill_rollouts(
+            parts.filter,
+            refiller,
+            _Stream(self),
+            sample,
+            reward,
+            cfg.advantage,
+            pad_token_id=self.pad_token_id,
+        )
+        t_train = time.perf_counter()
+        train_info: dict[str, float] = {}
+        time_draft = 0.0
+        if (
+            parts.draft is not None
+            and getattr(parts.draft, "learnable", False)
+            and hasattr(parts.sampler, "draft_training_batch")
+        ):
+            t0 = time.perf_counter()
+            for ro in acc["rollouts"]:
+                for k, v in parts.draft.update(parts.sampler.draft_training_batch(ro)).items():
+                    train_info[f"draft_{k}"] = float(v)
+            time_draft = time.perf_counter() - t0
+        if filled.rollout is not None:
+            train_info.update(self._update(filled.rollout, filled.advantages.to(self.device)))
+            parts.sampler.sync_weights(self.policy)
+        t_end = time.perf_counter()
+        self.step_idx += 1
+        rewards = torch.cat(acc["rewards"])
+        time_step = t_end - t_step
+        self.wall_time += time_step
+        m: dict[str, Any] = {
+            "step": self.step_idx,
+            "reward": float(rewards.mean()),
+            "accuracy": float((rewards > 0.5).float().mean()),
+            "kept_fraction": filled.outcome.num_kept / max(1, filled.outcome.rows_generated),
+            "kept": filled.outcome.num_kept,
+            "prompts": filled.outcome.prompts_used,
+            "rounds": filled.outcome.rounds,
+            "completion_len": acc["tokens"] / max(1, filled.outcome.rows_generated),
+            "time_rollout": acc["rollout"],
+            "time_training": t_end - t_train,
+            "time_draft": time_draft,
+            "time_other": max(0.0, time_step - acc["rollout"] - (t_end - t_train)),
+            "time_step": time_step,
+            "tokens_per_s": acc["tokens"] / max(acc["rollout"], 1e-9),
+            "wall_time": self.wall_time,
+            "data_pos": self.data_pos,
+        }
+        apv = [s["accepted_per_verify"] for s in acc["stats"] if "accepted_per_verify" in s]
+        m["accepted_per_verify"] = sum(apv) / len(apv) if apv else None
+        m.update(train_info)
+        return m
+
+    def _update(self, ro: Rollout, advantages: torch.Tensor) -> dict[str, float]:
+        cfg, attn = self.config, self.parts.attention
+        temp = self.params.logprob_temperature
+        batch = LogprobBatch.from_rollout(ro)
+        with torch.no_grad():
+            old = (
+                attn.completion_logprobs(self.policy, batch, temp).logprobs
+                if cfg.old_logprobs == "recompute"
+                else ro.logprobs
+            )
+            ref = (
+                attn.completion_logprobs(self.ref_model, batch, temp).logprobs
+                if self.ref_model is not None
+                else None
+            )
+        self.policy.train()
+        info: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        chunks = split_groups(ro.group_index, cfg.minibatches)
+        for rows in chunks:
+            sub = LogprobBatch(
+                batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
+                batch.completion_mask[rows], batch.group_index[rows],
+            )  # fmt: skip
+            logps = attn.completion_logprobs(self.policy, sub, temp).logprobs
+            out = grpo_loss(
+                logps, old[rows].to(logps.dtype), advantages[rows].to(logps.dtype), sub.completion_mask, cfg.loss,
+                None if ref is None else ref[rows].to(logps.dtype),
+            )  # fmt: skip
+            self.optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if cfg.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            info["loss"] += float(out.loss.detach()) / len(chunks)
+            info["clip_fraction"] += out.clip_fraction / len(chunks)
+            info["kl"] += out.kl / len(chunks)
+        self.policy.eval()
+        return info
+
+    def evaluate(self) -> tuple[float, float]:
+        """Held-out accuracy (greedy by default) with the plain reference sampler, and its time."""
+        t0 = time.perf_counter()
+        was = self.policy.training
+        self.policy.eval()
+        accuracy = eval_accuracy(
+            ReferenceSampler(self.policy), self.task, self.eval_set, self.tokenizer, self.eval_params
+        )
+        self.policy.train(was)
+        return accuracy, time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue exactly: weights, optimizer, draft, data, RNG."""
+        state: dict[str, Any] = {
+            "step": self.step_idx,
+            "data_pos": self.data_pos,
+            "wall_time": self.wall_time,
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": {
+                "generator": self.generator.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "python": random.getstate(),
+            },
+        }
+        for key, part in (
+            ("draft", self.parts.draft),
+            ("sampler", self.parts.sampler),
+            ("filter", self.parts.filter),
+        ):
+            if (
+                part is not None
+                and callable(getattr(part, "state_dict", None))
+                and not hasattr(part, "model_fields")
+            ):
+                state[key] = part.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_idx, self.data_pos, self.wall_time = (
+            int(state["step"]),
+            int(state["data_pos"]),
+            float(state["wall_time"]),
+        )
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        rng = state["rng"]
+        self.generator.set_state(rng["generator"])
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        random.setstate(rng["python"])
+        for key, part in (
+            ("draft", self.parts.draft),
+            ("sampler", self.parts.sampler),
+            ("filter", self.parts.filter),
+        ):
+            if key in state and part is not None:
+                part.load_state_dict(state[key])
+        self.parts.sampler.sync_weights(self.policy)

@@ -1,0 +1,81 @@
+"""Per-step metrics as JSONL, and summaries of a run (time to a target accuracy, final accuracy)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; flushed every write so a crashed run keeps its history."""
+
+    def __init__(self, path: Path, keep_up_to_step: int | None = None):
+        self.path = path
+        if keep_up_to_step is not None and path.exists():  # resume: drop rows after the checkpoint
+            rows = [r for r in read_metrics(path) if int(r.get("step", 0)) <= keep_up_to_step]
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        self._fh = path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self._fh.write(json.dumps(clean) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def eval_curve(rows: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """``(step, wall_time, eval_accuracy)`` for every row that has a held-out evaluation."""
+    return [
+        (int(r["step"]), float(r.get("wall_time", 0.0)), float(r["eval_accuracy"]))
+        for r in rows
+        if r.get("eval_accuracy") is not None
+    ]
+
+
+def time_to_target(rows: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
+    """``(step, wall_time)`` of the first evaluation reaching ``target``, or ``(None, None)``."""
+    for step, wall, acc in eval_curve(rows):
+        if acc >= target:
+            return step, wall
+    return None, None
+
+
+def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """Headline numbers of one run."""
+    curve = eval_curve(rows)
+    steps = [r for r in rows if r.get("step", 0) > 0 and "time_step" in r]
+    n = max(1, len(steps))
+
+    def mean(key: str) -> float | None:
+        vals = [float(r[key]) for r in steps if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    t_step, t_wall = time_to_target(rows, target)
+    return {
+        "initial_accuracy": curve[0][2] if curve else None,
+        "final_accuracy": curve[-1][2] if curve else None,
+        "best_accuracy": max(c[2] for c in curve) if curve else None,
+        "target_accuracy": target,
+        "steps_to_target": t_step,
+        "time_to_target_s": t_wall,
+        "steps": len(steps),
+        "wall_time_s": float(steps[-1]["wall_time"]) if steps else 0.0,
+        "mean_step_s": sum(float(r["time_step"]) for r in steps) / n,
+        "mean_rollout_s": mean("time_rollout"),
+        "mean_training_s": mean("time_training"),
+        "mean_other_s": mean("time_other"),
+        "tokens_per_s": mean("tokens_per_s"),
+        "accepted_per_verify": mean("accepted_per_verify"),
+        "kept_fraction": mean("kept_fraction"),
+        "train_reward_last10": (
+            sum(float(r["reward"]) for r in steps[-10:]) / len(steps[-10:]) if steps else None
+        ),
+    }

@@ -1,0 +1,197 @@
+"""``report.md`` and PNG plots of a run, and the side-by-side report of ``--compare``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .metrics import eval_curve, summarize
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(rows: list[dict[str, Any]], out_dir: Path, title: str = "") -> list[str]:
+    """accuracy.png (vs step and vs wall time), step_time.png, acceptance.png; returns file names."""
+    plt = _plt()
+    curve = eval_curve(rows)
+    steps = [r for r in rows if "time_step" in r]
+    files = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    if steps:
+        axes[0].plot(
+            [r["step"] for r in steps],
+            [r["accuracy"] for r in steps],
+            color="0.75",
+            lw=1,
+            label="train batch (sampled)",
+        )
+    axes[0].plot([c[0] for c in curve], [c[2] for c in curve], "o-", label="held-out")
+    axes[0].set(xlabel="step", ylabel="accuracy", ylim=(0, 1), title="accuracy vs step")
+    axes[1].plot([c[1] for c in curve], [c[2] for c in curve], "o-")
+    axes[1].set(
+        xlabel="training wall time (s)",
+        ylabel="held-out accuracy",
+        ylim=(0, 1),
+        title="accuracy vs wall time",
+    )
+    axes[0].legend(loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_dir / "accuracy.png", dpi=110)
+    plt.close(fig)
+    files.append("accuracy.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    x = [r["step"] for r in steps]
+    parts = [("time_rollout", "rollout"), ("time_training", "training"), ("time_other", "other")]
+    ax.stackplot(x, *[[r.get(k) or 0.0 for r in steps] for k, _ in parts], labels=[n for _, n in parts])
+    ax.set(xlabel="step", ylabel="seconds", title="step time breakdown")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out_dir / "step_time.png", dpi=110)
+    plt.close(fig)
+    files.append("step_time.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    acc = [(r["step"], r["accepted_per_verify"]) for r in steps if r.get("accepted_per_verify") is not None]
+    if acc:
+        ax.plot([a[0] for a in acc], [a[1] for a in acc], "o-", ms=3)
+        ax.set(xlabel="step", ylabel="tokens per verification", title="speculative acceptance length")
+    else:
+        ax.text(
+            0.5,
+            0.5,
+            "no speculative sampler in this run\n(1 token per policy forward)",
+            ha="center",
+            va="center",
+        )
+        ax.set(title="speculative acceptance length", xticks=[], yticks=[])
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance.png", dpi=110)
+    plt.close(fig)
+    files.append("acceptance.png")
+    return files
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if isinstance(v, float) else str(v)
+
+
+def write_report(
+    run_dir: Path, rows: list[dict[str, Any]], info: dict[str, Any], target: float
+) -> dict[str, Any]:
+    """Plots + report.md; returns the summary dict (also written to summary.json)."""
+    s = summarize(rows, target)
+    files = plot_run(rows, run_dir, info.get("title", run_dir.name))
+    lines = [
+        f"# GRPO run `{run_dir.name}`",
+        "",
+        f"Status: **{info.get('status', 'completed')}** · parts: {info.get('parts', '-')}",
+        "",
+        *[f"- {n}" for n in info.get("notes", [])],
+        "",
+        "| held-out accuracy: start | final | best | steps | training wall time (s) | mean step (s) |",
+        "|---|---|---|---|---|---|",
+        f"| {_fmt(s['initial_accuracy'])} | {_fmt(s['final_accuracy'])} | {_fmt(s['best_accuracy'])} | {s['steps']} "
+        f"| {_fmt(s['wall_time_s'], '.1f')} | {_fmt(s['mean_step_s'])} |",
+        "",
+        f"Time to {target:.0%} held-out accuracy: {_fmt(s['time_to_target_s'], '.1f')} s "
+        f"(step {_fmt(s['steps_to_target'])}).",
+        "",
+        "| mean rollout (s) | training (s) | other (s) | tokens/s | accepted per verify | kept fraction |",
+        "|---|---|---|---|---|---|",
+        f"| {_fmt(s['mean_rollout_s'])} | {_fmt(s['mean_training_s'])} | {_fmt(s['mean_other_s'])} "
+        f"| {_fmt(s['tokens_per_s'], '.0f')} | {_fmt(s['accepted_per_verify'], '.2f')} | {_fmt(s['kept_fraction'], '.2f')} |",
+        "",
+        *[f"![{f}]({f})" for f in files],
+        "",
+        "Held-out accuracy is greedy by default and is timed apart from training (wall time excludes it).",
+        "Per-step rows: `metrics.jsonl`; config: `config.yaml`.",
+    ]
+    (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+    return s
+
+
+def write_compare(
+    out_dir: Path, runs: dict[str, list[dict[str, Any]]], target: float, info: dict[str, Any]
+) -> dict[str, Any]:
+    """compare.json, compare.md and compare.png for ``{"reference": rows, "optimized": rows}``."""
+    sums = {k: summarize(v, target) for k, v in runs.items()}
+    ref, opt = sums["reference"], sums["optimized"]
+    speedup = None
+    if ref["time_to_target_s"] and opt["time_to_target_s"]:
+        speedup = ref["time_to_target_s"] / opt["time_to_target_s"]
+    diff = None
+    if ref["final_accuracy"] is not None and opt["final_accuracy"] is not None:
+        diff = opt["final_accuracy"] - ref["final_accuracy"]
+    step_speedup = ref["mean_step_s"] / opt["mean_step_s"] if opt["mean_step_s"] else None
+    result = {
+        "target_accuracy": target,
+        "speedup_to_target": speedup,
+        "mean_step_speedup": step_speedup,
+        "final_accuracy_diff": diff,
+        "passes": bool(speedup is not None and speedup >= 3.0 and diff is not None and abs(diff) <= 0.03),
+        **info,
+        "runs": sums,
+    }
+    (out_dir / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rows in runs.items():
+        c = eval_curve(rows)
+        ax.plot(
+            [x[1] for x in c],
+            [x[2] for x in c],
+            "o-",
+            ms=3,
+            label=f"{name} ({info.get('parts', {}).get(name, '')})",
+        )
+    ax.axhline(target, color="0.5", ls="--", lw=1, label=f"target {target:.0%}")
+    ax.set(
+        xlabel="training wall time (s)",
+        ylabel="held-out accuracy",
+        ylim=(0, 1),
+        title="reference vs optimized parts",
+    )
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "compare.png", dpi=110)
+    plt.close(fig)
+
+    lines = [
+        "# Reference vs optimized parts (same seed, same data)",
+        "",
+        *[f"- {k}: {v}" for k, v in info.get("parts", {}).items()],
+        "",
+        f"| parts | start acc | final acc | time to {target:.0%} (s) | steps to target | mean step (s) | rollout (s) | training (s) | accepted/verify | kept |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in sums.items():
+        lines.append(
+            f"| {name} | {_fmt(s['initial_accuracy'])} | {_fmt(s['final_accuracy'])} | {_fmt(s['time_to_target_s'], '.1f')} "
+            f"| {_fmt(s['steps_to_target'])} | {_fmt(s['mean_step_s'])} | {_fmt(s['mean_rollout_s'])} "
+            f"| {_fmt(s['mean_training_s'])} | {_fmt(s['accepted_per_verify'], '.2f')} | {_fmt(s['kept_fraction'], '.2f')} |"
+        )
+    lines += [
+        "",
+        f"Speedup to target (reference time / optimized time): **{_fmt(speedup, '.2f')}x**; "
+        f"mean step speedup {_fmt(step_speedup, '.2f')}x; final accuracy difference (optimized - reference): "
+        f"{_fmt(diff, '+.3f')}. Goal: >= 3x and within 0.03 -> {'met' if result['passes'] else 'not met'}.",
+        "",
+        "![compare](compare.png)",
+    ]
+    (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
+    return result

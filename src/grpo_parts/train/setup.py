@@ -1,0 +1,129 @@
+"""Load the policy, tokenizer and task a :class:`~.config.TrainConfig` names, validating everything
+before a run folder is created (so bad input never leaves a half-made run behind)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import GRPOPartsError
+from ..task.arithmetic import ArithmeticTask
+from ..task.data import Task
+from ..task.jsonl import JsonlTask
+from .config import TrainConfig
+
+log = logging.getLogger("grpo_parts.train")
+
+BUILTIN_MODEL = "tiny_adder"
+
+
+def builtin_model_path() -> Path:
+    """The committed warm-start checkpoint (transformers folder) of the built-in task."""
+    return Path(str(resources.files("grpo_parts") / "assets" / BUILTIN_MODEL))
+
+
+@dataclass
+class Setup:
+    policy: torch.nn.Module
+    tokenizer: Any
+    task: Task
+    eos_token_ids: tuple[int, ...]
+    ref_model: torch.nn.Module | None
+    device: torch.device
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise GRPOPartsError("device: 'cuda' requested but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """A local transformers causal LM and its tokenizer (never downloads)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not path.exists():
+        raise GRPOPartsError(
+            f"model: no such directory {str(path)!r} (expected a local transformers checkpoint)"
+        )
+    if not (path / "config.json").is_file():
+        raise GRPOPartsError(
+            f"model: {str(path)!r} has no config.json; expected a transformers checkpoint folder"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+        )
+    except (OSError, ValueError) as e:
+        raise GRPOPartsError(f"model: could not load {str(path)!r}: {e}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    model = model.to(device)  # type: ignore[arg-type]
+    return model.eval(), tok
+
+
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        tokenizer.eos_token_id,
+    ):
+        for t in src if isinstance(src, (list, tuple)) else [src]:
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
+    if not ids:
+        raise GRPOPartsError(
+            "model: the tokenizer and generation config define no EOS token; completions could never end"
+        )
+    return tuple(ids)
+
+
+def load_setup(config: TrainConfig) -> Setup:
+    """Everything a run needs, validated. Raises :class:`GRPOPartsError` on bad input."""
+    notes: list[str] = []
+    builtin = config.model is None
+    threads = config.threads or (1 if builtin else None)
+    if threads:
+        # 1 thread is fastest for the tiny built-in model (and far faster on a shared machine)
+        torch.set_num_threads(threads)
+    device = resolve_device(config.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+    if config.data is not None:
+        jt = JsonlTask.from_files(config.data, config.eval_data, config.eval_fraction, config.seed)
+        notes.append(
+            f"task: {config.data} ({len(jt.train)} train / {len(jt.evals)} held-out; checker: {jt.checker_name})"
+        )
+        task: Task = jt
+    else:
+        task = ArithmeticTask(config.task, seed=config.seed)
+        notes.append(
+            f"task: built-in chain addition ({config.task.operands} numbers in [0, {config.task.max_value}])"
+        )
+        if not builtin:
+            notes.append("task: a custom --model on the built-in task uses its own tokenizer")
+    torch.manual_seed(config.seed)
+    path = builtin_model_path() if builtin else Path(config.model)  # type: ignore[arg-type]
+    if builtin and not (path / "config.json").is_file():
+        raise GRPOPartsError(
+            f"model: the built-in warm start is missing at {str(path)!r}; run scripts/warm_start.py"
+        )
+    policy, tok = load_model(path, dtype, device)
+    ref_model = None
+    if config.loss.kl_coef > 0:
+        ref_model = copy.deepcopy(policy).eval()
+        for p in ref_model.parameters():
+            p.requires_grad_(False)
+    for n in notes:
+        log.info(n)
+    return Setup(policy, tok, task, eos_ids(policy, tok), ref_model, device, notes)

@@ -1,0 +1,47 @@
+"""A tiny random policy saved as a transformers folder, and a config small enough for seconds-long runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from grpo_parts.task.tokenizer import EOS_ID, PAD_ID, build_hf_tokenizer
+    from grpo_parts.tiny import tiny_causal_lm
+
+    path = tmp_path_factory.mktemp("tiny_policy")
+    tok = build_hf_tokenizer()
+    model = tiny_causal_lm(
+        "qwen2", vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        max_position_embeddings=64, eos_token_id=EOS_ID, pad_token_id=PAD_ID, seed=0,
+    )  # fmt: skip
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _tiny_overrides(model_dir: Path, out_dir: Path, **extra: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": str(model_dir),
+        "out_dir": str(out_dir),
+        "steps": 3,
+        "prompts_per_step": 3,
+        "group_size": 4,
+        "max_new_tokens": 6,
+        "eval_every": 2,
+        "task.num_eval": 6,
+        "threads": 1,
+        "progress": False,
+    }
+    base.update(extra)
+    return base
+
+
+@pytest.fixture
+def tiny_overrides() -> Any:
+    """``tiny_overrides(model_dir, out_dir, **extra) -> dict`` of dotted config overrides."""
+    return _tiny_overrides

@@ -1,0 +1,68 @@
+"""TrainConfig: YAML + dotted overrides, clear range errors, part names with default fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.train.config import REFERENCE_PARTS, PartsConfig, TrainConfig, load_config, parse_override
+from grpo_parts.train.parts import resolve_name
+
+
+def test_defaults_are_valid_and_optimized() -> None:
+    cfg = load_config()
+    assert cfg.parts.sampler != "reference" and cfg.parts.filter != "keep_all"
+    ref = cfg.with_reference_parts()
+    assert {k: getattr(ref.parts, k) for k in REFERENCE_PARTS} == REFERENCE_PARTS
+
+
+def test_yaml_then_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 7\nloss:\n  eps_high: 0.28\nparts:\n  filter: keep_all\n")
+    cfg = load_config(f, {"seed": 3}, ["loss.kl_coef=0.01", "parts.filter_kwargs={}", "lr=1e-4"])
+    assert (cfg.steps, cfg.seed, cfg.lr) == (7, 3, 1e-4)
+    assert (cfg.loss.eps_high, cfg.loss.kl_coef, cfg.parts.filter) == (0.28, 0.01, "keep_all")
+
+
+@pytest.mark.parametrize(
+    ("sets", "field"),
+    [
+        (["steps=0"], "steps"),
+        (["group_size=1"], "group_size"),
+        (["lr=-1"], "lr"),
+        (["loss.eps_low=1.5"], "loss.eps_low"),
+        (["top_p=0"], "top_p"),
+        (["bogus=1"], "bogus"),
+        (["minibatches=99"], "minibatches"),
+    ],
+)
+def test_out_of_range_values_name_the_field(sets: list[str], field: str) -> None:
+    with pytest.raises(GRPOPartsError) as e:
+        load_config(sets=sets)
+    assert field in str(e.value)
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(GRPOPartsError, match="KEY=VALUE"):
+        parse_override("steps")
+    with pytest.raises(GRPOPartsError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_default_part_falls_back_with_a_note_but_explicit_unknown_name_fails() -> None:
+    notes: list[str] = []
+    cfg = PartsConfig()
+    object.__setattr__(cfg, "sampler", "not_landed_yet")  # an unavailable *default*
+    assert resolve_name("sampler", cfg, notes) == "reference"
+    assert notes and "not_landed_yet" in notes[0]
+    with pytest.raises(GRPOPartsError, match="unknown implementation"):
+        resolve_name("filter", PartsConfig(filter="nope"), [])
+
+
+def test_config_is_frozen() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        TrainConfig().steps = 3  # type: ignore[misc]

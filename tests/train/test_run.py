@@ -1,0 +1,154 @@
+"""End-to-end runs on a tiny random policy: run folder contents, resume, bad input, compare, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grpo_parts.cli import main
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.train.config import load_config
+from grpo_parts.train.run import resume_config, train
+
+COMPARED = ("reward", "accuracy", "kept", "prompts", "data_pos", "loss", "clip_fraction", "completion_len")
+
+
+def test_run_writes_metrics_report_and_plots(
+    tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any
+) -> None:
+    cfg = load_config(overrides=tiny_overrides(tiny_model_dir, tmp_path, name="r"))
+    res = train(cfg)
+    d = res.run_dir
+    for f in (
+        "metrics.jsonl",
+        "report.md",
+        "accuracy.png",
+        "step_time.png",
+        "acceptance.png",
+        "config.yaml",
+        "summary.json",
+    ):
+        assert (d / f).is_file(), f
+    assert json.loads((d / "status.json").read_text())["status"] == "completed"
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["eval_accuracy"] is not None and rows[2]["eval_accuracy"] is not None
+    for key in (
+        "reward",
+        "accuracy",
+        "time_rollout",
+        "time_training",
+        "time_other",
+        "tokens_per_s",
+        "kept_fraction",
+    ):
+        assert key in rows[1], key
+    assert "accepted_per_verify" in rows[1]
+
+
+@pytest.mark.parametrize("parts", ["reference", "optimized"])
+def test_resume_after_step_k_matches_an_uninterrupted_run(
+    tiny_model_dir: Path, tmp_path: Path, parts: str, tiny_overrides: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from grpo_parts.task.arithmetic import ArithmeticTask
+
+    # a dense reward, so that a random policy gets nonzero advantages and actually trains
+    monkeypatch.setattr(ArithmeticTask, "reward", lambda self, text, problem: float(len(text) % 3 == 0))
+    extra = {"parts.sampler_kwargs": {"draft_tokens": 2}} if parts == "optimized" else {}
+    base = load_config(overrides=tiny_overrides(tiny_model_dir, tmp_path, **extra))
+    if parts == "reference":
+        base = base.with_reference_parts()
+    full = train(base.model_copy(update={"name": "full"}))
+    part = train(base.model_copy(update={"name": "part", "steps": 2}))
+    resumed = train(resume_config(part.run_dir, {"steps": 3}), run_dir=part.run_dir, resume=True)
+    a = [r for r in full.rows if r["step"] == 3][0]
+    b = [r for r in resumed.rows if r["step"] == 3][0]
+    assert [r["step"] for r in resumed.rows] == [0, 1, 2, 3]
+    assert a["kept"] > 0 and a["loss"] is not None  # the step did train
+    for k in COMPARED:
+        assert a.get(k) == pytest.approx(b.get(k), rel=1e-6, abs=1e-9), k
+
+
+def test_missing_model_path_fails_before_creating_a_run_folder(tmp_path: Path, tiny_overrides: Any) -> None:
+    cfg = load_config(overrides=tiny_overrides(tmp_path / "no_model", tmp_path / "runs", name="x"))
+    with pytest.raises(GRPOPartsError, match="no such directory"):
+        train(cfg)
+    assert not (tmp_path / "runs" / "x").exists()
+
+
+def test_malformed_jsonl_fails_with_the_line_and_no_run_folder(
+    tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any
+) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    rc = main(
+        [
+            "train",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            str(data),
+            "--out-dir",
+            str(tmp_path / "runs"),
+            "--name",
+            "y",
+            "-q",
+        ]
+    )
+    assert rc == 2
+    assert not (tmp_path / "runs" / "y").exists()
+
+
+def test_cli_out_of_range_value_is_a_clear_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc = main(["train", "--steps", "0", "--out-dir", str(tmp_path), "-q"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "steps" in err and "greater than or equal to 1" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_run_that_crashes_is_marked_failed(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_overrides: Any
+) -> None:
+    from grpo_parts.train import loop
+
+    def boom(self: object) -> None:
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(loop.GRPOTrainer, "step", boom)
+    cfg = load_config(overrides=tiny_overrides(tiny_model_dir, tmp_path, name="c"))
+    with pytest.raises(RuntimeError):
+        train(cfg)
+    status = json.loads((tmp_path / "c" / "status.json").read_text())
+    assert status["status"] == "failed" and "simulated crash" in status["error"]
+    assert not (tmp_path / "c" / "report.md").exists()
+
+
+def test_jsonl_run_and_compare(tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(30))
+    )
+    out = tmp_path / "cmp.json"
+    rc = main(
+        ["train", "--compare", "--model", str(tiny_model_dir), "--data", str(data), "--out-dir", str(tmp_path), "--name", "cmp",
+         "--steps", "2", "--set", "prompts_per_step=2", "--set", "group_size=4", "--set", "max_new_tokens=4",
+         "--set", "threads=1", "--no-progress", "-q", "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    for key in ("target_accuracy", "speedup_to_target", "final_accuracy_diff", "mean_step_speedup", "runs"):
+        assert key in res
+    assert set(res["runs"]) == {"reference", "optimized"}
+    assert (tmp_path / "cmp" / "compare.png").is_file() and (tmp_path / "cmp" / "compare.md").is_file()
+
+
+def test_help_lists_the_main_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--compare", "--model", "--data", "--resume", "--set", "--reference"):
+        assert flag in out
