@@ -84,3 +84,43 @@ def random_batch(
         torch.stack(rows_cm)[order],
         torch.tensor(gidx)[order],
     )
+
+
+EXACT_EAGER = "grpo_test_exact_eager"
+
+
+def _exact_eager_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kw
+):  # type: ignore[no-untyped-def]
+    """float64-exact eager attention with soft-capping (transformers' eager softmax runs in float32)."""
+    rep = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    s = (query @ k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if attention_mask is not None:
+        s = s + attention_mask[..., : k.shape[-2]]
+    return (torch.softmax(s, -1) @ v).transpose(1, 2).contiguous(), None
+
+
+def use_exact_eager(model: torch.nn.Module) -> torch.nn.Module:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(EXACT_EAGER, _exact_eager_attention)
+    AttentionMaskInterface.register(EXACT_EAGER, eager_mask)
+    model.set_attn_implementation(EXACT_EAGER)
+    return model
+
+
+def pack(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verl remove-padding layout: ``(input_ids [total], cu_seqlens [N+1], prompt_lens [N])``."""
+    seqs, plens = [], []
+    for n in range(batch.prompt_ids.shape[0]):
+        p = batch.prompt_ids[n][batch.prompt_mask[n].bool()]
+        c = batch.completion_ids[n][batch.completion_mask[n].bool()]
+        seqs.append(torch.cat([p, c]))
+        plens.append(p.numel())
+    lens = torch.tensor([s.numel() for s in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    return torch.cat(seqs), cu, torch.tensor(plens)
