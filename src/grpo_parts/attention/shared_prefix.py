@@ -110,7 +110,7 @@ class SharedPrefixAttention:
             getattr(tc, "use_sliding_window", True)
             or "sliding_attention" in (getattr(tc, "layer_types", None) or [])
         )
-        if uses_window and batch is not None:
+        if uses_window and window is not None and batch is not None:
             span = int((batch.prompt_mask.long().sum(-1) + batch.completion_mask.long().sum(-1)).max())
             if span > window:
                 out.append(
@@ -142,7 +142,7 @@ class SharedPrefixAttention:
                 raise NotSupportedError(f"shared_prefix[{self.kernel}]", reasons)
             self.last_choice = f"kernel {self.kernel!r} (requested)"
             return self.kernel
-        refused = {}
+        refused: dict[str, list[str]] = {}
         for k in KERNEL_PRIORITY:
             reasons = self.kernel_reasons(model, k)
             if not reasons:
