@@ -149,8 +149,12 @@ def filter_data_proto(
 ) -> tuple[Any, Selection]:
     """Legacy loop (``main_ppo_v0``): filter a ``DataProto`` right after rewards, before the
     old-policy / reference forwards, with ``DataProto.select_idxs``. Every tensor and non-tensor
-    key keeps its trailing shape; ``uid`` keeps its values, so verl's own advantage estimator run
-    afterwards groups the kept rows correctly."""
+    key keeps its trailing shape and ``uid`` its values.
+
+    The kept rows get ``advantages`` and ``returns`` ([B, T], the GRPO advantage of the *full*
+    group times ``response_mask``), as CPPO prescribes: do not call verl's ``compute_advantage``
+    afterwards -- it would re-normalise inside the kept rows of each group (a group with one kept
+    row would get advantage 0, or ``r / (1 + eps)`` in verl)."""
     if data.batch is None or reward_key not in data.batch.keys():
         got = [] if data.batch is None else sorted(data.batch.keys())
         raise GRPOPartsError(f"data.batch[{reward_key!r}]: expected per-token rewards [B, T], got keys {got}")
@@ -166,13 +170,21 @@ def filter_data_proto(
         raise GRPOPartsError(
             "filter: kept 0 rows (every group has all-equal rewards?); skip this step or refill before updating"
         )
-    return data.select_idxs(sel.kept.cpu().numpy()), sel
+    kept = data.select_idxs(sel.kept.cpu().numpy())
+    seq_adv = scored.advantages[sel.kept.to(scored.advantages.device)]
+    tok_mask = kept.batch["response_mask"] if mask is not None else torch.ones_like(kept.batch[reward_key])
+    adv = seq_adv.to(kept.batch[reward_key].dtype).unsqueeze(-1) * tok_mask.to(kept.batch[reward_key].dtype)
+    kept.batch["advantages"] = adv
+    kept.batch["returns"] = adv.clone()
+    return kept, sel
 
 
 # ------------------------------------------------------------------------------ v1 (TransferQueue)
 
 #: Fields the v1 filter reads from TransferQueue.
 KV_FIELDS = ("uid", "rm_scores", "response_mask")
+#: Per-row field the v1 filter writes: the GRPO advantage of the row within its *full* group.
+SEQ_ADV_FIELD = "grpo_parts_seq_advantage"
 
 
 def rewards_from_fields(fields: Any) -> tuple[torch.Tensor, list[Any], torch.Tensor]:

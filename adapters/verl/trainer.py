@@ -11,6 +11,12 @@ replicas are awake), until ``target_rows`` rows are kept or ``max_rounds`` is re
 (:class:`grpo_parts.filter.allocation.Refiller`). Rewards must be known at sampling time (rule-based
 reward or ``reward.reward_model.enable_resource_pool=True``), exactly as for verl's DAPO filter.
 
+Advantages: the filter ranks rows by their GRPO advantage within the *full* group and stores it per
+kept row; ``_compute_advantage`` runs verl's own step (rollout correction, metrics) and then
+writes those full-group advantages back, because verl's estimator, seeing only the kept rows,
+would re-normalise inside them (CPPO trains on the full-group advantages). Settings under which
+verl would train on anything else (a non-GRPO estimator, KL in the reward) are refused at start.
+
 This module imports verl (and TransferQueue) at import time; the plugin imports it only when verl's
 v1 trainer is importable.
 """
@@ -19,8 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import transfer_queue as tq
 from omegaconf import OmegaConf
+from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
@@ -28,20 +36,39 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from grpo_parts.filter.allocation import Chunk, Refiller
 from grpo_parts.filter.protocol import CompletionFilter
 
-from .filtering import KV_FIELDS, FilterOptions, rewards_from_fields, round_kept, scored_batch
+from .filtering import KV_FIELDS, SEQ_ADV_FIELD, FilterOptions, rewards_from_fields, round_kept, scored_batch
 
 NAME = "grpo_parts_sync"
 
 
 def filter_options_from(config: Any) -> FilterOptions | None:
-    """``config.grpo_parts.filter`` (absent or ``name: null`` = off) -> FilterOptions."""
+    """``config.grpo_parts.filter`` (absent or ``name: null`` = off) -> FilterOptions. The advantage
+    normalisation follows ``algorithm.norm_adv_by_std_in_grpo`` unless set explicitly."""
     node = OmegaConf.select(config, "grpo_parts.filter", default=None)
     if node is None:
         return None
     opts = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
     if not opts or opts.get("name") in (None, "", "keep_all"):
         return None
-    return FilterOptions(**opts)  # type: ignore[arg-type]
+    opts = dict(opts)  # type: ignore[arg-type]
+    norm = OmegaConf.select(config, "algorithm.norm_adv_by_std_in_grpo", default=True)
+    opts.setdefault("norm_adv_by_std", bool(norm))  # follow verl's setting unless given
+    return FilterOptions(**opts)
+
+
+def check_algorithm(config: Any) -> None:
+    """The filter ranks and trains on GRPO outcome advantages of the full groups: refuse settings
+    under which verl would train on something else."""
+    from grpo_parts.errors import NotSupportedError
+
+    reasons = []
+    est = OmegaConf.select(config, "algorithm.adv_estimator", default="grpo")
+    if est not in ("grpo", "grpo_parts_grpo"):
+        reasons.append(f"algorithm.adv_estimator: expected 'grpo' or 'grpo_parts_grpo', got {est!r}")
+    if OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False):
+        reasons.append("algorithm.use_kl_in_reward: expected False (use actor.use_kl_loss), got True")
+    if reasons:
+        raise NotSupportedError("grpo_parts filter", reasons)
 
 
 def filter_kv_batch(
@@ -81,12 +108,18 @@ def filter_kv_batch(
         if sel is outcome.selections[-1] and options.multiple_of > 1:
             rows = round_kept(rows, sel.chunk.scored, options.multiple_of, options.rounding)
         kept_by_chunk[id(sel.chunk.payload)] = set(rows.tolist())
+    adv_by_chunk = {id(sel.chunk.payload): sel.chunk.scored.advantages for sel in outcome.selections}
     for b in chunks:
         kept = kept_by_chunk.get(id(b), set())
         dropped = [k for i, k in enumerate(b.keys) if i not in kept]
         if dropped:
             store.kv_clear(keys=dropped, partition_id=b.partition_id)
-        for i in sorted(kept):
+        rows = sorted(kept)
+        if rows:  # full-group advantages, restored after verl's _compute_advantage (see the trainer)
+            adv = adv_by_chunk[id(b)][torch.tensor(rows)].float()
+            fields = TensorDict({SEQ_ADV_FIELD: adv}, batch_size=[len(rows)])
+            store.kv_batch_put(keys=[b.keys[i] for i in rows], partition_id=b.partition_id, fields=fields)
+        for i in rows:
             keys.append(b.keys[i])
             tags.append(b.tags[i])
     metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
@@ -96,6 +129,27 @@ def filter_kv_batch(
         partition_id=batch.partition_id, keys=keys, tags=tags, extra_info=dict(batch.extra_info or {})
     )
     return out, metrics
+
+
+def restore_group_advantages(batch: KVBatchMeta, *, store: Any = tq) -> KVBatchMeta:
+    """Overwrite ``advantages``/``returns`` of ``batch`` with the full-group advantages the filter
+    stored (verl's ``_compute_advantage`` only sees the kept rows, so it would re-normalise within
+    them). Synthetic padding rows copy a real row's field but have an all-zero response mask."""
+    data = store.kv_batch_get(
+        keys=batch.keys, partition_id=batch.partition_id, select_fields=[SEQ_ADV_FIELD, "response_mask"]
+    )
+    seq = data[SEQ_ADV_FIELD].reshape(-1).float()
+    mask = data["response_mask"]
+    if getattr(mask, "is_nested", False):
+        parts = [seq[i] * m.float() for i, m in enumerate(mask.unbind())]
+        adv = torch.nested.nested_tensor(parts, layout=torch.jagged)
+        ret = torch.nested.nested_tensor([p.clone() for p in parts], layout=torch.jagged)
+    else:
+        adv = seq[:, None] * mask.float()
+        ret = adv.clone()
+    fields = TensorDict({"advantages": adv, "returns": ret}, batch_size=[len(batch.keys)])
+    store.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+    return batch
 
 
 class _FilteringReplayBuffer:
@@ -137,7 +191,15 @@ class GrpoPartsSyncTrainer(PPOTrainerSync):
         self.grpo_parts_filter = (
             None if self.grpo_parts_filter_options is None else self.grpo_parts_filter_options.build()
         )
+        if self.grpo_parts_filter is not None:
+            check_algorithm(config)
         super().__init__(config)
+
+    def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        batch = super()._compute_advantage(batch, metrics)  # rollout correction etc. as in verl
+        if self.grpo_parts_filter is None:
+            return batch
+        return restore_group_advantages(batch)
 
     def _build_replay_buffer(self) -> Any:
         # verl branches on ``trainer_mode == "sync"`` in several places (replay buffer class, refill,

@@ -113,15 +113,18 @@ def test_cppo_filter_keeps_exact_topk_and_a_valid_dataproto(data, k):
     assert sel.kept.tolist() == expect
     # a DataProto verl accepts: same keys, trailing shapes and dtypes, uid subset in row order
     kept_data.check_consistency()
-    assert set(kept_data.batch.keys()) == set(data.batch.keys())
+    assert set(kept_data.batch.keys()) == set(data.batch.keys()) | {"advantages", "returns"}
     assert set(kept_data.non_tensor_batch) == set(data.non_tensor_batch)
     for key in data.batch.keys():
         assert kept_data.batch[key].shape[1:] == data.batch[key].shape[1:]
         assert kept_data.batch[key].dtype == data.batch[key].dtype
         assert torch.equal(kept_data.batch[key], data.batch[key][torch.tensor(expect)])
     assert list(kept_data.non_tensor_batch["uid"]) == [data.non_tensor_batch["uid"][i] for i in expect]
-    # ... and verl's own estimator + policy loss run on it
-    kept_data.batch["advantages"] = _verl_grpo(kept_data, True)
+    # advantages are those of the full groups (CPPO), not re-normalised within the kept rows
+    mask = kept_data.batch["response_mask"].to(torch.float64)
+    torch.testing.assert_close(kept_data.batch["advantages"], adv[torch.tensor(expect)][:, None] * mask)
+    assert torch.equal(kept_data.batch["returns"], kept_data.batch["advantages"])
+    # ... and verl's policy loss runs on the filtered batch
     loss_fn = core_algos.get_policy_loss_fn("vanilla")
     out = loss_fn(
         old_log_prob=kept_data.batch["old_log_probs"],

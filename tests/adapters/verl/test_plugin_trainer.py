@@ -15,7 +15,7 @@ pytest.importorskip("verl.trainer.ppo.v1")
 
 from grpo_parts_adapters.verl import PLUGIN_MODULE  # noqa: E402
 from grpo_parts_adapters.verl import trainer as tr  # noqa: E402
-from grpo_parts_adapters.verl.filtering import FilterOptions  # noqa: E402
+from grpo_parts_adapters.verl.filtering import SEQ_ADV_FIELD, FilterOptions  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from transfer_queue import KVBatchMeta  # noqa: E402
@@ -82,6 +82,11 @@ class FakeStore:
         td["uid"] = [r["uid"] for r in rows]
         return td
 
+    def kv_batch_put(self, keys, partition_id, fields, tags=None):
+        for i, k in enumerate(keys):
+            for f in fields.keys():
+                self.rows[k][f] = fields[f][i]
+
     def kv_clear(self, keys, partition_id):
         for k in keys:
             del self.rows[k]
@@ -110,6 +115,19 @@ def test_filter_kv_batch_keeps_top_k_and_clears_the_rest():
     assert [t["uid"] for t in kept.tags] == [k.split("_")[0] for k in kept.keys]
     assert kept.partition_id == "train" and kept.extra_info == {"temperature": 1.0}
     assert metrics["grpo_parts/filter/rows_kept"] == 3
+    # the full-group advantages of the kept rows travel with them ...
+    seq = torch.stack([store.rows[k][SEQ_ADV_FIELD] for k in kept.keys])
+    c = torch.tensor([0.0, 1.0, 0.5, 1.0])
+    expect = torch.tensor(
+        [1.5, float((c[0] - c.mean()) / (c.std() + 1e-6)), float((c[1] - c.mean()) / (c.std() + 1e-6))]
+    )
+    torch.testing.assert_close(seq, expect, rtol=1e-5, atol=1e-6)
+    # ... and replace what verl's estimator computes on the kept rows alone (here: a singleton group a)
+    tr.restore_group_advantages(kept, store=store)
+    for k, a in zip(kept.keys, seq):
+        row = store.rows[k]
+        torch.testing.assert_close(row["advantages"], a * row["response_mask"].float())
+        torch.testing.assert_close(row["returns"], row["advantages"])
 
 
 def test_filter_kv_batch_refills_until_target():
@@ -136,3 +154,14 @@ def test_filter_options_from_config():
     assert tr.filter_options_from(cfg) == FilterOptions(name="cppo", kwargs={"pruning_rate": 0.5})
     with pytest.raises(ValueError):
         tr.filter_options_from(OmegaConf.create({"grpo_parts": {"filter": {"name": "cppo", "bogus": 1}}}))
+    drgrpo = cfg.copy()
+    drgrpo.algorithm = {"norm_adv_by_std_in_grpo": False}
+    assert tr.filter_options_from(drgrpo).norm_adv_by_std is False
+
+
+def test_trainer_refuses_algorithms_it_would_train_wrongly():
+    tr.check_algorithm(OmegaConf.create({"algorithm": {"adv_estimator": "grpo_parts_grpo"}}))
+    with pytest.raises(ValueError, match="adv_estimator.*got 'gae'.*use_kl_in_reward"):
+        tr.check_algorithm(
+            OmegaConf.create({"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True}})
+        )
