@@ -150,8 +150,8 @@ def round_kept(
 
 
 #: TRL batch keys and how to pad them when batches of different widths are stacked
-_LEFT = {"prompt_ids": "pad", "prompt_mask": 0}
-_RIGHT = {
+_LEFT: dict[str, str | int | float] = {"prompt_ids": "pad", "prompt_mask": 0}
+_RIGHT: dict[str, str | int | float] = {
     "completion_ids": "pad",
     "completion_mask": 0,
     "old_per_token_logps": 0.0,
@@ -186,8 +186,8 @@ def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict
             out[key] = torch.cat(vals)
         elif isinstance(vals[0], torch.Tensor) and (key in _LEFT or key in _RIGHT):
             left = key in _LEFT
-            fill = (_LEFT if left else _RIGHT)[key]
-            fill = pad_token_id if fill == "pad" else fill
+            spec = (_LEFT if left else _RIGHT)[key]
+            fill = float(pad_token_id if spec == "pad" else spec)  # type: ignore[arg-type]
             width = max(v.shape[1] for v in vals)
             padded = []
             for v in vals:

@@ -44,16 +44,6 @@ from .rows import concat_batches, prompt_runs, regrouped_logprobs, round_kept
 
 logger = logging.getLogger(__name__)
 
-_MM_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-)
-_MM_KEYS += ("image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-
 
 def build_part(kind: str, spec: Any, model: torch.nn.Module, kwargs: dict[str, Any] | None = None) -> Any:
     """An instance stays as is; a name is looked up in the part's ``IMPLEMENTATIONS`` table and built
@@ -118,7 +108,9 @@ class GRPOPartsTrainer(GRPOTrainer):
         s = build_part("sampler", sampler, policy, sampler_kwargs)
         s_reasons = sampler_config_reasons(self)
         if s is not None and not s_reasons:
-            s_reasons = list(s.not_supported_reasons(self._gp_sampling_params(self.num_generations)))
+            s_reasons = list(
+                s.not_supported_reasons(self._gp_sampling_params(int(self.num_generations or 1)))
+            )
         self.gp_sampler = self._gp_accept("sampler", s, s_reasons)
 
         if attention == "auto":
@@ -167,7 +159,7 @@ class GRPOPartsTrainer(GRPOTrainer):
         return None
 
     def _gp_mode(self) -> str:
-        return "train" if self.model.training else "eval"
+        return "train" if self.model is not None and self.model.training else "eval"
 
     def _gp_log(self, prefix: str, stats: dict[str, Any]) -> None:
         for k, v in stats.items():

@@ -33,17 +33,44 @@ def _assert_grads_close(
         torch.testing.assert_close(b[k], a[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
+class _RecordRollouts(GRPOPartsTrainer):
+    """Records what the grpo_parts sampler returned to TRL, call by call."""
+
+    rollouts: list[tuple[list[list[int]], Any]] = []
+
+    def _generate_single_turn(self, prompt_ids, *a, **k):  # type: ignore[no-untyped-def]
+        out = super()._generate_single_turn(prompt_ids, *a, **k)
+        type(self).rollouts.append(([list(p) for p in prompt_ids], out[0]))
+        return out
+
+
+class _ReplayRollouts(GRPOTrainer):
+    """Stock GRPOTrainer whose sampling step returns the recorded completions (same batch)."""
+
+    rollouts: list[tuple[list[list[int]], Any]] = []
+
+    def _generate_single_turn(self, prompt_ids, *a, **k):  # type: ignore[no-untyped-def]
+        prompts, completions = type(self).rollouts.pop(0)
+        assert [list(p) for p in prompt_ids] == prompts  # TRL tokenized the same prompts
+        return completions, None
+
+
 def test_reference_parts_equal_plain_trl(base: torch.nn.Module) -> None:
-    """Same seed, same batch (the reference sampler draws exactly what transformers.generate draws):
-    first-step loss and gradients equal TRL's. TRL's fused LM head accumulates log-probs in float32,
-    so agreement is to float32 rounding, not float64."""
+    """Same seed, same batch: the stock GRPOTrainer replays the completions the reference sampler
+    drew (everything else -- tokenization, rewards, advantages, shuffling, loss -- is TRL's own), and
+    the first steps' losses and gradients equal the reference parts'. TRL's fused LM head accumulates
+    log-probs in float32 even for a float64 model, so agreement is to float32 rounding."""
     args = _tiny.config(gradient_accumulation_steps=2, max_steps=2)
-    set_seed(0)
-    plain, cap_plain = _tiny.run(GRPOTrainer, base, args)
+    _RecordRollouts.rollouts = []
     set_seed(0)
     parts, cap_parts = _tiny.run(
-        GRPOPartsTrainer, base, args, sampler="reference", attention="reference", completion_filter="keep_all"
+        _RecordRollouts, base, args, sampler="reference", attention="reference", completion_filter="keep_all"
     )
+    assert len(_RecordRollouts.rollouts) == 2  # one rollout per optimizer step
+    _ReplayRollouts.rollouts = list(_RecordRollouts.rollouts)
+    set_seed(0)
+    plain, cap_plain = _tiny.run(_ReplayRollouts, base, args)
+    assert not _ReplayRollouts.rollouts
     lp, lq = plain.state.log_history[0], parts.state.log_history[0]
     assert lq["completions/mean_length"] == lp["completions/mean_length"] and lq["reward"] == lp["reward"]
     assert lq["loss"] == pytest.approx(lp["loss"], rel=1e-5, abs=1e-9)
