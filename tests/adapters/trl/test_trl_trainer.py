@@ -189,7 +189,7 @@ def test_zero_variance_filter_with_refill(base: torch.nn.Module, monkeypatch: py
     assert max(h.get("parts/filter/rounds", 0) for h in tr.state.log_history) > 1
 
 
-def test_speculative_sampler_logs_acceptance(base: torch.nn.Module) -> None:
+def test_all_parts_speculative_sampler_logs_acceptance(base: torch.nn.Module) -> None:
     try:
         from grpo_parts.draft.eagle import EagleDraft
         from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
@@ -199,12 +199,19 @@ def test_speculative_sampler_logs_acceptance(base: torch.nn.Module) -> None:
 
     def parts(policy: torch.nn.Module) -> dict[str, Any]:
         cfg = SpeculativeConfig(draft_tokens=3)
-        return {"sampler": SpeculativeSampler(policy, EagleDraft(policy), cfg), "attention": "reference"}
+        return {
+            "sampler": SpeculativeSampler(policy, EagleDraft(policy), cfg),
+            "attention": "auto",  # shared_prefix where it supports the model
+            "completion_filter": "cppo",
+            "filter_kwargs": {"pruning_rate": 0.5},
+        }
 
     set_seed(0)
     tr, cap = _tiny.run(GRPOPartsTrainer, base, args, make_parts=parts)
-    assert len(cap.grads) == 2
+    assert len(cap.grads) == 2  # all four parts on a stock GRPOTrainer: two optimizer steps
+    assert tr.gp_attention is not None and tr.gp_filter is not None
     for log in tr.state.log_history[:2]:
+        assert log["parts/filter/kept_fraction"] == 0.5
         assert 0.0 <= log["parts/sampler/draft_accept_rate"] <= 1.0
         assert log["parts/sampler/accepted_per_verify"] >= 1.0
         assert log["parts/sampler/draft_updates"] >= 1  # the online draft learned from this rollout
