@@ -81,6 +81,10 @@ class LossConfig(BaseModel):
 def _check_groups(rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int | None) -> int:
     check_tensor("rewards", rewards, ndim=1, dtype="float")
     check_tensor("group_index", group_index, shape=[rewards.shape[0]], dtype="int")
+    finite = torch.isfinite(rewards)
+    if not bool(finite.all()):
+        row = int((~finite).nonzero()[0])
+        raise GRPOPartsError(f"rewards: expected finite values, got {rewards[row].item()} at row {row}")
     lo, hi = int(group_index.min()), int(group_index.max())
     if lo < 0:
         raise GRPOPartsError(f"group_index: expected values >= 0, got {lo}")
@@ -180,6 +184,9 @@ def aggregate(
     ``num_items_in_batch``, verl's ``batch_num_tokens``/``global_batch_size``). Fully masked rows
     do not count as sequences. An all-masked batch gives 0, not NaN.
     """
+    check_tensor("loss_mat", loss_mat, ndim=2, dtype="float", allow_empty=True)
+    check_tensor("mask", mask, allow_empty=True)
+    check_same_shape(["loss_mat", "mask"], [loss_mat, mask])
     m = mask.to(loss_mat.dtype)
     loss_mat = torch.where(m > 0, loss_mat, torch.zeros_like(loss_mat))  # NaN/inf at padding must not leak
     if mode == "token-mean":
@@ -230,7 +237,14 @@ def grpo_loss(
     """
     cfg = config or LossConfig()
     check_tensor("logps", logps, ndim=2, dtype="float")
+    check_tensor("old_logps", old_logps, dtype="float", allow_empty=True)
+    check_tensor("mask", mask, allow_empty=True)
     check_same_shape(["logps", "old_logps", "mask"], [logps, old_logps, mask])
+    check_tensor("advantages", advantages, dtype="float", allow_empty=True)
+    if not bool(torch.isfinite(advantages).all()):
+        raise GRPOPartsError("advantages: expected finite values, got NaN or inf")
+    if ref_logps is not None:
+        check_tensor("ref_logps", ref_logps, dtype="float", allow_empty=True)
     if advantages.ndim == 1:
         check_tensor("advantages", advantages, shape=[logps.shape[0]], dtype="float")
         adv = advantages.unsqueeze(-1)
@@ -280,6 +294,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """
     if temperature <= 0:
         raise GRPOPartsError(f"temperature: expected > 0 for log-probs, got {temperature}")
+    check_tensor("tokens", tokens, shape=list(logits.shape[:-1]), dtype="int", allow_empty=True)
     lg = logits if temperature == 1.0 else logits / temperature
     return (
         torch.log_softmax(lg.float() if lg.dtype in (torch.float16, torch.bfloat16) else lg, dim=-1)
