@@ -69,7 +69,7 @@ def regrouped_logprobs(
     chunks: list[torch.Tensor] = []
     limit = batch_size or n
     start = 0
-    sorted_group = group[order]
+    sorted_group = group[order].tolist()
     while start < n:
         end = min(start + limit, n)
         while end < n and sorted_group[end] == sorted_group[end - 1]:
