@@ -44,8 +44,8 @@ class EagleConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0.0)
     feature_weight: float = Field(2.0, ge=0.0)
     ce_weight: float = Field(0.1, ge=0.0)
-    epochs: int = Field(2, ge=1, description="passes over each rollout batch per update")
-    minibatch_rows: int = Field(16, ge=1)
+    epochs: int = Field(4, ge=1, description="passes over each rollout batch per update")
+    minibatch_rows: int = Field(8, ge=1)
     unroll: int = Field(2, ge=1, le=4)
     max_grad_norm: float = Field(1.0, gt=0.0)
     seed: int = 0

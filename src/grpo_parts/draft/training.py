@@ -1,0 +1,216 @@
+"""Draft construction, warm-up and the policy-drift experiment used by ``grpo-parts bench sampler``.
+
+:func:`measure_drift` answers "does online learning keep acceptance up while the policy trains?":
+a policy is first trained on a task, an EAGLE head is distilled from its rollouts, and the head is
+copied into a *frozen* and an *online* draft. The policy then keeps training (drift); after every
+round both drafts roll out the same prompts with the same fixed draft length and we record tokens
+per verification. The online draft also distils from each of its rollouts (one step behind the
+policy, as in FastGRPO); the frozen one never changes.
+
+The task is the built-in chain-addition task (:mod:`grpo_parts.task`) when it is installed, else a
+synthetic copy task (random digit strings repeated with small edits); the result says which.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import GRPOPartsError
+from ..sampler.protocol import PromptBatch, SamplingParams
+from .protocol import DraftModel
+
+
+def make_draft(name: str, policy: torch.nn.Module, seed: int = 0) -> DraftModel:
+    """A draft by registry name with bench defaults (``frozen_lm``: a random 1-layer LM, half width)."""
+    from . import get_draft_class
+
+    cls = get_draft_class(name)
+    if name == "frozen_lm":
+        from ..tiny import tiny_causal_lm
+
+        cfg = policy.config
+        h = max(32, int(cfg.hidden_size) // 2)
+        small = tiny_causal_lm(
+            "qwen2", vocab_size=int(cfg.vocab_size), hidden_size=h, num_layers=1, num_heads=max(1, h // 64),
+            intermediate_size=2 * h, dtype=next(policy.parameters()).dtype, seed=seed + 1,
+        )  # fmt: skip
+        return cls(small.to(next(policy.parameters()).device))  # type: ignore[no-any-return]
+    if name == "eagle":
+        return cls(policy)  # type: ignore[no-any-return]
+    return cls()  # type: ignore[no-any-return]
+
+
+def warm_up(
+    draft: DraftModel,
+    policy: torch.nn.Module,
+    prompts: PromptBatch,
+    params: SamplingParams,
+    rounds: int,
+    seed: int = 0,
+) -> list[float]:
+    """Distil a learnable ``draft`` from ``rounds`` rollouts of ``policy``; returns accepted/verify per round."""
+    from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
+
+    if not draft.learnable or rounds <= 0:
+        return []
+    spec = SpeculativeSampler(policy, draft, SpeculativeConfig(draft_tokens=4, train_draft=True))
+    out = []
+    for r in range(rounds):
+        batch = prompts(r) if callable(prompts) else prompts
+        ro = spec.generate(batch, params, torch.Generator().manual_seed(seed + r))
+        out.append(ro.stats["accepted_per_verify"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------- tasks
+def _task_data(
+    vocab_hint: int, seed: int
+) -> tuple[str, Callable[[int], tuple[list[int], list[int]]], int, int, int]:
+    """``(name, problem(i) -> (prompt_ids, target_ids), vocab, eos, pad)``."""
+    try:
+        from ..task.arithmetic import ArithmeticConfig, ArithmeticTask
+        from ..task.tokenizer import EOS_ID, PAD_ID, build_hf_tokenizer
+
+        tok = build_hf_tokenizer()
+        task = ArithmeticTask(ArithmeticConfig(), seed=seed)
+
+        def problem(i: int) -> tuple[list[int], list[int]]:
+            p = task.train_problem(i)
+            return tok.encode(p.prompt), tok.encode(task.sft_target(p)) + [EOS_ID]
+
+        return "built-in chain addition (grpo_parts.task)", problem, len(tok), EOS_ID, PAD_ID
+    except ImportError:
+        pass
+    eos, pad, vocab = 1, 0, 16
+
+    def synthetic(i: int) -> tuple[list[int], list[int]]:
+        rng = random.Random(seed * 1_000_003 + i)
+        digits = [rng.randrange(3, vocab) for _ in range(rng.randrange(4, 8))]
+        target: list[int] = []
+        cur = list(digits)
+        for _ in range(3):  # copy with one edit per line
+            j = rng.randrange(len(cur))
+            cur[j] = rng.randrange(3, vocab)
+            target += cur + [2]
+        return digits + [2], target + [eos]
+
+    return "synthetic copy-with-edits task (grpo_parts.task not installed)", synthetic, vocab, eos, pad
+
+
+def _sft_steps(
+    policy: torch.nn.Module, opt: torch.optim.Optimizer, problem: Callable[[int], tuple[list[int], list[int]]],
+    start: int, steps: int, batch: int, pad: int,
+) -> int:  # fmt: skip
+    policy.train()
+    for _ in range(steps):
+        rows = [problem(start + i) for i in range(batch)]
+        start += batch
+        width = max(len(a) + len(b) for a, b in rows)
+        ids = torch.full((batch, width), pad)
+        labels = torch.full((batch, width), -100)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, (a, b) in enumerate(rows):
+            ids[i, : len(a) + len(b)] = torch.tensor(a + b)
+            labels[i, len(a) : len(a) + len(b)] = torch.tensor(b)
+            mask[i, : len(a) + len(b)] = 1
+        loss = policy(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    policy.eval()
+    return start
+
+
+def measure_drift(
+    rounds: int = 4,
+    drift_steps: int = 10,
+    pretrain_steps: int = 150,
+    warmup_rollouts: int = 16,
+    prompts_per_round: int = 8,
+    group_size: int = 4,
+    draft_tokens: int = 5,
+    temperature: float = 1.0,
+    seed: int = 0,
+    progress: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the drift experiment (CPU, a few minutes). Returns ``{"task", "setup", "points"}``; each
+    point has ``round``, ``draft`` (``eagle_frozen`` / ``eagle_online``), ``accepted_per_verify``,
+    ``draft_accept_rate``."""
+    from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    from ..tiny import tiny_causal_lm
+    from .eagle import EagleConfig, EagleDraft
+
+    torch.manual_seed(seed)
+    task_name, problem, vocab, eos, pad = _task_data(0, seed)
+    policy = tiny_causal_lm(
+        "qwen2", vocab_size=vocab, hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
+        seed=seed, eos_token_id=eos, pad_token_id=pad,
+    )  # fmt: skip
+    opt = torch.optim.AdamW(policy.parameters(), lr=2e-3)
+    t0 = time.perf_counter()
+    pos = _sft_steps(policy, opt, problem, 0, pretrain_steps, 32, pad)
+    progress(
+        f"drift: policy pre-trained {pretrain_steps} steps on {task_name} ({time.perf_counter() - t0:.0f}s)"
+    )
+    params = SamplingParams(
+        group_size=group_size,
+        max_new_tokens=48,
+        temperature=temperature,
+        eos_token_ids=(eos,),
+        pad_token_id=pad,
+    )
+    eval_offset = 10_000_000  # prompts never trained on
+
+    def prompts(r: int) -> PromptBatch:
+        return PromptBatch.from_lists(
+            [problem(eval_offset + r * 1000 + i)[0] for i in range(prompts_per_round)], pad
+        )
+
+    online = EagleDraft(policy, EagleConfig(lr=3e-3, ce_weight=1.0, seed=seed))
+    hist = warm_up(online, policy, lambda i: prompts(-1 - i), params, warmup_rollouts, seed)
+    progress(
+        f"drift: eagle head distilled on {warmup_rollouts} rollouts, accepted/verify {[round(h, 2) for h in hist]}"
+    )
+    frozen = copy.deepcopy(online)
+    frozen.bind_policy(policy)  # deepcopy copied the policy's embedding; share the live one
+    samplers = {
+        "eagle_frozen": SpeculativeSampler(policy, frozen, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=False)),
+        "eagle_online": SpeculativeSampler(policy, online, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=True)),
+    }  # fmt: skip
+    points: list[dict[str, Any]] = []
+    for r in range(rounds + 1):
+        if r > 0:
+            pos = _sft_steps(policy, opt, problem, pos, drift_steps, 32, pad)
+        for name, spec in samplers.items():
+            spec.sync_weights(policy)
+            ro = spec.generate(prompts(r), params, torch.Generator().manual_seed(seed + r))
+            points.append(
+                dict(
+                    round=r,
+                    policy_steps=pretrain_steps + r * drift_steps,
+                    draft=name,
+                    accepted_per_verify=ro.stats["accepted_per_verify"],
+                    draft_accept_rate=ro.stats["draft_accept_rate"],
+                )
+            )
+        progress(
+            f"drift round {r}: "
+            + ", ".join(f"{p['draft']} {p['accepted_per_verify']:.2f}" for p in points[-len(samplers) :])
+        )
+    if not points:
+        raise GRPOPartsError("rounds: expected >= 0")
+    setup = dict(
+        policy="qwen2 tiny_causal_lm hidden=128 layers=4",
+        pretrain_steps=pretrain_steps,
+        drift_steps_per_round=drift_steps,
+        draft_tokens=draft_tokens,
+        temperature=temperature,
+        rows_per_round=prompts_per_round * group_size,
+    )
+    return {"task": task_name, "setup": setup, "points": points}
