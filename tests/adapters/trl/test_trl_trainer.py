@@ -197,10 +197,17 @@ def test_all_parts_speculative_sampler_logs_acceptance(base: torch.nn.Module) ->
         pytest.skip(f"speculative sampler not available: {e}")
     args = _tiny.config(max_steps=2)
 
+    by_name = _has("sampler", "speculative") and _has("draft", "eagle")
+
     def parts(policy: torch.nn.Module) -> dict[str, Any]:
         cfg = SpeculativeConfig(draft_tokens=3)
+        sampler: dict[str, Any] = (
+            {"sampler": "speculative", "draft": "eagle", "sampler_kwargs": {"config": cfg}}
+            if by_name  # registered: built on the trainer's policy by the adapter
+            else {"sampler": SpeculativeSampler(policy, EagleDraft(policy), cfg)}
+        )
         return {
-            "sampler": SpeculativeSampler(policy, EagleDraft(policy), cfg),
+            **sampler,
             "attention": "auto",  # shared_prefix where it supports the model
             "completion_filter": "cppo",
             "filter_kwargs": {"pruning_rate": 0.5},
@@ -272,3 +279,23 @@ def test_eval_batches_are_not_filtered_and_do_not_train_the_draft(base: torch.nn
     assert not any("draft_update" in k for k in metrics)  # eval rollouts leave the online draft alone
     assert not any(k.startswith("eval_parts/filter") for k in metrics)  # eval batches are not pruned
     assert sampler.config.train_draft  # restored after the eval rollout
+
+
+def test_build_part_by_name() -> None:
+    from grpo_parts_adapters.trl import build_part
+
+    from grpo_parts.draft.reference import FrozenLMDraft
+    from grpo_parts.errors import GRPOPartsError
+    from grpo_parts.sampler.reference import ReferenceSampler
+
+    policy, small = _tiny.model(), _tiny.model(seed=1)
+    sampler = build_part("sampler", "reference", policy)
+    assert isinstance(sampler, ReferenceSampler) and sampler.model is policy
+    draft = build_part("draft", "frozen_lm", policy, {"model": small})
+    assert isinstance(draft, FrozenLMDraft) and draft.model is small  # a frozen draft is its own LM
+    filt = build_part("completion_filter", "cppo", policy, {"k": 2})
+    assert filt.k == 2
+    with pytest.raises(GRPOPartsError, match="unknown implementation"):
+        build_part("attention", "nope", policy)
+    with pytest.raises(GRPOPartsError, match="only used when"):
+        build_part("attention", None, policy, {"kernel": "sdpa"})
