@@ -11,9 +11,32 @@ from grpo_parts.tiny import tiny_causal_lm
 
 
 def tiny_model(family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    return tiny_causal_lm(
+    model = tiny_causal_lm(
         family, vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, dtype=dtype, seed=seed
     )
+    # As OpenRLHF's Actor does when it loads a model: without a cache, transformers separates packed
+    # sequences by their position ids (OpenRLHF's packing_samples path on CPU relies on it).
+    model.config.use_cache = False
+    return float64_norms(model) if dtype == torch.float64 else model
+
+
+def _rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def float64_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' RMSNorm computes in float32 (``x.to(torch.float32)``), which *downcasts* a
+    float64 model, so a shared prefix (gradient summed over G suffixes before the norm's backward)
+    and repeated prefixes (summed after) differ at ~1e-7. Give this model's norm instances the same
+    formula without the cast, so both paths are float64 end to end (as tests/attention does)."""
+    import types
+
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RMSNorm"):
+            if not hasattr(mod, "variance_epsilon"):
+                raise AssertionError(f"unknown RMSNorm class {type(mod).__name__}")
+            mod.forward = types.MethodType(_rms_norm, mod)
+    return model
 
 
 def openrlhf_batch(
