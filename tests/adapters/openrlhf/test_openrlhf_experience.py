@@ -256,3 +256,53 @@ def test_group_index_checks_prompts():
 
 
 _ = KeepFloat64  # imported for symmetry with the actor tests
+
+
+def test_refill_through_samples_generator():
+    """CPPO keeps half of each round; the maker asks the trainer's samples generator for more prompts
+    (same dataloader stream) until the kept batch has the original B * G rows."""
+    from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
+    from openrlhf.models import Actor
+
+    from grpo_parts.filter import IMPLEMENTATIONS, get_filter_class
+
+    if "cppo" not in IMPLEMENTATIONS:
+        pytest.skip("the 'cppo' CompletionFilter is not registered yet")
+    group_size, num_prompts = 4, 2
+    gen = torch.Generator().manual_seed(7)
+
+    class FakeSamplesGenerator:
+        """The two members of OpenRLHF's SamplesGenerator the maker uses for refill."""
+
+        def __init__(self):
+            self._dataloader_iter = iter(range(100))
+            self.requests = []
+            self.vllm_engines = []
+
+        def _generate_vllm(self, dataloader_iter, num_prompts, dynamic_filtering, **kw):
+            self.requests.append((num_prompts, kw))
+            rewards = torch.rand(num_prompts * group_size, generator=gen).tolist()
+            more = rollout_samples(gen, group_size, num_prompts, rewards)
+            for i, s in enumerate(more):
+                s.prompts = [f"refill {len(self.requests)}.{i // group_size}"]
+            return more, num_prompts, False
+
+    actor = Actor(tiny_model("qwen2", dtype=torch.float32))
+    actor.packing_samples = False
+    sg = FakeSamplesGenerator()
+    maker = make_maker(
+        fake_forwards(GRPOPartsExperienceMaker, actor),
+        openrlhf_args(group_size, num_prompts),
+        completion_filter=get_filter_class("cppo")(pruning_rate=0.5),
+        samples_generator=sg,
+        generate_kwargs={"max_new_tokens": 8},
+        refill_rounds=3,
+    )
+    samples = rollout_samples(gen, group_size, num_prompts, torch.rand(8, generator=gen).tolist())
+    experiences = maker.make_experience_batch(samples)
+    prompts = [p for e in experiences for p in e.prompts]
+    assert len(prompts) == group_size * num_prompts  # filled back to B * G
+    assert sg.requests and sg.requests[0] == (2, {"max_new_tokens": 8})
+    assert any(p.startswith("refill") for p in prompts)
+    assert maker.last_info["refill_prompts"] == sum(n for n, _ in sg.requests)
+    assert all(torch.isfinite(e.advantages).all() for e in experiences)
