@@ -25,7 +25,7 @@ from openrlhf.trainer.ppo_utils.experience import Experience, split_experience_b
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
-from grpo_parts.core import AdvantageConfig, group_advantages
+from grpo_parts.core import AdvantageConfig, group_advantages, group_stats
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.reference import KeepAll
 from grpo_parts.types import ScoredBatch
@@ -110,13 +110,16 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         rewards = torch.cat([s.rewards for s in samples])
         gi = group_index_of(samples, self.group_size)
         adv = group_advantages(rewards, gi, self.adv_config)
+        std = group_stats(rewards, gi, unbiased=True)[2][gi]  # logged like OpenRLHF's group_reward_std
         lengths = (
             torch.cat([s.response_length for s in samples]).long()
             if samples[0].response_length is not None
             else None
         )
-        for s, a in zip(samples, adv.split([len(s.sequences) for s in samples])):
+        sizes = [len(s.sequences) for s in samples]
+        for s, a, sd in zip(samples, adv.split(sizes), std.split(sizes)):
             s.info[_ADV_KEY] = a
+            s.info["group_reward_std"] = sd
         return ScoredBatch(rewards, adv, gi, lengths)
 
     def _select(self, samples: list[Experience]) -> list[Experience]:
@@ -218,7 +221,8 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             by_index = {s.index[0]: s for s in singles}
             for e in experiences:
                 e.rewards = torch.cat([by_index[i].rewards for i in e.index])
-                e.info[_ADV_KEY] = torch.cat([by_index[i].info[_ADV_KEY] for i in e.index])
+                for key in (_ADV_KEY, "group_reward_std"):
+                    e.info[key] = torch.cat([by_index[i].info[key] for i in e.index])
         for e in experiences:
             adv = e.info.pop(_ADV_KEY).to(e.rewards.dtype)
             reward = compute_reward(

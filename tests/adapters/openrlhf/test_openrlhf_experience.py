@@ -129,6 +129,7 @@ def test_advantages_equal_group_norm(
         torch.testing.assert_close(g.returns, w.returns, atol=1e-9, rtol=0)
         torch.testing.assert_close(g.info["return"], w.info["return"], atol=1e-9, rtol=0)
         torch.testing.assert_close(g.rewards, w.rewards)
+        torch.testing.assert_close(g.info["group_reward_std"], w.info["group_reward_std"], atol=1e-9, rtol=0)
         assert g.kl is None and "grpo_parts_advantage" not in g.info
 
 
