@@ -256,6 +256,41 @@ def test_speculative_sampler_in_the_agent_loop_is_greedy_identical():
     )
 
 
+def test_documented_agent_loop_yaml_instantiates_as_verl_does(tmp_path):
+    """verl loads ``rollout.agent.agent_loop_config_path`` with OmegaConf and instantiates the entry
+    with hydra, passing the worker's objects (see AgentLoopWorker._run_agent_loop)."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    path = tmp_path / "agent_loops.yaml"
+    path.write_text(
+        "- name: grpo_parts_agent\n"
+        "  _target_: grpo_parts_adapters.verl.agent_loop.GrpoPartsAgentLoop\n"
+        "  sampler: reference\n"
+        f"  model_factory: {__name__}:tiny_model\n"
+    )
+    (entry,) = OmegaConf.load(path)
+    tok = tiny_tokenizer()
+
+    async def run():
+        loop = hydra.utils.instantiate(
+            config=entry,
+            trainer_config=verl_agent_loop.DictConfigWrap(config=trainer_config()),
+            server_manager=None,
+            tokenizer=tok,
+            processor=None,
+            hf_model_type=None,
+            dataset_cls=None,
+            data_config=verl_agent_loop.DictConfigWrap(trainer_config().data),
+            tools=verl_agent_loop.ToolListWrap([]),
+        )
+        assert isinstance(loop, ours.GrpoPartsAgentLoop) and loop.sampler_name == "reference"
+        return await loop.run({"temperature": 0.0}, raw_prompt=[{"role": "user", "content": "abc"}])
+
+    out = asyncio.run(run())
+    assert 1 <= len(out.response_ids) <= RESPONSE_LEN and len(out.response_logprobs) == len(out.response_ids)
+
+
 def test_sampling_params_translation():
     p = ours.sampling_params_from_verl({"temperature": 0.7, "top_k": -1, "top_p": 0.9}, 5, (1,), 0)
     assert (p.temperature, p.top_k, p.top_p, p.max_new_tokens, p.group_size) == (0.7, 0, 0.9, 5, 1)
