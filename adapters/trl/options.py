@@ -32,6 +32,15 @@ class TRLPartsOptions(BaseModel):
     only (CPPO's saving). Turned off automatically where TRL needs them before the filter (vLLM
     importance-sampling correction) or computes them inside a PEFT adapter context.
 
+    ``group_rows``: TRL shuffles the generation batch row by row before cutting it into
+    micro-batches, so a micro-batch holds almost no two completions of one prompt and a shared-prefix
+    backend has nothing to share in the policy forward/backward. With ``group_rows`` the adapter
+    re-cuts TRL's shuffled batch with the rows of each prompt kept together (groups in a seeded random
+    order, rows inside a group in TRL's shuffled order). Default (``None``): on when an attention
+    backend is set. Within one optimizer step the gradient does not depend on how rows are assigned to
+    micro-batches for TRL's token-sum losses (``dapo``, ``cispo``, ``vespo``) and equal-size
+    micro-batches (``grpo``, ``dr_grpo``); ``bnpo`` normalises per micro-batch, so its weighting moves.
+
     ``refill``: honour ``FilterResult.extra_prompts_wanted`` by rolling out more prompts, drawn from
     ``train_dataset`` in a seeded order independent of TRL's dataloader, until the kept batch has
     ``refill_target_size`` rows (default: the generation batch's size) or ``max_refill_rounds``
@@ -43,6 +52,7 @@ class TRLPartsOptions(BaseModel):
     strict: bool = True
     filter_remainder: Literal["restore", "drop"] = "restore"
     defer_logprobs: bool = True
+    group_rows: bool | None = None
     refill: bool = False
     refill_target_size: int | None = Field(None, ge=1)
     max_refill_rounds: int = Field(4, ge=1)

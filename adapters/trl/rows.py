@@ -7,6 +7,7 @@
   ``(input_ids, attention_mask, logits_to_keep)`` with rows regrouped by prompt, results in TRL's order.
 * :func:`round_kept` -- make the kept count a multiple of ``steps_per_generation``.
 * :func:`concat_batches` -- stack TRL batch dicts of different widths (refill rounds).
+* :func:`regroup_chunks` -- re-cut TRL's shuffled micro-batches with each prompt's rows together.
 """
 
 from __future__ import annotations
@@ -199,4 +200,47 @@ def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict
                 f"refill: cannot stack batch key {key!r} of type {type(vals[0]).__name__}; "
                 "refill supports text-only batches (set refill=False)"
             )
+    return out
+
+
+def regroup_chunks(chunks: Sequence[dict[str, Any]], generator: torch.Generator) -> list[dict[str, Any]]:
+    """Re-cut TRL's shuffled, equally split micro-batches so that each prompt's rows are adjacent.
+
+    The chunks are stacked back, groups (rows with the same prompt) are put in a random order drawn
+    from ``generator`` (rows inside a group keep their order), and the result is split into as many
+    equal chunks again. Every per-row entry moves with its row; 0-d tensors and ``None`` are kept."""
+    size = int(chunks[0]["completion_ids"].shape[0])
+    keys = list(chunks[0])
+    batch: dict[str, Any] = {}
+    for key in keys:
+        vals = [c[key] for c in chunks]
+        v0 = vals[0]
+        if v0 is None or (isinstance(v0, torch.Tensor) and v0.ndim == 0):
+            batch[key] = v0
+        elif isinstance(v0, torch.Tensor) and v0.shape[0] == size:
+            batch[key] = torch.cat(vals)
+        elif isinstance(v0, list) and len(v0) == size:
+            batch[key] = [x for v in vals for x in v]
+        else:
+            raise GRPOPartsError(
+                f"group_rows: batch key {key!r} is not one entry per row (got {type(v0).__name__}); "
+                "set TRLPartsOptions(group_rows=False)"
+            )
+    group = group_by_prompt(batch["prompt_ids"], batch["prompt_mask"])
+    num_groups = int(group.max()) + 1
+    rank = torch.empty(num_groups, dtype=torch.long)
+    rank[torch.randperm(num_groups, generator=generator)] = torch.arange(num_groups)
+    order = torch.sort(rank[group.cpu()], stable=True).indices
+    out = []
+    for i in range(len(chunks)):
+        rows = order[i * size : (i + 1) * size]
+        chunk: dict[str, Any] = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.ndim >= 1:
+                chunk[key] = value[rows.to(value.device)]
+            elif isinstance(value, list):
+                chunk[key] = [value[j] for j in rows.tolist()]
+            else:
+                chunk[key] = value
+        out.append(chunk)
     return out

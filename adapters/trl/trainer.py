@@ -40,7 +40,7 @@ from .options import (
     filter_config_reasons,
     sampler_config_reasons,
 )
-from .rows import concat_batches, prompt_runs, regrouped_logprobs, round_kept
+from .rows import concat_batches, prompt_runs, regroup_chunks, regrouped_logprobs, round_kept
 
 logger = logging.getLogger(__name__)
 
@@ -302,6 +302,19 @@ class GRPOPartsTrainer(GRPOTrainer):
         finally:
             for c, s in zip(cfgs, saved):
                 c._attn_implementation_internal = s
+
+    def _prepare_inputs(self, generation_batch):  # type: ignore[no-untyped-def]
+        before = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        group_rows = self.parts_options.group_rows
+        if group_rows is None:
+            group_rows = self.gp_attention is not None
+        if not group_rows or self._gp_mode() != "train" or self._buffered_inputs is before:
+            return inputs
+        # TRL just generated, shuffled and split a new batch: keep each prompt's rows together
+        gen = torch.Generator().manual_seed(int(self.args.seed) * 1_000_003 + int(self.state.global_step))
+        self._buffered_inputs = regroup_chunks(self._buffered_inputs, gen)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def training_step(self, model, inputs, num_items_in_batch):  # type: ignore[no-untyped-def]
         with self._gp_kernel_scope():

@@ -8,6 +8,7 @@ from grpo_parts_adapters.trl.rows import (
     concat_batches,
     group_by_prompt,
     prompt_runs,
+    regroup_chunks,
     regrouped_logprobs,
     round_kept,
 )
@@ -97,3 +98,32 @@ def test_concat_batches_repads() -> None:
     assert out["completion_mask"].tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
     assert out["advantages"].tolist() == [1.0, -1.0, 0.5]
     assert "num_items_in_batch" not in out  # recomputed by the caller
+
+
+def test_regroup_chunks_keeps_prompts_together() -> None:
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.tensor([[0, 4], [5, 6], [7, 8], [0, 9]]).repeat_interleave(3, 0)  # 4 groups of 3
+    perm = torch.randperm(12, generator=gen)  # TRL's row shuffle
+    batch = {
+        "prompt_ids": prompts[perm],
+        "prompt_mask": (prompts[perm] != 0).long(),
+        "completion_ids": torch.arange(12)[perm, None],
+        "advantages": torch.arange(12.0)[perm],
+        "num_items_in_batch": torch.tensor(12),
+        "tags": [f"r{i}" for i in perm.tolist()],
+    }
+    chunks = [
+        {k: (v[i * 4 : (i + 1) * 4] if k != "num_items_in_batch" else v) for k, v in batch.items()}
+        for i in range(3)
+    ]
+    out = regroup_chunks(chunks, torch.Generator().manual_seed(1))
+    assert len(out) == 3 and all(c["completion_ids"].shape[0] == 4 for c in out)
+    rows = torch.cat([c["completion_ids"][:, 0] for c in out])
+    assert sorted(rows.tolist()) == list(range(12))  # same rows, each once
+    groups = (rows // 3).tolist()
+    runs = [g for i, g in enumerate(groups) if i == 0 or groups[i - 1] != g]
+    assert len(runs) == 4  # every prompt's rows are contiguous
+    for c in out:  # every per-row entry moved with its row
+        assert c["advantages"].tolist() == c["completion_ids"][:, 0].double().tolist()
+        assert c["tags"] == [f"r{int(i)}" for i in c["completion_ids"][:, 0]]
+        assert int(c["num_items_in_batch"]) == 12
