@@ -97,14 +97,23 @@ def _flash_ops() -> tuple[Any, Any] | None:
     return None
 
 
-#: cap on the elements of one suffix-self score chunk (slots are processed in chunks below it)
-_CHUNK_ELEMS = 1 << 24
+def _slot_chunks(g: int, rows_per_slot: int, elems_per_row: int, chunk_elems: int) -> list[tuple[int, int]]:
+    """Row ranges of the slot-major flat layout, whole slots per chunk, about ``chunk_elems`` scores each."""
+    step = max(1, chunk_elems // max(1, rows_per_slot * elems_per_row))
+    return [(i * rows_per_slot, min(g, i + step) * rows_per_slot) for i in range(0, g, step)]
 
 
-def _slot_chunks(lay_dims: tuple[int, ...]) -> list[tuple[int, int]]:
-    b, h, g, s = lay_dims
-    step = max(1, _CHUNK_ELEMS // max(1, b * h * s * s))
-    return [(i, min(g, i + step)) for i in range(0, g, step)]
+def _flat_slots(x: torch.Tensor, p: int, g: int, s: int, rep: int) -> torch.Tensor:
+    """``[B, Hkv*rep, L, D]`` suffix part -> ``[G*B*Hkv, rep*S, D]`` (slot-major, contiguous copy):
+    the grouped-query heads of one KV head become extra query rows of one small matmul."""
+    b, h, _, d = x.shape
+    y = x[:, :, p:].reshape(b, h // rep, rep, g, s, d).permute(3, 0, 1, 2, 4, 5)
+    return y.reshape(g * b * (h // rep), rep * s, d)
+
+
+def _unflat_slots(y: torch.Tensor, b: int, hk: int, rep: int, g: int, s: int) -> torch.Tensor:
+    """Inverse view of :func:`_flat_slots`: ``[B, Hkv, rep, G, S, ...]`` (no copy)."""
+    return y.view(g, b, hk, rep, s, *y.shape[2:]).permute(1, 2, 3, 0, 4, *range(5, y.ndim + 3))
 
 
 class _Cascade(torch.autograd.Function):
@@ -112,8 +121,8 @@ class _Cascade(torch.autograd.Function):
 
     (a) every query of the row against the prefix keys: one CPU flash call with ``is_causal``
         (top-left aligned, so a prefix query sees the prefix causally and a suffix query all of it);
-    (b) each suffix against itself, causal: small batched matmuls ``[B, Hkv, rep, G, S, S]``
-        (chunked over slots), grouped-query heads broadcast instead of repeated.
+    (b) each suffix against itself, causal: one batched matmul per chunk of slots,
+        ``[G*B*Hkv, rep*S, S]`` (grouped-query heads folded into query rows, not repeated).
 
     The flash op returns the LSE but not its gradient; backward is still exact because the flash
     backward of (a), given the *merged* output and LSE, yields (a)'s share of the joint softmax's
@@ -122,38 +131,41 @@ class _Cascade(torch.autograd.Function):
     so that no slicing/repeat backward allocates zero-filled full-size gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, p, g, s, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, bias, p, g, s, scale, chunk):  # type: ignore[override]
         fwd, _ = _flash_ops()  # type: ignore[misc]
         b, h, length, d = q.shape
         hk = k.shape[1]
         rep = h // hk
+        ctx.chunk = chunk
         kp, vp = _repeat_kv(k[:, :, :p], rep), _repeat_kv(v[:, :, :p], rep)
         out, lse = fwd(q, kp, vp, 0.0, True, attn_mask=bias, scale=scale)
-        qs = q[:, :, p:].reshape(b, hk, rep, g, s, d)
-        ks = k[:, :, p:].reshape(b, hk, 1, g, s, d)
-        vs = v[:, :, p:].reshape(b, hk, 1, g, s, d)
+        qf = _flat_slots(q, p, g, s, rep)
+        kf, vf = _flat_slots(k, p, g, s, 1), _flat_slots(v, p, g, s, 1)
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().repeat(rep, 1)
+        lb = q.new_empty(qf.shape[:2])
+        ob = torch.empty_like(qf)
+        for i, j in _slot_chunks(g, b * hk, rep * s * s, ctx.chunk):
+            sc = torch.bmm(qf[i:j], kf[i:j].transpose(1, 2)).mul_(scale).masked_fill_(~causal, float("-inf"))
+            torch.logsumexp(sc, -1, out=lb[i:j])
+            torch.bmm(sc.sub_(lb[i:j].unsqueeze(-1)).exp_(), vf[i:j], out=ob[i:j])
+        la = lse[:, :, p:].view(b, hk, rep, g, s)
+        lbv = _unflat_slots(lb, b, hk, rep, g, s)
+        ls = torch.logaddexp(la, lbv)
         out_s = out[:, :, p:].view(b, hk, rep, g, s, d)
-        lse_s = lse[:, :, p:].view(b, hk, rep, g, s)
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        for i, j in _slot_chunks((b, h, g, s)):
-            sc = (qs[:, :, :, i:j] @ ks[:, :, :, i:j].transpose(-1, -2)) * scale
-            sc = sc.masked_fill_(~causal, float("-inf"))
-            lb = sc.logsumexp(-1)
-            ob = sc.sub_(lb.unsqueeze(-1)).exp_() @ vs[:, :, :, i:j]
-            la = lse_s[:, :, :, i:j]
-            ls = torch.logaddexp(la, lb)
-            out_s[:, :, :, i:j] = out_s[:, :, :, i:j] * (la - ls).exp().unsqueeze(-1) + ob * (
-                lb - ls
-            ).exp().unsqueeze(-1)
-            lse_s[:, :, :, i:j] = ls
-        ctx.save_for_backward(q, k, v, kp, vp, bias if bias is not None else torch.empty(0), out, lse)
+        out_s.mul_((la - ls).exp_().unsqueeze(-1)).add_(
+            _unflat_slots(ob, b, hk, rep, g, s) * (lbv - ls).exp_().unsqueeze(-1)
+        )
+        la.copy_(ls)
+        ctx.save_for_backward(
+            q, k, v, kp, vp, bias if bias is not None else torch.empty(0), out, lse, qf, kf, vf
+        )
         ctx.has_bias, ctx.scale, ctx.dims = bias is not None, scale, (p, g, s)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         _, bwd = _flash_ops()  # type: ignore[misc]
-        q, k, v, kp, vp, bias, out, lse = ctx.saved_tensors
+        q, k, v, kp, vp, bias, out, lse, qf, kf, vf = ctx.saved_tensors
         p, g, s = ctx.dims
         b, h, length, d = q.shape
         hk = k.shape[1]
@@ -166,26 +178,25 @@ class _Cascade(torch.autograd.Function):
         dv = torch.empty_like(v)
         dk[:, :, :p] = dkp.view(b, hk, rep, p, d).sum(2)
         dv[:, :, :p] = dvp.view(b, hk, rep, p, d).sum(2)
-        qs = q[:, :, p:].reshape(b, hk, rep, g, s, d)
-        ks = k[:, :, p:].reshape(b, hk, 1, g, s, d)
-        vs = v[:, :, p:].reshape(b, hk, 1, g, s, d)
-        dos = dout[:, :, p:].view(b, hk, rep, g, s, d)
-        dqs = dq[:, :, p:].view(b, hk, rep, g, s, d)
-        dks = dk[:, :, p:].view(b, hk, g, s, d)
-        dvs = dv[:, :, p:].view(b, hk, g, s, d)
-        delta = (dos * out[:, :, p:].view(b, hk, rep, g, s, d)).sum(-1, keepdim=True)
-        lse_s = lse[:, :, p:].view(b, hk, rep, g, s, 1)
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        for i, j in _slot_chunks((b, h, g, s)):
-            sc = (qs[:, :, :, i:j] @ ks[:, :, :, i:j].transpose(-1, -2)) * scale
-            pr = (
-                sc.masked_fill_(~causal, float("-inf")).sub_(lse_s[:, :, :, i:j]).exp_()
-            )  # joint softmax share
-            dvs[:, :, i:j] = (pr.transpose(-1, -2) @ dos[:, :, :, i:j]).sum(2)
-            ds = (dos[:, :, :, i:j] @ vs[:, :, :, i:j].transpose(-1, -2)).sub_(delta[:, :, :, i:j]).mul_(pr)
-            dqs[:, :, :, i:j] += (ds @ ks[:, :, :, i:j]) * scale
-            dks[:, :, i:j] = (ds.transpose(-1, -2) @ qs[:, :, :, i:j]).sum(2) * scale
-        return dq, dk, dv, None, None, None, None, None
+        dof = _flat_slots(dout, p, g, s, rep)
+        delta = (dout * out).sum(-1, keepdim=True)  # [B, H, L, 1] (prefix rows unused)
+        lsf = _flat_slots(lse.unsqueeze(-1), p, g, s, rep)  # merged LSE, [G*B*Hkv, rep*S, 1]
+        deltaf = _flat_slots(delta, p, g, s, rep)
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().repeat(rep, 1)
+        dqf = torch.empty_like(qf)
+        dkf = torch.empty_like(kf)
+        dvf = torch.empty_like(vf)
+        for i, j in _slot_chunks(g, b * hk, rep * s * s, ctx.chunk):
+            sc = torch.bmm(qf[i:j], kf[i:j].transpose(1, 2)).mul_(scale).masked_fill_(~causal, float("-inf"))
+            pr = sc.sub_(lsf[i:j]).exp_()  # this part's share of the joint softmax
+            torch.bmm(pr.transpose(1, 2), dof[i:j], out=dvf[i:j])
+            ds = torch.bmm(dof[i:j], vf[i:j].transpose(1, 2)).sub_(deltaf[i:j]).mul_(pr).mul_(scale)
+            torch.bmm(ds, kf[i:j], out=dqf[i:j])
+            torch.bmm(ds.transpose(1, 2), qf[i:j], out=dkf[i:j])
+        dq[:, :, p:].view(b, hk, rep, g, s, d).add_(_unflat_slots(dqf, b, hk, rep, g, s))
+        dk[:, :, p:].view(b, hk, g, s, d).copy_(_unflat_slots(dkf, b, hk, 1, g, s).squeeze(2))
+        dv[:, :, p:].view(b, hk, g, s, d).copy_(_unflat_slots(dvf, b, hk, 1, g, s).squeeze(2))
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, scale: float) -> torch.Tensor:
@@ -194,7 +205,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, 
     if lay.prefix_valid is not None:
         bias = torch.zeros(lay.prefix_valid.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(~lay.prefix_valid, float("-inf"))[:, None, None, :]
-    return _Cascade.apply(q, k, v, bias, lay.prefix_len, lay.num_slots, lay.slot_len, scale)
+    return _Cascade.apply(q, k, v, bias, lay.prefix_len, lay.num_slots, lay.slot_len, scale, lay.chunk_elems)
 
 
 # ------------------------------------------------------------------------------------------ flex

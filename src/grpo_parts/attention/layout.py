@@ -43,6 +43,7 @@ class PrefixLayout:
     prefix_valid: torch.Tensor | None
     max_span: int
     kernel: str = "sdpa"
+    chunk_elems: int = 1 << 24  # cap on one suffix-self score chunk (elements) in the sdpa kernel
 
     @property
     def row_len(self) -> int:
@@ -89,7 +90,12 @@ def _check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_grouped_inputs(
-    batch: LogprobBatch, *, max_positions: int | None = None, pad_token_id: int = 0, kernel: str = "sdpa"
+    batch: LogprobBatch,
+    *,
+    max_positions: int | None = None,
+    pad_token_id: int = 0,
+    kernel: str = "sdpa",
+    chunk_elems: int = 1 << 24,
 ) -> GroupedInputs:
     """Regroup ``batch`` (rows in any order) into the grid layout; see the module docstring."""
     pm, cm = _check_masks(batch)
@@ -152,7 +158,7 @@ def build_grouped_inputs(
     row_keep[:, 0] = last_inv[row_group]
     row_keep[:, 1:] = k0 + row_slot.unsqueeze(-1) * (s - 1) + ar_s[: s - 1]
     valid = None if bool((plen == pp).all()) else torch.arange(pp, device=device) < plen.unsqueeze(-1)
-    layout = PrefixLayout(pp, g, s, valid, int((plen_row + clen).max()), kernel)
+    layout = PrefixLayout(pp, g, s, valid, int((plen_row + clen).max()), kernel, chunk_elems)
     return GroupedInputs(ids, pos, layout, keep, row_group, row_keep, clen)
 
 

@@ -83,12 +83,13 @@ class SharedPrefixAttention:
 
     name: ClassVar[str] = "shared_prefix"
 
-    def __init__(self, kernel: str = "auto") -> None:
+    def __init__(self, kernel: str = "auto", *, chunk_elems: int = 1 << 24) -> None:
         from .kernels import KERNELS
 
         if kernel != "auto" and kernel not in (*KERNELS, "flash_varlen"):
             raise GRPOPartsError(f"kernel: expected 'auto' or one of {KERNELS}, got {kernel!r}")
         self.kernel = kernel
+        self.chunk_elems = chunk_elems
         self.last_choice: str = ""
 
     # ------------------------------------------------------------------------------ capabilities
@@ -184,7 +185,10 @@ class SharedPrefixAttention:
         register_attention()
         tc = _text_config(model)
         grouped = build_grouped_inputs(
-            batch, max_positions=getattr(tc, "max_position_embeddings", None), kernel=kernel
+            batch,
+            max_positions=getattr(tc, "max_position_embeddings", None),
+            kernel=kernel,
+            chunk_elems=self.chunk_elems,
         )
         b = grouped.input_ids.shape[0]
         placeholder = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=grouped.input_ids.device)
