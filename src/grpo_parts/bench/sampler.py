@@ -88,11 +88,32 @@ def _generate(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSa
     return [BenchSampler("generate", GenerateSampler(policy))]
 
 
+def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
+    """One row per ``--spec-drafts`` entry; learnable drafts are first distilled from
+    ``--spec-warmup`` rollouts of the policy (on other prompts) and then frozen while timed."""
+    from ..draft.training import make_draft, warm_up
+    from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
+
+    out = []
+    for name in args.spec_drafts.split(","):
+        draft = make_draft(name, policy, args.seed)
+        if draft.learnable and args.spec_warmup > 0:
+            params = SamplingParams(group_size=4, max_new_tokens=args.max_new_tokens, **_eos_kw(args))
+            hist = warm_up(draft, policy, lambda i: _prompts(args, 16, 4, 1000 + i), params, args.spec_warmup)
+            print(
+                f"{name}: distilled on {args.spec_warmup} rollouts, accepted/verify {[round(h, 2) for h in hist]}"
+            )
+        cfg = SpeculativeConfig(max_draft_tokens=args.spec_max_draft, train_draft=False)
+        out.append(BenchSampler("speculative", SpeculativeSampler(policy, draft, cfg), draft=name))
+    return out
+
+
 SamplerFactory = Callable[[torch.nn.Module, argparse.Namespace], list[BenchSampler]]
 #: name -> factory. "reference" and "generate" are the two yardsticks; others add rows.
 FACTORIES: dict[str, SamplerFactory] = {
     "generate": _generate,
     "reference": _reference,
+    "speculative": _speculative,
 }
 
 
@@ -114,10 +135,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--policy", default="random", choices=["random", "task"],
+        help="random weights, or the same architecture SFT-trained on the built-in task (peaked like a trained LM; "
+        "prompts from the task, rows stop at EOS)",
+    )  # fmt: skip
+    p.add_argument("--task-steps", type=int, default=300, help="SFT steps for --policy task")
+    p.add_argument("--spec-drafts", default="ngram,eagle,frozen_lm", help="drafts of the speculative rows")
+    p.add_argument(
+        "--spec-max-draft", type=int, default=6, help="largest draft length the cost model may pick"
+    )
+    p.add_argument(
+        "--spec-warmup", type=int, default=8, help="rollouts a learnable draft is distilled on first"
+    )
+    p.add_argument(
+        "--drift", action="store_true", help="also measure acceptance under policy drift (frozen vs online)"
+    )
+    p.add_argument("--drift-rounds", type=int, default=4)
 
 
 def make_policy(args: argparse.Namespace) -> torch.nn.Module:
     from ..tiny import tiny_causal_lm
+
+    if args.policy == "task":
+        from ..draft.training import task_policy
+
+        policy, args._task_prompt, args._eos, args._pad, args._task = task_policy(
+            args.hidden, args.layers, args.task_steps, args.seed
+        )
+        args.vocab = int(policy.config.vocab_size)
+        return policy
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
@@ -145,6 +192,22 @@ def make_prompts(batch: int, group_size: int, prompt_len: int, vocab: int, seed:
     lens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (n,), generator=g).tolist()
     prompts = [torch.randint(1, vocab, (int(n_tok),), generator=g).tolist() for n_tok in lens]
     return PromptBatch.from_lists(prompts, pad_token_id=0)
+
+
+def _eos_kw(args: argparse.Namespace) -> dict[str, Any]:
+    if args.policy != "task":
+        return {}
+    return dict(eos_token_ids=(args._eos,), pad_token_id=args._pad)
+
+
+def _prompts(args: argparse.Namespace, batch: int, group_size: int, seed: int) -> PromptBatch:
+    if args.policy != "task":
+        return make_prompts(batch, group_size, args.prompt_len, args.vocab, seed)
+    if batch % group_size:
+        raise GRPOPartsError(f"--batches: expected multiples of --group-size={group_size}, got {batch}")
+    return PromptBatch.from_lists(
+        [args._task_prompt(seed * 100_000 + i) for i in range(batch // group_size)], args._pad
+    )
 
 
 def time_sampler(
@@ -200,6 +263,9 @@ def run(args: argparse.Namespace) -> int:
         "prompt_len": args.prompt_len,
         "group_size": args.group_size,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "policy_kind": args.policy
+        if args.policy == "random"
+        else f"task ({args._task}, {args.task_steps} SFT steps)",
     }
     print(json.dumps(setup, indent=1))
     points: list[dict[str, Any]] = []
@@ -210,9 +276,10 @@ def run(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             max_new_tokens=args.max_new_tokens,
             temperature=0.0 if mode == "greedy" else 1.0,
+            **_eos_kw(args),
         )
         for batch in batches:
-            prompts = make_prompts(batch, args.group_size, args.prompt_len, args.vocab, args.seed)
+            prompts = _prompts(args, batch, args.group_size, args.seed)
             found: list[dict[str, Any]] = []
             for bs in rows:
                 secs, toks, rollout = time_sampler(bs, prompts, params, args.repeats, args.seed, device)
@@ -241,9 +308,17 @@ def run(args: argparse.Namespace) -> int:
             points += found
     print()
     print(markdown_table(points))
+    drift = None
+    if args.drift:
+        from ..draft.training import measure_drift
+
+        drift = measure_drift(rounds=args.drift_rounds, seed=args.seed)
+        print(f"\nacceptance under policy drift ({drift['task']}):")
+        for p in drift["points"]:
+            print(f"round {p['round']} {p['draft']:>13s} accepted/verify {p['accepted_per_verify']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setup": setup, "points": points}, f, indent=1)
+            json.dump({"setup": setup, "points": points, "drift": drift}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -214,3 +214,30 @@ def measure_drift(
         rows_per_round=prompts_per_round * group_size,
     )
     return {"task": task_name, "setup": setup, "points": points}
+
+
+# ------------------------------------------------------------------------- bench policy on a task
+def task_policy(
+    hidden: int, layers: int, steps: int, seed: int = 0, progress: Callable[[str], None] = print
+) -> tuple[torch.nn.Module, Callable[[int], list[int]], int, int, str]:
+    """A qwen2 policy of the given size trained ``steps`` SFT steps on the task (so its next-token
+    distributions are as peaked as a trained LM's, unlike a random one). Returns
+    ``(policy, prompt(i) -> ids, eos, pad, task name)``."""
+    from ..tiny import tiny_causal_lm
+
+    torch.manual_seed(seed)
+    task_name, problem, vocab, eos, pad = _task_data(0, seed)
+    heads = max(1, hidden // 64)
+    policy = tiny_causal_lm(
+        "qwen2", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=max(1, heads // 2), intermediate_size=4 * hidden, seed=seed, eos_token_id=eos, pad_token_id=pad,
+    )  # fmt: skip
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    t0 = time.perf_counter()
+    _sft_steps(policy, opt, problem, 0, steps, 32, pad)
+    progress(f"policy: {steps} SFT steps on {task_name} ({time.perf_counter() - t0:.0f}s)")
+
+    def prompt(i: int) -> list[int]:
+        return problem(10_000_000 + i)[0]
+
+    return policy, prompt, eos, pad, task_name

@@ -81,11 +81,19 @@ class CostModel:
     verify: dict[int, list[float]]
     draft_fixed: dict[int, float] = field(default_factory=dict)
     draft_per_token: dict[int, float] = field(default_factory=dict)
+    #: per-step sampler bookkeeping beyond the forward and the draft (plain, speculative), measured online
+    overhead: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
     ema: float = 0.8
+    #: a draft length must beat plain decoding by this factor (timing noise must not flip decisions)
+    margin: float = 1.03
+    _memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def t_verify(self, a: int, t: int) -> float:
-        per_a = [_interp(self.tokens, self.verify[b], float(t)) for b in self.batch_sizes]
-        return _interp([float(b) for b in self.batch_sizes], per_a, float(a))
+        key = (a, t)
+        if key not in self._memo:  # the table is fixed after calibration
+            per_a = [_interp(self.tokens, self.verify[b], float(t)) for b in self.batch_sizes]
+            self._memo[key] = _interp([float(b) for b in self.batch_sizes], per_a, float(a))
+        return self._memo[key]
 
     def t_draft(self, a: int, k: int) -> float:
         if k <= 0 or not self.draft_fixed:
@@ -107,13 +115,21 @@ class CostModel:
         self.draft_fixed[b] *= m
         self.draft_per_token[b] *= m
 
+    def observe_step(self, a: int, k: int, seconds: float, draft_seconds: float) -> None:
+        """Fold a whole step's wall time into the bookkeeping overhead of its kind."""
+        resid = max(seconds - draft_seconds - self.t_verify(a, k + 1), 0.0)
+        self.overhead[k > 0] = self.ema * self.overhead[k > 0] + (1 - self.ema) * resid
+
+    def step_time(self, a: int, k: int) -> float:
+        return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead[k > 0]
+
     def rate(self, a: int, k: int, accept: float) -> float:
         """Tokens per second per row at draft length ``k``."""
-        return expected_tokens(accept, k) / (self.t_verify(a, k + 1) + self.t_draft(a, k))
+        return expected_tokens(accept, k) / self.step_time(a, k)
 
     def choose(self, active: int, accept: float, max_k: int) -> int:
         """Draft length with the highest expected throughput (0 = plain decoding)."""
-        best_k, best = 0, self.rate(active, 0, accept)
+        best_k, best = 0, self.rate(active, 0, accept) * self.margin
         for k in range(1, max_k + 1):
             r = self.rate(active, k, accept)
             if r > best:
@@ -122,7 +138,7 @@ class CostModel:
 
     def break_even_acceptance(self, active: int) -> float:
         """Smallest acceptance rate at which drafting one token beats plain decoding (>= 1: never)."""
-        return (self.t_verify(active, 2) + self.t_draft(active, 1)) / self.t_verify(active, 1) - 1.0
+        return self.margin * self.step_time(active, 1) / self.step_time(active, 0) - 1.0
 
     def summary(self) -> dict[str, float]:
         out = {}
@@ -131,6 +147,10 @@ class CostModel:
             out[f"t_verify_b{b}_t{self.tokens[-1]}_ms"] = 1e3 * self.t_verify(b, self.tokens[-1])
         for b in sorted(self.draft_fixed):
             out[f"t_draft_b{b}_per_token_ms"] = 1e3 * self.draft_per_token[b]
+        out["overhead_plain_ms"], out["overhead_spec_ms"] = (
+            1e3 * self.overhead[False],
+            1e3 * self.overhead[True],
+        )
         return out
 
 

@@ -251,9 +251,30 @@ class SpeculativeSampler:
                     break
                 cache.batch_select_indices(sel)
             a = act.numel()
+            t_step, t_draft = time.perf_counter(), 0.0
             remaining = int((tmax - emitted[act]).max())
             k = self.choose_k(a, remaining, step)
             step += 1
+            if k == 0:  # plain decoding step, as lean as the reference sampler's
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                out = model(
+                    input_ids=last[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                    past_key_values=cache, use_cache=True, output_hidden_states=need_h,
+                )  # fmt: skip
+                cache, logits = out.past_key_values, out.logits[:, -1]
+                last = sample_tokens(logits, params, generator)
+                e = emitted[act]
+                seq[act, width + e] = last
+                logps[act, e] = token_logprobs(logits, last, params.logprob_temperature).to(logps.dtype)
+                emitted[act] = e + 1
+                done[act] = torch.isin(last, eos) | (e + 1 >= tmax)
+                next_pos = next_pos + 1
+                num_new = torch.ones_like(num_new)
+                new_h = out.hidden_states[-1] if need_h else None
+                stats["plain_steps"] += 1
+                if self.cost is not None:
+                    self.cost.observe_step(a, 0, time.perf_counter() - t_step, 0.0)
+                continue
             d_tok = torch.empty(a, 0, dtype=torch.long, device=device)
             d_prob = None
             if k > 0:
@@ -267,8 +288,9 @@ class SpeculativeSampler:
                 )  # fmt: skip
                 t0 = time.perf_counter()
                 prop = draft.propose(ctx, k, params, generator)
+                t_draft = time.perf_counter() - t0
                 if self.cost is not None:
-                    self.cost.observe_draft(a, k, time.perf_counter() - t0)
+                    self.cost.observe_draft(a, k, t_draft)
                 d_tok, d_prob = prop.tokens, prop.probs
             inp = torch.cat([last[:, None], d_tok], 1)
             mask = torch.cat([mask, torch.ones_like(inp)], 1)
@@ -311,6 +333,8 @@ class SpeculativeSampler:
             num_new = n_acc + 1
             if need_h:
                 new_h = right_align(out.hidden_states[-1], n_acc + 1, k + 1, 0.0)
+            if self.cost is not None:
+                self.cost.observe_step(a, k, time.perf_counter() - t_step, t_draft)
             live = ~done[act]
             if bool(live.any()):
                 c = int((k - n_acc)[live].min())  # columns every surviving row rejected
