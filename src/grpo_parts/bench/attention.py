@@ -219,16 +219,17 @@ def run(args: argparse.Namespace) -> int:
     )
     header = "   G     P     S  ideal  speedup  eff  mem_ratio  vs_dense  max|dlogp|  t_ref(s) t_shared(s)"
     rows = []
+    tqdm.write(header)
     bar = tqdm(grid, desc="attention bench", leave=False)
     for g, p, s in bar:
         bar.set_postfix(G=g, P=p, S=s)
         row = run_point(model, g, p, s, args)
         rows.append(row)
-        tqdm.write(header if len(rows) == 1 else "", end="\n" if len(rows) == 1 else "")
+        diff = row["max_abs_logprob_diff"]
         tqdm.write(
             f"{g:4d} {p:5d} {s:5d} {row['ideal']:6.2f} {_fmt(row['speedup']):>8} {_fmt(row.get('efficiency')):>4} "
             f"{_fmt(row['memory_ratio']):>10} {_fmt(row.get('speedup_vs_dense')):>9} "
-            f"{_fmt(row['max_abs_logprob_diff'], 1) if row['max_abs_logprob_diff'] is None else format(row['max_abs_logprob_diff'], '.1e'):>10} "
+            f"{'-' if diff is None else format(diff, '.1e'):>10} "
             f"{_fmt(row.get('time_ref_s'), 3):>9} {_fmt(row.get('time_shared_s'), 3):>11}"
             + (f"  ({row['skipped']})" if "skipped" in row else "")
         )
