@@ -166,6 +166,57 @@ def test_agent_loop_output_is_accepted_by_verl_postprocess(backend):
     )  # stored as float32
 
 
+def test_verl_worker_generate_sequences_and_manager_merge():
+    """The whole verl path above the servers: AgentLoopWorker.generate_sequences (dispatch by
+    ``agent_name`` through verl's registry and hydra, trajectory info, post-processing) on two
+    chunks, merged and summarised as AgentLoopManager.generate_sequences does."""
+    from verl import DataProto
+
+    tok = tiny_tokenizer()
+    ours.register_agent_loop()
+    cfg = trainer_config()
+    cfg.actor_rollout_ref.rollout.update(
+        {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "calculate_log_probs": True,
+            "agent": {"default_agent_loop": ours.NAME},
+            "val_kwargs": {"top_p": 1.0, "top_k": -1, "temperature": 0},
+        }
+    )
+
+    def worker():
+        w = verl_worker(tok)
+        w.config, w.rollout_config = cfg, cfg.actor_rollout_ref.rollout
+        w.llm_client, w.dataset_cls, w.hf_model_type, w.tools = StandInServerManager(tok), None, None, []
+        return w
+
+    texts = ["abc", "abc", "xy", "xy"]
+    raw = np.empty(len(texts), dtype=object)
+    raw[:] = [[{"role": "user", "content": t}] for t in texts]
+    prompts = DataProto.from_dict(
+        non_tensors={
+            "raw_prompt": raw,
+            "uid": np.array(["a", "a", "b", "b"], dtype=object),
+            "index": np.array([0, 0, 1, 1]),
+        }
+    )
+
+    async def manager():
+        outs = [await worker().generate_sequences(chunk) for chunk in prompts.chunk(2)]
+        merged = DataProto.concat(outs)
+        metrics = [o.meta_info.pop("metrics") for o in outs]
+        timing = object.__new__(verl_agent_loop.AgentLoopManager)._performance_metrics(metrics, merged)
+        return merged, timing
+
+    out, timing = asyncio.run(manager())
+    assert len(out) == 4 and list(out.non_tensor_batch["uid"]) == ["a", "a", "b", "b"]
+    assert set(out.non_tensor_batch["agent_name"]) == {ours.NAME}
+    assert out.batch["rollout_log_probs"].shape == (4, RESPONSE_LEN)
+    assert "agent_loop/generate_sequences/mean" in timing
+
+
 def test_greedy_local_sampler_equals_stand_in_server():
     tok = tiny_tokenizer()
     server = StandInServerManager(tok)
