@@ -115,3 +115,41 @@ def test_draft_sync_loads_shared_params_into_drafter():
     assert not w._sync_draft("model.layers.0.mlp.up_proj.weight")
     draft.lm_head.weight = target.lm_head.weight  # vLLM shares the tensor: nothing to copy
     assert not w._sync_draft("lm_head.weight")
+
+
+def test_launcher_runs_openrlhf_main_with_grpo_parts_classes(monkeypatch):
+    """Runs OpenRLHF's train_ppo_ray main (parser, validation, train()) up to the first actor group,
+    with Ray and DeepSpeed replaced by recorders: the policy group gets the grpo_parts actor class
+    and strategy.args carries the parts config."""
+    import ray
+    from grpo_parts_adapters.openrlhf import launch
+    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.ray_actors import GRPOPartsPolicyModelActor
+    from openrlhf import utils
+    from openrlhf.trainer.ray import launcher
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_strategy(args):
+        seen["args"] = args
+        return type("S", (), {"args": args, "print": lambda self, *a: None})()
+
+    def fake_group(num_nodes, num_gpus, actor_type, **kw):
+        seen["actor_type"] = actor_type
+        raise Stop
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(utils, "get_strategy", fake_strategy)
+    monkeypatch.setattr(launcher, "RayActorGroup", fake_group)
+    argv = ["--actor.model_name_or_path", "m", "--reward.remote_url", "r.py", "--rollout.n_samples_per_prompt", "4",
+            "--algo.advantage.estimator", "group_norm", "--actor.num_gpus_per_node", "1", "--rollout.batch_size", "2",
+            "--grpo_parts.filter", "cppo", "--grpo_parts.filter_kwargs", '{"k": 2, "scope": "group"}']  # fmt: skip
+    with pytest.raises(Stop):
+        launch.main(argv)
+    assert seen["actor_type"] is GRPOPartsPolicyModelActor
+    parts = PartsConfig.from_args(seen["args"])
+    assert parts.filter == "cppo" and parts.filter_kwargs == {"k": 2, "scope": "group"}
+    assert seen["args"].reward.remote_url == ["r.py"]  # OpenRLHF's own validation ran
