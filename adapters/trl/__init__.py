@@ -18,12 +18,16 @@ from typing import Any
 
 from .options import TRLPartsOptions
 
-__all__ = ["GRPOPartsTrainer", "TRLPartsOptions", "make_trainer"]
+__all__ = ["GRPOPartsTrainer", "TRLPartsOptions", "build_part", "make_trainer"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("GRPOPartsTrainer", "make_trainer", "build_part"):
-        from . import trainer
+    if name == "GRPOPartsTrainer":
+        from .trainer import GRPOPartsTrainer
 
-        return getattr(trainer, name)
+        return GRPOPartsTrainer
+    if name in ("make_trainer", "build_part"):
+        from . import build
+
+        return getattr(build, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

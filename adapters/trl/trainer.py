@@ -19,14 +19,13 @@ No maths lives here: advantages and losses are TRL's, log-probs are the backend'
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.allocation import Chunk, Refiller
@@ -34,6 +33,7 @@ from grpo_parts.filter.apply import select_rows
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.types import ScoredBatch
 
+from .build import build_part
 from .options import (
     TRLPartsOptions,
     attention_config_reasons,
@@ -43,30 +43,6 @@ from .options import (
 from .rows import concat_batches, prompt_runs, regroup_chunks, regrouped_logprobs, round_kept
 
 logger = logging.getLogger(__name__)
-
-
-def build_part(kind: str, spec: Any, model: torch.nn.Module, kwargs: dict[str, Any] | None = None) -> Any:
-    """An instance stays as is; a name is looked up in the part's ``IMPLEMENTATIONS`` table and built
-    with ``kwargs`` (plus the policy ``model`` where the constructor takes one)."""
-    if spec is None or not isinstance(spec, str):
-        if kwargs:
-            raise GRPOPartsError(
-                f"{kind}_kwargs: only used when {kind} is given by name, got {sorted(kwargs)}"
-            )
-        return spec
-    import importlib
-
-    mod = importlib.import_module(f"grpo_parts.{'filter' if kind == 'completion_filter' else kind}")
-    getter = {"sampler": "get_sampler_class", "draft": "get_draft_class"}
-    getter |= {"attention": "get_attention_class", "completion_filter": "get_filter_class"}
-    cls = getattr(mod, getter[kind])(spec)
-    kw = dict(kwargs or {})
-    # samplers take the policy as ``model``; learnable drafts as ``policy`` (a frozen draft's
-    # ``model`` is the draft LM itself, which the user must give in draft_kwargs)
-    name = {"sampler": "model", "draft": "policy"}.get(kind)
-    if name is not None and name in inspect.signature(cls).parameters and name not in kw:
-        kw[name] = model
-    return cls(**kw)
 
 
 class GRPOPartsTrainer(GRPOTrainer):
@@ -438,47 +414,3 @@ class GRPOPartsTrainer(GRPOTrainer):
         info.update(kept_fraction=num_kept / total, num_kept=num_kept, rows_scored=total, rounding=changed)
         self._gp_log("filter", info)
         return batch
-
-
-def make_trainer(
-    model: Any,
-    reward_funcs: Any,
-    train_dataset: Any,
-    processing_class: Any,
-    *,
-    args: GRPOConfig | None = None,
-    sampler: Any = None,
-    draft: Any = None,
-    attention: Any = None,
-    completion_filter: Any = None,
-    sampler_kwargs: dict[str, Any] | None = None,
-    draft_kwargs: dict[str, Any] | None = None,
-    attention_kwargs: dict[str, Any] | None = None,
-    filter_kwargs: dict[str, Any] | None = None,
-    parts_options: TRLPartsOptions | None = None,
-    trainer_kwargs: dict[str, Any] | None = None,
-    **config: Any,
-) -> GRPOPartsTrainer:
-    """One call: build a ``GRPOConfig`` from ``config`` (unless ``args`` is given) and a
-    :class:`GRPOPartsTrainer` with the chosen parts. ``trainer_kwargs`` go to ``GRPOTrainer``."""
-    if args is not None and config:
-        raise GRPOPartsError(
-            f"config: give either args=GRPOConfig(...) or GRPOConfig keywords, got both ({sorted(config)})"
-        )
-    return GRPOPartsTrainer(
-        model=model,
-        reward_funcs=reward_funcs,
-        args=args if args is not None else GRPOConfig(**config),
-        train_dataset=train_dataset,
-        processing_class=processing_class,
-        sampler=sampler,
-        draft=draft,
-        attention=attention,
-        completion_filter=completion_filter,
-        sampler_kwargs=sampler_kwargs,
-        draft_kwargs=draft_kwargs,
-        attention_kwargs=attention_kwargs,
-        filter_kwargs=filter_kwargs,
-        parts_options=parts_options,
-        **(trainer_kwargs or {}),
-    )

@@ -282,7 +282,7 @@ def test_eval_batches_are_not_filtered_and_do_not_train_the_draft(base: torch.nn
 
 
 def test_build_part_by_name() -> None:
-    from grpo_parts_adapters.trl import build_part
+    from grpo_parts_adapters.trl.build import build_part
 
     from grpo_parts.draft.reference import FrozenLMDraft
     from grpo_parts.errors import GRPOPartsError
