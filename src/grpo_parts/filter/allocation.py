@@ -117,7 +117,7 @@ class Refiller(BaseModel):
                 int(res.kept.numel()),
                 deficit,
                 num_groups_present(chunk.scored),
-                chunk.scored.size / chunk.num_prompts,
+                chunk.scored.size / max(1, chunk.num_prompts),
             )
         info = {"rounds": float(rounds), "prompts_used": float(prompts_used), "rows_generated": float(rows)}
         info["kept_fraction"] = kept_total / rows if rows else 0.0
