@@ -53,7 +53,7 @@ def compute_grpo_parts_advantage(
         raise GRPOPartsError(
             f"index: expected {token_level_rewards.shape[0]} uids (one per row), got {len(index)}"
         )
-    group_index, _ = uid_to_group_index(index)
+    group_index = uid_to_group_index(index)[0]
     rewards = token_level_rewards.sum(dim=-1)
     adv = group_advantages(rewards, group_index.to(rewards.device), advantage_config_from(config))
     scores = adv.unsqueeze(-1) * response_mask.to(adv.dtype)

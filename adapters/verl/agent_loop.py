@@ -208,9 +208,10 @@ class GrpoPartsAgentLoop(AgentLoopBase):
                 from transformers import AutoModelForCausalLM
 
                 model = AutoModelForCausalLM.from_pretrained(path).eval()
-            eos = self.tokenizer.eos_token_id
+            tok: Any = self.tokenizer
+            eos = tok.eos_token_id
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+            pad = tok.pad_token_id if tok.pad_token_id is not None else 0
             sampler = build_sampler(self.sampler_name, model, self.draft_name, self.draft_factory)
             _LOCAL_SERVERS[key] = SamplerServer(sampler, eos_ids, pad, self.response_length)
         return _LOCAL_SERVERS[key]
@@ -235,7 +236,10 @@ class GrpoPartsAgentLoop(AgentLoopBase):
             response_mask=[1] * n,
             response_logprobs=logprobs,
             num_turns=2,
-            metrics=AgentLoopMetrics(generate_sequences=elapsed, num_preempted=out.num_preempted or -1),
+            metrics=AgentLoopMetrics(
+                generate_sequences=elapsed,
+                num_preempted=-1 if out.num_preempted is None else out.num_preempted,
+            ),
             extra_fields=extra,
         )
 

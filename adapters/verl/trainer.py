@@ -47,10 +47,12 @@ def filter_options_from(config: Any) -> FilterOptions | None:
     node = OmegaConf.select(config, "grpo_parts.filter", default=None)
     if node is None:
         return None
-    opts = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    raw = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    if not isinstance(raw, dict):
+        raise ValueError(f"grpo_parts.filter: expected a mapping of FilterOptions, got {raw!r}")
+    opts: dict[str, Any] = {str(k): v for k, v in raw.items()}
     if not opts or opts.get("name") in (None, "", "keep_all"):
         return None
-    opts = dict(opts)  # type: ignore[arg-type]
     norm = OmegaConf.select(config, "algorithm.norm_adv_by_std_in_grpo", default=True)
     opts.setdefault("norm_adv_by_std", bool(norm))  # follow verl's setting unless given
     return FilterOptions(**opts)
