@@ -31,6 +31,11 @@ FLAGS: dict[str, tuple[type, Any, str]] = {
         0,
         "max extra rollout rounds that refill slots freed by the filter (0 = no refill)",
     ),
+    "grouped_microbatches": (
+        str,
+        "auto",
+        "keep each prompt's completions in the same training micro-batch: auto (= on with a non-reference attention) | on | off",
+    ),
     "speculative_config": (
         str,
         "",
@@ -64,6 +69,7 @@ class PartsConfig(BaseModel):
     filter: str = "keep_all"
     filter_kwargs: dict[str, Any] = Field(default_factory=dict)
     refill_rounds: int = Field(0, ge=0)
+    grouped_microbatches: str = "auto"
     speculative_config: dict[str, Any] = Field(default_factory=dict)
     draft_sync: str = "none"
 
@@ -78,6 +84,20 @@ class PartsConfig(BaseModel):
         if v not in ("none", "shared"):
             raise ValueError(f"draft_sync: expected 'none' or 'shared', got {v!r}")
         return v
+
+    @field_validator("grouped_microbatches")
+    @classmethod
+    def _grouped(cls, v: str) -> str:
+        if v not in ("auto", "on", "off"):
+            raise ValueError(f"grouped_microbatches: expected 'auto', 'on' or 'off', got {v!r}")
+        return v
+
+    def use_grouped_microbatches(self, dynamic_batch: bool) -> bool:
+        if self.grouped_microbatches == "on" and dynamic_batch:
+            raise GRPOPartsError("grouped_microbatches=on: not with --train.dynamic_batch_enable")
+        if self.grouped_microbatches == "auto":
+            return self.attention != "reference" and not dynamic_batch
+        return self.grouped_microbatches == "on"
 
     @classmethod
     def from_args(cls, args: Any) -> PartsConfig:

@@ -5,7 +5,8 @@ Each subclasses OpenRLHF's class (the original behind its ``@ray.remote`` wrappe
 
 * :class:`GRPOPartsPolicyModelActor` / :class:`GRPOPartsReferenceModelActor`: after OpenRLHF builds
   the model, attach the attention backend to its ``Actor`` (policy forward+backward, old-policy and
-  reference forwards).
+  reference forwards); the policy's replay buffer keeps groups in one micro-batch
+  (:class:`~.replay.GroupedReplayBuffer`) when ``grouped_microbatches`` says so.
 * :class:`GRPOPartsPPOTrainer`: replaces the experience maker with
   :class:`~.experience.GRPOPartsExperienceMaker` (filter + refill through this trainer's samples
   generator), skips steps where the filter kept nothing, and logs ``grpo_parts/*`` metrics.
@@ -46,6 +47,12 @@ class GRPOPartsPolicyModelActor(original_class(PolicyModelActor)):  # type: igno
     ) -> None:
         super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
         _attach(self.actor, strategy.args, "policy")
+        if PartsConfig.from_args(strategy.args).use_grouped_microbatches(
+            strategy.args.train.dynamic_batch_enable
+        ):
+            from .replay import GroupedReplayBuffer
+
+            self.trainer.replay_buffer = GroupedReplayBuffer.replacing(self.trainer.replay_buffer)
 
 
 @ray.remote(num_gpus=1)

@@ -307,3 +307,41 @@ def test_refill_through_samples_generator():
     assert any(p.startswith("refill") for p in prompts)
     assert maker.last_info["refill_prompts"] == sum(n for n, _ in sg.requests)
     assert all(torch.isfinite(e.advantages).all() for e in experiences)
+
+
+def test_grouped_replay_buffer_keeps_groups_in_micro_batches(monkeypatch):
+    """Through OpenRLHF's own DataLoader settings (as in ppo_train): shuffled micro-batches, each one
+    prompt's completions, accepted by the training step."""
+    from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
+    from grpo_parts_adapters.openrlhf.replay import GroupedReplayBuffer
+    from openrlhf.models import Actor
+    from torch.utils.data import DataLoader
+
+    group_size, num_prompts = 4, 3
+    actor = Actor(tiny_model("qwen2", dtype=torch.float32))
+    actor.packing_samples = False
+    args = openrlhf_args(group_size, num_prompts, **{"train.micro_batch_size": group_size})
+    maker = make_maker(fake_forwards(GRPOPartsExperienceMaker, actor), args)
+    rewards = torch.rand(12, generator=torch.Generator().manual_seed(2)).tolist()
+    experiences = maker.make_experience_batch(
+        rollout_samples(torch.Generator().manual_seed(2), 4, 3, rewards)
+    )
+    trainer, plain = actor_trainer(actor, args, monkeypatch)
+    plain.sample_batch_size = group_size
+    buffer = GroupedReplayBuffer.replacing(plain)
+    trainer.replay_buffer = buffer
+    for e in experiences:
+        buffer.append(e)
+    loader = DataLoader(
+        buffer,
+        batch_size=buffer.sample_batch_size,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=buffer.collate_fn,
+    )
+    batches = list(loader)
+    assert len(batches) == num_prompts
+    for b in batches:
+        assert len(set(b.prompts)) == 1 and len(b.prompts) == group_size
+    status = trainer.training_step(batches[0], kl_ctl=0.0, step=0)
+    assert torch.isfinite(status["metrics"]["policy_loss"])

@@ -153,3 +153,18 @@ def test_launcher_runs_openrlhf_main_with_grpo_parts_classes(monkeypatch):
     parts = PartsConfig.from_args(seen["args"])
     assert parts.filter == "cppo" and parts.filter_kwargs == {"k": 2, "scope": "group"}
     assert seen["args"].reward.remote_url == ["r.py"]  # OpenRLHF's own validation ran
+
+
+def test_grouped_microbatches_auto():
+    from grpo_parts_adapters.openrlhf.config import PartsConfig
+
+    from grpo_parts.errors import GRPOPartsError
+
+    assert not PartsConfig().use_grouped_microbatches(dynamic_batch=False)
+    assert PartsConfig(attention="shared_prefix").use_grouped_microbatches(dynamic_batch=False)
+    assert not PartsConfig(attention="shared_prefix").use_grouped_microbatches(dynamic_batch=True)
+    assert not PartsConfig(attention="shared_prefix", grouped_microbatches="off").use_grouped_microbatches(
+        False
+    )
+    with pytest.raises(GRPOPartsError, match="dynamic_batch"):
+        PartsConfig(grouped_microbatches="on").use_grouped_microbatches(dynamic_batch=True)

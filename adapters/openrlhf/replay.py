@@ -1,0 +1,56 @@
+"""Training micro-batches that keep a prompt's completions together (for shared-prefix attention).
+
+OpenRLHF's ``NaiveReplayBuffer`` stores single samples and its ``DataLoader`` shuffles them into
+``--train.micro_batch_size`` micro-batches, so completions of one prompt rarely share a micro-batch
+and a shared-prefix backend has nothing to share in the policy forward/backward.
+:class:`GroupedReplayBuffer` makes each dataset item a whole micro-batch, cut from the samples in
+the order they arrived (OpenRLHF appends them prompt-major), so ``ppo_train``'s shuffle permutes
+micro-batches instead of samples. Same samples, same per-step loss normalisation; only which samples
+share a micro-batch (and hence an optimizer step window) changes. Not for ``--train.dynamic_batch_enable``
+(which builds its own length-balanced micro-batches).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openrlhf.trainer.ppo_utils.experience import Experience, make_experience_batch
+from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
+
+from grpo_parts.errors import GRPOPartsError
+
+
+class GroupedReplayBuffer(NaiveReplayBuffer):
+    """Items are micro-batches of ``micro_batch_size`` consecutive samples; ``sample_batch_size`` is 1
+    so OpenRLHF's DataLoader hands one micro-batch at a time to ``collate_fn``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.dynamic_batch:
+            raise GRPOPartsError(
+                "GroupedReplayBuffer: --train.dynamic_batch_enable builds its own micro-batches"
+            )
+        self.micro_batch_size = self.sample_batch_size
+        self.sample_batch_size = 1
+
+    @classmethod
+    def replacing(cls, buffer: NaiveReplayBuffer) -> GroupedReplayBuffer:
+        """A grouped buffer with ``buffer``'s settings (and items), built without its constructor's
+        CUDA calls."""
+        new = cls.__new__(cls)
+        new.__dict__.update(buffer.__dict__)
+        if new.dynamic_batch:
+            raise GRPOPartsError(
+                "GroupedReplayBuffer: --train.dynamic_batch_enable builds its own micro-batches"
+            )
+        new.micro_batch_size, new.sample_batch_size = buffer.sample_batch_size, 1
+        return new
+
+    def __len__(self) -> int:
+        return len(self.items) // self.micro_batch_size  # drop_last, as OpenRLHF's loader does
+
+    def __getitem__(self, idx: int) -> list[Experience]:  # type: ignore[override]
+        return self.items[idx * self.micro_batch_size : (idx + 1) * self.micro_batch_size]
+
+    def collate_fn(self, batch: list[list[Experience]]) -> Experience:  # type: ignore[override]
+        return make_experience_batch([one for micro in batch for one in micro], self.packing_samples)
