@@ -157,9 +157,10 @@ def restore_group_advantages(batch: KVBatchMeta, *, store: Any = tq) -> KVBatchM
 class _FilteringReplayBuffer:
     """Wraps verl's replay buffer: ``sample`` returns only the rows the filter keeps."""
 
-    def __init__(self, inner: Any, trainer: GrpoPartsSyncTrainer):
+    def __init__(self, inner: Any, trainer: GrpoPartsSyncTrainer, store: Any = tq):
         self._inner = inner
         self._trainer = trainer
+        self._store = store
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -173,6 +174,10 @@ class _FilteringReplayBuffer:
             return batch, metrics
 
         def more(n_prompts: int) -> KVBatchMeta | None:
+            # verl submits prompts in whole dataloader fetches of data.gen_batch_size
+            data_cfg = self._trainer.config.data
+            g = int(data_cfg.get("gen_batch_size", None) or data_cfg.train_batch_size)
+            n_prompts = -(-n_prompts // g) * g
             self._trainer._add_prompts_to_generate(n_prompts)
             b, m = self._inner.sample(
                 global_steps=global_steps, partition_id=partition_id, batch_size=n_prompts
@@ -180,7 +185,9 @@ class _FilteringReplayBuffer:
             metrics.update({f"grpo_parts/refill/{k}": v for k, v in m.items()})
             return b
 
-        kept, fmetrics = filter_kv_batch(batch, filt, opts, more=more if opts.refill else None)
+        kept, fmetrics = filter_kv_batch(
+            batch, filt, opts, store=self._store, more=more if opts.refill else None
+        )
         metrics.update(fmetrics)
         return kept, metrics
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -165,3 +166,31 @@ def test_trainer_refuses_algorithms_it_would_train_wrongly():
         tr.check_algorithm(
             OmegaConf.create({"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True}})
         )
+
+
+def test_filtering_replay_buffer_refills_in_whole_gen_batches():
+    """The wrapper verl's trainer samples from: filters, asks verl for more prompts in multiples of
+    data.gen_batch_size (verl's own constraint), and leaves validation batches alone."""
+    store = FakeStore()
+    submitted = []
+    counter = iter(range(1000))
+
+    class Inner:
+        def sample(self, global_steps, partition_id, batch_size):
+            i = next(counter)
+            rewards = {f"p{i}x{j}": ([0, 1] if j % 2 == 0 else [1, 1]) for j in range(batch_size)}
+            return _batch(store, rewards), {"inner/calls": 1.0}
+
+    opts = FilterOptions(name="zero_variance", target_rows=6, refill=True, max_rounds=6)
+    trainer = SimpleNamespace(
+        config=OmegaConf.create({"data": {"train_batch_size": 4, "gen_batch_size": 2}}),
+        grpo_parts_filter_options=opts,
+        grpo_parts_filter=opts.build(),
+        _add_prompts_to_generate=submitted.append,
+    )
+    buf = tr._FilteringReplayBuffer(Inner(), trainer, store=store)
+    kept, metrics = buf.sample(global_steps=1, partition_id="train", batch_size=4)
+    assert len(kept.keys) == 6 and submitted and all(n % 2 == 0 for n in submitted)
+    assert set(store.rows) == set(kept.keys) and metrics["grpo_parts/filter/rows_kept"] == 6
+    val, _ = buf.sample(global_steps=1, partition_id="val", batch_size=2)
+    assert len(val.keys) == 4  # untouched: 2 prompts x 2 rows
