@@ -98,3 +98,33 @@ def test_agent_executor_logprobs_are_the_samplers():
     torch.testing.assert_close(
         torch.tensor(out[1]["rollout_log_probs"][len(ids) :], dtype=torch.float64), direct.logprobs[0, :n]
     )
+
+
+def test_agent_executor_with_speculative_sampler_matches_reference_under_greedy():
+    """The optimized sampler through the executor: greedy speculative decoding (n-gram draft) emits
+    exactly the reference sampler's tokens, with the same log-probs."""
+    import vllm
+    from grpo_parts_adapters.openrlhf.agent import GRPOPartsAgentExecutor
+
+    from grpo_parts.draft import get_draft_class
+    from grpo_parts.sampler import IMPLEMENTATIONS, get_sampler_class
+
+    if "speculative" not in IMPLEMENTATIONS:
+        pytest.skip("the 'speculative' Sampler is not registered yet")
+    tok = char_tokenizer()
+    model = tiny_model("qwen2", dtype=torch.float64)
+    sp = vllm.SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
+    outs = []
+    for sampler in (
+        get_sampler_class("reference")(model),
+        get_sampler_class("speculative")(model, get_draft_class("ngram")()),
+    ):
+        outs.append(run_group(GRPOPartsAgentExecutor(sampler), "11+11=", 3, sp, tok))
+    for ref, spec in zip(*outs):
+        assert spec["observation_tokens"] == ref["observation_tokens"]
+        torch.testing.assert_close(
+            torch.tensor(spec["rollout_log_probs"], dtype=torch.float64),
+            torch.tensor(ref["rollout_log_probs"], dtype=torch.float64),
+            atol=1e-10,
+            rtol=0,
+        )
