@@ -22,6 +22,7 @@ does beyond the first token), which raises acceptance at depth.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -236,9 +237,10 @@ class EagleDraft:
         return {"loss": sum(losses) / max(len(losses), 1), "updates": float(self.updates)}
 
     def state_dict(self) -> dict[str, Any]:
+        # deep copies: a snapshot must not change when training continues (AdamW updates in place)
         return {
-            "head": self.head.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            "head": {k: v.detach().clone() for k, v in self.head.state_dict().items()},
+            "optimizer": copy.deepcopy(self.opt.state_dict()),
             "updates": self.updates,
             "config": self.config.model_dump(),
         }
@@ -250,3 +252,5 @@ class EagleDraft:
         self.head.load_state_dict(state["head"])
         self.opt.load_state_dict(state["optimizer"])
         self.updates = int(state["updates"])
+        if "config" in state:  # hyper-parameters (and the minibatch-order seed) travel with the state
+            self.config = EagleConfig(**state["config"])

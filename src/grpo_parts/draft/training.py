@@ -218,7 +218,12 @@ def measure_drift(
 
 # ------------------------------------------------------------------------- bench policy on a task
 def task_policy(
-    hidden: int, layers: int, steps: int, seed: int = 0, progress: Callable[[str], None] = print
+    hidden: int,
+    layers: int,
+    steps: int,
+    seed: int = 0,
+    progress: Callable[[str], None] = print,
+    batch: int = 16,
 ) -> tuple[torch.nn.Module, Callable[[int], list[int]], int, int, str]:
     """A qwen2 policy of the given size trained ``steps`` SFT steps on the task (so its next-token
     distributions are as peaked as a trained LM's, unlike a random one). Returns
@@ -234,8 +239,8 @@ def task_policy(
     )  # fmt: skip
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     t0 = time.perf_counter()
-    _sft_steps(policy, opt, problem, 0, steps, 32, pad)
-    progress(f"policy: {steps} SFT steps on {task_name} ({time.perf_counter() - t0:.0f}s)")
+    _sft_steps(policy, opt, problem, 0, steps, batch, pad)
+    progress(f"policy: {steps} SFT steps (batch {batch}) on {task_name} ({time.perf_counter() - t0:.0f}s)")
 
     def prompt(i: int) -> list[int]:
         return problem(10_000_000 + i)[0]

@@ -1,0 +1,131 @@
+"""Draft models: Protocol conformance, n-gram lookup sources, EAGLE cache consistency, online
+learning and checkpoint round trips."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grpo_parts.draft import IMPLEMENTATIONS, get_draft_class
+from grpo_parts.draft.eagle import EagleConfig, EagleDraft
+from grpo_parts.draft.ngram import NGramDraft
+from grpo_parts.draft.protocol import DraftContext, DraftModel, DraftTrainingBatch
+from grpo_parts.draft.reference import FrozenLMDraft
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.sampler.protocol import SamplingParams
+from grpo_parts.tiny import tiny_causal_lm
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def policy() -> torch.nn.Module:
+    return tiny_causal_lm("qwen2", vocab_size=16, hidden_size=32, num_layers=2, seed=0)
+
+
+def ctx(rows: list[list[int]], ids: list[int], groups: list[int], hidden=None, num_new=None) -> DraftContext:
+    width = max(len(r) for r in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, width - len(r) :] = torch.tensor(r)
+    return DraftContext(
+        tokens, torch.tensor([len(r) for r in rows]), torch.tensor(ids), torch.tensor(groups),
+        hidden=None if hidden is None else hidden[:, -1], new_hidden=hidden, num_new=num_new,
+    )  # fmt: skip
+
+
+def test_registered_drafts_conform(policy: torch.nn.Module) -> None:
+    assert {"frozen_lm", "ngram", "eagle"} <= set(IMPLEMENTATIONS)
+    drafts = [FrozenLMDraft(copy.deepcopy(policy)), NGramDraft(), EagleDraft(policy)]
+    for d in drafts:
+        assert isinstance(d, DraftModel), type(d).__name__
+        assert d.not_supported_reasons(policy, GREEDY) == []
+    assert get_draft_class("ngram") is NGramDraft
+
+
+def test_ngram_uses_siblings_and_history() -> None:
+    d = NGramDraft(max_ngram=3)
+    prompts = torch.tensor([[0, 7, 8], [0, 7, 8], [9, 9, 9]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])
+    d.reset(prompts, mask, torch.tensor([0, 0, 1]))
+    # row 0 has written "1 2 3 4 5"; its sibling row 1 has just written "1 2": propose "3 4"
+    out = d.propose(ctx([[7, 8, 1, 2, 3, 4, 5], [7, 8, 1, 2]], [0, 1], [0, 0]), 2, GREEDY)
+    assert out.probs is None
+    assert out.tokens[1].tolist() == [3, 4]
+    # a later rollout of the same prompt finds the earlier completions (history), not other prompts'
+    d.observe(torch.tensor([[1, 2, 3, 4, 5], [1, 2, 0, 0, 0], [6, 6, 6, 6, 6]]), torch.tensor([[1] * 5, [1, 1, 0, 0, 0], [1] * 5]), torch.tensor([0, 0, 1]))  # fmt: skip
+    d.reset(prompts[:1], mask[:1], torch.tensor([0]))
+    out = d.propose(ctx([[7, 8, 1]], [0], [0]), 3, GREEDY)
+    assert out.tokens[0].tolist() == [2, 3, 4]
+    restored = NGramDraft(max_ngram=3)
+    restored.load_state_dict(d.state_dict())
+    restored.reset(prompts[:1], mask[:1], torch.tensor([0]))
+    assert restored.propose(ctx([[7, 8, 1]], [0], [0]), 3, GREEDY).tokens.tolist() == out.tokens.tolist()
+    with pytest.raises(GRPOPartsError, match="min_ngram"):
+        NGramDraft(max_ngram=1, min_ngram=2)
+
+
+def test_eagle_cache_matches_one_shot(policy: torch.nn.Module) -> None:
+    """Feeding the policy's features in two calls (with drafted entries cropped in between) gives the
+    same proposal as feeding them all at once."""
+    tokens = [3, 4, 5, 6, 7, 8, 9, 10]
+    hidden = torch.randn(1, len(tokens), 32, generator=torch.Generator().manual_seed(0))
+    one = EagleDraft(policy)
+    two = copy.deepcopy(one)
+    two.bind_policy(policy)
+    prompts = torch.tensor([tokens[:5]])
+    for d in (one, two):
+        d.reset(prompts, torch.ones_like(prompts), torch.tensor([0]))
+    full = one.propose(ctx([tokens], [0], [0], hidden, torch.tensor([8])), 3, GREEDY)
+    two.propose(ctx([tokens[:5]], [0], [0], hidden[:, :5], torch.tensor([5])), 4, GREEDY)
+    split = two.propose(ctx([tokens], [0], [0], hidden[:, 5:], torch.tensor([3])), 3, GREEDY)
+    assert full.tokens.tolist() == split.tokens.tolist()
+    assert full.probs is not None and split.probs is not None
+    torch.testing.assert_close(full.probs, split.probs, atol=1e-5, rtol=0)
+
+
+def _batch(policy: torch.nn.Module) -> DraftTrainingBatch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 16, (4, 12), generator=g)
+    attn = torch.ones_like(ids)
+    attn[0, :3] = 0  # left padding
+    out = policy(input_ids=ids, attention_mask=attn, output_hidden_states=True)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 5:-1] = 1
+    return DraftTrainingBatch(ids, loss_mask, out.hidden_states[-1].detach(), out.logits.detach(), attn)
+
+
+def test_eagle_online_learning_and_checkpoint(policy: torch.nn.Module) -> None:
+    batch = _batch(policy)
+    d = EagleDraft(policy, EagleConfig(lr=3e-3, epochs=2))
+    with torch.no_grad():
+        before = float(d.loss(batch))
+    for _ in range(5):
+        metrics = d.update(batch)
+    with torch.no_grad():
+        after = float(d.loss(batch))
+    assert after < before
+    assert metrics["updates"] == 5.0
+    assert all(p.grad is None for p in policy.parameters()), "the draft must not touch the policy's grads"
+    state = d.state_dict()
+    resumed = EagleDraft(policy, EagleConfig(lr=3e-3, epochs=2, seed=7))
+    resumed.load_state_dict(state)
+    m1, m2 = d.update(batch), resumed.update(batch)  # same weights + optimizer -> same next step
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
+    for p, q in zip(d.head.parameters(), resumed.head.parameters()):
+        torch.testing.assert_close(p, q)
+    with pytest.raises(GRPOPartsError, match="missing"):
+        resumed.load_state_dict({"head": state["head"]})
+
+
+def test_draft_context_validation() -> None:
+    t = torch.tensor([[1, 2, 3]])
+    with pytest.raises(GRPOPartsError, match="new_hidden/num_new"):
+        DraftContext(t, torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), num_new=torch.tensor([1]))
+    with pytest.raises(GRPOPartsError, match="num_new"):
+        DraftContext(
+            t, torch.tensor([3]), torch.tensor([0]), torch.tensor([0]),
+            new_hidden=torch.zeros(1, 2, 4), num_new=torch.tensor([3]),
+        )  # fmt: skip
