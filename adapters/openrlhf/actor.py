@@ -34,7 +34,7 @@ def hf_model(module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(m, PreTrainedModel):
             return m
         if hasattr(m, "get_base_model"):
-            m = m.get_base_model()
+            m = m.get_base_model()  # type: ignore[operator]  # PEFT
             continue
         inner = getattr(m, "module", None)
         if not isinstance(inner, torch.nn.Module):

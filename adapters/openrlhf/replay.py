@@ -30,7 +30,7 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
             raise GRPOPartsError(
                 "GroupedReplayBuffer: --train.dynamic_batch_enable builds its own micro-batches"
             )
-        self.micro_batch_size = self.sample_batch_size
+        self.micro_batch_size: int = int(self.sample_batch_size)  # type: ignore[has-type]
         self.sample_batch_size = 1
 
     @classmethod
