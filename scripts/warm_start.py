@@ -2,20 +2,21 @@
 
 GRPO needs a nonzero reward to learn from, and on a CPU it has minutes, not hours -- enough to make
 a policy reliable at something it can already do (what RL mostly does to LLMs), not to teach it
-arithmetic from scratch. So the committed policy is made in two SFT phases (next-token
-cross-entropy on worked solutions, loss on the completion only):
+arithmetic from scratch. So the committed policy is made by SFT (next-token cross-entropy on worked
+solutions, loss on the completion only) in three stages:
 
-1. **skill** -- clean worked solutions until greedy held-out accuracy reaches ``--skill-until``;
-2. **habit** -- solutions whose final answer is, with probability ``--habit-rate``, the *first*
-   partial sum instead of the total (answering with an intermediate result), until greedy held-out
-   accuracy falls to ``--stop-at`` or below.
+1. **skill, fast** -- clean worked solutions at ``--lr`` until greedy held-out accuracy >= ``--warm-until``;
+2. **skill, slow** -- a fresh optimizer at ``--lr2``, the problem stream restarted, until >= ``--skill-until``;
+3. **habit** -- (same optimizer) solutions whose final answer is, with probability ``--habit-rate``, the
+   *first* partial sum instead of the total (answering with an intermediate result), until greedy
+   held-out accuracy falls to ``--stop-at`` or below (after at least ``--habit-min-steps`` steps).
 
-The policy then answers right only ~1 time in 3 when sampling and rarely when greedy; the reward
-is exact match on the final answer, so GRPO has a clear signal and most of the way to go.
-The result is a transformers checkpoint folder (config.json, model.safetensors, tokenizer files)
-under ``src/grpo_parts/assets/tiny_adder``; ``grpo-parts train`` loads it like any ``--model PATH``.
+The policy then answers right only a few times in a hundred when sampling and ~10% of the time when
+greedy; the reward is exact match on the final answer, so GRPO has a clear signal and most of the way
+to go. The result is a transformers checkpoint folder (config.json, model.safetensors, tokenizer
+files) under ``src/grpo_parts/assets/tiny_adder``; ``grpo-parts train`` loads it like any ``--model``.
 
-    python scripts/warm_start.py            # ~10 minutes on 2 CPU cores (deterministic, 1 thread)
+    python scripts/warm_start.py            # ~10-20 minutes on 2 CPU cores (deterministic, 1 thread)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,14 +52,15 @@ def habit_target(task: ArithmeticTask, p: Problem, rng: random.Random, rate: flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--init", type=Path, help="start phase 1 from this checkpoint folder instead of random weights")
-    ap.add_argument("--max-steps", type=int, default=3000, help="upper bound on phase-1 steps")
-    ap.add_argument("--skill-until", type=float, default=0.85, help="phase 1 ends at this greedy held-out accuracy")
+    ap.add_argument("--lr", type=float, default=2e-3, help="stage-1 learning rate")
+    ap.add_argument("--warm-until", type=float, default=0.2, help="stage 1 ends at this held-out accuracy")
+    ap.add_argument("--lr2", type=float, default=1e-3, help="stage-2 and -3 learning rate")
+    ap.add_argument("--skill-until", type=float, default=0.7, help="stage 2 ends at this held-out accuracy")
+    ap.add_argument("--max-steps", type=int, default=3000, help="upper bound on the steps of stages 1 and 2")
     ap.add_argument("--habit-rate", type=float, default=0.7)
     ap.add_argument("--habit-min-steps", type=int, default=60)
-    ap.add_argument("--stop-at", type=float, default=0.15, help="phase 2 ends at this greedy accuracy or below")
+    ap.add_argument("--stop-at", type=float, default=0.15, help="stage 3 ends at this accuracy or below")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this tiny model)")
     args = ap.parse_args()
@@ -66,29 +69,28 @@ def main() -> None:
     torch.manual_seed(args.seed)
     tok = build_hf_tokenizer()
     task = ArithmeticTask(ArithmeticConfig(), seed=10_000 + args.seed)  # a different stream than GRPO's
-    if args.init is not None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.init)
-    else:
-        model = tiny_causal_lm(
-            "qwen2", vocab_size=len(tok), hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
-            max_position_embeddings=64, seed=args.seed, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-        )  # fmt: skip
+    model = tiny_causal_lm(
+        "qwen2", vocab_size=len(tok), hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
+        max_position_embeddings=64, seed=args.seed, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )  # fmt: skip
     print(f"policy: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     evals = task.eval_problems()[:200]
     params = SamplingParams(max_new_tokens=28, temperature=0.0, eos_token_ids=(EOS_ID,), pad_token_id=PAD_ID)
-    rng, t0, pos = random.Random(args.seed), time.perf_counter(), 0
+    t0 = time.perf_counter()
+    st: dict[str, Any] = {}
+
+    def restart(lr: float) -> None:
+        """A fresh optimizer (warmup again) and the problem stream from its start."""
+        st.update(opt=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), lr=lr, pos=0)
+        st["rng"] = random.Random(args.seed)
 
     def sft_step(step: int, rate: float) -> float:
-        nonlocal pos
         model.train()
         rows = []
         for _ in range(args.batch):
-            p = task.train_problem(pos)
-            pos += 1
-            rows.append((tok.encode(p.prompt), tok.encode(habit_target(task, p, rng, rate)) + [EOS_ID]))
+            p = task.train_problem(st["pos"])
+            st["pos"] += 1
+            rows.append((tok.encode(p.prompt), tok.encode(habit_target(task, p, st["rng"], rate)) + [EOS_ID]))
         width = max(len(a) + len(b) for a, b in rows)
         ids = torch.full((len(rows), width), PAD_ID)
         labels = torch.full((len(rows), width), -100)
@@ -97,27 +99,35 @@ def main() -> None:
             ids[i, : len(a) + len(b)] = torch.tensor(a + b)
             labels[i, len(a) : len(a) + len(b)] = torch.tensor(b)
             mask[i, : len(a) + len(b)] = 1
+        opt = st["opt"]
         for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, step / 100)  # warmup
+            g["lr"] = st["lr"] * min(1.0, step / 100)  # warmup
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     def evaluate(tag: str, step: int, loss: float) -> float:
         model.eval()
         acc = eval_accuracy(ReferenceSampler(model), task, evals, tok, params)
-        print(f"{tag} step {step} loss {loss:.3f} held-out greedy acc {acc:.3f} ({time.perf_counter() - t0:.0f}s)")
+        print(
+            f"{tag} step {step} loss {loss:.3f} greedy held-out acc {acc:.3f} ({time.perf_counter() - t0:.0f}s)"
+        )
         return acc
 
     step = 0
-    for step in range(1, args.max_steps + 1):  # phase 1: skill
-        loss = sft_step(step, 0.0)
-        if step % 50 == 0 and evaluate("skill", step, loss) >= args.skill_until:
-            break
-    for h in range(1, 10_000):  # phase 2: habit
+    for stage, lr, until in (
+        ("skill-fast", args.lr, args.warm_until),
+        ("skill-slow", args.lr2, args.skill_until),
+    ):
+        restart(lr)
+        for step in range(1, args.max_steps + 1):
+            loss = sft_step(step, 0.0)
+            if step % 50 == 0 and evaluate(stage, step, loss) >= until:
+                break
+    for h in range(1, 10_000):  # habit: same optimizer and stream; the step count (warmup) continues
         loss = sft_step(step + h, args.habit_rate)
         if h % 20 == 0 and h >= args.habit_min_steps and evaluate("habit", h, loss) <= args.stop_at:
             break
