@@ -163,7 +163,7 @@ def make_policy(args: argparse.Namespace) -> torch.nn.Module:
         policy, args._task_prompt, args._eos, args._pad, args._task = task_policy(
             args.hidden, args.layers, args.task_steps, args.seed
         )
-        args.vocab = int(policy.config.vocab_size)
+        args.vocab = int(getattr(policy, "config").vocab_size)  # noqa: B009
         return policy
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device

@@ -53,10 +53,11 @@ class EagleConfig(BaseModel):
 
 
 def _body_config(policy: torch.nn.Module) -> Any:
-    d = policy.config.to_dict()
+    cfg: Any = policy.config
+    d = cfg.to_dict()
     d.update(num_hidden_layers=1, vocab_size=1)
     d.pop("layer_types", None)
-    return type(policy.config).from_dict(d)
+    return type(cfg).from_dict(d)
 
 
 class EagleHead(torch.nn.Module):
@@ -66,10 +67,11 @@ class EagleHead(torch.nn.Module):
         import transformers
 
         super().__init__()
-        h = int(policy.config.hidden_size)
+        cfg: Any = policy.config
+        h = int(cfg.hidden_size)
         p = next(policy.parameters())
         self.fc = torch.nn.Linear(2 * h, h, device=p.device, dtype=p.dtype)
-        attn = policy.config._attn_implementation or "sdpa"
+        attn = cfg._attn_implementation or "sdpa"
         self.body = transformers.AutoModel.from_config(_body_config(policy), attn_implementation=attn)
         self.body.to(device=p.device, dtype=p.dtype)
 
@@ -103,12 +105,12 @@ class EagleDraft:
         self._spec = 0
 
     def bind_policy(self, policy: torch.nn.Module) -> None:
-        self.embed = policy.get_input_embeddings()
-        self.lm_head = policy.get_output_embeddings()
-        self._policy_hidden = int(policy.config.hidden_size)
+        model: Any = policy
+        self.embed: Any = model.get_input_embeddings()
+        self.lm_head: Any = model.get_output_embeddings()
 
     def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
-        h = int(policy.config.hidden_size)
+        h = int(getattr(policy, "config").hidden_size)  # noqa: B009
         if h != self.head.fc.out_features:
             return [f"hidden size: head built for {self.head.fc.out_features}, policy has {h}"]
         return []

@@ -34,7 +34,7 @@ def make_draft(name: str, policy: torch.nn.Module, seed: int = 0) -> DraftModel:
     if name == "frozen_lm":
         from ..tiny import tiny_causal_lm
 
-        cfg = policy.config
+        cfg: Any = policy.config
         h = max(32, int(cfg.hidden_size) // 2)
         small = tiny_causal_lm(
             "qwen2", vocab_size=int(cfg.vocab_size), hidden_size=h, num_layers=1, num_heads=max(1, h // 64),
@@ -49,7 +49,7 @@ def make_draft(name: str, policy: torch.nn.Module, seed: int = 0) -> DraftModel:
 def warm_up(
     draft: DraftModel,
     policy: torch.nn.Module,
-    prompts: PromptBatch,
+    prompts: PromptBatch | Callable[[int], PromptBatch],
     params: SamplingParams,
     rounds: int,
     seed: int = 0,

@@ -115,7 +115,7 @@ class SpeculativeSampler:
         reasons = check_model(self.model)
         if reasons:
             return reasons
-        cfg = self.model.config
+        cfg: Any = self.model.config
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
             reasons.append(
                 f"model: sliding-window attention (sliding_window={cfg.sliding_window}) is not supported: "
@@ -143,7 +143,7 @@ class SpeculativeSampler:
     def _calibrate_draft(self, cost: CostModel, sizes: list[int], ctx: int, params: SamplingParams) -> None:
         device = next(self.model.parameters()).device
         vocab = int(self.model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
-        hid = int(self.model.config.hidden_size)
+        hid = int(getattr(self.model, "config").hidden_size)  # noqa: B009
         gen = torch.Generator(device="cpu").manual_seed(0)
         kmax, reps = self.config.max_draft_tokens, self.config.calibrate_repeats
         for a in sizes:
