@@ -11,6 +11,7 @@ from .protocol import PromptBatch, Rollout, Sampler, SamplingParams
 IMPLEMENTATIONS: dict[str, str] = {
     "reference": "grpo_parts.sampler.reference:ReferenceSampler",
     "speculative": "grpo_parts.sampler.speculative:SpeculativeSampler",
+    "vllm": "grpo_parts.sampler.vllm:VLLMSampler",
 }
 AUTO_PRIORITY: tuple[str, ...] = ("reference",)
 

