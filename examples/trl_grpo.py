@@ -51,16 +51,6 @@ def build_dataset(n: int, seed: int) -> Any:
     return Dataset.from_dict({"prompt": prompts})
 
 
-def speculative_parts(draft: str) -> dict[str, Any]:
-    """The speculative sampler by name once registered; by import until then."""
-    from grpo_parts.draft import IMPLEMENTATIONS as DRAFTS
-    from grpo_parts.sampler import IMPLEMENTATIONS as SAMPLERS
-
-    if "speculative" in SAMPLERS and draft in DRAFTS:
-        return {"sampler": "speculative", "draft": draft}
-    return {"sampler": "speculative-by-import", "draft": draft}
-
-
 def build_trainer(args: argparse.Namespace) -> Any:
     from grpo_parts_adapters.trl import GRPOPartsTrainer
     from trl import GRPOConfig, GRPOTrainer
@@ -96,16 +86,7 @@ def build_trainer(args: argparse.Namespace) -> Any:
 
     parts: dict[str, Any] = {}
     if args.sampler == "speculative":
-        chosen = speculative_parts(args.draft)
-        if chosen["sampler"] == "speculative-by-import":
-            from grpo_parts.draft.eagle import EagleDraft
-            from grpo_parts.draft.ngram import NGramDraft
-            from grpo_parts.sampler.speculative import SpeculativeSampler
-
-            draft = EagleDraft(model) if args.draft == "eagle" else NGramDraft()
-            parts["sampler"] = SpeculativeSampler(model, draft)
-        else:
-            parts.update(chosen)
+        parts.update(sampler="speculative", draft=args.draft)  # built on the trainer's policy
     elif args.sampler != "none":
         parts["sampler"] = args.sampler
     if args.attention != "none":
