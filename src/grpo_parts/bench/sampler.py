@@ -2,7 +2,8 @@
 
 Every sampler runs on the same policy, prompts, ``max_new_tokens`` and sampling settings, with no
 EOS so every row emits exactly ``max_new_tokens`` tokens (equal work for everyone). Each point is
-the best of ``--repeats`` timed runs after one warm-up run.
+the best of ``--repeats`` timed runs after one warm-up run; the samplers' runs are interleaved
+round-robin. ``--clock cpu`` times process CPU time instead of wall time (steadier on a shared box).
 
 Adding a sampler (e.g. the speculative one): write a factory ``(policy, args) -> list[BenchSampler]``
 and add it to :data:`FACTORIES` (one factory may return several rows, e.g. one per draft). Rows whose
@@ -129,6 +130,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; others are 50-100%% of it")
     p.add_argument("--group-size", type=int, default=1, help="completions per prompt (batch = prompts * G)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--clock", default="wall", choices=["wall", "cpu"],
+        help="wall: tokens per wall second; cpu: per second of process CPU time (steadier on a shared CPU box)",
+    )  # fmt: skip
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--vocab", type=int, default=8192)
@@ -210,37 +216,58 @@ def _prompts(args: argparse.Namespace, batch: int, group_size: int, seed: int) -
     )
 
 
-def time_sampler(
+def time_once(
     bs: BenchSampler,
     prompts: PromptBatch,
     params: SamplingParams,
-    repeats: int,
     seed: int,
     device: torch.device,
-) -> tuple[float, int, Rollout]:
-    """Best wall time of ``repeats`` runs (after one warm-up) and the tokens emitted per run."""
+    clock: str,
+) -> tuple[float, Rollout]:
+    """Seconds of one ``generate`` call (wall or process CPU time) and its rollout."""
     cuda = device.type == "cuda"
-    best, rollout = float("inf"), None
-    for i in range(repeats + 1):
-        torch.manual_seed(seed)  # generate() draws from the global RNG
-        gen = torch.Generator(device=device).manual_seed(seed)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        rollout = bs.sampler.generate(prompts, params, gen)
-        if cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if i > 0:
-            best = min(best, dt)
-    assert rollout is not None
-    return best, int(rollout.completion_mask.sum()), rollout
+    now = time.perf_counter if clock == "wall" else time.process_time
+    torch.manual_seed(seed)  # generate() draws from the global RNG
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = now()
+    rollout = bs.sampler.generate(prompts, params, gen)
+    if cuda:
+        torch.cuda.synchronize()
+    return now() - t0, rollout
+
+
+def time_samplers(
+    rows: list[BenchSampler],
+    prompts: PromptBatch,
+    params: SamplingParams,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> list[tuple[float, int, Rollout]]:
+    """Per row: best time of ``args.repeats`` runs after one warm-up, tokens emitted, last rollout.
+    Runs are interleaved round-robin (alternating order) so load changes hit every sampler alike."""
+    best = [float("inf")] * len(rows)
+    last: list[Rollout | None] = [None] * len(rows)
+    for i in range(args.repeats + 1):
+        order = list(range(len(rows))) if i % 2 == 0 else list(range(len(rows)))[::-1]
+        for j in order:
+            dt, last[j] = time_once(rows[j], prompts, params, args.seed, device, args.clock)
+            if i > 0:
+                best[j] = min(best[j], dt)
+    out = []
+    for secs, ro in zip(best, last):
+        assert ro is not None
+        out.append((secs, int(ro.completion_mask.sum()), ro))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.batches, args.max_new_tokens, args.repeats, args.prompt_len = "1,4", 16, 1, 16
     batches = [int(b) for b in args.batches.split(",")]
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     policy = make_policy(args)
     device = next(policy.parameters()).device
     rows: list[BenchSampler] = []
@@ -259,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": str(next(policy.parameters()).dtype),
         "machine": f"{platform.machine()} {platform.processor() or ''} torch threads={torch.get_num_threads()}",
         "torch": torch.__version__,
+        "clock": f"{args.clock}, best of {args.repeats} interleaved runs after a warm-up",
         "max_new_tokens": args.max_new_tokens,
         "prompt_len": args.prompt_len,
         "group_size": args.group_size,
@@ -281,8 +309,7 @@ def run(args: argparse.Namespace) -> int:
         for batch in batches:
             prompts = _prompts(args, batch, args.group_size, args.seed)
             found: list[dict[str, Any]] = []
-            for bs in rows:
-                secs, toks, rollout = time_sampler(bs, prompts, params, args.repeats, args.seed, device)
+            for bs, (secs, toks, rollout) in zip(rows, time_samplers(rows, prompts, params, args, device)):
                 found.append(
                     dict(
                         sampler=bs.name,
