@@ -1,8 +1,9 @@
 """Draft construction, warm-up and the policy-drift experiment used by ``grpo-parts bench sampler``.
 
 :func:`measure_drift` answers "does online learning keep acceptance up while the policy trains?":
-a policy is first trained on a task, an EAGLE head is distilled from its rollouts, and the head is
-copied into a *frozen* and an *online* draft. The policy then keeps training (drift); after every
+a policy is first trained on a task, an EAGLE head is distilled from its features on task text and
+then from a few of its rollouts, and the head is copied into a *frozen* and an *online* draft (the
+weight-free n-gram draft runs alongside for reference). The policy then keeps training (drift); after every
 round both drafts roll out the same prompts with the same fixed draft length and we record tokens
 per verification. The online draft also distils from each of its rollouts (one step behind the
 policy, as in FastGRPO); the frozen one never changes.
@@ -23,7 +24,7 @@ import torch
 
 from ..errors import GRPOPartsError
 from ..sampler.protocol import PromptBatch, SamplingParams
-from .protocol import DraftModel
+from .protocol import DraftModel, DraftTrainingBatch
 
 
 def make_draft(name: str, policy: torch.nn.Module, seed: int = 0) -> DraftModel:
@@ -127,11 +128,33 @@ def _sft_steps(
     return start
 
 
+def _text_batch(
+    policy: torch.nn.Module,
+    problem: Callable[[int], tuple[list[int], list[int]]],
+    start: int,
+    n: int,
+    pad: int,
+) -> DraftTrainingBatch:
+    """Teacher-forced policy features and logits on ``n`` task texts (prompt + worked solution)."""
+    rows = [problem(start + i) for i in range(n)]
+    width = max(len(a) + len(b) for a, b in rows)
+    ids = torch.full((n, width), pad)
+    attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (a, b) in enumerate(rows):
+        ids[i, : len(a) + len(b)] = torch.tensor(a + b)
+        attn[i, : len(a) + len(b)] = 1
+        loss_mask[i, len(a) - 1 : len(a) + len(b) - 1] = 1
+    with torch.no_grad():
+        out = policy(input_ids=ids, attention_mask=attn, output_hidden_states=True)
+    return DraftTrainingBatch(ids, loss_mask, out.hidden_states[-1], out.logits, attn)
+
+
 def measure_drift(
     rounds: int = 4,
-    drift_steps: int = 10,
-    pretrain_steps: int = 150,
-    warmup_rollouts: int = 16,
+    drift_steps: int = 25,
+    pretrain_steps: int = 400,
+    text_batches: int = 150,
+    warmup_rollouts: int = 4,
     prompts_per_round: int = 8,
     group_size: int = 4,
     draft_tokens: int = 5,
@@ -140,11 +163,12 @@ def measure_drift(
     progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the drift experiment (CPU, a few minutes). Returns ``{"task", "setup", "points"}``; each
-    point has ``round``, ``draft`` (``eagle_frozen`` / ``eagle_online``), ``accepted_per_verify``,
+    point has ``round``, ``draft`` (``ngram`` / ``eagle_frozen`` / ``eagle_online``), ``accepted_per_verify``,
     ``draft_accept_rate``."""
     from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
     from ..tiny import tiny_causal_lm
     from .eagle import EagleConfig, EagleDraft
+    from .ngram import NGramDraft
 
     torch.manual_seed(seed)
     task_name, problem, vocab, eos, pad = _task_data(0, seed)
@@ -173,6 +197,13 @@ def measure_drift(
         )
 
     online = EagleDraft(policy, EagleConfig(lr=3e-3, ce_weight=1.0, seed=seed))
+    # offline distillation on task text first (as EAGLE heads are trained before deployment), then online
+    t0 = time.perf_counter()
+    for i in range(text_batches):
+        online.update(_text_batch(policy, problem, 5_000_000 + 32 * i, 32, pad))
+    progress(
+        f"drift: eagle head distilled on {text_batches} batches of task text ({time.perf_counter() - t0:.0f}s)"
+    )
     hist = warm_up(online, policy, lambda i: prompts(-1 - i), params, warmup_rollouts, seed)
     progress(
         f"drift: eagle head distilled on {warmup_rollouts} rollouts, accepted/verify {[round(h, 2) for h in hist]}"
@@ -180,6 +211,7 @@ def measure_drift(
     frozen = copy.deepcopy(online)
     frozen.bind_policy(policy)  # deepcopy copied the policy's embedding; share the live one
     samplers = {
+        "ngram": SpeculativeSampler(policy, NGramDraft(), SpeculativeConfig(draft_tokens=draft_tokens)),
         "eagle_frozen": SpeculativeSampler(policy, frozen, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=False)),
         "eagle_online": SpeculativeSampler(policy, online, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=True)),
     }  # fmt: skip
@@ -208,6 +240,8 @@ def measure_drift(
     setup = dict(
         policy="qwen2 tiny_causal_lm hidden=128 layers=4",
         pretrain_steps=pretrain_steps,
+        head_text_batches=text_batches,
+        head_warmup_rollouts=warmup_rollouts,
         drift_steps_per_round=drift_steps,
         draft_tokens=draft_tokens,
         temperature=temperature,
