@@ -152,3 +152,9 @@ def test_help_lists_the_main_flags(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for flag in ("--compare", "--model", "--data", "--resume", "--set", "--reference"):
         assert flag in out
+
+
+def test_bench_e2e_is_the_compare_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "e2e", "--help"])
+    assert "--json" in capsys.readouterr().out

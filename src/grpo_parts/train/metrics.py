@@ -41,11 +41,24 @@ def eval_curve(rows: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
 
 
 def time_to_target(rows: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
-    """``(step, wall_time)`` of the first evaluation reaching ``target``, or ``(None, None)``."""
-    for step, wall, acc in eval_curve(rows):
+    """``(step, wall_time)`` when held-out accuracy first reaches ``target``: the step is the first
+    evaluation at or above it; the time is interpolated linearly between that evaluation and the one
+    before (evaluations are every few steps, so this removes most of the quantisation).
+    ``(None, None)`` if never reached."""
+    curve = eval_curve(rows)
+    for i, (step, wall, acc) in enumerate(curve):
         if acc >= target:
-            return step, wall
+            if i == 0:
+                return step, wall
+            _, w0, a0 = curve[i - 1]
+            return step, w0 + (wall - w0) * (target - a0) / (acc - a0)
     return None, None
+
+
+def final_accuracy(rows: list[dict[str, Any]], last: int = 3) -> float | None:
+    """Mean held-out accuracy of the last ``last`` evaluations (less noisy than the last one alone)."""
+    accs = [c[2] for c in eval_curve(rows)][1:][-last:]
+    return sum(accs) / len(accs) if accs else None
 
 
 def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
@@ -61,7 +74,8 @@ def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
     t_step, t_wall = time_to_target(rows, target)
     return {
         "initial_accuracy": curve[0][2] if curve else None,
-        "final_accuracy": curve[-1][2] if curve else None,
+        "final_accuracy": final_accuracy(rows),
+        "last_accuracy": curve[-1][2] if curve else None,
         "best_accuracy": max(c[2] for c in curve) if curve else None,
         "target_accuracy": target,
         "steps_to_target": t_step,
