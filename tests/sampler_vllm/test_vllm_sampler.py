@@ -79,6 +79,9 @@ def test_seeded_rollouts_reproducible(sampler: VLLMSampler) -> None:
     a = sampler.generate(prompts, params, torch.Generator().manual_seed(5))
     b = sampler.generate(prompts, params, torch.Generator().manual_seed(5))
     assert torch.equal(a.completion_ids, b.completion_ids)
+    # left-padded prompts of different lengths: vLLM's log-probs equal the policy's (masked positions 0)
+    recomputed = sampler.policy_logprobs(a.prompt_ids, a.prompt_mask, a.completion_ids, 1.0)
+    torch.testing.assert_close(a.logprobs, recomputed * a.completion_mask, atol=1e-4, rtol=0)
 
 
 def test_top_k_needs_recompute(policy: torch.nn.Module, sampler: VLLMSampler) -> None:
