@@ -1,8 +1,9 @@
 """``grpo-parts train --compare`` / ``grpo-parts bench e2e``: reference parts vs optimized parts.
 
 Both runs use the same config, seed, data stream and held-out set; only ``parts`` differs. They run
-one after the other in this process (reference first), into ``<run>/reference`` and
-``<run>/optimized``; ``<run>/compare.{json,md,png}`` report time to the target held-out accuracy
+in this process *in alternation* -- one step of each in turn -- so that load from other processes on
+a shared machine slows both alike; each run times only its own steps. They write ``<run>/reference``
+and ``<run>/optimized``; ``<run>/compare.{json,md,png}`` report time to the target held-out accuracy
 (training wall time, evaluation excluded), final accuracy, and both curves against wall time.
 """
 
@@ -14,8 +15,9 @@ from typing import Any
 
 from ..errors import GRPOPartsError
 from .config import TrainConfig
+from .parts import resolve_name
 from .report import write_compare
-from .run import default_name, train
+from .run import RunResult, RunSession, default_name, postfix
 
 
 def compare(
@@ -25,12 +27,20 @@ def compare(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise GRPOPartsError(f"name: folder {str(out_dir)!r} already exists; choose another --name")
     configs = {"reference": config.with_reference_parts(), "optimized": config}
-    rows: dict[str, list[dict[str, Any]]] = {}
-    described: dict[str, str] = {}
-    for arm, cfg in configs.items():
-        res = train(cfg, run_dir=out_dir / arm, title=f"{arm} parts")
-        rows[arm] = res.rows
-        described[arm] = _parts_line(out_dir / arm)
+    for cfg in configs.values():  # an unknown part name fails before any folder exists
+        for part in ("sampler", "draft", "attention", "filter"):
+            resolve_name(part, cfg.parts, [])
+    sessions: dict[str, RunSession] = {}
+    try:
+        for arm, cfg in configs.items():  # both validated and set up before either trains
+            sessions[arm] = RunSession(cfg, run_dir=out_dir / arm, title=f"{arm} parts")
+        results = _alternate(sessions, config.steps, config.progress)
+    except BaseException as e:
+        for s in sessions.values():
+            s.fail(e)
+        raise
+    rows = {arm: r.rows for arm, r in results.items()}
+    described = {arm: s.trainer.parts.describe() for arm, s in sessions.items()}
     result = write_compare(out_dir, rows, config.target_accuracy, {"parts": described, "seed": config.seed})
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,8 +49,17 @@ def compare(
     return result
 
 
-def _parts_line(run_dir: Path) -> str:
-    for line in (run_dir / "report.md").read_text().splitlines():
-        if "parts:" in line:
-            return line.split("parts:", 1)[1].strip()
-    return "-"
+def _alternate(sessions: dict[str, RunSession], steps: int, progress: bool) -> dict[str, RunResult]:
+    """Step the sessions in turn (one step each), so a busy machine slows both arms alike."""
+    from tqdm.auto import tqdm
+
+    for s in sessions.values():
+        s.begin()
+    with tqdm(total=steps * len(sessions), disable=not progress, desc="compare", unit="step") as bar:
+        while not all(s.done for s in sessions.values()):
+            for arm, s in sessions.items():
+                if not s.done:
+                    row = s.advance()
+                    bar.update(1)
+                    bar.set_postfix({"arm": arm, **postfix(s, row)})
+    return {arm: s.finish() for arm, s in sessions.items()}
