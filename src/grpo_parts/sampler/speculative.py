@@ -269,8 +269,9 @@ class SpeculativeSampler:
                 emitted[act] = e + 1
                 done[act] = torch.isin(last, eos) | (e + 1 >= tmax)
                 next_pos = next_pos + 1
-                num_new = torch.ones_like(num_new)
-                new_h = out.hidden_states[-1] if need_h else None
+                # the draft has not seen these features yet: accumulate them (right-aligned) for its next call
+                num_new = num_new + 1
+                new_h = torch.cat([new_h, out.hidden_states[-1]], 1) if new_h is not None else None
                 stats["plain_steps"] += 1
                 if self.cost is not None:
                     self.cost.observe_step(a, 0, time.perf_counter() - t_step, 0.0)
