@@ -167,3 +167,19 @@ def test_max_new_tokens_exact_and_stats(policy: torch.nn.Module) -> None:
         assert out.completion_ids.shape[1] == tmax
         assert bool((out.completion_lengths() == tmax).all())
         assert np.isfinite(out.stats["accepted_per_verify"])
+
+
+def test_plain_and_speculative_steps_interleave(policy: torch.nn.Module) -> None:
+    """The cost model may switch speculation off and on within a rollout; a hidden-state draft
+    must then catch up on the policy features of the plain steps (greedy output unchanged)."""
+    prompts = PromptBatch.from_lists(PROMPTS, pad_token_id=0)
+    params = SamplingParams(group_size=2, max_new_tokens=15, temperature=0.0, eos_token_ids=(3,))
+    ref = ReferenceSampler(policy).generate(prompts, params)
+    spec = SpeculativeSampler(
+        policy, EagleDraft(policy), SpeculativeConfig(draft_tokens=2, train_draft=False)
+    )
+    ks = iter([2, 0, 0, 2, 0, 1, 3, 0, 0, 0] + [2] * 50)
+    spec.choose_k = lambda active, remaining, step: min(next(ks), remaining - 1)  # type: ignore[method-assign]
+    out = spec.generate(prompts, params)
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    assert out.stats["plain_steps"] > 0 and out.stats["verify_steps"] > 0
