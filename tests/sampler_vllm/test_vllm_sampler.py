@@ -7,6 +7,7 @@ Runs only where vLLM is installed (scripts/test-vllm.sh); one engine is shared b
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 
@@ -32,8 +33,10 @@ def policy() -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def sampler(policy: torch.nn.Module) -> VLLMSampler:
-    return VLLMSampler(policy, VLLMConfig(**ENGINE))  # type: ignore[arg-type]
+def sampler(policy: torch.nn.Module) -> Iterator[VLLMSampler]:
+    s = VLLMSampler(policy, VLLMConfig(**ENGINE))  # type: ignore[arg-type]
+    yield s
+    s.close()
 
 
 def test_registered_and_protocol(sampler: VLLMSampler) -> None:

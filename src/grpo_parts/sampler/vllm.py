@@ -352,6 +352,15 @@ class VLLMSampler:
         self.llm.collective_rpc(load)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
+    def close(self) -> None:
+        """Shut the engine down and free its KV cache (the sampler is unusable afterwards)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
     def score(self, prompt: list[int], completion: list[int]) -> torch.Tensor:
         """vLLM's ``log_softmax(logits)`` (temperature 1) of each ``completion`` token after ``prompt``, ``[T]``."""
         from vllm import SamplingParams as VSamplingParams
