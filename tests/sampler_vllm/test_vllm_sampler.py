@@ -14,8 +14,10 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
-from grpo_parts.errors import NotSupportedError  # noqa: E402
+from grpo_parts.errors import GRPOPartsError, NotSupportedError  # noqa: E402
 from grpo_parts.sampler import get_sampler_class  # noqa: E402
 from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams  # noqa: E402
 from grpo_parts.sampler.reference import ReferenceSampler  # noqa: E402
@@ -58,6 +60,33 @@ def test_greedy_matches_reference(policy: torch.nn.Module, sampler: VLLMSampler)
     assert torch.equal(pad(out.completion_mask), pad(ref.completion_mask))
     assert torch.equal(pad(out.completion_ids), pad(ref.completion_ids))
     torch.testing.assert_close(pad(out.logprobs), pad(ref.logprobs), atol=1e-4, rtol=0)
+
+
+@settings(max_examples=6)  # each example is a vLLM generate call on the shared engine
+@given(
+    prompts=st.lists(st.lists(st.integers(1, V - 1), min_size=1, max_size=6), min_size=1, max_size=3),
+    group_size=st.integers(1, 3),
+    max_new_tokens=st.integers(1, 8),
+    eos=st.sampled_from([(), (3,), (2, 5)]),
+)
+def test_greedy_matches_reference_drawn(
+    policy: torch.nn.Module,
+    sampler: VLLMSampler,
+    prompts: list[list[int]],
+    group_size: int,
+    max_new_tokens: int,
+    eos: tuple[int, ...],
+) -> None:
+    batch = PromptBatch.from_lists(prompts, pad_token_id=0)
+    params = SamplingParams(
+        group_size=group_size, max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=eos
+    )
+    ref, out = ReferenceSampler(policy).generate(batch, params), sampler.generate(batch, params)
+    t = ref.completion_ids.shape[1]
+    assert out.completion_ids.shape[1] <= t and not bool(out.completion_mask[:, t:].any())
+    assert torch.equal(out.completion_ids, ref.completion_ids[:, : out.completion_ids.shape[1]])
+    assert int(out.completion_mask.sum()) == int(ref.completion_mask.sum())
+    torch.testing.assert_close(out.logprobs, ref.logprobs[:, : out.logprobs.shape[1]], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -136,3 +165,12 @@ def test_sync_weights_after_sgd_step(policy: torch.nn.Module, sampler: VLLMSampl
     finally:
         sampler.sync_weights(policy)
     torch.testing.assert_close(sampler.score(prompt, completion), policy_lp(policy), atol=1e-4, rtol=0)
+
+
+def test_nan_logprobs_refused(sampler: VLLMSampler) -> None:
+    """vLLM's speculative path on CPU returns NaN log-probs; a rollout never carries them."""
+    prompts, params = PromptBatch.from_lists([[1, 2]], 0), SamplingParams(max_new_tokens=2)
+    with pytest.raises(GRPOPartsError, match="NaN"):
+        sampler._rollout(prompts, params, [[4, 5]], [[-1.0, float("nan")]])
+    out = sampler._rollout(prompts, params, [[4]], [[-1.0]])  # short row: padded, masked, logprob 0
+    assert out.completion_mask.tolist() == [[1]] and out.logprobs.tolist() == [[-1.0]]

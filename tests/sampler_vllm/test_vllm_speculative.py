@@ -143,3 +143,5 @@ def test_config_validation() -> None:
         VLLMSpeculative(method="ngram", extra={"rejection_sample_method": "synthetic"})
     cfg = VLLMSpeculative(method="ngram", num_speculative_tokens=4, disable_above_batch=8).to_vllm(64)
     assert cfg["num_speculative_tokens_per_batch_size"] == [(1, 8, 4), (9, 64, 0)]
+    eagle = VLLMSpeculative(method="eagle", model="heads/eagle", num_speculative_tokens=2).to_vllm(64)
+    assert eagle == {"method": "eagle", "num_speculative_tokens": 2, "model": "heads/eagle"}

@@ -289,6 +289,13 @@ class VLLMSampler:
         cmask = cmask * (torch.arange(width)[None, :] < lengths[:, None]).long()
         if self.config.logprobs == "recompute":
             logprobs = self.policy_logprobs(ids, pmask, completion, params.logprob_temperature)
+        bad = logprobs.isnan() & (cmask == 1)
+        if bool(bad.any()) and not self.config.trust_speculative:  # trust_speculative: measurements only
+            row = int(bad.nonzero()[0, 0])
+            raise GRPOPartsError(
+                f"vLLM logprobs: expected finite log-probs of the emitted tokens, got {int(bad.sum())} NaN "
+                f"(first in row {row}); use VLLMConfig(logprobs='recompute')"
+            )
         return Rollout(
             prompt_ids=ids,
             prompt_mask=pmask,
