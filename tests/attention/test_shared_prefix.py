@@ -31,9 +31,9 @@ def logps_and_grads(backend, model, batch, temperature=1.0):  # type: ignore[no-
     return out, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
-def assert_equivalent(model, batch, kernel, temperature=1.0, chunk_elems=1 << 24):  # type: ignore[no-untyped-def]
+def assert_equivalent(model, batch, kernel, temperature=1.0, **options):  # type: ignore[no-untyped-def]
     ref, ref_g = logps_and_grads(RepeatedPrefixAttention(), model, batch, temperature)
-    backend = SharedPrefixAttention(kernel, chunk_elems=chunk_elems)
+    backend = SharedPrefixAttention(kernel, **options)
     out, out_g = logps_and_grads(backend, model, batch, temperature)
     torch.testing.assert_close(out.logprobs, ref.logprobs, atol=ATOL, rtol=0)
     torch.testing.assert_close(out.entropies, ref.entropies, atol=ATOL, rtol=0)
@@ -96,6 +96,7 @@ def test_every_family_both_kernels(family):  # type: ignore[no-untyped-def]
     for kernel in ("sdpa", "eager"):
         assert_equivalent(model, batch, kernel)
     assert_equivalent(model, batch, "sdpa", chunk_elems=1)  # one slot per suffix-self chunk
+    assert_equivalent(model, batch, "sdpa", suffix_flash_min=1)  # suffix-self through flash
 
 
 def test_no_grad_forwards_and_flex():  # type: ignore[no-untyped-def]

@@ -44,6 +44,7 @@ class PrefixLayout:
     max_span: int
     kernel: str = "sdpa"
     chunk_elems: int = 1 << 24  # cap on one suffix-self score chunk (elements) in the sdpa kernel
+    suffix_flash_min: int = 512  # sdpa kernel: suffixes at least this long use flash for suffix-self
 
     @property
     def row_len(self) -> int:
@@ -96,6 +97,7 @@ def build_grouped_inputs(
     pad_token_id: int = 0,
     kernel: str = "sdpa",
     chunk_elems: int = 1 << 24,
+    suffix_flash_min: int = 512,
 ) -> GroupedInputs:
     """Regroup ``batch`` (rows in any order) into the grid layout; see the module docstring."""
     pm, cm = _check_masks(batch)
@@ -158,7 +160,9 @@ def build_grouped_inputs(
     row_keep[:, 0] = last_inv[row_group]
     row_keep[:, 1:] = k0 + row_slot.unsqueeze(-1) * (s - 1) + ar_s[: s - 1]
     valid = None if bool((plen == pp).all()) else torch.arange(pp, device=device) < plen.unsqueeze(-1)
-    layout = PrefixLayout(pp, g, s, valid, int((plen_row + clen).max()), kernel, chunk_elems)
+    layout = PrefixLayout(
+        pp, g, s, valid, int((plen_row + clen).max()), kernel, chunk_elems, suffix_flash_min
+    )
     return GroupedInputs(ids, pos, layout, keep, row_group, row_keep, clen)
 
 

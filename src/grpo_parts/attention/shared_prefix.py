@@ -83,13 +83,16 @@ class SharedPrefixAttention:
 
     name: ClassVar[str] = "shared_prefix"
 
-    def __init__(self, kernel: str = "auto", *, chunk_elems: int = 1 << 24) -> None:
+    def __init__(
+        self, kernel: str = "auto", *, chunk_elems: int = 1 << 24, suffix_flash_min: int = 512
+    ) -> None:
         from .kernels import KERNELS
 
         if kernel != "auto" and kernel not in (*KERNELS, "flash_varlen"):
             raise GRPOPartsError(f"kernel: expected 'auto' or one of {KERNELS}, got {kernel!r}")
         self.kernel = kernel
         self.chunk_elems = chunk_elems
+        self.suffix_flash_min = suffix_flash_min
         self.last_choice: str = ""
 
     # ------------------------------------------------------------------------------ capabilities
