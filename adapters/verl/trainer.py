@@ -116,12 +116,12 @@ def filter_kv_batch(
         dropped = [k for i, k in enumerate(b.keys) if i not in kept]
         if dropped:
             store.kv_clear(keys=dropped, partition_id=b.partition_id)
-        rows = sorted(kept)
-        if rows:  # full-group advantages, restored after verl's _compute_advantage (see the trainer)
-            adv = adv_by_chunk[id(b)][torch.tensor(rows)].float()
-            fields = TensorDict({SEQ_ADV_FIELD: adv}, batch_size=[len(rows)])
-            store.kv_batch_put(keys=[b.keys[i] for i in rows], partition_id=b.partition_id, fields=fields)
-        for i in rows:
+        kept_rows = sorted(kept)
+        if kept_rows:  # full-group advantages, restored after verl's _compute_advantage (see the trainer)
+            adv = adv_by_chunk[id(b)][torch.tensor(kept_rows)].float()
+            fields = TensorDict({SEQ_ADV_FIELD: adv}, batch_size=[len(kept_rows)])
+            store.kv_batch_put(keys=[b.keys[i] for i in kept_rows], partition_id=b.partition_id, fields=fields)
+        for i in kept_rows:
             keys.append(b.keys[i])
             tags.append(b.tags[i])
     metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
