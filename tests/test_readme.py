@@ -23,8 +23,9 @@ def test_readme_python_blocks_run() -> None:
 def test_readme_names_the_test_command_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "python -m pytest" in readme and "python -m pytest" in ci
-    assert "bash scripts/install-dev.sh" in readme and "bash scripts/install-dev.sh" in ci
+    cmd = "bash scripts/install-dev.sh && python -m pytest && bash scripts/test-vllm.sh"
+    assert cmd in readme, "README's test command changed: update .ci/run and this test together"
+    assert cmd in ci, ".ci/run must run exactly the README's test command"
 
 
 def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
