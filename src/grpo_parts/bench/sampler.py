@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             max_new_tokens=args.max_new_tokens,
             temperature=0.0 if mode == "greedy" else 1.0,
-            **_eos_kw(args),
+            pad_token_id=args._pad if args.policy == "task" else 0,
         )
         for batch in batches:
             prompts = _prompts(args, batch, args.group_size, args.seed)

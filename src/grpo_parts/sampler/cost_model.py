@@ -98,9 +98,12 @@ class CostModel:
     def t_draft(self, a: int, k: int) -> float:
         if k <= 0 or not self.draft_fixed:
             return 0.0
+        if (a, -k) in self._memo:
+            return self._memo[(a, -k)]
         bs = sorted(self.draft_fixed)
         f = _interp([float(b) for b in bs], [self.draft_fixed[b] for b in bs], float(a))
         g = _interp([float(b) for b in bs], [self.draft_per_token[b] for b in bs], float(a))
+        self._memo[(a, -k)] = f + k * g  # negative key: draft entries (cleared when draft costs move)
         return f + k * g
 
     def observe_draft(self, a: int, k: int, seconds: float) -> None:
@@ -114,6 +117,8 @@ class CostModel:
         m = self.ema + (1 - self.ema) * scale
         self.draft_fixed[b] *= m
         self.draft_per_token[b] *= m
+        for key in [key for key in self._memo if key[1] < 0]:
+            del self._memo[key]
 
     def observe_step(self, a: int, k: int, seconds: float, draft_seconds: float) -> None:
         """Fold a whole step's wall time into the bookkeeping overhead of its kind."""
