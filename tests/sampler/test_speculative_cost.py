@@ -1,0 +1,49 @@
+"""Cost model: expected tokens, concurrency-aware choice of the draft length, acceptance estimate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_parts.sampler.cost_model import AcceptanceEstimate, CostModel, batch_grid, expected_tokens
+
+
+def gpu_like() -> CostModel:
+    """Verification is free up to 64 tokens per step (``A * T``), then linear: FastGRPO's budget C = 64."""
+    sizes, tokens = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5, 7]
+    table = {a: [1e-3 * max(1.0, a * t / 64) for t in tokens] for a in sizes}
+    cost = CostModel(sizes, tokens, table)
+    for a in sizes:
+        cost.draft_fixed[a], cost.draft_per_token[a] = 1e-5, 2e-5
+    return cost
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(0.8, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_draft_length_falls_with_concurrency_and_switches_off() -> None:
+    cost = gpu_like()
+    ks = [cost.choose(a, 0.8, 6) for a in (1, 4, 16, 32, 64)]
+    assert ks[0] == 6 and ks[-1] == 0, ks  # long drafts when few rows are left, none when busy
+    assert all(x >= y for x, y in zip(ks, ks[1:])), ks
+    assert cost.choose(1, 0.02, 6) == 0  # a useless draft is switched off even when verification is free
+    assert cost.break_even_acceptance(64) > 0.9
+
+
+def test_online_overhead_and_draft_cost_move_the_choice() -> None:
+    cost = gpu_like()
+    assert cost.choose(4, 0.6, 6) > 0
+    for _ in range(50):  # a slow draft measured online
+        cost.observe_draft(4, 3, 0.05)
+    assert cost.choose(4, 0.6, 6) == 0
+
+
+def test_acceptance_estimate_is_geometric_mle() -> None:
+    est = AcceptanceEstimate(prior=0.5, prior_weight=1e-9, decay=1.0)
+    est.update(torch.tensor([3, 1]), k=3)  # 4 successes, 1 failure
+    assert est.rate == pytest.approx(0.8)
+    assert batch_grid(10) == [1, 2, 4, 8, 10]
