@@ -47,3 +47,13 @@ def test_acceptance_estimate_is_geometric_mle() -> None:
     est.update(torch.tensor([3, 1]), k=3)  # 4 successes, 1 failure
     assert est.rate == pytest.approx(0.8)
     assert batch_grid(10) == [1, 2, 4, 8, 10]
+
+
+def test_measured_steps_override_a_wrong_calibration() -> None:
+    cost = gpu_like()  # claims verifying 7 tokens per row at batch 64 costs ~7x one token
+    assert cost.choose(8, 0.8, 4) > 0
+    k = cost.choose(8, 0.8, 4)
+    for _ in range(3):  # but on this machine every speculative step at batch 8 is 10x slower
+        cost.observe_step(8, k, 10 * cost.step_time(8, 0), 0.0)
+        cost.observe_step(8, 0, cost.step_time(8, 0), 0.0)
+    assert cost.choose(8, 0.8, 4) != k

@@ -85,7 +85,9 @@ class CostModel:
     overhead: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
     ema: float = 0.8
     #: a draft length must beat plain decoding by this factor (timing noise must not flip decisions)
-    margin: float = 1.03
+    margin: float = 1.1
+    #: measured wall time of whole steps, per exact (active rows, draft length)
+    measured: dict[tuple[int, int], float] = field(default_factory=dict)
     _memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def t_verify(self, a: int, t: int) -> float:
@@ -121,11 +123,17 @@ class CostModel:
             del self._memo[key]
 
     def observe_step(self, a: int, k: int, seconds: float, draft_seconds: float) -> None:
-        """Fold a whole step's wall time into the bookkeeping overhead of its kind."""
+        """Fold a whole step's wall time into the bookkeeping overhead of its kind, and into the
+        measured cost of this exact ``(A, k)`` (which then overrides the calibrated prediction, so
+        a start-up table taken under different load corrects itself)."""
         resid = max(seconds - draft_seconds - self.t_verify(a, k + 1), 0.0)
         self.overhead[k > 0] = self.ema * self.overhead[k > 0] + (1 - self.ema) * resid
+        old = self.measured.get((a, k))
+        self.measured[(a, k)] = seconds if old is None else self.ema * old + (1 - self.ema) * seconds
 
     def step_time(self, a: int, k: int) -> float:
+        if (a, k) in self.measured:
+            return self.measured[(a, k)]
         return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead[k > 0]
 
     def rate(self, a: int, k: int, accept: float) -> float:
