@@ -120,7 +120,9 @@ def filter_kv_batch(
         if kept_rows:  # full-group advantages, restored after verl's _compute_advantage (see the trainer)
             adv = adv_by_chunk[id(b)][torch.tensor(kept_rows)].float()
             fields = TensorDict({SEQ_ADV_FIELD: adv}, batch_size=[len(kept_rows)])
-            store.kv_batch_put(keys=[b.keys[i] for i in kept_rows], partition_id=b.partition_id, fields=fields)
+            store.kv_batch_put(
+                keys=[b.keys[i] for i in kept_rows], partition_id=b.partition_id, fields=fields
+            )
         for i in kept_rows:
             keys.append(b.keys[i])
             tags.append(b.tags[i])
