@@ -30,9 +30,9 @@ from ..core import token_logprobs
 from ..draft.protocol import DraftContext, DraftModel, DraftTrainingBatch
 from ..errors import GRPOPartsError, NotSupportedError
 from .cost_model import AcceptanceEstimate, CostModel, batch_grid, calibrate_policy, token_grid
-from .logits import sample_tokens
+from .logits import sample_tokens, sampling_probs
 from .protocol import PromptBatch, Rollout, SamplingParams
-from .reference import check_model, completion_mask_from_eos, expand_prompts
+from .reference import check_model, completion_mask_from_eos, draw, expand_prompts
 from .verify import Verifier, verify_chain
 
 
@@ -191,10 +191,21 @@ class SpeculativeSampler:
             k = 1  # speculation off only for low acceptance: probe so a better draft is noticed
         return k
 
-    @torch.no_grad()  # not inference_mode: rollout tensors feed autograd later
     def generate(
         self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:
+        # inference_mode skips autograd bookkeeping in every decode step (as the reference sampler
+        # does); its tensors cannot enter autograd, so the outputs are cloned out of it before the
+        # rollout is assembled and the draft trains on it.
+        with torch.inference_mode():
+            parts = self._decode(prompts, params, generator)
+        parts = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in parts)
+        with torch.no_grad():
+            return self._finish(*parts)
+
+    def _decode(
+        self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[Any, ...]:
         reasons = self.not_supported_reasons(params)
         if reasons:
             raise NotSupportedError(self.name, reasons)
@@ -229,7 +240,9 @@ class SpeculativeSampler:
         done = torch.isin(first, eos) | (emitted >= tmax)
         act = torch.arange(n, device=device)
         mask, next_pos, last = pmask.long(), plen.clone(), first
-        new_h = out.hidden_states[-1] if need_h else None  # [A, M, H] right-aligned (left padding)
+        # policy features the draft has not seen yet, as right-aligned chunks (concatenated lazily:
+        # a plain step only appends, so a long run of plain steps costs no O(T^2) copying)
+        h_parts: list[torch.Tensor] = [out.hidden_states[-1]] if need_h else []  # [A, M, H] each
         num_new = plen.clone()
         stats = dict(
             verify_steps=0.0, plain_steps=0.0, drafted=0.0, accepted=0.0, emitted_spec=0.0, row_verifies=0.0
@@ -246,7 +259,7 @@ class SpeculativeSampler:
                     last[sel],
                     num_new[sel],
                 )
-                new_h = new_h[sel] if new_h is not None else None
+                h_parts = [torch.cat(h_parts, 1)[sel]] if h_parts else []
                 if act.numel() == 0:
                     break
                 cache.batch_select_indices(sel)
@@ -262,7 +275,11 @@ class SpeculativeSampler:
                     past_key_values=cache, use_cache=True, output_hidden_states=need_h,
                 )  # fmt: skip
                 cache, logits = out.past_key_values, out.logits[:, -1]
-                last = sample_tokens(logits, params, generator)
+                last = (
+                    sample_tokens(logits, params)
+                    if params.greedy
+                    else draw(sampling_probs(logits, params), generator)
+                )
                 e = emitted[act]
                 seq[act, width + e] = last
                 logps[act, e] = token_logprobs(logits, last, params.logprob_temperature).to(logps.dtype)
@@ -271,7 +288,8 @@ class SpeculativeSampler:
                 next_pos = next_pos + 1
                 # the draft has not seen these features yet: accumulate them (right-aligned) for its next call
                 num_new = num_new + 1
-                new_h = torch.cat([new_h, out.hidden_states[-1]], 1) if new_h is not None else None
+                if need_h:
+                    h_parts.append(out.hidden_states[-1])
                 stats["plain_steps"] += 1
                 if self.cost is not None:
                     self.cost.observe_step(a, 0, time.perf_counter() - t_step, 0.0)
@@ -280,6 +298,8 @@ class SpeculativeSampler:
             d_prob = None
             if k > 0:
                 e = emitted[act]
+                new_h = torch.cat(h_parts, 1) if len(h_parts) > 1 else (h_parts[0] if h_parts else None)
+                h_parts = [new_h] if new_h is not None else []
                 ctx_w = width + int(e.max())
                 ctx = DraftContext(
                     tokens=right_align(seq[act], width + e, ctx_w, params.pad_token_id),
@@ -333,7 +353,7 @@ class SpeculativeSampler:
             last = nxt
             num_new = n_acc + 1
             if need_h:
-                new_h = right_align(out.hidden_states[-1], n_acc + 1, k + 1, 0.0)
+                h_parts = [right_align(out.hidden_states[-1], n_acc + 1, k + 1, 0.0)]
             if self.cost is not None:
                 self.cost.observe_step(a, k, time.perf_counter() - t_step, t_draft)
             live = ~done[act]
@@ -345,9 +365,7 @@ class SpeculativeSampler:
                 if float(mask.sum(-1).max()) < (1 - self.config.compact_waste) * mask.shape[1]:
                     compacted = compact_cache(cache, mask)
                     mask = mask if compacted is None else compacted
-        return self._finish(
-            ids, pmask, group, seq[:, width:], logps, emitted, params, prompts.num_prompts, stats
-        )
+        return ids, pmask, group, seq[:, width:], logps, emitted, params, prompts.num_prompts, stats
 
     def _finish(
         self, ids: torch.Tensor, pmask: torch.Tensor, group: torch.Tensor, comp: torch.Tensor, logps: torch.Tensor,
