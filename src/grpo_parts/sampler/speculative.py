@@ -49,7 +49,10 @@ class SpeculativeConfig(BaseModel):
     acceptance_prior: float = Field(0.6, gt=0.0, lt=1.0)
     acceptance_decay: float = Field(0.98, gt=0.0, le=1.0)
     probe_every: int = Field(
-        16, ge=1, description="when speculation is off for low acceptance, try k=1 this often"
+        16,
+        ge=1,
+        description="when speculation is off for low acceptance, try k=1 after this many steps "
+        "(the gap doubles after each probe that does not switch speculation back on)",
     )
     compact_waste: float = Field(
         0.5, gt=0.0, description="compact the policy cache when holes exceed this fraction"
@@ -109,6 +112,8 @@ class SpeculativeSampler:
         self.acceptance = AcceptanceEstimate(self.config.acceptance_prior, decay=self.config.acceptance_decay)
         self.cost: CostModel | None = None
         self.last_draft_metrics: dict[str, float] = {}
+        self._steps = self._last_probe = 0
+        self._probe_gap = self.config.probe_every
 
     # ------------------------------------------------------------------ Sampler protocol
     def not_supported_reasons(self, params: SamplingParams) -> list[str]:
@@ -187,8 +192,17 @@ class SpeculativeSampler:
             return min(self.config.draft_tokens, cap)
         assert self.cost is not None
         k = self.cost.choose(active, self.acceptance.rate, cap)
-        if k == 0 and step % self.config.probe_every == 0 and self.cost.break_even_acceptance(active) < 1.0:
-            k = 1  # speculation off only for low acceptance: probe so a better draft is noticed
+        self._steps += 1
+        if k > 0:
+            self._probe_gap = self.config.probe_every
+        elif (
+            self._steps - self._last_probe >= self._probe_gap
+            and self.cost.break_even_acceptance(active) < 1.0
+        ):
+            # speculation is off only for low acceptance: probe so a better draft is noticed, backing
+            # off exponentially while probes keep failing (so "off" costs next to nothing)
+            k, self._last_probe = 1, self._steps
+            self._probe_gap = min(2 * self._probe_gap, 1024)
         return k
 
     def generate(
