@@ -33,7 +33,7 @@ from .cost_model import AcceptanceEstimate, CostModel, batch_grid, calibrate_pol
 from .logits import sample_tokens, sampling_probs
 from .protocol import PromptBatch, Rollout, SamplingParams
 from .reference import check_model, completion_mask_from_eos, draw, expand_prompts
-from .verify import Verifier, verify_chain
+from .verify import Verifier, compact_cache, right_align, verify_chain
 
 
 class SpeculativeConfig(BaseModel):
@@ -58,34 +58,6 @@ class SpeculativeConfig(BaseModel):
         0.5, gt=0.0, description="compact the policy cache when holes exceed this fraction"
     )
     train_draft: bool = True
-
-
-def right_align(buf: torch.Tensor, ends: torch.Tensor, width: int, fill: int | float) -> torch.Tensor:
-    """Row ``a`` of ``buf: [A, W, ...]`` has its real entries ending (exclusive) at ``ends[a]``;
-    return ``[A, width, ...]`` with those entries shifted to end at ``width``."""
-    shift = width - ends  # [A]
-    src = torch.arange(width, device=buf.device)[None, :] - shift[:, None]
-    valid = src >= 0
-    src = src.clamp(min=0, max=buf.shape[1] - 1)
-    idx = src.view(*src.shape, *([1] * (buf.ndim - 2))).expand(-1, -1, *buf.shape[2:])
-    out = buf.gather(1, idx)
-    return out.masked_fill(~valid.view(*valid.shape, *([1] * (buf.ndim - 2))), fill)
-
-
-def compact_cache(cache: Any, mask: torch.Tensor) -> torch.Tensor | None:
-    """Gather each row's live KV entries (``mask == 1``) to the right end of the cache, in order.
-    Returns the new mask, or None when the cache type has no ``layers[i].keys/values``."""
-    layers = getattr(cache, "layers", None)
-    if not layers or not all(hasattr(ly, "keys") and hasattr(ly, "values") for ly in layers):
-        return None
-    width = int(mask.sum(-1).max())
-    idx = torch.sort(mask, dim=-1, stable=True).indices[:, -width:]  # holes first, then live in order
-    for ly in layers:
-        if not getattr(ly, "is_initialized", True) or ly.keys.numel() == 0:
-            continue
-        g = idx[:, None, :, None].expand(-1, ly.keys.shape[1], -1, ly.keys.shape[-1])
-        ly.keys, ly.values = ly.keys.gather(2, g), ly.values.gather(2, g)
-    return mask.gather(1, idx)
 
 
 class SpeculativeSampler:
