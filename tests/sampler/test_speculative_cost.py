@@ -57,3 +57,23 @@ def test_measured_steps_override_a_wrong_calibration() -> None:
         cost.observe_step(8, k, 10 * cost.step_time(8, 0), 0.0)
         cost.observe_step(8, 0, cost.step_time(8, 0), 0.0)
     assert cost.choose(8, 0.8, 4) != k
+
+
+def test_probes_back_off_while_speculation_stays_off() -> None:
+    """With speculation off for low acceptance, k=1 probes come after 16, 32, 64, ... steps (so
+    "off" costs next to nothing) and the gap resets once the cost model drafts again."""
+    from grpo_parts.draft.ngram import NGramDraft
+    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.tiny import tiny_causal_lm
+
+    sampler = SpeculativeSampler(
+        tiny_causal_lm("qwen2", vocab_size=16, hidden_size=32, num_layers=1), NGramDraft()
+    )
+    sampler.cost = gpu_like()
+    sampler.acceptance = AcceptanceEstimate(prior=0.01)
+    assert sampler.cost.break_even_acceptance(1) < 1.0
+    probes = [i + 1 for i in range(200) if sampler.choose_k(1, 100, i) == 1]
+    assert probes == [16, 48, 112]
+    sampler.acceptance = AcceptanceEstimate(prior=0.9)
+    assert sampler.choose_k(1, 100, 0) > 0
+    assert sampler._probe_gap == sampler.config.probe_every
