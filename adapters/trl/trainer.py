@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from grpo_parts.attention.shared_prefix import select_attention
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.allocation import Chunk, Refiller
 from grpo_parts.filter.apply import select_rows
@@ -265,19 +266,8 @@ class GRPOPartsTrainer(GRPOTrainer):
         if not name:
             yield
             return
-        policy = self.accelerator.unwrap_model(self.model)
-        cfg = policy.config
-        cfgs = [cfg] + [
-            getattr(cfg, k) for k in (getattr(cfg, "sub_configs", None) or {}) if getattr(cfg, k, None)
-        ]
-        saved = [c._attn_implementation for c in cfgs]
-        for c in cfgs:
-            c._attn_implementation_internal = name
-        try:
+        with select_attention(self.accelerator.unwrap_model(self.model), name):
             yield
-        finally:
-            for c, s in zip(cfgs, saved):
-                c._attn_implementation_internal = s
 
     def _prepare_inputs(self, generation_batch):  # type: ignore[no-untyped-def]
         before = self._buffered_inputs

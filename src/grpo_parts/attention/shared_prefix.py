@@ -57,17 +57,23 @@ def _attn_configs(model: torch.nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def _use_kernel(model: torch.nn.Module) -> Iterator[None]:
-    """Select the shared-prefix attention function on ``model`` for the duration of a forward."""
+def select_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Select the registered attention function ``name`` on ``model`` (and its sub-configs) for
+    the duration of the block, then restore what was selected before."""
     cfgs = _attn_configs(model)
     saved = [c._attn_implementation for c in cfgs]
     for c in cfgs:
-        c._attn_implementation_internal = KERNEL_NAME
+        c._attn_implementation_internal = name
     try:
         yield
     finally:
         for c, s in zip(cfgs, saved):
             c._attn_implementation_internal = s
+
+
+def _use_kernel(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Select the shared-prefix attention function on ``model`` for the duration of a forward."""
+    return select_attention(model, KERNEL_NAME)
 
 
 def _text_config(model: torch.nn.Module) -> Any:

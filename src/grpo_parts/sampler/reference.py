@@ -14,7 +14,7 @@ import torch
 
 from ..core import token_logprobs
 from ..errors import GRPOPartsError
-from .logits import sample_tokens, sampling_probs
+from .logits import sample_tokens
 from .protocol import PromptBatch, Rollout, SamplingParams
 
 
@@ -100,11 +100,7 @@ class ReferenceSampler:
         tokens, logps = [], []
         done = torch.zeros(n, dtype=torch.bool, device=device)
         for step in range(params.max_new_tokens):
-            tok = (
-                sample_tokens(logits, params)
-                if params.greedy
-                else draw(sampling_probs(logits, params), generator)
-            )
+            tok = sample_tokens(logits, params, generator)
             tok = torch.where(done, torch.full_like(tok, params.pad_token_id), tok)
             tokens.append(tok)
             logps.append(token_logprobs(logits, tok, params.logprob_temperature))
@@ -134,18 +130,6 @@ class ReferenceSampler:
             group_index=group,
             num_prompts=prompts.num_prompts,
         )
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from ``probs: [R, V]`` by inverse CDF: one uniform per row.
-
-    Same distribution as ``torch.multinomial(probs, 1)``, which on CPU draws V exponentials per row
-    and is 5-10x slower at V = 8k (it dominated the non-model time of a decode step). The float64
-    cumsum keeps rounding far below sampling noise; ``right=True`` never lands on a p = 0 token.
-    """
-    cdf = probs.double().cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def completion_mask_from_eos(completion: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:

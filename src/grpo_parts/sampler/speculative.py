@@ -30,9 +30,9 @@ from ..core import token_logprobs
 from ..draft.protocol import DraftContext, DraftModel, DraftTrainingBatch
 from ..errors import GRPOPartsError, NotSupportedError
 from .cost_model import AcceptanceEstimate, CostModel, batch_grid, calibrate_policy, token_grid
-from .logits import sample_tokens, sampling_probs
+from .logits import sample_tokens
 from .protocol import PromptBatch, Rollout, SamplingParams
-from .reference import check_model, completion_mask_from_eos, draw, expand_prompts
+from .reference import check_model, completion_mask_from_eos, expand_prompts
 from .verify import Verifier, compact_cache, right_align, verify_chain
 
 
@@ -261,11 +261,7 @@ class SpeculativeSampler:
                     past_key_values=cache, use_cache=True, output_hidden_states=need_h,
                 )  # fmt: skip
                 cache, logits = out.past_key_values, out.logits[:, -1]
-                last = (
-                    sample_tokens(logits, params)
-                    if params.greedy
-                    else draw(sampling_probs(logits, params), generator)
-                )
+                last = sample_tokens(logits, params, generator)
                 e = emitted[act]
                 seq[act, width + e] = last
                 logps[act, e] = token_logprobs(logits, last, params.logprob_temperature).to(logps.dtype)
