@@ -77,3 +77,16 @@ def test_probes_back_off_while_speculation_stays_off() -> None:
     sampler.acceptance = AcceptanceEstimate(prior=0.9)
     assert sampler.choose_k(1, 100, 0) > 0
     assert sampler._probe_gap == sampler.config.probe_every
+
+
+def test_one_slow_speculative_step_corrects_every_draft_length() -> None:
+    """A speculative step measured 3x slower than predicted scales the prediction of the draft
+    lengths not tried yet at that batch size too, so the sampler switches speculation off instead
+    of paying for one bad step per draft length."""
+    cost = gpu_like()
+    k = cost.choose(16, 0.7, 6)
+    assert k > 0
+    cost.observe_step(16, k, 3 * cost.step_time(16, k), 0.0)
+    assert cost.spec_scale[16] == pytest.approx(3.0)
+    assert cost.choose(16, 0.7, 6) == 0
+    assert cost.choose(1, 0.7, 6) > 0  # other batch sizes keep their own estimate

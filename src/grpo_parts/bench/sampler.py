@@ -1,7 +1,11 @@
 """``grpo-parts bench sampler``: tokens/s of samplers vs the reference sampler and transformers ``generate``.
 
-Every sampler runs on the same policy, prompts, ``max_new_tokens`` and sampling settings, with no
-EOS so every row emits exactly ``max_new_tokens`` tokens (equal work for everyone). Each point is
+Every sampler runs on the same policy, prompts, ``max_new_tokens`` and sampling settings. With a
+random policy there is no EOS, so every row emits exactly ``max_new_tokens`` tokens (equal work for
+everyone). With ``--policy task`` rows stop at the task's EOS, as in training: text past EOS is out
+of the policy's distribution (near-uniform, which no draft can predict), so forcing it would measure
+nothing real. Every sampler draws from the same distribution, so the expected work is equal; the
+ratio is of emitted tokens per second. Each point is
 the best of ``--repeats`` timed runs after one warm-up run; the samplers' runs are interleaved
 round-robin. ``--clock cpu`` times process CPU time instead of wall time (steadier on a shared box).
 
@@ -90,23 +94,82 @@ def _generate(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSa
 
 
 def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
-    """One row per ``--spec-drafts`` entry; learnable drafts are first distilled from
-    ``--spec-warmup`` rollouts of the policy (on other prompts) and then frozen while timed."""
-    from ..draft.training import make_draft, warm_up
+    """One row per ``--spec-drafts`` entry. Learnable drafts are first distilled offline on
+    ``--spec-text-batches`` batches of task text (``--policy task`` only, as EAGLE heads are trained
+    before deployment), then on ``--spec-warmup`` rollouts of the policy (other prompts), then frozen
+    while timed. With ``--policy task`` the ``frozen_lm`` draft is a 2-layer LM of half the policy's
+    width SFT-trained on the task like the policy (a random one would accept nothing)."""
+    from ..draft.training import distill_on_text, make_draft, warm_up
     from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
 
     out = []
     for name in args.spec_drafts.split(","):
-        draft = make_draft(name, policy, args.seed)
-        if draft.learnable and args.spec_warmup > 0:
-            params = SamplingParams(group_size=4, max_new_tokens=args.max_new_tokens, **_eos_kw(args))
-            hist = warm_up(draft, policy, lambda i: _prompts(args, 16, 4, 1000 + i), params, args.spec_warmup)
-            print(
-                f"{name}: distilled on {args.spec_warmup} rollouts, accepted/verify {[round(h, 2) for h in hist]}"
-            )
+        draft = _task_draft(policy, args) if name == "frozen_lm" and args.policy == "task" else None
+        draft = draft or make_draft(name, policy, args.seed)
+        if draft.learnable:
+            key = f"eagle_{_policy_key(args)}_text{args.spec_text_batches}_warm{args.spec_warmup}"
+            state = _cache_load(args, key)
+            if state is not None:
+                draft.load_state_dict(state)
+                print(f"{name}: loaded from the bench cache ({key})")
+            else:
+                if args.policy == "task" and args.spec_text_batches > 0:
+                    t0 = time.perf_counter()
+                    losses = distill_on_text(draft, policy, args.spec_text_batches, seed=args.seed)
+                    print(
+                        f"{name}: distilled on {len(losses)} batches of task text, loss {losses[0]:.3f} -> "
+                        f"{losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)"
+                    )
+                if args.spec_warmup > 0:
+                    params = SamplingParams(group_size=4, max_new_tokens=args.max_new_tokens, **_eos_kw(args))
+                    hist = warm_up(
+                        draft, policy, lambda i: _prompts(args, 16, 4, 1000 + i), params, args.spec_warmup
+                    )
+                    print(
+                        f"{name}: distilled on {args.spec_warmup} rollouts, accepted/verify "
+                        f"{[round(h, 2) for h in hist]}"
+                    )
+                _cache_save(args, key, draft.state_dict())
         cfg = SpeculativeConfig(max_draft_tokens=args.spec_max_draft, train_draft=False)
         out.append(BenchSampler("speculative", SpeculativeSampler(policy, draft, cfg), draft=name))
     return out
+
+
+def _task_draft(policy: torch.nn.Module, args: argparse.Namespace) -> Any:
+    from ..draft.reference import FrozenLMDraft
+    from ..draft.training import task_policy
+
+    hidden = max(32, args.hidden // 2)
+    key = f"frozen_lm_{_policy_key(args)}"
+    state = _cache_load(args, key)
+    small = task_policy(hidden, 2, 0 if state is not None else args.task_steps, args.seed)[0]
+    if state is not None:
+        small.load_state_dict(state)
+    else:
+        _cache_save(args, key, small.state_dict())
+    return FrozenLMDraft(small.eval())
+
+
+def _policy_key(args: argparse.Namespace) -> str:
+    return f"h{args.hidden}_l{args.layers}_steps{args.task_steps}_seed{args.seed}"
+
+
+def _cache_load(args: argparse.Namespace, key: str) -> Any:
+    import os
+
+    if not args.cache_dir:
+        return None
+    path = os.path.join(os.path.expanduser(args.cache_dir), key + ".pt")
+    return torch.load(path, weights_only=False) if os.path.isfile(path) else None
+
+
+def _cache_save(args: argparse.Namespace, key: str, state: Any) -> None:
+    import os
+
+    if args.cache_dir:
+        folder = os.path.expanduser(args.cache_dir)
+        os.makedirs(folder, exist_ok=True)
+        torch.save(state, os.path.join(folder, key + ".pt"))
 
 
 def _vllm(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
@@ -171,6 +234,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--spec-warmup", type=int, default=8, help="rollouts a learnable draft is distilled on first"
     )
     p.add_argument(
+        "--spec-text-batches", type=int, default=150,
+        help="--policy task: batches of task text a learnable draft is distilled on before the warm-up rollouts",
+    )  # fmt: skip
+    p.add_argument(
+        "--cache-dir", default="~/.cache/grpo_parts/bench",
+        help="--policy task: keep the trained policy and drafts here for re-runs ('' = no cache)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prompt-batches", type=int, default=1,
+        help="prompt batches per point (times and tokens summed; more = steadier points)",
+    )  # fmt: skip
+    p.add_argument(
         "--drift", action="store_true", help="also measure acceptance under policy drift (frozen vs online)"
     )
     p.add_argument("--drift-rounds", type=int, default=4)
@@ -182,11 +257,18 @@ def make_policy(args: argparse.Namespace) -> torch.nn.Module:
     if args.policy == "task":
         from ..draft.training import task_policy
 
+        key = f"policy_{_policy_key(args)}"
+        state = _cache_load(args, key)
         policy, args._task_prompt, args._eos, args._pad, args._task = task_policy(
-            args.hidden, args.layers, args.task_steps, args.seed
+            args.hidden, args.layers, 0 if state is not None else args.task_steps, args.seed
         )
+        if state is not None:
+            policy.load_state_dict(state)
+            print(f"policy: loaded from the bench cache ({key})")
+        else:
+            _cache_save(args, key, policy.state_dict())
         args.vocab = int(getattr(policy, "config").vocab_size)  # noqa: B009
-        return policy
+        return policy.eval()
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
@@ -302,7 +384,8 @@ def run(args: argparse.Namespace) -> int:
         "dtype": str(next(policy.parameters()).dtype),
         "machine": f"{platform.machine()} {platform.processor() or ''} torch threads={torch.get_num_threads()}",
         "torch": torch.__version__,
-        "clock": f"{args.clock}, best of {args.repeats} interleaved runs after a warm-up",
+        "clock": f"{args.clock}, best of {args.repeats} interleaved runs after a warm-up, "
+        f"summed over {args.prompt_batches} prompt batch(es)",
         "max_new_tokens": args.max_new_tokens,
         "prompt_len": args.prompt_len,
         "group_size": args.group_size,
@@ -320,12 +403,20 @@ def run(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             max_new_tokens=args.max_new_tokens,
             temperature=0.0 if mode == "greedy" else 1.0,
-            pad_token_id=args._pad if args.policy == "task" else 0,
+            **(_eos_kw(args) if args.policy == "task" else {"pad_token_id": 0}),
         )
         for batch in batches:
-            prompts = _prompts(args, batch, args.group_size, args.seed)
             found: list[dict[str, Any]] = []
-            for bs, (secs, toks, rollout) in zip(rows, time_samplers(rows, prompts, params, args, device)):
+            per_row: list[list[tuple[float, int, Rollout]]] = [[] for _ in rows]
+            for r in range(args.prompt_batches):
+                prompts = _prompts(args, batch, args.group_size, args.seed + r)
+                for i, res in enumerate(time_samplers(rows, prompts, params, args, device)):
+                    per_row[i].append(res)
+            for bs, results in zip(rows, per_row):
+                secs, toks = sum(x[0] for x in results), sum(x[1] for x in results)
+                apv = [
+                    x[2].stats["accepted_per_verify"] for x in results if "accepted_per_verify" in x[2].stats
+                ]
                 found.append(
                     dict(
                         sampler=bs.name,
@@ -335,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
                         tokens_per_s=toks / secs,
                         seconds=secs,
                         tokens=toks,
-                        accepted_per_verify=rollout.stats.get("accepted_per_verify"),
+                        accepted_per_verify=sum(apv) / len(apv) if apv else None,
                     )
                 )
             ref = next((p["tokens_per_s"] for p in found if p["sampler"] == "reference"), None)

@@ -43,8 +43,26 @@ def make_draft(name: str, policy: torch.nn.Module, seed: int = 0) -> DraftModel:
         )  # fmt: skip
         return cls(small.to(next(policy.parameters()).device))  # type: ignore[no-any-return]
     if name == "eagle":
-        return cls(policy)  # type: ignore[no-any-return]
+        from .eagle import EagleConfig
+
+        # the settings of the drift experiment: a higher lr and a full-weight distribution loss
+        # (acceptance is 1 - TV(p, q), so matching the distribution matters more than the feature)
+        return cls(policy, EagleConfig(lr=3e-3, ce_weight=1.0, seed=seed))  # type: ignore[no-any-return]
     return cls()  # type: ignore[no-any-return]
+
+
+def distill_on_text(
+    draft: DraftModel, policy: torch.nn.Module, batches: int, batch_size: int = 32, seed: int = 0
+) -> list[float]:
+    """Distil a learnable ``draft`` offline on ``batches`` batches of built-in task text (teacher-forced
+    policy features and logits), as EAGLE heads are trained before deployment. Returns the losses."""
+    if not draft.learnable or batches <= 0:
+        return []
+    _, problem, _, _, pad = _task_data(0, seed)
+    return [
+        float(draft.update(_text_batch(policy, problem, 5_000_000 + batch_size * i, batch_size, pad))["loss"])
+        for i in range(batches)
+    ]
 
 
 def warm_up(

@@ -88,6 +88,10 @@ class CostModel:
     margin: float = 1.1
     #: measured wall time of whole steps, per exact (active rows, draft length)
     measured: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: measured / predicted wall time of speculative steps, per calibrated batch size: corrects the
+    #: prediction for draft lengths not tried yet at this batch (cache housekeeping, sampling and
+    #: verification maths grow with ``A x (k + 1)`` and are not in the calibrated forward)
+    spec_scale: dict[int, float] = field(default_factory=dict)
     _memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def t_verify(self, a: int, t: int) -> float:
@@ -126,15 +130,27 @@ class CostModel:
         """Fold a whole step's wall time into the bookkeeping overhead of its kind, and into the
         measured cost of this exact ``(A, k)`` (which then overrides the calibrated prediction, so
         a start-up table taken under different load corrects itself)."""
+        if k > 0:
+            b = self._bucket(a)
+            ratio = seconds / max(self._predict(a, k), 1e-9)
+            old_s = self.spec_scale.get(b)
+            self.spec_scale[b] = ratio if old_s is None else self.ema * old_s + (1 - self.ema) * ratio
         resid = max(seconds - draft_seconds - self.t_verify(a, k + 1), 0.0)
         self.overhead[k > 0] = self.ema * self.overhead[k > 0] + (1 - self.ema) * resid
         old = self.measured.get((a, k))
         self.measured[(a, k)] = seconds if old is None else self.ema * old + (1 - self.ema) * seconds
 
+    def _bucket(self, a: int) -> int:
+        return min(self.batch_sizes, key=lambda x: abs(math.log(x) - math.log(max(a, 1))))
+
+    def _predict(self, a: int, k: int) -> float:
+        return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead[k > 0]
+
     def step_time(self, a: int, k: int) -> float:
         if (a, k) in self.measured:
             return self.measured[(a, k)]
-        return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead[k > 0]
+        scale = self.spec_scale.get(self._bucket(a), 1.0) if k > 0 else 1.0
+        return self._predict(a, k) * max(scale, 1.0)
 
     def rate(self, a: int, k: int, accept: float) -> float:
         """Tokens per second per row at draft length ``k``."""

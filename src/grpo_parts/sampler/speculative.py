@@ -336,8 +336,6 @@ class SpeculativeSampler:
             num_new = n_acc + 1
             if need_h:
                 h_parts = [right_align(out.hidden_states[-1], n_acc + 1, k + 1, 0.0)]
-            if self.cost is not None:
-                self.cost.observe_step(a, k, time.perf_counter() - t_step, t_draft)
             live = ~done[act]
             if bool(live.any()):
                 c = int((k - n_acc)[live].min())  # columns every surviving row rejected
@@ -347,6 +345,8 @@ class SpeculativeSampler:
                 if float(mask.sum(-1).max()) < (1 - self.config.compact_waste) * mask.shape[1]:
                     compacted = compact_cache(cache, mask)
                     mask = mask if compacted is None else compacted
+            if self.cost is not None:  # the whole step, cache housekeeping included
+                self.cost.observe_step(a, k, time.perf_counter() - t_step, t_draft)
         return ids, pmask, group, seq[:, width:], logps, emitted, params, prompts.num_prompts, stats
 
     def _finish(
