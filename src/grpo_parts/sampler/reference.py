@@ -1,8 +1,9 @@
 """Reference sampler: plain batched autoregressive sampling with a KV cache.
 
-One policy forward per emitted token for all rows at once. This is the baseline every speedup is
-measured against, so it is deliberately lean (no logits-processor stack, prefill computes only the
-last position's logits) -- docs/benchmarks.md shows it is at least as fast as ``generate``.
+One policy forward per emitted token for all rows still generating. This is the baseline every
+speedup is measured against, so it is deliberately lean (no logits-processor stack, prefill computes
+only the last position's logits, finished rows leave the batch) -- docs/benchmarks.md shows it is at
+least as fast as ``generate``.
 """
 
 from __future__ import annotations
@@ -93,20 +94,33 @@ class ReferenceSampler:
         eos = torch.tensor(params.eos_token_ids or (-1,), device=device)
         # Left padding: positions count real tokens only, so every row's first token has position 0.
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        prompt_mask = mask
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits[:, -1]
         next_pos = pos[:, -1:] + 1
 
-        tokens, logps = [], []
-        done = torch.zeros(n, dtype=torch.bool, device=device)
-        for step in range(params.max_new_tokens):
+        # Finished rows leave the batch (and the KV cache) at once, as vLLM's scheduler does; they
+        # cost nothing more. (``generate`` keeps them until the last row finishes.)
+        tmax = params.max_new_tokens
+        completion = torch.full((n, tmax), params.pad_token_id, dtype=ids.dtype, device=device)
+        lp = torch.zeros(n, tmax, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        lp = lp.to(device)
+        act = torch.arange(n, device=device)  # rollout rows still generating, in cache order
+        steps = 0
+        for step in range(tmax):
             tok = sample_tokens(logits, params, generator)
-            tok = torch.where(done, torch.full_like(tok, params.pad_token_id), tok)
-            tokens.append(tok)
-            logps.append(token_logprobs(logits, tok, params.logprob_temperature))
-            done = done | torch.isin(tok, eos)
-            if bool(done.all()) or step == params.max_new_tokens - 1:
+            completion[act, step] = tok
+            lp[act, step] = token_logprobs(logits, tok, params.logprob_temperature).to(lp.dtype)
+            steps = step + 1
+            if step == tmax - 1:
                 break
+            fin = torch.isin(tok, eos)
+            if bool(fin.any()):
+                keep = (~fin).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                act, tok, mask, next_pos = act[keep], tok[keep], mask[keep], next_pos[keep]
+                cache.batch_select_indices(keep)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = model(
                 input_ids=tok[:, None],
@@ -118,15 +132,14 @@ class ReferenceSampler:
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
 
-        completion = torch.stack(tokens, dim=1)
-        lp = torch.stack(logps, dim=1)
+        completion, lp = completion[:, :steps], lp[:, :steps]
         cmask = completion_mask_from_eos(completion, params.eos_token_ids)
         return Rollout(
             prompt_ids=ids,
-            prompt_mask=mask[:, : ids.shape[1]],
+            prompt_mask=prompt_mask,
             completion_ids=completion.masked_fill(cmask == 0, params.pad_token_id),
             completion_mask=cmask,
-            logprobs=(lp if lp.dtype == torch.float64 else lp.float()).masked_fill(cmask == 0, 0.0),
+            logprobs=lp.masked_fill(cmask == 0, 0.0),
             group_index=group,
             num_prompts=prompts.num_prompts,
         )
