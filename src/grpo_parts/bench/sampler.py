@@ -377,7 +377,16 @@ def run(args: argparse.Namespace) -> int:
         except (ImportError, GRPOPartsError) as e:  # NotSupportedError is a GRPOPartsError
             print(f"skipping {name}: {e}")
     setup = {
-        "command": "grpo-parts bench sampler " + ("--quick" if args.quick else f"--batches {args.batches}"),
+        "command": "grpo-parts bench sampler "
+        + ("--quick" if args.quick else f"--batches {args.batches}")
+        + f" --policy {args.policy} --hidden {args.hidden} --layers {args.layers} --samplers {args.samplers}"
+        + f" --spec-drafts {args.spec_drafts} --max-new-tokens {args.max_new_tokens} --repeats {args.repeats}"
+        + f" --prompt-batches {args.prompt_batches}"
+        + (
+            f" --task-steps {args.task_steps} --spec-text-batches {args.spec_text_batches}"
+            if args.policy == "task"
+            else ""
+        ),
         "policy": f"qwen2 tiny_causal_lm hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
         f"params={sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M",
         "device": str(next(policy.parameters()).device),
