@@ -206,13 +206,18 @@ class SpeculativeSampler:
         need_h = draft.needs_hidden_states
         draft.reset(ids, pmask, group)
 
-        # prefill; positions count real tokens only (left padding), as in the reference sampler
-        pos = (pmask.cumsum(-1) - 1).clamp(min=0)
+        # prefill each prompt once and copy its cache to its G rows (the group shares the prompt, as
+        # in Prefix Grouper and vLLM's prefix caching); positions count real tokens only (left
+        # padding), as in the reference sampler
+        g = params.group_size
+        u_ids, u_mask = prompts.input_ids.to(device), prompts.attention_mask.long().to(device)
         out = model(
-            input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True,
-            output_hidden_states=need_h, logits_to_keep=1,
+            input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True, output_hidden_states=need_h, logits_to_keep=1,
         )  # fmt: skip
-        cache, logits0 = out.past_key_values, out.logits[:, -1]
+        cache, logits0 = out.past_key_values, out.logits[:, -1].repeat_interleave(g, 0)
+        if g > 1:
+            cache.batch_repeat_interleave(g)
         first = sample_tokens(logits0, params, generator)
         seq = torch.cat([ids, torch.full((n, tmax), params.pad_token_id, device=device, dtype=ids.dtype)], 1)
         logps = torch.zeros(n, tmax, dtype=logits0.dtype if logits0.dtype == torch.float64 else torch.float32)
@@ -228,7 +233,7 @@ class SpeculativeSampler:
         mask, next_pos, last = pmask.long(), plen.clone(), first
         # policy features the draft has not seen yet, as right-aligned chunks (concatenated lazily:
         # a plain step only appends, so a long run of plain steps costs no O(T^2) copying)
-        h_parts: list[torch.Tensor] = [out.hidden_states[-1]] if need_h else []  # [A, M, H] each
+        h_parts: list[torch.Tensor] = [out.hidden_states[-1].repeat_interleave(g, 0)] if need_h else []
         num_new = plen.clone()
         stats = dict(
             verify_steps=0.0, plain_steps=0.0, drafted=0.0, accepted=0.0, emitted_spec=0.0, row_verifies=0.0

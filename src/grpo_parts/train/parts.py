@@ -21,7 +21,7 @@ log = logging.getLogger("grpo_parts.train")
 
 #: constructor arguments used when the config gives none for that part
 DEFAULT_KWARGS: dict[str, dict[str, dict[str, Any]]] = {
-    "filter": {"cppo": {"pruning_rate": 0.5}, "pods": {"pruning_rate": 0.5}},
+    "filter": {"cppo": {"pruning_rate": 0.75}, "pods": {"pruning_rate": 0.5}},
 }
 
 
