@@ -87,6 +87,6 @@ def test_one_slow_speculative_step_corrects_every_draft_length() -> None:
     k = cost.choose(16, 0.7, 6)
     assert k > 0
     cost.observe_step(16, k, 3 * cost.step_time(16, k), 0.0)
-    assert cost.spec_scale[16] == pytest.approx(3.0)
+    assert cost.scale[(16, True)] == pytest.approx(3.0)
     assert cost.choose(16, 0.7, 6) == 0
     assert cost.choose(1, 0.7, 6) > 0  # other batch sizes keep their own estimate

@@ -86,12 +86,12 @@ class CostModel:
     ema: float = 0.8
     #: a draft length must beat plain decoding by this factor (timing noise must not flip decisions)
     margin: float = 1.1
-    #: measured wall time of whole steps, per exact (active rows, draft length)
+    #: measured wall time of whole steps, per exact (active rows, draft length) (for inspection)
     measured: dict[tuple[int, int], float] = field(default_factory=dict)
-    #: measured / predicted wall time of speculative steps, per calibrated batch size: corrects the
-    #: prediction for draft lengths not tried yet at this batch (cache housekeeping, sampling and
-    #: verification maths grow with ``A x (k + 1)`` and are not in the calibrated forward)
-    spec_scale: dict[int, float] = field(default_factory=dict)
+    #: measured / predicted wall time per (calibrated batch size, speculative?): corrects every
+    #: prediction at that batch size, draft lengths not tried yet included (cache housekeeping,
+    #: sampling and verification maths grow with ``A x (k + 1)`` and are not in the calibrated forward)
+    scale: dict[tuple[int, bool], float] = field(default_factory=dict)
     _memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def t_verify(self, a: int, t: int) -> float:
@@ -127,14 +127,15 @@ class CostModel:
             del self._memo[key]
 
     def observe_step(self, a: int, k: int, seconds: float, draft_seconds: float) -> None:
-        """Fold a whole step's wall time into the bookkeeping overhead of its kind, and into the
-        measured cost of this exact ``(A, k)`` (which then overrides the calibrated prediction, so
-        a start-up table taken under different load corrects itself)."""
-        if k > 0:
-            b = self._bucket(a)
-            ratio = seconds / max(self._predict(a, k), 1e-9)
-            old_s = self.spec_scale.get(b)
-            self.spec_scale[b] = ratio if old_s is None else self.ema * old_s + (1 - self.ema) * ratio
+        """Fold a whole step's wall time into the measured / predicted ratio of its kind (plain or
+        speculative) at the nearest calibrated batch size, and into the bookkeeping overhead of its
+        kind. Predictions are then scaled by that ratio, so a start-up table taken under different
+        load corrects itself, while the *shape* of the cost in ``k`` stays the calibrated one (a
+        per-``k`` measurement would let timing noise on one step lock in a worse draft length)."""
+        key = (self._bucket(a), k > 0)
+        ratio = seconds / max(self._predict(a, k), 1e-9)
+        old_s = self.scale.get(key)
+        self.scale[key] = ratio if old_s is None else self.ema * old_s + (1 - self.ema) * ratio
         resid = max(seconds - draft_seconds - self.t_verify(a, k + 1), 0.0)
         self.overhead[k > 0] = self.ema * self.overhead[k > 0] + (1 - self.ema) * resid
         old = self.measured.get((a, k))
@@ -147,10 +148,7 @@ class CostModel:
         return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead[k > 0]
 
     def step_time(self, a: int, k: int) -> float:
-        if (a, k) in self.measured:
-            return self.measured[(a, k)]
-        scale = self.spec_scale.get(self._bucket(a), 1.0) if k > 0 else 1.0
-        return self._predict(a, k) * max(scale, 1.0)
+        return self._predict(a, k) * self.scale.get((self._bucket(a), k > 0), 1.0)
 
     def rate(self, a: int, k: int, accept: float) -> float:
         """Tokens per second per row at draft length ``k``."""
@@ -194,7 +192,7 @@ def batch_grid(max_rows: int) -> list[int]:
 
 
 def token_grid(max_tokens: int) -> list[int]:
-    return sorted({t for t in (1, 2, 4, max_tokens) if t <= max_tokens})
+    return sorted({t for t in (1, 2, 3, 5, max_tokens) if t <= max_tokens})
 
 
 def _best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -229,7 +227,7 @@ def calibrate_policy(
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         row: list[float] = []
-        for j, t in enumerate(tokens):
+        for t in tokens:
             step = torch.randint(0, vocab, (a, t), generator=gen).to(device)
             mask = torch.ones(a, context_len + t, dtype=torch.long, device=device)
             pos = torch.arange(context_len, context_len + t, device=device).expand(a, t)
@@ -250,8 +248,7 @@ def calibrate_policy(
                 cache.crop(context_len)
                 sync()
 
-            if j == 0:
-                fwd()  # warm-up (once per batch size: the shapes differ only in T)
+            fwd()  # warm-up
             row.append(_best_time(fwd, repeats))
         # cost never decreases with more tokens; enforce it against timing noise
         for j in range(1, len(row)):
