@@ -228,7 +228,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-steps", type=int, default=300, help="SFT steps for --policy task")
     p.add_argument("--spec-drafts", default="ngram,eagle,frozen_lm", help="drafts of the speculative rows")
     p.add_argument(
-        "--spec-max-draft", type=int, default=8, help="largest draft length the cost model may pick"
+        "--spec-max-draft", type=int, default=6, help="largest draft length the cost model may pick"
     )
     p.add_argument(
         "--spec-warmup", type=int, default=8, help="rollouts a learnable draft is distilled on first"

@@ -43,7 +43,7 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_draft_tokens: int = Field(8, ge=1, le=32)
+    max_draft_tokens: int = Field(6, ge=1, le=32)
     draft_tokens: int | None = Field(None, ge=0, le=32)
     calibrate_repeats: int = Field(2, ge=1)
     acceptance_prior: float = Field(0.6, gt=0.0, lt=1.0)
