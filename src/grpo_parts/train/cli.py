@@ -3,6 +3,7 @@
 grpo-parts train                                   # built-in task, optimized parts, ~5 min on 2 CPU cores
 grpo-parts train --reference                       # the same with every part switched to its reference
 grpo-parts train --compare                         # both, same seed and data; time to target accuracy
+grpo-parts train --compare --seeds 3               # the same for 3 seeds; median speedup to target
 grpo-parts train --config run.yaml --set lr=1e-4 --set parts.filter=keep_all
 grpo-parts train --model ./my-checkpoint --data problems.jsonl --device cuda
 grpo-parts train --resume runs/NAME --steps 200    # continue a run from its last checkpoint
@@ -74,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=float, help="held-out accuracy for time-to-target (default 0.6)")
     parser.add_argument("--json", type=Path, help="--compare: also write the comparison JSON here")
     parser.add_argument(
+        "--seeds", type=int, default=1,
+        help="--compare: repeat for this many consecutive seeds and report the median (time to target is noisy)",
+    )  # fmt: skip
+    parser.add_argument(
         "--resume", type=Path, metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -109,10 +114,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.compare:
-        from .compare import compare
+        from .compare import compare, compare_seeds
 
         cfg = config_from_args(args)
-        res = compare(cfg, json_path=args.json)
+        seeds = getattr(args, "seeds", 1)
+        res = (
+            compare_seeds(cfg, seeds, json_path=args.json) if seeds > 1 else compare(cfg, json_path=args.json)
+        )
         print(res["markdown"])
         return 0
     from .run import resume_config, train
