@@ -60,6 +60,7 @@ FACTORIES: dict[tuple[str, str], Callable[[torch.nn.Module], Any]] = {
     ("draft", "frozen_lm"): lambda policy: load(draft_part.IMPLEMENTATIONS, "frozen_lm", "draft")(
         _draft_lm()
     ),
+    ("draft", "small_lm"): lambda policy: load(draft_part.IMPLEMENTATIONS, "small_lm", "draft")(_draft_lm()),
     ("attention", "reference"): lambda policy: load(
         attention_part.IMPLEMENTATIONS, "reference", "attention"
     )(),

@@ -10,6 +10,7 @@ import torch
 from grpo_parts.draft.eagle import EagleDraft
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.draft.reference import FrozenLMDraft
+from grpo_parts.draft.small_lm import CachedLMDraft
 from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
@@ -35,12 +36,14 @@ def policy() -> torch.nn.Module:
 def make_draft(name: str, policy: torch.nn.Module) -> object:
     if name == "frozen_lm":
         return FrozenLMDraft(_lm(1, 1, policy.dtype, 12.0))
+    if name == "small_lm":
+        return CachedLMDraft(_lm(1, 1, policy.dtype, 12.0))
     if name == "ngram":
         return NGramDraft(max_ngram=3)
     return EagleDraft(policy)
 
 
-DRAFTS = ["frozen_lm", "ngram", "eagle"]
+DRAFTS = ["frozen_lm", "small_lm", "ngram", "eagle"]
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 1, 2, 5], [3]]
 
 

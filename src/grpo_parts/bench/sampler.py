@@ -97,14 +97,16 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
     """One row per ``--spec-drafts`` entry. Learnable drafts are first distilled offline on
     ``--spec-text-batches`` batches of task text (``--policy task`` only, as EAGLE heads are trained
     before deployment), then on ``--spec-warmup`` rollouts of the policy (other prompts), then frozen
-    while timed. With ``--policy task`` the ``frozen_lm`` draft is a 2-layer LM of half the policy's
-    width SFT-trained on the task like the policy (a random one would accept nothing)."""
+    while timed. With ``--policy task`` the ``frozen_lm`` and ``small_lm`` drafts are the same 2-layer
+    LM of half the policy's width SFT-trained on the task like the policy (a random one would accept
+    nothing): ``frozen_lm`` re-encodes its context per token, ``small_lm`` keeps a KV cache."""
     from ..draft.training import distill_on_text, make_draft, warm_up
     from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
 
     out = []
     for name in args.spec_drafts.split(","):
-        draft = _task_draft(policy, args) if name == "frozen_lm" and args.policy == "task" else None
+        small = name in ("frozen_lm", "small_lm") and args.policy == "task"
+        draft = _task_draft(policy, args, name) if small else None
         draft = draft or make_draft(name, policy, args.seed)
         if draft.learnable:
             key = f"eagle_{_policy_key(args)}_text{args.spec_text_batches}_warm{args.spec_warmup}"
@@ -135,8 +137,8 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
     return out
 
 
-def _task_draft(policy: torch.nn.Module, args: argparse.Namespace) -> Any:
-    from ..draft.reference import FrozenLMDraft
+def _task_draft(policy: torch.nn.Module, args: argparse.Namespace, name: str) -> Any:
+    from ..draft import get_draft_class
     from ..draft.training import task_policy
 
     hidden = max(32, args.hidden // 2)
@@ -147,7 +149,7 @@ def _task_draft(policy: torch.nn.Module, args: argparse.Namespace) -> Any:
         small.load_state_dict(state)
     else:
         _cache_save(args, key, small.state_dict())
-    return FrozenLMDraft(small.eval())
+    return get_draft_class(name)(small.eval())
 
 
 def _policy_key(args: argparse.Namespace) -> str:
@@ -226,7 +228,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prompts from the task, rows stop at EOS)",
     )  # fmt: skip
     p.add_argument("--task-steps", type=int, default=300, help="SFT steps for --policy task")
-    p.add_argument("--spec-drafts", default="ngram,eagle,frozen_lm", help="drafts of the speculative rows")
+    p.add_argument(
+        "--spec-drafts", default="ngram,eagle,small_lm,frozen_lm", help="drafts of the speculative rows"
+    )
     p.add_argument(
         "--spec-max-draft", type=int, default=6, help="largest draft length the cost model may pick"
     )

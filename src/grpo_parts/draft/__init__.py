@@ -9,10 +9,11 @@ from .protocol import DraftContext, DraftModel, DraftProposal, DraftTrainingBatc
 
 IMPLEMENTATIONS: dict[str, str] = {
     "frozen_lm": "grpo_parts.draft.reference:FrozenLMDraft",
+    "small_lm": "grpo_parts.draft.small_lm:CachedLMDraft",
     "ngram": "grpo_parts.draft.ngram:NGramDraft",
     "eagle": "grpo_parts.draft.eagle:EagleDraft",
 }
-AUTO_PRIORITY: tuple[str, ...] = ("ngram", "eagle", "frozen_lm")
+AUTO_PRIORITY: tuple[str, ...] = ("ngram", "eagle", "small_lm", "frozen_lm")
 
 
 def get_draft_class(name: str) -> Any:

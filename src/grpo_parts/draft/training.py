@@ -28,11 +28,11 @@ from .protocol import DraftModel, DraftTrainingBatch
 
 
 def make_draft(name: str, policy: torch.nn.Module, seed: int = 0) -> DraftModel:
-    """A draft by registry name with bench defaults (``frozen_lm``: a random 1-layer LM, half width)."""
+    """A draft by registry name with bench defaults (``frozen_lm`` / ``small_lm``: a random 1-layer LM, half width)."""
     from . import get_draft_class
 
     cls = get_draft_class(name)
-    if name == "frozen_lm":
+    if name in ("frozen_lm", "small_lm"):
         from ..tiny import tiny_causal_lm
 
         cfg: Any = policy.config
