@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import GRPOPartsError
 from ..sampler.logits import sampling_probs
 from ..sampler.protocol import SamplingParams
-from ..sampler.speculative import compact_cache
+from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch
 
 
@@ -137,9 +137,7 @@ class EagleDraft:
             self.head.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )
         self.updates = 0
-        self._cache: Any = None
-        self._mask = self._rows = torch.empty(0, dtype=torch.long)
-        self._spec = 0
+        self._kv: DraftKVState | None = None
 
     def bind_policy(self, policy: torch.nn.Module) -> None:
         model: Any = policy
@@ -154,12 +152,7 @@ class EagleDraft:
 
     # ------------------------------------------------------------------ drafting
     def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
-        from transformers import DynamicCache
-
-        self._cache = DynamicCache()
-        self._mask = torch.zeros(prompts.shape[0], 0, dtype=torch.long, device=prompts.device)
-        self._rows = torch.arange(prompts.shape[0], device=prompts.device)
-        self._spec = 0
+        self._kv = DraftKVState(prompts.shape[0], prompts.device)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # the policy's lm_head, detached: the draft never trains (or accumulates grads into) the policy
@@ -180,27 +173,21 @@ class EagleDraft:
                 "DraftContext.new_hidden: the eagle draft needs the policy's hidden states, got None"
             )
         self.head.eval()
-        cache = self._cache
-        if self._spec:  # drop last call's drafted entries: the policy's true features replace them
-            cache.crop(self._mask.shape[1] - self._spec)
-            self._mask = self._mask[:, : -self._spec]
-        if not torch.equal(context.rows, self._rows):  # rows finished since the last call
-            pos_of = {int(r): i for i, r in enumerate(self._rows.tolist())}
-            sel = torch.tensor([pos_of[int(r)] for r in context.rows.tolist()], device=self._mask.device)
-            cache.batch_select_indices(sel)
-            self._mask, self._rows = self._mask[sel], context.rows.clone()
-        if self._mask.shape[1] > 64 and float(self._mask.sum(-1).max()) < 0.5 * self._mask.shape[1]:
-            new = compact_cache(cache, self._mask)  # too many holes: gather live entries
-            self._mask = self._mask if new is None else new
+        if self._kv is None:
+            self._kv = DraftKVState(context.tokens.shape[0], context.tokens.device)
+            self._kv.rows = context.rows.clone()
+        kv = self._kv
+        # drop last call's drafted entries (the policy's true features replace them) and finished rows
+        kv.begin_call(context.rows)
         feats, num = context.new_hidden, context.num_new
         a, m = feats.shape[:2]
         j = torch.arange(m, device=feats.device)
         valid = (j[None, :] >= (m - num)[:, None]).long()
         pos = (context.lengths[:, None] - m + j[None, :]).clamp(min=0)
-        self._mask = torch.cat([self._mask, valid], 1)
+        kv.append(valid)
         out = self.head(
-            self.embed(context.tokens[:, -m:]), feats, attention_mask=self._mask, position_ids=pos,  # type: ignore[operator]
-            past_key_values=cache, use_cache=True,
+            self.embed(context.tokens[:, -m:]), feats, attention_mask=kv.mask, position_ids=pos,  # type: ignore[operator]
+            past_key_values=kv.cache, use_cache=True,
         )  # fmt: skip
         toks, probs = [], []
         h = out.last_hidden_state[:, -1:]
@@ -211,19 +198,19 @@ class EagleDraft:
             probs.append(q)
             if i == num_tokens - 1:
                 break
-            self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], 1)
+            kv.append(torch.ones_like(kv.mask[:, :1]))
             out = self.head(
-                self.embed(d[:, None]), h, attention_mask=self._mask,  # type: ignore[operator]
-                position_ids=context.lengths[:, None] + i, past_key_values=cache, use_cache=True,
+                self.embed(d[:, None]), h, attention_mask=kv.mask,  # type: ignore[operator]
+                position_ids=context.lengths[:, None] + i, past_key_values=kv.cache, use_cache=True,
             )  # fmt: skip
             h = out.last_hidden_state
-        self._spec = num_tokens - 1
+        kv.spec = num_tokens - 1
         return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1))
 
     def observe(
         self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor
     ) -> None:
-        self._cache = None  # free the rollout's cache
+        self._kv = None  # free the rollout's cache
 
     # ------------------------------------------------------------------ online learning
     def loss(self, batch: DraftTrainingBatch, rows: torch.Tensor | None = None) -> torch.Tensor:

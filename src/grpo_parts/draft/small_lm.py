@@ -15,13 +15,13 @@ Its proposals are the same distributions as :class:`FrozenLMDraft`'s (tested), o
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..sampler.logits import sampling_probs
 from ..sampler.protocol import SamplingParams
-from ..sampler.verify import compact_cache
+from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal
 from .reference import FrozenLMDraft
 
@@ -33,24 +33,18 @@ class CachedLMDraft(FrozenLMDraft):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(model)
-        self._cache: Any = None
-        self._mask = self._rows = self._seen = torch.empty(0, dtype=torch.long)
-        self._spec = 0
+        self._kv: DraftKVState | None = None
+        self._seen = torch.empty(0, dtype=torch.long)  # real tokens in the cache, per row
 
     def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
-        from transformers import DynamicCache
+        self._kv = DraftKVState(prompts.shape[0], prompts.device)
+        self._seen = torch.zeros(prompts.shape[0], dtype=torch.long, device=prompts.device)
 
-        n, device = prompts.shape[0], prompts.device
-        self._cache = DynamicCache()
-        self._mask = torch.zeros(n, 0, dtype=torch.long, device=device)
-        self._rows = torch.arange(n, device=device)
-        self._seen = torch.zeros(n, dtype=torch.long, device=device)  # real tokens in the cache, per row
-        self._spec = 0
-
-    def _forward(self, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        self._mask = torch.cat([self._mask, valid], 1)
+    def _forward(
+        self, kv: DraftKVState, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
         out = self.model(
-            input_ids=ids, attention_mask=self._mask, position_ids=pos, past_key_values=self._cache,
+            input_ids=ids, attention_mask=kv.append(valid), position_ids=pos, past_key_values=kv.cache,
             use_cache=True, logits_to_keep=1,
         )  # fmt: skip
         return out.logits[:, -1]
@@ -63,20 +57,14 @@ class CachedLMDraft(FrozenLMDraft):
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
-        if self._cache is None:  # propose without reset: start a cache for these rows
+        if self._kv is None:  # propose without reset: start a cache for these rows
             self.reset(context.tokens, torch.ones_like(context.tokens), context.group_index)
-            self._rows = context.rows.clone()
-        if self._spec:  # last call's drafted entries: the verified tokens replace them
-            self._cache.crop(self._mask.shape[1] - self._spec)
-            self._mask = self._mask[:, : -self._spec]
-        if not torch.equal(context.rows, self._rows):  # rows finished since the last call
-            pos_of = {int(r): i for i, r in enumerate(self._rows.tolist())}
-            sel = torch.tensor([pos_of[int(r)] for r in context.rows.tolist()], device=self._mask.device)
-            self._cache.batch_select_indices(sel)
-            self._mask, self._seen, self._rows = self._mask[sel], self._seen[sel], context.rows.clone()
-        if self._mask.shape[1] > 64 and float(self._mask.sum(-1).max()) < 0.5 * self._mask.shape[1]:
-            new = compact_cache(self._cache, self._mask)
-            self._mask = self._mask if new is None else new
+            assert self._kv is not None
+            self._kv.rows = context.rows.clone()
+        kv = self._kv
+        sel = kv.begin_call(context.rows)  # crop last call's drafted entries, drop finished rows
+        if sel is not None:
+            self._seen = self._seen[sel]
         # feed each row's tokens the cache has not seen (right-aligned; shorter rows leave holes)
         lengths = context.lengths
         num_new = (lengths - self._seen).clamp(min=1)
@@ -84,7 +72,7 @@ class CachedLMDraft(FrozenLMDraft):
         j = torch.arange(m, device=lengths.device)
         valid = (j[None, :] >= (m - num_new)[:, None]).long()
         pos = (lengths[:, None] - m + j[None, :]).clamp(min=0)
-        logits = self._forward(context.tokens[:, -m:], valid, pos)
+        logits = self._forward(kv, context.tokens[:, -m:], valid, pos)
         self._seen = lengths.clone()
         toks, probs = [], []
         for i in range(num_tokens):
@@ -94,11 +82,11 @@ class CachedLMDraft(FrozenLMDraft):
             probs.append(q)
             if i == num_tokens - 1:
                 break
-            logits = self._forward(d[:, None], torch.ones_like(d[:, None]), (lengths + i)[:, None])
-        self._spec = num_tokens - 1
+            logits = self._forward(kv, d[:, None], torch.ones_like(d[:, None]), (lengths + i)[:, None])
+        kv.spec = num_tokens - 1
         return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1))
 
     def observe(
         self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor
     ) -> None:
-        self._cache = None  # free the rollout's cache
+        self._kv = None  # free the rollout's cache

@@ -1,0 +1,51 @@
+"""KV-cache bookkeeping shared by the KV-cached drafts (the EAGLE head and the small LM).
+
+A draft keeps one cache per rollout. Rows accept different counts, so a call feeds each row's new
+entries right-aligned, and a row with fewer leaves masked *holes* (``mask == 0``; callers pass
+explicit positions, so a hole never shifts one). Each call also appends ``k - 1`` speculative
+entries, which the next call crops: the verified tokens replace them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..sampler.verify import compact_cache
+
+
+class DraftKVState:
+    """``cache`` (a transformers ``DynamicCache``), ``mask: [A, L]`` and ``rows: [A]`` (rollout rows,
+    in cache order) of one rollout."""
+
+    def __init__(self, n: int, device: torch.device):
+        from transformers import DynamicCache
+
+        self.cache: Any = DynamicCache()
+        self.mask = torch.zeros(n, 0, dtype=torch.long, device=device)
+        self.rows = torch.arange(n, device=device)
+        self.spec = 0  # speculative entries appended by the last call
+
+    def begin_call(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Crop the last call's speculative entries, drop rows that finished since (returns the
+        kept indices, for the caller's own per-row state, or None), compact when mostly holes."""
+        if self.spec:
+            self.cache.crop(self.mask.shape[1] - self.spec)
+            self.mask = self.mask[:, : -self.spec]
+            self.spec = 0
+        sel = None
+        if not torch.equal(rows, self.rows):
+            pos_of = {int(r): i for i, r in enumerate(self.rows.tolist())}
+            sel = torch.tensor([pos_of[int(r)] for r in rows.tolist()], device=self.mask.device)
+            self.cache.batch_select_indices(sel)
+            self.mask, self.rows = self.mask[sel], rows.clone()
+        if self.mask.shape[1] > 64 and float(self.mask.sum(-1).max()) < 0.5 * self.mask.shape[1]:
+            new = compact_cache(self.cache, self.mask)  # too many holes: gather live entries
+            self.mask = self.mask if new is None else new
+        return sel
+
+    def append(self, valid: torch.Tensor) -> torch.Tensor:
+        """Extend the mask by ``valid: [A, m]`` (the entries about to be fed); returns the mask."""
+        self.mask = torch.cat([self.mask, valid], 1)
+        return self.mask
