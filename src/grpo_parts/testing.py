@@ -19,7 +19,8 @@ scipy is needed for the p-value (it is in the ``dev`` extra).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -147,3 +148,22 @@ def chi_square_gof(
     if len(exp_b) < 2:
         return 1.0
     return float(chisquare(obs_b, exp_b).pvalue)
+
+
+def record_proposals(draft: Any, run: Callable[[], object]) -> list[torch.Tensor]:
+    """Call ``run()`` with ``draft.propose`` wrapped; return the draft distribution ``probs`` of
+    every proposal it made, in order (to compare two drafts, or two code paths, on the same run)."""
+    seen: list[torch.Tensor] = []
+    propose = draft.propose
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        out = propose(*args, **kwargs)
+        seen.append(out.probs.clone())
+        return out
+
+    draft.propose = spy
+    try:
+        run()
+    finally:
+        del draft.propose
+    return seen

@@ -8,6 +8,7 @@ import torch
 from grpo_parts.draft.eagle import DIRECT_LAYER_FAMILIES, EagleDraft
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.testing import record_proposals
 from grpo_parts.tiny import tiny_causal_lm
 
 
@@ -15,20 +16,11 @@ def _record(
     draft: EagleDraft, direct: bool, policy: torch.nn.Module, params: SamplingParams
 ) -> list[torch.Tensor]:
     draft.head.direct = direct
-    seen: list[torch.Tensor] = []
-    propose = draft.propose
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        out = propose(*args, **kwargs)
-        seen.append(out.probs.clone())
-        return out
-
-    draft.propose = spy  # type: ignore[method-assign]
     prompts = PromptBatch.from_lists([[5, 6, 7, 8, 9], [4, 2], [9, 9, 3, 1]], pad_token_id=0)
     sampler = SpeculativeSampler(policy, draft, SpeculativeConfig(draft_tokens=3, train_draft=False))
-    sampler.generate(prompts, params, torch.Generator().manual_seed(0))
-    del draft.propose
-    return seen
+    return record_proposals(
+        draft, lambda: sampler.generate(prompts, params, torch.Generator().manual_seed(0))
+    )
 
 
 @pytest.mark.parametrize("family", sorted(DIRECT_LAYER_FAMILIES))

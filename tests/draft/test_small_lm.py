@@ -9,26 +9,20 @@ from grpo_parts.draft.reference import FrozenLMDraft
 from grpo_parts.draft.small_lm import CachedLMDraft
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.testing import record_proposals
 from grpo_parts.tiny import tiny_causal_lm
 
 
 def _proposals(draft: FrozenLMDraft, policy: torch.nn.Module, k: int | None) -> list[torch.Tensor]:
-    seen: list[torch.Tensor] = []
-    propose = draft.propose
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        out = propose(*args, **kwargs)
-        seen.append(out.probs.clone())
-        return out
-
-    draft.propose = spy  # type: ignore[method-assign]
     prompts = PromptBatch.from_lists([[5, 6, 7, 8, 9], [4, 2], [9, 9, 3, 1]], pad_token_id=0)
     # greedy: both drafts see the same verified tokens, so their contexts are the same; rows accept
     # different counts (holes) and one row stops at EOS 3 early (rows leave the cache)
     params = SamplingParams(group_size=2, max_new_tokens=16, temperature=0.0, eos_token_ids=(3,))
     cfg = SpeculativeConfig(draft_tokens=k, max_draft_tokens=4, train_draft=False, calibrate_repeats=1)
-    SpeculativeSampler(policy, draft, cfg).generate(prompts, params, torch.Generator().manual_seed(0))
-    return seen
+    sampler = SpeculativeSampler(policy, draft, cfg)
+    return record_proposals(
+        draft, lambda: sampler.generate(prompts, params, torch.Generator().manual_seed(0))
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
