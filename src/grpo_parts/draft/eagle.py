@@ -152,7 +152,7 @@ class EagleDraft:
 
     # ------------------------------------------------------------------ drafting
     def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
-        self._kv = DraftKVState(prompts.shape[0], prompts.device)
+        self._kv = DraftKVState(torch.arange(prompts.shape[0], device=prompts.device))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # the policy's lm_head, detached: the draft never trains (or accumulates grads into) the policy
@@ -173,10 +173,7 @@ class EagleDraft:
                 "DraftContext.new_hidden: the eagle draft needs the policy's hidden states, got None"
             )
         self.head.eval()
-        if self._kv is None:
-            self._kv = DraftKVState(context.tokens.shape[0], context.tokens.device)
-            self._kv.rows = context.rows.clone()
-        kv = self._kv
+        kv = self._kv = self._kv or DraftKVState(context.rows)  # propose without reset: a fresh cache
         # drop last call's drafted entries (the policy's true features replace them) and finished rows
         kv.begin_call(context.rows)
         feats, num = context.new_hidden, context.num_new

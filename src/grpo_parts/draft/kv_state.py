@@ -19,12 +19,12 @@ class DraftKVState:
     """``cache`` (a transformers ``DynamicCache``), ``mask: [A, L]`` and ``rows: [A]`` (rollout rows,
     in cache order) of one rollout."""
 
-    def __init__(self, n: int, device: torch.device):
+    def __init__(self, rows: torch.Tensor):
         from transformers import DynamicCache
 
         self.cache: Any = DynamicCache()
-        self.mask = torch.zeros(n, 0, dtype=torch.long, device=device)
-        self.rows = torch.arange(n, device=device)
+        self.mask = torch.zeros(rows.shape[0], 0, dtype=torch.long, device=rows.device)
+        self.rows = rows.clone()
         self.spec = 0  # speculative entries appended by the last call
 
     def begin_call(self, rows: torch.Tensor) -> torch.Tensor | None:

@@ -37,8 +37,12 @@ class CachedLMDraft(FrozenLMDraft):
         self._seen = torch.empty(0, dtype=torch.long)  # real tokens in the cache, per row
 
     def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
-        self._kv = DraftKVState(prompts.shape[0], prompts.device)
-        self._seen = torch.zeros(prompts.shape[0], dtype=torch.long, device=prompts.device)
+        self._start(torch.arange(prompts.shape[0], device=prompts.device))
+
+    def _start(self, rows: torch.Tensor) -> DraftKVState:
+        self._kv = DraftKVState(rows)
+        self._seen = torch.zeros_like(rows)
+        return self._kv
 
     def _forward(
         self, kv: DraftKVState, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor
@@ -57,11 +61,7 @@ class CachedLMDraft(FrozenLMDraft):
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
-        if self._kv is None:  # propose without reset: start a cache for these rows
-            self.reset(context.tokens, torch.ones_like(context.tokens), context.group_index)
-            assert self._kv is not None
-            self._kv.rows = context.rows.clone()
-        kv = self._kv
+        kv = self._kv or self._start(context.rows)  # propose without reset: a fresh cache
         sel = kv.begin_call(context.rows)  # crop last call's drafted entries, drop finished rows
         if sel is not None:
             self._seen = self._seen[sel]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,11 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     return max(y, 1e-9)
+
+
+def _nearest(sizes: Iterable[int], a: int) -> int:
+    """The size closest to ``a`` on a log scale (batch sizes are calibrated on a doubling grid)."""
+    return min(sizes, key=lambda x: abs(math.log(x) - math.log(max(a, 1))))
 
 
 @dataclass
@@ -86,8 +91,6 @@ class CostModel:
     ema: float = 0.8
     #: a draft length must beat plain decoding by this factor (timing noise must not flip decisions)
     margin: float = 1.1
-    #: measured wall time of whole steps, per exact (active rows, draft length) (for inspection)
-    measured: dict[tuple[int, int], float] = field(default_factory=dict)
     #: measured / predicted wall time per (calibrated batch size, speculative?): corrects every
     #: prediction at that batch size, draft lengths not tried yet included (cache housekeeping,
     #: sampling and verification maths grow with ``A x (k + 1)`` and are not in the calibrated forward)
@@ -116,7 +119,7 @@ class CostModel:
         """Fold a measured ``draft.propose`` time into the nearest calibrated batch size."""
         if k <= 0 or not self.draft_fixed:
             return
-        b = min(self.draft_fixed, key=lambda x: abs(math.log(x) - math.log(max(a, 1))))
+        b = _nearest(self.draft_fixed, a)
         pred = self.draft_fixed[b] + k * self.draft_per_token[b]
         scale = (seconds * b / max(a, 1) if a > b else seconds) / max(pred, 1e-9)
         scale = min(max(scale, 0.25), 4.0)
@@ -138,11 +141,9 @@ class CostModel:
         self.scale[key] = ratio if old_s is None else self.ema * old_s + (1 - self.ema) * ratio
         resid = max(seconds - draft_seconds - self.t_verify(a, k + 1), 0.0)
         self.overhead[k > 0] = self.ema * self.overhead[k > 0] + (1 - self.ema) * resid
-        old = self.measured.get((a, k))
-        self.measured[(a, k)] = seconds if old is None else self.ema * old + (1 - self.ema) * seconds
 
     def _bucket(self, a: int) -> int:
-        return min(self.batch_sizes, key=lambda x: abs(math.log(x) - math.log(max(a, 1))))
+        return _nearest(self.batch_sizes, a)
 
     def _predict(self, a: int, k: int) -> float:
         return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead[k > 0]
