@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -22,3 +24,19 @@ settings.register_profile(
     "dev", deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# Tests that need a training framework (TRL, verl, OpenRLHF) or vLLM carry the ``frameworks`` marker:
+# everything under tests/adapters/ and tests/sampler_vllm/, and any module that sets
+# ``pytestmark = pytest.mark.frameworks``. The "core suite" (``-m "not slow and not gpu and not
+# frameworks"``) is what scripts/test-install.sh runs under the newest and the floor transformers,
+# where those frameworks (which pin older transformers) are not installed.
+_FRAMEWORK_DIRS = ("adapters", "sampler_vllm")
+
+
+def pytest_collection_modifyitems(config: object, items: list[pytest.Item]) -> None:
+    tests_root = Path(__file__).resolve().parent
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(tests_root)
+        if rel.parts and rel.parts[0] in _FRAMEWORK_DIRS:
+            item.add_marker(pytest.mark.frameworks)

@@ -20,6 +20,8 @@ import torch
 
 from grpo_parts.core import AdvantageConfig, LossConfig, group_advantages, grpo_loss, kl_estimate
 
+pytestmark = pytest.mark.frameworks
+
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 DTYPES = [torch.float32, torch.float64]
 
