@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.task.jsonl import JsonlTask, exact_match, final_answer, load_jsonl
+from grpo_parts.task.jsonl import MATH_INSTALL, JsonlTask, exact_match, final_answer, load_jsonl, make_checker
 
 
 def _write(path: Path, lines: list[str]) -> Path:
@@ -66,3 +66,16 @@ def test_split_is_deterministic_disjoint_and_epochs_cover_the_train_set(tmp_path
     assert sorted(epoch0) == sorted(p.prompt for p in a.train)
     assert [a.train_problem(i).prompt for i in range(36, 72)] != epoch0  # reshuffled per epoch
     assert a.reward("#### 5", a.train[0]) in (0.0, 1.0)
+
+
+def test_missing_math_verify_hint_installs_the_extra_from_the_checkout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import fails as if not installed
+    check, note = make_checker()
+    assert check is exact_match
+    assert MATH_INSTALL == 'pip install -e ".[math]"' and MATH_INSTALL in note
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    assert MATH_INSTALL in docs and "grpo-parts[math]" not in docs

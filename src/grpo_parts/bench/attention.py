@@ -42,12 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="wall",
         help="wall: perf_counter; cpu: process CPU time (all threads) -- steadier on a shared, loaded machine",
     )
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=1408, help="MLP width (Qwen2 uses ~5.5x hidden)")
-    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=256, help="model hidden size (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    parser.add_argument(
+        "--kv-heads", type=int, default=2, help="key/value heads, grouped-query (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--intermediate",
+        type=int,
+        default=1408,
+        help="MLP width (Qwen2 uses ~5.5x hidden; default: %(default)s)",
+    )
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave torch's default)")
     parser.add_argument(
         "--max-ref-tokens",
@@ -61,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=12_000,
         help="skip the dense-mask variant above this row length",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the model and inputs (default: %(default)s)"
+    )
 
 
 def ideal_ratio(g: int, p: int, s: int) -> float:

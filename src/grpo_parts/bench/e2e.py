@@ -7,13 +7,37 @@ JSON keys (``--json PATH``): ``target_accuracy``, ``speedup_to_target``, ``mean_
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from ..train import cli as train_cli
 
+DESCRIPTION = (
+    "End-to-end benchmark: two GRPO runs from the same config, seed, data stream and held-out set, one "
+    "with every part its reference implementation and one with the parts as configured (optimized by "
+    "default), stepped in alternation so load on a shared machine slows both alike. Reports the "
+    "training time to the target held-out accuracy of each, the speedup, the mean step speedup and the "
+    "final accuracy difference; writes a folder with both runs and compare.{json,md,png}. "
+    "The same as grpo-parts train --compare."
+)
+EPILOG = """\
+examples:
+  grpo-parts bench e2e                               # the built-in task, default parts
+  grpo-parts bench e2e --seeds 3 --json e2e.json     # 3 seeds: median speedup to target
+  grpo-parts bench e2e --sampler reference           # ablation: optimized attention and filter only
+
+JSON keys (--json): target_accuracy, speedup_to_target, mean_step_speedup, final_accuracy_diff,
+passes, runs.{reference,optimized}; with --seeds N > 1: target_accuracy, seeds,
+median_speedup_to_target, speedups_to_target, mean_step_speedup, mean_final_accuracy_diff, passes,
+per_seed (each seed's single-seed JSON).
+Details: docs/training.md (--compare) and docs/benchmarks.md"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    train_cli.add_arguments(parser)
-    parser.set_defaults(compare=True)
+    parser.description = textwrap.fill(DESCRIPTION, 100)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    train_cli.add_run_arguments(parser)
+    parser.set_defaults(compare=True, reference=False, resume=None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,13 +24,18 @@ from typing import Any
 
 import torch
 
+from ..errors import GRPOPartsError
+
 DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the results (list of points) as JSON")
     p.add_argument("--quick", action="store_true", help="small model and batch, one repeat (smoke test)")
-    p.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="pruning rates P")
+    p.add_argument(
+        "--rates", type=float, nargs="+", default=list(DEFAULT_RATES),
+        help="pruning rates P in [0, 1); 0 is always added as the baseline (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (B)")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     p.add_argument(
@@ -39,14 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--completion-len", type=int, default=128, help="max completion tokens (vary in [len/4, len])"
     )
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=256, help="model hidden size (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=3, help="decoder layers (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=2048, help="vocabulary size (default: %(default)s)")
     p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward micro-batch")
     p.add_argument("--scope", choices=["global", "group"], default="global", help="top-k scope")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median reported)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and batch (default: %(default)s)")
     p.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -149,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if 0.0 not in args.rates:
         args.rates = [0.0, *args.rates]
     if any(not 0.0 <= p < 1.0 for p in args.rates):
-        raise SystemExit(f"--rates: expected values in [0, 1), got {args.rates}")
+        raise GRPOPartsError(f"--rates: expected values in [0, 1), got {args.rates}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

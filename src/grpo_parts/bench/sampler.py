@@ -32,9 +32,11 @@ from typing import Any
 
 import torch
 
+from ..draft import IMPLEMENTATIONS as DRAFTS
 from ..errors import GRPOPartsError
 from ..sampler.protocol import PromptBatch, Rollout, SamplingParams
 from ..sampler.reference import completion_mask_from_eos, expand_prompts
+from ._args import ints, names
 
 
 @dataclass
@@ -204,24 +206,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick", action="store_true", help="small run (smoke test): batch 1 and 4, 16 new tokens"
     )
-    p.add_argument("--batches", default="1,16", help="comma-separated batch sizes (rows generated at once)")
-    p.add_argument("--samplers", default=",".join(FACTORIES), help=f"comma-separated, from {list(FACTORIES)}")
-    p.add_argument("--modes", default="greedy,sample", help="greedy and/or sample (temperature 1)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--batches", default="1,16", type=ints, help="comma-separated batch sizes (rows generated at once)"
+    )
+    p.add_argument(
+        "--samplers", default=",".join(FACTORIES), type=names(FACTORIES),
+        help=f"comma-separated, from {', '.join(FACTORIES)} (default: all)",
+    )  # fmt: skip
+    p.add_argument(
+        "--modes", default="greedy,sample", type=names(["greedy", "sample"]),
+        help="greedy and/or sample (temperature 1), comma-separated (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per row (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; others are 50-100%% of it")
     p.add_argument("--group-size", type=int, default=1, help="completions per prompt (batch = prompts * G)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per point, best reported (default: %(default)s)"
+    )
     p.add_argument(
         "--clock", default="wall", choices=["wall", "cpu"],
         help="wall: tokens per wall second; cpu: per second of process CPU time (steadier on a shared CPU box)",
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    p.add_argument("--hidden", type=int, default=384)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=384, help="policy hidden size (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=6, help="policy decoder layers (default: %(default)s)")
+    p.add_argument(
+        "--vocab", type=int, default=8192, help="vocabulary size, --policy random (default: %(default)s)"
+    )
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available"
+    )
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="--policy random: auto = bfloat16 on cuda, float32 on cpu",
+    )  # fmt: skip
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the policy, drafts and prompts (default: %(default)s)"
+    )
     p.add_argument(
         "--policy", default="random", choices=["random", "task"],
         help="random weights, or the same architecture SFT-trained on the built-in task (peaked like a trained LM; "
@@ -229,8 +250,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--task-steps", type=int, default=300, help="SFT steps for --policy task")
     p.add_argument(
-        "--spec-drafts", default="ngram,eagle,small_lm,frozen_lm", help="drafts of the speculative rows"
-    )
+        "--spec-drafts", default="ngram,eagle,small_lm,frozen_lm", type=names(DRAFTS),
+        help="drafts of the speculative rows, comma-separated (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument(
         "--spec-max-draft", type=int, default=6, help="largest draft length the cost model may pick"
     )
@@ -252,7 +274,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drift", action="store_true", help="also measure acceptance under policy drift (frozen vs online)"
     )
-    p.add_argument("--drift-rounds", type=int, default=4)
+    p.add_argument(
+        "--drift-rounds",
+        type=int,
+        default=4,
+        help="--drift: rounds of policy drift measured (default: %(default)s)",
+    )
 
 
 def make_policy(args: argparse.Namespace) -> torch.nn.Module:

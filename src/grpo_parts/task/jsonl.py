@@ -1,6 +1,6 @@
 """Real data: a local JSONL file of ``{"prompt": str, "answer": str}`` and an answer checker.
 
-The checker is math-verify (``pip install grpo-parts[math]``) when installed: it parses LaTeX /
+The checker is math-verify (``pip install -e ".[math]"`` in the checkout) when installed: it parses LaTeX /
 plain answers and compares them symbolically. Without it, :func:`exact_match` compares the gold
 answer to the completion's final answer -- the content of the last ``\\boxed{...}``, else the text
 after the last ``####``, else the whole completion, stripped -- and the run logs that it does so.
@@ -18,6 +18,9 @@ from ..errors import GRPOPartsError
 from .arithmetic import Problem
 
 log = logging.getLogger("grpo_parts.train")
+
+#: how to install the optional answer checker, from a checkout of this repository
+MATH_INSTALL = 'pip install -e ".[math]"'
 
 
 def load_jsonl(path: Path | str) -> list[Problem]:
@@ -84,7 +87,10 @@ def make_checker() -> tuple[Callable[[str, str], bool], str]:
     try:
         from math_verify import parse, verify  # type: ignore[import-not-found]
     except ImportError:
-        note = "math-verify is not installed (pip install 'grpo-parts[math]'); grading by exact match of the final answer"
+        note = (
+            f"math-verify is not installed ({MATH_INSTALL} in the grpo_parts checkout); "
+            "grading by exact match of the final answer"
+        )
         log.warning(note)
         return exact_match, note
 

@@ -1,28 +1,51 @@
-"""``grpo-parts train``: the built-in task by default, a local model + JSONL for real use.
+"""``grpo-parts train``: GRPO training, on the built-in task by default, a local model + JSONL for real use.
 
-grpo-parts train                                   # built-in task, optimized parts, ~5 min on 2 CPU cores
-grpo-parts train --reference                       # the same with every part switched to its reference
-grpo-parts train --compare                         # both, same seed and data; time to target accuracy
-grpo-parts train --compare --seeds 3               # the same for 3 seeds; median speedup to target
-grpo-parts train --config run.yaml --set lr=1e-4 --set parts.filter=keep_all
-grpo-parts train --model ./my-checkpoint --data problems.jsonl --device cuda
-grpo-parts train --resume runs/NAME --steps 200    # continue a run from its last checkpoint
+The command's examples are :data:`EXAMPLES` (its ``--help`` epilog). The main job's runtime is
+:data:`MAIN_JOB_RUNTIME`, the one figure README.md and docs/training.md quote (tests/test_cli_help.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from ..errors import GRPOPartsError
 
-#: flag -> dotted config key
+#: How long ``grpo-parts train`` (the main job, default settings) takes; quoted verbatim in README.md,
+#: docs/training.md and ``--help``. Re-measure and update all three through this constant.
+MAIN_JOB_RUNTIME = "about 35 s on an idle 2-core CPU"
+
+DESCRIPTION = (
+    "GRPO training run: by default a tiny committed policy on the built-in chain-addition task, on the "
+    "CPU, with the optimized parts on; --model and --data train your own local checkpoint."
+)
+
+EXAMPLES = f"""\
+examples:
+  grpo-parts train                                   # built-in task, optimized parts: {MAIN_JOB_RUNTIME}
+  grpo-parts train --reference                       # the same with every part switched to its reference
+  grpo-parts train --compare                         # both, same seed and data; time to target accuracy
+  grpo-parts train --compare --seeds 3               # the same for 3 seeds; median speedup to target
+  grpo-parts train --config run.yaml --set lr=1e-4 --set parts.filter=keep_all
+  grpo-parts train --model ./my-checkpoint --data problems.jsonl --device cuda
+  grpo-parts train --resume runs/NAME --steps 200    # continue a run from its last checkpoint
+
+precedence: the --config file first, flags and --set on top of it. A flag and a --set that name the
+same field must agree. --reference replaces any parts the --config file sets, and cannot be combined
+with --sampler/--draft/--attention/--filter, --set parts.* or --compare.
+Details: docs/training.md"""
+
+#: flag dest -> dotted config key
 _FLAGS = {
     "steps": "steps",
     "seed": "seed",
+    "group_size": "group_size",
+    "lr": "lr",
     "name": "name",
     "out_dir": "out_dir",
     "model": "model",
@@ -35,14 +58,61 @@ _FLAGS = {
     "filter": "parts.filter",
     "target": "target_accuracy",
 }
+#: part flag -> what it selects
+PART_FLAGS = {
+    "sampler": "Sampler",
+    "draft": "DraftModel (speculative samplers only)",
+    "attention": "AttentionBackend",
+    "filter": "CompletionFilter",
+}
+NO_DRAFT = "none"  # --draft none = parts.draft: null
+
+
+def part_names(part: str) -> list[str]:
+    """The names in ``grpo_parts.<part>.IMPLEMENTATIONS`` (plus ``none`` for the draft)."""
+    names = sorted(importlib.import_module(f"grpo_parts.{part}").IMPLEMENTATIONS)
+    return [*names, NO_DRAFT] if part == "draft" else names
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.split("\n\n")[0] if __doc__ else None
+    """``grpo-parts train``: the run options below, plus --reference, --compare and --resume."""
+    parser.description = textwrap.fill(DESCRIPTION, 100)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = "\n".join(__doc__.splitlines()[2:]) if __doc__ else None
+    parser.epilog = EXAMPLES
+    add_run_arguments(parser, compare_prefix="--compare: ")
     parser.add_argument(
-        "--config", type=Path, help="YAML file with TrainConfig fields (see docs/training.md)"
+        "--reference",
+        action="store_true",
+        help="every part its reference implementation (replaces the parts of --config; not with part flags, "
+        "--set parts.* or --compare)",
+    )
+    parser.add_argument(
+        "--compare", action="store_true", help="run reference and optimized parts; report both"
+    )
+    parser.add_argument(
+        "--resume", type=Path, metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint"
+    )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "") -> None:
+    """The options a training run and ``grpo-parts bench e2e`` share."""
+    from .config import PartsConfig, TrainConfig
+
+    def default(field: str) -> Any:
+        return TrainConfig.model_fields[field].default
+
+    parser.add_argument(
+        "--config", type=Path, metavar="FILE", help="YAML file with TrainConfig fields (see docs/training.md)"
     )
     parser.add_argument(
         "--set",
@@ -50,10 +120,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any field, dotted (repeatable)",
+        help="override any TrainConfig field, dotted, YAML value (repeatable; e.g. loss.kl_coef=0.01)",
     )
-    parser.add_argument("--steps", type=int, help="GRPO steps")
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--steps", type=int, help=f"GRPO steps (default: {default('steps')})")
+    parser.add_argument(
+        "--seed", type=int, help=f"seed of the data stream, sampling and init (default: {default('seed')})"
+    )
+    parser.add_argument(
+        "--group-size", type=int, help=f"completions per prompt, G (default: {default('group_size')})"
+    )
+    parser.add_argument("--lr", type=float, help=f"learning rate (default: {default('lr')})")
     parser.add_argument("--name", help="run folder name (default: a timestamp)")
     parser.add_argument("--out-dir", type=Path, help="parent folder of runs (default: runs)")
     parser.add_argument(
@@ -63,40 +139,122 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data", type=Path, help='local JSONL of {"prompt", "answer"} (default: built-in task)'
     )
     parser.add_argument("--eval-data", type=Path, help="held-out JSONL (default: a split of --data)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--sampler", help="Sampler implementation name")
-    parser.add_argument("--draft", help="DraftModel implementation name (speculative samplers)")
-    parser.add_argument("--attention", help="AttentionBackend implementation name")
-    parser.add_argument("--filter", help="CompletionFilter implementation name")
-    parser.add_argument("--reference", action="store_true", help="every part its reference implementation")
     parser.add_argument(
-        "--compare", action="store_true", help="run reference and optimized parts; report both"
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        help=f"where the policy runs; auto = cuda when available (default: {default('device')})",
     )
-    parser.add_argument("--target", type=float, help="held-out accuracy for time-to-target (default 0.6)")
-    parser.add_argument("--json", type=Path, help="--compare: also write the comparison JSON here")
+    for part, what in PART_FLAGS.items():
+        names = part_names(part)
+        fallback = PartsConfig.model_fields[part].default
+        parser.add_argument(
+            f"--{part}",
+            choices=names,
+            metavar="NAME",
+            help=f"{what}: one of {', '.join(names)} (default: {fallback or NO_DRAFT})",
+        )
     parser.add_argument(
-        "--seeds", type=int, default=1,
-        help="--compare: repeat for this many consecutive seeds and report the median (time to target is noisy)",
+        "--target",
+        type=float,
+        help=f"held-out accuracy for time-to-target (default: {default('target_accuracy')})",
+    )
+    parser.add_argument("--json", type=Path, help=f"{compare_prefix}also write the comparison JSON here")
+    parser.add_argument(
+        "--seeds", type=_positive_int, default=1,
+        help=f"{compare_prefix}repeat for this many consecutive seeds and report the median "
+        "(time to target is noisy; default: 1)",
     )  # fmt: skip
-    parser.add_argument(
-        "--resume", type=Path, metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint"
-    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the result")
+
+
+_MISSING = object()
+
+
+def _flag_values(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """Config key -> (the flag as given, its config value), for every config flag given."""
+    out: dict[str, tuple[str, Any]] = {}
+    for dest, key in _FLAGS.items():
+        given = getattr(args, dest, None)
+        if given is None:
+            continue
+        value = None if dest == "draft" and given == NO_DRAFT else given
+        out[key] = (f"--{dest.replace('_', '-')} {given}", str(value) if isinstance(value, Path) else value)
+    if getattr(args, "no_progress", False):
+        out["progress"] = ("--no-progress", False)
+    return out
+
+
+def _lookup(tree: Any, dotted: str) -> Any:
+    for k in dotted.split("."):
+        if not isinstance(tree, dict) or k not in tree:
+            return _MISSING
+        tree = tree[k]
+    return tree
+
+
+def _agree(flag_value: Any, set_value: Any) -> bool:
+    if set_value is _MISSING:
+        return False
+    if flag_value == set_value:
+        return True
+    if isinstance(flag_value, float) and isinstance(set_value, str):  # YAML reads 1e-4 as a string
+        try:
+            return float(set_value) == flag_value
+        except ValueError:
+            return False
+    return isinstance(flag_value, str) and isinstance(set_value, str) and Path(flag_value) == Path(set_value)
+
+
+def check_flags(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """Refuse contradictory flags (one-line :class:`GRPOPartsError`); return :func:`_flag_values`."""
+    from .config import parse_override
+
+    flags = _flag_values(args)
+    sets = [(item, *parse_override(item)) for item in args.sets]
+    for item, key, value in sets:
+        for fkey, (flag, fvalue) in flags.items():
+            if fkey == key:
+                theirs = value
+            elif fkey.startswith(key + "."):
+                theirs = _lookup(value, fkey[len(key) + 1 :])
+            else:
+                continue
+            if not _agree(fvalue, theirs):
+                whole = f", which replaces the whole {key!r} section" if fkey != key else ""
+                raise GRPOPartsError(
+                    f"{fkey}: set twice, by {flag} and by --set {item}{whole}; expected one of them, or the same value"
+                )
+    compare = getattr(args, "compare", False)
+    if getattr(args, "reference", False):
+        if compare:
+            raise GRPOPartsError(
+                "--reference: got it with --compare, which already runs the reference parts as one of its two "
+                "runs; expected one of them"
+            )
+        clash = [flag for key, (flag, _) in flags.items() if key.startswith("parts.")]
+        clash += [f"--set {item}" for item, key, _ in sets if key.split(".")[0] == "parts"]
+        if clash:
+            raise GRPOPartsError(
+                f"--reference: sets every part to its reference, got it with {', '.join(clash)}; expected "
+                "--reference alone, or the parts you want (e.g. --sampler reference)"
+            )
+    if not compare:
+        for flag, given in (
+            ("--json", getattr(args, "json", None) is not None),
+            ("--seeds", getattr(args, "seeds", 1) != 1),
+        ):
+            if given:
+                raise GRPOPartsError(f"{flag}: only used with --compare, got it without")
+    return flags
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
     from .config import load_config
 
-    overrides: dict[str, Any] = {}
-    for flag, key in _FLAGS.items():
-        v = getattr(args, flag, None)
-        if v is not None:
-            overrides[key] = str(v) if isinstance(v, Path) else v
-    if getattr(args, "no_progress", False):
-        overrides["progress"] = False
+    overrides = {key: value for key, (_, value) in check_flags(args).items()}
     cfg = load_config(args.config, overrides, args.sets)
-    if args.reference:
+    if getattr(args, "reference", False):
         cfg = cfg.with_reference_parts()
     return cfg
 
