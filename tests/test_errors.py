@@ -233,7 +233,7 @@ CONFIG_CASES: list[tuple[str, Any, dict[str, Any], str, str, str]] = [
     ("max_new_tokens-zero", SamplingParams, {"max_new_tokens": 0}, "max_new_tokens", "input_value=0", ">= 1"),
     ("eos-negative", SamplingParams, {"eos_token_ids": (2, -1)}, "eos_token_ids", "(2, -1)", "non-negative"),
     ("sampling-typo", SamplingParams, {"temprature": 1.0}, "temprature", "input_value=1.0", "not permitted"),
-    ("eps_low-1", LossConfig, {"eps_low": 1.0}, "eps_low", "input_value=1.0", "less than 1"),
+    ("eps_low-above-1", LossConfig, {"eps_low": 1.5}, "eps_low", "input_value=1.5", "less than or equal to 1"),
     ("eps_low-negative", LossConfig, {"eps_low": -0.1}, "eps_low", "input_value=-0.1", ">= 0"),
     ("eps_high-negative", LossConfig, {"eps_high": -0.2}, "eps_high", "input_value=-0.2", ">= 0"),
     ("dual_clip-1", LossConfig, {"dual_clip": 1.0}, "dual_clip", "input_value=1.0", "greater than 1"),

@@ -1,0 +1,160 @@
+"""The loss: policy term x rollout-correction weights, + KL, - entropy bonus, then aggregation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import GRPOPartsError, check_same_shape, check_tensor
+from .config import AggMode, LossConfig
+from .correction import correction_weights
+from .kl import kl_estimate
+from .policy import policy_terms
+
+
+def aggregate(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: AggMode,
+    *,
+    norm_constant: float | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    count_empty: bool = False,
+    seq_len_eps: float = 0.0,
+) -> torch.Tensor:
+    """Reduce ``loss_mat: [N, T]`` under ``mask: [N, T]`` to a scalar.
+
+    ``num_tokens`` / ``num_seqs`` override the denominators (token-mean / seq-mean) so that a batch
+    split into micro-batches, or pruned by a filter, is normalised by the global count (TRL's
+    ``num_items_in_batch``, verl's ``batch_num_tokens``/``global_batch_size``). Fully masked rows
+    do not count as sequences unless ``count_empty`` (TRL's ``grpo``/``dr_grpo`` average over all
+    rows). ``seq_len_eps`` is added to each row's token count in seq-mean-token-mean (verl and
+    OpenRLHF add 1e-8). An all-masked batch gives 0, not NaN.
+    """
+    check_tensor("loss_mat", loss_mat, ndim=2, dtype="float", allow_empty=True)
+    check_tensor("mask", mask, allow_empty=True)
+    check_same_shape(["loss_mat", "mask"], [loss_mat, mask])
+    m = mask.to(loss_mat.dtype)
+    loss_mat = torch.where(m > 0, loss_mat, torch.zeros_like(loss_mat))  # NaN/inf at padding must not leak
+    if mode == "token-mean":
+        denom = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=loss_mat.dtype)
+        return (loss_mat * m).sum() / denom.clamp(min=1.0)
+    tok = m.sum(-1)
+    seq_mask = torch.ones_like(tok) if count_empty else (tok > 0).to(loss_mat.dtype)
+    n_seq = seq_mask.sum() if num_seqs is None else torch.as_tensor(num_seqs, dtype=loss_mat.dtype)
+    if mode == "seq-mean-token-mean":
+        seq = (loss_mat * m).sum(-1) / (tok + seq_len_eps if seq_len_eps > 0 else tok.clamp(min=1.0))
+        return (seq * seq_mask).sum() / n_seq.clamp(min=1.0)
+    if mode == "seq-mean-token-sum-norm":
+        seq = (loss_mat * m).sum(-1)
+        c = float(loss_mat.shape[-1]) if norm_constant is None else norm_constant
+        return (seq * seq_mask).sum() / n_seq.clamp(min=1.0) / c
+    raise GRPOPartsError(
+        f"agg: expected one of 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum-norm', got {mode!r}"
+    )
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """``loss`` is the scalar to backprop; the rest are detached diagnostics."""
+
+    loss: torch.Tensor
+    per_token_loss: torch.Tensor  # [N, T] policy term (x correction weights) + per-token KL, 0 where masked
+    clip_fraction: float
+    kl: float  # masked mean of the KL estimate (0.0 when kl_coef == 0)
+    ratio_mean: float
+    entropy: float = 0.0  # masked mean of the entropy (0.0 when entropy_coef == 0)
+    correction_mean: float = 1.0  # masked mean of the rollout-correction weights (1.0 when off)
+
+
+def _check_inputs(logps, old_logps, advantages, mask, ref_logps, entropy, rollout_logps) -> torch.Tensor:
+    """Validate; return the advantages as ``[N, 1]`` or ``[N, T]``."""
+    check_tensor("logps", logps, ndim=2, dtype="float")
+    check_tensor("old_logps", old_logps, dtype="float", allow_empty=True)
+    check_tensor("mask", mask, allow_empty=True)
+    check_same_shape(["logps", "old_logps", "mask"], [logps, old_logps, mask])
+    check_tensor("advantages", advantages, dtype="float", allow_empty=True)
+    if not bool(torch.isfinite(advantages).all()):
+        raise GRPOPartsError("advantages: expected finite values, got NaN or inf")
+    for name, t in (("ref_logps", ref_logps), ("entropy", entropy), ("rollout_logps", rollout_logps)):
+        if t is not None:
+            check_tensor(name, t, shape=list(logps.shape), dtype="float", allow_empty=True)
+    if advantages.ndim == 1:
+        check_tensor("advantages", advantages, shape=[logps.shape[0]], dtype="float")
+        return advantages.unsqueeze(-1)
+    check_tensor("advantages", advantages, shape=list(logps.shape), dtype="float")
+    return advantages
+
+
+def _require(name: str, t: torch.Tensor | None, why: str) -> torch.Tensor:
+    if t is None:
+        raise GRPOPartsError(f"{name}: expected a [N, T] tensor because {why}, got None")
+    return t
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: LossConfig | None = None,
+    ref_logps: torch.Tensor | None = None,
+    *,
+    entropy: torch.Tensor | None = None,
+    rollout_logps: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> LossOutput:
+    """The GRPO-family loss. ``advantages`` is ``[N]`` (one per completion) or ``[N, T]``.
+
+    Per token: the ``config.policy`` term (:mod:`grpo_parts.core.policy`), times the rollout-correction
+    weight (``rollout_logps``: the sampler's log-probs), plus ``kl_coef * KL(logp, ref_logp)``
+    (``ref_logps``); aggregated by ``config.agg``; minus ``entropy_coef`` times the aggregated
+    ``entropy: [N, T]`` (differentiable, from the same forward as ``logps``).
+    """
+    cfg = config or LossConfig()
+    adv = _check_inputs(logps, old_logps, advantages, mask, ref_logps, entropy, rollout_logps)
+    # Padding positions may hold anything (-inf, NaN): zero them first so that neither the loss,
+    # the diagnostics nor the gradient can see them (torch.where passes no gradient to them).
+    keep = mask != 0
+    m = mask.to(logps.dtype)
+
+    def clean(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, t, 0.0)
+
+    def mean(t: torch.Tensor) -> float:
+        return float((t.detach().to(m.dtype).expand_as(m) * m).sum() / m.sum().clamp(min=1.0))
+
+    logps, old_logps = clean(logps), clean(old_logps)
+    adv = clean(adv) if adv.shape == logps.shape else adv
+    per_token, ratio, clipped = policy_terms(logps, old_logps, adv, m, cfg)
+    corr = 1.0
+    if cfg.correction.level != "off":
+        rl = clean(_require("rollout_logps", rollout_logps, "correction.level != 'off'"))
+        weights = correction_weights(old_logps, rl, mask, cfg.correction)
+        assert weights is not None
+        per_token, corr = per_token * weights, mean(weights)
+    agg_kw: dict = dict(norm_constant=cfg.norm_constant, num_tokens=num_tokens, num_seqs=num_seqs)
+    agg_kw.update(count_empty=cfg.seq_count == "all", seq_len_eps=cfg.seq_len_eps)
+    kl_term, kl_val = None, 0.0
+    if cfg.kl_coef > 0.0:
+        ref = clean(_require("ref_logps", ref_logps, "kl_coef > 0"))
+        kl = kl_estimate(logps, ref, cfg.kl_estimator, cfg.kl_clamp)
+        kl_val = mean(kl)
+        kl = kl * ratio if cfg.kl_ratio_weight else kl  # TRL: unbiased reverse-KL gradient off-policy
+        if cfg.kl_agg == "loss":
+            per_token = per_token + cfg.kl_coef * kl
+        else:  # OpenRLHF: its own token mean, whatever the policy term's aggregation
+            kl_term = aggregate(kl, mask, "token-mean", num_tokens=num_tokens)
+    loss = aggregate(per_token, mask, cfg.agg, **agg_kw)
+    if kl_term is not None:
+        loss = loss + cfg.kl_coef * kl_term
+    ent_val = 0.0
+    if cfg.entropy_coef > 0.0:
+        ent = clean(_require("entropy", entropy, "entropy_coef > 0"))
+        mode = cfg.agg if cfg.entropy_agg == "loss" else "token-mean"
+        loss, ent_val = loss - cfg.entropy_coef * aggregate(ent, mask, mode, **agg_kw), mean(ent)
+    per_token = per_token.detach().masked_fill(~keep, 0.0)
+    return LossOutput(loss, per_token, mean(clipped), kl_val, mean(ratio), ent_val, corr)
