@@ -263,11 +263,17 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(message)s"
     )
+    from .interrupt import Interrupted, raise_on_signals
+
     try:
-        return _run(args)
+        with raise_on_signals():  # SIGTERM too ends in one line, not a silent kill or a traceback
+            return _run(args)
     except GRPOPartsError as e:
         print(f"grpo-parts train: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        return e.exit_code
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -284,9 +290,11 @@ def _run(args: argparse.Namespace) -> int:
     from .run import resume_config, train
 
     if args.resume is not None:
-        if args.config is not None or args.sets:
-            raise GRPOPartsError("resume: --config/--set cannot change a run being resumed (only --steps)")
-        cfg = resume_config(args.resume, {"steps": args.steps} if args.steps else None)
+        _check_resume_flags(args)
+        overrides = {"steps": args.steps} if args.steps is not None else {}
+        if args.no_progress:
+            overrides["progress"] = False
+        cfg = resume_config(args.resume, overrides)
         result = train(cfg, run_dir=args.resume, resume=True)
     else:
         result = train(config_from_args(args))
@@ -296,3 +304,21 @@ def _run(args: argparse.Namespace) -> int:
         f"({s['wall_time_s']:.0f} s training); report: {result.run_dir / 'report.md'}"
     )
     return 0
+
+
+def _check_resume_flags(args: argparse.Namespace) -> None:
+    """A resumed run keeps the config of its checkpoint: only --steps may change (and the output)."""
+    given = [
+        f"--{d.replace('_', '-')}" for d in _FLAGS if d != "steps" and getattr(args, d, None) is not None
+    ]
+    for flag, on in (
+        ("--config", args.config is not None),
+        ("--set", bool(args.sets)),
+        ("--reference", getattr(args, "reference", False)),
+    ):
+        given += [flag] if on else []
+    if given:
+        raise GRPOPartsError(
+            f"resume: {', '.join(given)} cannot change a run being resumed; expected only --steps "
+            "(its config is the checkpoint's)"
+        )

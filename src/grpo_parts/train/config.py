@@ -78,7 +78,9 @@ class TrainConfig(BaseModel):
     task: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
     eval_every: int = Field(5, ge=1)
     eval_temperature: float = Field(0.0, ge=0.0, description="0 = greedy held-out accuracy")
-    checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
+    checkpoint_every: int = Field(
+        10, ge=0, description="checkpoint every N steps (0 = only at the end; Ctrl-C/SIGTERM always saves)"
+    )
     target_accuracy: float = Field(
         0.6, gt=0.0, le=1.0, description="--compare: time to this held-out accuracy"
     )

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import atomic_write_text
+
 
 class MetricsWriter:
     """Appends one JSON object per line; flushed every write so a crashed run keeps its history."""
@@ -15,7 +17,7 @@ class MetricsWriter:
         self.path = path
         if keep_up_to_step is not None and path.exists():  # resume: drop rows after the checkpoint
             rows = [r for r in read_metrics(path) if int(r.get("step", 0)) <= keep_up_to_step]
-            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))  # a kill keeps the old rows
         self._fh = path.open("a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from ..errors import GRPOPartsError, NotSupportedError
 from .config import REFERENCE_PARTS, PartsConfig
@@ -90,6 +91,63 @@ def _construct(cls: Any, policy: torch.nn.Module, kwargs: dict[str, Any], extra:
     return cls(*args, **kw)
 
 
+#: plain annotations checked before a (non-pydantic) constructor sees the value
+_PLAIN_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+}
+
+
+def _check_kwargs(cls: Any, kwargs: dict[str, Any], where: str, what: str) -> None:
+    """Unknown names, and values of the wrong plain type, as one-line errors (pydantic configs check
+    their own fields; the constructors check ranges)."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = set(params) - {"model", "policy", "draft"}
+    cfg_cls = _config_class(cls, params["config"].annotation) if "config" in params else None
+    if cfg_cls is not None and hasattr(cfg_cls, "model_fields"):
+        accepted = (accepted - {"config"}) | set(cfg_cls.model_fields)
+    for key, value in kwargs.items():
+        if key not in accepted:
+            raise GRPOPartsError(
+                f"{where}.{key}: {what} has no argument {key!r} (got {value!r}); "
+                f"expected one of {sorted(accepted)}"
+            )
+        ann = params[key].annotation if key in params and not hasattr(cls, "model_fields") else None
+        want = _PLAIN_TYPES.get(ann if isinstance(ann, str) else getattr(ann, "__name__", ""))
+        if want and (not isinstance(value, want) or (bool not in want and isinstance(value, bool))):
+            rule = ann if isinstance(ann, str) else getattr(ann, "__name__", "")
+            raise GRPOPartsError(f"{where}.{key}: expected {rule}, got {value!r} ({what})")
+
+
+def _build(
+    part: str, name: str, cls: Any, policy: torch.nn.Module, kwargs: dict[str, Any], extra: dict[str, Any]
+) -> Any:
+    """:func:`_construct`, with a bad ``parts.<part>_kwargs`` entry reported in one line naming the part,
+    the field, the value and the rule (the constructors' own checks say the rule)."""
+    where, what = f"parts.{part}_kwargs", f"{part} {name!r}"
+    _check_kwargs(cls, kwargs, where, what)
+    try:
+        return _construct(cls, policy, kwargs, extra)
+    except ValidationError as e:
+        errs = [
+            f"{where}.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}, got {err.get('input')!r} ({what})"
+            for err in e.errors()
+        ]
+        raise GRPOPartsError("; ".join(errs)) from None
+    except (NotSupportedError, ImportError):
+        raise
+    except (ValueError, TypeError) as e:
+        if not kwargs:  # not about the kwargs: the part's own error, as it is
+            raise
+        raise GRPOPartsError(
+            f"{where}: {what} rejected {kwargs!r}: {str(e).strip().splitlines()[0]}"
+        ) from None
+
+
 def _config_class(cls: Any, ann: Any) -> Any:
     import sys
 
@@ -117,7 +175,9 @@ def build_parts(cfg: PartsConfig, policy: torch.nn.Module) -> Parts:
     if takes_draft:
         if names["draft"] is None:
             raise GRPOPartsError(f"parts.draft: sampler {sampler_name!r} needs a draft, got None")
-        draft = _construct(
+        draft = _build(
+            "draft",
+            names["draft"],
             get_draft_class(names["draft"]),
             policy,
             _kwargs("draft", names["draft"], cfg.draft_kwargs, cfg),
@@ -128,14 +188,18 @@ def build_parts(cfg: PartsConfig, policy: torch.nn.Module) -> Parts:
     skw = _kwargs("sampler", sampler_name, cfg.sampler_kwargs, cfg)
     if sampler_name == "speculative":
         skw.setdefault("train_draft", False)  # the loop trains the draft itself (and times it)
-    sampler = _construct(sampler_cls, policy, skw, {"draft": draft} if draft is not None else {})
-    attention = _construct(
+    sampler = _build("sampler", sampler_name, sampler_cls, policy, skw, {"draft": draft} if draft else {})
+    attention = _build(
+        "attention",
+        str(names["attention"]),
         get_attention_class(str(names["attention"])),
         policy,
         _kwargs("attention", str(names["attention"]), cfg.attention_kwargs, cfg),
         {},
     )
-    filt = _construct(
+    filt = _build(
+        "filter",
+        str(names["filter"]),
         get_filter_class(str(names["filter"])),
         policy,
         _kwargs("filter", str(names["filter"]), cfg.filter_kwargs, cfg),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -47,8 +49,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """A local transformers causal LM and its tokenizer (never downloads)."""
+@contextmanager
+def hf_progress(enabled: bool) -> Iterator[None]:
+    """transformers' progress bars (loading, saving) on or off inside the block, as before after it."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+) -> tuple[torch.nn.Module, Any]:
+    """A local transformers causal LM and its tokenizer (never downloads; ``progress=False``: without
+    transformers' loading bar, which would otherwise be the one thing a quiet run prints)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not path.exists():
@@ -60,10 +78,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[to
             f"model: {str(path)!r} has no config.json; expected a transformers checkpoint folder"
         )
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
-        )
+        with hf_progress(progress):
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+            )
     except (OSError, ValueError) as e:
         raise GRPOPartsError(f"model: could not load {str(path)!r}: {e}") from None
     if tok.pad_token_id is None:
@@ -118,7 +137,7 @@ def load_setup(config: TrainConfig) -> Setup:
         raise GRPOPartsError(
             f"model: the built-in warm start is missing at {str(path)!r}; run scripts/warm_start.py"
         )
-    policy, tok = load_model(path, dtype, device)
+    policy, tok = load_model(path, dtype, device, progress=config.progress)
     ref_model = None
     if config.loss.kl_coef > 0:
         ref_model = copy.deepcopy(policy).eval()
