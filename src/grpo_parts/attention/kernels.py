@@ -353,6 +353,12 @@ def shared_prefix_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )  # type: ignore[return-value]
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        # as transformers' SDPA under autocast (e.g. TRL's bf16=True on a float32 model, where RoPE
+        # leaves q/k in float32 and v in bf16): all three in the autocast dtype
+        dt = torch.get_autocast_dtype(dev)
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
     reasons = []
     if dropout > 0.0:
         reasons.append(

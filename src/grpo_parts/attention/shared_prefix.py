@@ -82,6 +82,22 @@ def _text_config(model: torch.nn.Module) -> Any:
     return get() if callable(get) else cfg
 
 
+def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
+    """``(the model whose forward gets our keyword arguments, reasons)``. A PEFT model with a weight
+    adapter (LoRA and the like) passes ``logits_to_keep``, ``position_ids`` and the layout keyword
+    unchanged to its base model; prompt-learning adapters add virtual tokens and activated LoRA looks
+    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout."""
+    get_base = getattr(model, "get_base_model", None)
+    cfg = getattr(model, "active_peft_config", None)
+    if not callable(get_base) or cfg is None:
+        return model, []
+    if getattr(cfg, "is_prompt_learning", False):
+        return model, [f"model: PEFT {cfg.peft_type} adds virtual tokens (prompt learning)"]
+    if getattr(cfg, "alora_invocation_tokens", None):
+        return model, ["model: activated LoRA (alora_invocation_tokens) reads its invocation from input_ids"]
+    return get_base(), []
+
+
 class SharedPrefixAttention:
     """Optimized ``AttentionBackend``. ``kernel``: ``"auto"`` (default), ``"sdpa"``, ``"eager"``,
     ``"flex"``; see :mod:`.kernels` for what each supports. ``last_choice`` explains the last
@@ -113,8 +129,10 @@ class SharedPrefixAttention:
         out = []
         if not getattr(tc, "is_causal", True) or getattr(tc, "use_bidirectional_attention", False):
             out.append(f"model: {tc.model_type} uses bidirectional attention")
-        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-            out.append(f"model: {type(model).__name__}.forward has no logits_to_keep argument")
+        base, peft_reasons = _through_peft(model)
+        out += peft_reasons
+        if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+            out.append(f"model: {type(base).__name__}.forward has no logits_to_keep argument")
         window = getattr(tc, "sliding_window", None)
         uses_window = window is not None and (
             getattr(tc, "use_sliding_window", True)
