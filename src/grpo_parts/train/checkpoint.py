@@ -62,15 +62,18 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that a reader (or a crash) sees the old or the new file, never half."""
+def atomic_write_text(path: Path, text: str, sync: bool = True) -> None:
+    """Replace ``path`` with ``text`` so that a reader sees the old or the new file, never half;
+    ``sync`` (fsync) so that a crash of the machine does too."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_path(path.parent)
+    if sync:
+        fsync_path(path.parent)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -39,7 +39,8 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> None:
     pid = os.getpid()
     record = {"status": status, "time": time.time(), "pid": pid, "host": socket.gethostname()}
     record["pid_start"] = _start_time(pid)
-    atomic_write_text(run_dir / FILE, json.dumps({**record, **fields}) + "\n")
+    # no fsync: written every step, and a reader copes with a missing or old file after a crash
+    atomic_write_text(run_dir / FILE, json.dumps({**record, **fields}) + "\n", sync=False)
 
 
 def process_alive(pid: int, pid_start: int | None = None) -> bool:
