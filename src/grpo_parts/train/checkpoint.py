@@ -134,7 +134,9 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, t
         for k in keys[:-1]:
             if not isinstance(node.get(k), dict):
                 break
-            node[k] = node = dict(node[k])  # copies along the path: the caller's state stays whole
+            child = dict(node[k])  # copies along the path: the caller's state stays whole
+            node[k] = child
+            node = child
         else:
             if isinstance(node.get(keys[-1]), dict):
                 weights[stem] = node.pop(keys[-1])
