@@ -20,7 +20,13 @@ Submodules: :mod:`.config`, :mod:`.advantages`, :mod:`.policy`, :mod:`.losses`, 
 
 from __future__ import annotations
 
-from .advantages import compute_advantages, group_advantages, group_stats, kl_reward_penalty
+from .advantages import (
+    compute_advantages,
+    group_advantages,
+    group_stats,
+    kl_reward_penalty,
+    kl_shaped_rewards,
+)
 from .config import (
     AdvantageConfig,
     AggMode,
@@ -54,5 +60,6 @@ __all__ = [
     "grpo_loss",
     "kl_estimate",
     "kl_reward_penalty",
+    "kl_shaped_rewards",
     "token_logprobs",
 ]

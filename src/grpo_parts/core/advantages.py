@@ -111,6 +111,29 @@ def kl_reward_penalty(
     return config.kl_coef * kl_estimate(old, ref, config.kl_estimator, config.kl_clamp) * m
 
 
+def kl_shaped_rewards(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    config: AdvantageConfig,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+) -> torch.Tensor:
+    """``rewards - kl_coef * sum_t KL_t``: the reward the estimator sees under ``kl_placement="sequence"``
+    (verl ``apply_kl_penalty``; ``rewards`` itself when ``kl_coef == 0``)."""
+    if config.kl_coef == 0.0:
+        return rewards
+    if config.kl_placement != "sequence":
+        raise GRPOPartsError(
+            "kl_placement: 'token' gives per-token advantages; use compute_advantages, got a per-completion path"
+        )
+    if old_logps is None or ref_logps is None:
+        raise GRPOPartsError(
+            "ref_logps: expected [N, T] old and reference log-probs because kl_coef > 0, got None"
+        )
+    with torch.no_grad():
+        return rewards - kl_reward_penalty(old_logps, ref_logps, mask, config).sum(-1).to(rewards.dtype)
+
+
 def _shaped(
     rewards: torch.Tensor, group_index: torch.Tensor, cfg: AdvantageConfig, n_groups: int
 ) -> torch.Tensor:
@@ -133,8 +156,7 @@ def group_advantages(
 
     ``lengths: [N]`` (completion token counts) is needed by ``reinforce_plus_plus_baseline``,
     which whitens over tokens. The KL-in-reward fields are not used here: :func:`compute_advantages`
-    applies them (for ``"sequence"`` it subtracts ``kl_reward_penalty(...).sum(-1)`` from the
-    rewards and calls this).
+    applies them (for ``"sequence"`` it calls this on :func:`kl_shaped_rewards`).
     """
     cfg = config or AdvantageConfig()
     n_groups = _check_groups(rewards, group_index, num_groups)

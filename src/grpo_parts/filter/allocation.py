@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core import AdvantageConfig, group_advantages
+from ..core import AdvantageConfig, group_advantages, kl_shaped_rewards
 from ..errors import GRPOPartsError, check_tensor
 from ..types import Rollout
 from ._common import extra_prompts, num_groups_present, priority_order
@@ -174,10 +174,23 @@ def fill_rollouts(
     reward: Callable[[list[P], Rollout], torch.Tensor],
     advantage_config: AdvantageConfig | None = None,
     pad_token_id: int = 0,
+    kl_logprobs: Callable[[Rollout], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> FilledBatch[P]:
     """Pull prompts from ``prompts``, ``sample`` them (one :class:`Rollout` with ``group_index``
     numbering the given prompts), score with ``reward(prompts, rollout) -> [N]``, compute group
-    advantages (:func:`grpo_parts.core.group_advantages`), filter and refill to ``refiller.target_size``."""
+    advantages (:func:`grpo_parts.core.group_advantages`), filter and refill to ``refiller.target_size``.
+
+    The advantages that rank the rows are the ones returned (and trained on): batch statistics
+    (``norm="batch"``, REINFORCE++ whitening) are those of each round's rollout. With KL in the
+    reward (``advantage_config.kl_coef > 0``), ``kl_logprobs(rollout) -> (old, ref)`` gives every
+    row's rollout-time and reference log-probs before filtering, and the filter sees the
+    KL-penalised rewards (so "zero variance" means what the estimator saw).
+    """
+    cfg = advantage_config or AdvantageConfig()
+    if cfg.kl_coef > 0 and kl_logprobs is None:
+        raise GRPOPartsError(
+            "kl_logprobs: expected a callable because advantage_config.kl_coef > 0, got None"
+        )
 
     def produce(n: int) -> Chunk[tuple[list[P], Rollout, torch.Tensor, torch.Tensor]] | None:
         batch: list[P] = []
@@ -196,8 +209,13 @@ def fill_rollouts(
         r = check_tensor(
             "reward(...)", reward(batch, rollout), shape=[rollout.num_completions], dtype="float"
         )
-        adv = group_advantages(r, rollout.group_index, advantage_config, num_groups=rollout.num_prompts)
-        scored = ScoredBatch(r, adv, rollout.group_index, rollout.completion_lengths())
+        old, ref = kl_logprobs(rollout) if cfg.kl_coef > 0 and kl_logprobs is not None else (None, None)
+        shaped = kl_shaped_rewards(r, rollout.completion_mask, cfg, old, ref)
+        lengths = rollout.completion_lengths()
+        adv = group_advantages(
+            shaped, rollout.group_index, cfg, num_groups=rollout.num_prompts, lengths=lengths
+        )
+        scored = ScoredBatch(shaped, adv, rollout.group_index, lengths)
         return Chunk((batch, rollout, r, adv), scored, len(batch))
 
     outcome = refiller.fill(filt, produce)

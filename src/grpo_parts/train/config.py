@@ -104,6 +104,16 @@ class TrainConfig(BaseModel):
     def _check(self) -> TrainConfig:
         if self.eval_data is not None and self.data is None:
             raise ValueError("eval_data: only used together with data")
+        if self.advantage.kl_coef > 0 and self.advantage.kl_placement == "token":
+            # per-token advantages [N, T] have no single value for a CompletionFilter to rank
+            raise ValueError(
+                "advantage.kl_placement: 'token' is not supported by grpo-parts train, use 'sequence'"
+            )
+        if self.loss.correction.level != "off" and self.old_logprobs == "sampler":
+            # the correction weight is pi_old / pi_sampler: with the sampler's log-probs as old it is 1
+            raise ValueError(
+                "loss.correction.level: needs old_logprobs='recompute', got old_logprobs='sampler'"
+            )
         if self.minibatches > self.prompts_per_step:
             raise ValueError(
                 f"minibatches: expected <= prompts_per_step={self.prompts_per_step} (whole groups per minibatch), "

@@ -142,6 +142,7 @@ class GRPOTrainer:
             reward,
             cfg.advantage,
             pad_token_id=self.pad_token_id,
+            kl_logprobs=self._old_and_ref if cfg.advantage.kl_coef > 0 else None,
         )
         t_train = time.perf_counter()
         train_info: dict[str, float] = {}
@@ -187,14 +188,15 @@ class GRPOTrainer:
         m.update(train_info)
         return m
 
-    def _update(self, ro: Rollout, advantages: torch.Tensor) -> dict[str, float]:
-        cfg, attn = self.config, self.parts.attention
-        temp = self.params.logprob_temperature
+    def _old_and_ref(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Old-policy (per ``old_logprobs``) and reference log-probs of every row of ``ro``, no grad.
+        Also called on each whole rollout before filtering when the reward carries a KL penalty."""
+        attn, temp = self.parts.attention, self.params.logprob_temperature
         batch = LogprobBatch.from_rollout(ro)
         with torch.no_grad():
             old = (
                 attn.completion_logprobs(self.policy, batch, temp).logprobs
-                if cfg.old_logprobs == "recompute"
+                if self.config.old_logprobs == "recompute"
                 else ro.logprobs
             )
             ref = (
@@ -202,6 +204,16 @@ class GRPOTrainer:
                 if self.ref_model is not None
                 else None
             )
+        return old, ref
+
+    def _update(self, ro: Rollout, advantages: torch.Tensor) -> dict[str, float]:
+        cfg, attn = self.config, self.parts.attention
+        temp = self.params.logprob_temperature
+        batch = LogprobBatch.from_rollout(ro)
+        old, ref = self._old_and_ref(ro)
+        # the sampler's own log-probs feed rollout correction (pi_train_old / pi_sampler)
+        sampler_lp = ro.logprobs if cfg.loss.correction.level != "off" else None
+        entropy = cfg.loss.entropy_coef > 0
         self.policy.train()
         info: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
         chunks = split_groups(ro.group_index, cfg.minibatches)
@@ -210,10 +222,12 @@ class GRPOTrainer:
                 batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
                 batch.completion_mask[rows], batch.group_index[rows],
             )  # fmt: skip
-            logps = attn.completion_logprobs(self.policy, sub, temp).logprobs
+            lp = attn.completion_logprobs(self.policy, sub, temp, compute_entropy=entropy)
+            logps = lp.logprobs
             out = grpo_loss(
                 logps, old[rows].to(logps.dtype), advantages[rows].to(logps.dtype), sub.completion_mask, cfg.loss,
-                None if ref is None else ref[rows].to(logps.dtype),
+                None if ref is None else ref[rows].to(logps.dtype), entropy=lp.entropies,
+                rollout_logps=None if sampler_lp is None else sampler_lp[rows].to(logps.dtype),
             )  # fmt: skip
             self.optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
@@ -223,6 +237,10 @@ class GRPOTrainer:
             info["loss"] += float(out.loss.detach()) / len(chunks)
             info["clip_fraction"] += out.clip_fraction / len(chunks)
             info["kl"] += out.kl / len(chunks)
+            if entropy:
+                info["entropy"] = info.get("entropy", 0.0) + out.entropy / len(chunks)
+            if sampler_lp is not None:
+                info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / len(chunks)
         self.policy.eval()
         return info
 

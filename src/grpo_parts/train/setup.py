@@ -139,7 +139,7 @@ def load_setup(config: TrainConfig) -> Setup:
         )
     policy, tok = load_model(path, dtype, device, progress=config.progress)
     ref_model = None
-    if config.loss.kl_coef > 0:
+    if config.loss.kl_coef > 0 or config.advantage.kl_coef > 0:  # KL in the loss or in the reward
         ref_model = copy.deepcopy(policy).eval()
         for p in ref_model.parameters():
             p.requires_grad_(False)
