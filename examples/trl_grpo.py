@@ -135,6 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{len(steps)} steps in {elapsed:.1f}s; reward {steps[0]['reward']:.3f} -> {steps[-1]['reward']:.3f}"
     )
+    # what went through each part and what fell back to TRL's own path, summed over the steps
+    counts: dict[str, float] = {}
+    for h in trainer.state.log_history:
+        for k, v in h.items():
+            if k.startswith("parts/") and k.rsplit("/", 1)[1] in (
+                "rollouts",
+                "forwards",
+                "calls",
+                "fallbacks",
+            ):
+                counts[k[len("parts/") :]] = counts.get(k[len("parts/") :], 0.0) + v
+    if counts:
+        print("what ran: " + ", ".join(f"{k} {v:g}" for k, v in sorted(counts.items())))
     if args.jsonl:
         with open(args.jsonl, "w") as f:
             for h in trainer.state.log_history:

@@ -36,15 +36,22 @@ class TRLPartsOptions(BaseModel):
     micro-batches, so a micro-batch holds almost no two completions of one prompt and a shared-prefix
     backend has nothing to share in the policy forward/backward. With ``group_rows`` the adapter
     re-cuts TRL's shuffled batch with the rows of each prompt kept together (groups in a seeded random
-    order, rows inside a group in TRL's shuffled order). Default (``None``): on when an attention
-    backend is set. Within one optimizer step the gradient does not depend on how rows are assigned to
-    micro-batches for TRL's token-sum losses (``dapo``, ``cispo``, ``vespo``) and equal-size
-    micro-batches (``grpo``, ``dr_grpo``); ``bnpo`` normalises per micro-batch, so its weighting moves.
+    order, rows inside a group in TRL's shuffled order). Within one optimizer step the gradient does
+    not depend on how rows are assigned to micro-batches for TRL's token-sum losses (``dapo``,
+    ``cispo``, ``vespo``) and equal-size micro-batches (``grpo``, ``dr_grpo``, ``sapo``, ``luspo``).
+    Default (``None``): on when an attention backend is set and the result is TRL's (see
+    :func:`group_rows_reasons`), else off with an INFO line saying why. ``True`` is refused where the
+    loss depends on the micro-batch (``top_entropy_quantile < 1``, an entropy bonus, ``bnpo``); with
+    ``steps_per_generation > gradient_accumulation_steps`` it spreads whole groups, not rows, over the
+    optimizer steps (a different assignment than TRL's).
 
     ``refill``: honour ``FilterResult.extra_prompts_wanted`` by rolling out more prompts, drawn from
     ``train_dataset`` in a seeded order independent of TRL's dataloader, until the kept batch has
     ``refill_target_size`` rows (default: the generation batch's size) or ``max_refill_rounds``
     rounds ran. Single process, map-style datasets only.
+
+    ``allow_untested_trl``: the adapter overrides private ``GRPOTrainer`` methods, so a TRL outside
+    :data:`TESTED_TRL` is refused at construction; ``True`` tries anyway, with a warning.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -60,6 +67,69 @@ class TRLPartsOptions(BaseModel):
     refill_seed: int | None = Field(
         None, description="seed of the refill prompt order (default: args.seed + 1)"
     )
+    allow_untested_trl: bool = False
+
+
+#: TRL versions the adapter is tested with (it overrides private ``GRPOTrainer`` methods)
+TESTED_TRL = ">=1.16,<1.17"
+#: the private ``GRPOTrainer`` methods the adapter overrides or calls
+TRL_SEAMS = (
+    "_generate",
+    "_generate_single_turn",
+    "_get_per_token_logps_and_entropies",
+    "_prepare_inputs",
+    "_generate_and_score_completions",
+    "_calculate_rewards",
+)
+
+
+def trl_version_reasons(version: str) -> list[str]:
+    """Why this adapter is not known to work with TRL ``version`` (empty = tested)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        ok = SpecifierSet(TESTED_TRL).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if ok:
+        return []
+    return [
+        f"TRL {version} is outside the tested range {TESTED_TRL}: the adapter overrides private GRPOTrainer "
+        f"methods ({', '.join(TRL_SEAMS)}) whose behaviour may have changed; install trl{TESTED_TRL} or pass "
+        "parts_options=TRLPartsOptions(allow_untested_trl=True) to try anyway"
+    ]
+
+
+def group_rows_reasons(trainer: Any) -> tuple[list[str], list[str]]:
+    """What re-cutting TRL's micro-batches by prompt group (``group_rows``) would change, as
+    ``(loss, steps)``: ``loss`` -- options whose loss depends on which rows share a micro-batch;
+    ``steps`` -- the rows of one generation batch are spread over several optimizer steps, so which
+    row trains in which step would change. Both empty: the same loss, gradients and parameters as
+    TRL's own order, up to float rounding."""
+    args = _get(trainer, "args")
+    loss = []
+    q = _get(trainer, "top_entropy_quantile", 1.0)
+    if q is not None and q < 1.0:
+        loss.append(
+            f"top_entropy_quantile={q}: TRL takes the entropy quantile over each micro-batch's tokens"
+        )
+    coef, adaptive = _get(trainer, "entropy_coef", 0.0), _get(trainer, "use_adaptive_entropy", False)
+    if coef or adaptive:
+        loss.append(
+            f"entropy bonus (entropy_coef={coef}, use_adaptive_entropy={adaptive}): TRL averages the entropy "
+            "over each micro-batch"
+        )
+    if _get(trainer, "loss_type") == "bnpo":
+        loss.append("loss_type='bnpo': TRL normalises the loss by each micro-batch's token count")
+    steps = []
+    spg, ga = _get(args, "steps_per_generation", 1), _get(args, "gradient_accumulation_steps", 1)
+    if spg is not None and ga is not None and spg > ga:
+        steps.append(
+            f"steps_per_generation={spg} > gradient_accumulation_steps={ga}: each generation batch is spread "
+            "over several optimizer steps"
+        )
+    return loss, steps
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:

@@ -6,6 +6,7 @@
 * :func:`regrouped_logprobs` -- run an :class:`~grpo_parts.attention.AttentionBackend` on TRL's
   ``(input_ids, attention_mask, logits_to_keep)`` with rows regrouped by prompt, results in TRL's order.
 * :func:`round_kept` -- make the kept count a multiple of ``steps_per_generation``.
+* :func:`drop_no_loss_rows` -- rows without loss tokens never stay kept while loss rows are pruned.
 * :func:`concat_batches` -- stack TRL batch dicts of different widths (refill rounds).
 * :func:`regroup_chunks` -- re-cut TRL's shuffled micro-batches with each prompt's rows together.
 """
@@ -56,13 +57,38 @@ def regrouped_logprobs(
 
     ``input_ids = [left-padded prompt | right-padded completion]`` with ``logits_to_keep`` completion
     columns. Rows are sorted by group and cut into chunks of whole groups of about ``batch_size``
-    rows (TRL's memory bound), so a shared-prefix backend sees every group in one piece."""
+    rows (TRL's memory bound), so a shared-prefix backend sees every group in one piece.
+
+    Rows whose completion is fully masked (TRL's ``mask_truncated_completions`` zeroes the attention
+    mask of truncated completions) have nothing to score: they skip the backend and get log-prob and
+    entropy 0 at every position, which is what TRL's own forward returns there (its fused LM head
+    zeroes masked positions). A batch with no such row left gives zeros without a forward (no graph:
+    under grad the caller must run TRL's own forward so that ``backward`` has one)."""
     n, width = input_ids.shape
     p = width - logits_to_keep
     if p < 1:
         raise GRPOPartsError(
             f"logits_to_keep: expected < input width {width} (a prompt is needed), got {logits_to_keep}"
         )
+    live = attention_mask[:, p:].bool().any(-1)
+    if not bool(live.all()):
+        if not bool(live.any()):
+            zeros = torch.zeros(n, logits_to_keep, device=input_ids.device)
+            return zeros, (zeros.clone() if compute_entropy else None)
+        idx = live.nonzero().flatten()
+        lp, ent = regrouped_logprobs(
+            backend,
+            model,
+            input_ids[idx],
+            attention_mask[idx],
+            logits_to_keep,
+            temperature,
+            compute_entropy,
+            batch_size,
+        )
+        lp = lp.new_zeros(n, logits_to_keep).index_copy(0, idx, lp)
+        ent = None if ent is None else ent.new_zeros(n, logits_to_keep).index_copy(0, idx, ent)
+        return lp, ent
     prompt_ids, prompt_mask = input_ids[:, :p], attention_mask[:, :p]
     completion_ids, completion_mask = input_ids[:, p:], attention_mask[:, p:]
     group = group_by_prompt(prompt_ids, prompt_mask)
@@ -100,17 +126,28 @@ def regrouped_logprobs(
     return logps, ents
 
 
+def _priority(scored: ScoredBatch, last: torch.Tensor | None) -> torch.Tensor:
+    """The filters' priority order, with the rows flagged in ``last`` moved behind all others."""
+    order = priority_order(scored)
+    if last is None:
+        return order
+    return order[torch.sort(last.to(order.device)[order].to(torch.int8), stable=True).indices]
+
+
 def round_kept(
     scored: Sequence[ScoredBatch],
     kept: Sequence[torch.Tensor],
     multiple: int,
     mode: Literal["restore", "drop"],
+    last: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], int]:
     """Make ``sum(len(k) for k in kept)`` a positive multiple of ``multiple``.
 
     ``"restore"`` adds pruned rows, ``"drop"`` removes kept rows, in the filters' priority order
-    (zero-variance rows last, larger ``|A|`` first, lower row first), latest round first. A total
-    of 0 always restores ``multiple`` rows. Returns the new kept lists and the signed change."""
+    (zero-variance rows last, larger ``|A|`` first, lower row first), latest round first; rows
+    flagged in ``last`` (one bool mask per round, e.g. rows with no loss token) rank after every
+    other row. A total of 0 always restores ``multiple`` rows. Returns the new kept lists and the
+    signed change."""
     kept = [k.clone() for k in kept]
     total = sum(int(k.numel()) for k in kept)
     rem = total % multiple
@@ -121,7 +158,7 @@ def round_kept(
         for i in reversed(range(len(kept))):
             if need == 0:
                 break
-            order = priority_order(scored[i])
+            order = _priority(scored[i], None if last is None else last[i])
             rank = torch.empty_like(order)
             rank[order] = torch.arange(order.numel(), device=order.device)
             k = kept[i]
@@ -135,7 +172,7 @@ def round_kept(
     for i in reversed(range(len(kept))):
         if need == 0:
             break
-        order = priority_order(scored[i])
+        order = _priority(scored[i], None if last is None else last[i])
         is_kept = torch.zeros(scored[i].size, dtype=torch.bool, device=order.device)
         is_kept[kept[i]] = True
         pruned = order[~is_kept[order]]
@@ -148,6 +185,15 @@ def round_kept(
             f"steps_per_generation: expected a generation batch of at least {multiple} rows, got {total + added}"
         )
     return kept, added
+
+
+def drop_no_loss_rows(kept: Sequence[torch.Tensor], no_loss: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Rows with no loss token are never kept ahead of rows that carry loss tokens: when any row
+    with loss tokens was pruned (in any round), drop the kept rows flagged in ``no_loss``."""
+    pruned_live = any(int((~d).sum()) > int((~d[k]).sum()) for k, d in zip(kept, no_loss))
+    if not pruned_live:
+        return list(kept)
+    return [k[~d[k]] for k, d in zip(kept, no_loss)]
 
 
 #: TRL batch keys and how to pad them when batches of different widths are stacked

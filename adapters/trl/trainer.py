@@ -8,45 +8,75 @@ Each part is optional and independent (``None`` = TRL's own code path, untouched
   the policy update (FastGRPO's "one step behind"); the adapter switches that off for eval rollouts.
 * ``attention`` -> ``_get_per_token_logps_and_entropies`` (policy, old-policy and reference
   log-probs). Rows arrive shuffled and chunked by TRL; they are regrouped by prompt content.
-* ``completion_filter`` -> ``_generate_and_score_completions``: after TRL's advantages, every
-  per-row entry of the batch is sliced to the kept rows, ``num_items_in_batch`` is recomputed from
-  the kept tokens, and the kept count is made a multiple of ``steps_per_generation``
+* ``completion_filter`` -> ``_generate_and_score_completions`` (:mod:`.filtering`): after TRL's
+  advantages, every per-row entry of the batch is sliced to the kept rows, ``num_items_in_batch`` is
+  recomputed from the kept tokens, and the kept count is made a multiple of ``steps_per_generation``
   (see :class:`~.options.TRLPartsOptions`). Training batches only; eval batches are not filtered.
+
+Every optimizer step (every eval batch in evaluation) the adapter adds to TRL's metrics how many
+rollouts / forwards / filter calls went through each part and how many fell back to TRL's own path
+(``parts/<part>/{rollouts,forwards,calls,fallbacks}``); each distinct fallback reason is logged once
+at WARNING.
 
 No maths lives here: advantages and losses are TRL's, log-probs are the backend's.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from trl import GRPOTrainer
+import trl
 
 from grpo_parts.attention.shared_prefix import select_attention
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
-from grpo_parts.filter.allocation import Chunk, Refiller
-from grpo_parts.filter.apply import select_rows
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
-from grpo_parts.types import ScoredBatch
 
+from .._counters import PartCounters
 from .build import build_part
+from .filtering import FilterSeam
 from .options import (
     TRLPartsOptions,
     attention_config_reasons,
     filter_config_reasons,
+    group_rows_reasons,
     sampler_config_reasons,
+    trl_version_reasons,
 )
-from .rows import concat_batches, prompt_runs, regroup_chunks, regrouped_logprobs, round_kept
+from .rows import prompt_runs, regroup_chunks, regrouped_logprobs
 
 logger = logging.getLogger(__name__)
 
+#: metric name of each part and what one call of it is
+COUNTED = {"sampler": "rollouts", "attention": "forwards", "filter": "calls"}
+_METRIC = {"sampler": "sampler", "attention": "attention", "completion_filter": "filter"}
 
-class GRPOPartsTrainer(GRPOTrainer):
+
+def check_trl_version(options: TRLPartsOptions, version: str | None = None) -> None:
+    """Refuse a TRL outside the tested range (or warn, with ``allow_untested_trl``)."""
+    reasons = trl_version_reasons(trl.__version__ if version is None else version)
+    if not reasons:
+        return
+    if not options.allow_untested_trl:
+        raise NotSupportedError("grpo_parts_adapters.trl", reasons)
+    logger.warning("grpo_parts: allow_untested_trl=True: %s", reasons[0])
+
+
+@contextmanager
+def _training(model: torch.nn.Module) -> Iterator[None]:
+    """Check a backend against the model as TRL trains it (train mode: e.g. attention dropout)."""
+    was = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+class GRPOPartsTrainer(FilterSeam):
     """``GRPOTrainer(*args, **kwargs)`` plus ``sampler``, ``draft``, ``attention``,
     ``completion_filter`` (each ``None``, a registered name, or an instance), their ``*_kwargs``
     for construction by name, and ``parts_options``."""
@@ -65,10 +95,14 @@ class GRPOPartsTrainer(GRPOTrainer):
         parts_options: TRLPartsOptions | None = None,
         **kwargs: Any,
     ) -> None:
+        options = parts_options or TRLPartsOptions()
+        check_trl_version(options)  # before TRL's own set-up: the seams below are private methods
         super().__init__(*args, **kwargs)
-        self.parts_options = parts_options or TRLPartsOptions()
+        self.parts_options = options
         self.parts_refused: dict[str, list[str]] = {}
         self.parts_choice: dict[str, str] = {}  # how "auto" chose
+        self._gp_counters = PartCounters(COUNTED, logger)
+        self._gp_off: dict[str, str] = {}
         self._gp_deferring = False
         self._gp_deferred: list[tuple[torch.Tensor, tuple[Any, ...]]] = []
         self._gp_rewards_per_func: torch.Tensor | None = None
@@ -95,52 +129,90 @@ class GRPOPartsTrainer(GRPOTrainer):
         a = build_part("attention", attention, policy, attention_kwargs)
         a_reasons = attention_config_reasons(self)
         if a is not None and not a_reasons:
-            a_reasons = list(a.not_supported_reasons(policy))
+            with _training(policy):
+                a_reasons = list(a.not_supported_reasons(policy))
         self.gp_attention = self._gp_accept("attention", a, a_reasons)
 
         f = build_part("completion_filter", completion_filter, policy, filter_kwargs)
         self.gp_filter = self._gp_accept(
             "completion_filter", f, filter_config_reasons(self, self.parts_options)
         )
+        self._gp_group_rows = self._gp_resolve_group_rows()
 
     # ------------------------------------------------------------------------------------- helpers
 
     def _gp_auto_attention(self, policy: torch.nn.Module, kwargs: dict[str, Any] | None) -> str | None:
         """``attention="auto"``: the first backend of ``AUTO_PRIORITY`` that supports this trainer
-        and model; ``None`` (TRL's own forward) when TRL's config rules every backend out."""
+        and model; ``None`` (TRL's own forward) when TRL's config rules every backend out. The choice
+        is logged at INFO; anything but the first of ``AUTO_PRIORITY`` at WARNING, with the reasons,
+        and its forwards count as fallbacks."""
         from grpo_parts.attention import AUTO_PRIORITY, IMPLEMENTATIONS
         from grpo_parts.registry import choose
 
-        if attention_config_reasons(self):
-            self.parts_choice["attention"] = "TRL's own forward: " + "; ".join(attention_config_reasons(self))
+        config_reasons = attention_config_reasons(self)
+        if config_reasons:
+            self.parts_choice["attention"] = "TRL's own forward: " + "; ".join(config_reasons)
+            self._gp_off["attention"] = "attention='auto' uses TRL's own forward: " + "; ".join(
+                config_reasons
+            )
+            self._gp_counters.note("attention", self._gp_off["attention"])
             return None
-        choice = choose(
-            IMPLEMENTATIONS,
-            AUTO_PRIORITY,
-            "attention",
-            lambda cls: list(cls(**(kwargs or {})).not_supported_reasons(policy)),
-        )
+        with _training(policy):
+            choice = choose(
+                IMPLEMENTATIONS,
+                AUTO_PRIORITY,
+                "attention",
+                lambda cls: list(cls(**(kwargs or {})).not_supported_reasons(policy)),
+            )
         self.parts_choice["attention"] = choice.explain()
+        logger.info("grpo_parts: attention='auto' %s", choice.explain().replace("\n", "; "))
+        if choice.name != AUTO_PRIORITY[0]:
+            refused = "; ".join(f"{n} refused: {', '.join(r)}" for n, r in choice.refused.items())
+            self._gp_off["attention"] = f"attention='auto' chose {choice.name!r} ({refused})"
+            self._gp_counters.note("attention", self._gp_off["attention"])
         return choice.name
 
     def _gp_accept(self, part: str, obj: Any, reasons: list[str]) -> Any:
-        if obj is None or not reasons:
+        if obj is None:
+            return None
+        self._gp_counters.track(_METRIC[part])
+        if not reasons:
             return obj
         name = getattr(obj, "name", type(obj).__name__)
         if self.parts_options.strict:
             raise NotSupportedError(f"{part} {name!r} on this GRPOTrainer", reasons)
         self.parts_refused[part] = reasons
-        logger.warning(
-            "grpo_parts: %s %r not applied, TRL's own path is used: %s", part, name, "; ".join(reasons)
+        self._gp_off[_METRIC[part]] = f"{part} {name!r} not applied, TRL's own path is used: " + "; ".join(
+            reasons
         )
+        self._gp_counters.note(_METRIC[part], self._gp_off[_METRIC[part]])
         return None
 
-    def _gp_mode(self) -> str:
-        return "train" if self.model is not None and self.model.training else "eval"
+    def _gp_resolve_group_rows(self) -> bool:
+        """Whether :meth:`_prepare_inputs` re-cuts TRL's micro-batches by prompt group."""
+        want = self.parts_options.group_rows
+        loss, steps = group_rows_reasons(self)
+        if want and loss:
+            if self.parts_options.strict:
+                raise NotSupportedError("TRLPartsOptions(group_rows=True)", loss)
+            self.parts_refused["group_rows"] = loss
+            logger.warning(
+                "grpo_parts: group_rows=True not applied, TRL's order is kept: %s", "; ".join(loss)
+            )
+            return False
+        if want is not None:
+            return want
+        if self.gp_attention is not None and (loss or steps):
+            logger.info(
+                "grpo_parts: group_rows off (TRL's micro-batches kept, so the loss is TRL's): %s",
+                "; ".join(loss + steps),
+            )
+            return False
+        return self.gp_attention is not None
 
-    def _gp_log(self, prefix: str, stats: dict[str, Any]) -> None:
-        for k, v in stats.items():
-            self._metrics[self._gp_mode()][f"parts/{prefix}/{k}"].append(float(v))
+    def _gp_flush(self, mode: str) -> None:
+        for key, value in self._gp_counters.flush(mode).items():
+            self._metrics[mode][key].append(value)
 
     def _gp_sampling_params(self, group_size: int) -> SamplingParams:
         return SamplingParams(
@@ -167,6 +239,11 @@ class GRPOPartsTrainer(GRPOTrainer):
             yield
         finally:
             self.gp_sampler.config = cfg  # type: ignore[union-attr]
+
+    def _generate(self, prompts):  # type: ignore[no-untyped-def]
+        out = super()._generate(prompts)
+        self._gp_count("sampler", served=self.gp_sampler is not None)  # one rollout of a batch
+        return out
 
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
@@ -225,22 +302,26 @@ class GRPOPartsTrainer(GRPOTrainer):
             call = (model, input_ids, attention_mask, logits_to_keep, batch_size, multimodal)
             self._gp_deferred.append((placeholder, call))
             return placeholder, None, None
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy)
         if self.gp_attention is None:
-            return super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **multimodal,
-            )
+            self._gp_count("attention", served=False)
+            return super()._get_per_token_logps_and_entropies(*args, compute_aux_loss, **multimodal)
         used = sorted(k for k, v in multimodal.items() if v is not None)
         if compute_aux_loss or used:
             raise NotSupportedError(
                 "attention", [f"TRL passed {used or ['compute_aux_loss']}: text-only, no MoE aux loss"]
             )
+        if torch.is_grad_enabled() and not bool(attention_mask[:, -logits_to_keep:].any()):
+            # every completion masked (mask_truncated_completions): nothing to score, but backward
+            # needs a graph; TRL's forward gives the all-zero log-probs connected to the model
+            self._gp_counters.fell_back(
+                "attention",
+                "a micro-batch whose every completion is masked (mask_truncated_completions) runs TRL's "
+                "own forward, so that backward has a graph",
+                mode=self._gp_mode(),
+            )
+            return super()._get_per_token_logps_and_entropies(*args, compute_aux_loss, **multimodal)
+        self._gp_count("attention", served=True)
         with self.accelerator.autocast():
             logps, ents = regrouped_logprobs(
                 self.gp_attention,
@@ -272,10 +353,7 @@ class GRPOPartsTrainer(GRPOTrainer):
     def _prepare_inputs(self, generation_batch):  # type: ignore[no-untyped-def]
         before = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
-        group_rows = self.parts_options.group_rows
-        if group_rows is None:
-            group_rows = self.gp_attention is not None
-        if not group_rows or self._gp_mode() != "train" or self._buffered_inputs is before:
+        if not self._gp_group_rows or self._gp_mode() != "train" or self._buffered_inputs is before:
             return inputs
         # TRL just generated, shuffled and split a new batch: keep each prompt's rows together
         gen = torch.Generator().manual_seed(int(self.args.seed) * 1_000_003 + int(self.state.global_step))
@@ -284,123 +362,12 @@ class GRPOPartsTrainer(GRPOTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch):  # type: ignore[no-untyped-def]
         with self._gp_kernel_scope():
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._step % self.current_gradient_accumulation_steps == 0:  # an optimizer step ends
+            self._gp_flush("train")
+        return loss
 
-    # ------------------------------------------------------------------------------------- filter
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._gp_rewards_per_func = rewards_per_func  # gathered [N_all, F]; the filter needs the rewards
-        return rewards_per_func
-
-    def _gp_can_defer(self) -> bool:
-        if not self.parts_options.defer_logprobs:
-            return False
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            return False  # TRL uses the old log-probs inside scoring
-        model = self.accelerator.unwrap_model(self.model)
-        return not (self.beta != 0.0 and self.ref_model is None and hasattr(model, "peft_config"))
-
-    def _gp_score(self, inputs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], ScoredBatch]:
-        """TRL's generation + scoring of ``inputs`` with the no-grad forwards postponed."""
-        self._gp_deferred, self._gp_deferring = [], self._gp_can_defer()
-        self._gp_rewards_per_func = None
-        try:
-            out = super()._generate_and_score_completions(inputs)
-        finally:
-            self._gp_deferring = False
-        deferred: dict[str, Any] = {}
-        for placeholder, call in self._gp_deferred:
-            keys = [k for k, v in out.items() if v is placeholder]
-            if len(keys) != 1:
-                raise GRPOPartsError(
-                    f"deferred log-probs: expected one batch key holding the placeholder, got {keys}"
-                )
-            deferred[keys[0]] = call
-        self._gp_deferred = []
-        n = out["completion_ids"].shape[0]
-        rpf = self._gp_rewards_per_func
-        if rpf is None:
-            raise GRPOPartsError("rewards: TRL did not call _calculate_rewards during scoring")
-        start = self.accelerator.process_index * n
-        rewards = (rpf * self.reward_weights.to(rpf.device)).nansum(dim=1)[start : start + n]
-        rows = torch.arange(n, device=rewards.device) + start
-        lengths = self._gp_loss_mask(out).sum(-1)
-        scored = ScoredBatch(
-            rewards, out["advantages"].reshape(n, -1)[:, 0].float(), rows // self.num_generations, lengths
-        )
-        return out, deferred, scored
-
-    @staticmethod
-    def _gp_loss_mask(batch: dict[str, Any]) -> torch.Tensor:
-        mask = batch["completion_mask"]
-        return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
-
-    def _gp_next_prompts(self, n: int) -> list[dict[str, Any]]:
-        if self._gp_stream is None:
-            seed = self.parts_options.refill_seed
-            self._gp_stream = self._gp_prompt_stream(self.args.seed + 1 if seed is None else seed)
-        return [next(self._gp_stream) for _ in range(n)]
-
-    def _gp_prompt_stream(self, seed: int) -> Iterator[dict[str, Any]]:
-        gen = torch.Generator().manual_seed(seed)
-        ds = self.train_dataset
-        while True:
-            for i in torch.randperm(len(ds), generator=gen).tolist():  # type: ignore[arg-type]
-                yield ds[i]  # type: ignore[index]
-
-    def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
-        if self.gp_filter is None or self._gp_mode() != "train":
-            return super()._generate_and_score_completions(inputs)
-        opts, g = self.parts_options, self.num_generations
-        out, deferred, scored = self._gp_score(inputs)
-        n = scored.size
-        chunks: list[Chunk[Any]] = [Chunk((out, deferred), scored, max(1, n // g))]
-        if opts.refill:
-
-            def produce(num_prompts: int) -> Chunk[Any] | None:
-                if not produced:  # round 1 is the batch TRL's dataloader gave us
-                    produced.append(True)
-                    return chunks[0]
-                extra = [copy.deepcopy(row) for row in self._gp_next_prompts(num_prompts) for _ in range(g)]
-                o, d, s = self._gp_score(extra)
-                chunks.append(Chunk((o, d), s, num_prompts))
-                return chunks[-1]
-
-            produced: list[bool] = []
-            refiller = Refiller(
-                target_size=opts.refill_target_size or n,
-                initial_prompts=chunks[0].num_prompts,
-                max_rounds=opts.max_refill_rounds,
-                max_prompts=opts.max_refill_prompts,
-            )
-            outcome = refiller.fill(self.gp_filter, produce)
-            kept_by_chunk = {id(sel.chunk): sel.kept for sel in outcome.selections}
-            kept = [kept_by_chunk.get(id(c), torch.zeros(0, dtype=torch.long)) for c in chunks]
-            info = dict(outcome.info)
-        else:
-            res = self.gp_filter.select(scored, None)
-            kept, info = [res.kept], dict(res.info)
-        kept, changed = round_kept(
-            [c.scored for c in chunks], kept, self.args.steps_per_generation, opts.filter_remainder
-        )
-        parts = []
-        for chunk, rows in zip(chunks, kept):
-            if rows.numel() == 0:
-                continue
-            batch, calls = chunk.payload
-            sub = select_rows(batch, rows, chunk.scored.size)
-            for key, (model, ids, mask, keep, bs, mm) in calls.items():
-                idx = rows.to(ids.device)
-                with torch.no_grad():
-                    sub[key] = self._get_per_token_logps_and_entropies(
-                        model, ids[idx], mask[idx], keep, bs, **mm
-                    )[0]
-            parts.append(sub)
-        batch = concat_batches(parts, int(self._tokenizer.pad_token_id))
-        batch["num_items_in_batch"] = self.accelerator.gather(self._gp_loss_mask(batch).sum()).sum()
-        total = sum(c.scored.size for c in chunks)
-        num_kept = int(batch["completion_ids"].shape[0])
-        info.update(kept_fraction=num_kept / total, num_kept=num_kept, rows_scored=total, rounding=changed)
-        self._gp_log("filter", info)
-        return batch
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):  # type: ignore[no-untyped-def]
+        out = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        self._gp_flush("eval")
+        return out

@@ -67,3 +67,10 @@ def test_adapters_import_lazily() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_tested_trl_range_is_the_trl_extra() -> None:
+    from grpo_parts_adapters.trl.options import TESTED_TRL
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
+    assert f"trl{TESTED_TRL}" in extra

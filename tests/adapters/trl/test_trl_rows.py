@@ -127,3 +127,42 @@ def test_regroup_chunks_keeps_prompts_together() -> None:
         assert c["advantages"].tolist() == c["completion_ids"][:, 0].double().tolist()
         assert c["tags"] == [f"r{int(i)}" for i in c["completion_ids"][:, 0]]
         assert int(c["num_items_in_batch"]) == 12
+
+
+def test_regrouped_logprobs_skips_rows_without_completion_tokens() -> None:
+    """Rows whose completion is fully masked (mask_truncated_completions) get 0, as TRL's forward
+    gives; the other rows equal the backend's; all masked: zeros without a forward."""
+    model = tiny_causal_lm("qwen2", vocab_size=32, dtype=torch.float64, seed=1)
+    prompts = torch.tensor([[0, 4, 5], [6, 7, 8], [0, 4, 5], [6, 7, 8]])
+    pm = (prompts != 0).long()
+    comp = torch.tensor([[9, 10, 1], [11, 12, 13], [14, 1, 0], [15, 16, 17]])
+    cm = torch.tensor([[1, 1, 1], [0, 0, 0], [1, 1, 0], [0, 0, 0]])  # rows 1 and 3: truncated, masked
+    ids, mask = torch.cat([prompts, comp], 1), torch.cat([pm, cm], 1)
+    backend = RepeatedPrefixAttention()
+    lp, ent = regrouped_logprobs(backend, model, ids, mask, 3, 1.0, True)
+    live = torch.tensor([0, 2])
+    want = backend.completion_logprobs(
+        model,
+        LogprobBatch(prompts[live], pm[live], comp[live], cm[live], torch.zeros(2, dtype=torch.long)),
+        1.0,
+        True,
+    )
+    assert ent is not None and want.entropies is not None
+    torch.testing.assert_close(lp[live], want.logprobs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent[live], want.entropies, rtol=0, atol=1e-12)
+    assert not lp[[1, 3]].any() and not ent[[1, 3]].any()
+    none, none_ent = regrouped_logprobs(backend, model, ids[[1, 3]], mask[[1, 3]], 3, 1.0, False)
+    assert none.shape == (2, 3) and not none.any() and none_ent is None
+
+
+def test_rows_without_loss_rank_last() -> None:
+    from grpo_parts_adapters.trl.rows import drop_no_loss_rows
+
+    s = _scored([0.5, -2.0, 0.1, 1.0], [0, 0, 0, 0])
+    no_loss = torch.tensor([False, True, False, False])  # row 1 has the largest |A| but no loss token
+    up, change = round_kept([s], [torch.tensor([3])], 2, "restore", [no_loss])
+    assert change == 1 and up[0].tolist() == [0, 3]  # row 0 (|A| 0.5) restored, not row 1
+    down, change = round_kept([s], [torch.tensor([0, 1, 3])], 2, "drop", [no_loss])
+    assert change == -1 and down[0].tolist() == [0, 3]  # row 1 dropped first
+    assert drop_no_loss_rows([torch.tensor([1, 3])], [no_loss])[0].tolist() == [3]  # rows 0, 2 pruned
+    assert drop_no_loss_rows([torch.tensor([0, 1, 2, 3])], [no_loss])[0].tolist() == [0, 1, 2, 3]

@@ -277,7 +277,10 @@ def test_eval_batches_are_not_filtered_and_do_not_train_the_draft(base: torch.nn
     metrics = tr.evaluate()
     assert "eval_parts/sampler/accepted_per_verify" in metrics
     assert not any("draft_update" in k for k in metrics)  # eval rollouts leave the online draft alone
-    assert not any(k.startswith("eval_parts/filter") for k in metrics)  # eval batches are not pruned
+    filter_keys = {k for k in metrics if k.startswith("eval_parts/filter")}
+    assert filter_keys == {"eval_parts/filter/calls", "eval_parts/filter/fallbacks"}  # not pruned:
+    assert metrics["eval_parts/filter/calls"] == 0 == metrics["eval_parts/filter/fallbacks"]  # no call
+    assert metrics["eval_parts/sampler/rollouts"] == 1 and metrics["eval_parts/sampler/fallbacks"] == 0
     assert sampler.config.train_draft  # restored after the eval rollout
 
 

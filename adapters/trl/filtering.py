@@ -1,0 +1,223 @@
+"""The completion-filter seam of :class:`~.trainer.GRPOPartsTrainer`: TRL's
+``_generate_and_score_completions`` (training batches only).
+
+After TRL's advantages a :class:`~grpo_parts.types.ScoredBatch` is built, the filter selects rows,
+every per-row entry of the batch is sliced to the kept rows, ``num_items_in_batch`` is recomputed
+from the kept loss tokens, and the kept count is made a multiple of ``steps_per_generation``. The
+no-grad old-policy / reference forwards TRL runs while scoring are postponed and run on the kept rows
+only. The completions table TRL logs gets a ``kept`` column.
+
+Rows with no loss token (``mask_truncated_completions=True`` masks a truncated completion entirely)
+carry no gradient: the filter sees them with advantage 0, so they count in the batch a pruning rate
+applies to, like any zero-advantage row, and are never kept while a row with loss tokens is pruned.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from grpo_parts.errors import GRPOPartsError, NotSupportedError
+from grpo_parts.filter.allocation import Chunk, Refiller
+from grpo_parts.filter.apply import select_rows
+from grpo_parts.types import ScoredBatch
+
+from .._counters import PartCounters
+from .options import TRLPartsOptions
+from .rows import concat_batches, drop_no_loss_rows, round_kept
+
+logger = logging.getLogger(__name__)
+
+#: the column of TRL's completions table that says whether a completion was trained on
+KEPT_COLUMN = "kept"
+
+
+class FilterSeam(GRPOTrainer):
+    """``GRPOTrainer`` with the filter seam and the helpers the other seams share; the parts are
+    set up by :class:`~.trainer.GRPOPartsTrainer`."""
+
+    gp_filter: Any
+    parts_options: TRLPartsOptions
+    parts_refused: dict[str, list[str]]
+    _gp_counters: PartCounters
+    _gp_off: dict[str, str]  # part -> why it does not run as asked (its calls count as fallbacks)
+    _gp_deferring: bool
+    _gp_deferred: list[tuple[torch.Tensor, tuple[Any, ...]]]
+    _gp_rewards_per_func: torch.Tensor | None
+    _gp_stream: Iterator[dict[str, Any]] | None
+
+    def _gp_mode(self) -> str:
+        return "train" if self.model is not None and self.model.training else "eval"
+
+    def _gp_log(self, prefix: str, stats: dict[str, Any]) -> None:
+        for k, v in stats.items():
+            self._metrics[self._gp_mode()][f"parts/{prefix}/{k}"].append(float(v))
+
+    def _gp_count(self, part: str, served: bool) -> None:
+        """One call of ``part``: through the part, or (not served, or the part is not the one asked
+        for) a fallback with its reason."""
+        mode = self._gp_mode()
+        if served and part not in self._gp_off:
+            self._gp_counters.ran(part, mode=mode)
+        elif part in self._gp_off:
+            self._gp_counters.fell_back(part, self._gp_off[part], mode=mode)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._gp_rewards_per_func = rewards_per_func  # gathered [N_all, F]; the filter needs the rewards
+        return rewards_per_func
+
+    def _gp_can_defer(self) -> bool:
+        if not self.parts_options.defer_logprobs:
+            return False
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            return False  # TRL uses the old log-probs inside scoring
+        model = self.accelerator.unwrap_model(self.model)
+        return not (self.beta != 0.0 and self.ref_model is None and hasattr(model, "peft_config"))
+
+    def _gp_score(self, inputs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], ScoredBatch]:
+        """TRL's generation + scoring of ``inputs`` with the no-grad forwards postponed."""
+        self._gp_deferred, self._gp_deferring = [], self._gp_can_defer()
+        self._gp_rewards_per_func = None
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            self._gp_deferring = False
+        deferred: dict[str, Any] = {}
+        for placeholder, call in self._gp_deferred:
+            keys = [k for k, v in out.items() if v is placeholder]
+            if len(keys) != 1:
+                raise GRPOPartsError(
+                    f"deferred log-probs: expected one batch key holding the placeholder, got {keys}"
+                )
+            deferred[keys[0]] = call
+        self._gp_deferred = []
+        n = out["completion_ids"].shape[0]
+        rpf = self._gp_rewards_per_func
+        if rpf is None:
+            raise GRPOPartsError("rewards: TRL did not call _calculate_rewards during scoring")
+        start = self.accelerator.process_index * n
+        rewards = (rpf * self.reward_weights.to(rpf.device)).nansum(dim=1)[start : start + n]
+        rows = torch.arange(n, device=rewards.device) + start
+        lengths = self._gp_loss_mask(out).sum(-1).long()
+        # a row with no loss token carries no gradient: rank it as a zero-advantage row
+        advantages = out["advantages"].reshape(n, -1)[:, 0].float().masked_fill(lengths == 0, 0.0)
+        scored = ScoredBatch(rewards, advantages, rows // self.num_generations, lengths)
+        return out, deferred, scored
+
+    @staticmethod
+    def _gp_loss_mask(batch: dict[str, Any]) -> torch.Tensor:
+        mask = batch["completion_mask"]
+        return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
+
+    def _gp_next_prompts(self, n: int) -> list[dict[str, Any]]:
+        if self._gp_stream is None:
+            seed = self.parts_options.refill_seed
+            self._gp_stream = self._gp_prompt_stream(self.args.seed + 1 if seed is None else seed)
+        return [next(self._gp_stream) for _ in range(n)]
+
+    def _gp_prompt_stream(self, seed: int) -> Iterator[dict[str, Any]]:
+        gen = torch.Generator().manual_seed(seed)
+        ds = self.train_dataset
+        while True:
+            for i in torch.randperm(len(ds), generator=gen).tolist():  # type: ignore[arg-type]
+                yield ds[i]  # type: ignore[index]
+
+    def _gp_log_kept(self, flags: list[torch.Tensor]) -> None:
+        """Add the ``kept`` column to TRL's completions table (``self._logs``): one flag per row TRL
+        just logged, gathered across processes in TRL's order."""
+        from accelerate.utils import gather_object
+
+        values = gather_object([bool(x) for f in flags for x in f.tolist()])
+        col = self._logs["extra"][KEPT_COLUMN]  # type: ignore[index]
+        missing = len(self._logs["prompt"]) - len(values) - len(col)
+        if missing > 0:  # rows logged before the column existed
+            col.extend([None] * missing)
+        col.extend(values)
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        mode = self._gp_mode()
+        if self.gp_filter is None or mode != "train":
+            out = super()._generate_and_score_completions(inputs)
+            if mode == "train":
+                self._gp_count("filter", served=False)
+            elif self.gp_filter is not None:  # eval batches are not filtered: every row counts
+                self._gp_log_kept([torch.ones(out["completion_ids"].shape[0], dtype=torch.bool)])
+            return out
+        opts, g = self.parts_options, int(self.num_generations or 1)
+        out, deferred, scored = self._gp_score(inputs)
+        n = scored.size
+        chunks: list[Chunk[Any]] = [Chunk((out, deferred), scored, max(1, n // g))]
+        reasons = list(self.gp_filter.not_supported_reasons(scored))
+        if reasons:
+            if opts.strict:
+                raise NotSupportedError(f"completion_filter {self.gp_filter.name!r}", reasons)
+            self._gp_counters.fell_back("filter", "; ".join(reasons), mode=mode)
+            kept, info = [torch.arange(n, device=scored.rewards.device)], {}
+        elif opts.refill:
+
+            def produce(num_prompts: int) -> Chunk[Any] | None:
+                if not produced:  # round 1 is the batch TRL's dataloader gave us
+                    produced.append(True)
+                    return chunks[0]
+                extra = [copy.deepcopy(row) for row in self._gp_next_prompts(num_prompts) for _ in range(g)]
+                o, d, s = self._gp_score(extra)
+                chunks.append(Chunk((o, d), s, num_prompts))
+                return chunks[-1]
+
+            produced: list[bool] = []
+            refiller = Refiller(
+                target_size=opts.refill_target_size or n,
+                initial_prompts=chunks[0].num_prompts,
+                max_rounds=opts.max_refill_rounds,
+                max_prompts=opts.max_refill_prompts,
+            )
+            outcome = refiller.fill(self.gp_filter, produce)
+            kept_by_chunk = {id(sel.chunk): sel.kept for sel in outcome.selections}
+            kept = [kept_by_chunk.get(id(c), torch.zeros(0, dtype=torch.long)) for c in chunks]
+            info = dict(outcome.info)
+            for _ in chunks:
+                self._gp_count("filter", served=True)
+        else:
+            res = self.gp_filter.select(scored, None)
+            kept, info = [res.kept], dict(res.info)
+            self._gp_count("filter", served=True)
+        no_loss: list[torch.Tensor] = [self._gp_loss_mask(c.payload[0]).sum(-1) == 0 for c in chunks]
+        kept = drop_no_loss_rows(kept, no_loss)
+        kept, changed = round_kept(
+            [c.scored for c in chunks],
+            kept,
+            self.args.steps_per_generation,  # type: ignore[attr-defined]
+            opts.filter_remainder,
+            no_loss,
+        )
+        parts, flags = [], []
+        for chunk, rows in zip(chunks, kept):
+            flag = torch.zeros(chunk.scored.size, dtype=torch.bool)
+            flag[rows.cpu()] = True
+            flags.append(flag)
+            if rows.numel() == 0:
+                continue
+            batch, calls = chunk.payload
+            sub = select_rows(batch, rows, chunk.scored.size)
+            for key, (model, ids, mask, keep, bs, mm) in calls.items():
+                idx = rows.to(ids.device)
+                with torch.no_grad():
+                    sub[key] = self._get_per_token_logps_and_entropies(
+                        model, ids[idx], mask[idx], keep, bs, **mm
+                    )[0]
+            parts.append(sub)
+        self._gp_log_kept(flags)
+        batch = concat_batches(parts, int(self._tokenizer.pad_token_id))
+        batch["num_items_in_batch"] = self.accelerator.gather(self._gp_loss_mask(batch).sum()).sum()
+        total = sum(c.scored.size for c in chunks)
+        num_kept = int(batch["completion_ids"].shape[0])
+        info.update(kept_fraction=num_kept / total, num_kept=num_kept, rows_scored=total, rounding=changed)
+        info["no_loss_rows"] = float(sum(int(d.sum()) for d in no_loss))
+        self._gp_log("filter", info)
+        return batch
