@@ -11,7 +11,8 @@ then the filter runs after them (it still saves the policy's forward/backward).
 
 Advantages are computed once per group on the full group (pruning never changes a kept row's
 advantage) and placed per token with OpenRLHF's own ``compute_reward`` / ``get_cumulative_returns``,
-so with the ``keep_all`` filter the output equals OpenRLHF's ``group_norm`` (or ``dr_grpo``).
+so with the ``keep_all`` filter the output equals OpenRLHF's ``group_norm`` (or ``dr_grpo``, ``rloo``);
+the filter ranks the advantage after ``reward.clip_range``, the one the loss sees.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ from grpo_parts.filter.reference import KeepAll
 from grpo_parts.types import ScoredBatch
 
 #: OpenRLHF estimator -> the same advantage in grpo_parts terms (experience_maker.py, 0.11.2):
-#: group_norm = (r - mean) / (std + 1e-9) with torch's unbiased std; dr_grpo = r - mean.
+#: group_norm = (r - mean) / (std + 1e-9) with torch's unbiased std; dr_grpo = r - mean;
+#: rloo = r - mean of the others. (reinforce_baseline whitens over the whole batch after filtering,
+#: so a kept row's advantage would depend on the pruned ones: not offered here.)
 ADVANTAGE_CONFIGS: dict[str, AdvantageConfig] = {
     "group_norm": AdvantageConfig(norm="group", unbiased_std=True, eps=1e-9),
     "dr_grpo": AdvantageConfig(norm="none"),
+    "rloo": AdvantageConfig(estimator="rloo"),
 }
 _ADV_KEY = "grpo_parts_advantage"
 
@@ -88,7 +92,12 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
                 f"algo.advantage.estimator: grpo_parts supports {sorted(ADVANTAGE_CONFIGS)}, "
                 f"got {self.advantage_estimator!r}"
             )
-        self.adv_config = ADVANTAGE_CONFIGS[self.advantage_estimator]
+        # clip as OpenRLHF's compute_reward will, so the filter ranks the advantage the loss sees
+        clip = getattr(self.args.reward, "clip_range", None)
+        base = ADVANTAGE_CONFIGS[self.advantage_estimator].model_dump()
+        self.adv_config = AdvantageConfig.model_validate(
+            {**base, "reward_clip": tuple(clip) if clip else None}
+        )
         self.completion_filter = completion_filter if completion_filter is not None else KeepAll()
         self.samples_generator = samples_generator
         self.generate_kwargs = dict(generate_kwargs or {})

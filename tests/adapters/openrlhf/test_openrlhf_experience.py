@@ -92,13 +92,14 @@ def fake_forwards(maker_cls, actor, kl_seed=None):
     group_size=st.integers(2, 5),
     num_prompts=st.integers(1, 4),
     micro=st.integers(1, 6),
-    estimator=st.sampled_from(["group_norm", "dr_grpo"]),
+    estimator=st.sampled_from(["group_norm", "dr_grpo", "rloo"]),
     kl_coef=st.sampled_from([0.0, 0.05]),
     overlong=st.sampled_from([None, 3]),
+    clip=st.sampled_from([(-10.0, 10.0), (-0.5, 0.75)]),
     data=st.data(),
 )
 def test_advantages_equal_group_norm(
-    seed, group_size, num_prompts, micro, estimator, kl_coef, overlong, data
+    seed, group_size, num_prompts, micro, estimator, kl_coef, overlong, clip, data
 ):
     from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
@@ -112,6 +113,7 @@ def test_advantages_equal_group_norm(
             "algo.advantage.estimator": estimator,
             "rollout.micro_batch_size": micro,
             "reward.overlong_buffer_len": overlong,
+            "reward.clip_range": clip,
         },
     )
     gen = torch.Generator().manual_seed(seed)
