@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from grpo_parts.compat import portable_tokenizer_config
 from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask, Problem
@@ -136,6 +137,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tok.save_pretrained(args.out)
+    portable_tokenizer_config(args.out)  # loadable by transformers 4.x too
     print(f"saved {args.out}")
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from . import compat
 from .errors import GRPOPartsError
 
 #: family -> (config class path, extra config kwargs)
@@ -33,10 +34,12 @@ def tiny_causal_lm(
     max_position_embeddings: int = 2048,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     **overrides: Any,
 ) -> torch.nn.Module:
-    """A randomly initialised decoder-only LM of ``family`` (see :data:`FAMILIES`), in eval mode."""
+    """A randomly initialised decoder-only LM of ``family`` (see :data:`FAMILIES`), in eval mode.
+    ``attn_implementation``: None = ``"sdpa"`` where the installed transformers supports it for the
+    family, else ``"eager"`` (:func:`grpo_parts.compat.attn_implementation`)."""
     import importlib
 
     import transformers
@@ -64,9 +67,8 @@ def tiny_causal_lm(
     kw.update(extra)
     kw.update(overrides)
     config = config_cls(**kw)
-    config._attn_implementation = attn_implementation
+    attn = compat.attn_implementation(compat.causal_lm_class(config), attn_implementation)
+    config._attn_implementation = attn
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=dtype, attn_implementation=attn_implementation
-    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model.eval()

@@ -7,6 +7,7 @@ import types
 import torch
 
 from grpo_parts.attention.protocol import LogprobBatch
+from grpo_parts.compat import register_attention_function
 from grpo_parts.tiny import tiny_causal_lm
 
 
@@ -36,8 +37,8 @@ def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 
 #: extra config per family so that the float64 reference (SDPA) is exact: gemma2's attention
-#: soft-capping is ignored by transformers' SDPA path, so it is switched off here and tested
-#: separately against eager attention.
+#: soft-capping is ignored by transformers' SDPA path (up to 5.20; 5.21 dropped SDPA for gemma2),
+#: so it is switched off here and tested separately against eager attention.
 FAMILY_OVERRIDES = {
     "gemma2": {"attn_logit_softcapping": None, "final_logit_softcapping": 30.0},
     "gemma3": {"final_logit_softcapping": None},
@@ -51,6 +52,11 @@ def exact_model(family: str, **kw) -> torch.nn.Module:  # type: ignore[no-untype
         for p in model.parameters():
             if p.ndim == 2:
                 p.mul_(4.0)
+    if model.config._attn_implementation != "sdpa":
+        # no SDPA for this family in this transformers (gemma2 from 5.21): the reference runs the
+        # float64-exact eager attention below, never transformers' eager (float32 softmax)
+        assert model.config._attn_implementation == "eager"
+        use_exact_eager(model)
     return exact_norms(model)
 
 
@@ -104,11 +110,7 @@ def _exact_eager_attention(
 
 
 def use_exact_eager(model: torch.nn.Module) -> torch.nn.Module:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(EXACT_EAGER, _exact_eager_attention)
-    AttentionMaskInterface.register(EXACT_EAGER, eager_mask)
+    register_attention_function(EXACT_EAGER, _exact_eager_attention, mask="eager")
     model.set_attn_implementation(EXACT_EAGER)
     return model
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..compat import sdpa_attention_forward
 from ..errors import GRPOPartsError, NotSupportedError
 from .layout import LAYOUT_KWARG, PrefixLayout
 
@@ -346,11 +347,9 @@ def shared_prefix_attention(
     ordinary forward) it is transformers' SDPA attention."""
     lay: PrefixLayout | None = kwargs.pop(LAYOUT_KWARG, None)
     if lay is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         if softcap is not None:
             raise NotSupportedError("shared_prefix fallback (sdpa)", ["attention logit soft-capping"])
-        return sdpa_attention_forward(
+        return sdpa_attention_forward()(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )  # type: ignore[return-value]
     dev = query.device.type

@@ -15,12 +15,11 @@ transformers forwards to every ``AttentionInterface`` function. A 4-D placeholde
 from __future__ import annotations
 
 import contextlib
-import inspect
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 
+from ..compat import accepts_logits_to_keep, register_attention_function, select_attention
 from ..core import token_logprobs
 from ..errors import GRPOPartsError, NotSupportedError
 from .layout import LAYOUT_KWARG, build_grouped_inputs, ungroup_logits
@@ -36,39 +35,10 @@ KERNEL_PRIORITY: tuple[str, ...] = ("sdpa", "flex", "eager")
 def register_attention() -> str:
     """Register the attention function (and SDPA's mask builder for ordinary forwards) with
     transformers under :data:`KERNEL_NAME`. Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     from .kernels import shared_prefix_attention
 
-    AttentionInterface.register(KERNEL_NAME, shared_prefix_attention)
-    AttentionMaskInterface.register(KERNEL_NAME, sdpa_mask)
+    register_attention_function(KERNEL_NAME, shared_prefix_attention, mask="sdpa")
     return KERNEL_NAME
-
-
-def _attn_configs(model: torch.nn.Module) -> list[Any]:
-    cfg = model.config  # type: ignore[union-attr]
-    out = [cfg]
-    for key in getattr(cfg, "sub_configs", {}) or {}:
-        sub = getattr(cfg, key, None)
-        if sub is not None:
-            out.append(sub)
-    return out
-
-
-@contextlib.contextmanager
-def select_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """Select the registered attention function ``name`` on ``model`` (and its sub-configs) for
-    the duration of the block, then restore what was selected before."""
-    cfgs = _attn_configs(model)
-    saved = [c._attn_implementation for c in cfgs]
-    for c in cfgs:
-        c._attn_implementation_internal = name
-    try:
-        yield
-    finally:
-        for c, s in zip(cfgs, saved):
-            c._attn_implementation_internal = s
 
 
 def _use_kernel(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -131,7 +101,7 @@ class SharedPrefixAttention:
             out.append(f"model: {tc.model_type} uses bidirectional attention")
         base, peft_reasons = _through_peft(model)
         out += peft_reasons
-        if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        if not accepts_logits_to_keep(base):
             out.append(f"model: {type(base).__name__}.forward has no logits_to_keep argument")
         window = getattr(tc, "sliding_window", None)
         uses_window = window is not None and (

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..compat import attn_implementation, cache_kwarg, causal_lm_class
 from ..errors import GRPOPartsError
 from ..sampler.logits import sampling_probs
 from ..sampler.protocol import SamplingParams
@@ -82,18 +83,20 @@ class EagleHead(torch.nn.Module):
         h = int(cfg.hidden_size)
         p = next(policy.parameters())
         self.fc = torch.nn.Linear(2 * h, h, device=p.device, dtype=p.dtype)
-        attn = cfg._attn_implementation or "sdpa"
+        attn = cfg._attn_implementation or attn_implementation(causal_lm_class(cfg))
         self.body = transformers.AutoModel.from_config(_body_config(policy), attn_implementation=attn)
         self.body.to(device=p.device, dtype=p.dtype)
         # the boolean mask below is what the sdpa kernel takes (eager wants an additive one)
         self.direct = getattr(cfg, "model_type", None) in DIRECT_LAYER_FAMILIES and attn == "sdpa"
 
-    def forward(self, emb: torch.Tensor, feat: torch.Tensor, **kw: Any) -> Any:
+    def forward(self, emb: torch.Tensor, feat: torch.Tensor, cache: Any = None, **kw: Any) -> Any:
+        """``cache``: the head's KV cache (passed to the body under :func:`~grpo_parts.compat.cache_kwarg`)."""
         x = self.fc(torch.cat([emb, feat.to(emb.dtype)], -1))
-        cache = kw.get("past_key_values")
-        if self.direct and cache is not None and not torch.is_grad_enabled():
+        if cache is None:
+            return self.body(inputs_embeds=x, **kw)
+        if self.direct and not torch.is_grad_enabled():
             return self._direct(x, kw["attention_mask"], kw["position_ids"], cache)
-        return self.body(inputs_embeds=x, **kw)
+        return self.body(inputs_embeds=x, **kw, **{cache_kwarg(self.body): cache})
 
     def _direct(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> Any:
         """The body's forward for a cached call, without the model wrapper. ``mask: [A, past + q]``."""
@@ -110,8 +113,8 @@ class EagleHead(torch.nn.Module):
         h = x
         for layer in self.body.layers:
             out = layer(
-                h, attention_mask=allowed, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                position_embeddings=emb,
+                h, attention_mask=allowed, position_ids=position_ids, use_cache=True, position_embeddings=emb,
+                **{cache_kwarg(layer): cache},
             )  # fmt: skip
             h = out[0] if isinstance(out, tuple) else out
         return SimpleNamespace(last_hidden_state=self.body.norm(h))
@@ -184,7 +187,7 @@ class EagleDraft:
         kv.append(valid)
         out = self.head(
             self.embed(context.tokens[:, -m:]), feats, attention_mask=kv.mask, position_ids=pos,  # type: ignore[operator]
-            past_key_values=kv.cache, use_cache=True,
+            cache=kv.cache, use_cache=True,
         )  # fmt: skip
         toks, probs = [], []
         h = out.last_hidden_state[:, -1:]
@@ -198,7 +201,7 @@ class EagleDraft:
             kv.append(torch.ones_like(kv.mask[:, :1]))
             out = self.head(
                 self.embed(d[:, None]), h, attention_mask=kv.mask,  # type: ignore[operator]
-                position_ids=context.lengths[:, None] + i, past_key_values=kv.cache, use_cache=True,
+                position_ids=context.lengths[:, None] + i, cache=kv.cache, use_cache=True,
             )  # fmt: skip
             h = out.last_hidden_state
         kv.spec = num_tokens - 1

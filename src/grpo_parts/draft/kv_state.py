@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..compat import crop_cache, new_dynamic_cache, select_cache_rows
 from ..sampler.verify import compact_cache
 
 
@@ -20,9 +21,7 @@ class DraftKVState:
     in cache order) of one rollout."""
 
     def __init__(self, rows: torch.Tensor):
-        from transformers import DynamicCache
-
-        self.cache: Any = DynamicCache()
+        self.cache: Any = new_dynamic_cache()
         self.mask = torch.zeros(rows.shape[0], 0, dtype=torch.long, device=rows.device)
         self.rows = rows.clone()
         self.spec = 0  # speculative entries appended by the last call
@@ -31,14 +30,14 @@ class DraftKVState:
         """Crop the last call's speculative entries, drop rows that finished since (returns the
         kept indices, for the caller's own per-row state, or None), compact when mostly holes."""
         if self.spec:
-            self.cache.crop(self.mask.shape[1] - self.spec)
+            crop_cache(self.cache, self.mask.shape[1] - self.spec)
             self.mask = self.mask[:, : -self.spec]
             self.spec = 0
         sel = None
         if not torch.equal(rows, self.rows):
             pos_of = {int(r): i for i, r in enumerate(self.rows.tolist())}
             sel = torch.tensor([pos_of[int(r)] for r in rows.tolist()], device=self.mask.device)
-            self.cache.batch_select_indices(sel)
+            select_cache_rows(self.cache, sel)
             self.mask, self.rows = self.mask[sel], rows.clone()
         if self.mask.shape[1] > 64 and float(self.mask.sum(-1).max()) < 0.5 * self.mask.shape[1]:
             new = compact_cache(self.cache, self.mask)  # too many holes: gather live entries

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from ..compat import cache_kwarg
 from ..sampler.logits import sampling_probs
 from ..sampler.protocol import SamplingParams
 from .kv_state import DraftKVState
@@ -48,8 +49,8 @@ class CachedLMDraft(FrozenLMDraft):
         self, kv: DraftKVState, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor
     ) -> torch.Tensor:
         out = self.model(
-            input_ids=ids, attention_mask=kv.append(valid), position_ids=pos, past_key_values=kv.cache,
-            use_cache=True, logits_to_keep=1,
+            input_ids=ids, attention_mask=kv.append(valid), position_ids=pos, use_cache=True,
+            logits_to_keep=1, **{cache_kwarg(self.model): kv.cache},
         )  # fmt: skip
         return out.logits[:, -1]
 

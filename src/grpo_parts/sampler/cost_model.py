@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ..compat import cache_kwarg, crop_cache, output_cache
+
 
 def expected_tokens(a: float, k: int) -> float:
     """Mean tokens emitted per row by one verification of ``k`` drafted tokens (bonus included)."""
@@ -223,10 +225,11 @@ def calibrate_policy(
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator(device="cpu").manual_seed(0)
     table: dict[int, list[float]] = {}
+    cache_kw = cache_kwarg(model)
     for a in batch_sizes:
         ids = torch.randint(0, vocab, (a, context_len), generator=gen).to(device)
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        cache = output_cache(out)
         row: list[float] = []
         for t in tokens:
             step = torch.randint(0, vocab, (a, t), generator=gen).to(device)
@@ -243,10 +246,10 @@ def calibrate_policy(
                     input_ids=step,
                     attention_mask=mask,
                     position_ids=pos,
-                    past_key_values=cache,
                     use_cache=True,
+                    **{cache_kw: cache},
                 )
-                cache.crop(context_len)
+                crop_cache(cache, context_len)
                 sync()
 
             fwd()  # warm-up

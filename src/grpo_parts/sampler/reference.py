@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from ..compat import cache_kwarg, output_cache, select_cache_rows
 from ..core import token_logprobs
 from ..errors import GRPOPartsError
 from .logits import sample_tokens
@@ -96,7 +97,8 @@ class ReferenceSampler:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         prompt_mask = mask
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        cache, logits = output_cache(out), out.logits[:, -1]
+        cache_kw = cache_kwarg(model)
         next_pos = pos[:, -1:] + 1
 
         # Finished rows leave the batch (and the KV cache) at once, as vLLM's scheduler does; they
@@ -120,16 +122,16 @@ class ReferenceSampler:
                 if keep.numel() == 0:
                     break
                 act, tok, mask, next_pos = act[keep], tok[keep], mask[keep], next_pos[keep]
-                cache.batch_select_indices(keep)
+                select_cache_rows(cache, keep)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = model(
                 input_ids=tok[:, None],
                 attention_mask=mask,
                 position_ids=next_pos,
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_kw: cache},
             )
-            cache, logits = out.past_key_values, out.logits[:, -1]
+            cache, logits = output_cache(out), out.logits[:, -1]
             next_pos = next_pos + 1
 
         completion, lp = completion[:, :steps], lp[:, :steps]

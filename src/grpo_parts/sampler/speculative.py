@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..compat import cache_kwarg, crop_cache, output_cache, repeat_cache_rows, select_cache_rows
 from ..core import token_logprobs
 from ..draft.protocol import DraftContext, DraftModel, DraftTrainingBatch
 from ..errors import GRPOPartsError, NotSupportedError
@@ -215,9 +216,10 @@ class SpeculativeSampler:
             input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True, output_hidden_states=need_h, logits_to_keep=1,
         )  # fmt: skip
-        cache, logits0 = out.past_key_values, out.logits[:, -1].repeat_interleave(g, 0)
+        cache, logits0 = output_cache(out), out.logits[:, -1].repeat_interleave(g, 0)
+        cache_kw = cache_kwarg(model)
         if g > 1:
-            cache.batch_repeat_interleave(g)
+            repeat_cache_rows(cache, g)
         first = sample_tokens(logits0, params, generator)
         seq = torch.cat([ids, torch.full((n, tmax), params.pad_token_id, device=device, dtype=ids.dtype)], 1)
         logps = torch.zeros(n, tmax, dtype=logits0.dtype if logits0.dtype == torch.float64 else torch.float32)
@@ -253,7 +255,7 @@ class SpeculativeSampler:
                 h_parts = [torch.cat(h_parts, 1)[sel]] if h_parts else []
                 if act.numel() == 0:
                     break
-                cache.batch_select_indices(sel)
+                select_cache_rows(cache, sel)
             a = act.numel()
             t_step, t_draft = time.perf_counter(), 0.0
             remaining = int((tmax - emitted[act]).max())
@@ -263,9 +265,9 @@ class SpeculativeSampler:
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
                 out = model(
                     input_ids=last[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True, output_hidden_states=need_h,
+                    use_cache=True, output_hidden_states=need_h, **{cache_kw: cache},
                 )  # fmt: skip
-                cache, logits = out.past_key_values, out.logits[:, -1]
+                cache, logits = output_cache(out), out.logits[:, -1]
                 last = sample_tokens(logits, params, generator)
                 e = emitted[act]
                 seq[act, width + e] = last
@@ -304,10 +306,10 @@ class SpeculativeSampler:
             mask = torch.cat([mask, torch.ones_like(inp)], 1)
             pos = next_pos[:, None] + torch.arange(k + 1, device=device)
             out = model(
-                input_ids=inp, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                use_cache=True, output_hidden_states=need_h,
+                input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True,
+                output_hidden_states=need_h, **{cache_kw: cache},
             )  # fmt: skip
-            cache, logits = out.past_key_values, out.logits
+            cache, logits = output_cache(out), out.logits
             n_acc, nxt = self.verifier(logits, d_tok, d_prob, params, generator)
             j = torch.arange(k + 1, device=device)
             chain = torch.cat([d_tok, nxt[:, None]], 1)
@@ -345,7 +347,7 @@ class SpeculativeSampler:
             if bool(live.any()):
                 c = int((k - n_acc)[live].min())  # columns every surviving row rejected
                 if c > 0:
-                    cache.crop(mask.shape[1] - c)
+                    crop_cache(cache, mask.shape[1] - c)
                     mask = mask[:, :-c]
                 if float(mask.sum(-1).max()) < (1 - self.config.compact_waste) * mask.shape[1]:
                     compacted = compact_cache(cache, mask)

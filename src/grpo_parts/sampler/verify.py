@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..compat import cache_layers
 from .logits import sampling_probs
 from .protocol import SamplingParams
 
@@ -109,8 +110,8 @@ def right_align(buf: torch.Tensor, ends: torch.Tensor, width: int, fill: int | f
 def compact_cache(cache: Any, mask: torch.Tensor) -> torch.Tensor | None:
     """Gather each row's live KV entries (``mask == 1``) to the right end of the cache, in order.
     Returns the new mask, or None when the cache type has no ``layers[i].keys/values``."""
-    layers = getattr(cache, "layers", None)
-    if not layers or not all(hasattr(ly, "keys") and hasattr(ly, "values") for ly in layers):
+    layers = cache_layers(cache)
+    if layers is None:
         return None
     width = int(mask.sum(-1).max())
     idx = torch.sort(mask, dim=-1, stable=True).indices[:, -width:]  # holes first, then live in order

@@ -1,0 +1,226 @@
+"""transformers compatibility: the one place that touches transformers APIs whose behaviour changed
+between the releases ``pyproject.toml`` declares (``transformers>=4.56.2,<6``).
+
+Each function says which releases do what. Checked against 4.56.2, 5.10.4 and 5.24.0 (the core test
+suite runs on all three: ``scripts/test-transformers-range.sh`` for the floor) and the source of
+5.5.3, 5.11-5.16.1, 5.20-5.23. When a release lacks something, these raise a
+:class:`~grpo_parts.errors.GRPOPartsError` naming it; nothing here falls back silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import GRPOPartsError, NotSupportedError
+
+
+@functools.cache
+def transformers_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed transformers."""
+    import transformers
+    from packaging.version import Version
+
+    rel = Version(transformers.__version__).release
+    return rel[0], rel[1]
+
+
+# ------------------------------------------------------------------------------------------ KV cache
+
+
+def new_dynamic_cache() -> Any:
+    """An empty ``DynamicCache``. ``DynamicCache()`` (no config: layers are added as the model fills
+    them) is accepted by every release in range; ``config=`` and ``ddp_cache_data=`` are optional."""
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (``0 <= length <= cache length``).
+
+    ``Cache.crop(n)`` changed meaning in 5.15.0. Up to 5.14, ``n >= 0`` is the length to *keep*
+    (so ``crop(0)`` empties the cache) and ``n < 0`` removes ``-n`` positions. From 5.15.0 on, a
+    positive ``n`` raises ``ValueError`` and ``crop(0)`` is a no-op (sliding-window layers: trims
+    to the window). A negative ``n`` removes ``-n`` positions in every release, so this passes
+    ``length - current`` and does not call ``crop`` at all when nothing is removed.
+    """
+    current = int(cache.get_seq_length())
+    if not 0 <= length <= current:
+        raise GRPOPartsError(
+            f"crop_cache: length expected in [0, {current}] (the cache length), got {length}"
+        )
+    if length < current:
+        cache.crop(length - current)
+
+
+def select_cache_rows(cache: Any, indices: torch.Tensor) -> None:
+    """Keep batch rows ``indices`` (in that order), in place: ``Cache.batch_select_indices``, the
+    same in every release in range (a layer with no entries yet is left alone)."""
+    cache.batch_select_indices(indices)
+
+
+def repeat_cache_rows(cache: Any, repeats: int) -> None:
+    """Repeat each batch row ``repeats`` times (``repeat_interleave``), in place:
+    ``Cache.batch_repeat_interleave``, the same in every release in range."""
+    cache.batch_repeat_interleave(repeats)
+
+
+def cache_layers(cache: Any) -> list[Any] | None:
+    """The cache's per-layer holders with ``.keys`` / ``.values: [B, H, L, D]`` (``Cache.layers``,
+    every release from 4.56; 4.55 and older had ``key_cache`` / ``value_cache`` lists instead), or
+    None for a cache without them (a recurrent-state or quantized cache, a custom class)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(ly, "keys") and hasattr(ly, "values") for ly in layers):
+        return None
+    return list(layers)
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_kwarg_of(fn: Callable[..., Any]) -> str:
+    try:
+        names = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        names = set()
+    for name in ("cache", "past_key_values"):
+        if name in names:
+            return name
+    return "cache" if transformers_version() >= (5, 24) else "past_key_values"
+
+
+def cache_kwarg(module: Any) -> str:
+    """The keyword ``module``'s forward takes its KV cache under. transformers 5.24 renamed
+    ``past_key_values`` to ``cache`` (the old name still works with a FutureWarning and goes in 5.40);
+    earlier releases only know ``past_key_values``. The forward's own signature decides; a wrapper
+    whose forward takes ``**kwargs`` only gets the installed release's name."""
+    fn = getattr(type(module), "forward", None)
+    return _cache_kwarg_of(fn) if fn is not None else _cache_kwarg_of(module)
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a forward with ``use_cache=True`` returned: ``out.cache`` from 5.24 on
+    (``out.past_key_values`` is a deprecated alias there), ``out.past_key_values`` before."""
+    for name in ("cache", "past_key_values"):
+        if name in getattr(type(out), "__dataclass_fields__", {}):
+            value = getattr(out, name)
+            if value is None:
+                raise GRPOPartsError(
+                    f"model output: {name} is None (was the forward called with use_cache=True?)"
+                )
+            return value
+    raise GRPOPartsError(
+        f"model output: expected a 'cache' or 'past_key_values' field, got {type(out).__name__}"
+    )
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+def register_attention_function(name: str, fn: Callable[..., Any], mask: str = "sdpa") -> None:
+    """Register ``fn`` with ``AttentionInterface`` and transformers' own ``mask`` (``"sdpa"``:
+    boolean, ``"eager"``: additive) mask builder with ``AttentionMaskInterface``, both under
+    ``name``. The attention signature ``(module, query, key, value, attention_mask, dropout=,
+    scaling=, **kwargs)`` is the same in every release in range; the mask builders' are not (4.x
+    takes ``cache_position``, 5.x ``q_length`` / ``q_offset``), so the installed release's builder is
+    registered, never a wrapper of ours."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    builders: dict[str, Callable[..., Any]] = {"sdpa": sdpa_mask, "eager": eager_mask}
+    if mask not in builders:
+        raise GRPOPartsError(f"mask: expected one of {sorted(builders)}, got {mask!r}")
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, builders[mask])
+
+
+def sdpa_attention_forward() -> Callable[..., Any]:
+    """transformers' SDPA ``AttentionInterface`` function (``integrations.sdpa_attention``, in every
+    release in range; from 5.21 it raises ``ValueError`` when given ``softcap``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+
+    return fn
+
+
+def _attn_configs(model: torch.nn.Module) -> list[Any]:
+    cfg = model.config  # type: ignore[union-attr]
+    out = [cfg]
+    for key in getattr(cfg, "sub_configs", {}) or {}:
+        sub = getattr(cfg, key, None)
+        if sub is not None:
+            out.append(sub)
+    return out
+
+
+@contextlib.contextmanager
+def select_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Select the attention function ``name`` on ``model``'s config and sub-configs for the duration
+    of the block, then restore each one's previous choice. Writes ``_attn_implementation_internal``
+    (what the ``_attn_implementation`` property reads in every release in range) directly: the
+    public ``set_attn_implementation`` re-checks the model class and recurses into sub-configs."""
+    cfgs = _attn_configs(model)
+    saved = [c._attn_implementation for c in cfgs]
+    for c in cfgs:
+        c._attn_implementation_internal = name
+    try:
+        yield
+    finally:
+        for c, s in zip(cfgs, saved):
+            c._attn_implementation_internal = s
+
+
+def causal_lm_class(config: Any) -> type:
+    """The ``AutoModelForCausalLM`` class for ``config`` (``MODEL_FOR_CAUSAL_LM_MAPPING``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls: type = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # type: ignore[assignment]
+    except KeyError:
+        raise GRPOPartsError(f"config: {type(config).__name__} has no AutoModelForCausalLM class") from None
+    return cls
+
+
+def attn_implementation(model_class: type, requested: str | None = None) -> str:
+    """The ``attn_implementation`` to build ``model_class`` with: ``requested`` if given (raising
+    :class:`~grpo_parts.errors.NotSupportedError` for ``"sdpa"`` where the class lacks it), else
+    ``"sdpa"`` where supported and ``"eager"`` otherwise -- transformers' own default. SDPA support
+    is per class *and* release: Gemma2 has it up to 5.20 and not from 5.21 (SDPA cannot soft-cap
+    attention logits), where ``from_config(..., attn_implementation="sdpa")`` raises."""
+    sdpa = bool(getattr(model_class, "_supports_sdpa", False))
+    if requested is None:
+        return "sdpa" if sdpa else "eager"
+    if requested == "sdpa" and not sdpa:
+        import transformers
+
+        raise NotSupportedError(
+            model_class.__name__,
+            [f"attn_implementation='sdpa' is not supported by transformers {transformers.__version__}"],
+        )
+    return requested
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` declares ``logits_to_keep`` (an int or a 1-D index tensor): every
+    transformers causal LM in range does (it was ``num_logits_to_keep`` before 4.50); remote-code
+    models and wrappers may not."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+# ---------------------------------------------------------------------------------------- tokenizer
+
+
+def portable_tokenizer_config(folder: str | Path) -> None:
+    """Make a saved fast tokenizer loadable by every release in range. 5.x's ``save_pretrained``
+    writes ``"tokenizer_class": "TokenizersBackend"``, a class 4.x's ``AutoTokenizer`` does not know
+    (``ValueError``); ``PreTrainedTokenizerFast`` names the same tokenizer in 4.x and 5.x."""
+    path = Path(folder) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
