@@ -44,9 +44,9 @@ def check_supported(ns: argparse.Namespace, parts: PartsConfig) -> None:
             "run synchronously or keep every --grpo_parts.* flag at its default"
         )
     est = getattr(ns, "algo.advantage.estimator", "group_norm")
-    if parts.filter != "keep_all" and est not in ("group_norm", "dr_grpo"):
+    if parts.filter != "keep_all" and est not in ("group_norm", "dr_grpo", "rloo"):
         raise GRPOPartsError(
-            f"--grpo_parts.filter needs --algo.advantage.estimator group_norm or dr_grpo, got {est!r}"
+            f"--grpo_parts.filter needs --algo.advantage.estimator group_norm, dr_grpo or rloo, got {est!r}"
         )
 
 
