@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .. import compat
 from ..errors import GRPOPartsError
 from ..task.arithmetic import ArithmeticTask
 from ..task.data import Task
@@ -67,7 +68,7 @@ def load_model(
 ) -> tuple[torch.nn.Module, Any]:
     """A local transformers causal LM and its tokenizer (never downloads; ``progress=False``: without
     transformers' loading bar, which would otherwise be the one thing a quiet run prints)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not path.exists():
         raise GRPOPartsError(
@@ -80,8 +81,10 @@ def load_model(
     try:
         with hf_progress(progress):
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            attn = compat.attn_implementation(compat.causal_lm_class(config))  # sdpa where supported
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+                path, config=config, dtype=dtype, local_files_only=True, attn_implementation=attn
             )
     except (OSError, ValueError) as e:
         raise GRPOPartsError(f"model: could not load {str(path)!r}: {e}") from None
