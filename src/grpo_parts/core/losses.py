@@ -63,8 +63,8 @@ class LossOutput:
     loss: torch.Tensor
     per_token_loss: torch.Tensor  # [N, T] policy term (x correction weights) + per-token KL, 0 where masked
     clip_fraction: float
-    kl: float  # masked mean of the KL estimate (0.0 when kl_coef == 0)
     ratio_mean: float
+    kl: float = 0.0  # masked mean of the KL estimate (0.0 when kl_coef == 0)
     entropy: float = 0.0  # masked mean of the entropy (0.0 when entropy_coef == 0)
     correction_mean: float = 1.0  # masked mean of the rollout-correction weights (1.0 when off)
 
@@ -92,6 +92,17 @@ def _require(name: str, t: torch.Tensor | None, why: str) -> torch.Tensor:
     if t is None:
         raise GRPOPartsError(f"{name}: expected a [N, T] tensor because {why}, got None")
     return t
+
+
+def _masked_mean(t: torch.Tensor, m: torch.Tensor) -> float:
+    return float((t.detach().to(m.dtype).expand_as(m) * m).sum() / m.sum().clamp(min=1.0))
+
+
+def _kl_term(
+    logps: torch.Tensor, ref_logps: torch.Tensor, ratio: torch.Tensor, cfg: LossConfig
+) -> torch.Tensor:
+    kl = kl_estimate(logps, ref_logps, cfg.kl_estimator, cfg.kl_clamp)
+    return kl * ratio if cfg.kl_ratio_weight else kl  # TRL: the unbiased reverse-KL gradient off-policy
 
 
 def grpo_loss(
@@ -124,37 +135,33 @@ def grpo_loss(
     def clean(t: torch.Tensor) -> torch.Tensor:
         return torch.where(keep, t, 0.0)
 
-    def mean(t: torch.Tensor) -> float:
-        return float((t.detach().to(m.dtype).expand_as(m) * m).sum() / m.sum().clamp(min=1.0))
-
     logps, old_logps = clean(logps), clean(old_logps)
-    adv = clean(adv) if adv.shape == logps.shape else adv
-    per_token, ratio, clipped = policy_terms(logps, old_logps, adv, m, cfg)
-    corr = 1.0
+    per_token, ratio, clipped = policy_terms(
+        logps, old_logps, clean(adv) if adv.shape == m.shape else adv, m, cfg
+    )
+    out = {"clip_fraction": _masked_mean(clipped, m), "ratio_mean": _masked_mean(ratio, m)}
     if cfg.correction.level != "off":
-        rl = clean(_require("rollout_logps", rollout_logps, "correction.level != 'off'"))
-        weights = correction_weights(old_logps, rl, mask, cfg.correction)
+        rollout = clean(_require("rollout_logps", rollout_logps, "correction.level != 'off'"))
+        weights = correction_weights(old_logps, rollout, mask, cfg.correction)
         assert weights is not None
-        per_token, corr = per_token * weights, mean(weights)
+        per_token, out["correction_mean"] = per_token * weights, _masked_mean(weights, m)
     agg_kw: dict = dict(norm_constant=cfg.norm_constant, num_tokens=num_tokens, num_seqs=num_seqs)
     agg_kw.update(count_empty=cfg.seq_count == "all", seq_len_eps=cfg.seq_len_eps)
-    kl_term, kl_val = None, 0.0
+    kl: torch.Tensor | None = None
     if cfg.kl_coef > 0.0:
         ref = clean(_require("ref_logps", ref_logps, "kl_coef > 0"))
-        kl = kl_estimate(logps, ref, cfg.kl_estimator, cfg.kl_clamp)
-        kl_val = mean(kl)
-        kl = kl * ratio if cfg.kl_ratio_weight else kl  # TRL: unbiased reverse-KL gradient off-policy
-        if cfg.kl_agg == "loss":
-            per_token = per_token + cfg.kl_coef * kl
-        else:  # OpenRLHF: its own token mean, whatever the policy term's aggregation
-            kl_term = aggregate(kl, mask, "token-mean", num_tokens=num_tokens)
+        out["kl"] = _masked_mean(kl_estimate(logps, ref, cfg.kl_estimator, cfg.kl_clamp), m)
+        kl = _kl_term(logps, ref, ratio, cfg)
+        if cfg.kl_agg == "loss":  # verl, TRL: per token, aggregated with the policy term
+            per_token, kl = per_token + cfg.kl_coef * kl, None
     loss = aggregate(per_token, mask, cfg.agg, **agg_kw)
-    if kl_term is not None:
-        loss = loss + cfg.kl_coef * kl_term
-    ent_val = 0.0
+    if kl is not None:  # OpenRLHF: its own token mean, whatever the policy term's aggregation
+        loss = loss + cfg.kl_coef * aggregate(kl, mask, "token-mean", num_tokens=num_tokens)
     if cfg.entropy_coef > 0.0:
         ent = clean(_require("entropy", entropy, "entropy_coef > 0"))
         mode = cfg.agg if cfg.entropy_agg == "loss" else "token-mean"
-        loss, ent_val = loss - cfg.entropy_coef * aggregate(ent, mask, mode, **agg_kw), mean(ent)
-    per_token = per_token.detach().masked_fill(~keep, 0.0)
-    return LossOutput(loss, per_token, mean(clipped), kl_val, mean(ratio), ent_val, corr)
+        loss, out["entropy"] = (
+            loss - cfg.entropy_coef * aggregate(ent, mask, mode, **agg_kw),
+            _masked_mean(ent, m),
+        )
+    return LossOutput(loss, per_token.detach().masked_fill(~keep, 0.0), **out)
