@@ -1,19 +1,21 @@
 """A grpo_parts :class:`~grpo_parts.attention.protocol.AttentionBackend` inside OpenRLHF's ``Actor.forward``.
 
-OpenRLHF builds its ``Actor`` inside Ray actors (``PolicyModelActor``, ``ReferenceModelActor``), so
-the backend is attached to the built instance: :func:`attach_attention` switches its class to
-:class:`GRPOPartsActor`, whose ``forward`` takes the same arguments and returns the same
-``action_log_probs: [B, A]`` (and ``output.entropy: [B, T-1]`` when asked), computed by the
-backend on the rows regrouped by prompt (:mod:`.layout`). Padded and ``packing_samples`` actors
-get the same call: OpenRLHF packs inside ``forward``, and the backend does its own layout.
+:class:`GRPOPartsActor` is OpenRLHF's ``Actor`` (built the same way, with the same arguments: the
+grpo_parts model actors construct it where OpenRLHF constructs ``Actor``). Until
+:meth:`GRPOPartsActor.use_backend` gives it a backend it *is* OpenRLHF's actor; afterwards its
+``forward`` takes the same arguments and returns the same ``action_log_probs: [B, A]`` (and
+``output.entropy: [B, T-1]`` when asked), computed by the backend on the rows regrouped by prompt
+(:mod:`.layout`). Padded and ``packing_samples`` actors get the same call: OpenRLHF packs inside
+``forward``, and the backend does its own layout.
 
 Calls the backend cannot serve (ring attention, multimodal inputs, full-logit requests) run
-OpenRLHF's own forward; :attr:`GRPOPartsActor.fallbacks` counts them by reason.
+OpenRLHF's own forward. :attr:`GRPOPartsActor.counters` counts both kinds per step
+(``parts/attention/forwards``, ``parts/attention/fallbacks``; each reason logged once).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import logging
 from typing import Any
 
 import torch
@@ -21,7 +23,10 @@ from openrlhf.models import Actor
 
 from grpo_parts.errors import NotSupportedError
 
+from .._counters import PartCounters
 from .layout import scatter_to_openrlhf, to_logprob_batch
+
+logger = logging.getLogger(__name__)
 
 
 def hf_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -44,11 +49,26 @@ def hf_model(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class GRPOPartsActor(Actor):
-    """OpenRLHF ``Actor`` computing action log-probs with a grpo_parts backend. Build with
-    :func:`attach_attention`, not directly."""
+    """OpenRLHF's ``Actor`` (same constructor) that computes action log-probs with a grpo_parts
+    attention backend once :meth:`use_backend` has given it one."""
 
-    grpo_backend: Any
-    fallbacks: Counter[str]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.grpo_backend: Any = None
+        self.counters = PartCounters({"attention": "forwards"}, logger)
+
+    def use_backend(self, backend: Any) -> GRPOPartsActor:
+        """Compute action log-probs with ``backend`` from now on (call after DeepSpeed wrapped the
+        model). Raises :class:`NotSupportedError` when the backend refuses the model."""
+        model = hf_model(self.model)
+        reasons = list(backend.not_supported_reasons(model))
+        if getattr(getattr(model, "config", None), "output_router_logits", False):
+            reasons.append("MoE router aux loss (output_router_logits) needs the model's full output")
+        if reasons:
+            raise NotSupportedError(getattr(backend, "name", type(backend).__name__), reasons)
+        self.grpo_backend = backend
+        self.counters.track("attention")
+        return self
 
     def _call_reasons(
         self,
@@ -82,7 +102,7 @@ class GRPOPartsActor(Actor):
         return_entropy: bool = False,
         **mm_inputs: Any,
     ) -> Any:
-        plain = dict(
+        plain_call = dict(
             return_output=return_output,
             allgather_logits=allgather_logits,
             return_logprobs=return_logprobs,
@@ -91,6 +111,8 @@ class GRPOPartsActor(Actor):
             return_entropy=return_entropy,
             **mm_inputs,
         )
+        if self.grpo_backend is None:
+            return super().forward(sequences, action_mask, attention_mask, **plain_call)
         reasons = self._call_reasons(
             action_mask, return_logprobs, allgather_logits, ring_attn_group, mm_inputs
         )
@@ -98,9 +120,10 @@ class GRPOPartsActor(Actor):
             reasons.append("no attention_mask")
         layout = None if reasons else to_logprob_batch(sequences, attention_mask, action_mask)  # type: ignore[arg-type]
         if layout is None:
-            self.fallbacks.update(reasons or ["no row has an action token"])
-            return super().forward(sequences, action_mask, attention_mask, **plain)
+            self.counters.fell_back("attention", "; ".join(reasons or ["no row has an action token"]))
+            return super().forward(sequences, action_mask, attention_mask, **plain_call)
         assert action_mask is not None
+        self.counters.ran("attention")
         out = self.grpo_backend.completion_logprobs(
             hf_model(self.model), layout.batch, temperature=self.temperature, compute_entropy=return_entropy
         )
@@ -115,18 +138,3 @@ class GRPOPartsActor(Actor):
             ent = out.entropies if out.entropies.dtype == torch.float64 else out.entropies.float()
             output.entropy = scatter_to_openrlhf(ent, layout, sequences.shape[1] - 1)
         return action_log_probs, output
-
-
-def attach_attention(actor: Actor, backend: Any) -> GRPOPartsActor:
-    """Make ``actor`` (an OpenRLHF ``Actor``, already built and wrapped) compute its action log-probs
-    with ``backend``. Raises :class:`NotSupportedError` when the backend refuses the model."""
-    reasons = list(backend.not_supported_reasons(hf_model(actor.model)))
-    cfg = getattr(hf_model(actor.model), "config", None)
-    if cfg is not None and getattr(cfg, "output_router_logits", False):
-        reasons.append("MoE router aux loss (output_router_logits) needs the model's full output")
-    if reasons:
-        raise NotSupportedError(getattr(backend, "name", type(backend).__name__), reasons)
-    actor.__class__ = GRPOPartsActor
-    actor.grpo_backend = backend  # type: ignore[attr-defined]
-    actor.fallbacks = Counter()  # type: ignore[attr-defined]
-    return actor  # type: ignore[return-value]

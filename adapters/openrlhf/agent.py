@@ -5,7 +5,8 @@ OpenRLHF's rollout actor calls ``execute(prompt, ...)`` once per completion, ``n
 times concurrently for one prompt (``asyncio.gather``). The executor queues the concurrent calls and
 serves them with **one** ``Sampler.generate`` (``group_size`` = the number of identical prompts), so
 group-aware samplers (speculative decoding with sibling drafts) see whole groups. Each call returns
-the dict OpenRLHF's ``SamplesGenerator._process_response_into_experience`` reads.
+the dict OpenRLHF's ``SamplesGenerator._process_response_into_experience`` reads, with
+``extra_logs[SAMPLER_MARK]`` set so the trainer counts the rollout (``parts/sampler/rollouts``).
 
 OpenRLHF instantiates ``AgentExecutor()`` without arguments, so an agent file subclasses
 :class:`GRPOPartsAgentExecutor` (docs/adapters/openrlhf.md has the file). The sampler runs on its
@@ -25,6 +26,10 @@ from openrlhf.utils.agent import AgentExecutorBase
 
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.types import Rollout
+
+#: ``extra_logs`` key marking a response as sampled by grpo_parts (OpenRLHF copies it into
+#: ``Experience.info``; :class:`~.samples.GRPOPartsSamplesGenerator` counts and removes it).
+SAMPLER_MARK = "grpo_parts_sampler"
 
 
 def sampling_params_from_vllm(
@@ -113,7 +118,7 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
             "truncated": truncated,
             "reward": None,
             "scores": None,
-            "extra_logs": {},
+            "extra_logs": {SAMPLER_MARK: 1.0},
         }
         if self.reward_fn is not None:
             query = hf_tokenizer.decode(out["observation_tokens"], skip_special_tokens=False)
@@ -123,7 +128,7 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
             out.update(
                 reward=float(torch.as_tensor(rewards).flatten()[0]),
                 scores=float(torch.as_tensor(scores).flatten()[0]),
-                extra_logs=info.get("extra_logs") or {},
+                extra_logs={**(info.get("extra_logs") or {}), SAMPLER_MARK: 1.0},
             )
         return out
 

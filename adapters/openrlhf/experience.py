@@ -17,9 +17,11 @@ the filter ranks the advantage after ``reward.clip_range``, the one the loss see
 
 from __future__ import annotations
 
+import logging
 from dataclasses import fields
 from typing import Any
 
+import ray
 import torch
 from openrlhf.models.utils import compute_reward
 from openrlhf.trainer.ppo_utils.experience import Experience, split_experience_batch
@@ -30,6 +32,10 @@ from grpo_parts.core import AdvantageConfig, group_advantages, group_stats
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.reference import KeepAll
 from grpo_parts.types import ScoredBatch
+
+from .._counters import PartCounters
+
+logger = logging.getLogger(__name__)
 
 #: OpenRLHF estimator -> the same advantage in grpo_parts terms (experience_maker.py, 0.11.2):
 #: group_norm = (r - mean) / (std + 1e-9) with torch's unbiased std; dr_grpo = r - mean;
@@ -72,9 +78,11 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
     """``RemoteExperienceMaker`` with a grpo_parts ``CompletionFilter``.
 
     ``completion_filter``: any grpo_parts filter (default keep-all = plain OpenRLHF).
-    ``samples_generator`` / ``generate_kwargs``: the trainer's, used to refill; ``refill_rounds``:
-    extra rollout rounds allowed per step (0 = train on what the filter kept).
-    ``last_info`` holds the last step's filter diagnostics (kept fraction, refill prompts).
+    ``samples_generator`` / ``generate_kwargs``: the trainer's, used to refill (a
+    :class:`~.samples.GRPOPartsSamplesGenerator`); ``refill_rounds``: extra rollout rounds allowed
+    per step (0 = train on what the filter kept). ``counters``: where filter calls are counted
+    (``parts/filter/calls``). ``last_info`` holds the last step's filter diagnostics (kept
+    fraction, refill prompts).
     """
 
     def __init__(
@@ -84,9 +92,14 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         samples_generator: Any = None,
         generate_kwargs: dict[str, Any] | None = None,
         refill_rounds: int = 0,
+        counters: PartCounters | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        if refill_rounds > 0 and not hasattr(samples_generator, "generate_prompts"):
+            raise GRPOPartsError(
+                "refill_rounds > 0 needs the trainer's samples generator to be a GRPOPartsSamplesGenerator"
+            )
         if self.advantage_estimator not in ADVANTAGE_CONFIGS:
             raise GRPOPartsError(
                 f"algo.advantage.estimator: grpo_parts supports {sorted(ADVANTAGE_CONFIGS)}, "
@@ -102,6 +115,8 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         self.samples_generator = samples_generator
         self.generate_kwargs = dict(generate_kwargs or {})
         self.refill_rounds = refill_rounds
+        self.counters = counters if counters is not None else PartCounters({"filter": "calls"}, logger)
+        self.counters.track("filter")
         self.last_info: dict[str, float] = {}
 
     @property
@@ -131,13 +146,14 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             s.info["group_reward_std"] = sd
         return ScoredBatch(rewards, adv, gi, lengths)
 
-    def _select(self, samples: list[Experience]) -> list[Experience]:
-        """Filter (and refill) single-sample experiences whose rewards are known."""
+    def _select(self, samples: list[Experience], refill: bool = True) -> list[Experience]:
+        """Filter (and, with ``refill``, refill) single-sample experiences whose rewards are known."""
         scored = self.score(samples)
         target = len(samples)
-        can_refill = self.refill_rounds > 0 and self.samples_generator is not None
+        can_refill = refill and self.refill_rounds > 0 and self.samples_generator is not None
         if not can_refill:
             res = self.completion_filter.select(scored, target_size=None)
+            self.counters.ran("filter")
             self.last_info = {"kept_fraction": res.kept.numel() / max(target, 1), "refill_prompts": 0.0}
             return [samples[i] for i in res.kept.tolist()]
         from grpo_parts.filter.allocation import Chunk, Refiller
@@ -157,6 +173,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             max_rounds=1 + self.refill_rounds,
         )
         out = refiller.fill(self.completion_filter, produce)
+        self.counters.ran("filter", n=out.rounds)
         self.last_info = {
             **out.info,
             "refill_prompts": float(out.prompts_used - len(samples) // self.group_size),
@@ -166,28 +183,24 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
     def _generate_more(self, num_prompts: int) -> list[Experience]:
         """``num_prompts`` more prompts' samples from the trainer's samples generator (same
         dataloader stream, so refill prompts are not seen twice in the episode)."""
-        gen = self.samples_generator
-        it = getattr(gen, "_dataloader_iter", None)
-        if it is None:
-            return []
-        from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
-
-        sleep = bool(self.args.vllm.enable_sleep)
-        if sleep:
-            batch_vllm_engine_call(gen.vllm_engines, "wake_up")
-        try:
-            more, _, exhausted = gen._generate_vllm(
-                dataloader_iter=it,
-                num_prompts=num_prompts,
-                dynamic_filtering=self.args.algo.dynamic_filtering_enable,
-                **self.generate_kwargs,
+        return list(
+            self.samples_generator.generate_prompts(
+                num_prompts, before_wake=self.free_gpu_for_vllm, **self.generate_kwargs
             )
-        finally:
-            if sleep:
-                batch_vllm_engine_call(gen.vllm_engines, "sleep")
-        if exhausted:
-            gen._dataloader_iter = None
-        return list(more)
+        )
+
+    def free_gpu_for_vllm(self) -> None:
+        """Before a refill wakes sleeping vLLM engines: leave the GPU as OpenRLHF's loop leaves it
+        before generation. Under ``--ds.enable_sleep`` the DeepSpeed states of the trained models
+        are offloaded (``offload_states``; a no-op when ``ppo_train`` already offloaded them), and
+        with ``--train.colocate_all`` the model actors empty their CUDA caches, as
+        ``make_experience`` does between colocated forwards."""
+        trained = [g for g in (self.actor_model_group, self.critic_model_group) if g is not None]
+        if self.args.ds.enable_sleep:
+            _wait([r for g in trained for r in g.async_run_method(method_name="offload_states")])
+        if self.args.train.colocate_all:
+            groups = [*trained, self.initial_model_group, self.reward_model_group]
+            _wait([r for g in groups if g is not None for r in g.async_run_method(method_name="empty_cache")])
 
     # --------------------------------------------------------------------------- OpenRLHF hooks
 
@@ -205,7 +218,11 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         experiences = self.make_experience(self.split_rollout_samples(samples))
         singles = [one for e in experiences for one in _split(e)]
         singles.sort(key=lambda e: e.index[0])  # back to rollout order (OpenRLHF's grouping)
-        kept = self._select(singles) if singles else []
+        if self.refill_rounds > 0:
+            self.counters.note(
+                "filter", "no refill with a reward model (refilled rows would need the forwards again)"
+            )
+        kept = self._select(singles, refill=False) if singles else []
         if not kept:
             raise NothingKept(
                 f"completion filter {self.completion_filter.name!r} kept 0 of {len(singles)} rows"
@@ -246,6 +263,11 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             e.info["return"] = reward.sum(dim=-1)
             e.kl = None
         return experiences
+
+
+def _wait(refs: list[Any]) -> None:
+    if refs:
+        ray.get(refs)
 
 
 def _split(e: Experience, keep_index: bool = False) -> list[Experience]:

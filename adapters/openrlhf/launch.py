@@ -1,29 +1,33 @@
 """Launch OpenRLHF's GRPO with grpo_parts: ``python -m grpo_parts_adapters.openrlhf.launch [flags]``.
 
-Every OpenRLHF flag of ``openrlhf.cli.train_ppo_ray`` works unchanged (its parser, validation and
-``train()`` run as shipped), plus ``--grpo_parts.*`` (see ``--help`` and :data:`.config.FLAGS`).
-For the duration of the run, and only in this (driver) process, the launcher points OpenRLHF's
-module attributes ``PolicyModelActor``, ``ReferenceModelActor``, ``PPOTrainer`` and
-``create_vllm_engines`` at the grpo_parts subclasses (:mod:`.ray_actors`, :mod:`.vllm_spec`);
-Ray ships those classes to the workers, and the parts config travels in ``strategy.args``.
-With every ``--grpo_parts.*`` flag at its default the run is plain OpenRLHF GRPO.
+This is the entry script: every flag of ``openrlhf.cli.train_ppo_ray`` works unchanged (OpenRLHF's
+own parser, validation and ``train()`` run as shipped), plus the ``grpo_parts`` argument group
+(``--grpo_parts.*``, see ``--help`` and :data:`.config.FLAGS`). OpenRLHF 0.11.2 takes no classes
+as arguments, so the script runs with *its own* imports of ``argparse.ArgumentParser``,
+``PolicyModelActor``, ``ReferenceModelActor``, ``create_vllm_engines`` and ``PPOTrainer`` resolving
+to the grpo_parts subclasses (:mod:`._scoped`): no module attribute, class or builtin is
+reassigned, so nothing else in the process (or in Ray's workers) sees a change. Ray ships the
+subclasses to the workers, and the parts config travels in ``strategy.args.grpo_parts``. With every
+``--grpo_parts.*`` flag at its default the run is plain OpenRLHF GRPO.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import runpy
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any
+import types
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from grpo_parts.errors import GRPOPartsError
 
+from ._scoped import run_entry_script
 from .config import FLAGS, PartsConfig
 
 OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
+PROG = "python -m grpo_parts_adapters.openrlhf.launch"
+#: modules OpenRLHF 0.11.2's entry script imports at top level, with the names it takes from them
+TOP_LEVEL = ("openrlhf.trainer.ray", "openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ray.launcher")
 
 
 def add_parts_flags(parser: argparse.ArgumentParser) -> None:
@@ -51,72 +55,90 @@ def check_supported(ns: argparse.Namespace, parts: PartsConfig) -> None:
 
 
 class _Run:
-    """State of one launch in the driver: the parsed parts config, set by the parse hook."""
+    """One launch: its argv, the parsed parts config, the module views the script imported."""
 
-    parts: PartsConfig | None = None
+    def __init__(self, argv: Sequence[str]):
+        self.argv = list(argv)
+        self.parts: PartsConfig | None = None
+        self.views: dict[str, types.ModuleType] = {}
 
 
-@contextlib.contextmanager
-def _parse_hook(run: _Run) -> Iterator[None]:
-    """Add our flags to the first parser OpenRLHF's main builds, and validate them after parsing."""
-    original = argparse.ArgumentParser.parse_args
+def _parser_class(run: _Run) -> type[argparse.ArgumentParser]:
+    class GRPOPartsArgumentParser(argparse.ArgumentParser):
+        """What the script's ``argparse.ArgumentParser()`` builds: OpenRLHF's parser plus the
+        ``grpo_parts`` group, parsing this launch's argv (``sys.argv`` is not read or changed)."""
 
-    def parse_args(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> Any:
-        if run.parts is None and not any(a.dest.startswith("grpo_parts.") for a in self._actions):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("prog", PROG)
+            super().__init__(*args, **kwargs)
             add_parts_flags(self)
-        ns = original(self, args, namespace)
-        run.parts = parts_from_namespace(ns)
-        check_supported(ns, run.parts)
-        return ns
 
-    argparse.ArgumentParser.parse_args = parse_args  # type: ignore[method-assign, assignment]
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+        def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+            missing = [m for m in TOP_LEVEL if m not in run.views]
+            if missing:
+                raise GRPOPartsError(
+                    f"{OPENRLHF_MAIN} did not import {missing}: this launcher supports OpenRLHF 0.11.2's entry script"
+                )
+            ns = super().parse_args(run.argv if args is None else args, namespace)
+            run.parts = parts_from_namespace(ns)
+            check_supported(ns, run.parts)
+            return ns
 
-
-@contextlib.contextmanager
-def _swapped(attrs: dict[tuple[str, str], Any]) -> Iterator[None]:
-    saved = {}
-    for (mod, name), value in attrs.items():
-        m = importlib.import_module(mod)
-        saved[(m, name)] = getattr(m, name)
-        setattr(m, name, value)
-    try:
-        yield
-    finally:
-        for (m, name), value in saved.items():
-            setattr(m, name, value)
+    return GRPOPartsArgumentParser
 
 
 def _create_engines(run: _Run) -> Any:
-    def create(*args: Any, **kwargs: Any) -> Any:
+    def create_vllm_engines(*args: Any, **kwargs: Any) -> Any:
         from .vllm_spec import create_vllm_engines_with
 
         return create_vllm_engines_with(run.parts or PartsConfig())(*args, **kwargs)
 
-    return create
+    return create_vllm_engines
+
+
+def overrides(run: _Run) -> dict[str, dict[str, Any]]:
+    """What the entry script's imports resolve to in this launch (module -> name -> object)."""
+    from .ray_actors import GRPOPartsPolicyModelActor, GRPOPartsPPOTrainer, GRPOPartsReferenceModelActor
+
+    return {
+        "argparse": {"ArgumentParser": _parser_class(run)},
+        "openrlhf.trainer.ray": {"create_vllm_engines": _create_engines(run)},
+        "openrlhf.trainer.ray.ppo_actor": {"PolicyModelActor": GRPOPartsPolicyModelActor},
+        "openrlhf.trainer.ray.launcher": {"ReferenceModelActor": GRPOPartsReferenceModelActor},
+        "openrlhf.trainer.ppo_trainer": {"PPOTrainer": GRPOPartsPPOTrainer},
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .ray_actors import GRPOPartsPolicyModelActor, GRPOPartsPPOTrainer, GRPOPartsReferenceModelActor
-
-    run = _Run()
-    swaps = {
-        ("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor"): GRPOPartsPolicyModelActor,
-        ("openrlhf.trainer.ray.launcher", "ReferenceModelActor"): GRPOPartsReferenceModelActor,
-        ("openrlhf.trainer.ppo_trainer", "PPOTrainer"): GRPOPartsPPOTrainer,
-        ("openrlhf.trainer.ray", "create_vllm_engines"): _create_engines(run),
-    }
-    saved_argv = sys.argv
-    sys.argv = [OPENRLHF_MAIN, *(sys.argv[1:] if argv is None else argv)]
-    try:
-        with _parse_hook(run), _swapped(swaps):
-            runpy.run_module(OPENRLHF_MAIN, run_name="__main__", alter_sys=False)
-    finally:
-        sys.argv = saved_argv
+    """Run OpenRLHF's ``train_ppo_ray`` with grpo_parts (``argv`` defaults to ``sys.argv[1:]``)."""
+    run = _Run(sys.argv[1:] if argv is None else argv)
+    run_entry_script(OPENRLHF_MAIN, overrides(run), run.views)
     return 0
+
+
+class _Parsed(Exception):
+    def __init__(self, args: Any):
+        super().__init__("parsed")
+        self.openrlhf_args = args
+
+
+def parse_args(argv: Sequence[str]) -> tuple[Any, PartsConfig]:
+    """OpenRLHF's hierarchized, validated ``args`` for ``argv`` (its parser and checks as shipped,
+    plus the ``grpo_parts`` group) and the parts config, without starting Ray or training: the
+    entry script runs until ``train()`` asks for the strategy."""
+
+    def stop(args: Any) -> NoReturn:
+        raise _Parsed(args)
+
+    run = _Run(argv)
+    scoped = overrides(run)
+    scoped["ray"] = {"is_initialized": lambda: True}
+    scoped["openrlhf.utils"] = {"get_strategy": stop}
+    try:
+        run_entry_script(OPENRLHF_MAIN, scoped, run.views)
+    except _Parsed as parsed:
+        return parsed.openrlhf_args, PartsConfig.from_args(parsed.openrlhf_args)
+    raise GRPOPartsError(f"{OPENRLHF_MAIN} returned without calling get_strategy(args)")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,25 @@
-"""The Ray actors the launcher swaps into OpenRLHF's ``cli/train_ppo_ray``.
+"""The Ray actor / trainer classes the launcher's entry script uses instead of OpenRLHF's.
 
 Each subclasses OpenRLHF's class (the original behind its ``@ray.remote`` wrapper) and reads the
 :class:`~.config.PartsConfig` from ``strategy.args.grpo_parts``, which Ray ships with the strategy:
 
-* :class:`GRPOPartsPolicyModelActor` / :class:`GRPOPartsReferenceModelActor`: after OpenRLHF builds
-  the model, attach the attention backend to its ``Actor`` (policy forward+backward, old-policy and
-  reference forwards); the policy's replay buffer keeps groups in one micro-batch
-  (:class:`~.replay.GroupedReplayBuffer`) when ``grouped_microbatches`` says so.
-* :class:`GRPOPartsPPOTrainer`: replaces the experience maker with
-  :class:`~.experience.GRPOPartsExperienceMaker` (filter + refill through this trainer's samples
-  generator), skips steps where the filter kept nothing, and logs ``grpo_parts/*`` metrics.
+* :class:`GRPOPartsPolicyModelActor` / :class:`GRPOPartsReferenceModelActor`: OpenRLHF's
+  ``init_model_from_pretrained`` as shipped, building a :class:`~.actor.GRPOPartsActor` where it
+  builds ``Actor`` (same arguments); afterwards the attention backend is given to it (policy
+  forward+backward, old-policy and reference forwards), and the policy's replay buffer keeps groups
+  in one micro-batch (:class:`~.replay.GroupedReplayBuffer`) when ``grouped_microbatches`` says so.
+  ``grpo_parts_counters()`` returns (and resets) the actor's per-step forward counts.
+* :class:`GRPOPartsPPOTrainer`: a :class:`~.samples.GRPOPartsSamplesGenerator` and a
+  :class:`~.experience.GRPOPartsExperienceMaker` (filter + refill) in place of OpenRLHF's; skips
+  steps where the filter kept nothing; adds ``grpo_parts/*`` and the per-step part counters
+  (``parts/<part>/<calls>``, ``parts/<part>/fallbacks``, summed over the model actors) to the step's
+  status dict, the one OpenRLHF logs and sends to wandb / TensorBoard.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Any
 
 import ray
@@ -21,52 +27,93 @@ from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.trainer.ray.launcher import ReferenceModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-from .actor import attach_attention, hf_model
+from .._counters import PartCounters
+from ._scoped import with_globals
+from .actor import GRPOPartsActor, hf_model
 from .config import PartsConfig
 from .experience import GRPOPartsExperienceMaker, NothingKept
+from .samples import GRPOPartsSamplesGenerator
+
+logger = logging.getLogger(__name__)
 
 
-def original_class(actor_class: Any) -> type:
+def original_class(actor_class: Any) -> Any:
     """The class behind a ``@ray.remote`` actor class (Ray forbids subclassing the wrapper)."""
     return actor_class.__ray_metadata__.modified_class.__ray_actor_class__
 
 
-def _attach(actor: Any, args: Any, role: str) -> None:
+_Policy = original_class(PolicyModelActor)
+_Reference = original_class(ReferenceModelActor)
+_Trainer = original_class(PPOTrainer)
+
+
+def use_parts_backend(actor: Any, args: Any, role: str) -> None:
+    """Give the built (DeepSpeed-wrapped) ``GRPOPartsActor`` the configured attention backend."""
     parts = PartsConfig.from_args(args)
     if parts.attention == "reference":
         return
     backend = parts.build_attention(hf_model(actor.model))
-    attach_attention(actor, backend)
-    print(f"[grpo_parts] {role}: log-probs by attention backend {backend.name!r}")
+    actor.use_backend(backend)
+    logger.info("grpo_parts %s: log-probs by attention backend %r", role, backend.name)
 
 
-@ray.remote(num_gpus=1)
-class GRPOPartsPolicyModelActor(original_class(PolicyModelActor)):  # type: ignore[misc]
+def counters_of(actor: Any) -> dict[str, float]:
+    return actor.counters.flush() if isinstance(actor, GRPOPartsActor) else {}
+
+
+class PolicyActorParts(_Policy):  # type: ignore[misc, valid-type]
+    """The unwrapped policy actor class (for tests; Ray uses :class:`GRPOPartsPolicyModelActor`)."""
+
     def init_model_from_pretrained(
         self, strategy: Any, pretrain: str, max_steps: Any = None, vllm_engines: Any = None
     ) -> None:
-        super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
-        _attach(self.actor, strategy.args, "policy")
-        if PartsConfig.from_args(strategy.args).use_grouped_microbatches(
-            strategy.args.train.dynamic_batch_enable
-        ):
+        build = with_globals(_Policy.init_model_from_pretrained, Actor=GRPOPartsActor)
+        build(self, strategy, pretrain, max_steps, vllm_engines)
+        self.grpo_parts_setup(strategy.args)
+
+    def grpo_parts_setup(self, args: Any) -> None:
+        """After OpenRLHF built the actor, its optimizer and its trainer."""
+        use_parts_backend(self.actor, args, "policy")
+        if PartsConfig.from_args(args).use_grouped_microbatches(args.train.dynamic_batch_enable):
             from .replay import GroupedReplayBuffer
 
             self.trainer.replay_buffer = GroupedReplayBuffer.replacing(self.trainer.replay_buffer)
 
+    def grpo_parts_counters(self) -> dict[str, float]:
+        return counters_of(self.actor)
 
-@ray.remote(num_gpus=1)
-class GRPOPartsReferenceModelActor(original_class(ReferenceModelActor)):  # type: ignore[misc]
+
+class ReferenceActorParts(_Reference):  # type: ignore[misc, valid-type]
+    """The unwrapped reference actor class (Ray uses :class:`GRPOPartsReferenceModelActor`)."""
+
     def init_model_from_pretrained(self, strategy: Any, pretrain: str) -> None:
-        super().init_model_from_pretrained(strategy, pretrain)
-        _attach(self.model, strategy.args, "reference")
+        with_globals(_Reference.init_model_from_pretrained, Actor=GRPOPartsActor)(self, strategy, pretrain)
+        use_parts_backend(self.model, strategy.args, "reference")
+
+    def grpo_parts_counters(self) -> dict[str, float]:
+        return counters_of(self.model)
 
 
-@ray.remote
-class GRPOPartsPPOTrainer(original_class(PPOTrainer)):  # type: ignore[misc]
+GRPOPartsPolicyModelActor = ray.remote(num_gpus=1)(PolicyActorParts)
+GRPOPartsReferenceModelActor = ray.remote(num_gpus=1)(ReferenceActorParts)
+
+
+class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
+    """The unwrapped trainer class (Ray uses :class:`GRPOPartsPPOTrainer`)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         parts = PartsConfig.from_args(self.args)
+        self.parts_counters = PartCounters({"sampler": "rollouts", "filter": "calls"}, logger)
+        self.samples_generator = GRPOPartsSamplesGenerator(
+            strategy=self.strategy,
+            prompts_dataloader=self.prompts_dataloader,
+            eval_dataloader=self.eval_dataloader,
+            tokenizer=self.tokenizer,
+            vllm_engines=self.vllm_engines,
+            counters=self.parts_counters,
+            speculative=bool(parts.speculative_config),
+        )
         self.experience_maker = GRPOPartsExperienceMaker(
             self.actor_model_group,
             self.critic_model_group,
@@ -79,15 +126,33 @@ class GRPOPartsPPOTrainer(original_class(PPOTrainer)):  # type: ignore[misc]
             samples_generator=self.samples_generator,
             generate_kwargs=self.generate_kwargs,
             refill_rounds=parts.refill_rounds,
+            counters=self.parts_counters,
         )
+        self.model_groups_count = parts.attention != "reference"
         self.skipped_steps = 0
+
+    def part_counts(self) -> dict[str, float]:
+        """This step's ``parts/*`` counts: the trainer's (sampler, filter) plus the model actors'
+        (attention; summed over actors), then reset."""
+        total: Counter[str] = Counter(self.parts_counters.flush())
+        if self.model_groups_count:
+            groups = [g for g in (self.actor_model_group, self.reference_model_group) if g is not None]
+            for counts in ray.get(
+                [r for g in groups for r in g.async_run_method(method_name="grpo_parts_counters")]
+            ):
+                total.update(counts)
+        return {k: float(v) for k, v in sorted(total.items())}
 
     def train_step(self, rollout_samples: Any, global_step: int) -> Any:
         try:
             status, step = super().train_step(rollout_samples, global_step)
         except NothingKept as e:
             self.skipped_steps += 1
-            print(f"[grpo_parts] step {global_step} skipped: {e}")
-            return {"grpo_parts/skipped_steps": float(self.skipped_steps)}, global_step
+            logger.warning("grpo_parts: step %d skipped: %s", global_step, e)
+            return {"grpo_parts/skipped_steps": float(self.skipped_steps), **self.part_counts()}, global_step
         status.update({f"grpo_parts/{k}": v for k, v in self.experience_maker.last_info.items()})
+        status.update(self.part_counts())
         return status, step
+
+
+GRPOPartsPPOTrainer = ray.remote(TrainerParts)

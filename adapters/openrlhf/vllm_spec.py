@@ -17,12 +17,12 @@ vLLM; the CPU tests check the plumbing only (docs/adapters/openrlhf.md, scripts/
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from ._scoped import with_globals
 from .config import PartsConfig
 
 #: parameters an EAGLE/MTP head reuses from the policy (HF names, as OpenRLHF broadcasts them)
@@ -41,7 +41,7 @@ def engine_kwargs(parts: PartsConfig) -> dict[str, Any]:
 
 
 class _ActorClassWithKwargs:
-    """Stands in for the ``RolloutRayActor`` Ray class during one ``create_vllm_engines`` call:
+    """Stands in for the ``RolloutRayActor`` Ray class inside one ``create_vllm_engines`` call:
     ``.options(...).remote(**kw)`` forwards to the real class with ``extra`` merged into ``kw``."""
 
     def __init__(self, actor_cls: Any, extra: dict[str, Any]):
@@ -58,29 +58,19 @@ class _ActorClassWithKwargs:
         return _Bound()
 
 
-@contextlib.contextmanager
-def _rollout_actor_kwargs(extra: dict[str, Any]) -> Iterator[None]:
-    from openrlhf.trainer.ray import vllm_engine
-
-    original = vllm_engine.RolloutRayActor
-    vllm_engine.RolloutRayActor = _ActorClassWithKwargs(original, extra)
-    try:
-        yield
-    finally:
-        vllm_engine.RolloutRayActor = original
-
-
 def create_vllm_engines_with(parts: PartsConfig) -> Callable[..., Any]:
-    """``create_vllm_engines`` (same signature) that adds :func:`engine_kwargs` to every engine."""
-    from openrlhf.trainer.ray.vllm_engine import create_vllm_engines
+    """``create_vllm_engines`` (same signature) that adds :func:`engine_kwargs` to every engine.
+    OpenRLHF's function runs as shipped, reading ``RolloutRayActor`` from a private copy of its
+    module namespace (:func:`._scoped.with_globals`); the module itself is not changed."""
+    from openrlhf.trainer.ray import vllm_engine
 
     extra = engine_kwargs(parts)
 
     def create(*args: Any, **kwargs: Any) -> Any:
         if not extra:
-            return create_vllm_engines(*args, **kwargs)
-        with _rollout_actor_kwargs(extra):
-            return create_vllm_engines(*args, **kwargs)
+            return vllm_engine.create_vllm_engines(*args, **kwargs)
+        actor_cls = _ActorClassWithKwargs(vllm_engine.RolloutRayActor, extra)
+        return with_globals(vllm_engine.create_vllm_engines, RolloutRayActor=actor_cls)(*args, **kwargs)
 
     return create
 

@@ -29,12 +29,11 @@ def plain_actor(model, temperature: float, packing: bool):
 
 
 def parts_actor(model, backend, temperature: float, packing: bool):
-    from grpo_parts_adapters.openrlhf.actor import attach_attention
-    from openrlhf.models import Actor
+    from grpo_parts_adapters.openrlhf.actor import GRPOPartsActor
 
-    actor = Actor(model, temperature=temperature)
+    actor = GRPOPartsActor(model, temperature=temperature)
     actor.packing_samples = packing
-    return attach_attention(actor, backend)
+    return actor.use_backend(backend)
 
 
 def logprobs_and_grads(actor, model, seq, att, am, weights):
@@ -146,8 +145,28 @@ def test_unsupported_calls_fall_back_to_openrlhf_forward():
     actor = parts_actor(model, RepeatedPrefixAttention(), 1.0, False)
     with torch.no_grad():
         out = actor(seq, None, attention_mask=att, return_output=True)
+        actor(seq, am, attention_mask=att)
     assert out["logits"].shape[:2] == seq.shape
-    assert sum(actor.fallbacks.values()) == 1
+    assert actor.counters.flush() == {"parts/attention/forwards": 1.0, "parts/attention/fallbacks": 1.0}
+    assert actor.counters.reasons["attention"] == [
+        "caller wants log-probs of every position (return_logprobs / no action_mask)"
+    ]
+
+
+def test_without_backend_it_is_openrlhfs_actor():
+    """Built as the grpo_parts model actors build it, before a backend is given: OpenRLHF's forward."""
+    from grpo_parts_adapters.openrlhf.actor import GRPOPartsActor
+    from openrlhf.models import Actor
+
+    gen = torch.Generator().manual_seed(2)
+    model = tiny_model("qwen2")
+    seq, att, am = openrlhf_batch(gen, 2, 2)
+    ours, plain = GRPOPartsActor(model, temperature=0.9), Actor(model, temperature=0.9)
+    for a in (ours, plain):
+        a.packing_samples = False
+    with torch.no_grad():
+        torch.testing.assert_close(ours(seq, am, attention_mask=att), plain(seq, am, attention_mask=att))
+    assert ours.counters.flush() == {}
 
 
 def test_attach_refuses_unsupported_model():
@@ -159,9 +178,9 @@ def test_attach_refuses_unsupported_model():
         def not_supported_reasons(self, model, batch=None):
             return ["model: not this one"]
 
-    from openrlhf.models import Actor
+    from grpo_parts_adapters.openrlhf.actor import GRPOPartsActor
 
+    actor = GRPOPartsActor(tiny_model("qwen2"))
     with pytest.raises(NotSupportedError, match="not this one"):
-        from grpo_parts_adapters.openrlhf.actor import attach_attention
-
-        attach_attention(Actor(tiny_model("qwen2")), Refuses())
+        actor.use_backend(Refuses())
+    assert actor.grpo_backend is None

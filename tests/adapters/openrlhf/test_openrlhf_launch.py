@@ -7,16 +7,54 @@ import argparse
 import pytest
 
 
-def test_launcher_help_lists_openrlhf_and_grpo_parts_flags(capsys):
-    from grpo_parts_adapters.openrlhf import launch
-    from openrlhf.trainer import ppo_trainer
-    from openrlhf.trainer.ray import ppo_actor
+def globals_seen():
+    """Everything the launcher must leave as it is (module attributes, classes, builtins, argv)."""
+    import builtins
+    import sys
 
-    before = (ppo_trainer.PPOTrainer, ppo_actor.PolicyModelActor, argparse.ArgumentParser.parse_args)
+    import openrlhf.models
+    import openrlhf.trainer.ray
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ray import launcher, ppo_actor, vllm_engine
+
+    return {
+        "ArgumentParser": argparse.ArgumentParser,
+        "ArgumentParser.parse_args": argparse.ArgumentParser.parse_args,
+        "ArgumentParser.__init__": argparse.ArgumentParser.__init__,
+        "PolicyModelActor": ppo_actor.PolicyModelActor,
+        "PolicyModelActor.init": ppo_actor.PolicyModelActor.__ray_metadata__.modified_class.__ray_actor_class__.__dict__[
+            "init_model_from_pretrained"
+        ],
+        "ReferenceModelActor": launcher.ReferenceModelActor,
+        "RayActorGroup": launcher.RayActorGroup,
+        "PPOTrainer": ppo_trainer.PPOTrainer,
+        "create_vllm_engines": openrlhf.trainer.ray.create_vllm_engines,
+        "vllm_engine.create_vllm_engines": vllm_engine.create_vllm_engines,
+        "RolloutRayActor": vllm_engine.RolloutRayActor,
+        "Actor": openrlhf.models.Actor,
+        "ppo_actor.Actor": ppo_actor.Actor,
+        "launcher.Actor": launcher.Actor,
+        "__import__": builtins.__import__,
+        "argv": list(sys.argv),
+    }
+
+
+def assert_untouched(before):
+    after = globals_seen()
+    changed = [k for k in before if after[k] is not before[k] and after[k] != before[k]]
+    assert not changed, f"changed: {changed}"
+
+
+def test_launcher_help_lists_openrlhf_and_grpo_parts_flags(capsys):
+    before = globals_seen()
+    from grpo_parts_adapters.openrlhf import launch
+
+    assert_untouched(before)  # importing patches nothing
     with pytest.raises(SystemExit) as e:
         launch.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
+    assert text.startswith("usage: python -m grpo_parts_adapters.openrlhf.launch")
     for flag in (
         "--grpo_parts.filter",
         "--grpo_parts.attention",
@@ -24,8 +62,7 @@ def test_launcher_help_lists_openrlhf_and_grpo_parts_flags(capsys):
         "--rollout.n_samples_per_prompt",
     ):
         assert flag in text
-    # everything swapped for the run is restored
-    assert (ppo_trainer.PPOTrainer, ppo_actor.PolicyModelActor, argparse.ArgumentParser.parse_args) == before
+    assert_untouched(before)
 
 
 def test_flags_reach_parts_config_through_hierarchize():
@@ -76,6 +113,7 @@ def test_vllm_engines_get_speculative_config(monkeypatch):
             return self
 
         def remote(self, **kwargs):
+            assert vllm_engine.RolloutRayActor is fake  # OpenRLHF's module is not changed during the call
             created.append(kwargs)
             return object()
 
@@ -90,7 +128,7 @@ def test_vllm_engines_get_speculative_config(monkeypatch):
     for kw in created:
         assert kw["speculative_config"] == spec and kw["worker_extension_cls"] == WORKER_EXTENSION
         assert kw["model"] == "some/model" and kw["max_model_len"] == 256  # OpenRLHF's own kwargs intact
-    assert vllm_engine.RolloutRayActor is fake  # restored after the call
+    assert vllm_engine.RolloutRayActor is fake
 
 
 def test_draft_sync_loads_shared_params_into_drafter():
@@ -117,18 +155,24 @@ def test_draft_sync_loads_shared_params_into_drafter():
     assert not w._sync_draft("lm_head.weight")
 
 
+ARGV = ["--actor.model_name_or_path", "m", "--reward.remote_url", "r.py", "--rollout.n_samples_per_prompt", "4",
+        "--algo.advantage.estimator", "group_norm", "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
+        "--rollout.batch_size", "2", "--grpo_parts.filter", "cppo", "--grpo_parts.filter_kwargs", '{"k": 2, "scope": "group"}',
+        "--grpo_parts.attention", "shared_prefix"]  # fmt: skip
+
+
 def test_launcher_runs_openrlhf_main_with_grpo_parts_classes(monkeypatch):
-    """Runs OpenRLHF's train_ppo_ray main (parser, validation, train()) up to the first actor group,
-    with Ray and DeepSpeed replaced by recorders: the policy group gets the grpo_parts actor class
-    and strategy.args carries the parts config."""
+    """Runs OpenRLHF's train_ppo_ray main (parser, validation, train()) up to the trainer, with Ray
+    replaced by recorders: the actor groups get the grpo_parts actor classes, the trainer is the
+    grpo_parts trainer, strategy.args carries the parts config, and while the script runs (and
+    after) no module attribute, class or builtin that other code sees has changed."""
     import ray
-    from grpo_parts_adapters.openrlhf import launch
+    from grpo_parts_adapters.openrlhf import launch, ray_actors
     from grpo_parts_adapters.openrlhf.config import PartsConfig
-    from grpo_parts_adapters.openrlhf.ray_actors import GRPOPartsPolicyModelActor
     from openrlhf import utils
     from openrlhf.trainer.ray import launcher
 
-    seen = {}
+    seen = {"groups": []}
 
     class Stop(Exception):
         pass
@@ -138,21 +182,65 @@ def test_launcher_runs_openrlhf_main_with_grpo_parts_classes(monkeypatch):
         return type("S", (), {"args": args, "print": lambda self, *a: None})()
 
     def fake_group(num_nodes, num_gpus, actor_type, **kw):
-        seen["actor_type"] = actor_type
-        raise Stop
+        seen["groups"].append(actor_type)
+        seen["during"] = globals_seen()
+        return object()
+
+    class FakeTrainer:
+        @staticmethod
+        def remote(*args, **kwargs):
+            seen["trainer"] = True
+            raise Stop
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(utils, "get_strategy", fake_strategy)
     monkeypatch.setattr(launcher, "RayActorGroup", fake_group)
-    argv = ["--actor.model_name_or_path", "m", "--reward.remote_url", "r.py", "--rollout.n_samples_per_prompt", "4",
-            "--algo.advantage.estimator", "group_norm", "--actor.num_gpus_per_node", "1", "--rollout.batch_size", "2",
-            "--grpo_parts.filter", "cppo", "--grpo_parts.filter_kwargs", '{"k": 2, "scope": "group"}']  # fmt: skip
+    real_trainer = ray_actors.GRPOPartsPPOTrainer
+    monkeypatch.setattr(ray_actors, "GRPOPartsPPOTrainer", FakeTrainer)
+    before = globals_seen()
     with pytest.raises(Stop):
-        launch.main(argv)
-    assert seen["actor_type"] is GRPOPartsPolicyModelActor
+        launch.main([*ARGV, "--algo.kl.init_coef", "0.01"])
+    assert seen["groups"] == [ray_actors.GRPOPartsPolicyModelActor, ray_actors.GRPOPartsReferenceModelActor]
+    assert seen["trainer"]
+    assert real_trainer.__ray_metadata__.modified_class.__ray_actor_class__ is ray_actors.TrainerParts
     parts = PartsConfig.from_args(seen["args"])
     assert parts.filter == "cppo" and parts.filter_kwargs == {"k": 2, "scope": "group"}
     assert seen["args"].reward.remote_url == ["r.py"]  # OpenRLHF's own validation ran
+    before.pop("RayActorGroup")  # replaced by this test, not by the launcher
+    assert_untouched(before)
+    seen["during"].pop("RayActorGroup")
+    assert all(seen["during"][k] is before[k] or seen["during"][k] == before[k] for k in before)
+
+
+def test_parse_args_runs_openrlhfs_parser_and_checks_without_ray():
+    import ray
+    from grpo_parts_adapters.openrlhf.launch import parse_args
+
+    from grpo_parts.errors import GRPOPartsError
+
+    before = globals_seen()
+    args, parts = parse_args(ARGV)
+    assert not ray.is_initialized()
+    assert args.reward.remote_url == ["r.py"] and args.actor.eps_clip_low_high == (0.2, 0.2)
+    assert args.ds.zero_stage == 2 and args.train.micro_batch_size == 1  # OpenRLHF's defaults
+    assert parts.attention == "shared_prefix" and parts.build_filter().name == "cppo"
+    with pytest.raises(GRPOPartsError, match="estimator"):
+        parse_args([*ARGV, "--algo.advantage.estimator", "reinforce_baseline"])
+    with pytest.raises(AssertionError, match="n_samples_per_prompt > 1"):  # OpenRLHF's own check
+        parse_args([*ARGV, "--rollout.n_samples_per_prompt", "1"])
+    assert_untouched(before)
+
+
+def test_with_globals_copies_the_function_not_the_module():
+    from grpo_parts_adapters.openrlhf._scoped import with_globals
+
+    def reads_len(x):
+        return len(x)
+
+    clone = with_globals(reads_len, len=lambda x: -1)
+    assert clone([1, 2]) == -1 and reads_len([1, 2]) == 2 and len([1]) == 1
+    with pytest.raises(KeyError, match="does not read"):
+        with_globals(reads_len, max=max)
 
 
 def test_grouped_microbatches_auto():

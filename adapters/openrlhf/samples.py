@@ -1,0 +1,96 @@
+"""The trainer's samples generator, able to generate for a given number of prompts (CPPO refill).
+
+:class:`GRPOPartsSamplesGenerator` is OpenRLHF's ``SamplesGenerator`` (same constructor, same
+``generate_samples``) plus :meth:`~GRPOPartsSamplesGenerator.generate_prompts`, which the
+experience maker calls to refill slots the filter freed. It draws from the same prompt stream
+(``SamplesGenerator``'s dataloader iterator, so refill prompts are not seen twice in an episode)
+through the same vLLM dispatch ``generate_samples`` uses, and wakes / sleeps the vLLM engines the
+way ``generate_samples`` does, after a ``before_wake`` callback that frees the GPU the way
+OpenRLHF's own loop has it freed before generation (DeepSpeed states offloaded under
+``--ds.enable_sleep``, caches emptied when colocated).
+
+A refill can drain the prompt stream. OpenRLHF's ``generate_samples`` would then silently start
+the dataloader over inside the same episode; here the next call reports the episode exhausted
+instead (``([], None, 0, True)``), so ``fit`` ends the episode as it does when its own call drains it.
+
+It also counts the rollouts that went through a grpo_parts sampler (``parts/sampler/rollouts``):
+samples whose agent executor is :class:`~.agent.GRPOPartsAgentExecutor` (it marks them), or every
+vLLM sample when the engines run a grpo_parts ``speculative_config``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+
+from .._counters import PartCounters
+from .agent import SAMPLER_MARK
+
+logger = logging.getLogger(__name__)
+
+
+class GRPOPartsSamplesGenerator(SamplesGenerator):
+    """``SamplesGenerator`` with :meth:`generate_prompts` (refill) and rollout counting.
+
+    ``counters``: where rollouts are counted (the trainer's, flushed per step);
+    ``speculative``: the vLLM engines run a grpo_parts ``speculative_config``."""
+
+    def __init__(
+        self, *args: Any, counters: PartCounters | None = None, speculative: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.counters = counters if counters is not None else PartCounters({"sampler": "rollouts"}, logger)
+        self.speculative = speculative
+        self.refill_drained_stream = False
+        if speculative:
+            self.counters.track("sampler")
+
+    def count(self, samples: list[Any]) -> None:
+        for s in samples:
+            marked = s.info.pop(SAMPLER_MARK, None) is not None
+            if marked or self.speculative:
+                self.counters.ran("sampler", n=len(s.sequences))
+
+    def generate_samples(self, **generate_kwargs: Any) -> Any:
+        if self.refill_drained_stream and getattr(self, "_dataloader_iter", None) is None:
+            if not getattr(self, "_sample_buffer", None):
+                self.refill_drained_stream = False
+                return [], None, 0, True  # the refill used the episode's last prompts
+        samples, pass_rate, consumed, exhausted = super().generate_samples(**generate_kwargs)
+        self.count(samples)
+        return samples, pass_rate, consumed, exhausted
+
+    def generate_prompts(
+        self, num_prompts: int, before_wake: Callable[[], None] | None = None, **generate_kwargs: Any
+    ) -> list[Any]:
+        """Samples for up to ``num_prompts`` more prompts of the current episode's stream (fewer,
+        or none, when it runs out), with rewards, as ``generate_samples`` returns them."""
+        it = getattr(self, "_dataloader_iter", None)
+        if it is None or num_prompts <= 0:
+            return []
+        sleep = bool(self.args.vllm.enable_sleep)
+        if sleep:
+            if before_wake is not None:
+                before_wake()
+            batch_vllm_engine_call(self.vllm_engines, "wake_up")
+        try:
+            samples, _, exhausted = self._generate_vllm(
+                dataloader_iter=it,
+                num_prompts=num_prompts,
+                dynamic_filtering=self.args.algo.dynamic_filtering_enable,
+                **generate_kwargs,
+            )
+        finally:
+            if sleep:
+                batch_vllm_engine_call(self.vllm_engines, "sleep")
+        if exhausted:
+            self._dataloader_iter = None
+            self.refill_drained_stream = True
+            logger.info("Prompt dataloader is exhausted (by a grpo_parts refill).")
+        samples = list(samples)
+        self.count(samples)
+        return samples
