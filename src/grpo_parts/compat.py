@@ -1,10 +1,10 @@
 """transformers compatibility: the one place that touches transformers APIs whose behaviour changed
 between the releases ``pyproject.toml`` declares (``transformers>=4.56.2,<6``).
 
-Each function says which releases do what. Checked against 4.56.2, 5.10.4 and 5.24.0 (the core test
-suite runs on all three: ``scripts/test-transformers-range.sh`` for the floor) and the source of
-5.5.3, 5.11-5.16.1, 5.20-5.23. When a release lacks something, these raise a
-:class:`~grpo_parts.errors.GRPOPartsError` naming it; nothing here falls back silently.
+Each function says which releases do what. The core test suite passes under 4.56.2 (the floor:
+``scripts/test-transformers-range.sh``), 5.10.4, 5.15.0 and 5.24.0; the release boundaries named
+below were read in the source of 5.5.3, 5.11-5.16.1 and 5.20-5.23. When a release lacks something,
+these raise a :class:`~grpo_parts.errors.GRPOPartsError` naming it; nothing here falls back silently.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def repeat_cache_rows(cache: Any, repeats: int) -> None:
 
 def cache_layers(cache: Any) -> list[Any] | None:
     """The cache's per-layer holders with ``.keys`` / ``.values: [B, H, L, D]`` (``Cache.layers``,
-    every release from 4.56; 4.55 and older had ``key_cache`` / ``value_cache`` lists instead), or
+    every release in range; older ones had ``key_cache`` / ``value_cache`` lists instead), or
     None for a cache without them (a recurrent-state or quantized cache, a custom class)."""
     layers = getattr(cache, "layers", None)
     if not layers or not all(hasattr(ly, "keys") and hasattr(ly, "values") for ly in layers):
@@ -207,7 +207,7 @@ def attn_implementation(model_class: type, requested: str | None = None) -> str:
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether ``model.forward`` declares ``logits_to_keep`` (an int or a 1-D index tensor): every
-    transformers causal LM in range does (it was ``num_logits_to_keep`` before 4.50); remote-code
+    transformers causal LM in range does (older releases called it ``num_logits_to_keep``); remote-code
     models and wrappers may not."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
