@@ -8,39 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _openrlhf_helpers import KeepFloat64, openrlhf_args, openrlhf_batch, tiny_model
+from _openrlhf_helpers import KeepFloat64, openrlhf_args, rollout_samples, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 REWARDS = [0.0, 0.25, 0.5, 1.0, -1.0, 2.0]
-
-
-def rollout_samples(gen, group_size, num_prompts, reward_values, env_tokens=False):
-    """Single-sample Experiences as OpenRLHF's samples generator returns them (rewards attached)."""
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
-    seq, att, am = openrlhf_batch(gen, group_size, num_prompts, env_tokens=env_tokens)
-    out = []
-    for i in range(seq.shape[0]):
-        n = int(att[i].sum())
-        r = torch.tensor([reward_values[i]], dtype=torch.float64)
-        resp = int(am[i, : n - 1].sum())
-        out.append(
-            Experience(
-                sequences=seq[i : i + 1, :n],
-                attention_mask=att[i : i + 1, :n],
-                action_mask=am[i : i + 1, : n - 1],
-                prompts=[f"prompt {i // group_size}"],
-                labels=[""],
-                rewards=r,
-                scores=r.clone(),
-                response_length=torch.tensor([resp]),
-                truncated=torch.tensor([False]),
-                total_length=torch.tensor([float(n)]),
-                info={"reward": r.clone(), "response_clip_ratio": torch.tensor([False])},
-            )
-        )
-    return out
 
 
 def make_maker(cls, args, **kwargs):
