@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..compat import portable_tokenizer_config
 from ..errors import GRPOPartsError
 
 FORMAT = 1
@@ -313,5 +314,6 @@ def export_model(run_dir: Path, policy: Any, tokenizer: Any) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    portable_tokenizer_config(tmp)  # loadable by every transformers release in our range (4.x too)
     replace_dir(tmp, final)
     return final
