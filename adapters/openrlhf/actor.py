@@ -56,6 +56,9 @@ class GRPOPartsActor(Actor):
         super().__init__(*args, **kwargs)
         self.grpo_backend: Any = None
         self.counters = PartCounters({"attention": "forwards"}, logger)
+        #: compare the next backend forward with OpenRLHF's own (``first_batch_diff``, once)
+        self.check_first_batch = False
+        self.first_batch_diff: float | None = None
 
     def use_backend(self, backend: Any) -> GRPOPartsActor:
         """Compute action log-probs with ``backend`` from now on (call after DeepSpeed wrapped the
@@ -129,6 +132,10 @@ class GRPOPartsActor(Actor):
         )
         lp = out.logprobs if out.logprobs.dtype == torch.float64 else out.logprobs.float()
         action_log_probs = scatter_to_openrlhf(lp, layout, action_mask.shape[1]) * action_mask.to(lp.dtype)
+        if self.check_first_batch and self.first_batch_diff is None:
+            self.first_batch_diff = self._diff_to_openrlhf(
+                action_log_probs, sequences, action_mask, attention_mask, plain_call
+            )
         if not return_output:
             return action_log_probs
         from transformers.modeling_outputs import CausalLMOutput
@@ -138,3 +145,14 @@ class GRPOPartsActor(Actor):
             ent = out.entropies if out.entropies.dtype == torch.float64 else out.entropies.float()
             output.entropy = scatter_to_openrlhf(ent, layout, sequences.shape[1] - 1)
         return action_log_probs, output
+
+    @torch.no_grad()
+    def _diff_to_openrlhf(
+        self, ours: torch.Tensor, sequences: Any, action_mask: Any, attention_mask: Any, call: dict
+    ) -> float:
+        """Largest ``|ours - OpenRLHF's own forward|`` over action tokens (logged once per run)."""
+        call = {**call, "return_output": False, "return_entropy": False}
+        plain = super().forward(sequences, action_mask, attention_mask, **call)
+        diff = float(((ours.detach().float() - plain.float()) * action_mask).abs().max())
+        logger.info("grpo_parts: first batch, largest log-prob difference to OpenRLHF's forward: %.3g", diff)
+        return diff

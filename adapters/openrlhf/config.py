@@ -42,6 +42,12 @@ FLAGS: dict[str, tuple[type, Any, str]] = {
         "JSON speculative_config passed to every vLLM engine (vLLM's own format)",
     ),
     "draft_sync": (str, "none", "draft weight sync after each policy update: none | shared (embed/lm_head)"),
+    "check_first_batch": (
+        int,
+        0,
+        "1 = on the policy's first forward also run OpenRLHF's own and log the largest log-prob "
+        "difference (parts/attention/first_batch_logprob_max_abs_diff)",
+    ),
 }
 
 
@@ -72,6 +78,7 @@ class PartsConfig(BaseModel):
     grouped_microbatches: str = "auto"
     speculative_config: dict[str, Any] = Field(default_factory=dict)
     draft_sync: str = "none"
+    check_first_batch: bool = False
 
     @field_validator("attention_kwargs", "filter_kwargs", "speculative_config", mode="before")
     @classmethod

@@ -58,7 +58,14 @@ def use_parts_backend(actor: Any, args: Any, role: str) -> None:
 
 
 def counters_of(actor: Any) -> dict[str, float]:
-    return actor.counters.flush() if isinstance(actor, GRPOPartsActor) else {}
+    """The actor's per-step counts (reset), plus the first-batch check once it has run."""
+    if not isinstance(actor, GRPOPartsActor):
+        return {}
+    out = actor.counters.flush()
+    if actor.check_first_batch and actor.first_batch_diff is not None:
+        out["parts/attention/first_batch_logprob_max_abs_diff"] = actor.first_batch_diff
+        actor.check_first_batch = False  # reported once
+    return out
 
 
 class PolicyActorParts(_Policy):  # type: ignore[misc, valid-type]
@@ -74,7 +81,10 @@ class PolicyActorParts(_Policy):  # type: ignore[misc, valid-type]
     def grpo_parts_setup(self, args: Any) -> None:
         """After OpenRLHF built the actor, its optimizer and its trainer."""
         use_parts_backend(self.actor, args, "policy")
-        if PartsConfig.from_args(args).use_grouped_microbatches(args.train.dynamic_batch_enable):
+        parts = PartsConfig.from_args(args)
+        if parts.check_first_batch and isinstance(self.actor, GRPOPartsActor):
+            self.actor.check_first_batch = self.actor.grpo_backend is not None
+        if parts.use_grouped_microbatches(args.train.dynamic_batch_enable):
             from .replay import GroupedReplayBuffer
 
             self.trainer.replay_buffer = GroupedReplayBuffer.replacing(self.trainer.replay_buffer)

@@ -171,7 +171,8 @@ class AgentExecutor(GRPOPartsAgentExecutor):
             "--data.max_len", "24", "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
             "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo", "--ds.attn_implementation", "sdpa",
             "--grpo_parts.attention", "shared_prefix", "--grpo_parts.filter", "cppo",
-            "--grpo_parts.filter_kwargs", '{"pruning_rate": 0.5}', "--grpo_parts.refill_rounds", "1"]  # fmt: skip
+            "--grpo_parts.filter_kwargs", '{"pruning_rate": 0.5}', "--grpo_parts.refill_rounds", "1",
+            "--grpo_parts.check_first_batch", "1"]  # fmt: skip
 
 
 def default_run(tmp: Path) -> dict[str, Any]:

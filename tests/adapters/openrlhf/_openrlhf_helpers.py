@@ -205,3 +205,46 @@ def rollout_samples(gen, group_size, num_prompts, reward_values, env_tokens=Fals
             )
         )
     return out
+
+
+def make_maker(cls, args, **kwargs):
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    strategy = SimpleNamespace(args=args)
+    return cls(
+        None,
+        None,
+        None,
+        None,
+        FixedKLController(kwargs.pop("kl_coef", 0.0)),
+        strategy,
+        SimpleNamespace(pad_token_id=0),
+        **kwargs,
+    )
+
+
+def fake_forwards(maker_cls, actor, kl_seed=None):
+    """A maker whose ``make_experience`` runs the old-policy forward locally instead of via Ray
+    (the rest of OpenRLHF's method is about dispatch), filling what the real one fills."""
+
+    class Local(maker_cls):
+        forwarded_rows = 0
+
+        def make_experience(self, samples_list):
+            gen = torch.Generator().manual_seed(kl_seed or 0)
+            for s in samples_list:
+                Local.forwarded_rows += len(s.sequences)
+                with torch.no_grad():
+                    s.action_log_probs = actor(s.sequences, s.action_mask, attention_mask=s.attention_mask)
+                s.base_action_log_probs = None
+                s.values = None
+                s.kl = torch.zeros_like(s.action_log_probs)
+                if kl_seed is not None:
+                    s.kl = (
+                        torch.rand(s.action_log_probs.shape, generator=gen, dtype=torch.float64)
+                        * s.action_mask
+                    )
+                s.info["kl"] = s.kl.sum(-1)
+            return samples_list
+
+    return Local

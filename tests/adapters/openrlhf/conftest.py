@@ -13,9 +13,15 @@ version, so transformers never believes flash-attn or vLLM is installed.
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _openrlhf_standins import install, uninstall
 
 
@@ -29,3 +35,40 @@ def openrlhf_standins() -> Any:
     installed = install()
     yield
     uninstall(installed)
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="package")
+def cpu_run(tmp_path_factory: Any) -> dict[str, Any]:
+    """OpenRLHF's step and default-configuration run on CPU (``_ds_worker.py``), once per test session."""
+    pytest.importorskip("ray")
+    out = tmp_path_factory.mktemp("openrlhf_ds")
+    env = {
+        **os.environ,
+        "HF_DATASETS_CACHE": str(out / "hf_datasets"),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_DEDUP_LOGS": "0",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_ds_worker.py"), str(out), str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0 or not (out / "results.pt").exists():
+        pytest.fail(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    res = torch.load(out / "results.pt", weights_only=False)
+    res["log"] = proc.stdout + proc.stderr
+    if res["errors"]:
+        pytest.fail("\n\n".join(f"{k}:\n{v}" for k, v in res["errors"].items()))
+    return res
