@@ -13,6 +13,6 @@ $PIP install -q --no-deps verl==0.9.1
 $PIP install -q --no-deps "TransferQueue>=0.1.10"
 $PIP install -q "tensordict>=0.8,<=0.10.0,!=0.9.0"
 # OpenRLHF 0.11.2 pins transformers==5.15, ray==2.55, flash-attn and a CUDA stack: --no-deps, plus what
-# its CPU seams import ([openrlhf]: deepspeed built without ops, peft, aiohttp, einops). ~25 s.
+# its CPU seams import ([openrlhf]: deepspeed built without ops, peft, aiohttp, einops, torchdata, datasets). ~25 s.
 DS_BUILD_OPS=0 $PIP install -q -e ".[openrlhf]" "transformers>=5.10,<5.11"
 $PIP install -q --no-deps openrlhf==0.11.2
