@@ -1,8 +1,9 @@
 """grpo_parts inside OpenRLHF 0.11.2's Ray GRPO loop (thin translation layer, no maths of its own).
 
-OpenRLHF has no plugin registry, so the parts go in by subclassing, and a launcher
+OpenRLHF has no plugin registry, so the parts go in by subclassing, and an entry script
 (``python -m grpo_parts_adapters.openrlhf.launch``) runs OpenRLHF's own ``cli/train_ppo_ray`` with
-the subclasses swapped in. Modules (each imports OpenRLHF only when it is itself imported):
+that script's imports resolving to the subclasses (nothing global is reassigned). Modules (each
+imports OpenRLHF only when it is itself imported):
 
 * :mod:`.config` -- ``PartsConfig``: the ``--grpo_parts.*`` flags, carried in ``strategy.args``.
 * :mod:`.layout` -- OpenRLHF's right-padded ``sequences``/``action_mask`` <-> ``LogprobBatch`` (no OpenRLHF import).
@@ -11,10 +12,14 @@ the subclasses swapped in. Modules (each imports OpenRLHF only when it is itself
 * :mod:`.experience` -- CompletionFilter: ``GRPOPartsExperienceMaker``, a ``RemoteExperienceMaker``
   computing ``group_norm`` advantages with :func:`grpo_parts.core.group_advantages`, filtering before
   the old/ref forwards, refilling through the samples generator.
+* :mod:`.samples` -- ``GRPOPartsSamplesGenerator``: refill prompts from the same stream, vLLM woken
+  after DeepSpeed is offloaded; counts sampler rollouts.
 * :mod:`.agent` -- Sampler: ``GRPOPartsAgentExecutor`` for ``--train.agent_func_path``.
 * :mod:`.vllm_spec` -- speculative config for OpenRLHF's vLLM engines and draft weight sync.
-* :mod:`.ray_actors` -- the Ray actor / trainer subclasses the launcher swaps in.
-* :mod:`.launch` -- the launcher. See docs/adapters/openrlhf.md.
+* :mod:`.ray_actors` -- the Ray actor / trainer subclasses the entry script uses; per-step part
+  counters into the trainer's status dict.
+* :mod:`._scoped` -- running OpenRLHF's code with some of its names bound to ours, in private scope.
+* :mod:`.launch` -- the entry script. See docs/adapters/openrlhf.md.
 """
 
 from __future__ import annotations
