@@ -61,6 +61,8 @@ class GRPOPartsSamplesGenerator(SamplesGenerator):
                 self.refill_drained_stream = False
                 return [], None, 0, True  # the refill used the episode's last prompts
         samples, pass_rate, consumed, exhausted = super().generate_samples(**generate_kwargs)
+        if exhausted:  # the episode ends here (e.g. buffered samples drained after the refill)
+            self.refill_drained_stream = False
         self.count(samples)
         return samples, pass_rate, consumed, exhausted
 

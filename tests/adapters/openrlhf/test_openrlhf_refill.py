@@ -134,6 +134,16 @@ def test_refill_that_drains_the_stream_ends_the_episode():
     again, _, consumed, _ = sg.generate_samples()  # next episode: the stream starts over
     assert consumed == 2 and len(again) == 4
 
+    # the refill drains the stream while samples are still buffered: the call that serves the last
+    # of them reports the episode over, and the next episode starts normally
+    sg = fake_samples_generator(torch.Generator().manual_seed(0), 2, args, prompts=3)
+    sg.generate_samples()
+    extra = sg._sample_buffer = sg.generate_prompts(1)
+    assert len(extra) == 2 and not sg.generate_prompts(1)
+    served, _, _, exhausted = sg.generate_samples()
+    assert served == extra and exhausted
+    assert sg.generate_samples()[2] == 2  # a new episode, not an empty one
+
 
 def test_sampler_rollouts_are_counted():
     from grpo_parts_adapters.openrlhf.agent import SAMPLER_MARK
