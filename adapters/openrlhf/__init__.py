@@ -7,8 +7,8 @@ imports OpenRLHF only when it is itself imported):
 
 * :mod:`.config` -- ``PartsConfig``: the ``--grpo_parts.*`` flags, carried in ``strategy.args``.
 * :mod:`.layout` -- OpenRLHF's right-padded ``sequences``/``action_mask`` <-> ``LogprobBatch`` (no OpenRLHF import).
-* :mod:`.actor` -- AttentionBackend: ``attach_attention(actor, backend)`` makes ``Actor.forward``
-  compute action log-probs with the backend (shared-prefix for padded and packed inputs).
+* :mod:`.actor` -- AttentionBackend: ``GRPOPartsActor`` (OpenRLHF's ``Actor``; ``use_backend(backend)``
+  makes its ``forward`` compute log-probs with the backend: shared-prefix for padded and packed inputs).
 * :mod:`.experience` -- CompletionFilter: ``GRPOPartsExperienceMaker``, a ``RemoteExperienceMaker``
   computing ``group_norm`` advantages with :func:`grpo_parts.core.group_advantages`, filtering before
   the old/ref forwards, refilling through the samples generator.
