@@ -9,7 +9,8 @@ None copies the prefix K/V per suffix. ``eager`` and ``sdpa`` are *cascade* kern
 the prefix (all G*S suffix queries of a group against the group's prefix K/V in one matmul) and to
 the own suffix (a batched causal attention over ``[B*G, S]``) separately, then merge the two
 partial softmaxes with their log-sum-exp. ``flex`` expresses the same pattern as a block-sparse
-mask (FlexAttention reads each prefix K/V block once per query block).
+mask (FlexAttention reads each prefix K/V block once per query block). The ``sdpa`` kernel's
+autograd Function lives in :mod:`.cascade`.
 
 =========  ==========================================  ===========================================
 kernel     how                                         supports
@@ -34,16 +35,10 @@ import torch
 
 from ..compat import sdpa_attention_forward
 from ..errors import GRPOPartsError, NotSupportedError
+from .cascade import flash_ops, repeat_kv, sdpa_cascade
 from .layout import LAYOUT_KWARG, PrefixLayout
 
 KERNELS: tuple[str, ...] = ("sdpa", "eager", "flex")
-
-
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    if n_rep == 1:
-        return x
-    b, h, l_, d = x.shape
-    return x[:, :, None].expand(b, h, n_rep, l_, d).reshape(b, h * n_rep, l_, d)
 
 
 def _split(x: torch.Tensor, lay: PrefixLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,174 +76,6 @@ def _eager(
     lse = torch.logaddexp(s1.logsumexp(-1), s2.logsumexp(-1)).unsqueeze(-1)
     out_s = ((s1 - lse).exp().view(b, h, g * s, p) @ vp).view(b, h, g, s, d) + (s2 - lse).exp() @ vs
     return out_p, out_s
-
-
-# ------------------------------------------------------------------------------------------ sdpa
-
-
-def _flash_ops() -> tuple[Any, Any] | None:
-    aten = torch.ops.aten
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
-        aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
-    ):
-        return (
-            aten._scaled_dot_product_flash_attention_for_cpu,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward,
-        )
-    return None
-
-
-def _slot_chunks(g: int, rows_per_slot: int, elems_per_row: int, chunk_elems: int) -> list[tuple[int, int]]:
-    """Row ranges of the slot-major flat layout, whole slots per chunk, about ``chunk_elems`` scores each."""
-    step = max(1, chunk_elems // max(1, rows_per_slot * elems_per_row))
-    return [(i * rows_per_slot, min(g, i + step) * rows_per_slot) for i in range(0, g, step)]
-
-
-def _flat_slots(x: torch.Tensor, p: int, g: int, s: int, rep: int) -> torch.Tensor:
-    """``[B, Hkv*rep, L, D]`` suffix part -> ``[G*B*Hkv, rep*S, D]`` (slot-major, contiguous copy):
-    the grouped-query heads of one KV head become extra query rows of one small matmul."""
-    b, h, _, d = x.shape
-    y = x[:, :, p:].reshape(b, h // rep, rep, g, s, d).permute(3, 0, 1, 2, 4, 5)
-    return y.reshape(g * b * (h // rep), rep * s, d).contiguous()
-
-
-def _unflat_slots(y: torch.Tensor, b: int, hk: int, rep: int, g: int, s: int) -> torch.Tensor:
-    """Inverse view of :func:`_flat_slots`: ``[B, Hkv, rep, G, S, ...]`` (no copy)."""
-    return y.view(g, b, hk, rep, s, *y.shape[2:]).permute(1, 2, 3, 0, 4, *range(5, y.ndim + 3))
-
-
-def _slots4(
-    kf: torch.Tensor, vf: torch.Tensor, n: int, hk: int, rep: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat ``[G*B*Hkv, S, D]`` suffix K/V -> ``[G*B, H, S, D]`` with KV heads repeated for flash."""
-    s, d = kf.shape[1], kf.shape[2]
-    return _repeat_kv(kf.view(n, hk, s, d), rep), _repeat_kv(vf.view(n, hk, s, d), rep)
-
-
-class _Cascade(torch.autograd.Function):
-    """Shared-prefix attention as two parts merged by log-sum-exp:
-
-    (a) every query of the row against the prefix keys: one CPU flash call with ``is_causal``
-        (top-left aligned, so a prefix query sees the prefix causally and a suffix query all of it);
-    (b) each suffix against itself, causal: one batched matmul per chunk of slots,
-        ``[G*B*Hkv, rep*S, S]`` (grouped-query heads folded into query rows, not repeated), or for
-        long suffixes (``S >= suffix_flash_min``) one flash call over ``[G*B, H, S, D]``.
-
-    The flash op returns the LSE but not its gradient; backward is still exact because the flash
-    backward of (a), given the *merged* output and LSE, yields (a)'s share of the joint softmax's
-    gradient (it recomputes ``P = exp(S - LSE)`` and ``D = rowsum(dO * O)``); (b)'s backward is
-    written out the same way. Inputs are the full ``q: [B, H, L, D]``, ``k, v: [B, Hkv, L, D]``
-    so that no slicing/repeat backward allocates zero-filled full-size gradients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, p, g, s, scale, chunk, flash_b):  # type: ignore[override]
-        fwd, _ = _flash_ops()  # type: ignore[misc]
-        b, h, length, d = q.shape
-        hk = k.shape[1]
-        rep = h // hk
-        ctx.chunk, ctx.flash_b = chunk, flash_b
-        kp, vp = _repeat_kv(k[:, :, :p], rep), _repeat_kv(v[:, :, :p], rep)
-        out, lse = fwd(q, kp, vp, 0.0, True, attn_mask=bias, scale=scale)
-        qf = _flat_slots(q, p, g, s, rep)
-        kf, vf = _flat_slots(k, p, g, s, 1), _flat_slots(v, p, g, s, 1)
-        if ctx.flash_b:  # long suffixes: flash (skips the causal upper triangle), heads repeated per slot
-            ob4, lb4 = fwd(
-                qf.reshape(g * b, h, s, d), *_slots4(kf, vf, g * b, hk, rep), 0.0, True, scale=scale
-            )
-            ob, lb = ob4.reshape(qf.shape), lb4.reshape(qf.shape[:2])
-        else:
-            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().repeat(rep, 1)
-            lb = q.new_empty(qf.shape[:2])
-            ob = torch.empty_like(qf)
-            for i, j in _slot_chunks(g, b * hk, rep * s * s, ctx.chunk):
-                sc = (
-                    torch.bmm(qf[i:j], kf[i:j].transpose(1, 2))
-                    .mul_(scale)
-                    .masked_fill_(~causal, float("-inf"))
-                )
-                torch.logsumexp(sc, -1, out=lb[i:j])
-                torch.bmm(sc.sub_(lb[i:j].unsqueeze(-1)).exp_(), vf[i:j], out=ob[i:j])
-        la = lse[:, :, p:].view(b, hk, rep, g, s)
-        lbv = _unflat_slots(lb, b, hk, rep, g, s)
-        ls = torch.logaddexp(la, lbv)
-        out_s = out[:, :, p:].view(b, hk, rep, g, s, d)
-        out_s.mul_((la - ls).exp_().unsqueeze(-1)).add_(
-            _unflat_slots(ob, b, hk, rep, g, s) * (lbv - ls).exp_().unsqueeze(-1)
-        )
-        la.copy_(ls)
-        ctx.save_for_backward(
-            q, k, v, kp, vp, bias if bias is not None else torch.empty(0), out, lse, qf, kf, vf
-        )
-        ctx.has_bias, ctx.scale, ctx.dims = bias is not None, scale, (p, g, s)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        _, bwd = _flash_ops()  # type: ignore[misc]
-        q, k, v, kp, vp, bias, out, lse, qf, kf, vf = ctx.saved_tensors
-        p, g, s = ctx.dims
-        b, h, length, d = q.shape
-        hk = k.shape[1]
-        rep, scale = h // hk, ctx.scale
-        dout = dout.contiguous()
-        dq, dkp, dvp = bwd(
-            dout, q, kp, vp, out, lse, 0.0, True, attn_mask=bias if ctx.has_bias else None, scale=scale
-        )
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        dk[:, :, :p] = dkp.view(b, hk, rep, p, d).sum(2)
-        dv[:, :, :p] = dvp.view(b, hk, rep, p, d).sum(2)
-        dof = _flat_slots(dout, p, g, s, rep)
-        delta = (dout * out).sum(-1, keepdim=True)  # [B, H, L, 1] (prefix rows unused)
-        lsf = _flat_slots(lse.unsqueeze(-1), p, g, s, rep)  # merged LSE, [G*B*Hkv, rep*S, 1]
-        deltaf = _flat_slots(delta, p, g, s, rep)
-        if ctx.flash_b:
-            k4, v4 = _slots4(kf, vf, g * b, hk, rep)
-            outf = _flat_slots(out, p, g, s, rep)
-            dq4, dk4, dv4 = bwd(
-                dof.reshape(g * b, h, s, d),
-                qf.reshape(g * b, h, s, d),
-                k4,
-                v4,
-                outf.reshape(g * b, h, s, d),
-                lsf.reshape(g * b, h, s),
-                0.0,
-                True,
-                scale=scale,
-            )
-            dqf = dq4.reshape(qf.shape)
-            dkf = dk4.reshape(g * b, hk, rep, s, d).sum(2).reshape(kf.shape)
-            dvf = dv4.reshape(g * b, hk, rep, s, d).sum(2).reshape(vf.shape)
-            chunks: list[tuple[int, int]] = []
-        else:
-            dqf = torch.empty_like(qf)
-            dkf = torch.empty_like(kf)
-            dvf = torch.empty_like(vf)
-            chunks = _slot_chunks(g, b * hk, rep * s * s, ctx.chunk)
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().repeat(rep, 1)
-        for i, j in chunks:
-            sc = torch.bmm(qf[i:j], kf[i:j].transpose(1, 2)).mul_(scale).masked_fill_(~causal, float("-inf"))
-            pr = sc.sub_(lsf[i:j]).exp_()  # this part's share of the joint softmax
-            torch.bmm(pr.transpose(1, 2), dof[i:j], out=dvf[i:j])
-            ds = torch.bmm(dof[i:j], vf[i:j].transpose(1, 2)).sub_(deltaf[i:j]).mul_(pr).mul_(scale)
-            torch.bmm(ds, kf[i:j], out=dqf[i:j])
-            torch.bmm(ds.transpose(1, 2), qf[i:j], out=dkf[i:j])
-        dq[:, :, p:].view(b, hk, rep, g, s, d).add_(_unflat_slots(dqf, b, hk, rep, g, s))
-        dk[:, :, p:].view(b, hk, g, s, d).copy_(_unflat_slots(dkf, b, hk, 1, g, s).squeeze(2))
-        dv[:, :, p:].view(b, hk, g, s, d).copy_(_unflat_slots(dvf, b, hk, 1, g, s).squeeze(2))
-        return dq, dk, dv, None, None, None, None, None, None, None
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, scale: float) -> torch.Tensor:
-    """``q: [B, H, L, D]``, ``k, v: [B, Hkv, L, D]`` (not repeated) -> ``[B, H, L, D]``."""
-    bias = None
-    if lay.prefix_valid is not None:
-        bias = torch.zeros(lay.prefix_valid.shape, dtype=q.dtype, device=q.device)
-        bias = bias.masked_fill(~lay.prefix_valid, float("-inf"))[:, None, None, :]
-    flash_b = lay.slot_len >= lay.suffix_flash_min
-    return _Cascade.apply(
-        q, k, v, bias, lay.prefix_len, lay.num_slots, lay.slot_len, scale, lay.chunk_elems, flash_b
-    )
 
 
 # ------------------------------------------------------------------------------------------ flex
@@ -303,7 +130,7 @@ def kernel_reasons(
         out = []
         if device.type != "cpu":
             out.append(f"sdpa cascade kernel uses PyTorch's CPU flash ops; got device {device.type}")
-        if _flash_ops() is None:
+        if flash_ops() is None:
             out.append(
                 f"torch {torch.__version__} lacks aten._scaled_dot_product_flash_attention_for_cpu(_backward)"
             )
@@ -385,8 +212,8 @@ def shared_prefix_attention(
         out = _flex(query, key, value, lay, scale, softcap)
         return out.transpose(1, 2).contiguous(), None
     if lay.kernel == "sdpa":
-        return _sdpa(query, key, value, lay, scale).transpose(1, 2).contiguous(), None
-    k, v = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+        return sdpa_cascade(query, key, value, lay, scale).transpose(1, 2).contiguous(), None
+    k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     if lay.kernel == "eager":
         out_p, out_s = _eager(query, k, v, lay, scale, softcap)
     else:  # pragma: no cover - kernel_reasons refuses unknown kernels
