@@ -8,7 +8,9 @@ point, ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib``
 * trainer mode ``grpo_parts_sync`` (``trainer.v1.trainer_mode=grpo_parts_sync``): CPPO / DAPO / PODS
   filters with refill before the old-policy, reference and actor passes -- :mod:`.trainer`,
   :mod:`.filtering` (the ``DataProto`` function for the legacy loop);
-* shared-prefix log-probs for verl's packed (remove-padding) micro-batches, grouped by ``uid`` --
+* shared-prefix log-probs for the actor's and reference's FSDP engines, grouped by ``uid``, switched
+  on by config keys (``actor_rollout_ref.actor._target_=grpo_parts_adapters.verl.config.FSDPActorConfig
+  +actor_rollout_ref.actor.grpo_parts.attention=shared_prefix``) -- :mod:`.config`, :mod:`.engine`,
   :mod:`.attention`;
 * agent loop ``grpo_parts_agent`` running a grpo_parts ``Sampler`` -- :mod:`.agent_loop`; vLLM
   speculative config and draft-weight sync -- :mod:`.speculative`.

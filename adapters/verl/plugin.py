@@ -6,8 +6,12 @@ verl imports it through any of its own mechanisms:
   process, Ray workers included; ``VERL_USE_EXTERNAL_PLUGINS=none`` turns discovery off);
 * ``VERL_USE_EXTERNAL_MODULES=grpo_parts_adapters.verl.plugin``;
 * ``actor_rollout_ref.model.external_lib=grpo_parts_adapters.verl.plugin`` (imported when the
-  model config is built: enough for the estimator, agent loop and attention hook, but too late for
+  model config is built: enough for the estimator and agent loop, but too late for
   ``trainer.v1.trainer_mode``, which is looked up first -- use one of the two above for that).
+
+The shared-prefix attention part needs no registration: the config keys of
+:mod:`grpo_parts_adapters.verl.config` switch it on per engine (``_target_`` names our config class,
+which Hydra imports).
 
 Registering is the point of this module, so it happens on import; each part is registered on its
 own and a part whose verl seam cannot be imported (e.g. no TransferQueue for the v1 trainer) is
@@ -41,16 +45,16 @@ def _agent_loop() -> None:
 
 
 def _attention() -> None:
-    from .attention import install_engine_hook
-
-    install_engine_hook()  # only when $GRPO_PARTS_VERL_ATTENTION names a backend
+    # the attention part is switched on per engine by config keys (``.config.FSDPActorConfig``),
+    # which install the engine hook when verl builds them; here: only check that it can be built
+    from . import config  # noqa: F401
 
 
 PARTS: dict[str, Callable[[], None]] = {
     "advantage_estimator": _advantage,
     "trainer": _trainer,
     "agent_loop": _agent_loop,
-    "attention_hook": _attention,
+    "attention_config": _attention,
 }
 
 

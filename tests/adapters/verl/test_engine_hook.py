@@ -1,38 +1,32 @@
-"""verl adapter: the patched ``FSDPEngineWithLMHead.forward_step`` on a verl-style packed micro-batch
-(nested tensors, non-tensor flags) feeds verl's own ``ppo_loss``; its log-probs equal the plain
-packed forward and its gradients flow to the model."""
+"""verl adapter: the ``forward_step`` dispatcher on verl-style nested micro-batches, without building
+an FSDP engine: grpo_parts' log-probs feed verl's own ``ppo_loss`` and equal the plain packed forward
+(float64), and each case that must run verl's own forward does so, counted, its reason logged once.
+The real engine (train/infer, optimizer step, workers) is in test_engine_cpu.py."""
 
 from __future__ import annotations
 
+import logging
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytest.importorskip("verl.workers.engine.fsdp.transformer_impl")
 
-from grpo_parts_adapters.verl import attention  # noqa: E402
+from _cpu_verl import verl_on_cpu  # noqa: E402
+from grpo_parts_adapters.verl import engine as hook  # noqa: E402
+from grpo_parts_adapters.verl.config import ENGINE_ATTR, EngineOptions  # noqa: E402
+from tensordict import NonTensorStack  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.config import ActorConfig  # noqa: E402
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
+from verl.workers.config import ActorConfig, FSDPEngineConfig  # noqa: E402
+from verl.workers.engine.fsdp.transformer_impl import (  # noqa: E402
+    FSDPEngineWithLMHead,
+    FSDPEngineWithValueHead,
+)
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 from grpo_parts.tiny import tiny_causal_lm  # noqa: E402
-
-
-def plain_packed_logprobs(model, ids, cu, temperature):
-    """verl's packed forward as flash-attn varlen computes it (same as in test_packed_attention.py):
-    block-diagonal causal attention over one packed row, log-probs of the rolled labels."""
-    nnz = ids.numel()
-    seg = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff())
-    pos = torch.arange(nnz) - cu[:-1][seg]
-    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(nnz)[None, :] <= torch.arange(nnz)[:, None])
-    mask = torch.zeros(1, 1, nnz, nnz, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
-    logits = model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask).logits[0]
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.roll(ids, -1)[:, None]).squeeze(-1)
-
 
 ROWS = [  # (uid, prompt, response): two groups, rows interleaved as after verl's balancing
     ("a", [5, 6, 7], [9, 10]),
@@ -43,11 +37,22 @@ ROWS = [  # (uid, prompt, response): two groups, rows interleaved as after verl'
 ]
 
 
-def micro_batch(temperature: float):
+def plain_packed_logprobs(model, ids, cu, temperature):
+    """verl's packed forward as flash-attn varlen computes it (same as in test_packed_attention.py)."""
+    nnz = ids.numel()
+    seg = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff())
+    pos = torch.arange(nnz) - cu[:-1][seg]
+    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(nnz)[None, :] <= torch.arange(nnz)[:, None])
+    mask = torch.zeros(1, 1, nnz, nnz, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    logits = model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask).logits[0]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.roll(ids, -1)[:, None]).squeeze(-1)
+
+
+def micro_batch(temperature=1.0, mm=None, **flags):
     nested = tu.nested_tensor_from_tensor_list
     g = torch.Generator().manual_seed(0)
     resp = [torch.tensor(r) for _, _, r in ROWS]
-    return tu.get_tensordict(
+    td = tu.get_tensordict(
         {
             "input_ids": nested([torch.tensor(p + r) for _, p, r in ROWS]),
             "position_ids": nested([torch.arange(len(p) + len(r)) for _, p, r in ROWS]),
@@ -65,33 +70,75 @@ def micro_batch(temperature: float):
             "dp_size": 1,
             "batch_num_tokens": sum(len(r) for _, _, r in ROWS),
             "global_batch_size": len(ROWS),
+            **flags,
         },
     )
+    # as verl's v1 agent loop stores it: one dict per sample, {} for text
+    td["multi_modal_inputs"] = NonTensorStack(*[dict(x) for x in (mm or [{}] * len(ROWS))])
+    return td
+
+
+class StandInEngine(FSDPEngineWithLMHead):
+    """The attributes ``forward_step`` reads, around a plain (unsharded) model."""
+
+    def __init__(self, model, options: EngineOptions | None):
+        self.module = model
+        self.use_ulysses_sp = False
+        self.ulysses_device_mesh = None
+        self._autocast_dtype = torch.float32
+        self.engine_config = FSDPEngineConfig(strategy="fsdp2")
+        if options is not None:
+            setattr(self.engine_config, ENGINE_ATTR, options)
+
+
+class StandInCritic(StandInEngine, FSDPEngineWithValueHead):
+    pass
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    with verl_on_cpu():
+        yield
 
 
 @pytest.fixture
-def hook():
-    assert attention.install_engine_hook("reference")
-    yield
-    assert attention.uninstall_engine_hook()
+def verl_forward(monkeypatch):
+    """verl's own ``forward_step`` replaced by a spy (to see when the dispatcher hands over)."""
+    calls = []
+
+    def spy(self, micro_batch, loss_function, forward_only):
+        calls.append(micro_batch)
+        return torch.tensor(0.0), {"model_output": {}, "loss": 0.0, "metrics": {"verl": 1.0}}
+
+    monkeypatch.setattr(FSDPEngineWithLMHead, "forward_step", spy)
+    assert hook.install_engine_hook() and not hook.install_engine_hook()  # idempotent
+    yield calls
+    assert hook.uninstall_engine_hook()
 
 
+@pytest.fixture(autouse=True)
+def fresh_counters():
+    hook.COUNTERS.flush("logprob")
+    hook.COUNTERS.flush("train")
+    hook._pending_logprob = False
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_causal_lm("qwen2", dtype=torch.float64, seed=2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "shared_prefix"])
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
-def test_hooked_forward_step_feeds_verl_ppo_loss(hook, temperature):
-    model = tiny_causal_lm("qwen2", dtype=torch.float64, seed=2)
-    engine = SimpleNamespace(
-        module=model,
-        use_ulysses_sp=False,
-        _autocast_dtype=torch.float32,
-        get_data_parallel_group=lambda: None,
-    )
+def test_dispatcher_feeds_verl_ppo_loss(cpu, verl_forward, model, backend, temperature):
+    engine = StandInEngine(model, EngineOptions(attention=backend))
     mb = micro_batch(temperature)
     cfg = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=1, rollout_n=1)
-    loss, out = FSDPEngineWithLMHead.forward_step(engine, mb, partial(ppo_loss, cfg), forward_only=False)
+    loss, out = engine.forward_step(mb, partial(ppo_loss, cfg), forward_only=False)
+    assert not verl_forward  # empty multi_modal_inputs are text: grpo_parts ran
     lp = out["model_output"]["log_probs"]
     assert lp.is_nested and torch.equal(lp.offsets(), mb["input_ids"].offsets())
     assert "entropy" in out["model_output"]
-    # verl's own response slicing of our log-probs == the plain packed forward's
     ids, cu = mb["input_ids"].values(), mb["input_ids"].offsets()
     ref = plain_packed_logprobs(model, ids, cu, temperature).detach()
     ours_resp = no_padding_2_padding(lp, mb)
@@ -100,9 +147,56 @@ def test_hooked_forward_step_feeds_verl_ppo_loss(hook, temperature):
     assert torch.isfinite(loss) and loss.requires_grad
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+    m = {k: v.aggregate() for k, v in out["metrics"].items() if k.startswith("parts/")}
+    assert m["parts/attention/forwards"] == 1 and m["parts/attention/fallbacks"] == 0
+    assert "actor/pg_loss" in out["metrics"]  # verl's loss metrics kept
 
 
-def test_hook_is_off_without_a_backend(monkeypatch):
-    monkeypatch.delenv(attention.ENV_VAR, raising=False)
-    assert attention.install_engine_hook() is False
-    assert not hasattr(FSDPEngineWithLMHead.forward_step, "_grpo_parts_original")
+FALLBACKS = {
+    "multi-modal inputs": dict(mm=[{"pixel_values": torch.ones(2, 3)}] + [{}] * (len(ROWS) - 1)),
+    "distillation_use_topk": dict(distillation_use_topk=True),
+    "calculate_sum_pi_squared": dict(calculate_sum_pi_squared=True),
+    "per-sample temperatures": dict(temperature=torch.tensor([1.0, 0.5, 1.0, 1.0, 1.0])),
+}
+
+
+def test_fallbacks_run_verls_forward_counted_and_logged_once(cpu, verl_forward, model, caplog):
+    engine = StandInEngine(model, EngineOptions(attention="shared_prefix"))
+    with caplog.at_level(logging.WARNING, logger=hook.logger.name):
+        for reason, kw in FALLBACKS.items():
+            for _ in range(2):
+                _, out = engine.forward_step(micro_batch(**kw), None, forward_only=True)
+                assert out["metrics"]["verl"] == 1.0  # verl's own output, plus the counters
+                assert out["metrics"]["parts/attention/fallbacks"].aggregate() == 1
+            assert sum(reason in r.getMessage() for r in caplog.records) == 1, reason
+    assert len(verl_forward) == 2 * len(FALLBACKS)
+    # the forward-only counts are reported with the next training micro-batch, once
+    _, out = engine.forward_step(micro_batch(), None, forward_only=False)
+    assert out["metrics"]["parts/attention/logprob_fallbacks"].aggregate() == 2 * len(FALLBACKS)
+    _, out = engine.forward_step(micro_batch(), None, forward_only=False)
+    assert "parts/attention/logprob_fallbacks" not in out["metrics"]
+
+
+def test_max_padding_ratio_keeps_verls_packed_forward(cpu, verl_forward, model):
+    mb = micro_batch()
+    packed = mb["input_ids"].values().numel()  # 23 tokens; the grid: 2 groups x (3 + 3 slots x 3) = 24
+    assert packed == 23
+    tight = StandInEngine(model, EngineOptions(attention="shared_prefix", max_padding_ratio=1.02))
+    _, out = tight.forward_step(mb, None, forward_only=True)
+    assert len(verl_forward) == 1 and out["metrics"]["parts/attention/grid_tokens"].aggregate() == 24
+    assert out["metrics"]["parts/attention/packed_tokens"].aggregate() == packed
+    loose = StandInEngine(model, EngineOptions(attention="shared_prefix", max_padding_ratio=1.2))
+    loose.forward_step(micro_batch(), None, forward_only=True)
+    assert len(verl_forward) == 1
+
+
+def test_engines_without_options_and_critics_run_verls_forward_uncounted(cpu, verl_forward, model):
+    before = hook.COUNTERS.total("attention") + hook.COUNTERS.total("attention", "fallbacks")
+    for engine in (
+        StandInEngine(model, None),
+        StandInCritic(model, EngineOptions(attention="shared_prefix")),
+    ):
+        _, out = engine.forward_step(micro_batch(), None, forward_only=True)
+        assert out["metrics"] == {"verl": 1.0}
+    assert len(verl_forward) == 2
+    assert hook.COUNTERS.total("attention") + hook.COUNTERS.total("attention", "fallbacks") == before

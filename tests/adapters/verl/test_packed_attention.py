@@ -75,8 +75,9 @@ def plain_packed_logprobs(model, ids, cu, temperature):
 
 
 def _response_positions(cu, resp_lens):
-    pos, valid = attention._rolled_positions(cu, resp_lens, int(resp_lens.max()))
-    return pos[valid]
+    """Packed positions holding ``log p(response token t)`` in verl's rolled layout: ``cu[b] + P_b - 1 + t``."""
+    starts = cu[:-1] + (cu.diff() - resp_lens) - 1
+    return torch.cat([s + torch.arange(int(n)) for s, n in zip(starts.tolist(), resp_lens.tolist())])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -112,12 +113,43 @@ def test_grouping_without_uid_uses_identical_prompts_and_checks_uids():
     ids = torch.tensor([5, 6, 7, 1, 5, 6, 7, 2, 3, 9, 4])
     cu = torch.tensor([0, 4, 9, 11])
     resp = torch.tensor([1, 2, 1])
-    lb = attention.packed_to_logprob_batch(ids, cu, resp)
-    assert lb.group_index.tolist() == [0, 0, 1]
-    assert lb.completion_ids.tolist() == [[1, 0], [2, 3], [4, 0]]
+    plen = cu.diff() - resp
+    assert attention.group_index(ids, cu, plen, None).tolist() == [0, 0, 1]
+    assert attention.group_index(ids, cu, plen, ["x", "x", "y"]).tolist() == [0, 0, 1]
     with pytest.raises(ValueError, match="share uid 'a' but their prompts differ"):
-        attention.packed_to_logprob_batch(ids, cu, resp, ["a", "a", "a"])
+        attention.group_index(ids, cu, plen, ["a", "a", "a"])
     with pytest.raises(ValueError, match="response_lens"):
-        attention.packed_to_logprob_batch(ids, cu, torch.tensor([4, 1, 1]))
+        attention.packed_logprobs(torch.nn.Linear(1, 1), ids, cu, torch.tensor([4, 1, 1]))
     with pytest.raises(ValueError, match="temperature"):
         attention.packed_logprobs(torch.nn.Linear(1, 1), ids, cu, resp, temperature=torch.tensor([1.0, 0.5]))
+
+
+def test_empty_responses_get_zeros_and_the_rest_is_unchanged(model):
+    """verl can hand over a sequence without response tokens; it has nothing to score."""
+    ids = torch.tensor([5, 6, 7, 1, 5, 6, 7, 11, 12, 9, 4])
+    cu = torch.tensor([0, 4, 7, 11])
+    full = attention.packed_logprobs(model, ids, cu, torch.tensor([1, 0, 2]), ["a", "a", "b"])
+    where = _response_positions(cu, torch.tensor([1, 0, 2]))
+    ref = plain_packed_logprobs(model, ids, cu, 1.0).detach()
+    torch.testing.assert_close(full.log_probs[where], ref[where], rtol=0, atol=TOL)
+    others = torch.ones(ids.numel(), dtype=torch.bool)
+    others[where] = False
+    assert torch.all(full.log_probs[others] == 0)
+
+
+def test_grid_tokens_follow_the_layouts():
+    plen, resp, gi = torch.tensor([3, 3, 5]), torch.tensor([2, 4, 1]), torch.tensor([0, 0, 1])
+    # shared_prefix: 2 groups x (longest prompt 5 + largest group 2 x longest completion 4)
+    assert attention.grid_tokens("shared_prefix", plen, resp, gi) == 2 * (5 + 2 * 4)
+    assert attention.grid_tokens("reference", plen, resp, gi) == 3 * (5 + 4)
+    # and what grpo_parts.attention really builds (catches a layout change)
+    from grpo_parts.attention.layout import build_grouped_inputs
+    from grpo_parts.attention.protocol import LogprobBatch
+
+    p, t = int(plen.max()), int(resp.max())
+    pm = (torch.arange(p) >= p - plen[:, None]).long()
+    cm = (torch.arange(t) < resp[:, None]).long()
+    lb = LogprobBatch(pm * 7, pm, cm * 9, cm, gi)
+    assert build_grouped_inputs(lb).input_ids.numel() == attention.grid_tokens(
+        "shared_prefix", plen, resp, gi
+    )

@@ -40,7 +40,7 @@ def test_external_lib_registers_every_part():
     from grpo_parts_adapters.verl import plugin
 
     assert plugin.STATUS["advantage_estimator"] == plugin.STATUS["trainer"] == "registered"
-    assert plugin.STATUS["agent_loop"] == plugin.STATUS["attention_hook"] == "registered"
+    assert plugin.STATUS["agent_loop"] == plugin.STATUS["attention_config"] == "registered"
     assert all(_registered().values())
 
 

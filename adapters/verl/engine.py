@@ -1,0 +1,257 @@
+"""Shared-prefix log-probs inside verl's FSDP engine, for the engines whose config asks for them.
+
+verl 0.9.1 has no hook between an engine's micro-batch and its model forward, so
+:func:`install_engine_hook` puts a dispatcher in front of ``FSDPEngineWithLMHead.forward_step``. The
+dispatcher runs grpo_parts only for an engine whose ``engine_config`` carries
+:class:`~.config.EngineOptions` with ``attention`` set -- the actor and reference engines built from
+:class:`~.config.FSDPActorConfig` -- and only for language-model engines: a value-head (critic)
+engine, or any engine without the options, runs verl's own ``forward_step`` unchanged.
+
+Each micro-batch is either computed by :func:`.attention.packed_logprobs` (uid-grouped, in verl's
+rolled layout, then verl's own loss function) or handed to verl's forward when the data needs it
+(non-empty multi-modal inputs, 3-D position ids, top-k distillation, ``calculate_sum_pi_squared``,
+per-sample temperatures, a layout above ``max_padding_ratio``). What ran is counted
+(:class:`~grpo_parts_adapters._counters.PartCounters`, each fallback reason logged once) and
+reported in the micro-batch's metrics, which verl's actor update returns as ``actor/parts/...``:
+
+* ``parts/attention/forwards``, ``parts/attention/fallbacks`` -- micro-batches of this call
+  (summed per mini-batch; verl averages mini-batches);
+* ``parts/attention/logprob_forwards``, ``parts/attention/logprob_fallbacks`` -- the forward-only
+  passes (old-policy, reference) this worker process ran since the previous update, reported once
+  with the update's first micro-batch;
+* ``parts/attention/grid_tokens``, ``parts/attention/packed_tokens`` -- tokens the grouped layout
+  ran vs the packed micro-batches' tokens (what remove-padding would have run).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from .._counters import PartCounters
+from .attention import grid_tokens, packed_logprobs
+from .config import EngineOptions, options_of
+
+logger = logging.getLogger(__name__)
+#: what ran in this process: ``mode`` is ``"train"`` (actor update) or ``"logprob"`` (forward only)
+COUNTERS = PartCounters({"attention": "forwards"}, logger)
+_STATE_ATTR = "_grpo_parts_attention"
+_pending_logprob = False
+
+
+def _flags(micro_batch: Any, *keys: str) -> list[str]:
+    from verl.utils import tensordict_utils as tu
+
+    return [k for k in keys if tu.get_non_tensor_data(data=micro_batch, key=k, default=False)]
+
+
+def fallback_reason(micro_batch: Any, opts: EngineOptions) -> str | None:
+    """Why this micro-batch must run verl's own forward (None: grpo_parts computes it)."""
+    from verl.utils.model import extract_multi_modal_inputs
+
+    flags = _flags(micro_batch, "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared")
+    if flags:
+        return ", ".join(flags)
+    # verl's v1 agent loop writes multi_modal_inputs={} into every text sample: only non-empty
+    # inputs (what verl's own forward would pass to the model) make a micro-batch multi-modal
+    if "multi_modal_inputs" in micro_batch.keys():
+        if extract_multi_modal_inputs(micro_batch["multi_modal_inputs"]):
+            return "multi-modal inputs"
+    if micro_batch["position_ids"].dim() == 3:
+        return "3-D (multi-modal rope) position ids"
+    t = micro_batch["temperature"]
+    if isinstance(t, torch.Tensor) and t.numel() > 1 and bool((t != t.reshape(-1)[0]).any()):
+        return "per-sample temperatures"
+    return None
+
+
+def _parts(micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Any] | None]:
+    """``(input_ids [nnz], cu_seqlens [B+1], response_lens [B], uids)`` of a nested micro-batch."""
+    input_ids = micro_batch["input_ids"]
+    cu = input_ids.offsets()
+    # the response lengths verl's no_padding_2_padding slices the log-probs with
+    resp = micro_batch["responses"] if "responses" in micro_batch.keys() else micro_batch["response_mask"]
+    uid = micro_batch.get("uid", None) if hasattr(micro_batch, "get") else None
+    keys = None if uid is None else (uid.tolist() if hasattr(uid, "tolist") else list(uid))
+    return input_ids.values(), cu, resp.offsets().diff().to(cu.device), keys
+
+
+def _dispatch_on_layout(model: Any) -> None:
+    """Make the model's own attention function run the shared-prefix kernel whenever the layout
+    keyword is present. The backend selects its kernel only for the duration of the forward, but
+    verl enables gradient checkpointing by default, which re-runs each layer's forward during
+    ``loss.backward()`` -- after the selection is undone -- with the same keyword arguments. Without
+    the layout keyword the wrapped function is the original (verl's own forwards are unchanged)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from grpo_parts.attention.kernels import shared_prefix_attention
+    from grpo_parts.attention.layout import LAYOUT_KWARG
+    from grpo_parts.errors import NotSupportedError
+
+    name = model.config._attn_implementation
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        if getattr(model, "is_gradient_checkpointing", False):
+            raise NotSupportedError(
+                "grpo_parts attention",
+                [f"gradient checkpointing with attn_implementation={name!r} (use sdpa or flash_attention_2)"],
+            )
+        return
+    current = ALL_ATTENTION_FUNCTIONS[name]
+    if getattr(current, "_grpo_parts_original", None) is not None:
+        return
+
+    def attention(
+        module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kw: Any
+    ) -> Any:
+        if kw.get(LAYOUT_KWARG) is not None:
+            return shared_prefix_attention(module, query, key, value, attention_mask, *args, **kw)
+        return current(module, query, key, value, attention_mask, *args, **kw)
+
+    attention._grpo_parts_original = current  # type: ignore[attr-defined]
+    AttentionInterface.register(name, attention)
+
+
+def _engine_state(engine: Any, opts: EngineOptions) -> Any:
+    """Per-engine backend, built (and the engine checked) on its first micro-batch."""
+    state = engine.__dict__.get(_STATE_ATTR)
+    if state is None or state[0] is not opts:
+        from grpo_parts.errors import NotSupportedError
+
+        reasons = []
+        if getattr(engine, "use_ulysses_sp", False):
+            reasons.append("Ulysses sequence parallelism (refused at config time; engine built around it)")
+        if getattr(getattr(engine, "engine_config", None), "use_fused_kernels", False):
+            reasons.append("use_fused_kernels=True")
+        if reasons:
+            raise NotSupportedError(f"grpo_parts.attention={opts.attention!r}", reasons)
+        if opts.attention == "shared_prefix":
+            _dispatch_on_layout(engine.module)
+        role = "reference" if getattr(engine.engine_config, "forward_only", False) else "actor"
+        logger.info("grpo_parts: %s attention computes the %s engine's log-probs", opts.attention, role)
+        state = (opts, opts.backend())
+        engine.__dict__[_STATE_ATTR] = state
+    return state[1]
+
+
+def _sum(value: float) -> Any:
+    from verl.utils.metric.utils import AggregationType, Metric
+
+    return Metric(aggregation=AggregationType.SUM, value=float(value))
+
+
+def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[int, int] | None) -> dict:
+    global _pending_logprob
+    out = dict(metrics)
+    out["parts/attention/forwards"] = _sum(ran)
+    out["parts/attention/fallbacks"] = _sum(not ran)
+    if tokens is not None:
+        out["parts/attention/grid_tokens"] = _sum(tokens[0])
+        out["parts/attention/packed_tokens"] = _sum(tokens[1])
+    if forward_only:
+        _pending_logprob = True
+    elif _pending_logprob:
+        _pending_logprob = False
+        for k, v in COUNTERS.flush("logprob").items():
+            out[k.replace("/attention/", "/attention/logprob_")] = _sum(v)
+    COUNTERS.flush("train")
+    return out
+
+
+def _forward_step(
+    engine: Any, micro_batch: Any, loss_function: Any, forward_only: bool, opts: EngineOptions
+) -> Any:
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id, get_device_name
+    from verl.workers.engine.utils import detach_tree
+
+    micro_batch = micro_batch.to(get_device_id())  # as verl's forward_step
+    ids, cu, resp, keys = _parts(micro_batch)
+    plen = cu.diff() - resp
+    backend = _engine_state(engine, opts)
+    from .attention import group_index
+
+    gi = group_index(ids, cu, plen, keys)
+    tokens = (grid_tokens(opts.attention or "", plen, resp, gi), int(ids.numel()))
+    if opts.max_padding_ratio is not None and tokens[0] > opts.max_padding_ratio * tokens[1]:
+        return None, tokens
+    entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
+    dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    ctx = (
+        nullcontext()
+        if dtype == torch.float32
+        else torch.autocast(device_type=get_device_name(), dtype=dtype)
+    )
+    with ctx:
+        out = packed_logprobs(
+            engine.module, ids, cu, resp, keys, micro_batch["temperature"], backend, entropy
+        )
+        model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.log_probs, cu)}
+        if out.entropy is not None:
+            model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy, cu)
+        if loss_function is not None:
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro_batch, dp_group=engine.get_data_parallel_group()
+            )
+        else:
+            loss, metrics = torch.tensor(1.0, device=ids.device), {}
+    return (
+        loss,
+        {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics},
+    ), tokens
+
+
+def install_engine_hook() -> bool:
+    """Put the dispatcher in front of verl's ``FSDPEngineWithLMHead.forward_step`` (idempotent;
+    returns True when it was installed by this call). Engines without options are unaffected."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    current = FSDPEngineWithLMHead.forward_step
+    if hasattr(current, "_grpo_parts_original"):
+        return False
+    original = current
+
+    def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+        opts = options_of(getattr(self, "engine_config", None))
+        if opts is None or isinstance(self, FSDPEngineWithValueHead):
+            return original(self, micro_batch, loss_function, forward_only)
+        mode = "logprob" if forward_only else "train"
+        reason = fallback_reason(micro_batch, opts)
+        tokens = None
+        if reason is None:
+            result, tokens = _forward_step(self, micro_batch, loss_function, forward_only, opts)
+            if result is None:
+                reason = f"grouped layout > max_padding_ratio={opts.max_padding_ratio} x packed tokens"
+        if reason is not None:
+            COUNTERS.fell_back("attention", reason, mode=mode)
+            result = original(self, micro_batch, loss_function, forward_only)
+        else:
+            COUNTERS.ran("attention", mode=mode)
+        loss, output = result
+        output["metrics"] = _report(output.get("metrics") or {}, reason is None, forward_only, tokens)
+        return loss, output
+
+    forward_step._grpo_parts_original = original  # type: ignore[attr-defined]
+    FSDPEngineWithLMHead.forward_step = forward_step  # type: ignore[method-assign]
+    return True
+
+
+def uninstall_engine_hook() -> bool:
+    """Undo :func:`install_engine_hook` and the attention wrappers of :func:`_dispatch_on_layout`;
+    returns True when a hook was removed."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    for name in list(ALL_ATTENTION_FUNCTIONS):
+        wrapped = getattr(ALL_ATTENTION_FUNCTIONS[name], "_grpo_parts_original", None)
+        if wrapped is not None:
+            AttentionInterface.register(name, wrapped)
+    original = getattr(FSDPEngineWithLMHead.forward_step, "_grpo_parts_original", None)
+    if original is None:
+        return False
+    FSDPEngineWithLMHead.forward_step = original  # type: ignore[method-assign]
+    return True
