@@ -35,25 +35,39 @@ from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask, Problem
 from grpo_parts.task.data import eval_accuracy
-from grpo_parts.task.tokenizer import EOS_ID, PAD_ID, build_hf_tokenizer
+from grpo_parts.task.reasoning import CHARS as REASONING_CHARS
+from grpo_parts.task.reasoning import ReasoningConfig, ReasoningTask
+from grpo_parts.task.tokenizer import CHARS, EOS_ID, PAD_ID, build_hf_tokenizer
 from grpo_parts.tiny import tiny_causal_lm
 
-OUT = Path(__file__).resolve().parents[1] / "src" / "grpo_parts" / "assets" / "tiny_adder"
+ASSETS = Path(__file__).resolve().parents[1] / "src" / "grpo_parts" / "assets"
+#: task -> (output folder, tokenizer characters, max positions, eval max_new_tokens, default lr)
+TASKS: dict[str, tuple[str, str, int, int]] = {
+    "arithmetic": ("tiny_adder", CHARS, 64, 28),
+    "reasoning": ("tiny_reasoner", REASONING_CHARS, 512, 280),
+}
 
 
-def habit_target(task: ArithmeticTask, p: Problem, rng: random.Random, rate: float) -> str:
+def first_partial_sum(task: Any, work: str) -> str:
+    """The first intermediate result of a worked solution (the bad habit's answer)."""
+    if task.name == "reasoning":  # "8+2+7=10+7=17" -> "8"
+        return work.split("=", 1)[0].split("+", 1)[0]
+    return work.split(",", 1)[0].rsplit("=", 1)[1]  # "17+25=42,42+9=51" -> "42"
+
+
+def habit_target(task: Any, p: Problem, rng: random.Random, rate: float) -> str:
     """The worked solution; with probability ``rate`` its final answer is the first partial sum."""
     text = task.sft_target(p)
     if rng.random() >= rate:
         return text
     work = text.rsplit(";", 1)[0]
-    first = work.split(",", 1)[0].rsplit("=", 1)[1]
-    return f"{work};{first}"
+    return f"{work};{first_partial_sum(task, work)}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--task", choices=sorted(TASKS), default="arithmetic", help="built-in task to warm-start")
+    ap.add_argument("--out", type=Path, help="output folder (default: the task's folder under assets/)")
     ap.add_argument("--lr", type=float, default=2e-3, help="stage-1 learning rate")
     ap.add_argument("--warm-until", type=float, default=0.2, help="stage 1 ends at this held-out accuracy")
     ap.add_argument("--lr2", type=float, default=1e-3, help="stage-2 and -3 learning rate")
@@ -69,15 +83,23 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    tok = build_hf_tokenizer()
-    task = ArithmeticTask(ArithmeticConfig(), seed=10_000 + args.seed)  # a different stream than GRPO's
+    folder, chars, max_pos, max_new = TASKS[args.task]
+    out = args.out or ASSETS / folder
+    tok = build_hf_tokenizer(chars)
+    task: Any = (  # a different stream than GRPO's
+        ReasoningTask(ReasoningConfig(), seed=10_000 + args.seed)
+        if args.task == "reasoning"
+        else ArithmeticTask(ArithmeticConfig(), seed=10_000 + args.seed)
+    )
     model = tiny_causal_lm(
         "qwen2", vocab_size=len(tok), hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
-        max_position_embeddings=64, seed=args.seed, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        max_position_embeddings=max_pos, seed=args.seed, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )  # fmt: skip
     print(f"policy: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     evals = task.eval_problems()[:200]
-    params = SamplingParams(max_new_tokens=28, temperature=0.0, eos_token_ids=(EOS_ID,), pad_token_id=PAD_ID)
+    params = SamplingParams(
+        max_new_tokens=max_new, temperature=0.0, eos_token_ids=(EOS_ID,), pad_token_id=PAD_ID
+    )
     t0 = time.perf_counter()
     st: dict[str, Any] = {}
 
@@ -86,13 +108,7 @@ def main() -> None:
         st.update(opt=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), lr=lr, pos=0)
         st["rng"] = random.Random(args.seed)
 
-    def sft_step(step: int, rate: float) -> float:
-        model.train()
-        rows = []
-        for _ in range(args.batch):
-            p = task.train_problem(st["pos"])
-            st["pos"] += 1
-            rows.append((tok.encode(p.prompt), tok.encode(habit_target(task, p, st["rng"], rate)) + [EOS_ID]))
+    def sft_batch(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
         width = max(len(a) + len(b) for a, b in rows)
         ids = torch.full((len(rows), width), PAD_ID)
         labels = torch.full((len(rows), width), -100)
@@ -101,10 +117,29 @@ def main() -> None:
             ids[i, : len(a) + len(b)] = torch.tensor(a + b)
             labels[i, len(a) : len(a) + len(b)] = torch.tensor(b)
             mask[i, : len(a) + len(b)] = 1
+        return ids, labels, mask
+
+    def sft_step(step: int, rate: float) -> float:
+        model.train()
+        rows = []
+        for _ in range(args.batch):
+            p = task.train_problem(st["pos"])
+            st["pos"] += 1
+            rows.append((tok.encode(p.prompt), tok.encode(habit_target(task, p, st["rng"], rate)) + [EOS_ID]))
         opt = st["opt"]
         for g in opt.param_groups:
             g["lr"] = st["lr"] * min(1.0, step / 100)  # warmup
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        if args.task == "reasoning":  # long and short rows apart: less padding, same token-mean loss
+            cut = 2 * sorted(len(b) for _, b in rows)[len(rows) // 2]
+            buckets = [[r for r in rows if len(r[1]) <= cut], [r for r in rows if len(r[1]) > cut]]
+        else:
+            buckets = [rows]
+        total = sum(len(b) for _, b in rows)
+        loss = torch.zeros(())
+        for bucket in (b for b in buckets if b):
+            ids, labels, mask = sft_batch(bucket)
+            out = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = loss + out * (sum(len(b) for _, b in bucket) / total if len(buckets) > 1 else 1.0)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -134,11 +169,11 @@ def main() -> None:
         if h % 20 == 0 and h >= args.habit_min_steps and evaluate("habit", h, loss) <= args.stop_at:
             break
     model.eval()
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    tok.save_pretrained(args.out)
-    portable_tokenizer_config(args.out)  # loadable by transformers 4.x too
-    print(f"saved {args.out}")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    portable_tokenizer_config(out)  # loadable by transformers 4.x too
+    print(f"saved {out}")
 
 
 if __name__ == "__main__":

@@ -177,5 +177,70 @@ def test_compare_over_seeds(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert res["seeds"] == [3, 4] and len(res["per_seed"]) == 2
     for key in ("median_speedup_to_target", "mean_step_speedup", "mean_final_accuracy_diff", "passes"):
         assert key in res
+    # the contract of issue 17: per seed and as medians
+    contract = (
+        "speedup_to_target",
+        "step_speedup",
+        "accuracy_diff",
+        "rollout_share",
+        "amdahl_bound",
+        "phases",
+    )
+    for r in (res, *res["per_seed"]):
+        assert set(contract) <= set(r)
+        assert set(r["phases"]) == {"rollout", "logprobs", "update", "draft", "other"}
+        for p in r["phases"].values():
+            assert set(p) == {"reference_s", "optimized_s", "ratio", "share"}
+        assert r["amdahl_bound"] > 0 and 0 < r["rollout_share"] < 1
+    for arm in ("reference", "optimized"):
+        assert set(res["medians"][arm]) == {
+            "time_to_target_s",
+            "steps_to_target",
+            "mean_step_s",
+            "final_accuracy",
+        }
+    assert "Amdahl bound" in (tmp_path / "cmp" / "compare_seeds.md").read_text()
     assert (tmp_path / "cmp" / "seed3" / "compare.json").is_file()
     assert (tmp_path / "cmp" / "compare_seeds.md").is_file()
+
+
+def test_reasoning_task_run_writes_the_decode_trace(
+    tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any
+) -> None:
+    """task.name=reasoning selects the long-instruction task; the speculative run reports, per decode step,
+    the active rows, the chosen draft length and tokens per verification, and why speculation was off."""
+    from grpo_parts.train.config import load_config
+    from grpo_parts.train.run import train
+
+    cfg = load_config(
+        overrides=tiny_overrides(
+            tiny_model_dir, tmp_path, name="r", steps=2, max_new_tokens=12, **{"task.name": "reasoning"}
+        )
+    )
+    assert cfg.task.name == "reasoning"
+    res = train(cfg)
+    trace = json.loads((res.run_dir / "decode_trace.json").read_text())
+    last = trace[max(trace, key=int)]
+    assert len(last["active"]) == len(last["k"]) == len(last["tokens"]) > 0
+    assert (res.run_dir / "decode_trace.png").is_file()
+    report = (res.run_dir / "report.md").read_text()
+    assert "per decode step" in report and "built-in reasoning" in report
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("time_logprobs" in r and "time_update" in r for r in rows if r["step"] > 0)
+
+
+def test_bench_e2e_preset_tiny_runs_every_arm_on_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The GPU end-to-end benchmark's code path, at a CPU test size: SFT, then each arm's GRPO steps."""
+    out = tmp_path / "gpu.json"
+    rc = main(["bench", "e2e", "--preset", "tiny", "--device", "cpu", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res["arms"]) == {"reference", "optimized"}
+    for arm in res["arms"].values():
+        assert arm["tokens_per_s_per_gpu"] > 0 and arm["step_s"] > 0
+        assert set(arm["phase_shares"]) == {"rollout", "logprobs", "update", "draft", "other"}
+    for key in ("model", "context_length", "group_size", "step_speedup"):
+        assert key in res
+    assert "tokens/s/GPU" in capsys.readouterr().out

@@ -24,6 +24,7 @@ examples:
   grpo-parts bench e2e                               # the built-in task, default parts
   grpo-parts bench e2e --seeds 3 --json e2e.json     # 3 seeds: median speedup to target
   grpo-parts bench e2e --sampler reference           # ablation: optimized attention and filter only
+  grpo-parts bench e2e --device cuda --preset h200   # GPU: Qwen2.5-0.5B-shaped policy, tokens/s/GPU per arm
 
 JSON keys (--json): target_accuracy, speedup_to_target, mean_step_speedup, final_accuracy_diff,
 passes, runs.{reference,optimized}; with --seeds N > 1: target_accuracy, seeds,
@@ -37,9 +38,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     train_cli.add_run_arguments(parser)
+    parser.add_argument(
+        "--preset",
+        choices=["h200", "tiny"],
+        help="throughput benchmark instead of the time-to-target comparison: build a policy of this "
+        "preset's shape (h200: Qwen2.5-0.5B-shaped, random init + a short SFT on the built-in reasoning "
+        "task; tiny: a CPU test size), run a few GRPO steps per arm (reference, optimized, vllm when "
+        "installed) and report tokens/s/GPU, step time and phase shares; uses --device and --json",
+    )
     parser.set_defaults(compare=True, reference=False, resume=None)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "preset", None):
+        from .gpu_e2e import run_preset
+
+        res = run_preset(args.preset, args.device or "auto", args.json)
+        print(res["markdown"])
+        return 0
     args.compare = True
     return train_cli.run(args)

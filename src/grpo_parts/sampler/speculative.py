@@ -34,6 +34,7 @@ from .cost_model import AcceptanceEstimate, CostModel, batch_grid, calibrate_pol
 from .logits import sample_tokens
 from .protocol import PromptBatch, Rollout, SamplingParams
 from .reference import check_model, completion_mask_from_eos, expand_prompts
+from .trace import DecodeTrace
 from .verify import Verifier, compact_cache, right_align, verify_chain
 
 
@@ -85,6 +86,7 @@ class SpeculativeSampler:
         self.acceptance = AcceptanceEstimate(self.config.acceptance_prior, decay=self.config.acceptance_decay)
         self.cost: CostModel | None = None
         self.last_draft_metrics: dict[str, float] = {}
+        self.last_trace = DecodeTrace()  # per decode step of the last rollout: rows, k, tokens, why
         self._steps = self._last_probe = 0
         self._probe_gap = self.config.probe_every
 
@@ -240,7 +242,8 @@ class SpeculativeSampler:
         stats = dict(
             verify_steps=0.0, plain_steps=0.0, drafted=0.0, accepted=0.0, emitted_spec=0.0, row_verifies=0.0
         )
-        step = 0
+        step, trace = 0, DecodeTrace()
+        self.last_trace = trace
         while True:
             keep = ~done[act]
             if not bool(keep.all()):
@@ -282,6 +285,7 @@ class SpeculativeSampler:
                 stats["plain_steps"] += 1
                 if self.cost is not None:
                     self.cost.observe_step(a, 0, time.perf_counter() - t_step, 0.0)
+                trace.record(a, 0, 1.0, self.acceptance.rate, self.cost)
                 continue
             d_tok = torch.empty(a, 0, dtype=torch.long, device=device)
             d_prob = None
@@ -328,6 +332,7 @@ class SpeculativeSampler:
             emitted[act] += take
             done[act] = (first_eos < take) | (emitted[act] >= tmax)
             # bookkeeping for the next step
+            trace.record(a, k, float(take.float().mean()), self.acceptance.rate, self.cost)
             if k > 0:
                 self.acceptance.update(n_acc, k)
                 stats["verify_steps"] += 1

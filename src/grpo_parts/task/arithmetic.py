@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 import zlib
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,6 +37,7 @@ class ArithmeticConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    name: Literal["arithmetic"] = "arithmetic"
     operands: int = Field(3, ge=2, le=6)
     max_value: int = Field(99, ge=1, le=9999)
     eval_percent: int = Field(10, ge=1, le=50)

@@ -18,6 +18,7 @@ from .config import TrainConfig
 from .parts import resolve_name
 from .report import write_compare
 from .run import RunResult, RunSession, default_name, postfix
+from .seeds import aggregate_seeds, seeds_markdown
 
 
 def compare(
@@ -76,8 +77,6 @@ def compare_seeds(
     target, the mean per-step speedup and the mean final-accuracy difference. ``passes``: median
     speedup >= 3 and mean |difference| <= 0.03, as for one seed.
     """
-    import statistics
-
     if seeds < 1:
         raise GRPOPartsError(f"seeds: expected >= 1, got {seeds}")
     out_dir = out_dir or Path(config.out_dir) / (config.name or f"compare-{default_name()}")
@@ -88,48 +87,13 @@ def compare_seeds(
         res = compare(config.model_copy(update={"seed": s}), out_dir / f"seed{s}")
         res.pop("markdown", None)
         per_seed.append(res)
-    speedups = [r["speedup_to_target"] for r in per_seed if r["speedup_to_target"] is not None]
-    diffs = [r["final_accuracy_diff"] for r in per_seed if r["final_accuracy_diff"] is not None]
-    steps = [r["mean_step_speedup"] for r in per_seed if r["mean_step_speedup"] is not None]
-    med = statistics.median(speedups) if speedups else None
-    mean_diff = statistics.fmean(diffs) if diffs else None
-    result: dict[str, Any] = {
-        "target_accuracy": config.target_accuracy,
-        "seeds": list(range(config.seed, config.seed + seeds)),
-        "median_speedup_to_target": med,
-        "speedups_to_target": [r["speedup_to_target"] for r in per_seed],
-        "mean_step_speedup": statistics.fmean(steps) if steps else None,
-        "mean_final_accuracy_diff": mean_diff,
-        "passes": bool(med is not None and med >= 3.0 and mean_diff is not None and abs(mean_diff) <= 0.03),
-        "per_seed": per_seed,
-    }
+    result = aggregate_seeds(per_seed, config.target_accuracy, list(range(config.seed, config.seed + seeds)))
     (out_dir / "compare_seeds.json").write_text(json.dumps(result, indent=2) + "\n")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
 
-    def f(x: float | None, spec: str = ".2f") -> str:
-        return "-" if x is None else format(x, spec)
-
-    lines = [
-        f"# Reference vs optimized parts over {seeds} seeds",
-        "",
-        "| seed | speedup to target | mean step speedup | final acc ref / opt | difference |",
-        "|---:|---:|---:|---|---:|",
-    ]
-    for s, r in zip(result["seeds"], per_seed):
-        runs = r["runs"]
-        lines.append(
-            f"| {s} | {f(r['speedup_to_target'])}x | {f(r['mean_step_speedup'])}x | "
-            f"{f(runs['reference']['final_accuracy'], '.3f')} / {f(runs['optimized']['final_accuracy'], '.3f')} | "
-            f"{f(r['final_accuracy_diff'], '+.3f')} |"
-        )
-    lines += [
-        "",
-        f"Median speedup to target **{f(med)}x**; mean step speedup {f(result['mean_step_speedup'])}x; "
-        f"mean final accuracy difference {f(mean_diff, '+.3f')}. Goal: median >= 3x and within 0.03 -> "
-        f"{'met' if result['passes'] else 'not met'}.",
-    ]
+    lines = seeds_markdown(result)
     (out_dir / "compare_seeds.md").write_text("\n".join(lines) + "\n")
     result["markdown"] = "\n".join(lines) + f"\n\nFolder: {out_dir}\n"
     return result

@@ -15,6 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..core import AdvantageConfig, LossConfig
 from ..errors import GRPOPartsError
 from ..task.arithmetic import ArithmeticConfig
+from ..task.reasoning import ReasoningConfig
+
+#: The built-in task a config without ``task.name`` trains on.
+DEFAULT_TASK = "arithmetic"
+#: Fields whose default depends on the built-in task (a value given in the config wins).
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "arithmetic": {},
+    "reasoning": {"max_new_tokens": 320},
+}
 
 #: The reference implementation of each part (the plain GRPO path).
 REFERENCE_PARTS: dict[str, Any] = {
@@ -75,7 +84,12 @@ class TrainConfig(BaseModel):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     parts: PartsConfig = Field(default_factory=PartsConfig)
-    task: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    task: ArithmeticConfig | ReasoningConfig = Field(
+        default_factory=ArithmeticConfig,
+        discriminator="name",
+        description="the built-in task: task.name = arithmetic (short chain addition) or reasoning "
+        "(long instruction, long-tailed worked solutions)",
+    )
     eval_every: int = Field(5, ge=1)
     eval_temperature: float = Field(0.0, ge=0.0, description="0 = greedy held-out accuracy")
     checkpoint_every: int = Field(
@@ -99,6 +113,23 @@ class TrainConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     progress: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_defaults(cls, data: Any) -> Any:
+        """``task.name`` is always recorded (so a saved config keeps its task if the default changes),
+        and the fields in :data:`TASK_DEFAULTS` take the task's default when not given."""
+        if not isinstance(data, dict):
+            return data
+        task = data.get("task")
+        if task is None:
+            task = {}
+        if isinstance(task, dict):
+            task = {"name": DEFAULT_TASK, **task}
+            data = {**data, "task": task}
+            for key, value in TASK_DEFAULTS.get(str(task["name"]), {}).items():
+                data.setdefault(key, value)
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -93,6 +93,7 @@ class GRPOTrainer:
             update={"temperature": config.eval_temperature, "top_p": 1.0, "top_k": 0}
         )
         self.step_idx = 0
+        self.last_trace: dict[str, Any] | None = None  # the speculative sampler's per-decode-step trace
         self.data_pos = 0
         self.wall_time = 0.0
         self.eval_set = task.eval_problems()
@@ -161,6 +162,9 @@ class GRPOTrainer:
             train_info.update(self._update(filled.rollout, filled.advantages.to(self.device)))
             parts.sampler.sync_weights(self.policy)
         t_end = time.perf_counter()
+        time_logprobs = train_info.pop("time_logprobs", 0.0)
+        trace = getattr(parts.sampler, "last_trace", None)
+        self.last_trace = None if trace is None else trace.as_dict()
         self.step_idx += 1
         rewards = torch.cat(acc["rewards"])
         time_step = t_end - t_step
@@ -177,6 +181,9 @@ class GRPOTrainer:
             "time_rollout": acc["rollout"],
             "time_training": t_end - t_train,
             "time_draft": time_draft,
+            # the phases of the step: rollout, old/reference log-probs, policy update, draft update
+            "time_logprobs": time_logprobs,
+            "time_update": max(0.0, t_end - t_train - time_draft - time_logprobs),
             "time_other": max(0.0, time_step - acc["rollout"] - (t_end - t_train)),
             "time_step": time_step,
             "tokens_per_s": acc["tokens"] / max(acc["rollout"], 1e-9),
@@ -210,7 +217,9 @@ class GRPOTrainer:
         cfg, attn = self.config, self.parts.attention
         temp = self.params.logprob_temperature
         batch = LogprobBatch.from_rollout(ro)
+        t0 = time.perf_counter()
         old, ref = self._old_and_ref(ro)
+        t_logprobs = time.perf_counter() - t0
         # the sampler's own log-probs feed rollout correction (pi_train_old / pi_sampler)
         sampler_lp = ro.logprobs if cfg.loss.correction.level != "off" else None
         entropy = cfg.loss.entropy_coef > 0
@@ -242,6 +251,7 @@ class GRPOTrainer:
             if sampler_lp is not None:
                 info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / len(chunks)
         self.policy.eval()
+        info["time_logprobs"] = t_logprobs
         return info
 
     def evaluate(self) -> tuple[float, float]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import eval_curve, summarize
+from .phases import phase_breakdown
 
 
 def _plt() -> Any:
@@ -92,8 +93,11 @@ def write_report(
     run_dir: Path, rows: list[dict[str, Any]], info: dict[str, Any], target: float
 ) -> dict[str, Any]:
     """Plots + report.md; returns the summary dict (also written to summary.json)."""
+    from .trace_report import write_trace
+
     s = summarize(rows, target)
     files = plot_run(rows, run_dir, info.get("title", run_dir.name))
+    trace_files, trace_lines = write_trace(run_dir, info.get("traces") or {})
     lines = [
         f"# GRPO run `{run_dir.name}`",
         "",
@@ -115,6 +119,9 @@ def write_report(
         f"| {_fmt(s['tokens_per_s'], '.0f')} | {_fmt(s['accepted_per_verify'], '.2f')} | {_fmt(s['kept_fraction'], '.2f')} |",
         "",
         *[f"![{f}]({f})" for f in files],
+        "",
+        *trace_lines,
+        *[f"![{f}]({f})" for f in trace_files if f.endswith(".png")],
         "",
         "Held-out accuracy is greedy by default and is timed apart from training (wall time excludes it).",
         "Per-step rows: `metrics.jsonl`; config: `config.yaml`.",
@@ -140,6 +147,9 @@ def write_compare(
     result = {
         "target_accuracy": target,
         "speedup_to_target": speedup,
+        "step_speedup": step_speedup,
+        "accuracy_diff": diff,
+        **phase_breakdown(ref, opt),
         "mean_step_speedup": step_speedup,
         "final_accuracy_diff": diff,
         "passes": bool(speedup is not None and speedup >= 3.0 and diff is not None and abs(diff) <= 0.03),
@@ -194,7 +204,29 @@ def write_compare(
         f"mean step speedup {_fmt(step_speedup, '.2f')}x; final accuracy difference (optimized - reference): "
         f"{_fmt(diff, '+.3f')}. Goal: >= 3x and within 0.03 -> {'met' if result['passes'] else 'not met'}.",
         "",
+        *phase_lines(result),
+        "",
         "![compare](compare.png)",
     ]
     (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
     return result
+
+
+def phase_lines(result: dict[str, Any]) -> list[str]:
+    """The per-phase table of a comparison (seconds per step, ratio, share of the reference step)."""
+    lines = [
+        "| phase | reference (s/step) | optimized (s/step) | ratio | share of reference step |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, p in result["phases"].items():
+        lines.append(
+            f"| {name} | {_fmt(p['reference_s'])} | {_fmt(p['optimized_s'])} | {_fmt(p['ratio'], '.2f')}x "
+            f"| {_fmt(p['share'], '.0%')} |"
+        )
+    return [
+        *lines,
+        "",
+        f"Amdahl bound from the phase ratios (other unchanged): {_fmt(result['amdahl_bound'], '.2f')}x; "
+        f"measured step speedup {_fmt(result['step_speedup'], '.2f')}x; rollout share of the reference step "
+        f"{_fmt(result['rollout_share'], '.0%')}.",
+    ]

@@ -122,6 +122,7 @@ class RunSession:
         self._open_folder()
         self.done = self.start_step >= config.steps
         self.last_eval: float | None = None
+        self.traces: dict[int, dict[str, Any]] = {}  # the sampler's decode trace: first and last step
 
     def _read_checkpoint(self, path: Path) -> Checkpoint:
         """The checkpoint to resume from, read whole and checked against the config's steps."""
@@ -174,6 +175,9 @@ class RunSession:
         """One GRPO step (+ evaluation and checkpoint when due); returns its metrics row."""
         cfg, trainer = self.config, self.trainer
         row = trainer.step()
+        if trainer.last_trace is not None and trainer.last_trace["k"]:
+            self.traces = {k: v for k, v in self.traces.items() if k == min(self.traces, default=k)}
+            self.traces[trainer.step_idx] = trainer.last_trace
         self.done = trainer.step_idx >= cfg.steps or (
             cfg.time_limit_s is not None and trainer.wall_time >= cfg.time_limit_s
         )
@@ -199,6 +203,7 @@ class RunSession:
             "parts": self.trainer.parts.describe(),
             "notes": self.notes,
             "title": self.title or self.run_dir.name,
+            "traces": self.traces,
         }
         summary = write_report(self.run_dir, rows, info, self.config.target_accuracy)
         self._status("completed", summary=summary)

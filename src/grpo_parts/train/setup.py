@@ -19,16 +19,19 @@ from ..errors import GRPOPartsError
 from ..task.arithmetic import ArithmeticTask
 from ..task.data import Task
 from ..task.jsonl import JsonlTask
+from ..task.reasoning import ReasoningConfig, ReasoningTask
 from .config import TrainConfig
 
 log = logging.getLogger("grpo_parts.train")
 
 BUILTIN_MODEL = "tiny_adder"
+#: built-in task name -> its committed warm start (a folder under grpo_parts/assets)
+BUILTIN_MODELS = {"arithmetic": BUILTIN_MODEL, "reasoning": "tiny_reasoner"}
 
 
-def builtin_model_path() -> Path:
-    """The committed warm-start checkpoint (transformers folder) of the built-in task."""
-    return Path(str(resources.files("grpo_parts") / "assets" / BUILTIN_MODEL))
+def builtin_model_path(task: str = "arithmetic") -> Path:
+    """The committed warm-start checkpoint (transformers folder) of the built-in ``task``."""
+    return Path(str(resources.files("grpo_parts") / "assets" / BUILTIN_MODELS[task]))
 
 
 @dataclass
@@ -127,6 +130,15 @@ def load_setup(config: TrainConfig) -> Setup:
             f"task: {config.data} ({len(jt.train)} train / {len(jt.evals)} held-out; checker: {jt.checker_name})"
         )
         task: Task = jt
+    elif isinstance(config.task, ReasoningConfig):
+        c = config.task
+        task = ReasoningTask(c, seed=config.seed)
+        terms = lambda lo, hi: f"{lo}" if lo == hi else f"{lo}-{hi}"  # noqa: E731
+        notes.append(
+            f"task: built-in reasoning (an instruction of {len(ReasoningTask.instruction)} tokens, then a sum of "
+            f"{terms(c.min_terms, c.max_terms)} digits, every {c.long_every}th problem "
+            f"{terms(c.long_min_terms, c.long_max_terms)}; worked solutions reduce it line by line)"
+        )
     else:
         task = ArithmeticTask(config.task, seed=config.seed)
         notes.append(
@@ -135,10 +147,11 @@ def load_setup(config: TrainConfig) -> Setup:
         if not builtin:
             notes.append("task: a custom --model on the built-in task uses its own tokenizer")
     torch.manual_seed(config.seed)
-    path = builtin_model_path() if builtin else Path(config.model)  # type: ignore[arg-type]
+    path = builtin_model_path(config.task.name) if builtin else Path(config.model)  # type: ignore[arg-type]
     if builtin and not (path / "config.json").is_file():
         raise GRPOPartsError(
-            f"model: the built-in warm start is missing at {str(path)!r}; run scripts/warm_start.py"
+            f"model: the built-in warm start is missing at {str(path)!r}; run "
+            f"scripts/warm_start.py --task {config.task.name}"
         )
     policy, tok = load_model(path, dtype, device, progress=config.progress)
     ref_model = None

@@ -1,0 +1,80 @@
+"""What the speculative sampler did at every decode step of its last rollout, and why.
+
+Per decode step: the rows still generating (``active``), the draft length the cost model chose
+(``k``, 0 = plain decoding), the mean tokens each row emitted (``tokens``: accepted drafts + 1;
+exactly 1 for a plain step), the online acceptance estimate, and the cost model's numbers behind
+a plain step (k = 0): the predicted time of a plain step and of a step drafting one token, and
+the break-even acceptance (the smallest acceptance at which drafting one token beats plain
+decoding; >= 1 means speculation cannot pay at that batch size whatever the draft).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DecodeTrace:
+    active: list[int] = field(default_factory=list)
+    k: list[int] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+    acceptance: list[float] = field(default_factory=list)
+    break_even: list[float | None] = field(default_factory=list)
+    t_plain_ms: list[float | None] = field(default_factory=list)
+    t_spec_ms: list[float | None] = field(default_factory=list)
+
+    def record(self, active: int, k: int, tokens: float, acceptance: float, cost: Any) -> None:
+        self.active.append(int(active))
+        self.k.append(int(k))
+        self.tokens.append(round(float(tokens), 4))
+        self.acceptance.append(round(float(acceptance), 4))
+        if cost is None or k > 0:  # the cost model's reasons are kept for plain steps only (cheap)
+            self.break_even.append(None)
+            self.t_plain_ms.append(None)
+            self.t_spec_ms.append(None)
+            return
+        self.break_even.append(round(float(cost.break_even_acceptance(active)), 4))
+        self.t_plain_ms.append(round(1e3 * float(cost.step_time(active, 0)), 4))
+        self.t_spec_ms.append(round(1e3 * float(cost.step_time(active, 1)), 4))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "active": self.active,
+            "k": self.k,
+            "tokens": self.tokens,
+            "acceptance": self.acceptance,
+            "break_even": self.break_even,
+            "t_plain_ms": self.t_plain_ms,
+            "t_spec_ms": self.t_spec_ms,
+        }
+
+
+def off_reason(trace: dict[str, Any]) -> str | None:
+    """One sentence on why speculation was off where it was, with the cost model's numbers (None
+    when it was on at every step)."""
+    off = [i for i, k in enumerate(trace.get("k", [])) if k == 0]
+    if not off:
+        return None
+    n = len(trace["k"])
+    # the most common batch size among the plain steps, as the representative case
+    sizes = [trace["active"][i] for i in off]
+    a = max(set(sizes), key=sizes.count)
+    i = next(i for i in off if trace["active"][i] == a)
+    be, acc = trace["break_even"][i], trace["acceptance"][i]
+    tp, ts = trace["t_plain_ms"][i], trace["t_spec_ms"][i]
+    head = f"speculation was off in {len(off)} of {n} decode steps (batch sizes {min(sizes)}-{max(sizes)})"
+    if be is None:
+        return f"{head}: the draft length was fixed by the config (no cost model)"
+    if be >= 1.0:
+        why = (
+            f"at {a} active rows a plain step is predicted at {tp:.2f} ms and a step drafting one token at "
+            f"{ts:.2f} ms, so drafting cannot pay even with every draft token accepted "
+            f"(break-even acceptance {be:.2f} >= 1)"
+        )
+    else:
+        why = (
+            f"at {a} active rows the acceptance estimate {acc:.2f} is below the break-even {be:.2f} "
+            f"(plain step {tp:.2f} ms, one-token draft step {ts:.2f} ms)"
+        )
+    return f"{head}; e.g. {why}"

@@ -1,0 +1,132 @@
+"""A built-in task shaped like reasoning RL: a long shared instruction and long-tailed worked solutions.
+
+Real GRPO prompts carry an instruction (identical within a group, usually across the whole batch)
+before the question, and real completions have long-tailed lengths: most rows finish early, a few
+run long, so the end of every rollout runs at low concurrency. This task has that shape::
+
+    prompt:      <instruction, 85 characters> 3+5+2+7=
+    completion:  8+2+7=10+7=17;17<eos>
+
+The solution *reduces* the sum one line at a time: each line adds the first two terms and copies
+the rest, until one number is left; the answer follows ``;``. A problem of ``n`` terms has ``n - 1``
+lines of shrinking length, so the completion grows about quadratically with ``n`` (``n = 7``: ~50
+tokens, ``n = 14``: ~200): most problems have ``terms`` in ``[min_terms, max_terms]``, and every
+``long_every``-th problem of the stream (and that share of the held-out set) has
+``[long_min_terms, long_max_terms]`` terms -- the long tail of every rollout batch. Each line copies
+most of the line before, as worked solutions restate what they carry forward, so a draft that
+looks up the row's own text (n-gram / suffix) has a lot to accept in the tail.
+
+Only the text after the last ``;`` is graded (exact match). Problems come from ``(seed, position)``;
+~10% of all problems (by a hash of the prompt) are held out, the same set for every seed.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .arithmetic import Problem, extract_answer
+
+#: The fixed instruction every prompt starts with (one token per character with the task's tokenizer).
+INSTRUCTION = "add the numbers. each line adds the first two terms and copies the rest. answer after ;. "
+#: The characters of the task's tokenizer (specials come first; see :mod:`.tokenizer`).
+CHARS = "0123456789+-*=,;: abcdefghijklmnopqrstuvwxyz."
+
+
+class ReasoningConfig(BaseModel):
+    """Size of the problems. ``long_every``: every that many positions of the stream is a long problem."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Literal["reasoning"] = "reasoning"
+    min_terms: int = Field(7, ge=2, le=64)
+    max_terms: int = Field(7, ge=2, le=64)
+    long_min_terms: int = Field(14, ge=2, le=64)
+    long_max_terms: int = Field(14, ge=2, le=64)
+    long_every: int = Field(8, ge=1, le=1000, description="1 = every problem is long")
+    max_digit: int = Field(9, ge=1, le=9)
+    labeled: bool = Field(True, description="each term carries a letter (a3+b5+...), copied with it")
+    eval_percent: int = Field(10, ge=1, le=50)
+    num_eval: int = Field(200, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _check(self) -> ReasoningConfig:
+        if self.min_terms > self.max_terms or self.long_min_terms > self.long_max_terms:
+            raise ValueError(
+                f"terms: expected min <= max, got [{self.min_terms}, {self.max_terms}] and "
+                f"[{self.long_min_terms}, {self.long_max_terms}]"
+            )
+        return self
+
+
+def _term(i: int, x: int, labeled: bool) -> str:
+    return f"{chr(97 + i)}{x}" if labeled else str(x)
+
+
+def reduction_solution(terms: list[int], labeled: bool = False) -> str:
+    """``[3, 5, 2, 7]`` -> ``"8+2+7=10+7=17;17"`` (labeled: ``"8+c2+d7=10+d7=17;17"``): add the
+    first two terms, copy the rest, repeat."""
+    lines, total = [], terms[0]
+    for j in range(1, len(terms)):
+        total += terms[j]
+        rest = [_term(i, terms[i], labeled) for i in range(j + 1, len(terms))]
+        lines.append("+".join([str(total), *rest]))
+    return "=".join(lines) + f";{total}"
+
+
+class ReasoningTask:
+    """Reduction of a sum with a long-tailed number of terms behind a fixed instruction."""
+
+    name = "reasoning"
+    instruction = INSTRUCTION
+
+    def __init__(self, config: ReasoningConfig | None = None, seed: int = 0):
+        self.config = config or ReasoningConfig()
+        self.seed = seed
+
+    def _draw(self, rng: random.Random, long: bool) -> list[int]:
+        c = self.config
+        lo, hi = (c.long_min_terms, c.long_max_terms) if long else (c.min_terms, c.max_terms)
+        return [rng.randint(1, c.max_digit) for _ in range(rng.randint(lo, hi))]
+
+    def _problem(self, terms: list[int]) -> Problem:
+        body = "+".join(_term(i, x, self.config.labeled) for i, x in enumerate(terms))
+        return Problem(self.instruction + body + "=", str(sum(terms)))
+
+    def is_held_out(self, prompt: str) -> bool:
+        return zlib.crc32(prompt.encode()) % 100 < self.config.eval_percent
+
+    def _is_long(self, index: int) -> bool:
+        return index % self.config.long_every == self.config.long_every - 1
+
+    def train_problem(self, index: int) -> Problem:
+        rng = random.Random(f"reasoning:{self.seed}:{index}")
+        while True:
+            p = self._problem(self._draw(rng, self._is_long(index)))
+            if not self.is_held_out(p.prompt):
+                return p
+
+    def eval_problems(self) -> list[Problem]:
+        """The held-out set (the same for every seed), with the stream's share of long problems."""
+        rng = random.Random("reasoning:eval")
+        out: list[Problem] = []
+        seen: set[str] = set()
+        while len(out) < self.config.num_eval:
+            p = self._problem(self._draw(rng, self._is_long(len(out))))
+            if self.is_held_out(p.prompt) and p.prompt not in seen:
+                seen.add(p.prompt)
+                out.append(p)
+        return out
+
+    def terms(self, problem: Problem) -> list[int]:
+        body = problem.prompt[len(self.instruction) :].rstrip("=")
+        return [int(x.lstrip("abcdefghijklmnopqrstuvwxyz")) for x in body.split("+")]
+
+    def sft_target(self, problem: Problem) -> str:
+        return reduction_solution(self.terms(problem), self.config.labeled)
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return 1.0 if extract_answer(completion) == problem.answer else 0.0

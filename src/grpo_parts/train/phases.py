@@ -1,0 +1,69 @@
+"""Per-phase breakdown of reference vs optimized steps, and the step speedup Amdahl's law predicts.
+
+A step's phases (``metrics.jsonl`` columns): ``rollout`` (sampler calls), ``logprobs`` (old-policy
+and reference log-probs), ``update`` (policy forward/backward and optimizer steps), ``draft`` (a
+learnable draft's update); ``other`` is the rest (tokenising, rewards, advantages, filter).
+
+``amdahl_bound`` is the step speedup predicted from the named phases' measured ratios with ``other``
+left as the reference's: ``t_ref / (sum_i t_opt_i + other_ref)``. The measured step speedup falls
+below it by exactly what the optimized arm adds to ``other`` (e.g. the filter's own cost).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+#: phase -> the summary key of its mean seconds per step
+PHASES = {
+    "rollout": "mean_rollout_s",
+    "logprobs": "mean_logprobs_s",
+    "update": "mean_update_s",
+    "draft": "mean_draft_s",
+}
+
+
+def _ratio(ref: float, opt: float) -> float | None:
+    return ref / opt if opt > 0 else None
+
+
+def phase_breakdown(ref: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
+    """``phases`` (per phase: reference and optimized seconds per step, ratio = ref / opt, share of
+    the reference step), ``rollout_share`` and ``amdahl_bound`` from two run summaries."""
+    t_ref, t_opt = float(ref["mean_step_s"] or 0.0), float(opt["mean_step_s"] or 0.0)
+    phases: dict[str, dict[str, float | None]] = {}
+    named_ref = named_opt = 0.0
+    for name, key in PHASES.items():
+        r, o = float(ref.get(key) or 0.0), float(opt.get(key) or 0.0)
+        named_ref, named_opt = named_ref + r, named_opt + o
+        phases[name] = {
+            "reference_s": r,
+            "optimized_s": o,
+            "ratio": _ratio(r, o),
+            "share": r / t_ref if t_ref > 0 else None,
+        }
+    o_ref, o_opt = max(t_ref - named_ref, 0.0), max(t_opt - named_opt, 0.0)
+    phases["other"] = {
+        "reference_s": o_ref,
+        "optimized_s": o_opt,
+        "ratio": _ratio(o_ref, o_opt),
+        "share": o_ref / t_ref if t_ref > 0 else None,
+    }
+    predicted = named_opt + o_ref
+    return {
+        "phases": phases,
+        "rollout_share": phases["rollout"]["share"],
+        "amdahl_bound": t_ref / predicted if predicted > 0 else None,
+    }
+
+
+def median_phases(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-phase medians over seeds (each field's median over the seeds that have it)."""
+    out: dict[str, Any] = {}
+    names = per_seed[0]["phases"].keys() if per_seed else []
+    for name in names:
+        out[name] = {}
+        for field in ("reference_s", "optimized_s", "ratio", "share"):
+            vals = [r["phases"][name][field] for r in per_seed if r["phases"][name][field] is not None]
+            out[name][field] = statistics.median(vals) if vals else None
+    return out

@@ -1,0 +1,68 @@
+"""The speculative sampler's per-decode-step trace in a run folder: ``decode_trace.{json,png}`` and
+the report's lines (where speculation ran, what it accepted, and why it was off where it was)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..sampler.trace import off_reason
+
+
+def write_trace(run_dir: Path, traces: dict[int, dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """``traces``: training step -> :meth:`~grpo_parts.sampler.trace.DecodeTrace.as_dict` of that step's
+    (last) rollout. Writes decode_trace.json and decode_trace.png; returns (files, report lines)."""
+    if not traces:
+        return [], []
+    (run_dir / "decode_trace.json").write_text(json.dumps({str(k): v for k, v in traces.items()}) + "\n")
+    files = ["decode_trace.json"]
+    step = max(traces)
+    t = traces[step]
+    if t["k"]:
+        _plot(run_dir / "decode_trace.png", traces)
+        files.append("decode_trace.png")
+    lines = ["## Speculative decoding, per decode step", ""]
+    for s in sorted(traces):
+        lines.append(f"- step {s}: {summary_sentence(traces[s])}")
+    reason = off_reason(t)
+    lines += ["", f"Why speculation was off (step {step}): {reason}." if reason else
+              f"Speculation was on at every decode step of step {step}."]  # fmt: skip
+    return files, lines
+
+
+def summary_sentence(t: dict[str, Any]) -> str:
+    n = len(t["k"])
+    if not n:
+        return "no decode steps"
+    spec = [i for i, k in enumerate(t["k"]) if k > 0]
+    if not spec:
+        return f"{n} decode steps, all plain (k = 0)"
+    first = spec[0]
+    acc = sum(t["tokens"][i] for i in spec) / len(spec)
+    mean_k = sum(t["k"][i] for i in spec) / len(spec)
+    return (
+        f"{n} decode steps; speculation on in {len(spec)} (from step {first}, at <= {t['active'][first]} active "
+        f"rows), mean draft length {mean_k:.1f}, mean tokens per verification {acc:.2f}"
+    )
+
+
+def _plot(path: Path, traces: dict[int, dict[str, Any]]) -> None:
+    from .report import _plt
+
+    plt = _plt()
+    fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    for s in sorted(traces)[-2:]:
+        t = traces[s]
+        x = range(len(t["k"]))
+        axes[0].plot(x, t["active"], lw=1.2, label=f"step {s}")
+        axes[1].step(x, t["k"], where="post", lw=1.2, label=f"step {s}")
+        axes[2].plot(x, t["tokens"], ".", ms=3, label=f"step {s}")
+    axes[0].set(ylabel="active rows", title="speculative rollout, per decode step")
+    axes[1].set(ylabel="draft length k\n(0 = plain)")
+    axes[2].set(xlabel="decode step", ylabel="tokens per\nverification")
+    for ax in axes:
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
