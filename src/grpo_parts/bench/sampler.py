@@ -35,8 +35,8 @@ import torch
 from ..draft import IMPLEMENTATIONS as DRAFTS
 from ..errors import GRPOPartsError
 from ..sampler.protocol import PromptBatch, Rollout, SamplingParams
-from ..sampler.reference import completion_mask_from_eos, expand_prompts
 from ._args import ints, names
+from ._sampler_models import GenerateSampler, cache_load, cache_save, make_policy, policy_key, task_draft
 
 
 @dataclass
@@ -46,43 +46,6 @@ class BenchSampler:
     name: str
     sampler: Any
     draft: str | None = None
-
-
-class GenerateSampler:
-    """transformers ``model.generate`` behind the ``Sampler.generate`` signature (the yardstick).
-
-    It does not compute log-probs (``logprobs`` are zeros), which only favours ``generate``.
-    """
-
-    name = "generate"
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-
-    @torch.inference_mode()
-    def generate(
-        self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
-    ) -> Rollout:
-        device = next(self.model.parameters()).device
-        ids, mask, group = expand_prompts(prompts, params.group_size)
-        ids, mask = ids.to(device), mask.to(device)
-        kw: dict[str, Any] = dict(do_sample=False)
-        if not params.greedy:
-            kw = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
-        out = self.model.generate(  # type: ignore[operator]
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=params.max_new_tokens,
-            min_new_tokens=0 if params.eos_token_ids else params.max_new_tokens,
-            eos_token_id=list(params.eos_token_ids) or None,
-            pad_token_id=params.pad_token_id,
-            **kw,
-        )
-        completion = out[:, ids.shape[1] :]
-        cmask = completion_mask_from_eos(completion, params.eos_token_ids)
-        return Rollout(
-            ids, mask, completion, cmask, torch.zeros(completion.shape), group.to(device), prompts.num_prompts
-        )
 
 
 def _reference(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
@@ -108,11 +71,11 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
     out = []
     for name in args.spec_drafts.split(","):
         small = name in ("frozen_lm", "small_lm") and args.policy == "task"
-        draft = _task_draft(policy, args, name) if small else None
+        draft = task_draft(policy, args, name) if small else None
         draft = draft or make_draft(name, policy, args.seed)
         if draft.learnable:
-            key = f"eagle_{_policy_key(args)}_text{args.spec_text_batches}_warm{args.spec_warmup}"
-            state = _cache_load(args, key)
+            key = f"eagle_{policy_key(args)}_text{args.spec_text_batches}_warm{args.spec_warmup}"
+            state = cache_load(args, key)
             if state is not None:
                 draft.load_state_dict(state)
                 print(f"{name}: loaded from the bench cache ({key})")
@@ -133,47 +96,10 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
                         f"{name}: distilled on {args.spec_warmup} rollouts, accepted/verify "
                         f"{[round(h, 2) for h in hist]}"
                     )
-                _cache_save(args, key, draft.state_dict())
+                cache_save(args, key, draft.state_dict())
         cfg = SpeculativeConfig(max_draft_tokens=args.spec_max_draft, train_draft=False)
         out.append(BenchSampler("speculative", SpeculativeSampler(policy, draft, cfg), draft=name))
     return out
-
-
-def _task_draft(policy: torch.nn.Module, args: argparse.Namespace, name: str) -> Any:
-    from ..draft import get_draft_class
-    from ..draft.training import task_policy
-
-    hidden = max(32, args.hidden // 2)
-    key = f"frozen_lm_{_policy_key(args)}"
-    state = _cache_load(args, key)
-    small = task_policy(hidden, 2, 0 if state is not None else args.task_steps, args.seed)[0]
-    if state is not None:
-        small.load_state_dict(state)
-    else:
-        _cache_save(args, key, small.state_dict())
-    return get_draft_class(name)(small.eval())
-
-
-def _policy_key(args: argparse.Namespace) -> str:
-    return f"h{args.hidden}_l{args.layers}_steps{args.task_steps}_seed{args.seed}"
-
-
-def _cache_load(args: argparse.Namespace, key: str) -> Any:
-    import os
-
-    if not args.cache_dir:
-        return None
-    path = os.path.join(os.path.expanduser(args.cache_dir), key + ".pt")
-    return torch.load(path, weights_only=False) if os.path.isfile(path) else None
-
-
-def _cache_save(args: argparse.Namespace, key: str, state: Any) -> None:
-    import os
-
-    if args.cache_dir:
-        folder = os.path.expanduser(args.cache_dir)
-        os.makedirs(folder, exist_ok=True)
-        torch.save(state, os.path.join(folder, key + ".pt"))
 
 
 def _vllm(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
@@ -280,43 +206,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=4,
         help="--drift: rounds of policy drift measured (default: %(default)s)",
     )
-
-
-def make_policy(args: argparse.Namespace) -> torch.nn.Module:
-    from ..tiny import tiny_causal_lm
-
-    if args.policy == "task":
-        from ..draft.training import task_policy
-
-        key = f"policy_{_policy_key(args)}"
-        state = _cache_load(args, key)
-        policy, args._task_prompt, args._eos, args._pad, args._task = task_policy(
-            args.hidden, args.layers, 0 if state is not None else args.task_steps, args.seed
-        )
-        if state is not None:
-            policy.load_state_dict(state)
-            print(f"policy: loaded from the bench cache ({key})")
-        else:
-            _cache_save(args, key, policy.state_dict())
-        args.vocab = int(getattr(policy, "config").vocab_size)  # noqa: B009
-        return policy.eval()
-
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    device = "cpu" if device == "auto" else device
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    heads = max(1, args.hidden // 64)
-    model = tiny_causal_lm(
-        "qwen2",
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=heads,
-        num_kv_heads=max(1, heads // 2),
-        intermediate_size=4 * args.hidden,
-        dtype=getattr(torch, dtype),
-        seed=args.seed,
-    )
-    return model.to(device)
 
 
 def make_prompts(batch: int, group_size: int, prompt_len: int, vocab: int, seed: int) -> PromptBatch:
