@@ -62,3 +62,16 @@ def test_config_refuses_min_above_max() -> None:
 
     with pytest.raises(ValidationError, match="expected min <= max"):
         ReasoningConfig(min_terms=9, max_terms=7)
+
+
+def test_the_built_in_warm_start_tokenizes_the_prompt_as_it_was_trained() -> None:
+    """One token per character, spaces included (transformers 5 would load the folder with qwen2's
+    byte-level tokenizer class, which drops spaces: load_model uses the declared class)."""
+    import torch
+
+    from grpo_parts.train.setup import builtin_model_path, load_model
+
+    _, tok = load_model(builtin_model_path("reasoning"), torch.float32, torch.device("cpu"), progress=False)
+    p = ReasoningTask().train_problem(0).prompt
+    ids = tok(p).input_ids
+    assert len(ids) == len(p) and tok.decode(ids) == p

@@ -45,9 +45,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sft_steps": 300,
         "sft_batch": 64,
         "sft_lr": 3e-4,
+        # 128 rows; 4 optimizer minibatches keep the 151,936-wide logits of the update within memory
         "steps": 6,
-        "prompts_per_step": 32,
-        "group_size": 16,
+        "prompts_per_step": 16,
+        "group_size": 8,
+        "minibatches": 4,
         "dtype": "bfloat16",
     },  # fmt: skip
     "tiny": {
@@ -142,8 +144,9 @@ def run_arm(arm: str, model_dir: Path, preset: dict[str, Any], device: str, out:
         "task": {"name": "reasoning"}, "steps": preset["steps"], "prompts_per_step": preset["prompts_per_step"],
         "group_size": preset["group_size"], "progress": False, "lr": 1e-6, "eval_every": 10_000,
     }  # fmt: skip
-    if "max_new_tokens" in preset:
-        over["max_new_tokens"] = preset["max_new_tokens"]
+    for key in ("max_new_tokens", "minibatches"):
+        if key in preset:
+            over[key] = preset[key]
     parts = arm_parts(arm)
     if parts:
         over["parts"] = parts

@@ -47,7 +47,7 @@ class ReasoningConfig(BaseModel):
     long_min_terms: int = Field(14, ge=2, le=64)
     long_max_terms: int = Field(14, ge=2, le=64)
     long_every: int = Field(8, ge=1, le=1000, description="1 = every problem is long")
-    max_digit: int = Field(9, ge=1, le=9)
+    max_digit: int = Field(3, ge=1, le=9)
     labeled: bool = Field(True, description="each term carries a letter (a3+b5+...), copied with it")
     eval_percent: int = Field(10, ge=1, le=50)
     num_eval: int = Field(200, ge=1, le=100_000)

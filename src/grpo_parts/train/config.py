@@ -22,7 +22,8 @@ DEFAULT_TASK = "arithmetic"
 #: Fields whose default depends on the built-in task (a value given in the config wins).
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "arithmetic": {},
-    "reasoning": {"max_new_tokens": 320},
+    # GRPO lifts the habit within ~5 steps (held-out 4% -> 77% in the first measurement)
+    "reasoning": {"max_new_tokens": 320, "steps": 15, "eval_every": 3},
 }
 
 #: The reference implementation of each part (the plain GRPO path).

@@ -83,7 +83,7 @@ def load_model(
         )
     try:
         with hf_progress(progress):
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tok = _load_tokenizer(path) or AutoTokenizer.from_pretrained(path, local_files_only=True)
             config = AutoConfig.from_pretrained(path, local_files_only=True)
             attn = compat.attn_implementation(compat.causal_lm_class(config))  # sdpa where supported
             model = AutoModelForCausalLM.from_pretrained(
@@ -96,6 +96,24 @@ def load_model(
     tok.padding_side = "left"
     model = model.to(device)  # type: ignore[arg-type]
     return model.eval(), tok
+
+
+def _load_tokenizer(path: Path) -> Any:
+    """A folder whose tokenizer_config.json declares the generic ``PreTrainedTokenizerFast`` (the
+    built-in character tokenizers) is loaded as exactly that: transformers 5 maps the model type
+    (qwen2) to its own byte-level tokenizer class, whose pre-tokenizer drops spaces. None otherwise."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = path / "tokenizer_config.json"
+    try:
+        declared = json.loads(cfg.read_text()).get("tokenizer_class") if cfg.is_file() else None
+    except ValueError:
+        return None
+    if declared != "PreTrainedTokenizerFast" or not (path / "tokenizer.json").is_file():
+        return None
+    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
