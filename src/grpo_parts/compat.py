@@ -205,6 +205,16 @@ def attn_implementation(model_class: type, requested: str | None = None) -> str:
     return requested
 
 
+def use_eager_experts(config: Any) -> None:
+    """Run MoE experts as a loop over experts (``"eager"``) on ``config`` and its sub-configs. From 5.0
+    transformers picks ``experts_implementation="grouped_mm"`` where it can dispatch, and
+    ``torch._grouped_mm`` has no float64 kernel; 4.x MoE blocks are loops already and have no
+    ``_experts_implementation`` (nothing to do there). Harmless on a model without experts."""
+    for c in [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {})]:
+        if c is not None and hasattr(c, "_experts_implementation"):
+            c._experts_implementation = "eager"
+
+
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether ``model.forward`` declares ``logits_to_keep`` (an int or a 1-D index tensor): every
     transformers causal LM in range does (older releases called it ``num_logits_to_keep``); remote-code

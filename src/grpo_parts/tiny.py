@@ -9,7 +9,10 @@ import torch
 from . import compat
 from .errors import GRPOPartsError
 
-#: family -> (config class path, extra config kwargs)
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2}
+
+#: family -> (config class path, extra config kwargs). Not every family is supported by every
+#: backend or transformers release: see docs/attention.md for the shared-prefix backend's table.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("transformers:LlamaConfig", {}),
     "qwen2": ("transformers:Qwen2Config", {}),
@@ -18,7 +21,53 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("transformers:Gemma2Config", {"sliding_window": 4096}),
     "gemma3": ("transformers:Gemma3TextConfig", {"sliding_window": 4096}),
     "phi3": ("transformers:Phi3Config", {}),
+    # mixture of experts
+    "mixtral": ("transformers:MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (
+        "transformers:Qwen2MoeConfig",
+        {**_MOE, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+    ),
+    "qwen3_moe": ("transformers:Qwen3MoeConfig", {**_MOE, "moe_intermediate_size": 16}),
+    "olmoe": ("transformers:OlmoeConfig", _MOE),
+    "gpt_oss": (  # attention sinks, sliding window on every other layer
+        "transformers:GptOssConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8, "rope_scaling": None},
+    ),
+    # LayerNorm, learned absolute positions
+    "gpt2": ("transformers:GPT2Config", {}),
+    "opt": ("transformers:OPTConfig", {"ffn_dim": 64}),
+    "biogpt": ("transformers:BioGptConfig", {}),
+    # partial rotary
+    "phi": ("transformers:PhiConfig", {}),
+    "gpt_neox": ("transformers:GPTNeoXConfig", {}),
+    "persimmon": ("transformers:PersimmonConfig", {}),
+    # more rotary decoders
+    "olmo2": ("transformers:Olmo2Config", {}),
+    "exaone4": ("transformers:Exaone4Config", {"sliding_window": 4096, "sliding_window_pattern": 2}),
+    "smollm3": ("transformers:SmolLM3Config", {}),
+    "starcoder2": ("transformers:Starcoder2Config", {"sliding_window": None}),
+    "granite": ("transformers:GraniteConfig", {}),
+    "glm4": ("transformers:Glm4Config", {}),
+    # refused by the shared-prefix backend (docs/attention.md)
+    "stablelm": ("transformers:StableLmConfig", {}),
+    "falcon": ("transformers:FalconConfig", {}),
+    "bloom": ("transformers:BloomConfig", {}),
+    "mpt": ("transformers:MptConfig", {}),
+    "lfm2": ("transformers:Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
 }
+
+
+def family_missing(family: str) -> str | None:
+    """Why ``family`` cannot be built with the installed transformers (its config class is absent),
+    or None."""
+    import importlib
+
+    import transformers
+
+    mod, _, cls = FAMILIES[family][0].partition(":")
+    if hasattr(importlib.import_module(mod), cls):
+        return None
+    return f"transformers {transformers.__version__} has no {cls}"
 
 
 def tiny_causal_lm(
@@ -39,7 +88,8 @@ def tiny_causal_lm(
 ) -> torch.nn.Module:
     """A randomly initialised decoder-only LM of ``family`` (see :data:`FAMILIES`), in eval mode.
     ``attn_implementation``: None = ``"sdpa"`` where the installed transformers supports it for the
-    family, else ``"eager"`` (:func:`grpo_parts.compat.attn_implementation`)."""
+    family, else ``"eager"`` (:func:`grpo_parts.compat.attn_implementation`). In float64, MoE experts
+    run as a loop (:func:`grpo_parts.compat.use_eager_experts`)."""
     import importlib
 
     import transformers
@@ -62,11 +112,13 @@ def tiny_causal_lm(
         eos_token_id=None,
         pad_token_id=0,
     )
+    kw.update(extra)
     if head_dim is not None:
         kw["head_dim"] = head_dim
-    kw.update(extra)
     kw.update(overrides)
     config = config_cls(**kw)
+    if dtype == torch.float64:
+        compat.use_eager_experts(config)
     attn = compat.attn_implementation(compat.causal_lm_class(config), attn_implementation)
     config._attn_implementation = attn
     torch.manual_seed(seed)
