@@ -19,6 +19,11 @@ def _gemma_norm(self, x):  # type: ignore[no-untyped-def]
     return self._norm(x) * (1.0 + self.weight)
 
 
+def _cohere_norm(self, x):  # type: ignore[no-untyped-def]
+    x = x - x.mean(-1, keepdim=True)
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
 def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
     """transformers' RMSNorms compute in float32 (``x.to(torch.float32)``), which for a float64
     model *downcasts*: the shared prefix then sums its gradient over G suffixes in float64 before
@@ -26,7 +31,9 @@ def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
     Replace the forward of each RMSNorm *instance* of this model by the same formula without the
     cast, so both paths are float64 end to end (the model object is local to the test)."""
     for mod in model.modules():
-        if type(mod).__name__.endswith("RMSNorm"):
+        if type(mod).__name__ == "CohereLayerNorm":  # a LayerNorm computed in float32, the same way
+            mod.forward = types.MethodType(_cohere_norm, mod)
+        elif type(mod).__name__.endswith("RMSNorm"):
             if hasattr(mod, "variance_epsilon"):
                 mod.forward = types.MethodType(_llama_norm, mod)
             elif hasattr(mod, "_norm"):
@@ -43,16 +50,21 @@ FAMILY_OVERRIDES = {
     "gemma2": {"attn_logit_softcapping": None, "final_logit_softcapping": 30.0},
     "gemma3": {"final_logit_softcapping": None},
 }
+#: families whose transformers eager attention is float64-exact already (softmax in the input
+#: dtype): their reference runs transformers' own code
+OWN_EAGER_EXACT = {"gpt_oss"}
 
 
 def exact_model(family: str, **kw) -> torch.nn.Module:  # type: ignore[no-untyped-def]
     over = {**FAMILY_OVERRIDES.get(family, {}), **kw}
     model = tiny_causal_lm(family, dtype=torch.float64, **over)
     with torch.no_grad():  # larger weights than the default init, so attention is far from uniform
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.ndim == 2:
                 p.mul_(4.0)
-    if model.config._attn_implementation != "sdpa":
+            elif name.endswith("sinks"):  # attention sinks: comparable to the attention logits
+                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+    if model.config._attn_implementation != "sdpa" and family not in OWN_EAGER_EXACT:
         # no SDPA for this family in this transformers (gemma2 from 5.21): the reference runs the
         # float64-exact eager attention below, never transformers' eager (float32 softmax)
         assert model.config._attn_implementation == "eager"
@@ -96,9 +108,10 @@ EXACT_EAGER = "grpo_test_exact_eager"
 
 
 def _exact_eager_attention(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kw
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, s_aux=None, **kw
 ):  # type: ignore[no-untyped-def]
-    """float64-exact eager attention with soft-capping (transformers' eager softmax runs in float32)."""
+    """float64-exact eager attention with soft-capping and attention sinks (``s_aux``: one logit per
+    head in the softmax, no value), as transformers' eager (whose softmax may run in float32)."""
     rep = query.shape[1] // key.shape[1]
     k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
     s = (query @ k.transpose(-1, -2)) * scaling
@@ -106,6 +119,9 @@ def _exact_eager_attention(
         s = torch.tanh(s / softcap) * softcap
     if attention_mask is not None:
         s = s + attention_mask[..., : k.shape[-2]]
+    if s_aux is not None:
+        sink = s_aux.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        return (torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1] @ v).transpose(1, 2).contiguous(), None
     return (torch.softmax(s, -1) @ v).transpose(1, 2).contiguous(), None
 
 

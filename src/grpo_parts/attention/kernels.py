@@ -15,8 +15,9 @@ autograd Function lives in :mod:`.cascade`.
 =========  ==========================================  ===========================================
 kernel     how                                         supports
 =========  ==========================================  ===========================================
-eager      matmul + logsumexp merge, plain autograd    everything incl. logit soft-capping; any
-                                                       device/dtype; materialises scores
+eager      matmul + logsumexp merge, plain autograd    everything incl. logit soft-capping and
+                                                       attention sinks; any device/dtype;
+                                                       materialises scores
 sdpa       PyTorch's CPU flash-attention ops, merged   CPU, float32/float64/bfloat16; no
            in a custom autograd Function whose         soft-capping; O(L) memory per head
            backward reuses the merged output + LSE
@@ -52,11 +53,20 @@ def _split(x: torch.Tensor, lay: PrefixLayout) -> tuple[torch.Tensor, torch.Tens
 
 
 def _eager(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, scale: float, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lay: PrefixLayout,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ):
+    """``sinks: [H]`` (attention sinks, gpt-oss' ``s_aux``): one extra logit per head that joins
+    every query's softmax normalisation and contributes no value, as in transformers' eager."""
     b, h, _, d = q.shape
     p, g, s = lay.prefix_len, lay.num_slots, lay.slot_len
     neg = torch.finfo(q.dtype).min
+    sink = None if sinks is None else sinks.to(q.dtype).view(1, h, 1, 1)
 
     def scores(a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
         x = (a @ bt.transpose(-1, -2)) * scale
@@ -66,14 +76,21 @@ def _eager(
     kp, ks = _split(k, lay)
     vp, vs = _split(v, lay)
     causal_p = torch.ones(p, p, dtype=torch.bool, device=q.device).tril()
-    out_p = torch.softmax(scores(qp, kp).masked_fill(~causal_p, neg), dim=-1) @ vp
+    s0 = scores(qp, kp).masked_fill(~causal_p, neg)
+    if sink is None:
+        out_p = torch.softmax(s0, dim=-1) @ vp
+    else:
+        out_p = (s0 - torch.logaddexp(s0.logsumexp(-1), sink[..., 0]).unsqueeze(-1)).exp() @ vp
     # suffix -> prefix: all G*S queries of a group against the group's prefix keys, read once.
     s1 = scores(qs.reshape(b, h, g * s, d), kp).view(b, h, g, s, p)
     if lay.prefix_valid is not None:
         s1 = s1.masked_fill(~lay.prefix_valid[:, None, None, None, :], neg)
     causal_s = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     s2 = scores(qs, ks).masked_fill(~causal_s, neg)  # suffix -> own suffix, [B, H, G, S, S]
-    lse = torch.logaddexp(s1.logsumexp(-1), s2.logsumexp(-1)).unsqueeze(-1)
+    lse = torch.logaddexp(s1.logsumexp(-1), s2.logsumexp(-1))
+    if sink is not None:
+        lse = torch.logaddexp(lse, sink)  # [B, H, G, S] with [1, H, 1, 1]
+    lse = lse.unsqueeze(-1)
     out_s = ((s1 - lse).exp().view(b, h, g * s, p) @ vp).view(b, h, g, s, d) + (s2 - lse).exp() @ vs
     return out_p, out_s
 
@@ -120,12 +137,59 @@ def _flex(
 # ------------------------------------------------------------------------------ the attention fn
 
 
+#: keyword arguments the kernel reads
+HANDLED_KWARGS: tuple[str, ...] = ("dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal")
+#: keyword arguments transformers passes to attention functions that do not change the attention
+#: here: positions (the model applied them to q/k already; the layout gives each token its own
+#: position), cache and output switches, MoE router outputs
+INERT_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_router_logits",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+#: accepted only when None/False: attention weights are not returned, no KV cache is read
+FALSY_KWARGS = frozenset({"output_attentions", "past_key_value", "past_key_values", "cache"})
+
+
+def _where(module: torch.nn.Module) -> str:
+    cfg = getattr(module, "config", None)
+    model = f"{getattr(cfg, 'model_type', '?')} model, " if cfg is not None else ""
+    return f"{type(module).__name__} ({model}layer {getattr(module, 'layer_idx', '?')})"
+
+
+def kwarg_reasons(module: torch.nn.Module, kwargs: dict[str, Any], *, fallback: bool = False) -> list[str]:
+    """Keyword arguments the kernel would otherwise ignore (anything not in :data:`HANDLED_KWARGS` or
+    :data:`INERT_KWARGS`, not None, and for :data:`FALSY_KWARGS` not false): each is a refusal. In the
+    SDPA ``fallback`` (no layout) the :data:`FALSY_KWARGS` are inert too, as for transformers' SDPA."""
+    inert = INERT_KWARGS | FALSY_KWARGS if fallback else INERT_KWARGS
+    out = [
+        f"{_where(module)} passes keyword argument {name}={type(val).__name__} which the shared-prefix "
+        "kernel does not implement"
+        for name, val in kwargs.items()
+        if val is not None and name not in inert and not (name in FALSY_KWARGS and not val)
+    ]
+    return out
+
+
 def kernel_reasons(
-    kernel: str, *, device: torch.device, dtype: torch.dtype, softcap: bool, grad: bool
+    kernel: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    softcap: bool,
+    grad: bool,
+    sinks: bool = False,
 ) -> list[str]:
     """Why ``kernel`` cannot run with these properties (empty = it can)."""
     if kernel == "eager":
         return []
+    if kernel in ("sdpa", "flex") and sinks:
+        return [f"attention sinks (s_aux) are implemented in the 'eager' kernel only, not in {kernel!r}"]
     if kernel == "sdpa":
         out = []
         if device.type != "cpu":
@@ -167,25 +231,35 @@ def shared_prefix_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers ``AttentionInterface`` function. With a :class:`PrefixLayout` in
-    ``kwargs[LAYOUT_KWARG]`` it computes shared-prefix attention; without one (generation, an
-    ordinary forward) it is transformers' SDPA attention."""
+    ``kwargs[LAYOUT_KWARG]`` it computes shared-prefix attention and records ``module`` in the
+    layout's ``receipts``; without one (generation, an ordinary forward) it is transformers' SDPA
+    attention. Either way a keyword argument it does not implement raises
+    :class:`~grpo_parts.errors.NotSupportedError` (:func:`kwarg_reasons`) instead of being ignored."""
     lay: PrefixLayout | None = kwargs.pop(LAYOUT_KWARG, None)
+    reasons = kwarg_reasons(module, kwargs, fallback=lay is None)
     if lay is None:
         if softcap is not None:
-            raise NotSupportedError("shared_prefix fallback (sdpa)", ["attention logit soft-capping"])
+            reasons.append("attention logit soft-capping (transformers' SDPA has none)")
+        if s_aux is not None:
+            reasons.append("attention sinks (s_aux; transformers' SDPA has none)")
+        if reasons:
+            raise NotSupportedError("shared_prefix fallback (sdpa)", reasons)
+        extra = {} if is_causal is None else {"is_causal": is_causal}
         return sdpa_attention_forward()(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs
         )  # type: ignore[return-value]
+    lay.receipts.append(module)
     dev = query.device.type
     if torch.is_autocast_enabled(dev):
         # as transformers' SDPA under autocast (e.g. TRL's bf16=True on a float32 model, where RoPE
         # leaves q/k in float32 and v in bf16): all three in the autocast dtype
         dt = torch.get_autocast_dtype(dev)
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
-    reasons = []
     if dropout > 0.0:
         reasons.append(
             f"attention dropout {dropout} in training mode (randomness differs from the reference)"
@@ -197,12 +271,24 @@ def shared_prefix_attention(
         )
     if query.shape[2] != lay.row_len:
         reasons.append(f"query length {query.shape[2]} != layout row length {lay.row_len} (KV cache in use?)")
+    if is_causal is False and attention_mask is None:  # (with a mask, SDPA's is_causal=False means "use it")
+        reasons.append(f"{_where(module)} asks for non-causal attention (is_causal=False, no mask)")
+    if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (1, 1):
+        reasons.append(
+            f"{_where(module)} got an attention mask of shape {list(attention_mask.shape)} instead of the "
+            "placeholder: the model built its own mask (e.g. a positional bias), which the kernel would ignore"
+        )
+    if s_aux is not None and s_aux.numel() != query.shape[1]:
+        reasons.append(
+            f"attention sinks: expected one per query head ({query.shape[1]}), got {s_aux.numel()}"
+        )
     reasons += kernel_reasons(
         lay.kernel,
         device=query.device,
         dtype=query.dtype,
         softcap=softcap is not None,
         grad=torch.is_grad_enabled(),
+        sinks=s_aux is not None,
     )
     if reasons:
         raise NotSupportedError(f"shared_prefix[{lay.kernel}]", reasons)
@@ -215,7 +301,7 @@ def shared_prefix_attention(
         return sdpa_cascade(query, key, value, lay, scale).transpose(1, 2).contiguous(), None
     k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     if lay.kernel == "eager":
-        out_p, out_s = _eager(query, k, v, lay, scale, softcap)
+        out_p, out_s = _eager(query, k, v, lay, scale, softcap, s_aux)
     else:  # pragma: no cover - kernel_reasons refuses unknown kernels
         raise GRPOPartsError(f"kernel: unknown {lay.kernel!r}")
     b, h, _, d = query.shape

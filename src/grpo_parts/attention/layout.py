@@ -17,7 +17,8 @@ mask (and only when prompt lengths differ).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,24 @@ from .protocol import LogprobBatch
 LAYOUT_KWARG = "grpo_prefix_layout"
 
 
+class Receipts:
+    """The attention modules that received a layout, in call order. Deliberately not a list: wrappers
+    that map over a forward's keyword arguments (FSDP2's input casting, ``_apply_to_tensors``) rebuild
+    lists and dataclasses but pass other objects through, so every copy of the layout shares this."""
+
+    def __init__(self) -> None:
+        self.modules: list[Any] = []
+
+    def append(self, module: Any) -> None:
+        self.modules.append(module)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __iter__(self) -> Any:
+        return iter(self.modules)
+
+
 @dataclass(frozen=True)
 class PrefixLayout:
     """Segment boundaries of the grid (identical for every row), as the attention kernels see them.
@@ -35,6 +54,10 @@ class PrefixLayout:
     ``prefix_valid: [B, Pp]`` is True on real prefix tokens, or None when every prompt has length
     ``Pp`` (no key mask needed). ``max_span`` is the longest real sequence (prompt + completion):
     attention never spans more tokens than this (used to check sliding windows).
+
+    ``receipts``: the attention modules that received this layout, appended by the kernel on each
+    call; after the forward, :func:`~grpo_parts.attention.guard.check_layout_reached` requires one
+    in every decoder layer (a layer that ran without the layout attended over the whole grid row).
     """
 
     prefix_len: int
@@ -45,6 +68,7 @@ class PrefixLayout:
     kernel: str = "sdpa"
     chunk_elems: int = 1 << 24  # cap on one suffix-self score chunk (elements) in the sdpa kernel
     suffix_flash_min: int = 512  # sdpa kernel: suffixes at least this long use flash for suffix-self
+    receipts: Receipts = field(default_factory=Receipts, compare=False, repr=False)
 
     @property
     def row_len(self) -> int:

@@ -10,19 +10,24 @@ prefix token's logit is shared by every completion of the group), and un-groups 
 The layout reaches the attention function as an extra keyword argument of ``model(...)``, which
 transformers forwards to every ``AttentionInterface`` function. A 4-D placeholder
 ``attention_mask`` makes transformers skip building a dense mask that the kernels would ignore.
+Architectures where that does not hold are refused, never computed wrong (:mod:`.guard`): after
+every forward each decoder layer must have received the layout, checked once per model on a
+one-token probe by :meth:`SharedPrefixAttention.not_supported_reasons` too.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar
+import weakref
+from typing import ClassVar
 
 import torch
 
 from ..compat import accepts_logits_to_keep, register_attention_function, select_attention
 from ..core import token_logprobs
 from ..errors import GRPOPartsError, NotSupportedError
-from .layout import LAYOUT_KWARG, build_grouped_inputs, ungroup_logits
+from .guard import architecture_reasons, layout_shortfall, text_config
+from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs, ungroup_logits
 from .protocol import LogprobBatch, LogprobOutput
 from .reference import entropy_from_logits
 
@@ -46,10 +51,73 @@ def _use_kernel(model: torch.nn.Module) -> contextlib.AbstractContextManager[Non
     return select_attention(model, KERNEL_NAME)
 
 
-def _text_config(model: torch.nn.Module) -> Any:
-    cfg = model.config  # type: ignore[union-attr]
-    get = getattr(cfg, "get_text_config", None)
-    return get() if callable(get) else cfg
+_text_config = text_config
+
+#: model -> reasons found by the one-token probe (``[]``: every decoder layer got the layout)
+_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, list[str]] = weakref.WeakKeyDictionary()
+
+
+def _grouped_forward(model: torch.nn.Module, grouped: GroupedInputs) -> torch.Tensor:
+    """``model`` on the grid with the shared-prefix kernel selected; the logits at ``grouped.keep``.
+    Raises :class:`NotSupportedError` when a decoder layer did not receive the layout."""
+    b = grouped.input_ids.shape[0]
+    placeholder = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=grouped.input_ids.device)
+    with _use_kernel(model):
+        out = model(
+            input_ids=grouped.input_ids,
+            position_ids=grouped.position_ids,
+            attention_mask=placeholder,  # 4-D: transformers passes it through instead of building a mask
+            logits_to_keep=grouped.keep,
+            use_cache=False,
+            **{LAYOUT_KWARG: grouped.layout},
+        )
+    shortfall = layout_shortfall(model, grouped.layout.receipts)
+    if shortfall:
+        raise NotSupportedError("shared_prefix", shortfall)
+    return out.logits
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether a forward needs other processes (ZeRO-3 / FSDP / a process group): then the probe is
+    left to the first real forward, which every rank runs."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return True
+    return any(
+        p.device.type == "meta" or hasattr(p, "ds_id") or type(p).__name__ == "DTensor"
+        for p in model.parameters()
+    )
+
+
+def probe_reasons(model: torch.nn.Module) -> list[str]:
+    """Run ``model`` once on a one-token prompt and a one-token completion through the shared-prefix
+    kernel (``eager``, no grad, eval mode; the modules' training flags are restored) and return why
+    the layout did not reach every decoder layer (empty: it did). Cached per model; skipped (``[]``)
+    for a model sharded across processes, where the first real forward checks the same."""
+    if model in _PROBED:
+        return _PROBED[model]
+    if _sharded(model):
+        return []
+    register_attention()
+    p = next(model.parameters())
+    tok = torch.ones(1, 1, dtype=torch.long, device=p.device)
+    batch = LogprobBatch(tok, tok, tok, tok, torch.zeros(1, dtype=torch.long, device=p.device))
+    grouped = build_grouped_inputs(batch, kernel="eager")
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            _grouped_forward(model, grouped)
+        reasons: list[str] = []
+    except NotSupportedError as e:
+        reasons = e.reasons
+    except Exception as e:  # noqa: BLE001 - a model that cannot run the grid at all is refused
+        reasons = [f"model: {type(model).__name__} failed on a one-token probe: {type(e).__name__}: {e}"]
+    finally:
+        for m, t in flags:
+            m.training = t
+    _PROBED[model] = reasons
+    return reasons
 
 
 def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
@@ -71,12 +139,18 @@ def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
 class SharedPrefixAttention:
     """Optimized ``AttentionBackend``. ``kernel``: ``"auto"`` (default), ``"sdpa"``, ``"eager"``,
     ``"flex"``; see :mod:`.kernels` for what each supports. ``last_choice`` explains the last
-    automatic choice."""
+    automatic choice. ``probe``: :meth:`not_supported_reasons` runs the one-token probe
+    (:func:`probe_reasons`); the check after every forward runs either way."""
 
     name: ClassVar[str] = "shared_prefix"
 
     def __init__(
-        self, kernel: str = "auto", *, chunk_elems: int = 1 << 24, suffix_flash_min: int = 512
+        self,
+        kernel: str = "auto",
+        *,
+        chunk_elems: int = 1 << 24,
+        suffix_flash_min: int = 512,
+        probe: bool = True,
     ) -> None:
         from .kernels import KERNELS
 
@@ -85,6 +159,7 @@ class SharedPrefixAttention:
         self.kernel = kernel
         self.chunk_elems = chunk_elems
         self.suffix_flash_min = suffix_flash_min
+        self.probe = probe
         self.last_choice: str = ""
 
     # ------------------------------------------------------------------------------ capabilities
@@ -103,6 +178,7 @@ class SharedPrefixAttention:
         out += peft_reasons
         if not accepts_logits_to_keep(base):
             out.append(f"model: {type(base).__name__}.forward has no logits_to_keep argument")
+        out += architecture_reasons(model, base)
         window = getattr(tc, "sliding_window", None)
         uses_window = window is not None and (
             getattr(tc, "use_sliding_window", True)
@@ -123,12 +199,21 @@ class SharedPrefixAttention:
     def _softcap(self, model: torch.nn.Module) -> bool:
         return getattr(_text_config(model), "attn_logit_softcapping", None) is not None
 
+    def _sinks(self, model: torch.nn.Module) -> bool:
+        """Attention sinks (gpt-oss and others: a ``sinks`` tensor on the attention modules)."""
+        return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+
     def kernel_reasons(self, model: torch.nn.Module, kernel: str) -> list[str]:
         from .kernels import kernel_reasons
 
         p = next(model.parameters())
         return kernel_reasons(
-            kernel, device=p.device, dtype=p.dtype, softcap=self._softcap(model), grad=torch.is_grad_enabled()
+            kernel,
+            device=p.device,
+            dtype=p.dtype,
+            softcap=self._softcap(model),
+            grad=torch.is_grad_enabled(),
+            sinks=self._sinks(model),
         )
 
     def choose_kernel(self, model: torch.nn.Module) -> str:
@@ -153,15 +238,22 @@ class SharedPrefixAttention:
         raise NotSupportedError("shared_prefix[auto]", [f"{n}: {'; '.join(r)}" for n, r in refused.items()])
 
     def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
+        """Why this backend cannot run ``model`` (and ``batch``); empty = supported. With ``probe``
+        (the constructor's, default True) a model that passes the static checks is run once on a
+        one-token probe (cached per model, :func:`probe_reasons`) to prove that the layout reaches
+        every decoder layer."""
         out = self._model_reasons(model, batch)
         if out:
             return out
         if self.kernel != "auto":
-            return self.kernel_reasons(model, self.kernel)
-        per = {k: self.kernel_reasons(model, k) for k in KERNEL_PRIORITY}
-        if all(per.values()):
-            return [f"{k}: {'; '.join(r)}" for k, r in per.items()]
-        return []
+            out = self.kernel_reasons(model, self.kernel)
+        else:
+            per = {k: self.kernel_reasons(model, k) for k in KERNEL_PRIORITY}
+            if all(per.values()):
+                out = [f"{k}: {'; '.join(r)}" for k, r in per.items()]
+        if not out and self.probe:
+            out = probe_reasons(model)
+        return out
 
     def register_kernel(self) -> str | None:
         return register_attention()
@@ -187,18 +279,7 @@ class SharedPrefixAttention:
             kernel=kernel,
             chunk_elems=self.chunk_elems,
         )
-        b = grouped.input_ids.shape[0]
-        placeholder = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=grouped.input_ids.device)
-        with _use_kernel(model):
-            out = model(
-                input_ids=grouped.input_ids,
-                position_ids=grouped.position_ids,
-                attention_mask=placeholder,  # 4-D: transformers passes it through instead of building a mask
-                logits_to_keep=grouped.keep,
-                use_cache=False,
-                **{LAYOUT_KWARG: grouped.layout},
-            )
-        logits = ungroup_logits(out.logits, grouped)  # [N, S, V]
+        logits = ungroup_logits(_grouped_forward(model, grouped), grouped)  # [N, S, V]
         n, t = batch.completion_ids.shape
         s = logits.shape[1]
         cm = batch.completion_mask.bool()

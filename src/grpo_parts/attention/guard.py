@@ -1,0 +1,140 @@
+"""What keeps the shared-prefix backend from computing wrong numbers silently.
+
+The grid layout (:mod:`.layout`) is only correct if *every* token mixer of the model is an
+attention layer that receives the layout. Three checks, from cheapest to strongest:
+
+1. :func:`architecture_reasons` -- before any forward, from the config and the module tree: ALiBi
+   (its bias is built from the row's token indices, not each sequence's positions), layer types
+   other than full/sliding attention (linear attention, state-space, convolution, chunked), token
+   mixers that are not attention (state-space / recurrent / short-convolution modules), attention
+   temperature tuning by row index, a forward without ``position_ids``.
+2. the kernel (:func:`~grpo_parts.attention.kernels.shared_prefix_attention`) refuses any keyword
+   argument it does not implement and records, in ``layout.receipts``, every attention module that
+   received the layout.
+3. :func:`layout_shortfall` after every forward: each decoder layer must contain a module that
+   received the layout. A layer that does not pass keyword arguments on to its attention, or an
+   attention that does not dispatch through transformers' ``AttentionInterface``, ran over the whole
+   grid row with the placeholder mask (log-probs off by ~1, no error); it is named in the
+   :class:`~grpo_parts.errors.NotSupportedError`. The backend also runs this check once per model
+   on a one-token probe before the first real forward (``not_supported_reasons``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import torch
+
+#: ``layout_types`` entries the layout is exact for (``sparse``/``dense`` are MLP layer types)
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "sparse", "dense"})
+#: class names of token mixers that are not attention (state-space, recurrent, linear attention)
+_MIXER_NAME = re.compile(r"Mamba|Rwkv|RWKV|Recurrent|DeltaNet|LinearAttention|ShortConv|[MmSs]lstm|Ssm|SSM")
+
+
+def text_config(model: torch.nn.Module) -> Any:
+    cfg = model.config  # type: ignore[union-attr]
+    get = getattr(cfg, "get_text_config", None)
+    return get() if callable(get) else cfg
+
+
+def _alibi(tc: Any) -> bool:
+    attn_cfg = getattr(tc, "attn_config", None)  # mpt
+    mpt_alibi = attn_cfg.get("alibi") if isinstance(attn_cfg, dict) else getattr(attn_cfg, "alibi", False)
+    return bool(
+        getattr(tc, "model_type", None) == "bloom"
+        or getattr(tc, "alibi", False)
+        or mpt_alibi
+        or getattr(tc, "position_embedding_type", None) == "alibi"
+    )
+
+
+def _mixers(model: torch.nn.Module) -> list[str]:
+    """Modules that mix tokens without attention: a causal ``Conv1d`` over the sequence (state-space,
+    gated delta-net and short-convolution layers all have one) or a state-space/recurrent class."""
+    out = []
+    for name, mod in model.named_modules():
+        if not name or isinstance(mod, torch.nn.ModuleList):  # the model itself, layer lists
+            continue
+        conv = isinstance(mod, torch.nn.Conv1d) and mod.kernel_size[0] > 1
+        if conv or _MIXER_NAME.search(type(mod).__name__):
+            out.append(f"{name} ({type(mod).__name__})")
+    return out
+
+
+def architecture_reasons(model: torch.nn.Module, base: torch.nn.Module) -> list[str]:
+    """Model features the grid layout cannot compute exactly, from config and modules (no forward).
+    ``base``: the model whose ``forward`` gets the backend's keyword arguments (below a PEFT wrapper)."""
+    tc = text_config(model)
+    kind = f"{type(base).__name__} ({getattr(tc, 'model_type', '?')})"
+    out = []
+    if _alibi(tc):
+        out.append(
+            f"model: {kind} uses ALiBi positional bias, which transformers builds from the row's token "
+            "indices and attention mask, not each sequence's positions: not implemented"
+        )
+    other = sorted(set(getattr(tc, "layer_types", None) or []) - SUPPORTED_LAYER_TYPES)
+    if other:
+        out.append(
+            f"model: {kind} has layer types {other}; only full and sliding-window attention layers are "
+            "implemented (a recurrent/convolutional/chunked layer would mix the completions of a group)"
+        )
+    mixers = _mixers(model)
+    if mixers:
+        more = f" and {len(mixers) - 2} more" if len(mixers) > 2 else ""
+        out.append(
+            f"model: {kind} mixes tokens outside attention ({', '.join(mixers[:2])}{more}): that state "
+            "would carry one completion into the next"
+        )
+    if getattr(tc, "attn_temperature_tuning", False):
+        out.append(
+            f"model: {kind} scales attention by the token's row index (attn_temperature_tuning), not "
+            "its position in its own sequence: not implemented"
+        )
+    if "position_ids" not in inspect.signature(base.forward).parameters:
+        out.append(f"model: {type(base).__name__}.forward has no position_ids argument")
+    return out
+
+
+def decoder_layer_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """Every ``ModuleList`` with ``num_hidden_layers`` entries (the decoder layers are one of them)."""
+    n = getattr(text_config(model), "num_hidden_layers", None)
+    if not n:
+        return []
+    return [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n
+    ]
+
+
+def layout_shortfall(model: torch.nn.Module, receipts: Any) -> list[str]:
+    """Empty when every decoder layer holds a module that received the layout (``receipts``: the
+    layout's :class:`~grpo_parts.attention.layout.Receipts`, or any sized iterable of modules);
+    otherwise why not, naming the model class and the first layer without it."""
+    lists = decoder_layer_lists(model)
+    if not lists:
+        n = getattr(text_config(model), "num_hidden_layers", None)
+        return [
+            f"model: {type(model).__name__} has no ModuleList of num_hidden_layers={n} decoder layers, so "
+            "the shared-prefix layout's arrival in every attention layer cannot be checked"
+        ]
+    got = {id(m) for m in receipts}
+    best: tuple[str, torch.nn.ModuleList, list[int]] | None = None
+    for name, layers in lists:
+        missing = [i for i, layer in enumerate(layers) if not any(id(m) in got for m in layer.modules())]
+        if not missing:
+            return []
+        if best is None or len(missing) < len(best[2]):
+            best = (name, layers, missing)
+    assert best is not None
+    name, layers, missing = best
+    i = missing[0]
+    return [
+        f"model: {type(model).__name__}: layer {i} ({name}.{i}, {type(layers[i]).__name__}) ran without "
+        f"the shared-prefix layout ({len(missing)} of {len(layers)} layers without it, "
+        f"{len(receipts)} attention calls with it): its decoder layer does not pass keyword arguments to "
+        "its attention, or its attention does not dispatch through transformers' AttentionInterface, "
+        "so it would attend across the whole grouped row"
+    ]
