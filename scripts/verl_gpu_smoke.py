@@ -117,17 +117,10 @@ def overrides(
         f"trainer.default_local_dir={workdir / 'ckpt'}",
     ]
     if args.filter:
-        kw = {
-            "cppo": "+grpo_parts.filter.kwargs.k=8",
-            "pods": "+grpo_parts.filter.kwargs.m=2",
-            "zero_variance": None,
-        }
-        o += [
-            "trainer.use_v1=True",
-            "trainer.v1.trainer_mode=grpo_parts_sync",
-            f"+grpo_parts.filter.name={args.filter}",
-        ]
-        o += [x for x in [kw[args.filter]] if x]
+        from grpo_parts_adapters.verl.sampler import hydra_overrides as filter_overrides
+
+        kw = {"cppo": {"k": 8}, "pods": {"m": 2}, "zero_variance": {}}[args.filter]
+        o += filter_overrides(args.filter, kw)
     if args.agent_loop:
         cfg = workdir / "agent_loops.yaml"
         cfg.write_text(

@@ -6,6 +6,10 @@ and expects ``(advantages, returns)``, both ``[B, T]``, the per-sequence advanta
 the response tokens. Differences from verl's own ``grpo`` (documented in docs/adapters/verl.md):
 an all-equal group gets exactly 0 (verl: ``(r - mean) / eps`` which can be ~1e-10 after rounding in
 the mean) and a singleton group gets 0 (verl: ``r / (1 + eps)``).
+
+With the filtering sampler (:mod:`.sampler`), rows whose ``uid`` the sampler kept from a larger
+group get their advantage within that *full* group (:func:`remember_full_groups`): verl computes
+advantages after sampling, on the kept rows only.
 """
 
 from __future__ import annotations
@@ -20,6 +24,57 @@ from grpo_parts.core import AdvantageConfig, group_advantages
 from grpo_parts.errors import GRPOPartsError, check_tensor
 
 NAME = "grpo_parts_grpo"
+
+#: uid -> (rewards, advantages) of the full group, recorded by the filtering sampler of this process
+_FULL_GROUPS: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+_FULL_NORM: dict[str, bool] = {}
+
+
+def remember_full_groups(
+    groups: dict[Any, tuple[torch.Tensor, torch.Tensor]], *, norm_adv_by_std: bool
+) -> None:
+    """Record the full-group ``(rewards, advantages)`` of each kept ``uid`` for the next call of the
+    estimator. Raises when the previous sample's groups never reached it: verl then trained on
+    advantages re-normalised within the kept rows (set ``algorithm.adv_estimator=grpo_parts_grpo``)."""
+    if _FULL_GROUPS:
+        stale = list(_FULL_GROUPS)[:3]
+        _FULL_GROUPS.clear()
+        raise GRPOPartsError(
+            f"algorithm.adv_estimator: the grpo_parts filter kept groups {stale}... whose full-group "
+            f"advantages never reached the {NAME!r} estimator; expected algorithm.adv_estimator={NAME} "
+            "with trainer.v1.sampler.custom_sampler (verl's own estimator re-normalises inside the kept rows)"
+        )
+    _FULL_GROUPS.update(groups)
+    _FULL_NORM["norm_adv_by_std"] = norm_adv_by_std
+
+
+def _apply_full_groups(
+    adv: torch.Tensor, rewards: torch.Tensor, index: Sequence[Any], norm: bool
+) -> torch.Tensor:
+    """``adv`` with the rows of remembered uids replaced by their full-group advantage (a row's
+    advantage within its group depends only on its reward); the uids are forgotten."""
+    uids = [u for u in dict.fromkeys(list(index)) if u in _FULL_GROUPS]
+    if not uids:
+        return adv
+    if _FULL_NORM.get("norm_adv_by_std", norm) != norm:
+        raise GRPOPartsError(
+            f"grpo_parts_filter.norm_adv_by_std={_FULL_NORM['norm_adv_by_std']} but "
+            f"algorithm.norm_adv_by_std_in_grpo={norm}: set both alike"
+        )
+    out = adv.clone()
+    rows_of: dict[Any, list[int]] = {}
+    for i, u in enumerate(list(index)):
+        rows_of.setdefault(u, []).append(i)
+    for u in uids:
+        full_r, full_a = _FULL_GROUPS.pop(u)
+        for i in rows_of[u]:
+            hit = (full_r.to(rewards.dtype) - rewards[i].cpu()).abs() <= 1e-6 * (1 + rewards[i].abs().cpu())
+            if not bool(hit.any()):
+                raise GRPOPartsError(
+                    f"uid {u!r}: row reward {float(rewards[i])} is not one of its group's rewards"
+                )
+            out[i] = full_a[hit.nonzero()[0, 0]].to(out.dtype)
+    return out
 
 
 def uid_to_group_index(uid: Sequence[Any] | np.ndarray) -> tuple[torch.Tensor, list[Any]]:
@@ -55,7 +110,9 @@ def compute_grpo_parts_advantage(
         )
     group_index = uid_to_group_index(index)[0]
     rewards = token_level_rewards.sum(dim=-1)
-    adv = group_advantages(rewards, group_index.to(rewards.device), advantage_config_from(config))
+    cfg = advantage_config_from(config)
+    adv = group_advantages(rewards, group_index.to(rewards.device), cfg)
+    adv = _apply_full_groups(adv, rewards, list(index), cfg.norm == "group")
     scores = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
     return scores, scores
 

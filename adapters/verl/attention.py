@@ -62,8 +62,8 @@ def group_index(
 def grid_tokens(
     backend: str, prompt_lens: torch.Tensor, response_lens: torch.Tensor, gi: torch.Tensor
 ) -> int:
-    """Tokens the backend runs the model on: ``shared_prefix`` lays each group out as
-    ``[prefix | slot x G]`` padded to the longest prompt, completion and group of the micro-batch
+    """Tokens one backend call runs the model on: ``shared_prefix`` lays each group out as
+    ``[prefix | slot x G]`` padded to the longest prompt, completion and group of the call
     (grpo_parts/attention/layout.py); ``reference`` pads ``[prompt | completion]`` rows."""
     if prompt_lens.numel() == 0:
         return 0
@@ -73,6 +73,55 @@ def grid_tokens(
         sizes = sizes[sizes > 0]
         return int(sizes.numel()) * (p + int(sizes.max()) * s)
     return int(prompt_lens.numel()) * (p + s)
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """How a packed micro-batch is computed: ``group_index [B]``, ``prompt_lens [B]``, the rows of
+    each backend call (sequences with a response only) and the tokens all calls run the model on."""
+
+    group_index: torch.Tensor
+    prompt_lens: torch.Tensor
+    calls: list[torch.Tensor]
+    grid_tokens: int
+
+
+def plan_calls(
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    response_lens: torch.Tensor,
+    group_keys: Sequence[Any] | None = None,
+    backend: str = "shared_prefix",
+    merge_slack: float | None = None,
+) -> CallPlan:
+    """Split a packed micro-batch into backend calls. One call pads every group to the micro-batch's
+    longest prompt, completion and group; with ``merge_slack`` (shared_prefix only) groups are taken
+    longest completion first and a group joins the current call only while the call's layout stays
+    within ``1 + merge_slack`` times the sum of its groups' own layouts (0: one call per group)."""
+    ids = input_ids.reshape(-1)
+    cu, resp = cu_seqlens.to(ids.device).long(), response_lens.to(ids.device).long()
+    plen = cu.diff() - resp
+    gi = group_index(ids, cu, plen, group_keys)
+    rows = (resp > 0).nonzero().reshape(-1)
+    if rows.numel() == 0:
+        return CallPlan(gi, plen, [], 0)
+    if merge_slack is None or backend != "shared_prefix":
+        calls = [rows]
+    else:
+        groups = [rows[gi[rows] == g] for g in torch.unique(gi[rows]).tolist()]
+        groups.sort(key=lambda r: (-int(resp[r].max()), -int(plen[r[0]])))
+        calls, cur, own = [], groups[0], grid_tokens(backend, plen[groups[0]], resp[groups[0]], gi[groups[0]])
+        for g in groups[1:]:
+            g_own = grid_tokens(backend, plen[g], resp[g], gi[g])
+            cand = torch.cat([cur, g])
+            if grid_tokens(backend, plen[cand], resp[cand], gi[cand]) <= (1 + merge_slack) * (own + g_own):
+                cur, own = cand, own + g_own
+            else:
+                calls.append(cur)
+                cur, own = g, g_own
+        calls.append(cur)
+    total = sum(grid_tokens(backend, plen[c], resp[c], gi[c]) for c in calls)
+    return CallPlan(gi, plen, calls, total)
 
 
 def resolve_backend(backend: str | AttentionBackend) -> AttentionBackend:
@@ -97,10 +146,12 @@ def packed_logprobs(
     temperature: float | torch.Tensor = 1.0,
     backend: str | AttentionBackend = "shared_prefix",
     compute_entropy: bool = False,
+    plan: CallPlan | None = None,
 ) -> PackedLogprobs:
     """Log-probs (and entropies) of every response token of a packed micro-batch, in verl's rolled
     layout ``[nnz]``. ``input_ids: [nnz]`` (or ``[1, nnz]``), ``cu_seqlens: [B + 1]``,
-    ``response_lens: [B]``; sequences with an empty response contribute zeros."""
+    ``response_lens: [B]``; sequences with an empty response contribute zeros. ``plan``: from
+    :func:`plan_calls` (default: one call)."""
     temp = _scalar_temperature(temperature)
     ids = input_ids.reshape(-1)
     check_tensor("input_ids", ids, ndim=1, dtype="int")
@@ -112,39 +163,46 @@ def packed_logprobs(
     lens = cu.diff()
     if int(cu[0]) != 0 or int(cu[-1]) != ids.numel() or bool((lens < 0).any()):
         raise GRPOPartsError(f"cu_seqlens: expected 0 .. {ids.numel()} non-decreasing, got {cu.tolist()}")
-    plen = lens - resp
-    bad = ((plen < 1) | (resp < 0)).nonzero()
+    bad = ((lens - resp < 1) | (resp < 0)).nonzero()
     if bad.numel():
         i = int(bad[0])
         raise GRPOPartsError(
             f"response_lens[{i}]: expected 0 <= value < sequence length {int(lens[i])} (>= 1 prompt token), "
             f"got {int(resp[i])}"
         )
-    gi = group_index(ids, cu, plen, group_keys)
+    name = backend if isinstance(backend, str) else getattr(backend, "name", "")
+    plan = plan or plan_calls(ids, cu, resp, group_keys, name)
+    impl = resolve_backend(backend)
     nnz = ids.numel()
-    keep = resp > 0
-    if not bool(keep.any()):
-        zeros = torch.zeros(nnz, device=ids.device)
-        return PackedLogprobs(zeros, zeros.clone() if compute_entropy else None)
-    # sequences with an empty response have nothing to score: leave them out
-    token_kept = keep[torch.repeat_interleave(torch.arange(b, device=ids.device), lens)]
-    sub_cu = torch.cat([cu.new_zeros(1), lens[keep].cumsum(0)])
-    out = packed_completion_logprobs(
-        model,
-        ids[token_kept],
-        sub_cu,
-        plen[keep],
-        gi[keep],
-        backend=resolve_backend(backend),
-        temperature=temp,
-        compute_entropy=compute_entropy,
-    )
+    seq = torch.repeat_interleave(torch.arange(b, device=ids.device), lens)
+    where, lps, ents = [], [], []
+    for rows in plan.calls:  # sequences with an empty response have nothing to score: left out
+        in_call = torch.zeros(b, dtype=torch.bool, device=ids.device)
+        in_call[rows] = True
+        tok = in_call[seq]
+        sub_cu = torch.cat([cu.new_zeros(1), lens[in_call].cumsum(0)])
+        out = packed_completion_logprobs(
+            model,
+            ids[tok],
+            sub_cu,
+            plan.prompt_lens[in_call],
+            plan.group_index[in_call],
+            backend=impl,
+            temperature=temp,
+            compute_entropy=compute_entropy,
+        )
+        where.append(tok.nonzero().reshape(-1))
+        lps.append(out.logprobs)
+        ents.append(out.entropies)
 
-    def roll(x: torch.Tensor) -> torch.Tensor:
+    def assemble(parts: list[Any]) -> torch.Tensor:
         # position i of a sequence holds log p(token i); verl's rolled layout wants it at i - 1. The
         # element rolled in at each sequence's last position is a prompt token's 0.
-        if x.numel() != nnz:
-            x = x.new_zeros(nnz).masked_scatter(token_kept, x)
-        return torch.roll(x, shifts=-1)
+        if not parts:
+            return torch.zeros(nnz, device=ids.device)
+        x = torch.cat(parts)
+        full = x.new_zeros(nnz).index_put((torch.cat(where),), x)  # differentiable scatter
+        return torch.roll(full, shifts=-1)
 
-    return PackedLogprobs(roll(out.logprobs), None if out.entropies is None else roll(out.entropies))
+    entropy = assemble(ents) if compute_entropy else None
+    return PackedLogprobs(assemble(lps), entropy)

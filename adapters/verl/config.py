@@ -38,15 +38,18 @@ class EngineOptions(BaseModel):
 
     ``attention``: a grpo_parts attention backend (``shared_prefix``; ``reference`` re-encodes the
     prompt per row, for checking) or None (verl's own forward). ``kernel``: the shared-prefix
-    kernel (``auto``, ``sdpa``, ``flex``, ``eager``). ``max_padding_ratio``: run verl's own packed
-    forward for a micro-batch whose grouped layout would hold more than this many times the packed
-    micro-batch's tokens (None: never); see docs/adapters/verl.md, "Memory".
+    kernel (``auto``, ``sdpa``, ``flex``, ``eager``). ``merge_slack``: a micro-batch's uid groups
+    share one model call while its grouped layout stays within ``1 + merge_slack`` times the sum of
+    their own layouts (0: a call per group; None: one call per micro-batch). ``max_padding_ratio``:
+    run verl's own packed forward for a micro-batch whose grouped layouts would hold more than this
+    many times its packed tokens (None: never). See docs/adapters/verl.md, "Memory".
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     attention: str | None = None
     kernel: str = "auto"
+    merge_slack: float | None = Field(0.25, ge=0)
     max_padding_ratio: float | None = Field(None, gt=0)
 
     @field_validator("attention")

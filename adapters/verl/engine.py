@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .._counters import PartCounters
-from .attention import grid_tokens, packed_logprobs
+from .attention import packed_logprobs, plan_calls
 from .config import EngineOptions, options_of
 
 logger = logging.getLogger(__name__)
@@ -170,12 +170,9 @@ def _forward_step(
 
     micro_batch = micro_batch.to(get_device_id())  # as verl's forward_step
     ids, cu, resp, keys = _parts(micro_batch)
-    plen = cu.diff() - resp
     backend = _engine_state(engine, opts)
-    from .attention import group_index
-
-    gi = group_index(ids, cu, plen, keys)
-    tokens = (grid_tokens(opts.attention or "", plen, resp, gi), int(ids.numel()))
+    plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack)
+    tokens = (plan.grid_tokens, int(ids.numel()))
     if opts.max_padding_ratio is not None and tokens[0] > opts.max_padding_ratio * tokens[1]:
         return None, tokens
     entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)

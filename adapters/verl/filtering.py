@@ -33,7 +33,11 @@ class FilterOptions(BaseModel):
     ``name``/``kwargs``: a grpo_parts filter (``cppo`` with ``{k: 4}`` or ``{pruning_rate: 0.75}``,
     ``zero_variance``, ``pods`` with ``{m: 4}``). ``target_rows``: completions to train on per step
     (None = whatever the filter keeps). ``refill``: roll out more prompts until ``target_rows`` are
-    kept (v1 trainer only). ``multiple_of``/``rounding``: make the kept count a multiple of this.
+    kept (v1 trainer only). ``refill_multiple`` (else ``train_batch_size``, else 1): round refill
+    requests up to a multiple of this -- verl submits prompts in whole fetches of
+    ``data.gen_batch_size or data.train_batch_size``, and the sampler seam does not see ``data``, so
+    :func:`grpo_parts_adapters.verl.sampler.hydra_overrides` interpolates both.
+    ``multiple_of``/``rounding``: make the kept count a multiple of this.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -43,9 +47,15 @@ class FilterOptions(BaseModel):
     target_rows: int | None = Field(None, ge=1)
     refill: bool = False
     max_rounds: int = Field(4, ge=1)
+    refill_multiple: int | None = Field(None, ge=1)
+    train_batch_size: int | None = Field(None, ge=1)
     multiple_of: int = Field(1, ge=1)
     rounding: Literal["up", "down"] = "up"
     norm_adv_by_std: bool = True
+
+    @property
+    def refill_granularity(self) -> int:
+        return self.refill_multiple or self.train_batch_size or 1
 
     def build(self) -> CompletionFilter:
         return build_filter(self.name, self.kwargs)

@@ -80,10 +80,14 @@ def filter_kv_batch(
     *,
     store: Any = tq,
     more: Any = None,
-) -> tuple[KVBatchMeta, dict[str, float]]:
+    return_groups: bool = False,
+) -> Any:
     """Filter one sampled v1 batch; ``more(n_prompts) -> KVBatchMeta | None`` rolls out and samples
-    ``n`` more prompts (refill). Dropped rows are cleared from ``store`` (TransferQueue)."""
+    ``n`` more prompts (refill). Dropped rows are cleared from ``store`` (TransferQueue). Returns
+    ``(kept batch, metrics)``, plus with ``return_groups`` ``{uid: (rewards, advantages)}`` of the
+    full group of every uid with a kept row."""
     chunks: list[KVBatchMeta] = []
+    uids: dict[int, list[Any]] = {}
 
     def produce(n_prompts: int) -> Chunk[KVBatchMeta] | None:
         b = batch if not chunks else (more(n_prompts) if more is not None else None)
@@ -92,6 +96,7 @@ def filter_kv_batch(
         chunks.append(b)
         fields = store.kv_batch_get(keys=b.keys, partition_id=b.partition_id, select_fields=list(KV_FIELDS))
         rewards, uid, mask = rewards_from_fields(fields)
+        uids[id(b)] = uid
         scored = scored_batch(rewards, uid, mask, options.advantage_config)
         return Chunk(payload=b, scored=scored, num_prompts=len(set(uid)))
 
@@ -111,6 +116,8 @@ def filter_kv_batch(
             rows = round_kept(rows, sel.chunk.scored, options.multiple_of, options.rounding)
         kept_by_chunk[id(sel.chunk.payload)] = set(rows.tolist())
     adv_by_chunk = {id(sel.chunk.payload): sel.chunk.scored.advantages for sel in outcome.selections}
+    scored_by_chunk = {id(sel.chunk.payload): sel.chunk.scored for sel in outcome.selections}
+    groups: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
     for b in chunks:
         kept = kept_by_chunk.get(id(b), set())
         dropped = [k for i, k in enumerate(b.keys) if i not in kept]
@@ -126,13 +133,18 @@ def filter_kv_batch(
         for i in kept_rows:
             keys.append(b.keys[i])
             tags.append(b.tags[i])
+        if kept_rows and return_groups:
+            sc, u = scored_by_chunk[id(b)], uids[id(b)]
+            for g in dict.fromkeys(u[i] for i in kept_rows):
+                rows = torch.tensor([j for j, x in enumerate(u) if x == g])
+                groups[g] = (sc.rewards[rows].detach().cpu(), sc.advantages[rows].detach().cpu())
     metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
     metrics["grpo_parts/filter/rows_kept"] = float(len(keys))
     metrics["grpo_parts/filter/target_rows"] = float(target)
     out = KVBatchMeta(
         partition_id=batch.partition_id, keys=keys, tags=tags, extra_info=dict(batch.extra_info or {})
     )
-    return out, metrics
+    return (out, metrics, groups) if return_groups else (out, metrics)
 
 
 def restore_group_advantages(batch: KVBatchMeta, *, store: Any = tq) -> KVBatchMeta:

@@ -205,10 +205,15 @@ def rollouts(
 
 
 def put_rollouts(
-    rows: list[tuple[str, list[int], list[int]]], *, partition: str = "train", step: int = 1
+    rows: list[tuple[str, list[int], list[int]]],
+    *,
+    partition: str = "train",
+    step: int = 1,
+    rewards: list[float] | None = None,
 ) -> Any:
-    """Write ``rows`` into TransferQueue through verl's own v1 agent-loop post-processing; returns
-    the ``KVBatchMeta`` verl's replay buffer would hand the trainer."""
+    """Write ``rows`` into TransferQueue through verl's own v1 agent-loop post-processing (reward
+    ``rewards[i]``, default ``len(response) % 2``); returns the ``KVBatchMeta`` verl's replay buffer
+    would hand the trainer."""
     import asyncio
 
     import transfer_queue as tq
@@ -219,14 +224,14 @@ def put_rollouts(
     session: dict[str, int] = {}
 
     async def run() -> None:
-        for uid, prompt, resp in rows:
+        for j, (uid, prompt, resp) in enumerate(rows):
             sid = session.setdefault(uid, 0)
             session[uid] += 1
             out = AgentLoopOutput(
                 prompt_ids=prompt,
                 response_ids=resp,
                 response_mask=[1] * len(resp),
-                reward_score=float(len(resp) % 2),
+                reward_score=float(len(resp) % 2) if rewards is None else float(rewards[j]),
                 num_turns=2,
                 metrics=AgentLoopMetrics(),
                 extra_fields={"reward_extra_info": {}},
@@ -245,3 +250,20 @@ def with_info(meta: Any, info: dict[str, Any]) -> Any:
     return type(meta)(
         partition_id=meta.partition_id, keys=list(meta.keys), tags=list(meta.tags), extra_info=dict(info)
     )
+
+
+def submit_prompts(
+    rows: list[tuple[str, list[int], list[int]]], rewards: list[float], *, step: int = 1
+) -> int:
+    """What verl's trainer and agent loop do for freshly submitted prompts, in TransferQueue: each
+    prompt registered (``is_prompt``, pending), its rollouts written by the agent loop's
+    post-processing, then the prompt marked finished (as ``AgentLoopWorkerTQ._run_prompt``)."""
+    import transfer_queue as tq
+
+    uids = list(dict.fromkeys(u for u, _, _ in rows))
+    tags = [{"is_prompt": True, "status": "pending", "global_steps": step} for _ in uids]
+    tq.kv_batch_put(keys=uids, partition_id="train", tags=tags)
+    put_rollouts(rows, step=step, rewards=rewards)
+    for u in uids:
+        tq.kv_put(key=u, partition_id="train", tag={"status": "finished"})
+    return len(uids)

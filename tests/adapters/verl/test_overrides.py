@@ -25,7 +25,7 @@ def _smoke_module():
 @pytest.mark.parametrize("filt", ["cppo", "zero_variance", "pods"])
 def test_override_set_composes_with_verl_config(filt, tmp_path):
     from grpo_parts_adapters.verl.config import TARGET, FSDPActorConfig
-    from grpo_parts_adapters.verl.trainer import filter_options_from
+    from grpo_parts_adapters.verl.sampler import options_from_sampler_kwargs
     from hydra import compose, initialize_config_dir
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -40,36 +40,40 @@ def test_override_set_composes_with_verl_config(filt, tmp_path):
     ):
         cfg = compose(config_name="ppo_trainer", overrides=overrides)
     assert cfg.algorithm.adv_estimator == "grpo_parts_grpo"
+    assert cfg.trainer.use_v1 and cfg.trainer.v1.trainer_mode == "sync"  # verl's default trainer
+    assert cfg.trainer.v1.sampler.custom_sampler.name == "FilteringReplayBuffer"
+    opts = options_from_sampler_kwargs(cfg.trainer.v1.sampler.sampler_kwargs)
+    assert opts.build().name == filt and opts.refill_granularity == cfg.data.train_batch_size
     for role in ("actor", "ref"):
         node = cfg.actor_rollout_ref[role]
         assert node._target_ == TARGET and node.grpo_parts.attention == "shared_prefix"
     # what verl's validate_config (driver) and ActorRolloutRefWorker.init_model (workers) build
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor, FSDPActorConfig) and actor.engine.grpo_parts.attention == "shared_prefix"
-    assert cfg.trainer.use_v1 and cfg.trainer.v1.trainer_mode == "grpo_parts_sync"
     assert cfg.actor_rollout_ref.model.external_lib == "grpo_parts_adapters.verl.plugin"
     assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "grpo_parts_agent"
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.method == "ngram"
-    assert filter_options_from(cfg).build().name == filt
 
 
-def test_trainer_mode_builds_from_the_override_set(tmp_path):
-    """``get_trainer_cls(trainer.v1.trainer_mode)`` -> our trainer, constructed from verl's own
-    composed config (no Ray, no GPU): it behaves as verl's sync trainer with a filtering buffer."""
+def test_trainer_mode_builds_from_verl_config():
+    """``get_trainer_cls(trainer.v1.trainer_mode)`` -> the ``grpo_parts_sync`` trainer (filter for
+    configs that keep verl's own ``grpo`` estimator), constructed from verl's composed config (no
+    Ray, no GPU): it behaves as verl's sync trainer with a filtering buffer."""
     pytest.importorskip("transfer_queue")
     from grpo_parts_adapters.verl import plugin  # noqa: F401  (registers)
     from grpo_parts_adapters.verl.trainer import GrpoPartsSyncTrainer
-    from hydra import compose, initialize_config_dir
     from verl.trainer.ppo.v1 import get_trainer_cls
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
-    smoke = _smoke_module()
-    args = argparse.Namespace(steps=2, filter="cppo", attention=None, agent_loop=False, speculative=None)
-    overrides = smoke.overrides(args, tmp_path / "m", tmp_path / "d.parquet", tmp_path / "r.py", tmp_path)
-    with initialize_config_dir(
-        config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None
-    ):
-        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    cfg = _compose(
+        [
+            "trainer.v1.trainer_mode=grpo_parts_sync",
+            "algorithm.adv_estimator=grpo",
+            "+grpo_parts.filter.name=cppo",
+            "+grpo_parts.filter.kwargs.k=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        ]
+    )
     trainer = get_trainer_cls(cfg.trainer.v1.trainer_mode)(cfg)
     assert isinstance(trainer, GrpoPartsSyncTrainer) and trainer.trainer_mode == "sync"
     assert type(trainer.replay_buffer._inner) is ReplayBuffer

@@ -153,3 +153,42 @@ def test_grid_tokens_follow_the_layouts():
     assert build_grouped_inputs(lb).input_ids.numel() == attention.grid_tokens(
         "shared_prefix", plen, resp, gi
     )
+
+
+def test_calls_per_group_equal_one_call_and_pad_less(model):
+    """``merge_slack`` splits a micro-batch into calls by uid group: the same log-probs and
+    gradients, fewer padded tokens when completion lengths differ between groups."""
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for i, (plen, rlens) in enumerate([(3, [1, 2, 1]), (6, [9, 8]), (2, [2, 1, 2, 1])]):
+        prompt = torch.randint(1, 63, (plen,), generator=g).tolist()
+        rows += [(f"u{i}", prompt, torch.randint(1, 63, (r,), generator=g).tolist()) for r in rlens]
+    order = [4, 0, 7, 2, 5, 1, 8, 3, 6]
+    rows = [rows[i] for i in order]
+    ids = torch.tensor([t for _, p, r in rows for t in p + r])
+    cu = torch.cat(
+        [torch.zeros(1, dtype=torch.long), torch.tensor([len(p) + len(r) for _, p, r in rows]).cumsum(0)]
+    )
+    resp = torch.tensor([len(r) for _, _, r in rows])
+    uids = [u for u, _, _ in rows]
+    one = attention.plan_calls(ids, cu, resp, uids, "shared_prefix", None)
+    per_group = attention.plan_calls(ids, cu, resp, uids, "shared_prefix", 0.0)
+    assert len(one.calls) == 1 and len(per_group.calls) == 3
+    assert one.grid_tokens == 3 * (6 + 4 * 9) and per_group.grid_tokens == (3 + 3 * 2) + (6 + 2 * 9) + (
+        2 + 4 * 2
+    )
+    assert (
+        len(attention.plan_calls(ids, cu, resp, uids, "shared_prefix", 0.25).calls) == 2
+    )  # the short two merge
+    where = _response_positions(cu, resp)
+    outs = []
+    for plan in (one, per_group):
+        model.zero_grad()
+        out = attention.packed_logprobs(model, ids, cu, resp, uids, 0.9, "shared_prefix", True, plan)
+        (out.log_probs[where] * torch.linspace(-1, 1, where.numel(), dtype=torch.float64)).sum().backward()
+        outs.append((out, [p.grad.clone() for p in model.parameters()]))
+    (a, ga), (b, gb) = outs
+    torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=TOL)
+    torch.testing.assert_close(a.entropy, b.entropy, rtol=0, atol=TOL)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=0, atol=TOL)

@@ -1,0 +1,113 @@
+"""CompletionFilter (+ refill) for verl's default v1 trainer through its public seams only.
+
+* **Filter + refill**: verl's custom-sampler seam, ``trainer.v1.sampler.custom_sampler`` (a
+  ``ReplayBuffer`` subclass the trainer builds with its own ``refill_fn``) and
+  ``trainer.v1.sampler.sampler_kwargs`` (the filter's options)::
+
+    trainer.v1.sampler.custom_sampler.path=pkg://grpo_parts_adapters.verl.sampler
+    trainer.v1.sampler.custom_sampler.name=FilteringReplayBuffer
+    +trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.name=cppo
+    +trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.kwargs.k=64
+
+  ``sample`` returns only the kept rows (verl's old-policy, reference and actor passes run on them
+  only) and clears the pruned ones from TransferQueue; with ``refill`` it asks verl's ``refill_fn``
+  for more prompts and samples again until ``target_rows`` rows are kept
+  (:class:`grpo_parts.filter.allocation.Refiller`).
+* **Advantages of the full group** (CPPO trains the kept rows on their advantage within the whole
+  group; verl's estimator sees only the kept rows): ``algorithm.adv_estimator=grpo_parts_grpo``. The
+  sampler records each kept group's full-group advantages in this process
+  (:func:`grpo_parts_adapters.verl.advantage.remember_full_groups`); the estimator, which verl runs
+  in the same trainer process, uses them for those uids.
+
+No trainer subclass and no private trainer method: the trainer mode ``grpo_parts_sync``
+(:mod:`.trainer`) remains for configs that use verl's own ``grpo`` estimator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transfer_queue as tq
+from omegaconf import OmegaConf
+from transfer_queue import KVBatchMeta
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+from .advantage import remember_full_groups
+from .filtering import FilterOptions
+from .trainer import filter_kv_batch
+
+#: ``trainer.v1.sampler.sampler_kwargs`` key holding :class:`~.filtering.FilterOptions`
+KWARGS_KEY = "grpo_parts_filter"
+PATH = "pkg://grpo_parts_adapters.verl.sampler"
+
+
+def options_from_sampler_kwargs(sampler_kwargs: Any) -> FilterOptions | None:
+    node = (sampler_kwargs or {}).get(KWARGS_KEY) if sampler_kwargs is not None else None
+    if node is None:
+        return None
+    raw = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    if not isinstance(raw, dict) or raw.get("name") in (None, "", "keep_all"):
+        return None
+    return FilterOptions(**{str(k): v for k, v in raw.items()})
+
+
+class FilteringReplayBuffer(ReplayBuffer):
+    """verl's sync ``ReplayBuffer`` + a grpo_parts CompletionFilter on every training sample."""
+
+    def __init__(self, *args: Any, store: Any = tq, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.grpo_parts_filter_options = options_from_sampler_kwargs(self.sampler_kwargs)
+        opts = self.grpo_parts_filter_options
+        self.grpo_parts_filter = None if opts is None else opts.build()
+        if opts is not None and opts.refill and self.refill_fn is None:
+            raise ValueError("grpo_parts_filter.refill=True: verl gave this sampler no refill_fn")
+        self._store = store
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
+        batch, metrics = super().sample(
+            global_steps=global_steps, partition_id=partition_id, batch_size=batch_size
+        )
+        opts, filt = self.grpo_parts_filter_options, self.grpo_parts_filter
+        if partition_id == "val" or opts is None or filt is None:
+            return batch, metrics
+
+        def more(n_prompts: int) -> KVBatchMeta | None:
+            # verl's refill_fn submits whole dataloader fetches of data.gen_batch_size
+            g = opts.refill_granularity
+            n = -(-n_prompts // g) * g
+            assert self.refill_fn is not None
+            self.refill_fn(n)
+            b, m = super(FilteringReplayBuffer, self).sample(
+                global_steps=global_steps, partition_id=partition_id, batch_size=n
+            )
+            metrics.update({f"grpo_parts/refill/{k}": v for k, v in m.items()})
+            return b
+
+        kept, fmetrics, full = filter_kv_batch(
+            batch, filt, opts, store=self._store, more=more if opts.refill else None, return_groups=True
+        )
+        remember_full_groups(full, norm_adv_by_std=opts.norm_adv_by_std)
+        metrics.update(fmetrics)
+        return kept, metrics
+
+
+def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **options: Any) -> list[str]:
+    """The Hydra overrides of ``python -m verl.trainer.main_ppo`` that switch the filter on under
+    verl's default trainer (with ``algorithm.adv_estimator=grpo_parts_grpo``); ``options`` are
+    further :class:`~.filtering.FilterOptions` keys. ``refill_multiple`` / ``train_batch_size``
+    default to verl's ``data.gen_batch_size`` / ``data.train_batch_size`` (Hydra interpolations)."""
+    options.setdefault("refill_multiple", "${data.gen_batch_size}")
+    options.setdefault("train_batch_size", "${data.train_batch_size}")
+    FilterOptions(
+        name=name, kwargs=dict(kwargs or {}), **{k: v for k, v in options.items() if "$" not in str(v)}
+    )
+    node = f"+trainer.v1.sampler.sampler_kwargs.{KWARGS_KEY}"
+    out = [
+        "algorithm.adv_estimator=grpo_parts_grpo",
+        f"trainer.v1.sampler.custom_sampler.path={PATH}",
+        "trainer.v1.sampler.custom_sampler.name=FilteringReplayBuffer",
+        f"{node}.name={name}",
+    ]
+    out += [f"{node}.kwargs.{k}={v}" for k, v in (kwargs or {}).items()]
+    out += [f"{node}.{k}={v}" for k, v in options.items()]
+    return out

@@ -1,0 +1,153 @@
+"""verl adapter: filter + refill through verl's public custom-sampler seam, on a real TransferQueue
+(Ray local, CPU), inside the v1 fit loop's batch assembly.
+
+verl's own ``PPOTrainer._build_replay_buffer`` builds the sampler from verl's composed Hydra config
+plus our override list (``trainer.v1.sampler.custom_sampler`` / ``sampler_kwargs``) and hands it the
+refill function; prompts and rollouts are registered in TransferQueue as verl's trainer and v1 agent
+loop do. After ``sample``, verl's own ``_balance_batch`` (padding to the mini-batch multiple) and
+``_compute_advantage`` (with the ``grpo_parts_grpo`` estimator) run on the kept batch: the kept rows
+carry their full-group advantages, pruned rows are gone from TransferQueue, refill asked verl's
+refill function for whole ``gen_batch_size`` fetches."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transfer_queue")
+pytest.importorskip("verl.trainer.ppo.v1")
+ray = pytest.importorskip("ray")
+
+import transfer_queue as tq  # noqa: E402
+from _cpu_verl import rollouts, submit_prompts  # noqa: E402
+from grpo_parts_adapters.verl import advantage, plugin  # noqa: E402,F401  (registers grpo_parts_grpo)
+from grpo_parts_adapters.verl.sampler import PATH, FilteringReplayBuffer  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer  # noqa: E402
+
+N = 4
+
+
+@pytest.fixture(scope="module")
+def store():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+        yield
+    finally:
+        tq.close()
+        ray.shutdown()
+
+
+def verl_config(estimator: str = "grpo_parts_grpo"):
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    overrides = [
+        f"algorithm.adv_estimator={estimator}",
+        "data.train_batch_size=4",
+        "data.gen_batch_size=2",
+        f"actor_rollout_ref.rollout.n={N}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # x n = 8 rows: the kept batch is padded to 8s
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        f"trainer.v1.sampler.custom_sampler.path={PATH}",
+        "trainer.v1.sampler.custom_sampler.name=FilteringReplayBuffer",
+        "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.name=zero_variance",
+        "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.target_rows=12",
+        "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill=True",
+        "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill_multiple=${data.gen_batch_size}",
+        "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.train_batch_size=${data.train_batch_size}",
+    ]
+    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    assert cfg.trainer.use_v1 and cfg.trainer.v1.trainer_mode == "sync"  # verl's default trainer
+    return cfg
+
+
+class Rollouts:
+    """Stands in for verl's trainer + agent loop: each submitted prompt's ``n`` rollouts land in
+    TransferQueue; prompt ``i`` has rewards ``REWARDS[i % 3]`` (groups 0 and 2 have no signal)."""
+
+    REWARDS = ([1.0] * N, [1.0, 0.0, 0.0, 1.0], [0.0] * N)
+
+    def __init__(self, prefix: str):
+        self.prefix, self.count, self.calls = prefix, 0, []
+
+    def submit(self, n_prompts: int) -> int:  # verl's refill_fn contract: an exact number of prompts
+        self.calls.append(n_prompts)
+        rows, rewards = [], []
+        for _ in range(n_prompts):
+            rows += rollouts(1, N, seed=self.count, prefix=f"{self.prefix}{self.count}x")
+            rewards += self.REWARDS[self.count % 3]
+            self.count += 1
+        return submit_prompts(rows, rewards)
+
+
+def trainer_stub(cfg, rollout: Rollouts):
+    """The state verl's PPOTrainer methods used here read."""
+    wg = SimpleNamespace(_dispatch_info={"actor": [0]})
+    stub = SimpleNamespace(
+        config=cfg,
+        trainer_mode="sync",
+        _add_prompts_to_generate=rollout.submit,
+        actor_rollout_wg=wg,
+        use_critic=False,
+        global_steps=1,
+        tokenizer=SimpleNamespace(eos_token_id=1),
+    )
+    stub._get_required_batch_multiple = partial(PPOTrainer._get_required_batch_multiple, stub)
+    return stub
+
+
+def test_filter_and_refill_in_the_v1_fit_loop(store):
+    cfg = verl_config()
+    rollout = Rollouts("f")
+    stub = trainer_stub(cfg, rollout)
+    buffer = PPOTrainer._build_replay_buffer(stub)  # verl builds our sampler (custom_sampler seam)
+    assert isinstance(buffer, FilteringReplayBuffer) and buffer.refill_fn == rollout.submit
+    rollout.submit(cfg.data.train_batch_size)  # verl's prepare_step
+    batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=cfg.data.train_batch_size)
+
+    # only groups with a signal (prompt i % 3 == 1) are kept, refilled until 12 rows
+    assert len(batch.keys) == 12 and all(int(k.split("x")[0][1:]) % 3 == 1 for k in batch.keys)
+    assert rollout.calls[0] == 4 and all(c % cfg.data.gen_batch_size == 0 for c in rollout.calls[1:])
+    assert metrics["grpo_parts/filter/rows_kept"] == 12
+    listed = tq.kv_list("train").get("train", {})
+    trajectories = {k for k, t in listed.items() if not t.get("is_prompt")}
+    assert trajectories == set(batch.keys)  # pruned rows cleared from TransferQueue
+
+    # verl's fit loop: balance (pads to the actor mini-batch multiple), then advantages
+    batch = PPOTrainer._balance_batch(stub, batch, metrics)
+    assert len(batch.keys) == 16 and sum(t.get("is_padding", False) for t in batch.tags) == 4
+    batch = PPOTrainer._compute_advantage(stub, batch, metrics)
+    data = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["advantages", "rm_scores"])
+    r = torch.tensor(Rollouts.REWARDS[1])
+    full = (r - r.mean()) / (r.std() + 1e-6)  # the advantage within the whole group
+    for tag, adv, score in zip(batch.tags, data["advantages"].unbind(), data["rm_scores"].unbind()):
+        if tag.get("is_padding"):
+            assert torch.all(adv == 0)
+        else:
+            want = full[int(score.sum() == 0)]  # rewards [1, 0, 0, 1]: a 1-row or a 0-row
+            torch.testing.assert_close(adv, want.expand_as(adv), rtol=0, atol=1e-6)
+    assert not advantage._FULL_GROUPS  # consumed by grpo_parts_grpo
+
+
+def test_verls_own_estimator_is_refused_after_the_first_step(store):
+    """With verl's ``grpo`` the kept rows would be re-normalised among themselves; the sampler
+    notices at the next sample that its full-group advantages were never used."""
+    cfg = verl_config("grpo")
+    rollout = Rollouts("g")
+    stub = trainer_stub(cfg, rollout)
+    buffer = PPOTrainer._build_replay_buffer(stub)
+    rollout.submit(4)
+    batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=4)
+    PPOTrainer._compute_advantage(stub, PPOTrainer._balance_batch(stub, batch, metrics), metrics)
+    rollout.submit(4)
+    with pytest.raises(ValueError, match="adv_estimator=grpo_parts_grpo"):
+        buffer.sample(global_steps=2, partition_id="train", batch_size=4)
+    assert not advantage._FULL_GROUPS
