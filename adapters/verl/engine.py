@@ -183,9 +183,8 @@ def _forward_step(
         else torch.autocast(device_type=get_device_name(), dtype=dtype)
     )
     with ctx:
-        out = packed_logprobs(
-            engine.module, ids, cu, resp, keys, micro_batch["temperature"], backend, entropy
-        )
+        temperature = micro_batch["temperature"]
+        out = packed_logprobs(engine.module, ids, cu, resp, keys, temperature, backend, entropy, plan)
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.log_probs, cu)}
         if out.entropy is not None:
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy, cu)

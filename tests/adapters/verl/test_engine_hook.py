@@ -188,6 +188,12 @@ def test_max_padding_ratio_keeps_verls_packed_forward(cpu, verl_forward, model):
     loose = StandInEngine(model, EngineOptions(attention="shared_prefix", max_padding_ratio=1.2))
     loose.forward_step(micro_batch(), None, forward_only=True)
     assert len(verl_forward) == 1
+    # one call per group (merge_slack=0): 12 + 8 tokens, under the ratio that refused one call
+    split = StandInEngine(
+        model, EngineOptions(attention="shared_prefix", max_padding_ratio=1.02, merge_slack=0)
+    )
+    _, out = split.forward_step(micro_batch(), None, forward_only=True)
+    assert len(verl_forward) == 1 and out["metrics"]["parts/attention/grid_tokens"].aggregate() == 20
 
 
 def test_engines_without_options_and_critics_run_verls_forward_uncounted(cpu, verl_forward, model):
