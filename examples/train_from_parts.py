@@ -25,7 +25,9 @@ ap.add_argument("--steps", type=int, default=20)
 args = ap.parse_args()
 torch.set_num_threads(1)  # fastest for a tiny model on a CPU
 
-config = TrainConfig(steps=args.steps, prompts_per_step=16, group_size=8, lr=1e-4, seed=0)
+config = TrainConfig(
+    steps=args.steps, prompts_per_step=16, group_size=8, lr=1e-4, seed=0, task={"name": "arithmetic"}
+)
 policy, tokenizer = load_model(builtin_model_path(), torch.float32, torch.device("cpu"))
 task = ArithmeticTask(config.task, seed=config.seed)
 

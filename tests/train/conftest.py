@@ -33,6 +33,7 @@ def _tiny_overrides(model_dir: Path, out_dir: Path, **extra: Any) -> dict[str, A
         "group_size": 4,
         "max_new_tokens": 6,
         "eval_every": 2,
+        "task.name": "arithmetic",  # the short task: seconds-long runs
         "task.num_eval": 6,
         "threads": 1,
         "progress": False,

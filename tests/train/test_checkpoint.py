@@ -158,6 +158,7 @@ def test_the_model_folder_loads_with_from_pretrained_and_trains_again(
         torch.testing.assert_close(exported(ids).logits, trained(ids).logits, rtol=0, atol=0)
     rc = main(["train", "--reference", "--model", str(model_dir), "--out-dir", str(tmp_path), "--name", "again",
                "--steps", "1", "--set", "prompts_per_step=2", "--set", "group_size=4", "--set", "max_new_tokens=4",
-               "--set", "task.num_eval=4", "--set", "threads=1", "--no-progress", "-q"])  # fmt: skip
+               "--set", "task.name=arithmetic", "--set", "task.num_eval=4", "--set", "threads=1", "--no-progress",
+               "-q"])  # fmt: skip
     assert rc == 0
     assert json.loads((tmp_path / "again" / "status.json").read_text())["status"] == "completed"

@@ -19,7 +19,8 @@ from grpo_parts.train.interrupt import Interrupted, StopRequest
 from grpo_parts.train.status import read_status
 
 #: 12 short steps of the built-in task (~0.2 s each on one thread), a checkpoint every 5
-ARGS = ["train", "--reference", "--steps", "12", "--set", "prompts_per_step=4", "--set", "task.num_eval=20",
+ARGS = ["train", "--reference", "--steps", "12", "--set", "prompts_per_step=4", "--set", "task.name=arithmetic",
+        "--set", "task.num_eval=20",
         "--set", "eval_every=4", "--set", "checkpoint_every=5", "--no-progress", "-q"]  # fmt: skip
 
 

@@ -18,11 +18,13 @@ from ..errors import GRPOPartsError
 
 #: How long ``grpo-parts train`` (the main job, default settings) takes; quoted verbatim in README.md,
 #: docs/training.md and ``--help``. Re-measure and update all three through this constant.
-MAIN_JOB_RUNTIME = "about 35 s on an idle 2-core CPU"
+MAIN_JOB_RUNTIME = "about 9 min on a 2-core CPU shared with other jobs (load ~8)"
 
 DESCRIPTION = (
-    "GRPO training run: by default a tiny committed policy on the built-in chain-addition task, on the "
-    "CPU, with the optimized parts on; --model and --data train your own local checkpoint."
+    "GRPO training run: by default a tiny committed policy on the built-in reasoning-shaped task (a long "
+    "shared instruction, long-tailed worked solutions), on the CPU, with the optimized parts on; "
+    "--set task.name=arithmetic is the short chain-addition task; --model and --data train your own "
+    "local checkpoint."
 )
 
 EXAMPLES = f"""\

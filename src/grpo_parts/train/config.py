@@ -18,7 +18,7 @@ from ..task.arithmetic import ArithmeticConfig
 from ..task.reasoning import ReasoningConfig
 
 #: The built-in task a config without ``task.name`` trains on.
-DEFAULT_TASK = "arithmetic"
+DEFAULT_TASK = "reasoning"
 #: Fields whose default depends on the built-in task (a value given in the config wins).
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "arithmetic": {},
@@ -86,10 +86,10 @@ class TrainConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig)
     parts: PartsConfig = Field(default_factory=PartsConfig)
     task: ArithmeticConfig | ReasoningConfig = Field(
-        default_factory=ArithmeticConfig,
+        default_factory=ReasoningConfig,
         discriminator="name",
-        description="the built-in task: task.name = arithmetic (short chain addition) or reasoning "
-        "(long instruction, long-tailed worked solutions)",
+        description="the built-in task: task.name = reasoning (default: a long shared instruction, "
+        "long-tailed worked solutions) or arithmetic (short chain addition)",
     )
     eval_every: int = Field(5, ge=1)
     eval_temperature: float = Field(0.0, ge=0.0, description="0 = greedy held-out accuracy")
