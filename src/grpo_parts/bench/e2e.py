@@ -29,7 +29,10 @@ examples:
 JSON keys (--json): target_accuracy, speedup_to_target, mean_step_speedup, final_accuracy_diff,
 passes, runs.{reference,optimized}; with --seeds N > 1: target_accuracy, seeds,
 median_speedup_to_target, speedups_to_target, mean_step_speedup, mean_final_accuracy_diff, passes,
-per_seed (each seed's single-seed JSON).
+per_seed (each seed's single-seed JSON). Both also: speedup_to_target, step_speedup,
+accuracy_diff, rollout_share, amdahl_bound, phases (per seed and as medians over seeds).
+--preset h200|tiny: model, parameters, context_length, group_size, arms.{reference,optimized,vllm}
+(tokens_per_s_per_gpu, step_s, phase_shares, ...), step_speedup.
 Details: docs/training.md (--compare) and docs/benchmarks.md"""
 
 
