@@ -193,10 +193,11 @@ def run_preset(name: str, device: str, json_path: Path | None = None) -> dict[st
         model_dir = Path(tmp) / "policy"
         params, sft_s = build_policy(preset, dev, model_dir)
         results = {arm: run_arm(arm, model_dir, preset, dev.type, Path(tmp) / "runs") for arm in arms}
-    from ..task.reasoning import INSTRUCTION
+    from ..task.reasoning import ReasoningTask
 
     max_new = preset.get("max_new_tokens", 320)
-    ctx = len(INSTRUCTION) + 2 * 16 + max_new
+    task = ReasoningTask()  # the longest prompt (one token per character) + the new tokens
+    ctx = len(task._problem([9] * task.config.long_max_terms).prompt) + max_new
     ref = results["reference"]["step_s"]
     out = {
         "preset": name, "model": preset["label"], "parameters": params, "device": str(dev),
