@@ -192,3 +192,23 @@ def test_calls_per_group_equal_one_call_and_pad_less(model):
     torch.testing.assert_close(a.entropy, b.entropy, rtol=0, atol=TOL)
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, rtol=0, atol=TOL)
+
+
+def test_prefix_bench_token_accounting():
+    """scripts/verl_prefix_bench.py's exact token counts (the part of the benchmark a CPU can check):
+    the grouped layout runs fewer tokens than verl's packed row when prompts repeat."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("verl")
+    path = Path(__file__).resolve().parents[3] / "scripts" / "verl_prefix_bench.py"
+    spec = importlib.util.spec_from_file_location("verl_prefix_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(prompts=2, n=4, prompt_len=32, response_len=16, vocab=64, seed=0)
+    got = {v: bench.token_stats(args, v) for v in bench.VARIANTS}
+    data = bench.make_batch(args)
+    assert got["verl_packed"]["model_tokens"] == data["input_ids"].values().numel()
+    assert got["verl_pg"]["model_tokens"] <= got["ours"]["model_tokens"] < got["verl_packed"]["model_tokens"]
+    assert got["verl_packed"]["model_tokens"] <= got["verl_padded"]["model_tokens"]
