@@ -5,9 +5,10 @@ registers every part with verl's own registries (verl loads it through the ``ver
 point, ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib``):
 
 * advantage estimator ``grpo_parts_grpo`` (``algorithm.adv_estimator=grpo_parts_grpo``) -- :mod:`.advantage`;
-* trainer mode ``grpo_parts_sync`` (``trainer.v1.trainer_mode=grpo_parts_sync``): CPPO / DAPO / PODS
-  filters with refill before the old-policy, reference and actor passes -- :mod:`.trainer`,
-  :mod:`.filtering` (the ``DataProto`` function for the legacy loop);
+* CPPO / DAPO / PODS filters with refill before the old-policy, reference and actor passes, through
+  verl's custom-sampler seam (``trainer.v1.sampler.custom_sampler`` -> :class:`.sampler.FilteringReplayBuffer`,
+  with the ``grpo_parts_grpo`` estimator) -- :mod:`.sampler`, :mod:`.filtering` (also the
+  ``DataProto`` function for the legacy loop); the older trainer mode ``grpo_parts_sync`` -- :mod:`.trainer`;
 * shared-prefix log-probs for the actor's and reference's FSDP engines, grouped by ``uid``, switched
   on by config keys (``actor_rollout_ref.actor._target_=grpo_parts_adapters.verl.config.FSDPActorConfig
   +actor_rollout_ref.actor.grpo_parts.attention=shared_prefix``) -- :mod:`.config`, :mod:`.engine`,
