@@ -146,9 +146,6 @@ def verl_on_cpu() -> Iterator[None]:
 
 def save_tiny_model(path: str, *, vocab: int = 48, seed: int = 0, value_head: bool = False) -> str:
     """A tiny Qwen2 (or its token-classification value model) and a character tokenizer in ``path``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from grpo_parts.tiny import tiny_causal_lm
 
     os.makedirs(path, exist_ok=True)
@@ -159,7 +156,16 @@ def save_tiny_model(path: str, *, vocab: int = 48, seed: int = 0, value_head: bo
             if p.ndim == 2:
                 p.mul_(3.0)
     model.save_pretrained(path)
-    chars = "abcdefghijklmnopqrstuvwxyz0123456789 :?!.,-+=*/"[: vocab - 4]
+    char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 :?!.,-+=*/"[: vocab - 4]).save_pretrained(path)
+    return path
+
+
+def char_tokenizer(chars: str) -> Any:
+    """One token per character of ``chars`` after ``<pad> <eos> <unk> <bos>`` (ids 0-3), with a chat
+    template that concatenates the messages (verl's agent loop applies one)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<pad>", "<eos>", "<unk>", "<bos>"]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate([*specials, *chars])}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -169,8 +175,7 @@ def save_tiny_model(path: str, *, vocab: int = 48, seed: int = 0, value_head: bo
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", bos_token="<bos>"
     )
     hf.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    hf.save_pretrained(path)
-    return path
+    return hf
 
 
 def agent_loop_worker() -> Any:

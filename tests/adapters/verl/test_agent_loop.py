@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("verl.experimental.agent_loop")
 
+from _cpu_verl import char_tokenizer  # noqa: E402
 from grpo_parts_adapters.verl import agent_loop as ours  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from verl.experimental.agent_loop import agent_loop as verl_agent_loop  # noqa: E402
@@ -23,20 +24,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"  # ids 4..39
 
 
 def tiny_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<eos>", "<unk>", "<bos>"]
-    vocab = {t: i for i, t in enumerate([*specials, *CHARS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", bos_token="<bos>"
-    )
-    hf.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    return hf
+    return char_tokenizer(CHARS)
 
 
 _MODEL = None
