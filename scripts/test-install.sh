@@ -51,6 +51,12 @@ if not list(run.glob("*.png")):
 status = json.loads((run / "status.json").read_text()) if (run / "status.json").is_file() else {}
 if status.get("status") != "completed":
     problems.append(f"status.json says {status.get('status')!r}, expected 'completed'")
+# the optimized parts must have run, not fallen back: speculation verified drafts, CPPO pruned
+summary = status.get("summary", {})
+if summary.get("accepted_per_verify") is None:
+    problems.append("no speculative verification ran (summary.accepted_per_verify is None)")
+if not summary.get("kept_fraction", 1.0) < 1.0:
+    problems.append(f"CPPO pruned nothing (summary.kept_fraction={summary.get('kept_fraction')})")
 model_dir = run / "model"
 if not (model_dir / "config.json").is_file():
     problems.append("no model/ folder (save_pretrained) in the run folder")
