@@ -61,3 +61,18 @@ def test_shipped_warm_start_has_the_same_tokenizer() -> None:
     hf = build_hf_tokenizer()
     assert tok.get_vocab() == hf.get_vocab()
     assert tok("99+1=").input_ids == hf("99+1=").input_ids
+
+
+def test_asking_for_more_held_out_problems_than_exist_is_one_clear_error() -> None:
+    """A small task has few distinct held-out problems: a larger num_eval must fail, not loop forever."""
+    import pytest
+
+    from grpo_parts.errors import GRPOPartsError
+    from grpo_parts.task.reasoning import ReasoningConfig, ReasoningTask
+
+    small = ArithmeticTask(ArithmeticConfig(operands=2, max_value=5, num_eval=50))
+    with pytest.raises(GRPOPartsError, match=r"^task\.num_eval: got 50, .* expected <= \d+"):
+        small.eval_problems()
+    # the reasoning task's short problems (7 digits of 1-3) have ~220 held out; 600 cannot be served
+    with pytest.raises(GRPOPartsError, match=r"^task\.num_eval: got 600, "):
+        ReasoningTask(ReasoningConfig(num_eval=600)).eval_problems()

@@ -20,10 +20,17 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import GRPOPartsError
+
+#: consecutive draws without a new held-out problem after which the pool counts as exhausted
+#: (a remaining problem of a pool of N is missed that often with probability ~exp(-100_000 / N))
+_EXHAUSTED_AFTER = 100_000
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,33 @@ def extract_answer(completion: str) -> str | None:
     return completion.rsplit(";", 1)[1].strip()
 
 
+def collect_held_out(
+    draw: Callable[[int], Problem], is_held_out: Callable[[str], bool], num_eval: int
+) -> list[Problem]:
+    """``num_eval`` distinct held-out problems, ``draw(i)`` proposing a candidate for the i-th.
+
+    A small task (few terms, small digits) has few distinct held-out problems; asking for more is a
+    config error, said in one line, instead of a loop that never ends.
+    """
+    out: list[Problem] = []
+    seen: set[str] = set()
+    misses = 0
+    while len(out) < num_eval:
+        p = draw(len(out))
+        if is_held_out(p.prompt) and p.prompt not in seen:
+            seen.add(p.prompt)
+            out.append(p)
+            misses = 0
+            continue
+        misses += 1
+        if misses >= _EXHAUSTED_AFTER:
+            raise GRPOPartsError(
+                f"task.num_eval: got {num_eval}, but these task settings have only about {len(out)} distinct "
+                f"held-out problems; expected <= {len(out)} (or a larger task.eval_percent / larger problems)"
+            )
+    return out
+
+
 class ArithmeticTask:
     """Chain addition. ``train_problem(i)`` is the i-th problem of the training stream."""
 
@@ -89,14 +123,9 @@ class ArithmeticTask:
     def eval_problems(self) -> list[Problem]:
         """The held-out set: the same problems for every seed, so runs compare on equal terms."""
         rng = random.Random("eval")
-        out: list[Problem] = []
-        seen: set[str] = set()
-        while len(out) < self.config.num_eval:
-            p = self._problem(self._draw(rng))
-            if self.is_held_out(p.prompt) and p.prompt not in seen:
-                seen.add(p.prompt)
-                out.append(p)
-        return out
+        return collect_held_out(
+            lambda i: self._problem(self._draw(rng)), self.is_held_out, self.config.num_eval
+        )
 
     def sft_target(self, problem: Problem) -> str:
         return worked_solution([int(x) for x in problem.prompt.rstrip("=").split("+")])

@@ -28,7 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .arithmetic import Problem, extract_answer
+from .arithmetic import Problem, collect_held_out, extract_answer
 
 #: The fixed instruction every prompt starts with (one token per character with the task's tokenizer).
 INSTRUCTION = "add the numbers. each line adds the first two terms and copies the rest. answer after ;. "
@@ -112,14 +112,9 @@ class ReasoningTask:
     def eval_problems(self) -> list[Problem]:
         """The held-out set (the same for every seed), with the stream's share of long problems."""
         rng = random.Random("reasoning:eval")
-        out: list[Problem] = []
-        seen: set[str] = set()
-        while len(out) < self.config.num_eval:
-            p = self._problem(self._draw(rng, self._is_long(len(out))))
-            if self.is_held_out(p.prompt) and p.prompt not in seen:
-                seen.add(p.prompt)
-                out.append(p)
-        return out
+        return collect_held_out(
+            lambda i: self._problem(self._draw(rng, self._is_long(i))), self.is_held_out, self.config.num_eval
+        )
 
     def terms(self, problem: Problem) -> list[int]:
         body = problem.prompt[len(self.instruction) :].rstrip("=")
