@@ -108,10 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "") -> None:
     """The options a training run and ``grpo-parts bench e2e`` share."""
-    from .config import PartsConfig, TrainConfig
+    from .config import DEFAULT_TASK, TASK_DEFAULTS, PartsConfig, TrainConfig
 
     def default(field: str) -> Any:
-        return TrainConfig.model_fields[field].default
+        # what a run without --config/--set gets: the default task's defaults win over the field's
+        return TASK_DEFAULTS[DEFAULT_TASK].get(field, TrainConfig.model_fields[field].default)
 
     parser.add_argument(
         "--config", type=Path, metavar="FILE", help="YAML file with TrainConfig fields (see docs/training.md)"
@@ -124,7 +125,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "")
         metavar="KEY=VALUE",
         help="override any TrainConfig field, dotted, YAML value (repeatable; e.g. loss.kl_coef=0.01)",
     )
-    parser.add_argument("--steps", type=int, help=f"GRPO steps (default: {default('steps')})")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"GRPO steps (default: {default('steps')}; {TrainConfig.model_fields['steps'].default} with "
+        "task.name=arithmetic)",
+    )
     parser.add_argument(
         "--seed", type=int, help=f"seed of the data stream, sampling and init (default: {default('seed')})"
     )
