@@ -75,6 +75,11 @@ class TrainConfig(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     lr: float = Field(1e-4, gt=0.0, le=1.0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="learning rate over the steps: constant, or decayed from lr towards 0 at the last step "
+        "(linear: TRL's default; cosine)",
+    )
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(1.0, gt=0.0)
     minibatches: int = Field(1, ge=1, le=1024, description="optimizer steps per rollout batch")

@@ -18,6 +18,7 @@ Held-out evaluation is timed separately and does not count towards ``wall_time``
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Iterator
@@ -159,6 +160,7 @@ class GRPOTrainer:
                     train_info[f"draft_{k}"] = float(v)
             time_draft = time.perf_counter() - t0
         if filled.rollout is not None:
+            train_info["lr"] = self._set_lr()
             train_info.update(self._update(filled.rollout, filled.advantages.to(self.device)))
             parts.sampler.sync_weights(self.policy)
         t_end = time.perf_counter()
@@ -194,6 +196,16 @@ class GRPOTrainer:
         m["accepted_per_verify"] = sum(apv) / len(apv) if apv else None
         m.update(train_info)
         return m
+
+    def _set_lr(self) -> float:
+        """This step's learning rate (from ``step_idx``, so a resumed run continues the schedule)."""
+        cfg = self.config
+        done = min(self.step_idx / cfg.steps, 1.0)
+        scale = {"constant": 1.0, "linear": 1.0 - done, "cosine": 0.5 * (1.0 + math.cos(math.pi * done))}
+        lr = cfg.lr * scale[cfg.lr_schedule]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _old_and_ref(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Old-policy (per ``old_logprobs``) and reference log-probs of every row of ``ro``, no grad.
