@@ -244,3 +244,20 @@ def test_bench_e2e_preset_tiny_runs_every_arm_on_cpu(
     for key in ("model", "context_length", "group_size", "step_speedup"):
         assert key in res
     assert "tokens/s/GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [("constant", [1e-3, 1e-3, 1e-3, 1e-3]), ("linear", [1e-3, 7.5e-4, 5e-4, 2.5e-4]),
+     ("cosine", [1e-3, 8.535533905932737e-4, 5e-4, 1.4644660940672627e-4])],
+)  # fmt: skip
+def test_lr_schedule_sets_each_steps_lr(
+    tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any, schedule: str, expected: list[float]
+) -> None:
+    """The optimizer's lr follows the schedule from step_idx (decayed towards 0 at the last step)."""
+    over = tiny_overrides(tiny_model_dir, tmp_path, name="s", steps=4, lr=1e-3, lr_schedule=schedule)
+    # a filter that keeps every row, so every step has an update (and hence an lr)
+    over["parts.filter"] = "keep_all"
+    d = train(load_config(overrides=over)).run_dir
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if r["step"] > 0] == pytest.approx(expected, rel=1e-12)
