@@ -76,9 +76,9 @@ class TrainConfig(BaseModel):
     top_k: int = Field(0, ge=0)
     lr: float = Field(1e-4, gt=0.0, le=1.0)
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant",
-        description="learning rate over the steps: constant, or decayed from lr towards 0 at the last step "
-        "(linear: TRL's default; cosine)",
+        "linear",
+        description="learning rate over the steps: decayed from lr towards 0 at the last step (linear, "
+        "TRL's default; cosine), or constant",
     )
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(1.0, gt=0.0)
