@@ -69,6 +69,7 @@ def test_a_flag_and_a_set_that_agree_are_fine(argv: list[str]) -> None:
         (["--reference", "--compare"], ["--reference", "--compare", "expected one of them"]),
         (["--json", "x.json"], ["--json", "only used with --compare"]),
         (["--seeds", "3"], ["--seeds", "only used with --compare"]),
+        (["--ablate"], ["--ablate", "only used with --compare"]),
     ],
 )
 def test_contradictory_flags_are_one_line_errors(argv: list[str], fragments: list[str]) -> None:

@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare", action="store_true", help="run reference and optimized parts; report both"
     )
     parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="--compare: also run each optimized part alone (the reference with only that part swapped "
+        "in), in the same alternation, and report the step speedup their isolated phase ratios predict "
+        "composed (amdahl_isolated) and measured / predicted (composition); about 2.5x the time",
+    )
+    parser.add_argument(
         "--resume", type=Path, metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint"
     )
 
@@ -251,6 +258,7 @@ def check_flags(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
         for flag, given in (
             ("--json", getattr(args, "json", None) is not None),
             ("--seeds", getattr(args, "seeds", 1) != 1),
+            ("--ablate", getattr(args, "ablate", False)),
         ):
             if given:
                 raise GRPOPartsError(f"{flag}: only used with --compare, got it without")
@@ -290,8 +298,11 @@ def _run(args: argparse.Namespace) -> int:
 
         cfg = config_from_args(args)
         seeds = getattr(args, "seeds", 1)
+        ablate = getattr(args, "ablate", False)
         res = (
-            compare_seeds(cfg, seeds, json_path=args.json) if seeds > 1 else compare(cfg, json_path=args.json)
+            compare_seeds(cfg, seeds, json_path=args.json, ablate=ablate)
+            if seeds > 1
+            else compare(cfg, json_path=args.json, ablate=ablate)
         )
         print(res["markdown"])
         return 0

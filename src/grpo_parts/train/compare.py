@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GRPOPartsError
+from .ablation import ablation_configs
 from .config import TrainConfig
 from .parts import resolve_name
 from .report import write_compare
@@ -22,12 +23,15 @@ from .seeds import aggregate_seeds, seeds_markdown
 
 
 def compare(
-    config: TrainConfig, out_dir: Path | None = None, json_path: Path | None = None
+    config: TrainConfig, out_dir: Path | None = None, json_path: Path | None = None, ablate: bool = False
 ) -> dict[str, Any]:
+    """Reference vs optimized parts; with ``ablate``, also one arm per optimized part (see ``ablation``)."""
     out_dir = out_dir or Path(config.out_dir) / (config.name or f"compare-{default_name()}")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise GRPOPartsError(f"name: folder {str(out_dir)!r} already exists; choose another --name")
     configs = {"reference": config.with_reference_parts(), "optimized": config}
+    if ablate:
+        configs.update(ablation_configs(config))
     for cfg in configs.values():  # an unknown part name fails before any folder exists
         for part in ("sampler", "draft", "attention", "filter"):
             resolve_name(part, cfg.parts, [])
@@ -67,7 +71,11 @@ def _alternate(sessions: dict[str, RunSession], steps: int, progress: bool) -> d
 
 
 def compare_seeds(
-    config: TrainConfig, seeds: int, out_dir: Path | None = None, json_path: Path | None = None
+    config: TrainConfig,
+    seeds: int,
+    out_dir: Path | None = None,
+    json_path: Path | None = None,
+    ablate: bool = False,
 ) -> dict[str, Any]:
     """:func:`compare` for ``seeds`` consecutive seeds (``config.seed``, ``config.seed + 1``, ...),
     each in ``<run>/seed<S>``, plus ``<run>/compare_seeds.{json,md}``.
@@ -84,7 +92,7 @@ def compare_seeds(
         raise GRPOPartsError(f"name: folder {str(out_dir)!r} already exists; choose another --name")
     per_seed = []
     for s in range(config.seed, config.seed + seeds):
-        res = compare(config.model_copy(update={"seed": s}), out_dir / f"seed{s}")
+        res = compare(config.model_copy(update={"seed": s}), out_dir / f"seed{s}", ablate=ablate)
         res.pop("markdown", None)
         per_seed.append(res)
     result = aggregate_seeds(per_seed, config.target_accuracy, list(range(config.seed, config.seed + seeds)))

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .ablation import ablation_lines, isolated_bound
 from .metrics import eval_curve, summarize
 from .phases import phase_breakdown
 
@@ -150,6 +151,7 @@ def write_compare(
         "step_speedup": step_speedup,
         "accuracy_diff": diff,
         **phase_breakdown(ref, opt),
+        **(isolated_bound(sums, step_speedup) if len(sums) > 2 else {}),
         "mean_step_speedup": step_speedup,
         "final_accuracy_diff": diff,
         "passes": bool(speedup is not None and speedup >= 3.0 and diff is not None and abs(diff) <= 0.03),
@@ -206,6 +208,7 @@ def write_compare(
         "",
         *phase_lines(result),
         "",
+        *ablation_lines(result),
         "![compare](compare.png)",
     ]
     (out_dir / "compare.md").write_text("\n".join(lines) + "\n")

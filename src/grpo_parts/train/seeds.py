@@ -5,7 +5,8 @@ JSON keys (a contract, tested): ``speedup_to_target`` (median over seeds), ``ste
 step spent in rollout), ``amdahl_bound`` (median), ``phases`` (per phase, the median of each field);
 ``per_seed`` holds every seed's ``compare.json`` with the same keys. Also: ``medians`` (per arm:
 time to target, steps to target, step time, final accuracy), ``goals`` (issue 17's targets, each
-with its value and whether it is met), and the older keys ``median_speedup_to_target``,
+with its value and whether it is met), with ``--ablate`` also ``amdahl_isolated``, ``composition`` and
+``ablation`` (see :mod:`.ablation`), and the older keys ``median_speedup_to_target``,
 ``speedups_to_target``, ``mean_step_speedup``, ``mean_final_accuracy_diff``, ``passes``.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from .ablation import ablation_lines, aggregate_ablation
 from .phases import median_phases
 
 #: per-arm summary fields reported per seed and as medians
@@ -53,6 +55,10 @@ def aggregate_seeds(per_seed: list[dict[str, Any]], target: float, seeds: list[i
         "mean_step_speedup_ge_2": (step_mean, step_mean is not None and step_mean >= 2.0),
         "step_speedup_ge_0.8_amdahl": (efficiency, efficiency is not None and efficiency >= 0.8),
     }
+    ablation = aggregate_ablation(per_seed)
+    if ablation:  # the stronger check: measured vs the speedup the parts' isolated gains predict
+        comp = ablation["composition"]
+        goals["composition_ge_0.8"] = (comp, comp is not None and comp >= 0.8)
     return {
         "target_accuracy": target,
         "seeds": seeds,
@@ -63,6 +69,7 @@ def aggregate_seeds(per_seed: list[dict[str, Any]], target: float, seeds: list[i
         "amdahl_bound": amdahl,
         "phases": median_phases(per_seed),
         "medians": medians,
+        **ablation,
         "goals": {k: {"value": v, "met": ok} for k, (v, ok) in goals.items()},
         "median_speedup_to_target": med,
         "speedups_to_target": [r["speedup_to_target"] for r in per_seed],
@@ -106,7 +113,10 @@ def seeds_markdown(result: dict[str, Any]) -> list[str]:
         f"| {_f(m['reference']['final_accuracy'], '.3f')} / {_f(m['optimized']['final_accuracy'], '.3f')} "
         f"| {_f(result['accuracy_diff'], '+.3f')} (mean) |"
     )
-    lines += ["", "Phases (medians over seeds):", "", *phase_lines(result), "", "Goals:", ""]
+    lines += ["", "Phases (medians over seeds):", "", *phase_lines(result), ""]
+    if result.get("ablation"):
+        lines += ["Ablation, medians over seeds (accuracy difference: mean).", "", *ablation_lines(result)]
+    lines += ["Goals:", ""]
     for name, g in result["goals"].items():
         lines.append(f"- {name}: {_f(g['value'], '.3f')} -> {'met' if g['met'] else 'not met'}")
     return lines
