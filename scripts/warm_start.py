@@ -15,6 +15,8 @@ The policy then answers right only a few times in a hundred when sampling and ~1
 greedy; the reward is exact match on the final answer, so GRPO has a clear signal and most of the way
 to go. The result is a transformers checkpoint folder (config.json, model.safetensors, tokenizer
 files) under ``src/grpo_parts/assets/tiny_adder``; ``grpo-parts train`` loads it like any ``--model``.
+The policy trains as a qwen2 and is saved as the same function in a llama folder
+(:func:`grpo_parts.tiny.qwen2_as_llama`, bit-identical logits), so ``AutoTokenizer`` keeps its tokenizer.
 
     python scripts/warm_start.py     # ~12 min on a busy 2-core CPU; 1 thread, deterministic: on the project's
                                      # machine it reproduces the committed model.safetensors bit for bit
@@ -44,7 +46,7 @@ from grpo_parts.task.data import eval_accuracy
 from grpo_parts.task.reasoning import CHARS as REASONING_CHARS
 from grpo_parts.task.reasoning import ReasoningConfig, ReasoningTask
 from grpo_parts.task.tokenizer import CHARS, EOS_ID, PAD_ID, build_hf_tokenizer
-from grpo_parts.tiny import tiny_causal_lm
+from grpo_parts.tiny import qwen2_as_llama, tiny_causal_lm
 
 ASSETS = Path(__file__).resolve().parents[1] / "src" / "grpo_parts" / "assets"
 #: task -> (output folder, tokenizer characters, max positions, eval max_new_tokens, default lr)
@@ -180,7 +182,9 @@ def main() -> None:
             break
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    # trained as qwen2, shipped as the same function in a llama folder: AutoTokenizer (transformers 5)
+    # ignores the declared tokenizer class of qwen2 folders and drops the character tokenizer's spaces
+    qwen2_as_llama(model).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     portable_tokenizer_config(out)  # loadable by transformers 4.x too
     print(f"saved {out}")

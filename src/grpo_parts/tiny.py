@@ -124,3 +124,37 @@ def tiny_causal_lm(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model.eval()
+
+
+#: qwen2 config keys a llama config has no use for
+_QWEN2_ONLY = ("model_type", "architectures", "use_sliding_window", "sliding_window", "max_window_layers",
+               "layer_types", "transformers_version", "_name_or_path", "dtype", "torch_dtype")  # fmt: skip
+
+
+def qwen2_as_llama(model: torch.nn.Module) -> torch.nn.Module:
+    """The same function as a ``LlamaForCausalLM`` (``attention_bias=True``, ``o_proj`` bias 0).
+
+    Why: from transformers 5, ``AutoTokenizer`` loads every ``qwen2`` folder with Qwen2's own
+    tokenizer class, whatever ``tokenizer_config.json`` declares, and that class drops the spaces of
+    the built-in character tokenizer. A llama folder keeps its declared class, so the shipped warm
+    starts and every run's ``model/`` export load correctly with ``AutoTokenizer`` and vLLM.
+    Qwen2 is llama with q/k/v biases; llama's ``attention_bias`` adds those plus an ``o_proj`` bias,
+    which is set to 0, so the logits are the same.
+    """
+    import transformers
+
+    src = model.config
+    if src.model_type != "qwen2" or getattr(src, "use_sliding_window", False):
+        raise GRPOPartsError(f"model: expected a qwen2 without sliding window, got {src.model_type!r}")
+    kw = {k: v for k, v in src.to_dict().items() if k not in _QWEN2_ONLY}
+    config = transformers.LlamaConfig(**{**kw, "attention_bias": True, "mlp_bias": False})
+    config._attn_implementation = src._attn_implementation
+    llama = transformers.LlamaForCausalLM(config).to(next(model.parameters()).dtype)
+    missing, unexpected = llama.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or any(not k.endswith("o_proj.bias") for k in missing):
+        raise GRPOPartsError(f"model: qwen2 -> llama mismatch: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for layer in llama.model.layers:
+            layer.self_attn.o_proj.bias.zero_()
+    llama.generation_config = model.generation_config
+    return llama.eval()

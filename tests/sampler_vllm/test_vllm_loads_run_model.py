@@ -46,6 +46,11 @@ def test_the_run_folder_model_loads_in_vllm(tmp_path: Path) -> None:
             [TokensPrompt(prompt_token_ids=ids) for ids in prompts],
             SamplingParams(temperature=0.0, max_tokens=new),  # stops after EOS, as generate does
         )
+        # vLLM's own tokenizer of the folder (AutoTokenizer inside) keeps the character tokenizer's
+        # spaces: the built-in warm starts ship as llama folders for this (docs/training.md)
+        text = "add the terms: a3 + b1 = 4;4"
+        chars = [tok.get_vocab()[c] for c in text]
+        assert llm.get_tokenizer().encode(text, add_special_tokens=False) == chars
     finally:
         del llm
     got = [list(o.outputs[0].token_ids) for o in outs]

@@ -65,8 +65,8 @@ def test_config_refuses_min_above_max() -> None:
 
 
 def test_the_built_in_warm_start_tokenizes_the_prompt_as_it_was_trained() -> None:
-    """One token per character, spaces included (transformers 5 would load the folder with qwen2's
-    byte-level tokenizer class, which drops spaces: load_model uses the declared class)."""
+    """One token per character, spaces included (load_model uses the declared tokenizer class; plain
+    AutoTokenizer on the shipped llama folder is tested in tests/test_tiny.py)."""
     import torch
 
     from grpo_parts.train.setup import builtin_model_path, load_model
