@@ -46,3 +46,28 @@ def _tiny_overrides(model_dir: Path, out_dir: Path, **extra: Any) -> dict[str, A
 def tiny_overrides() -> Any:
     """``tiny_overrides(model_dir, out_dir, **extra) -> dict`` of dotted config overrides."""
     return _tiny_overrides
+
+
+@pytest.fixture
+def tiny_compare(tiny_model_dir: Path, tmp_path: Path) -> Any:
+    """``tiny_compare(*flags) -> (rc, json)``: ``grpo-parts train --compare`` on the tiny policy and a
+    30-problem JSONL, 2 steps, folder ``tmp_path/cmp``; ``flags`` are added (e.g. ``--seeds 2``)."""
+    import json
+
+    from grpo_parts.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(30))
+    )
+    out = tmp_path / "cmp.json"
+
+    def run(*flags: str) -> tuple[int, Any]:
+        rc = main(
+            ["train", "--compare", *flags, "--model", str(tiny_model_dir), "--data", str(data), "--out-dir",
+             str(tmp_path), "--name", "cmp", "--steps", "2", "--set", "prompts_per_step=2", "--set", "group_size=4",
+             "--set", "max_new_tokens=4", "--set", "threads=1", "--no-progress", "-q", "--json", str(out)]
+        )  # fmt: skip
+        return rc, json.loads(out.read_text()) if out.is_file() else None
+
+    return run

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from grpo_parts.cli import main
 from grpo_parts.train.ablation import ablation_configs, isolated_bound
 from grpo_parts.train.config import REFERENCE_PARTS, TrainConfig
 
@@ -55,20 +54,9 @@ def test_isolated_bound_multiplies_each_phases_isolated_ratios() -> None:
     assert arm["accuracy_diff"] == pytest.approx(-0.05) and arm["step_speedup"] == pytest.approx(10.1 / 7.1)
 
 
-def test_compare_ablate_over_seeds_runs_every_arm(tiny_model_dir: Path, tmp_path: Path) -> None:
-    data = tmp_path / "d.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(30))
-    )
-    out = tmp_path / "seeds.json"
-    rc = main(
-        ["train", "--compare", "--ablate", "--seeds", "2", "--model", str(tiny_model_dir), "--data", str(data),
-         "--out-dir", str(tmp_path), "--name", "cmp", "--steps", "2", "--set", "prompts_per_step=2",
-         "--set", "group_size=4", "--set", "max_new_tokens=4", "--set", "threads=1", "--no-progress", "-q",
-         "--json", str(out)]
-    )  # fmt: skip
+def test_compare_ablate_over_seeds_runs_every_arm(tmp_path: Path, tiny_compare: Any) -> None:
+    rc, res = tiny_compare("--ablate", "--seeds", "2")
     assert rc == 0
-    res = json.loads(out.read_text())
     arms = {"only_sampler", "only_attention", "only_filter"}
     for r in (res, *res["per_seed"]):
         assert set(r["ablation"]["arms"]) == arms

@@ -127,19 +127,9 @@ def test_a_run_that_crashes_is_marked_failed(
     assert not (tmp_path / "c" / "report.md").exists()
 
 
-def test_jsonl_run_and_compare(tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any) -> None:
-    data = tmp_path / "d.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(30))
-    )
-    out = tmp_path / "cmp.json"
-    rc = main(
-        ["train", "--compare", "--model", str(tiny_model_dir), "--data", str(data), "--out-dir", str(tmp_path), "--name", "cmp",
-         "--steps", "2", "--set", "prompts_per_step=2", "--set", "group_size=4", "--set", "max_new_tokens=4",
-         "--set", "threads=1", "--no-progress", "-q", "--json", str(out)]
-    )  # fmt: skip
+def test_jsonl_run_and_compare(tmp_path: Path, tiny_compare: Any) -> None:
+    rc, res = tiny_compare()
     assert rc == 0
-    res = json.loads(out.read_text())
     for key in ("target_accuracy", "speedup_to_target", "final_accuracy_diff", "mean_step_speedup", "runs"):
         assert key in res
     assert set(res["runs"]) == {"reference", "optimized"}
@@ -160,20 +150,9 @@ def test_bench_e2e_is_the_compare_command(capsys: pytest.CaptureFixture[str]) ->
     assert "--json" in capsys.readouterr().out
 
 
-def test_compare_over_seeds(tiny_model_dir: Path, tmp_path: Path) -> None:
-    data = tmp_path / "d.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(30))
-    )
-    out = tmp_path / "seeds.json"
-    rc = main(
-        ["train", "--compare", "--seeds", "2", "--seed", "3", "--model", str(tiny_model_dir), "--data", str(data),
-         "--out-dir", str(tmp_path), "--name", "cmp", "--steps", "2", "--set", "prompts_per_step=2",
-         "--set", "group_size=4", "--set", "max_new_tokens=4", "--set", "threads=1", "--no-progress", "-q",
-         "--json", str(out)]
-    )  # fmt: skip
+def test_compare_over_seeds(tmp_path: Path, tiny_compare: Any) -> None:
+    rc, res = tiny_compare("--seeds", "2", "--seed", "3")
     assert rc == 0
-    res = json.loads(out.read_text())
     assert res["seeds"] == [3, 4] and len(res["per_seed"]) == 2
     for key in ("median_speedup_to_target", "mean_step_speedup", "mean_final_accuracy_diff", "passes"):
         assert key in res
