@@ -79,6 +79,9 @@ def assert_equivalent(model, batch, kernel, temperature=1.0, tol=(ATOL, 0.0), **
     backend = SharedPrefixAttention(kernel, **options)
     out, out_g = logps_and_grads(backend, model, batch, temperature)
     atol, rtol = tol
+    if options.get("chunk_overhead_tokens", 0) < 0:  # a split was asked for: it must have happened
+        groups = int(torch.unique(batch.group_index).numel())
+        assert backend.last_plan["chunks"] == min(options.get("max_chunks", 8), groups)
     torch.testing.assert_close(out.logprobs, ref.logprobs, atol=atol, rtol=rtol)
     torch.testing.assert_close(out.entropies, ref.entropies, atol=atol, rtol=rtol)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -95,7 +98,7 @@ def cases(draw):  # type: ignore[no-untyped-def]
     heads = kv * draw(st.sampled_from([1, 2]))
     head_dim = draw(st.sampled_from([4, 8]))
     layers = draw(st.integers(1, 2))
-    groups = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    groups = draw(st.lists(st.integers(1, 3), min_size=1, max_size=4))
     return dict(
         family=family,
         heads=heads,
@@ -108,7 +111,10 @@ def cases(draw):  # type: ignore[no-untyped-def]
         kernel=draw(st.sampled_from(kernels_for(family))),
         temperature=draw(st.sampled_from([1.0, 0.7])),
         seed=draw(st.integers(0, 2**16)),
-    )
+        # several grids (groups split by completion length); a negative overhead forces the split
+        chunks=draw(st.sampled_from([{}, {"max_chunks": 2, "chunk_overhead_tokens": -1},
+                                     {"max_chunks": 8, "chunk_overhead_tokens": -1}])),
+    )  # fmt: skip
 
 
 @settings(max_examples=30, derandomize=True, deadline=None)
@@ -128,7 +134,9 @@ def test_equivalent_to_reference(case):  # type: ignore[no-untyped-def]
     batch = random_batch(
         gen, case["groups"], vocab=48, max_prompt=case["max_prompt"], max_completion=case["max_completion"]
     )
-    assert_equivalent(model, batch, case["kernel"], case["temperature"], tol=tolerance(case["family"]))
+    assert_equivalent(
+        model, batch, case["kernel"], case["temperature"], tol=tolerance(case["family"]), **case["chunks"]
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -160,6 +168,8 @@ def test_sdpa_chunking_options():  # type: ignore[no-untyped-def]
     )
     assert_equivalent(model, batch, "sdpa", chunk_elems=1)  # one slot per suffix-self chunk
     assert_equivalent(model, batch, "sdpa", suffix_flash_min=1)  # suffix-self through flash
+    for kernel in ("sdpa", "eager"):  # one grid per group
+        assert_equivalent(model, batch, kernel, max_chunks=8, chunk_overhead_tokens=-1)
 
 
 def test_no_grad_forwards_and_flex():  # type: ignore[no-untyped-def]

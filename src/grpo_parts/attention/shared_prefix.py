@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ..compat import accepts_logits_to_keep, register_attention_function, select_attention
 from ..core import token_logprobs
 from ..errors import GRPOPartsError, NotSupportedError
+from .chunking import chunk_plan
 from .guard import architecture_reasons, layout_shortfall, text_config
 from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs, ungroup_logits
 from .protocol import LogprobBatch, LogprobOutput
@@ -136,11 +137,21 @@ def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
     return get_base(), []
 
 
+def _rows(batch: LogprobBatch, rows: torch.Tensor) -> LogprobBatch:
+    return LogprobBatch(
+        batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
+        batch.completion_mask[rows], batch.group_index[rows],
+    )  # fmt: skip
+
+
 class SharedPrefixAttention:
     """Optimized ``AttentionBackend``. ``kernel``: ``"auto"`` (default), ``"sdpa"``, ``"eager"``,
     ``"flex"``; see :mod:`.kernels` for what each supports. ``last_choice`` explains the last
     automatic choice. ``probe``: :meth:`not_supported_reasons` runs the one-token probe
-    (:func:`probe_reasons`); the check after every forward runs either way."""
+    (:func:`probe_reasons`); the check after every forward runs either way. ``max_chunks`` /
+    ``chunk_overhead_tokens``: the groups may be split into up to this many grids when that saves more
+    token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid); ``last_plan``
+    says what the last call did."""
 
     name: ClassVar[str] = "shared_prefix"
 
@@ -151,6 +162,8 @@ class SharedPrefixAttention:
         chunk_elems: int = 1 << 24,
         suffix_flash_min: int = 512,
         probe: bool = True,
+        max_chunks: int = 8,
+        chunk_overhead_tokens: int = 1024,
     ) -> None:
         from .kernels import KERNELS
 
@@ -160,7 +173,11 @@ class SharedPrefixAttention:
         self.chunk_elems = chunk_elems
         self.suffix_flash_min = suffix_flash_min
         self.probe = probe
+        self.chunk_overhead_tokens = chunk_overhead_tokens
+        self.max_chunks = max_chunks
         self.last_choice: str = ""
+        #: how the last call split the groups into grids (:func:`.chunking.chunk_plan`'s info)
+        self.last_plan: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------ capabilities
 
@@ -272,6 +289,25 @@ class SharedPrefixAttention:
             raise NotSupportedError("shared_prefix", reasons)
         kernel = self.choose_kernel(model)
         register_attention()
+        chunks, self.last_plan = chunk_plan(batch, self.chunk_overhead_tokens, self.max_chunks)
+        if len(chunks) == 1:
+            return self._one_grid(model, batch, temperature, compute_entropy, kernel)
+        # rows of different groups never attend to each other: one grid per chunk, then un-permute
+        outs = [self._one_grid(model, _rows(batch, c), temperature, compute_entropy, kernel) for c in chunks]
+        back = torch.argsort(torch.cat(chunks))
+        logps = torch.cat([o.logprobs for o in outs])[back]
+        if not compute_entropy:
+            return LogprobOutput(logps, None)
+        return LogprobOutput(logps, torch.cat([o.entropies for o in outs if o.entropies is not None])[back])
+
+    def _one_grid(
+        self,
+        model: torch.nn.Module,
+        batch: LogprobBatch,
+        temperature: float,
+        compute_entropy: bool,
+        kernel: str,
+    ) -> LogprobOutput:
         tc = _text_config(model)
         grouped = build_grouped_inputs(
             batch,

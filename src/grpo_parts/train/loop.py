@@ -232,6 +232,8 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         old, ref = self._old_and_ref(ro)
         t_logprobs = time.perf_counter() - t0
+        plan = getattr(attn, "last_plan", None)  # shared-prefix: how the groups were split into grids
+        grid_info = {"attention_grids": float(plan["chunks"])} if plan else {}
         # the sampler's own log-probs feed rollout correction (pi_train_old / pi_sampler)
         sampler_lp = ro.logprobs if cfg.loss.correction.level != "off" else None
         entropy = cfg.loss.entropy_coef > 0
@@ -264,7 +266,7 @@ class GRPOTrainer:
                 info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / len(chunks)
         self.policy.eval()
         info["time_logprobs"] = t_logprobs
-        return info
+        return {**info, **grid_info}
 
     def evaluate(self) -> tuple[float, float]:
         """Held-out accuracy (greedy by default) with the plain reference sampler, and its time."""
