@@ -59,3 +59,23 @@ def test_long_tail_is_split_and_beats_the_repeated_layout() -> None:
     chunks, info = chunk_plan(_batch(groups, lengths, prompt=110), 1024, 8)
     assert info["single_grid_slots"] > info["repeated_slots"] > info["grid_slots"]
     assert len(chunks) > 1
+
+
+def test_a_model_sharded_across_processes_keeps_one_grid() -> None:
+    """FSDP / ZeRO / DDP run collectives in every forward: ranks whose batches would split into
+    different numbers of grids must not, so ``max_chunks=None`` means one grid there."""
+    from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+    from grpo_parts.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm("llama", vocab_size=16, hidden_size=16, num_layers=1, num_heads=2)
+    batch = _batch([2, 1, 3], [3, 9, 1, 6])
+    local = SharedPrefixAttention(chunk_overhead_tokens=-1)
+    local.completion_logprobs(model, batch)
+    assert local.last_plan["chunks"] == 3
+    next(model.parameters()).ds_id = 0  # type: ignore[attr-defined]  # what DeepSpeed ZeRO-3 marks
+    sharded = SharedPrefixAttention(chunk_overhead_tokens=-1)
+    sharded.completion_logprobs(model, batch)
+    assert sharded.last_plan["chunks"] == 1
+    explicit = SharedPrefixAttention(chunk_overhead_tokens=-1, max_chunks=2)  # the user's choice wins
+    explicit.completion_logprobs(model, batch)
+    assert explicit.last_plan["chunks"] == 2

@@ -150,7 +150,8 @@ class SharedPrefixAttention:
     automatic choice. ``probe``: :meth:`not_supported_reasons` runs the one-token probe
     (:func:`probe_reasons`); the check after every forward runs either way. ``max_chunks`` /
     ``chunk_overhead_tokens``: the groups may be split into up to this many grids when that saves more
-    token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid); ``last_plan``
+    token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid; ``None`` = 8 on
+    one process, 1 for a model sharded across processes, see :meth:`_max_chunks`); ``last_plan``
     says what the last call did."""
 
     name: ClassVar[str] = "shared_prefix"
@@ -162,7 +163,7 @@ class SharedPrefixAttention:
         chunk_elems: int = 1 << 24,
         suffix_flash_min: int = 512,
         probe: bool = True,
-        max_chunks: int = 8,
+        max_chunks: int | None = None,
         chunk_overhead_tokens: int = 1024,
     ) -> None:
         from .kernels import KERNELS
@@ -289,7 +290,7 @@ class SharedPrefixAttention:
             raise NotSupportedError("shared_prefix", reasons)
         kernel = self.choose_kernel(model)
         register_attention()
-        chunks, self.last_plan = chunk_plan(batch, self.chunk_overhead_tokens, self.max_chunks)
+        chunks, self.last_plan = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
         if len(chunks) == 1:
             return self._one_grid(model, batch, temperature, compute_entropy, kernel)
         # rows of different groups never attend to each other: one grid per chunk, then un-permute
@@ -299,6 +300,14 @@ class SharedPrefixAttention:
         if not compute_entropy:
             return LogprobOutput(logps, None)
         return LogprobOutput(logps, torch.cat([o.entropies for o in outs if o.entropies is not None])[back])
+
+    def _max_chunks(self, model: torch.nn.Module) -> int:
+        """``max_chunks``, or for ``None``: 8 grids on one process, 1 when the model is sharded across
+        processes (FSDP, ZeRO, DDP): every forward runs collectives, and ranks whose batches split
+        into different numbers of grids would wait on each other forever."""
+        if self.max_chunks is not None:
+            return self.max_chunks
+        return 1 if _sharded(model) else 8
 
     def _one_grid(
         self,
