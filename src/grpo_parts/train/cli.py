@@ -18,7 +18,7 @@ from ..errors import GRPOPartsError
 
 #: How long ``grpo-parts train`` (the main job, default settings) takes; quoted verbatim in README.md,
 #: docs/training.md and ``--help``. Re-measure and update all three through this constant.
-MAIN_JOB_RUNTIME = "about 1.5 min on an idle 2-core CPU"
+MAIN_JOB_RUNTIME = "about 70 s on an idle 2-core CPU"
 
 DESCRIPTION = (
     "GRPO training run: by default a tiny committed policy on the built-in reasoning-shaped task (a long "
