@@ -143,13 +143,14 @@ def qwen2_as_llama(model: torch.nn.Module) -> torch.nn.Module:
     """
     import transformers
 
-    src = model.config
+    src: Any = model.config
     if src.model_type != "qwen2" or getattr(src, "use_sliding_window", False):
         raise GRPOPartsError(f"model: expected a qwen2 without sliding window, got {src.model_type!r}")
     kw = {k: v for k, v in src.to_dict().items() if k not in _QWEN2_ONLY}
     config = transformers.LlamaConfig(**{**kw, "attention_bias": True, "mlp_bias": False})
     config._attn_implementation = src._attn_implementation
-    llama = transformers.LlamaForCausalLM(config).to(next(model.parameters()).dtype)
+    llama: Any = transformers.LlamaForCausalLM(config)
+    llama = llama.to(next(model.parameters()).dtype)
     missing, unexpected = llama.load_state_dict(model.state_dict(), strict=False)
     if unexpected or any(not k.endswith("o_proj.bias") for k in missing):
         raise GRPOPartsError(f"model: qwen2 -> llama mismatch: missing {missing}, unexpected {unexpected}")
