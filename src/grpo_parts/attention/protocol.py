@@ -65,6 +65,13 @@ class LogprobBatch:
                 f"LogprobBatch.prompt_mask: expected >= 1 prompt token per row, row {int(empty.nonzero()[0])} has 0"
             )
 
+    def select(self, rows: torch.Tensor) -> LogprobBatch:
+        """Keep ``rows: [K]`` (in that order); ``group_index`` keeps its prompt numbering."""
+        return LogprobBatch(
+            self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
+            self.completion_mask[rows], self.group_index[rows],
+        )  # fmt: skip
+
     @classmethod
     def from_rollout(cls, rollout: Rollout) -> LogprobBatch:
         return cls(

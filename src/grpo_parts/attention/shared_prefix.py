@@ -137,13 +137,6 @@ def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
     return get_base(), []
 
 
-def _rows(batch: LogprobBatch, rows: torch.Tensor) -> LogprobBatch:
-    return LogprobBatch(
-        batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
-        batch.completion_mask[rows], batch.group_index[rows],
-    )  # fmt: skip
-
-
 class SharedPrefixAttention:
     """Optimized ``AttentionBackend``. ``kernel``: ``"auto"`` (default), ``"sdpa"``, ``"eager"``,
     ``"flex"``; see :mod:`.kernels` for what each supports. ``last_choice`` explains the last
@@ -294,7 +287,7 @@ class SharedPrefixAttention:
         if len(chunks) == 1:
             return self._one_grid(model, batch, temperature, compute_entropy, kernel)
         # rows of different groups never attend to each other: one grid per chunk, then un-permute
-        outs = [self._one_grid(model, _rows(batch, c), temperature, compute_entropy, kernel) for c in chunks]
+        outs = [self._one_grid(model, batch.select(c), temperature, compute_entropy, kernel) for c in chunks]
         back = torch.argsort(torch.cat(chunks))
         logps = torch.cat([o.logprobs for o in outs])[back]
         if not compute_entropy:

@@ -241,10 +241,7 @@ class GRPOTrainer:
         info: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
         chunks = split_groups(ro.group_index, cfg.minibatches)
         for rows in chunks:
-            sub = LogprobBatch(
-                batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
-                batch.completion_mask[rows], batch.group_index[rows],
-            )  # fmt: skip
+            sub = batch.select(rows)
             lp = attn.completion_logprobs(self.policy, sub, temp, compute_entropy=entropy)
             logps = lp.logprobs
             out = grpo_loss(
