@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import REFERENCE_PARTS, TrainConfig
-from .phases import PHASES
+from .phases import PHASES, mean_of, median_of
 
 #: ablation arm -> the PartsConfig fields it takes from the optimized config
 PART_FIELDS: dict[str, tuple[str, ...]] = {
@@ -67,10 +67,10 @@ def isolated_bound(sums: dict[str, dict[str, Any]], step_speedup: float | None) 
         }
     predicted: dict[str, float] = {}
     for p in PHASES:
-        t = _phase_s(ref, p)
-        for s in arms.values():
-            if _phase_s(ref, p) > 0:
-                t *= _phase_s(s, p) / _phase_s(ref, p)
+        t = r = _phase_s(ref, p)
+        if r > 0:
+            for s in arms.values():
+                t *= _phase_s(s, p) / r
         predicted[p] = t
     named_ref = sum(_phase_s(ref, p) for p in PHASES)
     total = sum(predicted.values()) + max(t_ref - named_ref, 0.0)
@@ -114,28 +114,20 @@ def ablation_lines(result: dict[str, Any]) -> list[str]:
 def aggregate_ablation(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     """Over seeds: the medians of ``amdahl_isolated``, ``composition`` and each arm's phase ratios and
     step speedup, and each arm's mean accuracy difference ({} when no seed ran the ablation)."""
-    import statistics
-
     runs = [r for r in per_seed if r.get("ablation")]
     if not runs:
         return {}
-
-    def med(vals: list[Any]) -> float | None:
-        vals = [v for v in vals if v is not None]
-        return statistics.median(vals) if vals else None
-
     arms: dict[str, Any] = {}
     for name in runs[0]["ablation"]["arms"]:
         rows = [r["ablation"]["arms"][name] for r in runs if name in r["ablation"]["arms"]]
-        diffs = [a["accuracy_diff"] for a in rows if a["accuracy_diff"] is not None]
         arms[name] = {
-            "phase_ratios": {p: med([a["phase_ratios"][p] for a in rows]) for p in PHASES},
-            "step_speedup": med([a["step_speedup"] for a in rows]),
-            "final_accuracy": med([a["final_accuracy"] for a in rows]),
-            "accuracy_diff": statistics.fmean(diffs) if diffs else None,
+            "phase_ratios": {p: median_of([a["phase_ratios"][p] for a in rows]) for p in PHASES},
+            "step_speedup": median_of([a["step_speedup"] for a in rows]),
+            "final_accuracy": median_of([a["final_accuracy"] for a in rows]),
+            "accuracy_diff": mean_of([a["accuracy_diff"] for a in rows]),
         }
     return {
         "ablation": {"arms": arms},
-        "amdahl_isolated": med([r["amdahl_isolated"] for r in runs]),
-        "composition": med([r["composition"] for r in runs]),
+        "amdahl_isolated": median_of([r["amdahl_isolated"] for r in runs]),
+        "composition": median_of([r["composition"] for r in runs]),
     }

@@ -23,6 +23,18 @@ PHASES = {
 }
 
 
+def median_of(vals: list[Any]) -> float | None:
+    """The median of the values that are not None (None when there are none): seeds may lack a value."""
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def mean_of(vals: list[Any]) -> float | None:
+    """The mean of the values that are not None (None when there are none)."""
+    vals = [v for v in vals if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
 def _ratio(ref: float, opt: float) -> float | None:
     return ref / opt if opt > 0 else None
 
@@ -64,6 +76,5 @@ def median_phases(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     for name in names:
         out[name] = {}
         for field in ("reference_s", "optimized_s", "ratio", "share"):
-            vals = [r["phases"][name][field] for r in per_seed if r["phases"][name][field] is not None]
-            out[name][field] = statistics.median(vals) if vals else None
+            out[name][field] = median_of([r["phases"][name][field] for r in per_seed])
     return out

@@ -12,37 +12,26 @@ with its value and whether it is met), with ``--ablate`` also ``amdahl_isolated`
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from .ablation import ablation_lines, aggregate_ablation
-from .phases import median_phases
+from .phases import mean_of, median_of, median_phases
 
 #: per-arm summary fields reported per seed and as medians
 ARM_FIELDS = ("time_to_target_s", "steps_to_target", "mean_step_s", "final_accuracy")
 
 
-def _median(vals: list[Any]) -> float | None:
-    vals = [v for v in vals if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def _mean(vals: list[Any]) -> float | None:
-    vals = [v for v in vals if v is not None]
-    return statistics.fmean(vals) if vals else None
-
-
 def aggregate_seeds(per_seed: list[dict[str, Any]], target: float, seeds: list[int]) -> dict[str, Any]:
-    med = _median([r["speedup_to_target"] for r in per_seed])
-    step_med = _median([r["step_speedup"] for r in per_seed])
-    step_mean = _mean([r["step_speedup"] for r in per_seed])
-    diff = _mean([r["accuracy_diff"] for r in per_seed])
-    amdahl = _median([r["amdahl_bound"] for r in per_seed])
+    med = median_of([r["speedup_to_target"] for r in per_seed])
+    step_med = median_of([r["step_speedup"] for r in per_seed])
+    step_mean = mean_of([r["step_speedup"] for r in per_seed])
+    diff = mean_of([r["accuracy_diff"] for r in per_seed])
+    amdahl = median_of([r["amdahl_bound"] for r in per_seed])
     medians = {
-        arm: {f: _median([r["runs"][arm][f] for r in per_seed]) for f in ARM_FIELDS}
+        arm: {f: median_of([r["runs"][arm][f] for r in per_seed]) for f in ARM_FIELDS}
         for arm in ("reference", "optimized")
     }
-    efficiency = _median(
+    efficiency = median_of(
         [
             r["step_speedup"] / r["amdahl_bound"]
             for r in per_seed
@@ -65,7 +54,7 @@ def aggregate_seeds(per_seed: list[dict[str, Any]], target: float, seeds: list[i
         "speedup_to_target": med,
         "step_speedup": step_med,
         "accuracy_diff": diff,
-        "rollout_share": _median([r["rollout_share"] for r in per_seed]),
+        "rollout_share": median_of([r["rollout_share"] for r in per_seed]),
         "amdahl_bound": amdahl,
         "phases": median_phases(per_seed),
         "medians": medians,
