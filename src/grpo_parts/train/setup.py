@@ -21,6 +21,7 @@ from ..task.data import Task
 from ..task.jsonl import JsonlTask
 from ..task.reasoning import ReasoningConfig, ReasoningTask
 from .config import TrainConfig
+from .threads import calibrate_threads
 
 log = logging.getLogger("grpo_parts.train")
 
@@ -172,6 +173,10 @@ def load_setup(config: TrainConfig) -> Setup:
             f"scripts/warm_start.py --task {config.task.name}"
         )
     policy, tok = load_model(path, dtype, device, progress=config.progress)
+    if not threads and device.type == "cpu":  # --model on the CPU: measured, not torch's default
+        notes.append(
+            calibrate_threads(policy, config.prompts_per_step * config.group_size, config.max_new_tokens)[1]
+        )
     ref_model = None
     if config.loss.kl_coef > 0 or config.advantage.kl_coef > 0:  # KL in the loss or in the reward
         ref_model = copy.deepcopy(policy).eval()
