@@ -171,10 +171,10 @@ class SpeculativeSampler:
         if why:
             raise NotSupportedError(self.name, [why])
         if self.config.draft_tokens is None and (self.cost is None or max(self.cost.batch_sizes) < n):
-            ctx = width + params.max_new_tokens // 2
+            clen = width + params.max_new_tokens // 2
             if window is not None:  # the calibration cache must fit the window too
-                ctx = max(1, min(ctx, window - 2 - self.config.max_draft_tokens))
-            self.calibrate(n, ctx, params)
+                clen = max(1, min(clen, window - 2 - self.config.max_draft_tokens))
+            self.calibrate(n, clen, params)
         draft.reset(ids, pmask, group)
         st = DecodeState.prefill(model, prompts, params, expanded, draft.needs_hidden_states, generator)  # type: ignore[arg-type]
         st.window = window
