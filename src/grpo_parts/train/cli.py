@@ -109,7 +109,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "composed (amdahl_isolated) and measured / predicted (composition); about 2.5x the time",
     )
     parser.add_argument(
-        "--resume", type=Path, metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint"
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its last checkpoint (or RUN_DIR/checkpoints/step-N from that one)",
+    )
+    parser.add_argument(
+        "--rewind",
+        action="store_true",
+        help="--resume from an earlier checkpoint of a run that went further: move the later state "
+        "(checkpoints, model/, a copy of the other files) aside into RUN_DIR/rewound-K/ first",
     )
 
 
@@ -307,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if getattr(args, "rewind", False) and args.resume is None:
+        raise GRPOPartsError("--rewind: only used with --resume, got it without")
     if args.compare:
         from .compare import compare, compare_seeds
 
@@ -328,7 +339,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.no_progress:
             overrides["progress"] = False
         cfg = resume_config(args.resume, overrides)
-        result = train(cfg, run_dir=args.resume, resume=True)
+        result = train(cfg, run_dir=args.resume, resume=True, rewind=args.rewind)
     else:
         result = train(config_from_args(args))
     s = result.summary

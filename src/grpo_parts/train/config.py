@@ -215,7 +215,21 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise GRPOPartsError(f"--set: expected KEY=VALUE (e.g. parts.filter=keep_all), got {item!r}")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise GRPOPartsError(
+            f"--set {item}: the value is not valid YAML ({_yaml_problem(e, False)}); expected a YAML value, "
+            "e.g. 0.01, keep_all, '{pruning_rate: 0.5}' (quote it in the shell)"
+        ) from None
+
+
+def _yaml_problem(e: Exception, where: bool = True) -> str:
+    """PyYAML's error as one line: what is wrong and (``where``) at which line and column."""
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    at = f"line {mark.line + 1}, column {mark.column + 1}: " if where and mark is not None else ""
+    return f"{at}{problem}"
 
 
 def load_config(
@@ -232,7 +246,13 @@ def load_config(
         p = Path(path)
         if not p.is_file():
             raise GRPOPartsError(f"config: no such file {str(p)!r}")
-        loaded = yaml.safe_load(p.read_text())
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            what = _yaml_problem(e) if isinstance(e, yaml.YAMLError) else "not UTF-8 text"
+            raise GRPOPartsError(
+                f"config: {str(p)!r} is not valid YAML ({what}); expected a YAML mapping of TrainConfig fields"
+            ) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise GRPOPartsError(
                 f"config: expected a YAML mapping in {str(p)!r}, got {type(loaded).__name__}"

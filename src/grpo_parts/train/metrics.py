@@ -63,6 +63,16 @@ def final_accuracy(rows: list[dict[str, Any]], last: int = 3) -> float | None:
     return sum(accs) / len(accs) if accs else None
 
 
+#: the accuracy goal of ``--compare``: the optimized arm's final accuracy within this of the reference's,
+#: or better (an optimized arm that learns more is no failure)
+ACCURACY_TOLERANCE = 0.03
+
+
+def accuracy_goal_met(diff: float | None) -> bool:
+    """``diff`` (optimized - reference final accuracy) is within :data:`ACCURACY_TOLERANCE` or better."""
+    return diff is not None and diff >= -ACCURACY_TOLERANCE
+
+
 def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
     """Headline numbers of one run."""
     curve = eval_curve(rows)

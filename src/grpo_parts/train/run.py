@@ -36,6 +36,7 @@ from .loop import GRPOTrainer
 from .metrics import MetricsWriter, read_metrics
 from .parts import build_parts
 from .report import write_report
+from .rewind import check_rewind, move_aside
 from .samples import SampleLog
 from .setup import hf_progress, load_setup
 from .status import check_not_running, write_status
@@ -102,9 +103,14 @@ class RunSession:
     """
 
     def __init__(
-        self, config: TrainConfig, run_dir: Path | None = None, resume: bool = False, title: str = ""
+        self,
+        config: TrainConfig,
+        run_dir: Path | None = None,
+        resume: bool = False,
+        title: str = "",
+        rewind: bool = False,
     ):
-        self.config, self.resume, self.title = config, resume, title
+        self.config, self.resume, self.title, self.rewind = config, resume, title, rewind
         ckpt = None
         if resume:
             if run_dir is None:
@@ -119,6 +125,8 @@ class RunSession:
         if ckpt is not None:
             self._load(ckpt)
             self.start_step = self.finished = ckpt.step
+            if rewind:  # everything validated: only now is the later state moved aside
+                move_aside(self.run_dir, ckpt.step)
         self.cfg_json = config.model_dump(mode="json", exclude_unset=True)  # defaults stay defaults on resume
         self._open_folder()
         self.done = self.start_step >= config.steps
@@ -133,6 +141,7 @@ class RunSession:
         status = check_not_running(self.run_dir)
         completed = status is not None and status.get("status") == "completed"
         check_resume_steps(self.run_dir, meta, self.config.steps, completed)
+        check_rewind(self.run_dir, meta, self.rewind)
         return load_checkpoint(meta.folder)[1]
 
     def _load(self, ckpt: Checkpoint) -> None:
@@ -265,13 +274,18 @@ def postfix(session: RunSession, row: dict[str, Any]) -> dict[str, str]:
 
 
 def train(
-    config: TrainConfig, run_dir: Path | None = None, resume: bool = False, title: str = ""
+    config: TrainConfig,
+    run_dir: Path | None = None,
+    resume: bool = False,
+    title: str = "",
+    rewind: bool = False,
 ) -> RunResult:
     """Run ``config`` into ``run_dir`` (default ``out_dir/name``); ``resume`` continues from its checkpoint
-    (``run_dir`` is then the run folder, or one of its ``checkpoints/step-NNNNNN`` folders).
+    (``run_dir`` is then the run folder, or one of its ``checkpoints/step-NNNNNN`` folders; an earlier
+    checkpoint than the newest needs ``rewind``, which moves the later state aside: :mod:`.rewind`).
 
     Raises :class:`~.interrupt.Interrupted` on SIGINT/SIGTERM, after saving what resumes."""
-    session = RunSession(config, run_dir, resume, title)
+    session = RunSession(config, run_dir, resume, title, rewind)
     with StopRequest(session.note_stop) as stop:
         try:
             _steps(session, stop)
