@@ -143,4 +143,6 @@ def compact_cache(cache: Any, mask: torch.Tensor) -> torch.Tensor | None:
             continue
         g = idx[:, None, :, None].expand(-1, ly.keys.shape[1], -1, ly.keys.shape[-1])
         ly.keys, ly.values = ly.keys.gather(2, g), ly.values.gather(2, g)
+        if hasattr(ly, "cumulative_length"):  # sliding-window layers size their masks from it
+            ly.cumulative_length = ly.keys.shape[-2]
     return mask.gather(1, idx)

@@ -25,6 +25,7 @@ from ..compat import cache_kwarg, crop_cache, output_cache, repeat_cache_rows, s
 from ..core import token_logprobs
 from ..decoding import SamplingParams, compact_cache, right_align, sample_tokens
 from ..draft.protocol import DraftContext
+from ..errors import GRPOPartsError
 from ..types import PromptBatch
 from .verify import Verifier
 
@@ -55,6 +56,9 @@ class DecodeState:
     num_new: torch.Tensor
     h_parts: list[torch.Tensor] = field(default_factory=list)
     cache_kw: str = "past_key_values"
+    #: sliding attention window of the policy (None: none); the cache is compacted before a
+    #: forward would pass ``window - 1`` columns, so the window never drops or hides a live entry
+    window: int | None = None
 
     @property
     def width(self) -> int:
@@ -139,6 +143,7 @@ class DecodeState:
     def plain_step(self, generator: torch.Generator | None) -> None:
         """One token per active row (speculation off)."""
         params, act = self.params, self.act
+        self.fit_window(1)
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
         out = self.forward(self.last[:, None], self.mask, self.next_pos[:, None])
         logits = out.logits[:, -1]
@@ -198,6 +203,7 @@ class DecodeState:
         (drawn from ``probs``, None = point masses), emit. Returns ``(n_acc, take)``."""
         params, k = self.params, tokens.shape[1]
         inp = torch.cat([self.last[:, None], tokens], 1)
+        self.fit_window(k + 1)
         self.mask = torch.cat([self.mask, torch.ones_like(inp)], 1)
         pos = self.next_pos[:, None] + torch.arange(k + 1, device=inp.device)
         out = self.forward(inp, self.mask, pos)
@@ -215,6 +221,24 @@ class DecodeState:
         if self.need_h:
             self.h_parts = [right_align(out.hidden_states[-1], n_acc + 1, k + 1, 0.0)]
         return n_acc, take
+
+    def window_room(self) -> int:
+        """The longest draft a step may verify under the sliding window (after compaction)."""
+        if self.window is None:
+            return 1 << 30
+        return self.window - 2 - int(self.mask.sum(-1).max())
+
+    def fit_window(self, new: int) -> None:
+        """Compact the cache when ``new`` more columns would pass the sliding window's ``W - 1``."""
+        if self.window is None or self.mask.shape[1] + new <= self.window - 1:
+            return
+        compacted = compact_cache(self.cache, self.mask)
+        if compacted is None or compacted.shape[1] + new > self.window - 1:
+            raise GRPOPartsError(
+                f"sliding window {self.window}: cannot fit {new} new columns after {self.mask.shape[1]} "
+                f"(compacted: {None if compacted is None else compacted.shape[1]})"
+            )
+        self.mask = compacted
 
     def release(self, num_rejected: torch.Tensor, compact_waste: float) -> None:
         """Crop the cache columns every surviving row rejected (``num_rejected: [A]`` trailing

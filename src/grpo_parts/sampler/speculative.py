@@ -27,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..draft.protocol import DraftModel, DraftTrainingBatch
-from ..errors import GRPOPartsError, NotSupportedError
+from ..errors import NotSupportedError
 from .cost_model import (
     AcceptanceEstimate,
     CostModel,
@@ -37,6 +37,7 @@ from .cost_model import (
     token_grid,
 )
 from .decode_loop import DecodeState
+from .model_support import recurrent_reasons, sliding_window, window_reason
 from .protocol import PromptBatch, Rollout, SamplingParams
 from .reference import check_model, completion_mask_from_eos, expand_prompts
 from .trace import DecodeTrace
@@ -79,9 +80,9 @@ class SpeculativeSampler:
         config: SpeculativeConfig | None = None,
         verifier: Verifier = verify_chain,
     ):
-        reasons = check_model(model)
+        reasons = check_model(model) or recurrent_reasons(model)
         if reasons:
-            raise GRPOPartsError("; ".join(reasons))
+            raise NotSupportedError(self.name, reasons)
         self.model, self.draft, self.config, self.verifier = (
             model,
             draft,
@@ -97,16 +98,12 @@ class SpeculativeSampler:
 
     # ------------------------------------------------------------------ Sampler protocol
     def not_supported_reasons(self, params: SamplingParams) -> list[str]:
-        reasons = check_model(self.model)
+        reasons = check_model(self.model) or recurrent_reasons(self.model)
         if reasons:
             return reasons
-        cfg: Any = self.model.config
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            reasons.append(
-                f"model: sliding-window attention (sliding_window={cfg.sliding_window}) is not supported: "
-                "cache holes would count against the window"
-            )
-        return reasons + self.draft.not_supported_reasons(self.model, params)
+        window = sliding_window(self.model)
+        why = None if window is None else window_reason(window, 1, params.max_new_tokens)
+        return reasons + ([why] if why else []) + self.draft.not_supported_reasons(self.model, params)
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         if policy is not self.model:
@@ -169,10 +166,18 @@ class SpeculativeSampler:
         expanded = tuple(t.to(device) for t in expand_prompts(prompts, params.group_size))
         ids, pmask, group = expanded
         n, width = ids.shape
+        window = sliding_window(model)
+        why = None if window is None else window_reason(window, width, params.max_new_tokens)
+        if why:
+            raise NotSupportedError(self.name, [why])
         if self.config.draft_tokens is None and (self.cost is None or max(self.cost.batch_sizes) < n):
-            self.calibrate(n, width + params.max_new_tokens // 2, params)
+            clen = width + params.max_new_tokens // 2
+            if window is not None:  # the calibration cache must fit the window too
+                clen = max(1, min(clen, window - 2 - self.config.max_draft_tokens))
+            self.calibrate(n, clen, params)
         draft.reset(ids, pmask, group)
         st = DecodeState.prefill(model, prompts, params, expanded, draft.needs_hidden_states, generator)  # type: ignore[arg-type]
+        st.window = window
         stats = dict.fromkeys(
             ("verify_steps", "plain_steps", "drafted", "accepted", "emitted_spec", "row_verifies"), 0.0
         )
@@ -181,7 +186,7 @@ class SpeculativeSampler:
         while st.drop_finished():
             a = st.act.numel()
             t_step, t_draft = time.perf_counter(), 0.0
-            k = self.choose_k(a, st.remaining(), step)
+            k = min(self.choose_k(a, st.remaining(), step), st.window_room())
             step += 1
             if k == 0:  # plain decoding step, as lean as the reference sampler's
                 st.plain_step(generator)
