@@ -111,7 +111,12 @@ def test_every_class(name):  # type: ignore[no-untyped-def]
     if family_missing(variant_family(name)):
         pytest.skip(family_missing(variant_family(name)))
     model = exact_model(
-        name, vocab_size=48, hidden_size=32, num_heads=4, num_kv_heads=4 if name in MLA else 2, **model_kwargs(name)
+        name,
+        vocab_size=48,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=4 if name in MLA else 2,
+        **model_kwargs(name),
     )
     context = VARIANTS.get(name, (0, 0, None))[2]
     batch = random_batch(
@@ -209,3 +214,40 @@ def test_rotary_classes_are_inspected(monkeypatch):  # type: ignore[no-untyped-d
         "model.rotary_emb (LlamaRotaryEmbedding) has rope_type ['my_length_scaled_rope']" in r
         for r in reasons
     )
+
+
+@pytest.mark.parametrize(
+    ("family", "attn", "over"),
+    [
+        (
+            "gemma2",
+            "eager",
+            {"attn_logit_softcapping": 50.0, "sliding_window": 3},
+        ),  # soft-capping, local layers
+        ("mistral", "sdpa", {"sliding_window": 3}),
+        ("qwen2", "sdpa", {}),
+    ],
+)
+def test_forward_without_layout_runs_the_models_own_attention(family, attn, over):  # type: ignore[no-untyped-def]
+    """While the shared-prefix kernel stays selected (TRL's training_step, verl's engine), a forward
+    without the layout -- generation, evaluation -- is the model's own attention, bit for bit."""
+    from grpo_parts.attention.shared_prefix import KERNEL_NAME, register_attention
+    from grpo_parts.compat import select_attention
+    from grpo_parts.tiny import tiny_causal_lm
+
+    register_attention()
+    model = tiny_causal_lm(family, vocab_size=48, attn_implementation=attn, **over)
+    ids = torch.randint(1, 48, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    gen = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        ref_gen = model.generate(ids, **gen)
+        with select_attention(model, KERNEL_NAME):
+            assert model.config._attn_implementation == KERNEL_NAME
+            out = model(input_ids=ids, attention_mask=mask).logits
+            out_gen = model.generate(ids, **gen)
+    assert torch.equal(out[mask.bool()], ref[mask.bool()])
+    assert torch.equal(out_gen, ref_gen)
+    assert model.config._attn_implementation == attn
