@@ -115,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue RUN_DIR from its last checkpoint (or RUN_DIR/checkpoints/step-N from that one)",
     )
     parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective config (--config, flags and --set applied; with --resume the run's) as "
+        "YAML that --config loads, and exit without running",
+    )
+    parser.add_argument(
         "--rewind",
         action="store_true",
         help="--resume from an earlier checkpoint of a run that went further: move the later state "
@@ -318,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if getattr(args, "rewind", False) and args.resume is None:
         raise GRPOPartsError("--rewind: only used with --resume, got it without")
+    if getattr(args, "print_config", False):
+        return _print_config(args)
     if args.compare:
         from .compare import compare, compare_seeds
 
@@ -342,11 +350,43 @@ def _run(args: argparse.Namespace) -> int:
         result = train(cfg, run_dir=args.resume, resume=True, rewind=args.rewind)
     else:
         result = train(config_from_args(args))
-    s = result.summary
-    print(
-        f"held-out accuracy {s['initial_accuracy']:.3f} -> {s['final_accuracy']:.3f} in {s['steps']} steps "
-        f"({s['wall_time_s']:.0f} s training); report: {result.run_dir / 'report.md'}"
+    print(headline(result.summary, result.run_dir))
+    return 0
+
+
+def headline(s: dict[str, Any], run_dir: Path) -> str:
+    """The one stdout line of a finished run: the final accuracy says what it averages, and the last one."""
+
+    def acc(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    n = s.get("final_evals", 0)
+    what = (
+        f"mean of the last {n} evaluations; the last: {acc(s['last_accuracy'])}"
+        if n > 1
+        else "one evaluation"
     )
+    return (
+        f"held-out accuracy {acc(s['initial_accuracy'])} -> {acc(s['final_accuracy'])} ({what}) in "
+        f"{s['steps']} steps ({s['wall_time_s']:.0f} s training); report: {run_dir / 'report.md'}"
+    )
+
+
+def _print_config(args: argparse.Namespace) -> int:
+    """The config a run with these arguments would use, as YAML for --config; nothing is run or written."""
+    from .config import dump_config
+    from .run import resume_config
+
+    if args.resume is not None:
+        _check_resume_flags(args)
+        cfg = resume_config(args.resume, {"steps": args.steps} if args.steps is not None else {})
+    else:
+        cfg = config_from_args(args)
+    what = (
+        "--compare's optimized arm (the reference arm: every part its reference)" if args.compare else "run"
+    )
+    print(f"# grpo-parts train: the effective config of this {what}; load it with --config FILE")
+    print(dump_config(cfg), end="")
     return 0
 
 

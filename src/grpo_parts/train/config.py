@@ -123,7 +123,12 @@ class TrainConfig(BaseModel):
     target_accuracy: float = Field(
         0.6, gt=0.0, le=1.0, description="--compare: time to this held-out accuracy"
     )
-    time_limit_s: float | None = Field(None, gt=0.0, description="stop early after this much training time")
+    time_limit_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="stop after the step during which training wall time (evaluation excluded) reaches "
+        "this many seconds; the run then completes as usual (report, model/)",
+    )
     model: Path | None = Field(
         None, description="local transformers checkpoint (default: the built-in warm start)"
     )
@@ -138,7 +143,12 @@ class TrainConfig(BaseModel):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads (default: 1 for the built-in models; a --model on the CPU is "
+        "calibrated at start-up, 1 thread vs every core, see grpo_parts.train.threads; cuda: torch's choice)",
+    )
     progress: bool = True
 
     @model_validator(mode="before")
