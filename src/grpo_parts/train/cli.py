@@ -59,6 +59,7 @@ _FLAGS = {
     "attention": "parts.attention",
     "filter": "parts.filter",
     "target": "target_accuracy",
+    "report_to": "report_to",
 }
 #: part flag -> what it selects
 PART_FLAGS = {
@@ -200,6 +201,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "")
         type=float,
         help=f"held-out accuracy for time-to-target (default: {default('target_accuracy')})",
     )
+    parser.add_argument(
+        "--report-to",
+        nargs="+",
+        metavar="TRACKER",
+        help="log every metrics row and the config to: none (default), tensorboard, wandb, mlflow, trackio "
+        "(several allowed; each needs the pip extra of its name, e.g. [wandb])",
+    )
     parser.add_argument("--json", type=Path, help=f"{compare_prefix}also write the comparison JSON here")
     parser.add_argument(
         "--seeds", type=_positive_int, default=1,
@@ -221,6 +229,9 @@ def _flag_values(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
         if given is None:
             continue
         value = None if dest == "draft" and given == NO_DRAFT else given
+        if dest == "report_to":  # --report-to wandb tensorboard, or wandb,tensorboard
+            value = [x for item in given for x in item.split(",") if x]
+            given = " ".join(given)
         out[key] = (f"--{dest.replace('_', '-')} {given}", str(value) if isinstance(value, Path) else value)
     if getattr(args, "no_progress", False):
         out["progress"] = ("--no-progress", False)

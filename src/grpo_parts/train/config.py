@@ -150,6 +150,30 @@ class TrainConfig(BaseModel):
         "calibrated at start-up, 1 thread vs every core, see grpo_parts.train.threads; cuda: torch's choice)",
     )
     progress: bool = True
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list,
+        description="experiment trackers that get every metrics row and the config (none by default); "
+        "'none', a list, or a comma-separated string; each needs its extra: pip install 'grpo-parts[wandb]'",
+    )
+    project: str = Field(
+        "grpo-parts",
+        min_length=1,
+        description="tracker project: the W&B project (WANDB_PROJECT wins), MLflow experiment "
+        "(MLFLOW_EXPERIMENT_NAME wins) and Trackio project",
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, v: Any) -> Any:
+        """TRL's forms: ``"none"``, ``"wandb"``, ``"wandb,tensorboard"`` or a list; duplicates dropped."""
+        items = [x.strip() for x in v.split(",")] if isinstance(v, str) else v
+        if not isinstance(items, list):
+            return v
+        if "none" in items:
+            if len(items) > 1:
+                raise ValueError(f"'none' means no tracker, got it with {[x for x in items if x != 'none']}")
+            return []
+        return list(dict.fromkeys(items))
 
     @model_validator(mode="before")
     @classmethod
