@@ -5,7 +5,7 @@ Each rank trains on its own share of CPPO-kept experiences (rank 0: one prompt g
 other lengths), and the backend splits each call into as many grids as it has groups, so the ranks
 need different numbers of grids: they agree on the number of model calls (ZeRO-3 gathers
 parameters in every forward; a disagreement hangs, and a hard timeout fails the test). One launch
-runs every case (``_ranks_worker.py``), padded and ``--ds.packing_samples``.
+runs every case (``_openrlhf_ranks_worker.py``), padded and ``--ds.packing_samples``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ranks_worker import CASES
+from _openrlhf_ranks_worker import CASES
 from multirank import run_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -23,7 +23,9 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):  # type: ignore[no-untyped-def]
     pytest.importorskip("ray")
-    return run_ranks(HERE / "_ranks_worker.py", tmp_path_factory.mktemp("openrlhf_ranks"), timeout=420)
+    return run_ranks(
+        HERE / "_openrlhf_ranks_worker.py", tmp_path_factory.mktemp("openrlhf_ranks"), timeout=420
+    )
 
 
 def _runs(ranks, stage, packing):  # type: ignore[no-untyped-def]

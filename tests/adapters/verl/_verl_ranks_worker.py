@@ -1,4 +1,4 @@
-"""One rank of test_engine_ranks.py (``python _ranks_worker.py OUT_DIR`` under multirank.run_ranks).
+"""One rank of test_engine_ranks.py (``python _verl_ranks_worker.py OUT_DIR`` under multirank.run_ranks).
 
 verl 0.9.1's real FSDP engine (``fsdp`` and ``fsdp2``) on a two-rank gloo group, verl's device
 helpers pointed at CPU (``_cpu_verl.verl_on_cpu``). The ranks hold different data, as verl's
