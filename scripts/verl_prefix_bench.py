@@ -93,7 +93,7 @@ def make_batch(args: argparse.Namespace) -> Any:
             generator=g,
         )
         for j in range(args.n):
-            if args.long_tail:
+            if getattr(args, "long_tail", False):
                 k = long_tail_length(args.response_len, first=(j == 0 and i % 2 == 0), g=g)
             else:
                 k = int(torch.randint(args.response_len // 8, args.response_len + 1, (1,), generator=g))

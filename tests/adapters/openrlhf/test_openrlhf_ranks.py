@@ -49,7 +49,10 @@ def test_two_ranks_forward_objective_and_agreement(ranks, stage, packing):  # ty
     (on0, _), (on1, _) = runs
     assert len(on0["plans"]) == len(on1["plans"]) > 0
     assert [p["model_calls"] for p in on0["plans"]] == [p["model_calls"] for p in on1["plans"]]
-    assert max(p["chunks"] for p in on1["plans"]) == 2 and max(p["empty_calls"] for p in on0["plans"]) == 1
+    # rank 0 holds one prompt group (cut into sub-groups by completion length), rank 1 two: their grid
+    # counts differ, and the rank with fewer pads with empty calls
+    assert max(p["chunks"] for p in on1["plans"]) == 2 and max(p["model_calls"] for p in on0["plans"]) >= 2
+    assert any(p["empty_calls"] for p in on0["plans"] + on1["plans"])
 
 
 ZERO3 = (

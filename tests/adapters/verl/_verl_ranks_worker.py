@@ -50,8 +50,10 @@ def rank_rows(rank: int) -> list[tuple[str, list[int], list[int]]]:
     if rank == 0:  # one group
         prompt = toks(6)
         return [("a", prompt, toks(k)) for k in (2, 4, 3, 5)]
-    pb, pc, pd = toks(4), toks(8), toks(3)  # parts of three groups, long-tailed completions
-    return [("b", pb, toks(1)), ("b", pb, toks(14)), ("c", pc, toks(3)), ("d", pd, toks(20))]
+    # parts of three groups: b long-tailed (cut into sub-groups, one call each: the padding bound),
+    # c and d alike (one call, split into two grids when grids are forced)
+    pb, pc, pd = toks(4), toks(8), toks(8)
+    return [("b", pb, toks(1)), ("b", pb, toks(14)), ("c", pc, toks(5)), ("d", pd, toks(5))]
 
 
 def rollout_data(rows: list[tuple[str, list[int], list[int]]]) -> Any:
