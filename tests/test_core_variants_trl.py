@@ -2,7 +2,8 @@
 
 ``_compute_loss`` is called unbound on a stand-in carrying only the attributes it reads (as in
 tests/test_core_agreement.py): every ``loss_type`` (``grpo``, ``bnpo``, ``dapo``, ``dr_grpo``,
-``cispo``, ``sapo``), ``importance_sampling_level`` token and sequence (GSPO), ``beta`` with and
+``cispo`` -- also at TRL's default ``epsilon_high`` (0.2, a cap below 1) and at 0.2, 0.8, 5.0 --,
+``sapo``), ``importance_sampling_level`` token and sequence (GSPO), ``beta`` with and
 without ``use_bias_correction_kl``, the entropy bonus, and the vLLM importance-sampling ratio.
 Losses and gradients (w.r.t. the log-probs and the entropies) agree to 1e-12 (absolute) on
 hypothesis-drawn inputs with ragged masks, length-1 rows and fully masked rows (as
@@ -35,6 +36,8 @@ MAX_LEN = 9  # TRL's max_completion_length (dr_grpo's constant)
 #: TRL builds SAPO's temperatures with torch.where on Python floats, i.e. as float32: its default 1.05
 #: becomes 1.0499999523 (a 5e-8 relative change of the gate); a float32-exact tau compares exactly
 SAPO_TAU_NEG = 1.25
+#: TRL's cispo caps the ratio at epsilon_high (absolute, no lower bound): our ``cispo_max``
+CISPO_EPS_HIGH = 2.0
 #: TRL vllm_importance_sampling_mode -> our correction (clip_min 0.7, clip_max 1.6 / 3.0)
 IS_MODES = {
     "off": CorrectionConfig(),
@@ -56,10 +59,12 @@ class _StandIn:
     """Just what ``_compute_loss`` reads (TRL 1.16); ``_get_per_token_logps_and_entropies`` returns our tensors."""
 
     def __init__(
-        self, loss_type: str, level: str, beta: float, bias_kl: bool, ent_coef: float, is_on: bool, x, h
-    ):
+        self, loss_type: str, level: str, beta: float, bias_kl: bool, ent_coef: float, is_on: bool, x, h,
+        epsilon_high: float | None = None,
+    ):  # fmt: skip
         self.loss_type, self.importance_sampling_level, self.beta = loss_type, level, beta
-        self.epsilon_low, self.epsilon_high = 0.2, 0.28 if loss_type != "cispo" else 2.0
+        self.epsilon_low = 0.2
+        self.epsilon_high = epsilon_high or (CISPO_EPS_HIGH if loss_type == "cispo" else 0.28)
         self.max_completion_length = MAX_LEN
         self.aux_loss_enabled, self.top_entropy_quantile, self.off_policy_mask_threshold = False, 1.0, None
         self.use_vllm = self.vllm_importance_sampling_correction = is_on
@@ -91,8 +96,7 @@ def _ours(loss_type: str, level: str, beta: float, bias_kl: bool, ent_coef: floa
     agg = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
     return LossConfig(
         policy=policy,  # type: ignore[arg-type]
-        eps_low=1.0 if loss_type == "cispo" else 0.2,  # TRL's CISPO caps from above only, at epsilon_high
-        eps_high=1.0 if loss_type == "cispo" else 0.28,
+        **({"cispo_max": CISPO_EPS_HIGH} if loss_type == "cispo" else {"eps_high": 0.28}),
         log_ratio_clamp=None,
         kl_coef=beta, kl_estimator="k3", kl_clamp="none", kl_ratio_weight=bias_kl,
         entropy_coef=ent_coef, entropy_agg="token-mean", sapo_tau_neg=SAPO_TAU_NEG,
@@ -184,3 +188,75 @@ def test_trl_k3_is_unclamped_with_kl_clamp_none(trl_compute_loss, c: Case):
     clamped = LossConfig(kl_coef=0.1, kl_clamp="k3", log_ratio_clamp=None, eps_high=0.28)
     if int(c.mask[0, 0]):
         assert abs(float(grpo_loss(c.logps, c.old, c.adv, c.mask, clamped, ref).loss - want[0])) > 1e-6
+
+
+def _trl_cispo_default_epsilon_high() -> float:
+    """``epsilon_high`` as TRL's ``GRPOTrainer.__init__`` resolves it for a default ``GRPOConfig``."""
+    import dataclasses
+    import inspect
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    fields = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    assert fields["epsilon_high"] is None, "TRL's default epsilon_high changed: revisit the cispo mapping"
+    # the line this mirrors (TRL 1.16): ``args.epsilon_high if args.epsilon_high is not None else args.epsilon``
+    assert "args.epsilon_high if args.epsilon_high is not None else args.epsilon" in inspect.getsource(
+        GRPOTrainer.__init__
+    )
+    return float(fields["epsilon"])
+
+
+def _wide(c: Case) -> Case:
+    """Ratios e^[-2, 2] (0.14 .. 7.4): every cap below is active on some tokens and not on others."""
+    return Case(**{**c.__dict__, "old": c.logps + 2.5 * (c.old - c.logps)})
+
+
+def _check_cispo(trl_compute_loss, c: Case, epsilon_high: float) -> None:
+    def trl(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        stand_in = _StandIn("cispo", "token", 0.0, False, 0.0, False, x, h, epsilon_high=epsilon_high)
+        return trl_compute_loss(stand_in, None, _inputs(c, None))
+
+    want = loss_and_grads(trl, c.logps, c.entropy)
+    cfg = LossConfig(policy="cispo", cispo_max=epsilon_high, log_ratio_clamp=None)
+    got = loss_and_grads(
+        lambda x: grpo_loss(x, c.old, c.adv, c.mask, cfg, num_tokens=float(c.mask.sum())).loss, c.logps
+    )
+    assert_close(got[0], want[0], what="loss")
+    assert_close(got[1], want[1], what="grad logps")
+
+
+def test_cispo_default_epsilon_high_is_a_cap_below_one():
+    assert _trl_cispo_default_epsilon_high() == 0.2
+
+
+@pytest.mark.parametrize("epsilon_high", ["trl-default", 0.2, 0.8, 5.0])
+@settings(derandomize=True, deadline=None, max_examples=25)
+@given(c=cases())
+def test_cispo_mapping_matches_trl(trl_compute_loss, epsilon_high, c: Case):
+    """TRL ``cispo`` with ``epsilon_high=e`` is ``LossConfig(policy="cispo", cispo_max=e)``, exactly,
+    at TRL's default (0.2: every ratio above it is capped, a weight below 1) and at 0.2, 0.8, 5.0."""
+    e = _trl_cispo_default_epsilon_high() if epsilon_high == "trl-default" else epsilon_high
+    _check_cispo(trl_compute_loss, _wide(c), e)
+
+
+@pytest.mark.parametrize("epsilon_high", [0.2, 0.8, 5.0])
+def test_cispo_mapping_caps_both_sides(trl_compute_loss, epsilon_high):
+    """One large fixed case where the cap is active on some tokens and not on others."""
+    gen = torch.Generator().manual_seed(0)
+    n, t = 16, 12
+    logps = -2.5 + 2.45 * torch.rand(n, t, generator=gen, dtype=torch.float64)
+    old = logps + 4.0 * (torch.rand(n, t, generator=gen, dtype=torch.float64) - 0.5)
+    mask = (torch.arange(t)[None, :] < torch.randint(1, t + 1, (n,), generator=gen)[:, None]).long()
+    ratio = torch.exp(logps - old)[mask.bool()]
+    assert bool((ratio > epsilon_high).any()) and bool((ratio < epsilon_high).any())
+    z = torch.zeros(n, dtype=torch.float64)
+    c = Case(logps, old, logps.clone(), old.clone(), torch.ones_like(logps), mask,
+             torch.randn(n, generator=gen, dtype=torch.float64), z, z.long())  # fmt: skip
+    _check_cispo(trl_compute_loss, c, epsilon_high)
+
+
+def test_cispo_max_is_refused_where_unused():
+    with pytest.raises(ValueError, match="cispo_max: only used with policy='cispo'"):
+        LossConfig(cispo_max=0.2)
+    with pytest.raises(ValueError, match="cispo_max: replaces the clip range"):
+        LossConfig(policy="cispo", cispo_max=0.2, eps_high=0.28)

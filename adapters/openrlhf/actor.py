@@ -48,6 +48,17 @@ def hf_model(module: torch.nn.Module) -> torch.nn.Module:
     return m
 
 
+def _another_rank_falls_back(device: torch.device, here: bool = False) -> bool:
+    """With several processes (ZeRO-3 gathers parameters in every forward, so every rank must make
+    the same number of model calls), whether any rank runs OpenRLHF's forward for this call: then all
+    do. One all-reduce; False on one process."""
+    from grpo_parts.attention.chunking import agree_max, ranks_of
+
+    if ranks_of() <= 1:
+        return False
+    return bool(agree_max([int(here)], None, device)[0])
+
+
 class GRPOPartsActor(Actor):
     """OpenRLHF's ``Actor`` (same constructor) that computes action log-probs with a grpo_parts
     attention backend once :meth:`use_backend` has given it one."""
@@ -122,6 +133,10 @@ class GRPOPartsActor(Actor):
         if attention_mask is None:
             reasons.append("no attention_mask")
         layout = None if reasons else to_logprob_batch(sequences, attention_mask, action_mask)  # type: ignore[arg-type]
+        if layout is not None and _another_rank_falls_back(sequences.device):
+            layout, reasons = None, ["another data-parallel rank runs OpenRLHF's forward for this call"]
+        elif layout is None:
+            _another_rank_falls_back(sequences.device, here=True)
         if layout is None:
             self.counters.fell_back("attention", "; ".join(reasons or ["no row has an action token"]))
             return super().forward(sequences, action_mask, attention_mask, **plain_call)

@@ -5,7 +5,7 @@ sampling from the policy (temperature, then top-k, then top-p). On a tiny-vocabu
 distribution can be *enumerated*: :func:`sequence_distribution` scores every ``V**L`` continuation
 of a prompt with one plain forward and processes each step's logits with :func:`processed_probs`,
 an independent NumPy implementation of the logit processing (it does not call
-``grpo_parts.sampler.logits``, so it also checks that module). :func:`chi_square_gof` then tests
+``grpo_parts.decoding``, so it also checks that module). :func:`chi_square_gof` then tests
 observed samples against it.
 
 Typical use::

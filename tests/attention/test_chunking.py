@@ -61,21 +61,23 @@ def test_long_tail_is_split_and_beats_the_repeated_layout() -> None:
     assert len(chunks) > 1
 
 
-def test_a_model_sharded_across_processes_keeps_one_grid() -> None:
-    """FSDP / ZeRO / DDP run collectives in every forward: ranks whose batches would split into
-    different numbers of grids must not, so ``max_chunks=None`` means one grid there."""
+def test_a_model_sharded_on_one_process_splits_as_usual() -> None:
+    """The plan no longer falls back to one grid for a sharded-looking model: on one process there is
+    nobody to agree with (no empty calls); several processes agree on the number of model calls
+    (test_chunking_ranks.py)."""
+    from grpo_parts.attention.chunking import rank_consistent_plan
     from grpo_parts.attention.shared_prefix import SharedPrefixAttention
     from grpo_parts.tiny import tiny_causal_lm
 
     model = tiny_causal_lm("llama", vocab_size=16, hidden_size=16, num_layers=1, num_heads=2)
     batch = _batch([2, 1, 3], [3, 9, 1, 6])
-    local = SharedPrefixAttention(chunk_overhead_tokens=-1)
-    local.completion_logprobs(model, batch)
-    assert local.last_plan["chunks"] == 3
     next(model.parameters()).ds_id = 0  # type: ignore[attr-defined]  # what DeepSpeed ZeRO-3 marks
     sharded = SharedPrefixAttention(chunk_overhead_tokens=-1)
     sharded.completion_logprobs(model, batch)
-    assert sharded.last_plan["chunks"] == 1
+    assert sharded.last_plan["chunks"] == sharded.last_plan["model_calls"] == 3
+    assert sharded.last_plan["empty_calls"] == 0
     explicit = SharedPrefixAttention(chunk_overhead_tokens=-1, max_chunks=2)  # the user's choice wins
     explicit.completion_logprobs(model, batch)
     assert explicit.last_plan["chunks"] == 2
+    chunks, info, empty = rank_consistent_plan(batch, -1, 8)
+    assert len(chunks) == info["model_calls"] == 3 and empty == 0

@@ -55,9 +55,11 @@ def test_checkpoint_folders_weights_only_and_the_kept_pair(
     _, got = ck.load_checkpoint(run.parent)
     assert calls == [True] and got.step == 5 and got.state is not None
     assert set(got.state) >= {"policy", "optimizer", "rng", "step", "data_pos"}
-    # resuming from the older one abandons the newer: the new pair is (resumed-from, new)
-    assert main(["train", "--resume", str(run / "step-000004"), "--steps", "6", "--no-progress", "-q"]) == 0
+    # resuming from the older one (--rewind) moves the newer aside: the new pair is (resumed-from, new)
+    argv = ["train", "--resume", str(run / "step-000004"), "--steps", "6", "--no-progress", "-q"]
+    assert main([*argv, "--rewind"]) == 0
     assert sorted(p.name for p in run.iterdir()) == ["last", "step-000004", "step-000006"]
+    assert (run.parent / "rewound-1" / "checkpoints" / "step-000005" / "state.pt").is_file()
     rows = [json.loads(x) for x in (run.parent / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(7))
 

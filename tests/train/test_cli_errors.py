@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from cli_helpers import QUIET, refused, snapshot
 
 from grpo_parts.cli import main
-
-QUIET = ["--no-progress", "-q"]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,7 @@ def made_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     rc = main(["train", "--reference", "--model", str(tiny_model_dir), "--out-dir", str(out), "--name", "old",
                "--steps", "3", "--set", "prompts_per_step=2", "--set", "group_size=4", "--set", "max_new_tokens=4",
                "--set", "task.name=arithmetic", "--set", "task.num_eval=4", "--set", "threads=1",
-               "--set", "checkpoint_every=2", *QUIET])  # fmt: skip
+               "--set", "checkpoint_every=2", "--set", "stop_after_flat=0", *QUIET])  # fmt: skip
     assert rc == 0
     return out / "old"
 
@@ -35,26 +34,6 @@ def made_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def old(made_run: Path, tmp_path: Path) -> Path:
     """A fresh copy of the made run, under tmp_path/runs/old."""
     return Path(shutil.copytree(made_run, tmp_path / "runs" / "old"))
-
-
-def snapshot(folder: Path) -> dict[str, bytes | None]:
-    return {
-        str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))
-    }
-
-
-def refused(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:
-    """Run the CLI; assert exit 2 and one line on stderr holding every fragment; return the line."""
-    capsys.readouterr()
-    rc = main(["train", *argv, *QUIET])
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    line = err.strip()
-    assert line.startswith("grpo-parts train: error: "), line
-    for f in fragments:
-        assert f in line, (f, line)
-    return line
 
 
 def test_out_dir_that_is_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path, old: Path) -> None:

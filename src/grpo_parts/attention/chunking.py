@@ -11,6 +11,14 @@ own forward, with the same log-probs and gradients.
 ``max_chunks`` contiguous chunks, minimising the grid token slots plus ``overhead_tokens`` per extra
 forward (dynamic programming over the cut points, vectorised over the groups). A negative overhead
 splits as far as ``max_chunks`` and the number of groups allow (tests use it to force the split).
+
+**Several processes** (FSDP, DeepSpeed ZeRO, DDP) run collectives in every forward (parameter
+all-gathers) and backward (gradient reductions): a rank that runs more model calls than another
+waits for it forever. :func:`rank_consistent_plan` makes the ranks agree -- one all-reduce of the
+largest grid count -- and each rank then plans up to that many grids for itself (smaller grids, no
+extra cost: the calls run anyway) and pads the rest with *empty calls*, a one-token prefix and
+completion whose log-probs enter the result multiplied by zero (so their backward runs the same
+collectives and adds nothing).
 """
 
 from __future__ import annotations
@@ -23,6 +31,71 @@ from .protocol import LogprobBatch
 
 #: above this many groups the plan is not searched (one grid): the search is O(chunks x groups^2)
 MAX_PLANNED_GROUPS = 1024
+
+
+def ranks_of(group: Any = None) -> int:
+    """Processes in ``group`` (default: every process) that must agree on the number of model calls;
+    1 when torch.distributed is not initialised."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size(group))
+
+
+def agree_max(values: list[int], group: Any = None, device: torch.device | None = None) -> list[int]:
+    """The element-wise largest ``values`` over the ranks of ``group`` (one all-reduce; ``values``
+    itself on one process). The tensor lives on the CPU for gloo/MPI groups, on ``device`` otherwise
+    (NCCL)."""
+    if ranks_of(group) <= 1:
+        return list(values)
+    dist = torch.distributed
+    name = str(dist.get_backend(group))
+    on = torch.device("cpu") if ("gloo" in name or "mpi" in name or device is None) else device
+    if on.type == "cuda" and on.index is None:
+        on = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(values, dtype=torch.long, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def agree_on_calls(count: int, group: Any = None, device: torch.device | None = None) -> int:
+    """The largest ``count`` over the ranks of ``group`` (:func:`agree_max`)."""
+    return agree_max([count], group, device)[0]
+
+
+def empty_call_batch(batch: LogprobBatch) -> LogprobBatch:
+    """A one-token prefix and a one-token completion taken from ``batch``'s first row (real token
+    ids, so every embedding lookup is valid): what an *empty call* runs."""
+    return LogprobBatch(
+        batch.prompt_ids[:1, -1:],  # left-padded: the last prompt column is real
+        torch.ones_like(batch.prompt_mask[:1, -1:]),
+        batch.completion_ids[:1, :1],  # right-padded, >= 1 token: the first column is real
+        torch.ones_like(batch.completion_mask[:1, :1]),
+        torch.zeros_like(batch.group_index[:1]),
+    )
+
+
+def rank_consistent_plan(
+    batch: LogprobBatch,
+    overhead_tokens: int,
+    max_chunks: int,
+    group: Any = None,
+    device: torch.device | None = None,
+) -> tuple[list[torch.Tensor], dict[str, Any], int]:
+    """:func:`chunk_plan` on which the ranks of ``group`` agree: ``(chunks, info, empty_calls)`` with
+    ``len(chunks) + empty_calls`` equal on every rank. A rank whose own plan has fewer grids than the
+    largest re-plans with up to that many at no overhead (the calls run anyway), and pads with empty
+    calls what its groups cannot fill (a rank with one group: one grid + empty calls). ``info`` adds
+    ``model_calls`` and ``empty_calls``. On one process: :func:`chunk_plan`, no empty calls."""
+    chunks, info = chunk_plan(batch, overhead_tokens, max_chunks)
+    calls = len(chunks)
+    if ranks_of(group) > 1:
+        calls = agree_on_calls(len(chunks), group, device)
+        if calls > len(chunks):
+            chunks, info = chunk_plan(batch, 0, calls)
+    empty = calls - len(chunks)
+    info.update(model_calls=calls, empty_calls=empty)
+    return chunks, info, empty
 
 
 def _group_sizes(batch: LogprobBatch) -> tuple[torch.Tensor, ...]:

@@ -26,7 +26,7 @@ import torch
 from ..compat import accepts_logits_to_keep, register_attention_function, select_attention
 from ..core import token_logprobs
 from ..errors import GRPOPartsError, NotSupportedError
-from .chunking import chunk_plan
+from .chunking import empty_call_batch, rank_consistent_plan
 from .guard import architecture_reasons, layout_shortfall, text_config
 from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs, ungroup_logits
 from .protocol import LogprobBatch, LogprobOutput
@@ -125,7 +125,9 @@ def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
     """``(the model whose forward gets our keyword arguments, reasons)``. A PEFT model with a weight
     adapter (LoRA and the like) passes ``logits_to_keep``, ``position_ids`` and the layout keyword
     unchanged to its base model; prompt-learning adapters add virtual tokens and activated LoRA looks
-    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout."""
+    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout. FSDP1's
+    wrapper passes every keyword argument on to the module it wraps (verl's ``strategy=fsdp``)."""
+    model = getattr(model, "_fsdp_wrapped_module", model)
     get_base = getattr(model, "get_base_model", None)
     cfg = getattr(model, "active_peft_config", None)
     if not callable(get_base) or cfg is None:
@@ -143,9 +145,10 @@ class SharedPrefixAttention:
     automatic choice. ``probe``: :meth:`not_supported_reasons` runs the one-token probe
     (:func:`probe_reasons`); the check after every forward runs either way. ``max_chunks`` /
     ``chunk_overhead_tokens``: the groups may be split into up to this many grids when that saves more
-    token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid; ``None`` = 8 on
-    one process, 1 for a model sharded across processes, see :meth:`_max_chunks`); ``last_plan``
-    says what the last call did."""
+    token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid; ``None`` = 8). With several processes
+    (FSDP, ZeRO, DDP) the ranks of ``rank_group`` (default: all) agree on the number of model calls
+    per call of :meth:`completion_logprobs` (:func:`.chunking.rank_consistent_plan`), so every rank
+    must call it equally often; ``last_plan`` says what the last call did."""
 
     name: ClassVar[str] = "shared_prefix"
 
@@ -158,6 +161,7 @@ class SharedPrefixAttention:
         probe: bool = True,
         max_chunks: int | None = None,
         chunk_overhead_tokens: int = 1024,
+        rank_group: Any = None,
     ) -> None:
         from .kernels import KERNELS
 
@@ -169,6 +173,7 @@ class SharedPrefixAttention:
         self.probe = probe
         self.chunk_overhead_tokens = chunk_overhead_tokens
         self.max_chunks = max_chunks
+        self.rank_group = rank_group
         self.last_choice: str = ""
         #: how the last call split the groups into grids (:func:`.chunking.chunk_plan`'s info)
         self.last_plan: dict[str, Any] = {}
@@ -283,24 +288,30 @@ class SharedPrefixAttention:
             raise NotSupportedError("shared_prefix", reasons)
         kernel = self.choose_kernel(model)
         register_attention()
-        chunks, self.last_plan = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
-        if len(chunks) == 1:
+        device = batch.group_index.device
+        chunks, self.last_plan, empty = rank_consistent_plan(
+            batch, self.chunk_overhead_tokens, self._max_chunks(model), self.rank_group, device
+        )
+        if len(chunks) == 1 and not empty:
             return self._one_grid(model, batch, temperature, compute_entropy, kernel)
         # rows of different groups never attend to each other: one grid per chunk, then un-permute
         outs = [self._one_grid(model, batch.select(c), temperature, compute_entropy, kernel) for c in chunks]
+        # empty calls (other ranks run more grids): in the graph times zero, so their backward runs
+        zero = sum(
+            (self._one_grid(model, empty_call_batch(batch), temperature, False, kernel).logprobs.sum() * 0.0)
+            for _ in range(empty)
+        )
         back = torch.argsort(torch.cat(chunks))
-        logps = torch.cat([o.logprobs for o in outs])[back]
+        logps = torch.cat([o.logprobs for o in outs])[back] + zero
         if not compute_entropy:
             return LogprobOutput(logps, None)
-        return LogprobOutput(logps, torch.cat([o.entropies for o in outs if o.entropies is not None])[back])
+        ents = torch.cat([o.entropies for o in outs if o.entropies is not None])[back]
+        return LogprobOutput(logps, ents + zero)
 
     def _max_chunks(self, model: torch.nn.Module) -> int:
-        """``max_chunks``, or for ``None``: 8 grids on one process, 1 when the model is sharded across
-        processes (FSDP, ZeRO, DDP): every forward runs collectives, and ranks whose batches split
-        into different numbers of grids would wait on each other forever."""
-        if self.max_chunks is not None:
-            return self.max_chunks
-        return 1 if _sharded(model) else 8
+        """``max_chunks``, or 8 for ``None``. Under FSDP/ZeRO/DDP every forward runs collectives; the
+        ranks agree on the number of model calls (:func:`.chunking.rank_consistent_plan`)."""
+        return 8 if self.max_chunks is None else self.max_chunks
 
     def _one_grid(
         self,

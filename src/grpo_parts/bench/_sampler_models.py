@@ -56,7 +56,7 @@ def make_policy(args: argparse.Namespace) -> torch.nn.Module:
     from ..tiny import tiny_causal_lm
 
     if args.policy == "task":
-        from ..draft.training import task_policy
+        from .draft_training import task_policy
 
         key = f"policy_{policy_key(args)}"
         state = cache_load(args, key)
@@ -91,7 +91,7 @@ def make_policy(args: argparse.Namespace) -> torch.nn.Module:
 
 def task_draft(policy: torch.nn.Module, args: argparse.Namespace, name: str) -> Any:
     from ..draft import get_draft_class
-    from ..draft.training import task_policy
+    from .draft_training import task_policy
 
     hidden = max(32, args.hidden // 2)
     key = f"frozen_lm_{policy_key(args)}"

@@ -65,8 +65,8 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
     while timed. With ``--policy task`` the ``frozen_lm`` and ``small_lm`` drafts are the same 2-layer
     LM of half the policy's width SFT-trained on the task like the policy (a random one would accept
     nothing): ``frozen_lm`` re-encodes its context per token, ``small_lm`` keeps a KV cache."""
-    from ..draft.training import distill_on_text, make_draft, warm_up
     from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    from .draft_training import distill_on_text, make_draft, warm_up
 
     out = []
     for name in args.spec_drafts.split(","):
@@ -373,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(points))
     drift = None
     if args.drift:
-        from ..draft.training import measure_drift
+        from .draft_training import measure_drift
 
         drift = measure_drift(rounds=args.drift_rounds, seed=args.seed)
         print(f"\nacceptance under policy drift ({drift['task']}):")

@@ -104,7 +104,10 @@ class LossConfig(BaseModel):
     sequence ratio: verl ``gspo``), ``"cispo"`` (``-sg(clip(rho)) * A * logp``), ``"sapo"``
     (``-gate(rho) * A``, soft gate with ``sapo_tau_pos`` / ``sapo_tau_neg``).
     ``eps_low``/``eps_high``: clip range ``[1 - eps_low, 1 + eps_high]`` (CISPO clips its weight to
-    it; ``eps_low=1`` leaves it open below, TRL's CISPO ``epsilon_high=e`` is ``eps_high=e - 1``).
+    it, as verl; ``eps_low=1`` leaves it open below).
+    ``cispo_max``: CISPO only: cap the weight at this value instead, ``sg(min(rho, cispo_max))``, no lower
+    bound -- TRL's ``cispo`` with ``epsilon_high=e`` (unset: ``epsilon``, 0.2) is ``cispo_max=e``, which
+    may be below 1 (``1 + eps_high`` cannot be); ``eps_low``/``eps_high`` then stay at their defaults.
     ``dual_clip``: if set (> 1), for negative advantages the per-token loss is capped at
     ``-A * dual_clip`` (verl ``clip_ratio_c``, OpenRLHF ``dual_clip``); clip and GSPO only.
     ``log_ratio_clamp``: clamp on ``logp - old_logp`` before ``exp`` (verl 20); for GSPO it clamps the
@@ -125,6 +128,7 @@ class LossConfig(BaseModel):
     policy: PolicyLoss = "clip"
     eps_low: float = Field(0.2, ge=0.0, le=1.0)
     eps_high: float = Field(0.2, ge=0.0)
+    cispo_max: float | None = Field(None, gt=0.0)
     dual_clip: float | None = Field(None, gt=1.0)
     sapo_tau_pos: float = Field(1.0, gt=0.0)
     sapo_tau_neg: float = Field(1.05, gt=0.0)
@@ -152,6 +156,15 @@ class LossConfig(BaseModel):
             raise ValueError(
                 f"dual_clip: only used with policy 'clip', 'gspo', 'gspo_token', got {self.policy!r}"
             )
+        if self.cispo_max is not None:
+            if self.policy != "cispo":
+                raise ValueError(f"cispo_max: only used with policy='cispo', got policy={self.policy!r}")
+            fields = LossConfig.model_fields
+            if (self.eps_low, self.eps_high) != (fields["eps_low"].default, fields["eps_high"].default):
+                raise ValueError(
+                    f"cispo_max: replaces the clip range, got it with eps_low={self.eps_low}, "
+                    f"eps_high={self.eps_high}; expected those at their defaults"
+                )
         if self.seq_len_eps and self.agg != "seq-mean-token-mean":
             raise ValueError(f"seq_len_eps: only used with agg='seq-mean-token-mean', got agg={self.agg!r}")
         if self.seq_count != "nonempty" and self.agg == "token-mean":

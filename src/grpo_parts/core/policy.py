@@ -61,7 +61,10 @@ def policy_terms(
     ratio = _token_ratio(log_ratio, cfg)
     if cfg.policy == "cispo":
         # the clipped ratio is a detached weight on the REINFORCE term: clipped tokens keep a gradient
-        weight = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high).detach()
+        if cfg.cispo_max is not None:  # TRL: an absolute cap (may be below 1), nothing below
+            weight = torch.clamp(ratio, max=cfg.cispo_max).detach()
+        else:
+            weight = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high).detach()
         return -weight * adv * logps, ratio, (weight != ratio).expand_as(m)
     if cfg.policy == "sapo":
         # soft gate sigmoid(tau (rho - 1)) * 4 / tau: slope 1 at rho = 1, fading off-policy

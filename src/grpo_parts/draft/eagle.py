@@ -30,9 +30,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..compat import attn_implementation, cache_kwarg, causal_lm_class
+from ..decoding import SamplingParams, sampling_probs
 from ..errors import GRPOPartsError
-from ..sampler.logits import sampling_probs
-from ..sampler.protocol import SamplingParams
 from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..compat import crop_cache, new_dynamic_cache, select_cache_rows
-from ..sampler.verify import compact_cache
+from ..decoding import compact_cache
 
 
 class DraftKVState:

@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..decoding import SamplingParams
 from ..errors import GRPOPartsError
-from ..sampler.protocol import SamplingParams
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch
 
 Key = tuple[int, ...]

@@ -14,8 +14,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from ..decoding import SamplingParams
 from ..errors import GRPOPartsError, check_tensor
-from ..sampler.protocol import SamplingParams
 
 __all__ = ["DraftContext", "DraftModel", "DraftProposal", "DraftTrainingBatch"]
 

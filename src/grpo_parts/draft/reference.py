@@ -11,9 +11,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..decoding import SamplingParams, sampling_probs
 from ..errors import GRPOPartsError
-from ..sampler.logits import sampling_probs
-from ..sampler.protocol import SamplingParams
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch
 
 

@@ -20,8 +20,7 @@ from typing import ClassVar
 import torch
 
 from ..compat import cache_kwarg
-from ..sampler.logits import sampling_probs
-from ..sampler.protocol import SamplingParams
+from ..decoding import SamplingParams, sampling_probs
 from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal
 from .reference import FrozenLMDraft

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from ..compat import cache_kwarg, crop_cache, output_cache, repeat_cache_rows
+from ..decoding import SamplingParams
+from ..draft.protocol import DraftContext, DraftModel
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -263,3 +265,50 @@ def calibrate_policy(
             row[j] = max(row[j], row[j - 1])
         table[a] = row
     return table
+
+
+@torch.no_grad()
+def calibrate_draft(
+    draft: DraftModel,
+    model: torch.nn.Module,
+    cost: CostModel,
+    params: SamplingParams,
+    context_len: int,
+    max_tokens: int,
+    repeats: int = 2,
+) -> None:
+    """Time ``draft.propose`` of 1 and ``max_tokens`` tokens at every calibrated batch size on a
+    ``context_len`` context of random ids (random policy features for hidden-state drafts); fills
+    ``cost.draft_fixed`` / ``cost.draft_per_token``."""
+    device = next(model.parameters()).device
+    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
+    hid = int(getattr(model, "config").hidden_size)  # noqa: B009
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ctx, kmax, reps = context_len, max_tokens, repeats
+    for a in cost.batch_sizes:
+        toks = torch.randint(1, vocab, (a, ctx + 2 * reps + 2), generator=gen).to(device)
+        rows = torch.arange(a, device=device)
+        draft.reset(toks[:, :ctx], torch.ones_like(toks[:, :ctx]), rows)
+
+        def context(
+            length: int, new: int, toks: torch.Tensor = toks, rows: torch.Tensor = rows
+        ) -> DraftContext:
+            na = toks.shape[0]
+            h = torch.randn(na, new, hid, generator=gen).to(device) if draft.needs_hidden_states else None
+            return DraftContext(
+                toks[:, :length], torch.full((na,), length, device=device), rows, rows,
+                hidden=None if h is None else h[:, -1], new_hidden=h,
+                num_new=None if h is None else torch.full((na,), new, device=device),
+            )  # fmt: skip
+
+        draft.propose(context(ctx, ctx), 1, params, None)  # warm-up / prefill
+        times = {1: float("inf"), kmax: float("inf")}
+        for i in range(reps):
+            for j, k in enumerate(times):
+                c = context(ctx + 1 + 2 * i + j, 1)
+                t0 = time.perf_counter()
+                draft.propose(c, k, params, None)
+                times[k] = min(times[k], time.perf_counter() - t0)
+        per = max((times[kmax] - times[1]) / max(kmax - 1, 1), 1e-7)
+        cost.draft_fixed[a] = max(times[1] - per, 1e-7)
+        cost.draft_per_token[a] = per

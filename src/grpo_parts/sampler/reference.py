@@ -15,8 +15,8 @@ import torch
 
 from ..compat import cache_kwarg, output_cache, select_cache_rows
 from ..core import token_logprobs
+from ..decoding import sample_tokens
 from ..errors import GRPOPartsError
-from .logits import sample_tokens
 from .protocol import PromptBatch, Rollout, SamplingParams
 
 

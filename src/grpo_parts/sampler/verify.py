@@ -6,7 +6,7 @@ probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection the row emit
 ``norm(max(0, p_j - q_j))`` and stops; if all ``k`` are accepted it emits a bonus token from
 ``p_k``. Every emitted token is then distributed exactly as plain sampling from ``p`` would be.
 
-``p`` is :func:`~grpo_parts.sampler.logits.sampling_probs` of the policy's logits, i.e. temperature,
+``p`` is :func:`~grpo_parts.decoding.sampling_probs` of the policy's logits, i.e. temperature,
 top-k and top-p applied exactly as the reference sampler applies them. ``q`` is whatever the draft
 really drew from (``None`` = a deterministic draft, a point mass on ``d_j``). Greedy decoding is the
 special case "accept while ``d_j == argmax p_j``, then emit ``argmax p_n``".
@@ -15,13 +15,10 @@ special case "accept while ``d_j == argmax p_j``, then emit ``argmax p_n``".
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from ..compat import cache_layers
-from .logits import sampling_probs
-from .protocol import SamplingParams
+from ..decoding import SamplingParams, sampling_probs
 
 #: ``(logits [A, k+1, V], draft_tokens [A, k], draft_probs [A, k, V] | None, params, generator)``
 #: -> ``(num_accepted [A], next_token [A])``
@@ -92,32 +89,3 @@ def always_accept(
     p = sampling_probs(logits[:, k], params)
     tok = p.argmax(-1) if params.greedy else _draw(p, generator)
     return torch.full((a,), k, dtype=torch.long, device=logits.device), tok
-
-
-# ---------------------------------------------------------------- cache bookkeeping after verification
-def right_align(buf: torch.Tensor, ends: torch.Tensor, width: int, fill: int | float) -> torch.Tensor:
-    """Row ``a`` of ``buf: [A, W, ...]`` has its real entries ending (exclusive) at ``ends[a]``;
-    return ``[A, width, ...]`` with those entries shifted to end at ``width``."""
-    shift = width - ends  # [A]
-    src = torch.arange(width, device=buf.device)[None, :] - shift[:, None]
-    valid = src >= 0
-    src = src.clamp(min=0, max=buf.shape[1] - 1)
-    idx = src.view(*src.shape, *([1] * (buf.ndim - 2))).expand(-1, -1, *buf.shape[2:])
-    out = buf.gather(1, idx)
-    return out.masked_fill(~valid.view(*valid.shape, *([1] * (buf.ndim - 2))), fill)
-
-
-def compact_cache(cache: Any, mask: torch.Tensor) -> torch.Tensor | None:
-    """Gather each row's live KV entries (``mask == 1``) to the right end of the cache, in order.
-    Returns the new mask, or None when the cache type has no ``layers[i].keys/values``."""
-    layers = cache_layers(cache)
-    if layers is None:
-        return None
-    width = int(mask.sum(-1).max())
-    idx = torch.sort(mask, dim=-1, stable=True).indices[:, -width:]  # holes first, then live in order
-    for ly in layers:
-        if not getattr(ly, "is_initialized", True) or ly.keys.numel() == 0:
-            continue
-        g = idx[:, None, :, None].expand(-1, ly.keys.shape[1], -1, ly.keys.shape[-1])
-        ly.keys, ly.values = ly.keys.gather(2, g), ly.values.gather(2, g)
-    return mask.gather(1, idx)

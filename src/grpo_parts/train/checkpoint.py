@@ -35,6 +35,8 @@ META = "checkpoint.json"
 #: state entries written as safetensors (module weights): file stem -> keys leading to it in the state
 WEIGHTS: dict[str, tuple[str, ...]] = {"policy": ("policy",), "draft": ("draft", "head")}
 _STEP_DIR = re.compile(r"step-(\d+)")
+#: files every run folder has from its first moment (how ``--resume`` tells a run from another folder)
+RUN_FILES = ("config.yaml", "status.json", "metrics.jsonl")
 
 
 class CorruptCheckpoint(GRPOPartsError):
@@ -182,7 +184,7 @@ def save_checkpoint(
     return ckpt_dir / name
 
 
-def _steps(ckpt_dir: Path) -> dict[int, Path]:
+def checkpoint_steps(ckpt_dir: Path) -> dict[int, Path]:
     found = (_STEP_DIR.fullmatch(p.name) for p in ckpt_dir.iterdir()) if ckpt_dir.is_dir() else iter(())
     return {int(m.group(1)): ckpt_dir / m.group(0) for m in found if m}
 
@@ -190,7 +192,7 @@ def _steps(ckpt_dir: Path) -> dict[int, Path]:
 def _prune(ckpt_dir: Path, keep: set[int | None]) -> None:
     """Delete the checkpoints not in ``keep`` -- older ones, and later ones left by a timeline that a
     resume from an earlier checkpoint abandoned -- and ``.tmp``/``.old`` folders of a killed write."""
-    for s, p in _steps(ckpt_dir).items():
+    for s, p in checkpoint_steps(ckpt_dir).items():
         if s not in keep:
             shutil.rmtree(p, ignore_errors=True)
     for p in ckpt_dir.glob(".step-*"):
@@ -265,8 +267,15 @@ def locate(path: Path) -> tuple[Path, Path]:
     if not path.is_dir():
         raise GRPOPartsError(f"resume: no such run folder {str(path)!r}")
     ckpt_dir = path / "checkpoints"
-    steps = _steps(ckpt_dir)
+    steps = checkpoint_steps(ckpt_dir)
     pointer = ckpt_dir / LAST
+    if not steps and not any((path / f).exists() for f in RUN_FILES):
+        runs = sorted(p.name for p in path.iterdir() if p.is_dir() and (p / "checkpoints").is_dir())
+        inside = f"; it holds the runs {', '.join(runs)}: resume one of them" if runs else ""
+        raise GRPOPartsError(
+            f"resume: {str(path)!r} is not a run folder (no checkpoints/, {', '.join(RUN_FILES)}); expected "
+            f"a folder grpo-parts train made{inside}"
+        )
     if not steps:
         raise GRPOPartsError(
             f"resume: {str(path)!r} has no checkpoint (the run stopped before its first one); start a new run"
@@ -294,7 +303,7 @@ def load_checkpoint(path: Path, full: bool = True) -> tuple[Path, Checkpoint]:
 
 
 def _fallback(run_dir: Path, bad: Path) -> str:
-    for step, folder in sorted(_steps(run_dir / "checkpoints").items(), reverse=True):
+    for step, folder in sorted(checkpoint_steps(run_dir / "checkpoints").items(), reverse=True):
         if bad.parent == folder:
             continue
         try:

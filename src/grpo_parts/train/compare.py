@@ -83,7 +83,7 @@ def compare_seeds(
     Time to target moves by several steps between seeds (evaluation every ``eval_every`` steps on a
     finite held-out set), so one seed says little; the aggregate reports the median speedup to
     target, the mean per-step speedup and the mean final-accuracy difference. ``passes``: median
-    speedup >= 3 and mean |difference| <= 0.03, as for one seed.
+    speedup >= 3 and the mean difference within 3 points or better (>= -0.03), as for one seed.
     """
     if seeds < 1:
         raise GRPOPartsError(f"seeds: expected >= 1, got {seeds}")

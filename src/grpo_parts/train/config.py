@@ -10,12 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..core import AdvantageConfig, LossConfig
 from ..errors import GRPOPartsError
 from ..task.arithmetic import ArithmeticConfig
+from ..task.jsonl import DataConfig
 from ..task.reasoning import ReasoningConfig
+from ..task.rewards import parse_reward_spec
 
 #: The built-in task a config without ``task.name`` trains on.
 DEFAULT_TASK = "reasoning"
@@ -24,6 +26,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "arithmetic": {},
     # GRPO lifts the habit within ~5 steps (held-out 4% -> 77% in the first measurement)
     "reasoning": {"max_new_tokens": 320, "steps": 15, "eval_every": 3},
+    # --data (task.name: data) keeps the defaults it had before it had a task section of its own
+    "data": {"max_new_tokens": 320, "steps": 15, "eval_every": 3},
 }
 
 #: The reference implementation of each part (the plain GRPO path).
@@ -90,11 +94,26 @@ class TrainConfig(BaseModel):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     parts: PartsConfig = Field(default_factory=PartsConfig)
-    task: ArithmeticConfig | ReasoningConfig = Field(
+    task: ArithmeticConfig | ReasoningConfig | DataConfig = Field(
         default_factory=ReasoningConfig,
         discriminator="name",
         description="the built-in task: task.name = reasoning (default: a long shared instruction, "
-        "long-tailed worked solutions) or arithmetic (short chain addition)",
+        "long-tailed worked solutions) or arithmetic (short chain addition); with --data: task.name = data "
+        "(its format, columns and grader)",
+    )
+    rewards: list[str] = Field(
+        default_factory=list,
+        description="reward functions 'module:function' or 'module:function@weight' with TRL's signature "
+        "(completions, **kwargs) -> list[float]; their weighted sum replaces the grader's reward in training",
+    )
+    stop_after_flat: int = Field(
+        3, ge=0, description="stop after this many steps in a row whose rewards are all equal (0 = never)"
+    )
+    samples_per_eval: int = Field(
+        4,
+        ge=0,
+        le=10_000,
+        description="held-out and training completions written to samples.jsonl per evaluation",
     )
     eval_every: int = Field(5, ge=1)
     eval_temperature: float = Field(0.0, ge=0.0, description="0 = greedy held-out accuracy")
@@ -104,12 +123,19 @@ class TrainConfig(BaseModel):
     target_accuracy: float = Field(
         0.6, gt=0.0, le=1.0, description="--compare: time to this held-out accuracy"
     )
-    time_limit_s: float | None = Field(None, gt=0.0, description="stop early after this much training time")
+    time_limit_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="stop after the step during which training wall time (evaluation excluded) reaches "
+        "this many seconds; the run then completes as usual (report, model/)",
+    )
     model: Path | None = Field(
         None, description="local transformers checkpoint (default: the built-in warm start)"
     )
     data: Path | None = Field(
-        None, description="local JSONL of {'prompt', 'answer'} (default: built-in task)"
+        None,
+        description="your problems: JSONL, parquet or a save_to_disk folder; formats and graders: task.* "
+        "(default: built-in task)",
     )
     eval_data: Path | None = None
     eval_fraction: float = Field(
@@ -117,8 +143,37 @@ class TrainConfig(BaseModel):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads (default: 1 for the built-in models; a --model on the CPU is "
+        "calibrated at start-up, 1 thread vs every core, see grpo_parts.train.threads; cuda: torch's choice)",
+    )
     progress: bool = True
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list,
+        description="experiment trackers that get every metrics row and the config (none by default); "
+        "'none', a list, or a comma-separated string; each needs its extra: pip install 'grpo-parts[wandb]'",
+    )
+    project: str = Field(
+        "grpo-parts",
+        min_length=1,
+        description="tracker project: the W&B project (WANDB_PROJECT wins), MLflow experiment "
+        "(MLFLOW_EXPERIMENT_NAME wins) and Trackio project",
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, v: Any) -> Any:
+        """TRL's forms: ``"none"``, ``"wandb"``, ``"wandb,tensorboard"`` or a list; duplicates dropped."""
+        items = [x.strip() for x in v.split(",")] if isinstance(v, str) else v
+        if not isinstance(items, list):
+            return v
+        if "none" in items:
+            if len(items) > 1:
+                raise ValueError(f"'none' means no tracker, got it with {[x for x in items if x != 'none']}")
+            return []
+        return list(dict.fromkeys(items))
 
     @model_validator(mode="before")
     @classmethod
@@ -131,16 +186,27 @@ class TrainConfig(BaseModel):
         if task is None:
             task = {}
         if isinstance(task, dict):
-            task = {"name": DEFAULT_TASK, **task}
+            task = {"name": "data" if data.get("data") is not None else DEFAULT_TASK, **task}
             data = {**data, "task": task}
             for key, value in TASK_DEFAULTS.get(str(task["name"]), {}).items():
                 data.setdefault(key, value)
         return data
 
+    @field_validator("rewards")
+    @classmethod
+    def _rewards(cls, specs: list[str]) -> list[str]:
+        for spec in specs:
+            parse_reward_spec(spec)
+        return specs
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.eval_data is not None and self.data is None:
             raise ValueError("eval_data: only used together with data")
+        if isinstance(self.task, DataConfig) and self.data is None:
+            raise ValueError(
+                "task.name: 'data' reads --data, got no data; expected --data FILE or a built-in task"
+            )
         if self.advantage.kl_coef > 0 and self.advantage.kl_placement == "token":
             # per-token advantages [N, T] have no single value for a CompletionFilter to rank
             raise ValueError(
@@ -183,7 +249,21 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise GRPOPartsError(f"--set: expected KEY=VALUE (e.g. parts.filter=keep_all), got {item!r}")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise GRPOPartsError(
+            f"--set {item}: the value is not valid YAML ({_yaml_problem(e, False)}); expected a YAML value, "
+            "e.g. 0.01, keep_all, '{pruning_rate: 0.5}' (quote it in the shell)"
+        ) from None
+
+
+def _yaml_problem(e: Exception, where: bool = True) -> str:
+    """PyYAML's error as one line: what is wrong and (``where``) at which line and column."""
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    at = f"line {mark.line + 1}, column {mark.column + 1}: " if where and mark is not None else ""
+    return f"{at}{problem}"
 
 
 def load_config(
@@ -200,7 +280,13 @@ def load_config(
         p = Path(path)
         if not p.is_file():
             raise GRPOPartsError(f"config: no such file {str(p)!r}")
-        loaded = yaml.safe_load(p.read_text())
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            what = _yaml_problem(e) if isinstance(e, yaml.YAMLError) else "not UTF-8 text"
+            raise GRPOPartsError(
+                f"config: {str(p)!r} is not valid YAML ({what}); expected a YAML mapping of TrainConfig fields"
+            ) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise GRPOPartsError(
                 f"config: expected a YAML mapping in {str(p)!r}, got {type(loaded).__name__}"

@@ -36,8 +36,11 @@ from .loop import GRPOTrainer
 from .metrics import MetricsWriter, read_metrics
 from .parts import build_parts
 from .report import write_report
+from .rewind import check_rewind, move_aside
+from .samples import SampleLog
 from .setup import hf_progress, load_setup
 from .status import check_not_running, write_status
+from .trackers import Trackers, check_trackers
 
 log = logging.getLogger("grpo_parts.train")
 
@@ -101,9 +104,15 @@ class RunSession:
     """
 
     def __init__(
-        self, config: TrainConfig, run_dir: Path | None = None, resume: bool = False, title: str = ""
+        self,
+        config: TrainConfig,
+        run_dir: Path | None = None,
+        resume: bool = False,
+        title: str = "",
+        rewind: bool = False,
     ):
-        self.config, self.resume, self.title = config, resume, title
+        self.config, self.resume, self.title, self.rewind = config, resume, title, rewind
+        check_trackers(config.report_to)  # a missing tracker library: one line before anything runs
         ckpt = None
         if resume:
             if run_dir is None:
@@ -118,9 +127,12 @@ class RunSession:
         if ckpt is not None:
             self._load(ckpt)
             self.start_step = self.finished = ckpt.step
+            if rewind:  # everything validated: only now is the later state moved aside
+                move_aside(self.run_dir, ckpt.step)
         self.cfg_json = config.model_dump(mode="json", exclude_unset=True)  # defaults stay defaults on resume
         self._open_folder()
         self.done = self.start_step >= config.steps
+        self.grader_name = str(getattr(self.trainer.task, "grader_name", "the task's"))
         self.last_eval: float | None = None
         self.traces: dict[int, dict[str, Any]] = {}  # the sampler's decode trace: first and last step
 
@@ -131,6 +143,7 @@ class RunSession:
         status = check_not_running(self.run_dir)
         completed = status is not None and status.get("status") == "completed"
         check_resume_steps(self.run_dir, meta, self.config.steps, completed)
+        check_rewind(self.run_dir, meta, self.rewind)
         return load_checkpoint(meta.folder)[1]
 
     def _load(self, ckpt: Checkpoint) -> None:
@@ -151,12 +164,22 @@ class RunSession:
         elif self.config.steps != self.old_steps:  # the one field a resume may change (--steps)
             log.info("config.yaml: steps %d -> %d (resumed with --steps)", self.old_steps, self.config.steps)
             atomic_write_text(yaml_path, dump_config(self.config))
-        if not self.resume:
-            (self.run_dir / "metrics.jsonl").write_text("")
-        self.writer = MetricsWriter(
-            self.run_dir / "metrics.jsonl", keep_up_to_step=self.start_step if self.resume else None
-        )
+        keep = self.start_step if self.resume else None
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if not self.resume or not (self.run_dir / name).exists():
+                (self.run_dir / name).write_text("")
+        self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", keep_up_to_step=keep)
+        self.samples = SampleLog(self.run_dir / "samples.jsonl", self.config, keep_up_to_step=keep)
         self._status("running")
+        name = "/".join(self.run_dir.parts[-2:]) if self.title else self.run_dir.name  # --compare: cmp/arm
+        try:
+            self.trackers = Trackers(
+                list(self.config.report_to), self.run_dir, name, self.config.model_dump(mode="json"),
+                dump_config(self.config),
+            )  # fmt: skip
+        except GRPOPartsError as e:
+            self.fail(e)
+            raise
 
     def _status(self, status: str, **extra: Any) -> None:
         ckpt = None if self.saved_step is None else f"checkpoints/{step_name(self.saved_step)}"
@@ -169,12 +192,19 @@ class RunSession:
     def begin(self) -> None:
         if not self.resume:  # a resumed run has its step-0 row: checkpoints come after it
             acc, t_eval = self.trainer.evaluate()
-            self.writer.write({"step": 0, "wall_time": 0.0, "eval_accuracy": acc, "eval_time": t_eval})
+            self._write({"step": 0, "wall_time": 0.0, "eval_accuracy": acc, "eval_time": t_eval})
+            self.samples.write(0, self.trainer.eval_samples, [])
+
+    def _write(self, row: dict[str, Any]) -> None:
+        """A metrics row to ``metrics.jsonl`` and to every tracker of ``report_to``."""
+        self.writer.write(row)
+        self.trackers.log(row)
 
     def advance(self) -> dict[str, Any]:
         """One GRPO step (+ evaluation and checkpoint when due); returns its metrics row."""
         cfg, trainer = self.config, self.trainer
         row = trainer.step()
+        flat = self.samples.check_flat(trainer.step_idx, trainer.last_samples, self.grader_name)
         if trainer.last_trace is not None and trainer.last_trace["k"]:
             self.traces = {k: v for k, v in self.traces.items() if k == min(self.traces, default=k)}
             self.traces[trainer.step_idx] = trainer.last_trace
@@ -184,8 +214,14 @@ class RunSession:
         if trainer.step_idx % cfg.eval_every == 0 or self.done:
             self.last_eval, row["eval_time"] = trainer.evaluate()
             row["eval_accuracy"] = self.last_eval
-        self.writer.write(row)
+            self.samples.write(trainer.step_idx, trainer.eval_samples, trainer.last_samples)
+        self._write(row)
         self.finished = trainer.step_idx
+        if flat:
+            self.save()
+            raise GRPOPartsError(
+                f"{flat}; resume with: grpo-parts train --resume {shlex.quote(str(self.run_dir))}"
+            )
         if cfg.checkpoint_every and trainer.step_idx % cfg.checkpoint_every == 0 and not self.done:
             self.save()
         self._status("running")  # a heartbeat: the step and time a reader sees
@@ -197,6 +233,7 @@ class RunSession:
         with hf_progress(self.config.progress):
             export_model(self.run_dir, self.trainer.policy, self.trainer.tokenizer)
         self.writer.close()
+        self.samples.close()
         rows = read_metrics(self.run_dir / "metrics.jsonl")
         info = {
             "status": "completed",
@@ -204,8 +241,10 @@ class RunSession:
             "notes": self.notes,
             "title": self.title or self.run_dir.name,
             "traces": self.traces,
+            "samples": self.samples.last_eval,
         }
         summary = write_report(self.run_dir, rows, info, self.config.target_accuracy)
+        self.trackers.finish("completed")
         self._status("completed", summary=summary)
         return RunResult(self.run_dir, summary, rows)
 
@@ -221,6 +260,8 @@ class RunSession:
         if step_finished and self.saved_step != self.trainer.step_idx:
             self.save()
         self.writer.close()
+        self.samples.close()
+        self._close_trackers("interrupted")
         name, cmd = signal_name(signum), f"grpo-parts train --resume {shlex.quote(str(self.run_dir))}"
         where = f"after step {self.finished}" if step_finished else f"during step {self.finished + 1}"
         if self.saved_step is None:
@@ -236,7 +277,13 @@ class RunSession:
             self.interrupted(getattr(e, "signum", 2), step_finished=False)
             return
         self.writer.close()
+        self.samples.close()
+        self._close_trackers("failed")
         self._status("failed", error=f"{type(e).__name__}: {e}")
+
+    def _close_trackers(self, status: str) -> None:
+        if hasattr(self, "trackers"):  # (not yet there when the trackers themselves failed to start)
+            self.trackers.finish(status)
 
 
 def postfix(session: RunSession, row: dict[str, Any]) -> dict[str, str]:
@@ -250,13 +297,18 @@ def postfix(session: RunSession, row: dict[str, Any]) -> dict[str, str]:
 
 
 def train(
-    config: TrainConfig, run_dir: Path | None = None, resume: bool = False, title: str = ""
+    config: TrainConfig,
+    run_dir: Path | None = None,
+    resume: bool = False,
+    title: str = "",
+    rewind: bool = False,
 ) -> RunResult:
     """Run ``config`` into ``run_dir`` (default ``out_dir/name``); ``resume`` continues from its checkpoint
-    (``run_dir`` is then the run folder, or one of its ``checkpoints/step-NNNNNN`` folders).
+    (``run_dir`` is then the run folder, or one of its ``checkpoints/step-NNNNNN`` folders; an earlier
+    checkpoint than the newest needs ``rewind``, which moves the later state aside: :mod:`.rewind`).
 
     Raises :class:`~.interrupt.Interrupted` on SIGINT/SIGTERM, after saving what resumes."""
-    session = RunSession(config, run_dir, resume, title)
+    session = RunSession(config, run_dir, resume, title, rewind)
     with StopRequest(session.note_stop) as stop:
         try:
             _steps(session, stop)

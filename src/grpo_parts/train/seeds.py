@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .ablation import ablation_lines, aggregate_ablation
+from .metrics import accuracy_goal_met
 from .phases import mean_of, median_of, median_phases
 
 #: per-arm summary fields reported per seed and as medians
@@ -40,7 +41,8 @@ def aggregate_seeds(per_seed: list[dict[str, Any]], target: float, seeds: list[i
     )
     goals = {
         "median_speedup_to_target_ge_2": (med, med is not None and med >= 2.0),
-        "mean_accuracy_diff_within_0.03": (diff, diff is not None and abs(diff) <= 0.03),
+        # (the key's name predates "or better": an optimized arm more accurate than the reference meets it)
+        "mean_accuracy_diff_within_0.03": (diff, accuracy_goal_met(diff)),
         "mean_step_speedup_ge_2": (step_mean, step_mean is not None and step_mean >= 2.0),
         "step_speedup_ge_0.8_amdahl": (efficiency, efficiency is not None and efficiency >= 0.8),
     }
@@ -64,7 +66,7 @@ def aggregate_seeds(per_seed: list[dict[str, Any]], target: float, seeds: list[i
         "speedups_to_target": [r["speedup_to_target"] for r in per_seed],
         "mean_step_speedup": step_mean,
         "mean_final_accuracy_diff": diff,
-        "passes": bool(med is not None and med >= 3.0 and diff is not None and abs(diff) <= 0.03),
+        "passes": bool(med is not None and med >= 3.0 and accuracy_goal_met(diff)),
         "per_seed": per_seed,
     }
 

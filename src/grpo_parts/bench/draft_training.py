@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 
+from ..decoding import SamplingParams
+from ..draft.protocol import DraftModel, DraftTrainingBatch
 from ..errors import GRPOPartsError
-from ..sampler.protocol import PromptBatch, SamplingParams
-from .protocol import DraftModel, DraftTrainingBatch
+from ..types import PromptBatch
 
 
 def make_draft(name: str, policy: torch.nn.Module, seed: int = 0) -> DraftModel:
     """A draft by registry name with bench defaults (``frozen_lm`` / ``small_lm``: a random 1-layer LM, half width)."""
-    from . import get_draft_class
+    from ..draft import get_draft_class
 
     cls = get_draft_class(name)
     if name in ("frozen_lm", "small_lm"):
@@ -43,7 +44,7 @@ def make_draft(name: str, policy: torch.nn.Module, seed: int = 0) -> DraftModel:
         )  # fmt: skip
         return cls(small.to(next(policy.parameters()).device))  # type: ignore[no-any-return]
     if name == "eagle":
-        from .eagle import EagleConfig
+        from ..draft.eagle import EagleConfig
 
         # the settings of the drift experiment: a higher lr and a full-weight distribution loss
         # (acceptance is 1 - TV(p, q), so matching the distribution matters more than the feature)
@@ -183,10 +184,10 @@ def measure_drift(
     """Run the drift experiment (CPU, a few minutes). Returns ``{"task", "setup", "points"}``; each
     point has ``round``, ``draft`` (``ngram`` / ``eagle_frozen`` / ``eagle_online``), ``accepted_per_verify``,
     ``draft_accept_rate``."""
+    from ..draft.eagle import EagleConfig, EagleDraft
+    from ..draft.ngram import NGramDraft
     from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
     from ..tiny import tiny_causal_lm
-    from .eagle import EagleConfig, EagleDraft
-    from .ngram import NGramDraft
 
     torch.manual_seed(seed)
     task_name, problem, vocab, eos, pad = _task_data(0, seed)

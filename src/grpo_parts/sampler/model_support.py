@@ -1,0 +1,98 @@
+"""Which policies the speculative sampler can serve exactly, read from the model's config.
+
+* **Recurrent / convolutional layers** (Mamba, Mamba-2, Nemotron-H, Jamba, Bamba, Zamba,
+  Falcon-H1, Qwen3-Next's linear attention, LFM2's convolutions, RecurrentGemma, RWKV): their
+  cache is a running state, not one entry per token, so it cannot be rolled back to the accepted
+  prefix of a verified draft (nor can a rejected token be left as a masked hole). Refused at
+  construction, with the layer kinds found.
+* **Sliding-window attention** (Mistral, Gemma2/3, Cohere2, GPT-OSS, Exaone4, Qwen2 with
+  ``use_sliding_window``): transformers applies the window by *cache column* (and
+  ``DynamicSlidingWindowLayer`` keeps only the last ``W - 1`` columns), so cache holes and left
+  padding would count against it. The sampler serves such a model exactly while every row's
+  prompt width + ``max_new_tokens`` fits in ``W - 1`` columns: it compacts the cache (gathering
+  each row's live entries to the right) before a forward would pass ``W - 1`` columns, so the
+  window never drops or hides a real entry. Longer rollouts are refused with the numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: layer kinds whose cache holds one key/value entry per token (everything else is recurrent)
+ATTENTION_KINDS = frozenset(
+    {
+        "full_attention",
+        "sliding_attention",
+        "chunked_attention",
+        "attention",
+        "global",
+        "local",
+        "mlp",
+        "moe",
+        "-",
+    }
+)
+#: model types with no per-token cache at all
+RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
+#: ``hybrid_override_pattern`` characters (Nemotron-H): M = Mamba-2, * = attention, - = MLP, E = MoE
+_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Every layer kind the config names (``layer_types``, ``layers_block_type``, ``block_types``,
+    ``hybrid_override_pattern``), in order of first appearance."""
+    kinds: list[str] = []
+    for attr in ("layer_types", "layers_block_type", "block_types", "layers_block_types"):
+        try:
+            v = getattr(config, attr, None)
+        except Exception:  # noqa: BLE001 - a computed property may fail on a partial config
+            v = None
+        if isinstance(v, (list, tuple)):
+            kinds += [str(x) for x in v]
+    pattern = getattr(config, "hybrid_override_pattern", None)
+    if isinstance(pattern, str):
+        kinds += [_PATTERN.get(c, c) for c in pattern]
+    return list(dict.fromkeys(kinds))
+
+
+def recurrent_reasons(model: torch.nn.Module) -> list[str]:
+    """Why the policy's cache cannot be rolled back to an accepted draft prefix (empty = it can)."""
+    cfg: Any = getattr(model, "config", None)
+    if cfg is None:
+        return []
+    mt = str(getattr(cfg, "model_type", "?"))
+    other = [k for k in layer_kinds(cfg) if k not in ATTENTION_KINDS]
+    if mt in RECURRENT_MODEL_TYPES or mt.endswith("mamba"):
+        other = other or ["recurrent"]
+    if not other:
+        return []
+    return [
+        f"model: {mt} has recurrent/convolutional layers ({', '.join(other)}): their cache is a running "
+        "state that cannot be rolled back to the accepted prefix of a verified draft, so speculative "
+        "decoding cannot serve it exactly; use the reference sampler"
+    ]
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The attention window ``W`` when any layer of the policy uses one, else None."""
+    cfg: Any = getattr(model, "config", None)
+    w = getattr(cfg, "sliding_window", None)
+    if not w or not getattr(cfg, "use_sliding_window", True):
+        return None
+    kinds = layer_kinds(cfg)
+    if kinds and "sliding_attention" not in kinds and "local" not in kinds:
+        return None  # a window size in the config that no layer uses
+    return int(w)
+
+
+def window_reason(window: int, width: int, max_new_tokens: int) -> str | None:
+    """Why a rollout of prompt width ``width`` cannot be served exactly under window ``window``."""
+    if width + max_new_tokens <= window - 1:
+        return None
+    return (
+        f"model: sliding-window attention (sliding_window={window}): prompt width {width} + max_new_tokens "
+        f"{max_new_tokens} = {width + max_new_tokens} exceeds the {window - 1} cache columns served exactly "
+        "(transformers applies the window by cache column, so draft holes would count against it past that)"
+    )
