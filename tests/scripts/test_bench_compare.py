@@ -64,7 +64,9 @@ def test_two_revisions_alternate_and_report_min_median(repo: Path, tmp_path: Pat
     assert head.split() == ["point", "A", "min", "A", "med", "B", "min", "B", "med", "B/A", "B/ideal"]
     num = r"\d+\.\d{3}"
     assert any(re.fullmatch(rf"G=4 P=256 S=64\s+({num}\s+){{5}}{num}", x) for x in lines), r.stdout
-    assert any(re.fullmatch(r"G=8 P=1024 S=128\s+skipped \(reference batch 9216 tokens.*\)", x) for x in lines)
+    assert any(
+        re.fullmatch(r"G=8 P=1024 S=128\s+skipped \(reference batch 9216 tokens.*\)", x) for x in lines
+    )
     data = json.loads(out.read_text())
     assert data["metric"] == "speedup" and data["rounds"] == 2
     point, skipped = data["points"]
