@@ -180,8 +180,8 @@ def test_a_missing_tracker_library_is_one_line_before_anything_runs(
     )
     (tmp_path / "runs").mkdir()
     before = snapshot(tmp_path)
-    argv = ["--model", str(tiny_model_dir), "--out-dir", str(tmp_path / "runs"), "--report-to", "tensorboard,"
-            + name if name != "tensorboard" else name]  # fmt: skip
+    both = f"{name},trackio" if name != "trackio" else name  # the first missing one in the order given
+    argv = ["--model", str(tiny_model_dir), "--out-dir", str(tmp_path / "runs"), "--report-to", both]
     refused(capsys, argv, f"report_to: {name!r} needs the", f"pip install 'grpo-parts[{name}]'")
     assert snapshot(tmp_path) == before
 
@@ -197,3 +197,25 @@ def test_report_to_forms() -> None:
         load_config(overrides={"report_to": "none,wandb"})
     with pytest.raises(Exception, match="report_to.0: Input should be 'tensorboard'"):
         load_config(overrides={"report_to": ["comet"]})
+
+
+def test_a_resumed_run_logs_into_the_same_tracker_run(
+    tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from grpo_parts.train.run import resume_config
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    first = _run("mlflow", tiny_model_dir, tmp_path, tiny_overrides)
+    run_id = json.loads((first.run_dir / "trackers.json").read_text())["mlflow"]
+    resumed = train(resume_config(first.run_dir, {"steps": 5}), run_dir=first.run_dir, resume=True)
+    assert json.loads((resumed.run_dir / "trackers.json").read_text())["mlflow"] == run_id
+    client = MlflowClient(tracking_uri=uri)
+    assert [m.step for m in client.get_metric_history(run_id, "reward")] == [1, 2, 3, 4, 5]
+    exp = client.get_experiment_by_name("grpo-parts-test-mlflow")
+    assert exp is not None and len(client.search_runs([exp.experiment_id])) == 1
+    assert client.get_run(run_id).info.status == "FINISHED"

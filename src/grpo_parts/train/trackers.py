@@ -164,6 +164,13 @@ class _Trackio:
     def finish(self, status: str) -> None:
         with _quiet():
             self.run.finish()
+        try:  # trackio's atexit hook finishes its "current" run again, printing after our result line
+            from trackio import context_vars
+
+            if context_vars.current_run.get() is self.run:
+                context_vars.current_run.set(None)
+        except (ImportError, AttributeError):
+            pass
 
 
 @contextlib.contextmanager
