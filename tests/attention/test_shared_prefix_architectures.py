@@ -251,3 +251,16 @@ def test_forward_without_layout_runs_the_models_own_attention(family, attn, over
     assert torch.equal(out[mask.bool()], ref[mask.bool()])
     assert torch.equal(out_gen, ref_gen)
     assert model.config._attn_implementation == attn
+
+
+def test_learned_position_tables_are_inspected():  # type: ignore[no-untyped-def]
+    """A learned position table shorter than a row is refused with its size, never indexed past."""
+    if refusal("gpt2_context") is not None:
+        pytest.skip("gpt2 refused here")
+    model = exact_model("gpt2", vocab_size=48)
+    model.transformer.wpe = torch.nn.Embedding(6, model.config.hidden_size, dtype=torch.float64)
+    batch = _crossing_batch()  # rows of 7 and 8 tokens
+    expected = "model: learned position table transformer.wpe holds 6 positions; the longest row needs 8"
+    assert expected in SharedPrefixAttention().not_supported_reasons(model, batch)
+    with pytest.raises(NotSupportedError, match=expected):
+        SharedPrefixAttention().completion_logprobs(model, batch)

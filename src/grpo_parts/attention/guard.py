@@ -101,6 +101,32 @@ def rotary_reasons(model: torch.nn.Module, kind: str) -> list[str]:
     return out
 
 
+#: model -> :func:`position_tables`
+_TABLES: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[str, int]]] = weakref.WeakKeyDictionary()
+
+
+def position_tables(model: torch.nn.Module) -> list[tuple[str, int]]:
+    """``(name, positions it holds)`` of each learned absolute position table (an ``nn.Embedding``
+    other than the token embeddings: GPT-2's ``wpe``, OPT's ``embed_positions`` less its ``offset``).
+    The layout never gives a position beyond the batch's longest row, so a batch fits when its
+    longest row fits every table. Cached per model."""
+    if model in _TABLES:
+        return _TABLES[model]
+    get = getattr(model, "get_input_embeddings", None)
+    tokens = get() if callable(get) else None
+    out = []
+    for name, mod in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if (
+            isinstance(mod, torch.nn.Embedding)
+            and mod is not tokens
+            and (last == "wpe" or "position" in last)
+        ):
+            out.append((name, mod.num_embeddings - int(getattr(mod, "offset", 0) or 0)))
+    _TABLES[model] = out
+    return out
+
+
 def architecture_reasons(model: torch.nn.Module, base: torch.nn.Module) -> list[str]:
     """Model features the grid layout cannot compute exactly, from config and modules (no forward).
     ``base``: the model whose ``forward`` gets the backend's keyword arguments (below a PEFT wrapper)."""

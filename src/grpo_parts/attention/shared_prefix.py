@@ -27,7 +27,7 @@ from ..compat import accepts_logits_to_keep, register_attention_function, select
 from ..core import token_logprobs
 from ..errors import GRPOPartsError, NotSupportedError
 from .chunking import empty_call_batch, rank_consistent_plan
-from .guard import architecture_reasons, layout_shortfall, text_config
+from .guard import architecture_reasons, layout_shortfall, position_tables, text_config
 from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs, ungroup_logits
 from .protocol import LogprobBatch, LogprobOutput
 from .reference import entropy_from_logits
@@ -208,9 +208,15 @@ class SharedPrefixAttention:
             getattr(tc, "use_sliding_window", True)
             or "sliding_attention" in (getattr(tc, "layer_types", None) or [])
         )
-        if uses_window and window is not None and batch is not None:
-            span = int((batch.prompt_mask.long().sum(-1) + batch.completion_mask.long().sum(-1)).max())
-            if span > window:
+        tables = position_tables(base)
+        if batch is not None and (tables or uses_window):  # (a host sync: only where it can matter)
+            span = int((batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).max())
+            out += [
+                f"model: learned position table {name} holds {rows} positions; the longest row needs {span}"
+                for name, rows in tables
+                if span > rows
+            ]
+            if uses_window and window is not None and span > window:
                 out.append(
                     f"model: sliding window {window} < longest sequence ({span} tokens) is not implemented"
                 )
