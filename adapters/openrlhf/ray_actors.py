@@ -73,7 +73,7 @@ def counters_of(actor: Any) -> dict[str, float]:
     """The actor's per-step counts (reset), plus the first-batch check once it has run."""
     if not isinstance(actor, GRPOPartsActor):
         return {}
-    out = actor.counters.flush()
+    out = {**actor.counters.flush(), **actor.flush_tokens()}
     if actor.check_first_batch and actor.first_batch_diff is not None:
         out["parts/attention/first_batch_logprob_max_abs_diff"] = actor.first_batch_diff
         actor.check_first_batch = False  # reported once

@@ -5,7 +5,7 @@ Each rank trains on its own share of CPPO-kept experiences (rank 0: one prompt g
 other lengths), and the backend splits each call into as many grids as it has groups, so the ranks
 need different numbers of grids: they agree on the number of model calls (ZeRO-3 gathers
 parameters in every forward; a disagreement hangs, and a hard timeout fails the test). One launch
-runs every case (``_ranks_worker.py``), padded and ``--ds.packing_samples``.
+runs every case (``_openrlhf_ranks_worker.py``), padded and ``--ds.packing_samples``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ranks_worker import CASES
+from _openrlhf_ranks_worker import CASES
 from multirank import run_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -23,7 +23,9 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):  # type: ignore[no-untyped-def]
     pytest.importorskip("ray")
-    return run_ranks(HERE / "_ranks_worker.py", tmp_path_factory.mktemp("openrlhf_ranks"), timeout=420)
+    return run_ranks(
+        HERE / "_openrlhf_ranks_worker.py", tmp_path_factory.mktemp("openrlhf_ranks"), timeout=420
+    )
 
 
 def _runs(ranks, stage, packing):  # type: ignore[no-untyped-def]
@@ -47,7 +49,10 @@ def test_two_ranks_forward_objective_and_agreement(ranks, stage, packing):  # ty
     (on0, _), (on1, _) = runs
     assert len(on0["plans"]) == len(on1["plans"]) > 0
     assert [p["model_calls"] for p in on0["plans"]] == [p["model_calls"] for p in on1["plans"]]
-    assert max(p["chunks"] for p in on1["plans"]) == 2 and max(p["empty_calls"] for p in on0["plans"]) == 1
+    # rank 0 holds one prompt group (cut into sub-groups by completion length), rank 1 two: their grid
+    # counts differ, and the rank with fewer pads with empty calls
+    assert max(p["chunks"] for p in on1["plans"]) == 2 and max(p["model_calls"] for p in on0["plans"]) >= 2
+    assert any(p["empty_calls"] for p in on0["plans"] + on1["plans"])
 
 
 ZERO3 = (

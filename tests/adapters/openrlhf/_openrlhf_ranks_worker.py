@@ -1,4 +1,4 @@
-"""One rank of test_openrlhf_ranks.py (``python _ranks_worker.py OUT_DIR`` under multirank.run_ranks).
+"""One rank of test_openrlhf_ranks.py (``python _openrlhf_ranks_worker.py OUT_DIR`` under multirank.run_ranks).
 
 OpenRLHF's real step (``make_experience``, ``PolicyModelActor.append/fit``, ``ActorPPOTrainer``,
 ``DeepspeedStrategy`` on a DeepSpeed ZeRO-2 or ZeRO-3 engine) on a two-rank gloo group, each rank
