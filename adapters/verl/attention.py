@@ -137,6 +137,26 @@ def _scalar_temperature(temperature: float | torch.Tensor) -> float:
     return float(temperature)
 
 
+def _empty_call(
+    model: torch.nn.Module, ids: torch.Tensor, cu: torch.Tensor, resp: torch.Tensor, backend: AttentionBackend
+) -> torch.Tensor:
+    """A backend call on two real tokens of the micro-batch (its first token as a one-token prompt,
+    the first response token, or the first token again, as the completion), times zero: it runs the
+    model -- and, with grad, its backward -- so that this rank makes as many model calls as the other
+    data-parallel ranks (FSDP gathers parameters in every forward), and adds nothing."""
+    with_resp = (resp > 0).nonzero().reshape(-1)
+    second = (
+        ids[int(cu[with_resp[0]]) + int(cu.diff()[with_resp[0]] - resp[with_resp[0]])]
+        if with_resp.numel()
+        else ids[0]
+    )
+    pair = torch.stack([ids[0], second])
+    out = packed_completion_logprobs(
+        model, pair, cu.new_tensor([0, 2]), cu.new_tensor([1]), cu.new_zeros(1), backend=backend
+    )
+    return out.logprobs.sum() * 0.0
+
+
 def packed_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -147,11 +167,13 @@ def packed_logprobs(
     backend: str | AttentionBackend = "shared_prefix",
     compute_entropy: bool = False,
     plan: CallPlan | None = None,
+    model_calls: int | None = None,
 ) -> PackedLogprobs:
     """Log-probs (and entropies) of every response token of a packed micro-batch, in verl's rolled
     layout ``[nnz]``. ``input_ids: [nnz]`` (or ``[1, nnz]``), ``cu_seqlens: [B + 1]``,
     ``response_lens: [B]``; sequences with an empty response contribute zeros. ``plan``: from
-    :func:`plan_calls` (default: one call)."""
+    :func:`plan_calls` (default: one call). ``model_calls``: backend calls to make in all (what the
+    data-parallel ranks agreed on, >= the plan's): the extra ones are empty calls (:func:`_empty_call`)."""
     temp = _scalar_temperature(temperature)
     ids = input_ids.reshape(-1)
     check_tensor("input_ids", ids, ndim=1, dtype="int")
@@ -194,15 +216,17 @@ def packed_logprobs(
         where.append(tok.nonzero().reshape(-1))
         lps.append(out.logprobs)
         ents.append(out.entropies)
+    extra = max(0, (model_calls or 0) - len(plan.calls))
+    zero = sum(_empty_call(model, ids, cu, resp, impl) for _ in range(extra))
 
     def assemble(parts: list[Any]) -> torch.Tensor:
         # position i of a sequence holds log p(token i); verl's rolled layout wants it at i - 1. The
         # element rolled in at each sequence's last position is a prompt token's 0.
         if not parts:
-            return torch.zeros(nnz, device=ids.device)
+            return torch.zeros(nnz, device=ids.device) + zero
         x = torch.cat(parts)
         full = x.new_zeros(nnz).index_put((torch.cat(where),), x)  # differentiable scatter
-        return torch.roll(full, shifts=-1)
+        return torch.roll(full, shifts=-1) + zero
 
     entropy = assemble(ents) if compute_entropy else None
     return PackedLogprobs(assemble(lps), entropy)

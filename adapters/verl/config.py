@@ -42,7 +42,9 @@ class EngineOptions(BaseModel):
     share one model call while its grouped layout stays within ``1 + merge_slack`` times the sum of
     their own layouts (0: a call per group; None: one call per micro-batch). ``max_padding_ratio``:
     run verl's own packed forward for a micro-batch whose grouped layouts would hold more than this
-    many times its packed tokens (None: never). See docs/adapters/verl.md, "Memory".
+    many times its packed tokens (None: never). ``max_chunks`` / ``chunk_overhead_tokens``: the
+    shared-prefix backend's grid splitting inside each call (:mod:`grpo_parts.attention.chunking`;
+    the data-parallel ranks agree on the number of model calls). See docs/adapters/verl.md, "Memory".
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -51,6 +53,8 @@ class EngineOptions(BaseModel):
     kernel: str = "auto"
     merge_slack: float | None = Field(0.25, ge=0)
     max_padding_ratio: float | None = Field(None, gt=0)
+    max_chunks: int | None = Field(None, ge=1)
+    chunk_overhead_tokens: int = 1024
 
     @field_validator("attention")
     @classmethod
@@ -72,7 +76,11 @@ class EngineOptions(BaseModel):
         if self.attention is None:
             return None
         cls = get_attention_class(self.attention)
-        return cls(kernel=self.kernel) if self.attention == "shared_prefix" else cls()
+        if self.attention != "shared_prefix":
+            return cls()
+        return cls(
+            kernel=self.kernel, max_chunks=self.max_chunks, chunk_overhead_tokens=self.chunk_overhead_tokens
+        )
 
 
 def startup_reasons(config: Any, model_config: Any = None) -> list[str]:

@@ -132,7 +132,10 @@ def _engine_state(engine: Any, opts: EngineOptions) -> Any:
             _dispatch_on_layout(engine.module)
         role = "reference" if getattr(engine.engine_config, "forward_only", False) else "actor"
         logger.info("grpo_parts: %s attention computes the %s engine's log-probs", opts.attention, role)
-        state = (opts, opts.backend())
+        backend = opts.backend()
+        if hasattr(backend, "rank_group") and hasattr(engine, "get_data_parallel_group"):
+            backend.rank_group = engine.get_data_parallel_group()  # the ranks that agree on grid counts
+        state = (opts, backend)
         engine.__dict__[_STATE_ATTR] = state
     return state[1]
 
@@ -161,20 +164,43 @@ def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[int, int
     return out
 
 
+def _plan(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[Any, str | None]:
+    """``((ids, cu, resp, keys, plan), reason)``: the micro-batch's backend calls, and why it must run
+    verl's forward instead (``None``: it need not)."""
+    ids, cu, resp, keys = _parts(micro_batch)
+    plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack)
+    reason = None
+    if opts.max_padding_ratio is not None and plan.grid_tokens > opts.max_padding_ratio * ids.numel():
+        reason = f"grouped layout > max_padding_ratio={opts.max_padding_ratio} x packed tokens"
+    return (ids, cu, resp, keys, plan), reason
+
+
+def _agree(engine: Any, reason: str | None, calls: int, device: torch.device) -> tuple[str | None, int]:
+    """With several data-parallel ranks (one model sharded over them: FSDP gathers parameters in every
+    forward), they must make the same number of model calls per micro-batch: one all-reduce of
+    ``(falls back, backend calls)``. If any rank runs verl's forward for this micro-batch, all do
+    (one call each); otherwise each makes the largest number of backend calls (padding with empty
+    calls). One process: unchanged."""
+    from grpo_parts.attention.chunking import agree_max, ranks_of
+
+    group = engine.get_data_parallel_group() if hasattr(engine, "get_data_parallel_group") else None
+    if ranks_of(group) <= 1:
+        return reason, calls
+    any_fallback, most = agree_max([int(reason is not None), calls], group, device)
+    if any_fallback and reason is None:
+        reason = "another data-parallel rank runs verl's forward for this micro-batch (ranks agree)"
+    return reason, most
+
+
 def _forward_step(
-    engine: Any, micro_batch: Any, loss_function: Any, forward_only: bool, opts: EngineOptions
+    engine: Any, micro_batch: Any, loss_function: Any, planned: Any, calls: int, opts: EngineOptions
 ) -> Any:
     from verl.utils import tensordict_utils as tu
-    from verl.utils.device import get_device_id, get_device_name
+    from verl.utils.device import get_device_name
     from verl.workers.engine.utils import detach_tree
 
-    micro_batch = micro_batch.to(get_device_id())  # as verl's forward_step
-    ids, cu, resp, keys = _parts(micro_batch)
+    ids, cu, resp, keys, plan = planned
     backend = _engine_state(engine, opts)
-    plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack)
-    tokens = (plan.grid_tokens, int(ids.numel()))
-    if opts.max_padding_ratio is not None and tokens[0] > opts.max_padding_ratio * tokens[1]:
-        return None, tokens
     entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
     dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
     ctx = (
@@ -184,7 +210,7 @@ def _forward_step(
     )
     with ctx:
         temperature = micro_batch["temperature"]
-        out = packed_logprobs(engine.module, ids, cu, resp, keys, temperature, backend, entropy, plan)
+        out = packed_logprobs(engine.module, ids, cu, resp, keys, temperature, backend, entropy, plan, calls)
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.log_probs, cu)}
         if out.entropy is not None:
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy, cu)
@@ -194,15 +220,13 @@ def _forward_step(
             )
         else:
             loss, metrics = torch.tensor(1.0, device=ids.device), {}
-    return (
-        loss,
-        {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics},
-    ), tokens
+    return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
 
 def install_engine_hook() -> bool:
     """Put the dispatcher in front of verl's ``FSDPEngineWithLMHead.forward_step`` (idempotent;
     returns True when it was installed by this call). Engines without options are unaffected."""
+    from verl.utils.device import get_device_id, get_device_name
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
     current = FSDPEngineWithLMHead.forward_step
@@ -216,16 +240,19 @@ def install_engine_hook() -> bool:
             return original(self, micro_batch, loss_function, forward_only)
         mode = "logprob" if forward_only else "train"
         reason = fallback_reason(micro_batch, opts)
-        tokens = None
+        planned, tokens = None, None
         if reason is None:
-            result, tokens = _forward_step(self, micro_batch, loss_function, forward_only, opts)
-            if result is None:
-                reason = f"grouped layout > max_padding_ratio={opts.max_padding_ratio} x packed tokens"
+            micro_batch = micro_batch.to(get_device_id())  # as verl's forward_step
+            planned, reason = _plan(self, micro_batch, opts)
+            tokens = (planned[4].grid_tokens, int(planned[0].numel()))
+        calls = len(planned[4].calls) if planned is not None else 0
+        reason, calls = _agree(self, reason, calls, torch.device(get_device_name()))
         if reason is not None:
             COUNTERS.fell_back("attention", reason, mode=mode)
             result = original(self, micro_batch, loss_function, forward_only)
         else:
             COUNTERS.ran("attention", mode=mode)
+            result = _forward_step(self, micro_batch, loss_function, planned, calls, opts)
         loss, output = result
         output["metrics"] = _report(output.get("metrics") or {}, reason is None, forward_only, tokens)
         return loss, output

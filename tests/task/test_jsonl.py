@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.task.jsonl import MATH_INSTALL, JsonlTask, exact_match, final_answer, load_jsonl, make_checker
+from grpo_parts.task.jsonl import (
+    MATH_INSTALL,
+    DataConfig,
+    JsonlTask,
+    choose_grader,
+    exact_match,
+    final_answer,
+    load_jsonl,
+)
 
 
 def _write(path: Path, lines: list[str]) -> Path:
@@ -74,8 +82,8 @@ def test_missing_math_verify_hint_installs_the_extra_from_the_checkout(
     import sys
 
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import fails as if not installed
-    check, note = make_checker()
-    assert check is exact_match
-    assert MATH_INSTALL == 'pip install -e ".[math]"' and MATH_INSTALL in note
+    grader, _, why = choose_grader(DataConfig(), "prompt_answer", None)
+    assert grader == "exact"
+    assert MATH_INSTALL == 'pip install -e ".[math]"' and MATH_INSTALL in why
     docs = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
     assert MATH_INSTALL in docs and "grpo-parts[math]" not in docs

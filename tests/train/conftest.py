@@ -37,6 +37,7 @@ def _tiny_overrides(model_dir: Path, out_dir: Path, **extra: Any) -> dict[str, A
         "task.num_eval": 6,
         "threads": 1,
         "progress": False,
+        "stop_after_flat": 0,  # a random policy's rewards are all 0: the flat-reward stop would end the run
     }
     base.update(extra)
     return base

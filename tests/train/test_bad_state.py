@@ -25,7 +25,7 @@ def made_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     rc = main(["train", "--reference", "--model", str(tiny_model_dir), "--out-dir", str(out), "--name", "old",
                "--steps", "3", "--set", "prompts_per_step=2", "--set", "group_size=4", "--set", "max_new_tokens=4",
                "--set", "task.name=arithmetic", "--set", "task.num_eval=4", "--set", "threads=1",
-               "--set", "checkpoint_every=2", *QUIET])  # fmt: skip
+               "--set", "checkpoint_every=2", "--set", "stop_after_flat=0", *QUIET])  # fmt: skip
     assert rc == 0
     return out / "old"
 

@@ -42,19 +42,25 @@ def ranks_of(group: Any = None) -> int:
     return int(dist.get_world_size(group))
 
 
-def agree_on_calls(count: int, group: Any = None, device: torch.device | None = None) -> int:
-    """The largest ``count`` over the ranks of ``group`` (one all-reduce; ``count`` itself on one
-    process). The tensor lives on the CPU for gloo/MPI groups, on ``device`` otherwise (NCCL)."""
+def agree_max(values: list[int], group: Any = None, device: torch.device | None = None) -> list[int]:
+    """The element-wise largest ``values`` over the ranks of ``group`` (one all-reduce; ``values``
+    itself on one process). The tensor lives on the CPU for gloo/MPI groups, on ``device`` otherwise
+    (NCCL)."""
     if ranks_of(group) <= 1:
-        return count
+        return list(values)
     dist = torch.distributed
     name = str(dist.get_backend(group))
     on = torch.device("cpu") if ("gloo" in name or "mpi" in name or device is None) else device
     if on.type == "cuda" and on.index is None:
         on = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([count], dtype=torch.long, device=on)
+    t = torch.tensor(values, dtype=torch.long, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
+
+
+def agree_on_calls(count: int, group: Any = None, device: torch.device | None = None) -> int:
+    """The largest ``count`` over the ranks of ``group`` (:func:`agree_max`)."""
+    return agree_max([count], group, device)[0]
 
 
 def empty_call_batch(batch: LogprobBatch) -> LogprobBatch:

@@ -125,7 +125,9 @@ def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
     """``(the model whose forward gets our keyword arguments, reasons)``. A PEFT model with a weight
     adapter (LoRA and the like) passes ``logits_to_keep``, ``position_ids`` and the layout keyword
     unchanged to its base model; prompt-learning adapters add virtual tokens and activated LoRA looks
-    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout."""
+    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout. FSDP1's
+    wrapper passes every keyword argument on to the module it wraps (verl's ``strategy=fsdp``)."""
+    model = getattr(model, "_fsdp_wrapped_module", model)
     get_base = getattr(model, "get_base_model", None)
     cfg = getattr(model, "active_peft_config", None)
     if not callable(get_base) or cfg is None:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,8 +35,13 @@ _EXHAUSTED_AFTER = 100_000
 
 @dataclass(frozen=True)
 class Problem:
+    """A prompt (as the tokenizer sees it) and its gold final answer; ``columns``: the data row it came
+    from and ``messages``: its chat prompt, for reward functions (not compared)."""
+
     prompt: str
     answer: str
+    columns: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    messages: list[dict[str, Any]] | None = field(default=None, compare=False, repr=False)
 
 
 class ArithmeticConfig(BaseModel):
@@ -98,6 +103,7 @@ class ArithmeticTask:
     """Chain addition. ``train_problem(i)`` is the i-th problem of the training stream."""
 
     name = "arithmetic"
+    grader_name = "after_delimiter ';'"
 
     def __init__(self, config: ArithmeticConfig | None = None, seed: int = 0):
         self.config = config or ArithmeticConfig()

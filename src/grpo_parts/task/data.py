@@ -27,6 +27,14 @@ class Task(Protocol):
     def reward(self, completion: str, problem: Problem) -> float: ...
 
 
+def completion_ids(rollout: Rollout) -> list[list[int]]:
+    """Each completion's token ids (masked tokens dropped), as TRL passes them to reward functions."""
+    return [
+        [t for t, k in zip(ids, m) if k]
+        for ids, m in zip(rollout.completion_ids.tolist(), rollout.completion_mask.tolist())
+    ]
+
+
 def encode_prompts(tokenizer: Any, prompts: Sequence[str]) -> PromptBatch:
     """Tokenize and left-pad ``prompts`` (the tokenizer's own special tokens included, e.g. BOS)."""
     ids = [list(tokenizer(p).input_ids) for p in prompts]
@@ -50,13 +58,18 @@ def eval_accuracy(
     tokenizer: Any,
     params: SamplingParams,
     batch_size: int = 256,
+    record: list[tuple[str, Problem, float]] | None = None,
 ) -> float:
-    """Fraction of ``problems`` answered correctly by one completion each (greedy if params say so)."""
+    """Fraction of ``problems`` answered correctly by one completion each (greedy if params say so);
+    ``record`` receives each ``(completion, problem, reward)``."""
     one = params.model_copy(update={"group_size": 1})
     correct = 0.0
     for start in range(0, len(problems), batch_size):
         chunk = list(problems[start : start + batch_size])
         rollout = sampler.generate(encode_prompts(tokenizer, [p.prompt for p in chunk]), one)
         texts = decode_completions(tokenizer, rollout)
-        correct += sum(task.reward(t, p) for t, p in zip(texts, chunk))
+        rewards = [task.reward(t, p) for t, p in zip(texts, chunk)]
+        correct += sum(rewards)
+        if record is not None:
+            record.extend(zip(texts, chunk, rewards))
     return correct / max(1, len(problems))

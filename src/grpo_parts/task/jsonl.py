@@ -1,110 +1,159 @@
-"""Real data: a local JSONL file of ``{"prompt": str, "answer": str}`` and an answer checker.
+"""Real data (``--data``): the task of a user's problems -- formats, chat rendering, the grader.
 
-The checker is math-verify (``pip install -e ".[math]"`` in the checkout) when installed: it parses LaTeX /
-plain answers and compares them symbolically. Without it, :func:`exact_match` compares the gold
-answer to the completion's final answer -- the content of the last ``\\boxed{...}``, else the text
-after the last ``####``, else the whole completion, stripped -- and the run logs that it does so.
+The file is read by :mod:`.formats` (JSONL, parquet, a ``save_to_disk`` folder; prompt/answer,
+``messages``, GSM8K, MATH). Chat prompts are rendered with the tokenizer's chat template. Every
+prompt and answer is checked against the tokenizer: characters it cannot encode (a character-level
+tokenizer's ``<unk>``) are refused with their counts, or with ``task.unknown_chars: warn`` reported
+once. The grader (:mod:`.graders`) is ``task.grader``, or by default chosen from the data:
+
+- prompts of a built-in task (its instruction, or ``a+b+c=``): ``after_delimiter ';'``, as that task;
+- GSM8K: ``after_delimiter '####'``; MATH: ``math_verify`` if installed, else ``boxed``;
+- prompt/answer and messages: ``math_verify`` if installed, else ``exact``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-from collections.abc import Callable
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import GRPOPartsError
 from .arithmetic import Problem
+from .formats import Record, load_records
+from .graders import (
+    MATH_INSTALL,
+    describe,
+    exact_match,
+    final_answer,
+    make_grader,
+    math_verify_installed,
+)
+from .reasoning import INSTRUCTION
+
+__all__ = ["DataConfig", "JsonlTask", "MATH_INSTALL", "exact_match", "final_answer", "load_jsonl"]
 
 log = logging.getLogger("grpo_parts.train")
 
-#: how to install the optional answer checker, from a checkout of this repository
-MATH_INSTALL = 'pip install -e ".[math]"'
+_ARITHMETIC_PROMPT = re.compile(r"\d+(\+\d+)+=")
+
+
+class DataConfig(BaseModel):
+    """How ``--data`` is read and graded (``task.*`` of a run with ``--data``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Literal["data"] = "data"
+    format: Literal["auto", "prompt_answer", "messages", "gsm8k", "math"] = Field(
+        "auto", description="auto: from the first record's columns"
+    )
+    prompt_key: str | None = Field(None, description="the prompt column (default: the format's)")
+    answer_key: str | None = Field(None, description="the answer column (default: the format's)")
+    grader: Literal["auto", "exact", "after_delimiter", "boxed", "last_number", "math_verify"] = Field(
+        "auto", description="auto: chosen from the data (logged)"
+    )
+    delimiter: str | None = Field(
+        None, description="after_delimiter's delimiter (default: '####' for GSM8K data, else ';')"
+    )
+    unknown_chars: Literal["error", "warn"] = Field(
+        "error", description="characters the tokenizer cannot encode: refuse the data, or warn once"
+    )
 
 
 def load_jsonl(path: Path | str) -> list[Problem]:
-    """Read problems; any bad line raises an error naming the file, the line number and the problem."""
-    p = Path(path)
-    if not p.is_file():
-        raise GRPOPartsError(f"data: no such file {str(p)!r}")
-    out: list[Problem] = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                rec = json.loads(line.strip())
-            except json.JSONDecodeError as e:
-                raise GRPOPartsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise GRPOPartsError(
-                    f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(rec).__name__}"
-                )
-            missing = [k for k in ("prompt", "answer") if k not in rec]
-            if missing:
-                raise GRPOPartsError(
-                    f"{where}: missing key(s) {missing}; expected 'prompt' and 'answer', got {sorted(rec)}"
-                )
-            prompt, answer = rec["prompt"], rec["answer"]
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise GRPOPartsError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
-            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-                raise GRPOPartsError(
-                    f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}"
-                )
-            out.append(Problem(prompt, str(answer).strip()))
-    if not out:
-        raise GRPOPartsError(f"data: {str(p)!r} has no records")
+    """Prompt/answer problems of a JSONL file (any bad line raises an error naming it)."""
+    records, _ = load_records(path, "prompt_answer")
+    return [Problem(str(r.prompt), r.answer, r.columns) for r in records]
+
+
+def builtin_task_of(prompts: Sequence[str]) -> str | None:
+    """The built-in task whose prompts these are (all of them), or None."""
+    if prompts and all(p.startswith(INSTRUCTION) for p in prompts):
+        return "reasoning"
+    if prompts and all(_ARITHMETIC_PROMPT.fullmatch(p) for p in prompts):
+        return "arithmetic"
+    return None
+
+
+def choose_grader(cfg: DataConfig, fmt: str, builtin: str | None) -> tuple[str, str, str]:
+    """``(grader, delimiter, why)`` for data in format ``fmt`` (``builtin``: a built-in task's prompts)."""
+    delimiter = cfg.delimiter or ("####" if fmt == "gsm8k" and builtin is None else ";")
+    if cfg.grader != "auto":
+        return cfg.grader, delimiter, "task.grader"
+    if builtin is not None:
+        return "after_delimiter", ";", f"the prompts are the built-in {builtin} task's: graded as that task"
+    if fmt == "gsm8k":
+        return "after_delimiter", "####", "GSM8K-style data: the answer after the last '####'"
+    mv = math_verify_installed()
+    fallback = "boxed" if fmt == "math" else "exact"
+    if not mv:
+        log.warning(
+            "math-verify is not installed (%s in the grpo_parts checkout); grading %s data by %s",
+            MATH_INSTALL, fmt, fallback,
+        )  # fmt: skip
+    why = f"the default for {fmt} data" + ("" if mv else f" without math-verify ({MATH_INSTALL})")
+    return ("math_verify" if mv else fallback), delimiter, why
+
+
+def render(records: list[Record], tokenizer: Any, model: str) -> list[Problem]:
+    """Problems with chat prompts rendered by the tokenizer's chat template."""
+    out = []
+    for r in records:
+        if isinstance(r.prompt, str):
+            out.append(Problem(r.prompt, r.answer, r.columns))
+            continue
+        if not getattr(tokenizer, "chat_template", None):
+            raise GRPOPartsError(
+                f"data: {r.where} is chat messages, but the tokenizer of {model!r} has no chat template; "
+                "expected a tokenizer with one (chat_template in tokenizer_config.json or chat_template.jinja), "
+                "or prompt/answer records"
+            )
+        text = tokenizer.apply_chat_template(r.prompt, tokenize=False, add_generation_prompt=True)
+        bos = getattr(tokenizer, "bos_token", None)
+        if bos and text.startswith(bos) and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]:
+            text = text[len(bos) :]  # the tokenizer adds BOS itself when the prompt is encoded
+        out.append(Problem(text, r.answer, r.columns, r.prompt))
     return out
 
 
-def final_answer(completion: str) -> str:
-    """The completion's final answer for exact matching (see module docstring)."""
-    i = completion.rfind("\\boxed{")
-    if i >= 0:
-        depth, j = 0, i + len("\\boxed{")
-        for k in range(j, len(completion)):
-            c = completion[k]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                if depth == 0:
-                    return completion[j:k].strip()
-                depth -= 1
-    if "####" in completion:
-        return completion.rsplit("####", 1)[1].strip()
-    return completion.strip()
+def unknown_chars(tokenizer: Any, texts: Sequence[str]) -> Counter[str]:
+    """Characters of ``texts`` the tokenizer encodes as its unknown token, with their counts."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return Counter()
+    counts = Counter("".join(texts))
+    bad = {c for c in counts if unk in tokenizer(c, add_special_tokens=False).input_ids}
+    return Counter({c: n for c, n in counts.items() if c in bad})
 
 
-def exact_match(completion: str, answer: str) -> bool:
-    return final_answer(completion) == answer.strip()
-
-
-def make_checker() -> tuple[Callable[[str, str], bool], str]:
-    """``(check(completion, answer) -> bool, description)``: math-verify if installed, else exact match."""
-    try:
-        from math_verify import parse, verify  # type: ignore[import-not-found]
-    except ImportError:
-        note = (
-            f"math-verify is not installed ({MATH_INSTALL} in the grpo_parts checkout); "
-            "grading by exact match of the final answer"
+def check_chars(tokenizer: Any, problems: Sequence[Problem], policy: str) -> str | None:
+    """Refuse (``error``) or report once (``warn``, returned as a note) unencodable characters."""
+    in_prompts = unknown_chars(tokenizer, [p.prompt for p in problems])
+    in_answers = unknown_chars(tokenizer, [p.answer for p in problems])
+    if not in_prompts and not in_answers:
+        return None
+    both = in_prompts + in_answers
+    shown = ", ".join(f"{c!r} x{n}" for c, n in both.most_common(8)) + (", ..." if len(both) > 8 else "")
+    what = (
+        f"{sum(in_prompts.values())} characters of the prompts and {sum(in_answers.values())} of the answers "
+        f"({len(both)} distinct: {shown}) are not in the tokenizer's vocabulary and would be encoded as "
+        f"{tokenizer.unk_token!r}"
+    )
+    if policy == "error":
+        raise GRPOPartsError(
+            f"data: {what}; expected text the tokenizer covers, or --set task.unknown_chars=warn to train anyway"
         )
-        log.warning(note)
-        return exact_match, note
-
-    def check(completion: str, answer: str) -> bool:
-        try:
-            return bool(verify(parse(answer), parse(completion)))
-        except Exception:  # math-verify raises on unparseable input: count it as wrong
-            return False
-
-    return check, "math-verify"
+    log.warning("data: %s (task.unknown_chars: warn)", what)
+    return f"data: {what}"
 
 
 class JsonlTask:
-    """Problems from a JSONL file: a seeded shuffle per epoch for training, a held-out split for eval."""
+    """Problems from ``--data``: a seeded shuffle per epoch for training, a held-out split for eval."""
 
     name = "jsonl"
 
@@ -114,27 +163,54 @@ class JsonlTask:
         evals: list[Problem],
         seed: int = 0,
         checker: Callable[[str, str], bool] | None = None,
+        grader_name: str = "custom",
     ):
         if not train:
             raise GRPOPartsError("data: the training split is empty (lower eval_fraction or add records)")
         self.train, self.evals, self.seed = train, evals, seed
-        self.check, self.checker_name = (checker, "custom") if checker is not None else make_checker()
+        if checker is None:
+            grader, delimiter, _ = choose_grader(DataConfig(), "prompt_answer", None)
+            checker, grader_name = make_grader(grader, delimiter), describe(grader, delimiter)
+        self.check, self.grader_name = checker, grader_name
+        self.notes: list[str] = []
         self._orders: dict[int, list[int]] = {}
 
     @classmethod
     def from_files(
-        cls, data: Path, eval_data: Path | None = None, eval_fraction: float = 0.05, seed: int = 0
+        cls,
+        data: Path,
+        eval_data: Path | None = None,
+        eval_fraction: float = 0.05,
+        seed: int = 0,
+        config: DataConfig | None = None,
+        tokenizer: Any = None,
+        model: str = "the model",
     ) -> JsonlTask:
-        records = load_jsonl(data)
+        """Read, split, render (chat) and check the data; choose the grader (see the module docstring)."""
+        cfg = config or DataConfig()
+        records, fmt = load_records(data, cfg.format, cfg.prompt_key, cfg.answer_key)
         if eval_data is not None:
-            return cls(records, load_jsonl(eval_data), seed)
-        idx = list(range(len(records)))
-        random.Random(f"split:{seed}").shuffle(idx)
-        n_eval = max(1, int(round(eval_fraction * len(records))))
-        held = set(idx[:n_eval])
-        return cls(
-            [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)], seed
-        )
+            evals, _ = load_records(eval_data, fmt, cfg.prompt_key, cfg.answer_key)
+            train = records
+        else:
+            idx = list(range(len(records)))
+            random.Random(f"split:{seed}").shuffle(idx)
+            held = set(idx[: max(1, int(round(eval_fraction * len(records))))])
+            train = [r for i, r in enumerate(records) if i not in held]
+            evals = [records[i] for i in sorted(held)]
+        if tokenizer is None:
+            train_p = [Problem(str(r.prompt), r.answer, r.columns) for r in train]
+            eval_p = [Problem(str(r.prompt), r.answer, r.columns) for r in evals]
+        else:
+            train_p, eval_p = render(train, tokenizer, model), render(evals, tokenizer, model)
+        note = None if tokenizer is None else check_chars(tokenizer, train_p + eval_p, cfg.unknown_chars)
+        grader, delimiter, why = choose_grader(cfg, fmt, builtin_task_of([p.prompt for p in train_p]))
+        task = cls(train_p, eval_p, seed, make_grader(grader, delimiter), describe(grader, delimiter))
+        task.format = fmt
+        task.notes = [f"grader: {task.grader_name} ({why})", *([note] if note else [])]
+        return task
+
+    format = "prompt_answer"
 
     def train_problem(self, index: int) -> Problem:
         epoch, i = divmod(index, len(self.train))

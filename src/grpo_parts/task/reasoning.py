@@ -82,6 +82,7 @@ class ReasoningTask:
 
     name = "reasoning"
     instruction = INSTRUCTION
+    grader_name = "after_delimiter ';'"
 
     def __init__(self, config: ReasoningConfig | None = None, seed: int = 0):
         self.config = config or ReasoningConfig()

@@ -51,7 +51,7 @@ _FLAGS = {
     "name": "name",
     "out_dir": "out_dir",
     "model": "model",
-    "data": "data",
+    "data": "data",  # (--reward: "rewards", a list, in _flag_values)
     "eval_data": "eval_data",
     "device": "device",
     "sampler": "parts.sampler",
@@ -160,9 +160,21 @@ def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "")
         "--model", type=Path, help="local transformers checkpoint folder (default: built-in warm start)"
     )
     parser.add_argument(
-        "--data", type=Path, help='local JSONL of {"prompt", "answer"} (default: built-in task)'
+        "--data",
+        type=Path,
+        help="your problems: JSONL, parquet or a save_to_disk folder of prompt/answer, chat messages, GSM8K "
+        "question/answer or MATH problem/solution records (task.format, task.grader; default: built-in task)",
     )
-    parser.add_argument("--eval-data", type=Path, help="held-out JSONL (default: a split of --data)")
+    parser.add_argument(
+        "--eval-data", type=Path, help="held-out problems, as --data (default: a split of --data)"
+    )
+    parser.add_argument(
+        "--reward",
+        action="append",
+        metavar="MODULE:FUNCTION[@WEIGHT]",
+        help="a reward function with TRL's signature (completions, **kwargs) -> list[float] (repeatable; "
+        "weight 1 by default); their weighted sum is the training reward (config key: rewards)",
+    )
     parser.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
@@ -206,6 +218,8 @@ def _flag_values(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
         out[key] = (f"--{dest.replace('_', '-')} {given}", str(value) if isinstance(value, Path) else value)
     if getattr(args, "no_progress", False):
         out["progress"] = ("--no-progress", False)
+    if getattr(args, "reward", None):
+        out["rewards"] = (" ".join(f"--reward {r}" for r in args.reward), list(args.reward))
     return out
 
 
@@ -345,6 +359,7 @@ def _check_resume_flags(args: argparse.Namespace) -> None:
         ("--config", args.config is not None),
         ("--set", bool(args.sets)),
         ("--reference", getattr(args, "reference", False)),
+        ("--reward", bool(getattr(args, "reward", None))),
     ):
         given += [flag] if on else []
     if given:

@@ -32,7 +32,7 @@ from ..filter.allocation import Refiller, fill_rollouts
 from ..sampler.protocol import SamplingParams
 from ..sampler.reference import ReferenceSampler
 from ..task.arithmetic import Problem
-from ..task.data import Task, decode_completions, encode_prompts, eval_accuracy
+from ..task.data import Task, completion_ids, decode_completions, encode_prompts, eval_accuracy
 from ..types import PromptBatch, Rollout
 from .config import TrainConfig
 from .parts import Parts
@@ -95,6 +95,8 @@ class GRPOTrainer:
         )
         self.step_idx = 0
         self.last_trace: dict[str, Any] | None = None  # the speculative sampler's per-decode-step trace
+        self.last_samples: list[tuple[str, Problem, float]] = []  # the last step's completions and rewards
+        self.eval_samples: list[tuple[str, Problem, float]] = []  # the last evaluation's
         self.data_pos = 0
         self.wall_time = 0.0
         self.eval_set = task.eval_problems()
@@ -112,7 +114,9 @@ class GRPOTrainer:
     def step(self) -> dict[str, Any]:
         cfg, parts = self.config, self.parts
         t_step = time.perf_counter()
-        acc: dict[str, Any] = {"rollout": 0.0, "tokens": 0, "rewards": [], "stats": [], "rollouts": []}
+        acc: dict[str, Any] = {
+            "rollout": 0.0, "tokens": 0, "rewards": [], "stats": [], "rollouts": [], "correct": [], "samples": [],
+        }  # fmt: skip
 
         def sample(problems: list[Problem]) -> Rollout:
             pb = self._prompts(problems)
@@ -126,11 +130,18 @@ class GRPOTrainer:
 
         def reward(problems: list[Problem], ro: Rollout) -> torch.Tensor:
             texts = decode_completions(self.tokenizer, ro)
-            gi = ro.group_index.tolist()
-            r = torch.tensor(
-                [self.task.reward(t, problems[g]) for t, g in zip(texts, gi)], dtype=torch.float32
+            rows = [problems[g] for g in ro.group_index.tolist()]
+            correct = [self.task.reward(t, p) for t, p in zip(texts, rows)]
+            batch_rewards = getattr(self.task, "batch_rewards", None)  # --reward functions (TRL's signature)
+            values = (
+                correct
+                if batch_rewards is None
+                else batch_rewards(texts, rows, completion_ids(ro), self.step_idx)
             )
+            r = torch.tensor(values, dtype=torch.float32)
             acc["rewards"].append(r)
+            acc["correct"].extend(correct)
+            acc["samples"].extend(zip(texts, rows, values))
             return r.to(self.device)
 
         target = cfg.prompts_per_step * cfg.group_size
@@ -174,7 +185,8 @@ class GRPOTrainer:
         m: dict[str, Any] = {
             "step": self.step_idx,
             "reward": float(rewards.mean()),
-            "accuracy": float((rewards > 0.5).float().mean()),
+            "accuracy": sum(acc["correct"])
+            / max(1, len(acc["correct"])),  # the grader's, whatever the reward
             "kept_fraction": filled.outcome.num_kept / max(1, filled.outcome.rows_generated),
             "kept": filled.outcome.num_kept,
             "prompts": filled.outcome.prompts_used,
@@ -195,6 +207,9 @@ class GRPOTrainer:
         apv = [s["accepted_per_verify"] for s in acc["stats"] if "accepted_per_verify" in s]
         m["accepted_per_verify"] = sum(apv) / len(apv) if apv else None
         m.update(train_info)
+        for name, value in getattr(self.task, "last_per_function", {}).items():
+            m[f"reward_{name}"] = value
+        self.last_samples = acc["samples"]  # (completion, problem, reward) of this step, for samples.jsonl
         return m
 
     def _set_lr(self) -> float:
@@ -270,9 +285,11 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         was = self.policy.training
         self.policy.eval()
+        self.eval_samples = []
         accuracy = eval_accuracy(
-            ReferenceSampler(self.policy), self.task, self.eval_set, self.tokenizer, self.eval_params
-        )
+            ReferenceSampler(self.policy), self.task, self.eval_set, self.tokenizer, self.eval_params,
+            record=self.eval_samples,
+        )  # fmt: skip
         self.policy.train(was)
         return accuracy, time.perf_counter() - t0
 

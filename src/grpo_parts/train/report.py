@@ -124,12 +124,26 @@ def write_report(
         *trace_lines,
         *[f"![{f}]({f})" for f in trace_files if f.endswith(".png")],
         "",
+        *sample_lines(info.get("samples") or []),
         "Held-out accuracy is greedy by default and is timed apart from training (wall time excludes it).",
-        "Per-step rows: `metrics.jsonl`; config: `config.yaml`.",
+        "Per-step rows: `metrics.jsonl`; completions at each evaluation: `samples.jsonl`; config: `config.yaml`.",
     ]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
     (run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     return s
+
+
+def sample_lines(samples: list[dict[str, Any]]) -> list[str]:
+    """A few held-out completions of the last evaluation, with their answers and rewards."""
+    if not samples:
+        return []
+    lines = [f"Held-out completions at step {samples[0]['step']} (more in `samples.jsonl`):", ""]
+    for r in samples:
+        lines += [
+            f"- reward {r['reward']:g}, answer `{r['answer']}`, prompt ...`{r['prompt'][-60:]}`",
+            f"  completion `{r['completion'][-200:]}`",
+        ]
+    return [*lines, ""]
 
 
 def write_compare(

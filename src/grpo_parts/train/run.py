@@ -37,6 +37,7 @@ from .metrics import MetricsWriter, read_metrics
 from .parts import build_parts
 from .report import write_report
 from .rewind import check_rewind, move_aside
+from .samples import SampleLog
 from .setup import hf_progress, load_setup
 from .status import check_not_running, write_status
 
@@ -129,6 +130,7 @@ class RunSession:
         self.cfg_json = config.model_dump(mode="json", exclude_unset=True)  # defaults stay defaults on resume
         self._open_folder()
         self.done = self.start_step >= config.steps
+        self.grader_name = str(getattr(self.trainer.task, "grader_name", "the task's"))
         self.last_eval: float | None = None
         self.traces: dict[int, dict[str, Any]] = {}  # the sampler's decode trace: first and last step
 
@@ -160,11 +162,12 @@ class RunSession:
         elif self.config.steps != self.old_steps:  # the one field a resume may change (--steps)
             log.info("config.yaml: steps %d -> %d (resumed with --steps)", self.old_steps, self.config.steps)
             atomic_write_text(yaml_path, dump_config(self.config))
-        if not self.resume:
-            (self.run_dir / "metrics.jsonl").write_text("")
-        self.writer = MetricsWriter(
-            self.run_dir / "metrics.jsonl", keep_up_to_step=self.start_step if self.resume else None
-        )
+        keep = self.start_step if self.resume else None
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if not self.resume or not (self.run_dir / name).exists():
+                (self.run_dir / name).write_text("")
+        self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", keep_up_to_step=keep)
+        self.samples = SampleLog(self.run_dir / "samples.jsonl", self.config, keep_up_to_step=keep)
         self._status("running")
 
     def _status(self, status: str, **extra: Any) -> None:
@@ -179,11 +182,13 @@ class RunSession:
         if not self.resume:  # a resumed run has its step-0 row: checkpoints come after it
             acc, t_eval = self.trainer.evaluate()
             self.writer.write({"step": 0, "wall_time": 0.0, "eval_accuracy": acc, "eval_time": t_eval})
+            self.samples.write(0, self.trainer.eval_samples, [])
 
     def advance(self) -> dict[str, Any]:
         """One GRPO step (+ evaluation and checkpoint when due); returns its metrics row."""
         cfg, trainer = self.config, self.trainer
         row = trainer.step()
+        flat = self.samples.check_flat(trainer.step_idx, trainer.last_samples, self.grader_name)
         if trainer.last_trace is not None and trainer.last_trace["k"]:
             self.traces = {k: v for k, v in self.traces.items() if k == min(self.traces, default=k)}
             self.traces[trainer.step_idx] = trainer.last_trace
@@ -193,8 +198,14 @@ class RunSession:
         if trainer.step_idx % cfg.eval_every == 0 or self.done:
             self.last_eval, row["eval_time"] = trainer.evaluate()
             row["eval_accuracy"] = self.last_eval
+            self.samples.write(trainer.step_idx, trainer.eval_samples, trainer.last_samples)
         self.writer.write(row)
         self.finished = trainer.step_idx
+        if flat:
+            self.save()
+            raise GRPOPartsError(
+                f"{flat}; resume with: grpo-parts train --resume {shlex.quote(str(self.run_dir))}"
+            )
         if cfg.checkpoint_every and trainer.step_idx % cfg.checkpoint_every == 0 and not self.done:
             self.save()
         self._status("running")  # a heartbeat: the step and time a reader sees
@@ -206,6 +217,7 @@ class RunSession:
         with hf_progress(self.config.progress):
             export_model(self.run_dir, self.trainer.policy, self.trainer.tokenizer)
         self.writer.close()
+        self.samples.close()
         rows = read_metrics(self.run_dir / "metrics.jsonl")
         info = {
             "status": "completed",
@@ -213,6 +225,7 @@ class RunSession:
             "notes": self.notes,
             "title": self.title or self.run_dir.name,
             "traces": self.traces,
+            "samples": self.samples.last_eval,
         }
         summary = write_report(self.run_dir, rows, info, self.config.target_accuracy)
         self._status("completed", summary=summary)
@@ -230,6 +243,7 @@ class RunSession:
         if step_finished and self.saved_step != self.trainer.step_idx:
             self.save()
         self.writer.close()
+        self.samples.close()
         name, cmd = signal_name(signum), f"grpo-parts train --resume {shlex.quote(str(self.run_dir))}"
         where = f"after step {self.finished}" if step_finished else f"during step {self.finished + 1}"
         if self.saved_step is None:
@@ -245,6 +259,7 @@ class RunSession:
             self.interrupted(getattr(e, "signum", 2), step_finished=False)
             return
         self.writer.close()
+        self.samples.close()
         self._status("failed", error=f"{type(e).__name__}: {e}")
 
 

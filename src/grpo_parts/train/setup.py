@@ -16,11 +16,12 @@ import torch
 
 from .. import compat
 from ..errors import GRPOPartsError
-from ..task.arithmetic import ArithmeticTask
+from ..task.arithmetic import ArithmeticConfig, ArithmeticTask
 from ..task.data import Task
-from ..task.jsonl import JsonlTask
+from ..task.formats import load_records
+from ..task.jsonl import DataConfig, JsonlTask
 from ..task.reasoning import ReasoningConfig, ReasoningTask
-from .config import TrainConfig
+from .config import DEFAULT_TASK, TrainConfig
 
 log = logging.getLogger("grpo_parts.train")
 
@@ -132,6 +133,15 @@ def eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def with_rewards(task: Task, config: TrainConfig) -> Task:
+    """``task`` with ``config.rewards`` as its training reward (imported and checked here)."""
+    from ..task.rewards import RewardedTask, load_rewards
+
+    first = task.train_problem(0)
+    columns = [k for k in (first.columns or {"answer": first.answer}) if k != "prompt"]
+    return RewardedTask(task, load_rewards(config.rewards, columns), config.steps)
+
+
 def load_setup(config: TrainConfig) -> Setup:
     """Everything a run needs, validated. Raises :class:`GRPOPartsError` on bad input."""
     notes: list[str] = []
@@ -142,12 +152,13 @@ def load_setup(config: TrainConfig) -> Setup:
         torch.set_num_threads(threads)
     device = resolve_device(config.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+    task: Task | None = None
     if config.data is not None:
-        jt = JsonlTask.from_files(config.data, config.eval_data, config.eval_fraction, config.seed)
-        notes.append(
-            f"task: {config.data} ({len(jt.train)} train / {len(jt.evals)} held-out; checker: {jt.checker_name})"
-        )
-        task: Task = jt
+        # read and check the file before the model loads (fast one-line errors); chat is rendered below
+        data_cfg = config.task if isinstance(config.task, DataConfig) else DataConfig()
+        for f in (config.data, config.eval_data):
+            if f is not None:
+                load_records(f, data_cfg.format, data_cfg.prompt_key, data_cfg.answer_key)
     elif isinstance(config.task, ReasoningConfig):
         c = config.task
         task = ReasoningTask(c, seed=config.seed)
@@ -157,7 +168,7 @@ def load_setup(config: TrainConfig) -> Setup:
             f"{terms(c.min_terms, c.max_terms)} digits, every {c.long_every}th problem "
             f"{terms(c.long_min_terms, c.long_max_terms)}; worked solutions reduce it line by line)"
         )
-    else:
+    elif isinstance(config.task, ArithmeticConfig):
         task = ArithmeticTask(config.task, seed=config.seed)
         notes.append(
             f"task: built-in chain addition ({config.task.operands} numbers in [0, {config.task.max_value}])"
@@ -165,13 +176,31 @@ def load_setup(config: TrainConfig) -> Setup:
         if not builtin:
             notes.append("task: a custom --model on the built-in task uses its own tokenizer")
     torch.manual_seed(config.seed)
-    path = builtin_model_path(config.task.name) if builtin else Path(config.model)  # type: ignore[arg-type]
+    builtin_task = (
+        config.task.name if config.task.name in BUILTIN_MODELS else DEFAULT_TASK
+    )  # --data: its default
+    path = builtin_model_path(builtin_task) if builtin else Path(config.model)  # type: ignore[arg-type]
     if builtin and not (path / "config.json").is_file():
         raise GRPOPartsError(
             f"model: the built-in warm start is missing at {str(path)!r}; run "
-            f"scripts/warm_start.py --task {config.task.name}"
+            f"scripts/warm_start.py --task {builtin_task}"
         )
     policy, tok = load_model(path, dtype, device, progress=config.progress)
+    if config.data is not None:
+        jt = JsonlTask.from_files(
+            config.data, config.eval_data, config.eval_fraction, config.seed, data_cfg, tok, str(path)
+        )
+        notes.append(
+            f"task: {config.data} ({jt.format} format, {len(jt.train)} train / {len(jt.evals)} held-out)"
+        )
+        notes.extend(jt.notes)
+        task = jt
+    assert task is not None
+    if config.rewards:
+        task = with_rewards(task, config)
+        notes.append(
+            f"training reward: {getattr(task, 'grader_name', '')} (held-out accuracy: the task's grader)"
+        )
     ref_model = None
     if config.loss.kl_coef > 0 or config.advantage.kl_coef > 0:  # KL in the loss or in the reward
         ref_model = copy.deepcopy(policy).eval()

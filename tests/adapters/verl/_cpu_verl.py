@@ -108,7 +108,9 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def verl_on_cpu() -> Iterator[None]:
     """verl's device helpers answer "cpu", engines are looked up as on CUDA (the FSDP engines
-    register for cuda/npu only), and a one-rank gloo process group exists; all undone on exit.
+    register for cuda/npu only), and a one-rank gloo process group exists (unless the caller made
+    one); all undone on exit. FSDP1's ``sync_module_states`` check for accelerator tensors is
+    skipped: gloo broadcasts CPU tensors.
     verl's model patch also skips TRL's value head (TRL 1.x moved it; verl's import would fail), and
     the CPU offload FSDP2 forces on forward-only (reference) engines does not pin memory (pinning
     needs an accelerator)."""
@@ -121,18 +123,21 @@ def verl_on_cpu() -> Iterator[None]:
         mpatch.setattr(platform_manager, "_current_platform", CPUPlatform())
         mpatch.setattr(ti, "device_name", "cpu")
         mpatch.setattr(mp, "is_trl_available", lambda: False)
+        import torch.distributed.fsdp._init_utils as fsdp1_init
+
+        mpatch.setattr(fsdp1_init, "_check_module_states_for_sync_module_states", lambda states: None)
         offload = ti.CPUOffloadPolicy
         mpatch.setattr(ti, "CPUOffloadPolicy", lambda pin_memory=True: offload(pin_memory=False))
-        for k, v in {
-            "VERL_ENGINE_DEVICE": "cuda",
+        own_pg = not dist.is_initialized()  # else: a multi-rank worker made its group (and env) itself
+        env = {
             "WORLD_SIZE": "1",
             "RANK": "0",
             "LOCAL_RANK": "0",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,
-        }.items():
+        }
+        for k, v in {"VERL_ENGINE_DEVICE": "cuda", **(env if own_pg else {})}.items():
             mpatch.setenv(k, v)
-        own_pg = not dist.is_initialized()
         if own_pg:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         try:

@@ -1,0 +1,200 @@
+"""Reading ``--data``: JSONL, parquet or a ``datasets`` folder, in the formats of the field.
+
+A file is read into rows (dicts); the data format names the prompt and answer columns and how the
+final answer is taken from the answer column:
+
+============== ======================== ==================================================
+format         columns (default keys)   gold final answer
+============== ======================== ==================================================
+prompt_answer  ``prompt``, ``answer``   the answer as given (a ``prompt`` that is a list of
+                                        messages is chat, as TRL's conversational format)
+messages       ``messages`` [,``answer``] ``answer`` if present, else the last assistant
+                                        message's final answer (``\\boxed{}``, ``####``, all)
+gsm8k          ``question``, ``answer`` the text after the last ``####``
+math           ``problem``, ``solution`` the content of the last ``\\boxed{...}``
+============== ======================== ==================================================
+
+``task.format: auto`` picks the format from the first row's columns; ``task.prompt_key`` /
+``task.answer_key`` rename the columns. parquet and ``save_to_disk`` folders need pyarrow /
+datasets (``pip install -e ".[data]"``), imported only when such data is read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import GRPOPartsError
+from .graders import after_delimiter, final_answer, last_boxed
+
+#: how to install what parquet / datasets folders need, from a checkout of this repository
+DATA_INSTALL = 'pip install -e ".[data]"'
+
+#: format -> (prompt column, answer column)
+FORMAT_KEYS = {
+    "prompt_answer": ("prompt", "answer"),
+    "messages": ("messages", "answer"),
+    "gsm8k": ("question", "answer"),
+    "math": ("problem", "solution"),
+}
+
+
+@dataclass
+class Record:
+    """One problem as read: the prompt (text, or chat messages still to render), the gold final
+    answer, and every column of its row (passed to reward functions)."""
+
+    prompt: str | list[dict[str, Any]]
+    answer: str
+    columns: dict[str, Any]
+    where: str
+
+
+def _need(module: str, what: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise GRPOPartsError(
+            f"data: reading {what} needs the {module.split('.')[0]} package; expected it installed "
+            f"({DATA_INSTALL} in the grpo_parts checkout)"
+        ) from None
+
+
+def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` for every row of a JSONL file, a parquet file or a ``save_to_disk`` folder."""
+    if path.is_dir():
+        if not any((path / n).is_file() for n in ("dataset_info.json", "dataset_dict.json", "state.json")):
+            raise GRPOPartsError(
+                f"data: {str(path)!r} is a folder but not a datasets save_to_disk folder; expected a "
+                ".jsonl or .parquet file, or a folder written by Dataset.save_to_disk"
+            )
+        datasets = _need("datasets", "a save_to_disk folder")
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise GRPOPartsError(
+                    f"data: {str(path)!r} holds the splits {sorted(ds)}; expected a 'train' split "
+                    "(or save the split you want with Dataset.save_to_disk)"
+                )
+            ds = ds["train"]
+        return [(f"{path} row {i + 1}", r) for i, r in enumerate(ds.to_list())]
+    if not path.is_file():
+        raise GRPOPartsError(f"data: no such file {str(path)!r}")
+    if path.suffix == ".parquet":
+        pq = _need("pyarrow.parquet", "parquet")
+        try:
+            rows = pq.read_table(str(path)).to_pylist()
+        except Exception as e:  # pyarrow's errors have no common base worth naming
+            raise GRPOPartsError(f"data: {str(path)!r} is not a readable parquet file ({e})") from None
+        return [(f"{path} row {i + 1}", r) for i, r in enumerate(rows)]
+    return _jsonl_rows(path)
+
+
+def _jsonl_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line.strip())
+            except json.JSONDecodeError as e:
+                raise GRPOPartsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise GRPOPartsError(
+                    f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(rec).__name__}"
+                )
+            out.append((where, rec))
+    return out
+
+
+def detect_format(row: dict[str, Any], fmt: str, prompt_key: str | None) -> str:
+    """The data format of ``row`` (``fmt`` unless it is ``auto``)."""
+    if fmt != "auto":
+        return fmt
+    if prompt_key is not None:
+        return "messages" if isinstance(row.get(prompt_key), list) else "prompt_answer"
+    for name in ("messages", "prompt_answer", "gsm8k", "math"):
+        if FORMAT_KEYS[name][0] in row:
+            return name
+    raise GRPOPartsError(
+        f"data: the first record has the columns {sorted(row)}; expected prompt/answer, messages, "
+        "question/answer (GSM8K) or problem/solution (MATH), or task.prompt_key / task.answer_key naming yours"
+    )
+
+
+def _messages(where: str, key: str, value: Any) -> list[dict[str, Any]]:
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
+    if not ok:
+        raise GRPOPartsError(
+            f"{where}: {key!r} must be a non-empty list of {{'role': str, 'content': str}} messages, got {value!r:.80}"
+        )
+    return [dict(m) for m in value]
+
+
+def to_record(
+    where: str, row: dict[str, Any], fmt: str, prompt_key: str | None, answer_key: str | None
+) -> Record:
+    """One row in format ``fmt`` as a :class:`Record`; a bad row raises an error naming ``where``."""
+    pkey, akey = prompt_key or FORMAT_KEYS[fmt][0], answer_key or FORMAT_KEYS[fmt][1]
+    if pkey not in row or (akey not in row and fmt != "messages"):
+        missing = [k for k in (pkey, akey) if k not in row]
+        raise GRPOPartsError(
+            f"{where}: missing key(s) {missing}; expected {pkey!r} and {akey!r} ({fmt} format), got {sorted(row)}"
+        )
+    prompt: str | list[dict[str, Any]] = row[pkey]
+    answer = row.get(akey)
+    if isinstance(prompt, list) or fmt == "messages":
+        prompt = _messages(where, pkey, prompt)
+        if answer is None:
+            if prompt[-1]["role"] != "assistant" or len(prompt) < 2:
+                raise GRPOPartsError(
+                    f"{where}: no {akey!r} and no final assistant message to take the answer from; expected one of them"
+                )
+            answer, prompt = final_answer(prompt[-1]["content"]), prompt[:-1]
+    elif not isinstance(prompt, str) or not prompt.strip():
+        raise GRPOPartsError(f"{where}: {pkey!r} must be a non-empty string, got {prompt!r}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise GRPOPartsError(f"{where}: {akey!r} must be a string or a number, got {type(answer).__name__}")
+    answer = str(answer)
+    if fmt == "gsm8k":
+        final = after_delimiter(answer, "####")
+        if not final:
+            raise GRPOPartsError(
+                f"{where}: {akey!r} has no final answer after '####' (GSM8K format), got {answer!r:.80}; expected "
+                "'... #### 42' (or task.format: prompt_answer)"
+            )
+        answer = final
+    elif fmt == "math":
+        boxed = last_boxed(answer)
+        if not boxed:
+            raise GRPOPartsError(
+                f"{where}: {akey!r} has no \\boxed{{...}} final answer (MATH format), got {answer!r:.80}; "
+                "expected '... \\boxed{42}' (or task.format: prompt_answer)"
+            )
+        answer = boxed
+    return Record(prompt, answer.strip(), row, where)
+
+
+def load_records(
+    path: Path | str, fmt: str = "auto", prompt_key: str | None = None, answer_key: str | None = None
+) -> tuple[list[Record], str]:
+    """Every record of ``path`` and the format they were read in."""
+    p = Path(path)
+    rows = read_rows(p)
+    if not rows:
+        raise GRPOPartsError(f"data: {str(p)!r} has no records")
+    fmt = detect_format(rows[0][1], fmt, prompt_key)
+    return [to_record(w, r, fmt, prompt_key, answer_key) for w, r in rows], fmt
