@@ -106,7 +106,9 @@ def test_tree_size_follows_concurrency() -> None:
     for b in budgets:  # measured: a row accepts a node at every depth 90% of the time
         for _ in range(50):
             acc.update(b.nodes, b.depth, torch.tensor([b.depth] * 9 + [0]))
-    plans = [choose_plan(cost, TreeCost(), acc, a, 0.5, cost.choose(a, 0.5, 6), budgets) for a in (1, 4, 16, 64)]
+    plans = [
+        choose_plan(cost, TreeCost(), acc, a, 0.5, cost.choose(a, 0.5, 6), budgets) for a in (1, 4, 16, 64)
+    ]
     nodes = [p.nodes if isinstance(p, TreeBudget) else 0 for p in plans]
     assert nodes[0] == 32 and nodes[-1] == 0, plans
     assert all(x >= y for x, y in zip(nodes, nodes[1:])), plans
@@ -114,4 +116,6 @@ def test_tree_size_follows_concurrency() -> None:
     for b in budgets:  # trees measured to accept nothing: never picked
         for _ in range(50):
             bad.update(b.nodes, b.depth, torch.zeros(10, dtype=torch.long))
-    assert not isinstance(choose_plan(cost, TreeCost(), bad, 1, 0.5, cost.choose(1, 0.5, 6), budgets), TreeBudget)
+    assert not isinstance(
+        choose_plan(cost, TreeCost(), bad, 1, 0.5, cost.choose(1, 0.5, 6), budgets), TreeBudget
+    )
