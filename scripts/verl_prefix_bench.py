@@ -64,6 +64,20 @@ def build_model(path: Path, vocab: int) -> None:
     model.save_pretrained(path)
 
 
+def long_tail_length(median: int, first: bool, g: Any) -> int:
+    """A long-tailed completion length (RL-typical: most rows finish early, a few run long):
+    log-normal around ``median`` (sigma 0.6), clipped to [1, 6 x median]; the first row of every
+    other group runs 4-6 x the median, so every batch's longest completion is >= 4 x its median."""
+    import math
+
+    import torch
+
+    if first:
+        return int(median * (4 + 2 * float(torch.rand(1, generator=g))))
+    z = float(torch.randn(1, generator=g))
+    return max(1, min(6 * median, int(median * math.exp(0.6 * z))))
+
+
 def make_batch(args: argparse.Namespace) -> Any:
     """``prompts x n`` rows, groups contiguous (as verl's Prefix Grouper needs), random lengths."""
     import torch
@@ -78,8 +92,11 @@ def make_batch(args: argparse.Namespace) -> Any:
             (int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (1,), generator=g)),),
             generator=g,
         )
-        for _ in range(args.n):
-            k = int(torch.randint(args.response_len // 8, args.response_len + 1, (1,), generator=g))
+        for j in range(args.n):
+            if getattr(args, "long_tail", False):
+                k = long_tail_length(args.response_len, first=(j == 0 and i % 2 == 0), g=g)
+            else:
+                k = int(torch.randint(args.response_len // 8, args.response_len + 1, (1,), generator=g))
             rows.append((f"p{i}", prompt, torch.randint(4, args.vocab, (k,), generator=g)))
     nested = tu.nested_tensor_from_tensor_list
     resp = [r for _, _, r in rows]
@@ -176,6 +193,40 @@ def token_stats(args: argparse.Namespace, variant: str) -> dict[str, int]:
             tokens += plan.grid_tokens
             logits += sum(len(c) * int(resp[rows][c].max()) for c in plan.calls)
     return {"model_tokens": tokens, "logit_rows": logits}
+
+
+def tokens_table(args: argparse.Namespace) -> int:
+    """Exact model tokens of one update on long-tailed batches (``--tokens-only``): verl's packed
+    forward, a padding-free shared layout (each prompt once per group plus every completion: what
+    verl's Prefix Grouper runs) and ours; ``ideal`` = packed / padding-free, ``got`` = packed / ours,
+    ``share`` = got / ideal (the target is >= 0.8 where P >= S)."""
+    import copy
+    import statistics
+
+    import torch
+
+    print("| G | P (max) | median S | max S | verl packed | padding-free | ours | ideal | got | share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for n in (8, 16):
+        for plen in (64, 256, 1024):
+            for median in (48, 128):
+                a = copy.copy(args)
+                a.n, a.prompt_len, a.response_len, a.long_tail = n, plen, median, True
+                data = make_batch(a)
+                resp = data["responses"].offsets().diff()
+                t = {v: token_stats(a, v)["model_tokens"] for v in ("verl_packed", "verl_pg", "ours")}
+                ideal, got = t["verl_packed"] / t["verl_pg"], t["verl_packed"] / t["ours"]
+                row = {"G": n, "P": plen, "median_S": statistics.median(resp.tolist()),
+                       "max_S": int(resp.max()), **t, "ideal": ideal, "got": got, "share": got / ideal}  # fmt: skip
+                rows.append(row)
+                print(
+                    f"| {n} | {plen} | {row['median_S']:.0f} | {row['max_S']} | {t['verl_packed']} | "
+                    f"{t['verl_pg']} | {t['ours']} | {ideal:.2f}x | {got:.2f}x | {got / ideal:.2f} |"
+                )
+    del torch
+    print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "tokens": rows}))
+    return 0
 
 
 def build_engine(args: argparse.Namespace, variant: str) -> tuple[Any, Any, bool]:
@@ -317,7 +368,16 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--n", type=int, default=8, help="completions per prompt (= micro-batch: one group each)")
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--response-len", type=int, default=128)
+    p.add_argument("--response-len", type=int, default=128, help="longest completion (--long-tail: median)")
+    p.add_argument(
+        "--long-tail", action="store_true", help="long-tailed completion lengths (see long_tail_length)"
+    )
+    p.add_argument(
+        "--tokens-only",
+        action="store_true",
+        help="print the exact model-token table over G in {8, 16}, P in {64, 256, 1024}, median completion in "
+        "{48, 128} (long-tailed) and exit: no engine, no timing",
+    )
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -340,6 +400,9 @@ def main() -> int:
         v for v in VARIANTS if (v != "verl_pg" or args.attn.startswith("flash")) and v != "ours_one_call"
     ]
     args.variants = args.variants or default
+    if args.tokens_only:
+        sys.path.insert(0, str(ROOT / "tests" / "adapters" / "verl"))
+        return tokens_table(args)
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "verl"))
     if args.mode != "all":
@@ -352,7 +415,7 @@ def main() -> int:
         x
         for k in (*keys, "attn", "dtype", "seed")
         for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))
-    ]
+    ] + (["--long-tail"] if args.long_tail else [])
     results: dict[str, Any] = {}
 
     def sub(*extra: str) -> dict[str, Any]:

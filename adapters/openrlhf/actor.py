@@ -15,7 +15,10 @@ OpenRLHF's own forward. :attr:`GRPOPartsActor.counters` counts both kinds per st
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,6 +51,30 @@ def hf_model(module: torch.nn.Module) -> torch.nn.Module:
     return m
 
 
+@contextlib.contextmanager
+def _overhead(backend: Any, overhead: int | None) -> Iterator[None]:
+    """The backend's ``chunk_overhead_tokens`` set to ``overhead`` for one call (None: unchanged)."""
+    if overhead is None:
+        yield
+        return
+    saved, backend.chunk_overhead_tokens = backend.chunk_overhead_tokens, overhead
+    try:
+        yield
+    finally:
+        backend.chunk_overhead_tokens = saved
+
+
+def _another_rank_falls_back(device: torch.device, here: bool = False) -> bool:
+    """With several processes (ZeRO-3 gathers parameters in every forward, so every rank must make
+    the same number of model calls), whether any rank runs OpenRLHF's forward for this call: then all
+    do. One all-reduce; False on one process."""
+    from grpo_parts.attention.chunking import agree_max, ranks_of
+
+    if ranks_of() <= 1:
+        return False
+    return bool(agree_max([int(here)], None, device)[0])
+
+
 class GRPOPartsActor(Actor):
     """OpenRLHF's ``Actor`` (same constructor) that computes action log-probs with a grpo_parts
     attention backend once :meth:`use_backend` has given it one."""
@@ -59,6 +86,8 @@ class GRPOPartsActor(Actor):
         #: compare the next backend forward with OpenRLHF's own (``first_batch_diff``, once)
         self.check_first_batch = False
         self.first_batch_diff: float | None = None
+        #: tokens of the shared-prefix calls since the last flush (:meth:`_bound`)
+        self.tokens: Counter[str] = Counter()
 
     def use_backend(self, backend: Any) -> GRPOPartsActor:
         """Compute action log-probs with ``backend`` from now on (call after DeepSpeed wrapped the
@@ -72,6 +101,46 @@ class GRPOPartsActor(Actor):
         self.grpo_backend = backend
         self.counters.track("attention")
         return self
+
+    def _bound(self, layout: Any) -> tuple[Any, int | None, str | None]:
+        """Bound the shared-prefix layout by the packed tokens: each prompt group is cut into
+        sub-groups of similar completion length (:func:`grpo_parts.attention.chunking.split_long_tails`,
+        each at most its packed rows); when the backend's grid plan would still run more tokens than
+        the packed rows, the plan splits into more grids (no per-forward overhead for this call), and
+        when even that does not fit with ``--ds.packing_samples``, the call runs OpenRLHF's packed
+        forward (counted). Returns ``(layout, chunk overhead for this call or None, fallback reason)``
+        and adds to :attr:`tokens`."""
+        from dataclasses import replace
+
+        from grpo_parts.attention.chunking import chunk_plan, split_long_tails
+        from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+
+        backend = self.grpo_backend
+        if not isinstance(backend, SharedPrefixAttention):
+            return layout, None, None
+        b = layout.batch
+        plen, clen = b.prompt_mask.long().sum(-1), b.completion_mask.long().sum(-1)
+        batch = replace(b, group_index=split_long_tails(b.group_index, plen, clen))
+        layout = replace(layout, batch=batch)
+        packed = int(plen.sum() + clen.sum())
+        first = torch.zeros_like(b.group_index).scatter_reduce(
+            0, b.group_index, plen, "amax", include_self=False
+        )
+        free = int(first[torch.unique(b.group_index)].sum() + clen.sum())
+        most = backend._max_chunks(hf_model(self.model))
+        overhead, grid = None, chunk_plan(batch, backend.chunk_overhead_tokens, most)[1]["grid_slots"]
+        if grid > packed:
+            overhead, grid = 0, chunk_plan(batch, 0, most)[1]["grid_slots"]
+        self.tokens.update(grid_tokens=int(grid), packed_tokens=packed, padding_free_tokens=free)
+        if self.packing_samples and grid > packed:
+            return layout, None, f"grouped layout ({int(grid)} tokens) > packed micro-batch ({packed})"
+        return layout, overhead, None
+
+    def flush_tokens(self) -> dict[str, float]:
+        """``parts/attention/{grid,packed,padding_free}_tokens`` since the last flush (then reset)."""
+        out = {f"parts/attention/{k}": float(v) for k, v in self.tokens.items()}
+        self.tokens.clear()
+        return out
 
     def _call_reasons(
         self,
@@ -122,14 +191,27 @@ class GRPOPartsActor(Actor):
         if attention_mask is None:
             reasons.append("no attention_mask")
         layout = None if reasons else to_logprob_batch(sequences, attention_mask, action_mask)  # type: ignore[arg-type]
+        overhead = None
+        if layout is not None:
+            layout, overhead, reason = self._bound(layout)
+            reasons += [reason] if reason else []
+        here = layout is None or bool(reasons)
+        if _another_rank_falls_back(sequences.device, here=here) and not here:
+            reasons = ["another data-parallel rank runs OpenRLHF's forward for this call"]
+        if reasons:
+            layout = None
         if layout is None:
             self.counters.fell_back("attention", "; ".join(reasons or ["no row has an action token"]))
             return super().forward(sequences, action_mask, attention_mask, **plain_call)
         assert action_mask is not None
         self.counters.ran("attention")
-        out = self.grpo_backend.completion_logprobs(
-            hf_model(self.model), layout.batch, temperature=self.temperature, compute_entropy=return_entropy
-        )
+        with _overhead(self.grpo_backend, overhead):
+            out = self.grpo_backend.completion_logprobs(
+                hf_model(self.model),
+                layout.batch,
+                temperature=self.temperature,
+                compute_entropy=return_entropy,
+            )
         lp = out.logprobs if out.logprobs.dtype == torch.float64 else out.logprobs.float()
         action_log_probs = scatter_to_openrlhf(lp, layout, action_mask.shape[1]) * action_mask.to(lp.dtype)
         if self.check_first_batch and self.first_batch_diff is None:

@@ -77,13 +77,31 @@ def grid_tokens(
 
 @dataclass(frozen=True)
 class CallPlan:
-    """How a packed micro-batch is computed: ``group_index [B]``, ``prompt_lens [B]``, the rows of
-    each backend call (sequences with a response only) and the tokens all calls run the model on."""
+    """How a packed micro-batch is computed: ``group_index [B]`` (``uid`` groups, split by completion
+    length for ``shared_prefix``), ``prompt_lens [B]``, the rows of each backend call (sequences with
+    a response only), the tokens all calls run the model on, and the tokens of a padding-free shared
+    layout (each ``uid`` prompt once plus every completion: what verl's own Prefix Grouper runs)."""
 
     group_index: torch.Tensor
     prompt_lens: torch.Tensor
     calls: list[torch.Tensor]
     grid_tokens: int
+    padding_free_tokens: int = 0
+
+
+def _merge(groups: list[torch.Tensor], cost: Any, slack: float) -> list[torch.Tensor]:
+    """Consecutive ``groups`` share a call while its layout stays within ``1 + slack`` times the sum
+    of their own layouts."""
+    calls, cur, own = [], groups[0], cost(groups[0])
+    for g in groups[1:]:
+        g_own, cand = cost(g), torch.cat([cur, g])
+        if cost(cand) <= (1 + slack) * (own + g_own):
+            cur, own = cand, own + g_own
+        else:
+            calls.append(cur)
+            cur, own = g, g_own
+    calls.append(cur)
+    return calls
 
 
 def plan_calls(
@@ -94,34 +112,43 @@ def plan_calls(
     backend: str = "shared_prefix",
     merge_slack: float | None = None,
 ) -> CallPlan:
-    """Split a packed micro-batch into backend calls. One call pads every group to the micro-batch's
-    longest prompt, completion and group; with ``merge_slack`` (shared_prefix only) groups are taken
-    longest completion first and a group joins the current call only while the call's layout stays
-    within ``1 + merge_slack`` times the sum of its groups' own layouts (0: one call per group)."""
+    """Split a packed micro-batch into backend calls. For ``shared_prefix``, each ``uid`` group is
+    first cut into sub-groups of similar completion length whose layouts hold no more tokens than
+    their packed rows (:func:`grpo_parts.attention.chunking.split_long_tails`). One call pads every
+    (sub-)group to the call's longest prompt, completion and group; with ``merge_slack`` groups are
+    taken longest completion first and a group joins the current call only while the call's layout
+    stays within ``1 + merge_slack`` times the sum of its groups' own layouts (0: one call per
+    group). **Bound**: when the calls would run more tokens than the packed micro-batch, every
+    sub-group gets its own call, which runs at most the packed tokens."""
+    from grpo_parts.attention.chunking import split_long_tails
+
     ids = input_ids.reshape(-1)
     cu, resp = cu_seqlens.to(ids.device).long(), response_lens.to(ids.device).long()
     plen = cu.diff() - resp
-    gi = group_index(ids, cu, plen, group_keys)
+    uid_gi = group_index(ids, cu, plen, group_keys)
     rows = (resp > 0).nonzero().reshape(-1)
     if rows.numel() == 0:
-        return CallPlan(gi, plen, [], 0)
-    if merge_slack is None or backend != "shared_prefix":
+        return CallPlan(uid_gi, plen, [], 0)
+    free = int(sum(int(plen[rows[uid_gi[rows] == g][0]]) for g in torch.unique(uid_gi[rows]).tolist()))
+    free += int(resp.sum())
+    shared = backend == "shared_prefix"
+    gi = split_long_tails(uid_gi, plen, resp) if shared else uid_gi
+
+    def cost(r: torch.Tensor) -> int:
+        return grid_tokens(backend, plen[r], resp[r], gi[r])
+
+    groups = [rows[gi[rows] == g] for g in torch.unique(gi[rows]).tolist()]
+    groups.sort(key=lambda r: (-int(resp[r].max()), -int(plen[r[0]])))
+    if merge_slack is None or not shared:
         calls = [rows]
     else:
-        groups = [rows[gi[rows] == g] for g in torch.unique(gi[rows]).tolist()]
-        groups.sort(key=lambda r: (-int(resp[r].max()), -int(plen[r[0]])))
-        calls, cur, own = [], groups[0], grid_tokens(backend, plen[groups[0]], resp[groups[0]], gi[groups[0]])
-        for g in groups[1:]:
-            g_own = grid_tokens(backend, plen[g], resp[g], gi[g])
-            cand = torch.cat([cur, g])
-            if grid_tokens(backend, plen[cand], resp[cand], gi[cand]) <= (1 + merge_slack) * (own + g_own):
-                cur, own = cand, own + g_own
-            else:
-                calls.append(cur)
-                cur, own = g, g_own
-        calls.append(cur)
-    total = sum(grid_tokens(backend, plen[c], resp[c], gi[c]) for c in calls)
-    return CallPlan(gi, plen, calls, total)
+        calls = _merge(groups, cost, merge_slack)
+    total = sum(cost(c) for c in calls)
+    packed = int((plen[rows] + resp[rows]).sum())
+    if shared and total > packed and len(calls) < len(groups):
+        calls = groups  # each sub-group's layout <= its packed rows
+        total = sum(cost(c) for c in calls)
+    return CallPlan(gi, plen, calls, total, free)
 
 
 def resolve_backend(backend: str | AttentionBackend) -> AttentionBackend:

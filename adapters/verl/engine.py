@@ -19,8 +19,13 @@ reported in the micro-batch's metrics, which verl's actor update returns as ``ac
 * ``parts/attention/logprob_forwards``, ``parts/attention/logprob_fallbacks`` -- the forward-only
   passes (old-policy, reference) this worker process ran since the previous update, reported once
   with the update's first micro-batch;
-* ``parts/attention/grid_tokens``, ``parts/attention/packed_tokens`` -- tokens the grouped layout
-  ran vs the packed micro-batches' tokens (what remove-padding would have run).
+* ``parts/attention/grid_tokens``, ``parts/attention/packed_tokens``,
+  ``parts/attention/padding_free_tokens`` -- tokens the grouped layout ran, the packed micro-batches'
+  tokens (what remove-padding would have run) and those of a padding-free shared layout (each prompt
+  once per ``uid`` plus the completions: what verl's Prefix Grouper runs); the step's
+  ``grid_tokens / padding_free_tokens`` is the padding the grouped layout pays;
+  ``parts/attention/grid_over_packed_max`` -- the largest per-micro-batch ``grid / packed`` (<= 1:
+  the plan never runs more tokens than the packed micro-batch).
 """
 
 from __future__ import annotations
@@ -146,7 +151,13 @@ def _sum(value: float) -> Any:
     return Metric(aggregation=AggregationType.SUM, value=float(value))
 
 
-def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[int, int] | None) -> dict:
+def _max(value: float) -> Any:
+    from verl.utils.metric.utils import AggregationType, Metric
+
+    return Metric(aggregation=AggregationType.MAX, value=float(value))
+
+
+def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[int, int, int] | None) -> dict:
     global _pending_logprob
     out = dict(metrics)
     out["parts/attention/forwards"] = _sum(ran)
@@ -154,6 +165,8 @@ def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[int, int
     if tokens is not None:
         out["parts/attention/grid_tokens"] = _sum(tokens[0])
         out["parts/attention/packed_tokens"] = _sum(tokens[1])
+        out["parts/attention/padding_free_tokens"] = _sum(tokens[2])
+        out["parts/attention/grid_over_packed_max"] = _max(tokens[0] / max(1, tokens[1]))
     if forward_only:
         _pending_logprob = True
     elif _pending_logprob:
@@ -244,7 +257,7 @@ def install_engine_hook() -> bool:
         if reason is None:
             micro_batch = micro_batch.to(get_device_id())  # as verl's forward_step
             planned, reason = _plan(self, micro_batch, opts)
-            tokens = (planned[4].grid_tokens, int(planned[0].numel()))
+            tokens = (planned[4].grid_tokens, int(planned[0].numel()), planned[4].padding_free_tokens)
         calls = len(planned[4].calls) if planned is not None else 0
         reason, calls = _agree(self, reason, calls, torch.device(get_device_name()))
         if reason is not None:

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Drop-in accelerators for GRPO training: train with them, benchmark them.",
         epilog="Each command's options: grpo-parts COMMAND --help. Documentation: docs/index.md",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     if _module_available(TRAIN_MODULE):
         train = sub.add_parser("train", help="GRPO training run (default: the built-in task on CPU)")

@@ -133,11 +133,51 @@ def register_attention_function(name: str, fn: Callable[..., Any], mask: str = "
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    builders: dict[str, Callable[..., Any]] = {"sdpa": sdpa_mask, "eager": eager_mask}
+    builders: dict[str, Callable[..., Any]] = {"sdpa": sdpa_mask, "eager": eager_mask, "own": _own_mask}
     if mask not in builders:
         raise GRPOPartsError(f"mask: expected one of {sorted(builders)}, got {mask!r}")
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, builders[mask])
+
+
+#: ``id(config)`` -> the attention implementation that config had before the outermost
+#: :func:`select_attention` still in effect on it (configs define ``__eq__``, so they are not hashable)
+_OWN_ATTENTION: dict[int, str | None] = {}
+
+
+def own_attention(config: Any) -> str | None:
+    """The attention implementation ``config`` had before :func:`select_attention` replaced it (None
+    when no selection is in effect on it): what a forward that is not ours should run."""
+    return _OWN_ATTENTION.get(id(config)) if config is not None else None
+
+
+def own_attention_function(module: torch.nn.Module, name: str) -> Callable[..., Any] | None:
+    """The function an attention ``module`` runs for implementation ``name``, as its model would call
+    it: ``"eager"`` is the ``eager_attention_forward`` of the module's own modeling file (soft-capping,
+    sinks and dtype handling differ per model), anything else the ``AttentionInterface`` entry (in
+    every release in range). None when there is none."""
+    import sys
+
+    if name == "eager":
+        return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else None
+
+
+def _own_mask(*args: Any, **kwargs: Any) -> Any:
+    """Mask builder of an attention function that runs the model's own attention outside its layout:
+    the builder of the implementation selected before (:func:`own_attention`; transformers passes
+    ``config=`` to every mask builder in range), SDPA's when there is none. An implementation without
+    a mask builder gets no mask, as transformers does for it."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    own = own_attention(kwargs.get("config"))
+    if own is None:
+        return sdpa_mask(*args, **kwargs)
+    if own not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS[own](*args, **kwargs)
 
 
 def sdpa_attention_forward() -> Callable[..., Any]:
@@ -163,16 +203,21 @@ def select_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
     """Select the attention function ``name`` on ``model``'s config and sub-configs for the duration
     of the block, then restore each one's previous choice. Writes ``_attn_implementation_internal``
     (what the ``_attn_implementation`` property reads in every release in range) directly: the
-    public ``set_attn_implementation`` re-checks the model class and recurses into sub-configs."""
+    public ``set_attn_implementation`` re-checks the model class and recurses into sub-configs.
+    The outermost selection records each config's previous choice for :func:`own_attention`."""
     cfgs = _attn_configs(model)
     saved = [c._attn_implementation for c in cfgs]
-    for c in cfgs:
+    outermost = [id(c) for c in cfgs if id(c) not in _OWN_ATTENTION]
+    for c, s in zip(cfgs, saved):
+        _OWN_ATTENTION.setdefault(id(c), s)
         c._attn_implementation_internal = name
     try:
         yield
     finally:
         for c, s in zip(cfgs, saved):
             c._attn_implementation_internal = s
+        for i in outermost:
+            _OWN_ATTENTION.pop(i, None)
 
 
 def causal_lm_class(config: Any) -> type:

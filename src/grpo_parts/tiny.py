@@ -10,6 +10,16 @@ from . import compat
 from .errors import GRPOPartsError
 
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2}
+#: DeepSeek-V2/V3 attention: q/k heads of 8 + 4 (rotary) dims, v heads of 6, latent K/V rank 8
+_MLA = {
+    "kv_lora_rank": 8,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+}
 
 #: family -> (config class path, extra config kwargs). Not every family is supported by every
 #: backend or transformers release: see docs/attention.md for the shared-prefix backend's table.
@@ -48,6 +58,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "starcoder2": ("transformers:Starcoder2Config", {"sliding_window": None}),
     "granite": ("transformers:GraniteConfig", {}),
     "glm4": ("transformers:Glm4Config", {}),
+    # multi-head latent attention (value head size != query/key head size), MoE after layer 0
+    "deepseek_v2": (
+        "transformers:DeepseekV2Config",
+        {**_MLA, "n_routed_experts": 4, "first_k_dense_replace": 1},
+    ),
+    "deepseek_v3": (
+        "transformers:DeepseekV3Config",
+        {**_MLA, "n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    ),
+    "gpt_bigcode": ("transformers:GPTBigCodeConfig", {}),  # learned absolute positions, multi-query
+    "phimoe": ("transformers:PhimoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # refused by the shared-prefix backend (docs/attention.md)
     "stablelm": ("transformers:StableLmConfig", {}),
     "falcon": ("transformers:FalconConfig", {}),

@@ -55,7 +55,64 @@ FAMILY_OVERRIDES = {
 OWN_EAGER_EXACT = {"gpt_oss"}
 
 
+def _longrope(head_dim: int) -> dict:  # type: ignore[type-arg]
+    half = head_dim // 2
+    return {  # (4.x's Phi3Config accepts exactly these three keys)
+        "type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+        "long_factor": [2.0 + i for i in range(half)],
+    }
+
+
+#: position-sensitive variants of tiny families: (family, config overrides given the head dim, the
+#: longest sequence a batch may hold). longrope (Phi-3.5 / Phi-4-mini) switches to its long factors
+#: once the forward's largest position id reaches original_max_position_embeddings=6; dynamic NTK
+#: (llama) rescales when it passes max_position_embeddings (4.x) / the original context (5.x); learned
+#: absolute positions (GPT-2) index a table of exactly the context.
+VARIANTS = {
+    "phi3_longrope": (
+        "phi3",
+        lambda d: {
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 6,
+            "rope_scaling": _longrope(d),
+        },
+        64,
+    ),
+    "phimoe_longrope": (
+        "phimoe",
+        lambda d: {
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 6,
+            "rope_scaling": {**_longrope(d), "short_mscale": 1.1, "long_mscale": 1.2},
+        },
+        64,
+    ),
+    "llama_dynamic": (
+        "llama",
+        lambda d: {"max_position_embeddings": 8, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+        8,
+    ),
+    "gpt2_context": ("gpt2", lambda d: {"max_position_embeddings": 8}, 8),
+    "gpt_bigcode_context": ("gpt_bigcode", lambda d: {"max_position_embeddings": 8}, 8),
+    # MiniCPM3's attention: DeepSeek-V2's MLA with a low-rank query, dense MLPs, v head = nope head
+    "minicpm3_like": (
+        "deepseek_v2",
+        lambda d: {"q_lora_rank": 8, "first_k_dense_replace": 8, "v_head_dim": 8, "qk_rope_head_dim": d},
+        64,
+    ),
+}
+
+
+def variant_family(name: str) -> str:
+    return VARIANTS[name][0] if name in VARIANTS else name
+
+
 def exact_model(family: str, **kw) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    if family in VARIANTS:
+        base, overrides, _ = VARIANTS[family]
+        d = kw.get("head_dim") or kw.get("hidden_size", 32) // kw.get("num_heads", 4)
+        return exact_model(base, **{**overrides(d), **kw})
     over = {**FAMILY_OVERRIDES.get(family, {}), **kw}
     model = tiny_causal_lm(family, dtype=torch.float64, **over)
     with torch.no_grad():  # larger weights than the default init, so attention is far from uniform
@@ -80,15 +137,18 @@ def random_batch(
     max_prompt: int,
     max_completion: int,
     shuffle: bool = True,
+    max_total: int | None = None,
 ) -> LogprobBatch:
-    """Groups with random prompt lengths (left-padded) and completion lengths (right-padded)."""
+    """Groups with random prompt lengths (left-padded) and completion lengths (right-padded), each
+    row at most ``max_total`` tokens long."""
     rows_p, rows_pm, rows_c, rows_cm, gidx = [], [], [], [], []
     for g, size in enumerate(group_sizes):
         plen = int(torch.randint(1, max_prompt + 1, (1,), generator=gen))
         prompt = torch.randint(1, vocab, (max_prompt,), generator=gen)
         pmask = (torch.arange(max_prompt) >= max_prompt - plen).long()
         for _ in range(size):
-            clen = int(torch.randint(1, max_completion + 1, (1,), generator=gen))
+            longest = max_completion if max_total is None else max(1, min(max_completion, max_total - plen))
+            clen = int(torch.randint(1, longest + 1, (1,), generator=gen))
             rows_p.append(prompt.clone())
             rows_pm.append(pmask)
             rows_c.append(torch.randint(1, vocab, (max_completion,), generator=gen))

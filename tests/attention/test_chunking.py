@@ -81,3 +81,31 @@ def test_a_model_sharded_on_one_process_splits_as_usual() -> None:
     assert explicit.last_plan["chunks"] == 2
     chunks, info, empty = rank_consistent_plan(batch, -1, 8)
     assert len(chunks) == info["model_calls"] == 3 and empty == 0
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 16), min_size=1, max_size=6),
+    lengths=st.lists(st.integers(1, 400), min_size=1, max_size=40),
+    prompts=st.lists(st.integers(1, 1024), min_size=1, max_size=6),
+)
+def test_split_long_tails_never_exceeds_the_packed_rows(
+    sizes: list[int], lengths: list[int], prompts: list[int]
+) -> None:
+    """Each group's sub-groups hold at most its rows packed, and at most its own one-group layout;
+    sub-groups never mix groups."""
+    from grpo_parts.attention.chunking import split_long_tails
+
+    gi = torch.tensor([g for g, k in enumerate(sizes) for _ in range(k)])
+    plen = torch.tensor([prompts[g % len(prompts)] for g in gi.tolist()])
+    clen = torch.tensor([lengths[i % len(lengths)] for i in range(gi.numel())])
+    sub = split_long_tails(gi, plen, clen)
+    for g in range(len(sizes)):
+        rows = gi == g
+        assert len(set(sub[rows].tolist()) & set(sub[~rows].tolist())) == 0
+        layout = sum(
+            int(plen[sub == s][0]) + int((sub == s).sum()) * int(clen[sub == s].max())
+            for s in set(sub[rows].tolist())
+        )
+        assert layout <= int((plen[rows] + clen[rows]).sum())
+        assert layout <= int(plen[rows][0]) + int(rows.sum()) * int(clen[rows].max())

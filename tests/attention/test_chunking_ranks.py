@@ -1,7 +1,7 @@
 """Rank-consistent grid plans: two processes (gloo) sharing an FSDP2-sharded model, with batches of
 different shapes (one rank with a single group), agree on the number of model calls -- no hang
 (a hard timeout fails the test) -- and give the repeated-prefix reference's log-probs, entropies and
-FSDP-reduced gradients (float64). The ranks' work is in ``_ranks_worker.py``."""
+FSDP-reduced gradients (float64). The ranks' work is in ``_attention_ranks_worker.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):  # type: ignore[no-untyped-def]
-    return run_ranks(HERE / "_ranks_worker.py", tmp_path_factory.mktemp("ranks"), timeout=240)
+    return run_ranks(HERE / "_attention_ranks_worker.py", tmp_path_factory.mktemp("ranks"), timeout=240)
 
 
 @pytest.mark.parametrize("case", ["single_group_vs_split", "replan_and_pad", "default_options"])

@@ -66,3 +66,21 @@ def test_config_is_frozen() -> None:
 
     with pytest.raises(ValidationError):
         TrainConfig().steps = 3  # type: ignore[misc]
+
+
+def test_data_task_section_and_rewards() -> None:
+    from grpo_parts.task.jsonl import DataConfig
+
+    cfg = load_config(overrides={"data": "d.jsonl", "task.grader": "boxed", "task.prompt_key": "q"})
+    assert isinstance(cfg.task, DataConfig) and (cfg.task.grader, cfg.task.prompt_key) == ("boxed", "q")
+    assert (cfg.steps, cfg.max_new_tokens, cfg.stop_after_flat) == (15, 320, 3)  # --data's defaults as before
+    assert load_config(overrides={"data": "d.jsonl", "rewards": ["m:f@0.5", "m:g"]}).rewards == [
+        "m:f@0.5",
+        "m:g",
+    ]
+    with pytest.raises(GRPOPartsError, match="task.name: 'data' reads --data, got no data"):
+        load_config(overrides={"task.name": "data"})
+    with pytest.raises(GRPOPartsError, match="task.data.grader: Input should be"):
+        load_config(overrides={"data": "d.jsonl", "task.grader": "fuzzy"})
+    with pytest.raises(GRPOPartsError, match="rewards: got 'm.f'; expected 'module:function'"):
+        load_config(overrides={"rewards": ["m.f"]})

@@ -1,9 +1,9 @@
 """Issue 23's acceptance: the shipped warm start trained with ``--model --data`` on the built-in reasoning
 task's problems written as a user's data -- GSM8K-style JSONL, chat ``messages``, and prompt/answer with
-a ``--reward module:function`` -- learns as the built-in run does (held-out accuracy 0.04 -> 0.70 after
-2 steps of the built-in task with these sizes), and ``samples.jsonl`` holds completions with rewards.
-
-Short problems only (7 terms: ~60-token completions) and 50 held-out problems keep each run near 30 s.
+a ``--reward module:function`` -- learns as the built-in run does, and ``samples.jsonl`` holds
+completions with rewards. With these sizes (short problems only, 50 held-out, 2 steps, draft length 4)
+the built-in task goes 0.04 -> 0.56 held-out accuracy, and each of these runs 0.04 -> 0.60 (measured on
+the project's 2-core machine); each run takes ~25 s.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ TASK = ReasoningTask(ReasoningConfig(long_every=1000, num_eval=50))  # short pro
 TRAIN = [TASK.train_problem(i) for i in range(200)]
 EVAL = TASK.eval_problems()
 RUN = ["--steps", "2", "--set", "eval_every=2", "--set", "max_new_tokens=80", "--set", "threads=1",
+       "--set", "parts.sampler_kwargs={draft_tokens: 4}",  # no timing-based calibration: the same run every time
        "--no-progress", "-q"]  # fmt: skip
 
 
@@ -54,11 +55,18 @@ def _train(
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()], run
 
 
-def _rises(rows: list[dict[str, Any]]) -> tuple[float, float]:
+#: held-out accuracy curve of each run of this module: the three formats hold the same problems in the
+#: same order, render to the same prompts and grade (or reward) alike, so their runs are identical
+CURVES: dict[str, list[float]] = {}
+
+
+def _rises(name: str, rows: list[dict[str, Any]]) -> None:
     accs = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
     assert accs[0] < 0.2, accs  # the warm start's habit: the first partial sum as the answer
-    assert accs[-1] >= accs[0] + 0.3, accs  # GRPO removes it, as on the built-in task
-    return accs[0], accs[-1]
+    assert accs[-1] >= accs[0] + 0.3, accs  # GRPO removes it, as on the built-in task (0.04 -> 0.60 here)
+    for other, curve in CURVES.items():
+        assert accs == curve, (name, other)
+    CURVES[name] = accs
 
 
 def _samples(run: Path) -> list[dict[str, Any]]:
@@ -77,7 +85,7 @@ def test_gsm8k_data_of_the_builtin_task_learns_as_the_task(
     with caplog.at_level("INFO", logger="grpo_parts.train"):
         rows, run = _train(tmp_path, "gsm8k", builtin_model_path("reasoning"), gsm8k)
     assert "grader: after_delimiter ';' (the prompts are the built-in reasoning task's" in caplog.text
-    _rises(rows)
+    _rises("gsm8k", rows)
     _samples(run)
 
 
@@ -90,7 +98,7 @@ def test_messages_data_is_rendered_with_the_chat_template(tmp_path: Path) -> Non
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tok.save_pretrained(model)
     rows, run = _train(tmp_path, "chat", model, chat)
-    _rises(rows)
+    _rises("messages", rows)
     assert _samples(run)[0]["prompt"] == EVAL[0].prompt  # system + user, rendered by the template
 
 
@@ -105,6 +113,6 @@ def test_reward_function_run(tmp_path: Path) -> None:
     spec = f"{tmp_path / 'my_reward.py'}:after_semicolon@1.0"
     plain = lambda p: {"prompt": p.prompt, "answer": p.answer}  # noqa: E731
     rows, run = _train(tmp_path, "fn", builtin_model_path("reasoning"), plain, "--reward", spec)
-    _rises(rows)
+    _rises("reward", rows)
     assert all("reward_after_semicolon" in r for r in rows if r["step"] > 0)
     _samples(run)

@@ -173,7 +173,15 @@ class _Cascade(torch.autograd.Function):
 def sdpa_cascade(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, scale: float
 ) -> torch.Tensor:
-    """``q: [B, H, L, D]``, ``k, v: [B, Hkv, L, D]`` (not repeated) -> ``[B, H, L, D]``."""
+    """``q: [B, H, L, D]``, ``k: [B, Hkv, L, D]``, ``v: [B, Hkv, L, Dv]`` (not repeated) ->
+    ``[B, H, L, Dv]``. The flash ops need one head size: with multi-head latent attention (MLA:
+    DeepSeek-V2/V3, MiniCPM3; ``Dv != D``) the smaller side is zero-padded, which changes neither
+    the scores (``scale`` is explicit) nor the output's first ``Dv`` columns, nor their gradients."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        return sdpa_cascade(q, k, torch.nn.functional.pad(v, (0, d - dv)), lay, scale)[..., :dv]
+    if dv > d:
+        q, k = torch.nn.functional.pad(q, (0, dv - d)), torch.nn.functional.pad(k, (0, dv - d))
     bias = None
     if lay.prefix_valid is not None:
         bias = torch.zeros(lay.prefix_valid.shape, dtype=q.dtype, device=q.device)

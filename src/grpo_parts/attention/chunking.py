@@ -169,3 +169,44 @@ def chunk_plan(
     chunks = [torch.nonzero(row_chunk == c).squeeze(1).to(device) for c in range(k + 1)]
     info.update(chunks=k + 1, grid_slots=float(best[k][-1]))
     return chunks, info
+
+
+#: groups with more rows than this are not split (the split's search is O(rows^2) per group)
+MAX_SPLIT_ROWS = 512
+
+
+def split_long_tails(
+    group_index: torch.Tensor, prompt_lens: torch.Tensor, completion_lens: torch.Tensor
+) -> torch.Tensor:
+    """New ``group_index [N]`` that splits each group into sub-groups of similar completion length,
+    so that no group's layout ``[prefix | slot x rows]`` holds more tokens than its rows packed
+    (``sum(prompt + completion)``): each group's rows, longest completion first, are cut into
+    contiguous runs minimising ``sum(P + rows x longest)`` (a run of one row is its packed length,
+    so the minimum never exceeds it). Rows of a sub-group still share the prompt; sub-groups of one
+    group encode it once each. Exact (rows of different groups never attend to each other)."""
+    gi = group_index.detach().cpu().long()
+    plen, clen = prompt_lens.detach().cpu().long(), completion_lens.detach().cpu().long()
+    out = torch.empty_like(gi)
+    nxt = 0
+    for g in torch.unique(gi).tolist():
+        members = torch.nonzero(gi == g).squeeze(1)
+        order = torch.argsort(clen[members], descending=True, stable=True)
+        rows: list[int] = members[order].tolist()
+        s: list[int] = clen[members][order].tolist()
+        p, k = int(plen[rows[0]]), len(rows)
+        if k > MAX_SPLIT_ROWS:
+            out[rows] = nxt
+            nxt += 1
+            continue
+        best, cut = [0] * (k + 1), [0] * (k + 1)  # best[j]: least tokens for the first j rows
+        for j in range(1, k + 1):
+            costs = [best[i] + p + (j - i) * s[i] for i in range(j)]
+            cut[j] = costs.index(min(costs))
+            best[j] = costs[cut[j]]
+        j = k
+        while j > 0:
+            i = cut[j]
+            out[rows[i:j]] = nxt
+            nxt += 1
+            j = i
+    return out.to(group_index.device)

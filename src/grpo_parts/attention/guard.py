@@ -7,7 +7,8 @@ attention layer that receives the layout. Three checks, from cheapest to stronge
    (its bias is built from the row's token indices, not each sequence's positions), layer types
    other than full/sliding attention (linear attention, state-space, convolution, chunked), token
    mixers that are not attention (state-space / recurrent / short-convolution modules), attention
-   temperature tuning by row index, a forward without ``position_ids``.
+   temperature tuning by row index, a forward without ``position_ids``, a rotary embedding whose
+   frequencies might follow the row length (:func:`rotary_reasons`).
 2. the kernel (:func:`~grpo_parts.attention.kernels.shared_prefix_attention`) refuses any keyword
    argument it does not implement and records, in ``layout.receipts``, every attention module that
    received the layout.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -63,6 +65,68 @@ def _mixers(model: torch.nn.Module) -> list[str]:
     return out
 
 
+#: rotary ``rope_type`` s whose frequencies depend on the position ids alone, or (``dynamic`` NTK,
+#: ``longrope``) also on the largest position id of the forward -- which the layout makes the
+#: reference's (:mod:`.layout`). Any other rope type is refused: it might follow the row length.
+KNOWN_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional"})
+
+#: model -> :func:`rotary_reasons` (the module tree does not change under a model object)
+_ROTARY: weakref.WeakKeyDictionary[torch.nn.Module, list[str]] = weakref.WeakKeyDictionary()
+
+
+def rotary_reasons(model: torch.nn.Module, kind: str) -> list[str]:
+    """Rotary embeddings whose cos/sin could differ between the grid and the reference: one that takes
+    no ``position_ids`` (its tables follow the sequence length, which the grid changes) or has a rope
+    type outside :data:`KNOWN_ROPE_TYPES`. Cached per model."""
+    if model in _ROTARY:
+        return _ROTARY[model]
+    out = []
+    for name, mod in model.named_modules():
+        if "Rotary" not in type(mod).__name__:
+            continue
+        where = f"model: {kind}: rotary embedding {name} ({type(mod).__name__})"
+        if "position_ids" not in inspect.signature(mod.forward).parameters:
+            out.append(f"{where} takes no position_ids: its frequencies follow the sequence length")
+            continue
+        rope = getattr(mod, "rope_type", None) or "default"
+        unknown = sorted(
+            {str(r) for r in (rope.values() if isinstance(rope, dict) else [rope])} - KNOWN_ROPE_TYPES
+        )
+        if unknown:
+            out.append(
+                f"{where} has rope_type {unknown}, not known to depend only on the position ids and the "
+                "forward's largest position id"
+            )
+    _ROTARY[model] = out
+    return out
+
+
+#: model -> :func:`position_tables`
+_TABLES: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[str, int]]] = weakref.WeakKeyDictionary()
+
+
+def position_tables(model: torch.nn.Module) -> list[tuple[str, int]]:
+    """``(name, positions it holds)`` of each learned absolute position table (an ``nn.Embedding``
+    other than the token embeddings: GPT-2's ``wpe``, OPT's ``embed_positions`` less its ``offset``).
+    The layout never gives a position beyond the batch's longest row, so a batch fits when its
+    longest row fits every table. Cached per model."""
+    if model in _TABLES:
+        return _TABLES[model]
+    get = getattr(model, "get_input_embeddings", None)
+    tokens = get() if callable(get) else None
+    out = []
+    for name, mod in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if (
+            isinstance(mod, torch.nn.Embedding)
+            and mod is not tokens
+            and (last == "wpe" or "position" in last)
+        ):
+            out.append((name, mod.num_embeddings - int(getattr(mod, "offset", 0) or 0)))
+    _TABLES[model] = out
+    return out
+
+
 def architecture_reasons(model: torch.nn.Module, base: torch.nn.Module) -> list[str]:
     """Model features the grid layout cannot compute exactly, from config and modules (no forward).
     ``base``: the model whose ``forward`` gets the backend's keyword arguments (below a PEFT wrapper)."""
@@ -92,6 +156,7 @@ def architecture_reasons(model: torch.nn.Module, base: torch.nn.Module) -> list[
             f"model: {kind} scales attention by the token's row index (attn_temperature_tuning), not "
             "its position in its own sequence: not implemented"
         )
+    out += rotary_reasons(model, kind)
     if "position_ids" not in inspect.signature(base.forward).parameters:
         out.append(f"model: {type(base).__name__}.forward has no position_ids argument")
     return out

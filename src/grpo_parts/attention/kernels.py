@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..compat import sdpa_attention_forward
+from ..compat import own_attention, own_attention_function, sdpa_attention_forward
 from ..errors import GRPOPartsError, NotSupportedError
 from .cascade import flash_ops, repeat_kv, sdpa_cascade
 from .layout import LAYOUT_KWARG, PrefixLayout
@@ -64,6 +64,7 @@ def _eager(
     """``sinks: [H]`` (attention sinks, gpt-oss' ``s_aux``): one extra logit per head that joins
     every query's softmax normalisation and contributes no value, as in transformers' eager."""
     b, h, _, d = q.shape
+    dv = v.shape[-1]  # MLA (DeepSeek-V2/V3, MiniCPM3): value head size != query/key head size
     p, g, s = lay.prefix_len, lay.num_slots, lay.slot_len
     neg = torch.finfo(q.dtype).min
     sink = None if sinks is None else sinks.to(q.dtype).view(1, h, 1, 1)
@@ -91,7 +92,7 @@ def _eager(
     if sink is not None:
         lse = torch.logaddexp(lse, sink)  # [B, H, G, S] with [1, H, 1, 1]
     lse = lse.unsqueeze(-1)
-    out_s = ((s1 - lse).exp().view(b, h, g * s, p) @ vp).view(b, h, g, s, d) + (s2 - lse).exp() @ vs
+    out_s = ((s1 - lse).exp().view(b, h, g * s, p) @ vp).view(b, h, g, s, dv) + (s2 - lse).exp() @ vs
     return out_p, out_s
 
 
@@ -237,10 +238,27 @@ def shared_prefix_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers ``AttentionInterface`` function. With a :class:`PrefixLayout` in
     ``kwargs[LAYOUT_KWARG]`` it computes shared-prefix attention and records ``module`` in the
-    layout's ``receipts``; without one (generation, an ordinary forward) it is transformers' SDPA
-    attention. Either way a keyword argument it does not implement raises
-    :class:`~grpo_parts.errors.NotSupportedError` (:func:`kwarg_reasons`) instead of being ignored."""
+    layout's ``receipts``; a keyword argument it does not implement raises
+    :class:`~grpo_parts.errors.NotSupportedError` (:func:`kwarg_reasons`) instead of being ignored.
+    Without a layout (generation, evaluation, an ordinary forward while an adapter keeps this kernel
+    selected) it runs the model's own attention -- the implementation selected before
+    (:func:`~grpo_parts.compat.own_attention`, with its own mask builder), soft-capping, sinks and
+    sliding windows included -- or, for a model built with this kernel, transformers' SDPA."""
     lay: PrefixLayout | None = kwargs.pop(LAYOUT_KWARG, None)
+    if lay is None:
+        own = own_attention(getattr(module, "config", None))
+        fn = None if own is None else own_attention_function(module, own)
+        if fn is not None:
+            named = dict(sliding_window=sliding_window, softcap=softcap, s_aux=s_aux, is_causal=is_causal)
+            extra = {k: v for k, v in named.items() if v is not None}
+            return fn(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs
+            )  # type: ignore[no-any-return]
+        if own is not None:
+            raise NotSupportedError(
+                "shared_prefix fallback",
+                [f"{_where(module)}: no attention function for {own!r} to fall back to"],
+            )
     reasons = kwarg_reasons(module, kwargs, fallback=lay is None)
     if lay is None:
         if softcap is not None:
@@ -304,6 +322,6 @@ def shared_prefix_attention(
         out_p, out_s = _eager(query, k, v, lay, scale, softcap, s_aux)
     else:  # pragma: no cover - kernel_reasons refuses unknown kernels
         raise GRPOPartsError(f"kernel: unknown {lay.kernel!r}")
-    b, h, _, d = query.shape
-    out = torch.cat([out_p, out_s.reshape(b, h, -1, d)], dim=2)
+    b, h = query.shape[:2]
+    out = torch.cat([out_p, out_s.reshape(b, h, -1, value.shape[-1])], dim=2)
     return out.transpose(1, 2).contiguous(), None

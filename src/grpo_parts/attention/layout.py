@@ -6,7 +6,14 @@ Each group (the rows sharing a ``group_index``) becomes one row of a grid::
 
 ``Pp`` is the longest prompt, ``S`` the longest completion and ``G`` the largest group in the
 batch; shorter prompts/completions and missing slots are padding. Position ids count real tokens,
-as in the reference: prefix ``0..p-1``, every slot ``p..p+len-1``. The kernels
+as in the reference: prefix ``0..p-1``, every slot ``p..p+len-1``. Every padding token gets the
+largest position id of the *reference's* batch (``max_position``: the longest row's last token), so
+each forward's largest position id is the reference's -- RoPE variants that choose their frequencies
+from it (``dynamic`` NTK, ``longrope``: Phi-3.5/Phi-4-mini) see what the reference sees, and no
+position exceeds the model's context (learned absolute positions). A grid without any padding whose
+own rows end below ``max_position`` (a split grid of short rows) gets one padding column at the end
+of its prefix to carry it. Padding is never attended by a real token, so its positions change
+nothing else. The kernels
 (:mod:`.kernels`) read :class:`PrefixLayout` to know where the segments are; because every row
 has the same segment boundaries they can batch all groups and all slots in a few tensor ops.
 
@@ -122,8 +129,11 @@ def build_grouped_inputs(
     kernel: str = "sdpa",
     chunk_elems: int = 1 << 24,
     suffix_flash_min: int = 512,
+    max_position: int | None = None,
 ) -> GroupedInputs:
-    """Regroup ``batch`` (rows in any order) into the grid layout; see the module docstring."""
+    """Regroup ``batch`` (rows in any order) into the grid layout; see the module docstring.
+    ``max_position``: the largest position id of the reference's forward (the batch this one was
+    split from); default: this batch's."""
     pm, cm = _check_masks(batch)
     device = batch.prompt_ids.device
     n = batch.prompt_ids.shape[0]
@@ -164,29 +174,37 @@ def build_grouped_inputs(
         )
     g, s = int(sizes.max()), int(clen.max())
     plen = plen_row[rep]  # [B]
+    top = int((plen_row + clen).max()) - 1  # this batch's largest position id
+    if max_position is None:
+        max_position = top
+    # a grid with no padding token at all whose rows end below max_position: one more prefix column
+    pw = pp + int(top < max_position and b * (pp + g * s) == int(plen.sum() + clen.sum()))
 
-    ids = torch.full((b, pp + g * s), pad_token_id, dtype=batch.prompt_ids.dtype, device=device)
+    ids = torch.full((b, pw + g * s), pad_token_id, dtype=batch.prompt_ids.dtype, device=device)
     ids[:, :pp] = prompts[rep]
     ar_s = torch.arange(s, device=device)
-    cols = pp + row_slot.unsqueeze(-1) * s + ar_s  # [N, S] grid column of completion token t
-    ids[row_group.unsqueeze(-1).expand(n, s), cols] = batch.completion_ids[:, :s]
+    cols = pw + row_slot.unsqueeze(-1) * s + ar_s  # [N, S] grid column of completion token t
+    rows_s = row_group.unsqueeze(-1).expand(n, s)
+    ids[rows_s, cols] = batch.completion_ids[:, :s]
     pos = torch.cat(
-        [torch.arange(pp, device=device).expand(b, pp), (plen.unsqueeze(-1) + ar_s).repeat(1, g)], dim=1
+        [torch.arange(pw, device=device).expand(b, pw), (plen.unsqueeze(-1) + ar_s).repeat(1, g)], dim=1
     )
+    real = torch.zeros_like(pos, dtype=torch.bool)
+    real[:, :pw] = torch.arange(pw, device=device) < plen.unsqueeze(-1)
+    real[rows_s, cols] = cm[:, :s]
+    pos = pos.masked_fill(~real, max_position)
 
     # Logits needed: the last real prefix token of each distinct prompt length, then positions
     # 0..S-2 of every slot (the last suffix token predicts nothing).
     last, last_inv = torch.unique(plen - 1, return_inverse=True)
     k0 = int(last.numel())
-    slot_cols = (pp + torch.arange(g, device=device).unsqueeze(-1) * s + ar_s[: s - 1]).reshape(-1)
+    slot_cols = (pw + torch.arange(g, device=device).unsqueeze(-1) * s + ar_s[: s - 1]).reshape(-1)
     keep = torch.cat([last, slot_cols])
     row_keep = torch.empty(n, s, dtype=torch.long, device=device)
     row_keep[:, 0] = last_inv[row_group]
     row_keep[:, 1:] = k0 + row_slot.unsqueeze(-1) * (s - 1) + ar_s[: s - 1]
-    valid = None if bool((plen == pp).all()) else torch.arange(pp, device=device) < plen.unsqueeze(-1)
-    layout = PrefixLayout(
-        pp, g, s, valid, int((plen_row + clen).max()), kernel, chunk_elems, suffix_flash_min
-    )
+    valid = None if bool((plen == pw).all()) else real[:, :pw]
+    layout = PrefixLayout(pw, g, s, valid, top + 1, kernel, chunk_elems, suffix_flash_min)
     return GroupedInputs(ids, pos, layout, keep, row_group, row_keep, clen)
 
 

@@ -27,7 +27,7 @@ from ..compat import accepts_logits_to_keep, register_attention_function, select
 from ..core import token_logprobs
 from ..errors import GRPOPartsError, NotSupportedError
 from .chunking import empty_call_batch, rank_consistent_plan
-from .guard import architecture_reasons, layout_shortfall, text_config
+from .guard import architecture_reasons, layout_shortfall, position_tables, text_config
 from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs, ungroup_logits
 from .protocol import LogprobBatch, LogprobOutput
 from .reference import entropy_from_logits
@@ -39,11 +39,12 @@ KERNEL_PRIORITY: tuple[str, ...] = ("sdpa", "flex", "eager")
 
 
 def register_attention() -> str:
-    """Register the attention function (and SDPA's mask builder for ordinary forwards) with
-    transformers under :data:`KERNEL_NAME`. Idempotent."""
+    """Register the attention function with transformers under :data:`KERNEL_NAME`, with the mask
+    builder of the model's own implementation for forwards without the layout (``mask="own"``:
+    the shared-prefix forward passes a 4-D placeholder mask, which no builder touches). Idempotent."""
     from .kernels import shared_prefix_attention
 
-    register_attention_function(KERNEL_NAME, shared_prefix_attention, mask="sdpa")
+    register_attention_function(KERNEL_NAME, shared_prefix_attention, mask="own")
     return KERNEL_NAME
 
 
@@ -63,15 +64,24 @@ def _grouped_forward(model: torch.nn.Module, grouped: GroupedInputs) -> torch.Te
     Raises :class:`NotSupportedError` when a decoder layer did not receive the layout."""
     b = grouped.input_ids.shape[0]
     placeholder = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=grouped.input_ids.device)
-    with _use_kernel(model):
-        out = model(
-            input_ids=grouped.input_ids,
-            position_ids=grouped.position_ids,
-            attention_mask=placeholder,  # 4-D: transformers passes it through instead of building a mask
-            logits_to_keep=grouped.keep,
-            use_cache=False,
-            **{LAYOUT_KWARG: grouped.layout},
-        )
+    try:
+        with _use_kernel(model):
+            out = model(
+                input_ids=grouped.input_ids,
+                position_ids=grouped.position_ids,
+                attention_mask=placeholder,  # 4-D: transformers passes it through instead of building a mask
+                logits_to_keep=grouped.keep,
+                use_cache=False,
+                **{LAYOUT_KWARG: grouped.layout},
+            )
+    except (GRPOPartsError, torch.OutOfMemoryError):
+        raise  # our own refusals name their cause already; running out of memory is not the architecture
+    except Exception as e:  # noqa: BLE001 - whatever the layout breaks inside a model is a refusal
+        kind = f"{type(model).__name__} ({getattr(_text_config(model), 'model_type', '?')})"
+        raise NotSupportedError(
+            "shared_prefix",
+            [f"model: {kind} failed under the shared-prefix layout: {type(e).__name__}: {e}"],
+        ) from e
     shortfall = layout_shortfall(model, grouped.layout.receipts)
     if shortfall:
         raise NotSupportedError("shared_prefix", shortfall)
@@ -110,10 +120,8 @@ def probe_reasons(model: torch.nn.Module) -> list[str]:
         with torch.no_grad():
             _grouped_forward(model, grouped)
         reasons: list[str] = []
-    except NotSupportedError as e:
-        reasons = e.reasons
-    except Exception as e:  # noqa: BLE001 - a model that cannot run the grid at all is refused
-        reasons = [f"model: {type(model).__name__} failed on a one-token probe: {type(e).__name__}: {e}"]
+    except GRPOPartsError as e:  # NotSupportedError included: _grouped_forward names the cause
+        reasons = getattr(e, "reasons", None) or [f"model: {type(model).__name__}: {e}"]
     finally:
         for m, t in flags:
             m.training = t
@@ -200,9 +208,15 @@ class SharedPrefixAttention:
             getattr(tc, "use_sliding_window", True)
             or "sliding_attention" in (getattr(tc, "layer_types", None) or [])
         )
-        if uses_window and window is not None and batch is not None:
-            span = int((batch.prompt_mask.long().sum(-1) + batch.completion_mask.long().sum(-1)).max())
-            if span > window:
+        tables = position_tables(base)
+        if batch is not None and (tables or uses_window):  # (a host sync: only where it can matter)
+            span = int((batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).max())
+            out += [
+                f"model: learned position table {name} holds {rows} positions; the longest row needs {span}"
+                for name, rows in tables
+                if span > rows
+            ]
+            if uses_window and window is not None and span > window:
                 out.append(
                     f"model: sliding window {window} < longest sequence ({span} tokens) is not implemented"
                 )
@@ -293,12 +307,19 @@ class SharedPrefixAttention:
             batch, self.chunk_overhead_tokens, self._max_chunks(model), self.rank_group, device
         )
         if len(chunks) == 1 and not empty:
-            return self._one_grid(model, batch, temperature, compute_entropy, kernel)
-        # rows of different groups never attend to each other: one grid per chunk, then un-permute
-        outs = [self._one_grid(model, batch.select(c), temperature, compute_entropy, kernel) for c in chunks]
+            return self._one_grid(model, batch, temperature, compute_entropy, kernel, None)
+        # rows of different groups never attend to each other: one grid per chunk, then un-permute;
+        # every grid's largest position id is the whole batch's, as in the reference's one forward
+        top = int((batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).max()) - 1
+        outs = [
+            self._one_grid(model, batch.select(c), temperature, compute_entropy, kernel, top) for c in chunks
+        ]
         # empty calls (other ranks run more grids): in the graph times zero, so their backward runs
         zero = sum(
-            (self._one_grid(model, empty_call_batch(batch), temperature, False, kernel).logprobs.sum() * 0.0)
+            (
+                self._one_grid(model, empty_call_batch(batch), temperature, False, kernel, top).logprobs.sum()
+                * 0.0
+            )
             for _ in range(empty)
         )
         back = torch.argsort(torch.cat(chunks))
@@ -320,6 +341,7 @@ class SharedPrefixAttention:
         temperature: float,
         compute_entropy: bool,
         kernel: str,
+        max_position: int | None,
     ) -> LogprobOutput:
         tc = _text_config(model)
         grouped = build_grouped_inputs(
@@ -327,6 +349,7 @@ class SharedPrefixAttention:
             max_positions=getattr(tc, "max_position_embeddings", None),
             kernel=kernel,
             chunk_elems=self.chunk_elems,
+            max_position=max_position,
         )
         logits = ungroup_logits(_grouped_forward(model, grouped), grouped)  # [N, S, V]
         n, t = batch.completion_ids.shape

@@ -101,7 +101,7 @@ def choose_grader(cfg: DataConfig, fmt: str, builtin: str | None) -> tuple[str, 
 
 
 def render(records: list[Record], tokenizer: Any, model: str) -> list[Problem]:
-    """Problems with chat prompts rendered by the tokenizer's chat template."""
+    """Problems with chat prompts rendered by the tokenizer's chat template (None: no template)."""
     out = []
     for r in records:
         if isinstance(r.prompt, str):
@@ -156,6 +156,7 @@ class JsonlTask:
     """Problems from ``--data``: a seeded shuffle per epoch for training, a held-out split for eval."""
 
     name = "jsonl"
+    format = "prompt_answer"  # the data format it was read in (from_files)
 
     def __init__(
         self,
@@ -198,19 +199,13 @@ class JsonlTask:
             held = set(idx[: max(1, int(round(eval_fraction * len(records))))])
             train = [r for i, r in enumerate(records) if i not in held]
             evals = [records[i] for i in sorted(held)]
-        if tokenizer is None:
-            train_p = [Problem(str(r.prompt), r.answer, r.columns) for r in train]
-            eval_p = [Problem(str(r.prompt), r.answer, r.columns) for r in evals]
-        else:
-            train_p, eval_p = render(train, tokenizer, model), render(evals, tokenizer, model)
+        train_p, eval_p = render(train, tokenizer, model), render(evals, tokenizer, model)
         note = None if tokenizer is None else check_chars(tokenizer, train_p + eval_p, cfg.unknown_chars)
         grader, delimiter, why = choose_grader(cfg, fmt, builtin_task_of([p.prompt for p in train_p]))
         task = cls(train_p, eval_p, seed, make_grader(grader, delimiter), describe(grader, delimiter))
         task.format = fmt
         task.notes = [f"grader: {task.grader_name} ({why})", *([note] if note else [])]
         return task
-
-    format = "prompt_answer"
 
     def train_problem(self, index: int) -> Problem:
         epoch, i = divmod(index, len(self.train))

@@ -59,6 +59,7 @@ _FLAGS = {
     "attention": "parts.attention",
     "filter": "parts.filter",
     "target": "target_accuracy",
+    "report_to": "report_to",
 }
 #: part flag -> what it selects
 PART_FLAGS = {
@@ -113,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="RUN_DIR",
         help="continue RUN_DIR from its last checkpoint (or RUN_DIR/checkpoints/step-N from that one)",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective config (--config, flags and --set applied; with --resume the run's) as "
+        "YAML that --config loads, and exit without running",
     )
     parser.add_argument(
         "--rewind",
@@ -194,6 +201,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "")
         type=float,
         help=f"held-out accuracy for time-to-target (default: {default('target_accuracy')})",
     )
+    parser.add_argument(
+        "--report-to",
+        nargs="+",
+        metavar="TRACKER",
+        help="log every metrics row and the config to: none (default), tensorboard, wandb, mlflow, trackio "
+        "(several allowed; each needs the pip extra of its name, e.g. [wandb])",
+    )
     parser.add_argument("--json", type=Path, help=f"{compare_prefix}also write the comparison JSON here")
     parser.add_argument(
         "--seeds", type=_positive_int, default=1,
@@ -215,6 +229,9 @@ def _flag_values(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
         if given is None:
             continue
         value = None if dest == "draft" and given == NO_DRAFT else given
+        if dest == "report_to":  # --report-to wandb tensorboard, or wandb,tensorboard
+            value = [x for item in given for x in item.split(",") if x]
+            given = " ".join(given)
         out[key] = (f"--{dest.replace('_', '-')} {given}", str(value) if isinstance(value, Path) else value)
     if getattr(args, "no_progress", False):
         out["progress"] = ("--no-progress", False)
@@ -318,6 +335,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if getattr(args, "rewind", False) and args.resume is None:
         raise GRPOPartsError("--rewind: only used with --resume, got it without")
+    if getattr(args, "print_config", False):
+        return _print_config(args)
     if args.compare:
         from .compare import compare, compare_seeds
 
@@ -342,11 +361,43 @@ def _run(args: argparse.Namespace) -> int:
         result = train(cfg, run_dir=args.resume, resume=True, rewind=args.rewind)
     else:
         result = train(config_from_args(args))
-    s = result.summary
-    print(
-        f"held-out accuracy {s['initial_accuracy']:.3f} -> {s['final_accuracy']:.3f} in {s['steps']} steps "
-        f"({s['wall_time_s']:.0f} s training); report: {result.run_dir / 'report.md'}"
+    print(headline(result.summary, result.run_dir))
+    return 0
+
+
+def headline(s: dict[str, Any], run_dir: Path) -> str:
+    """The one stdout line of a finished run: the final accuracy says what it averages, and the last one."""
+
+    def acc(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    n = s.get("final_evals", 0)
+    what = (
+        f"mean of the last {n} evaluations; the last: {acc(s['last_accuracy'])}"
+        if n > 1
+        else "one evaluation"
     )
+    return (
+        f"held-out accuracy {acc(s['initial_accuracy'])} -> {acc(s['final_accuracy'])} ({what}) in "
+        f"{s['steps']} steps ({s['wall_time_s']:.0f} s training); report: {run_dir / 'report.md'}"
+    )
+
+
+def _print_config(args: argparse.Namespace) -> int:
+    """The config a run with these arguments would use, as YAML for --config; nothing is run or written."""
+    from .config import dump_config
+    from .run import resume_config
+
+    if args.resume is not None:
+        _check_resume_flags(args)
+        cfg = resume_config(args.resume, {"steps": args.steps} if args.steps is not None else {})
+    else:
+        cfg = config_from_args(args)
+    what = (
+        "--compare's optimized arm (the reference arm: every part its reference)" if args.compare else "run"
+    )
+    print(f"# grpo-parts train: the effective config of this {what}; load it with --config FILE")
+    print(dump_config(cfg), end="")
     return 0
 
 

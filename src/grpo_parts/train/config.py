@@ -123,7 +123,12 @@ class TrainConfig(BaseModel):
     target_accuracy: float = Field(
         0.6, gt=0.0, le=1.0, description="--compare: time to this held-out accuracy"
     )
-    time_limit_s: float | None = Field(None, gt=0.0, description="stop early after this much training time")
+    time_limit_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="stop after the step during which training wall time (evaluation excluded) reaches "
+        "this many seconds; the run then completes as usual (report, model/)",
+    )
     model: Path | None = Field(
         None, description="local transformers checkpoint (default: the built-in warm start)"
     )
@@ -138,8 +143,37 @@ class TrainConfig(BaseModel):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads (default: 1 for the built-in models; a --model on the CPU is "
+        "calibrated at start-up, 1 thread vs every core, see grpo_parts.train.threads; cuda: torch's choice)",
+    )
     progress: bool = True
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list,
+        description="experiment trackers that get every metrics row and the config (none by default); "
+        "'none', a list, or a comma-separated string; each needs its extra: pip install 'grpo-parts[wandb]'",
+    )
+    project: str = Field(
+        "grpo-parts",
+        min_length=1,
+        description="tracker project: the W&B project (WANDB_PROJECT wins), MLflow experiment "
+        "(MLFLOW_EXPERIMENT_NAME wins) and Trackio project",
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, v: Any) -> Any:
+        """TRL's forms: ``"none"``, ``"wandb"``, ``"wandb,tensorboard"`` or a list; duplicates dropped."""
+        items = [x.strip() for x in v.split(",")] if isinstance(v, str) else v
+        if not isinstance(items, list):
+            return v
+        if "none" in items:
+            if len(items) > 1:
+                raise ValueError(f"'none' means no tracker, got it with {[x for x in items if x != 'none']}")
+            return []
+        return list(dict.fromkeys(items))
 
     @model_validator(mode="before")
     @classmethod

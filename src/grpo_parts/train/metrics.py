@@ -57,7 +57,11 @@ def time_to_target(rows: list[dict[str, Any]], target: float) -> tuple[int | Non
     return None, None
 
 
-def final_accuracy(rows: list[dict[str, Any]], last: int = 3) -> float | None:
+#: how many evaluations (after step 0) the final accuracy averages: one evaluation of 200 problems is +-3 points
+FINAL_EVALS = 3
+
+
+def final_accuracy(rows: list[dict[str, Any]], last: int = FINAL_EVALS) -> float | None:
     """Mean held-out accuracy of the last ``last`` evaluations (less noisy than the last one alone)."""
     accs = [c[2] for c in eval_curve(rows)][1:][-last:]
     return sum(accs) / len(accs) if accs else None
@@ -87,6 +91,7 @@ def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
     return {
         "initial_accuracy": curve[0][2] if curve else None,
         "final_accuracy": final_accuracy(rows),
+        "final_evals": min(FINAL_EVALS, max(0, len(curve) - 1)),  # the evaluations final_accuracy averages
         "last_accuracy": curve[-1][2] if curve else None,
         "best_accuracy": max(c[2] for c in curve) if curve else None,
         "target_accuracy": target,

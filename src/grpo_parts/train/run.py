@@ -40,6 +40,7 @@ from .rewind import check_rewind, move_aside
 from .samples import SampleLog
 from .setup import hf_progress, load_setup
 from .status import check_not_running, write_status
+from .trackers import Trackers, check_trackers
 
 log = logging.getLogger("grpo_parts.train")
 
@@ -111,6 +112,7 @@ class RunSession:
         rewind: bool = False,
     ):
         self.config, self.resume, self.title, self.rewind = config, resume, title, rewind
+        check_trackers(config.report_to)  # a missing tracker library: one line before anything runs
         ckpt = None
         if resume:
             if run_dir is None:
@@ -169,6 +171,15 @@ class RunSession:
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", keep_up_to_step=keep)
         self.samples = SampleLog(self.run_dir / "samples.jsonl", self.config, keep_up_to_step=keep)
         self._status("running")
+        name = "/".join(self.run_dir.parts[-2:]) if self.title else self.run_dir.name  # --compare: cmp/arm
+        try:
+            self.trackers = Trackers(
+                list(self.config.report_to), self.run_dir, name, self.config.model_dump(mode="json"),
+                dump_config(self.config),
+            )  # fmt: skip
+        except GRPOPartsError as e:
+            self.fail(e)
+            raise
 
     def _status(self, status: str, **extra: Any) -> None:
         ckpt = None if self.saved_step is None else f"checkpoints/{step_name(self.saved_step)}"
@@ -181,8 +192,13 @@ class RunSession:
     def begin(self) -> None:
         if not self.resume:  # a resumed run has its step-0 row: checkpoints come after it
             acc, t_eval = self.trainer.evaluate()
-            self.writer.write({"step": 0, "wall_time": 0.0, "eval_accuracy": acc, "eval_time": t_eval})
+            self._write({"step": 0, "wall_time": 0.0, "eval_accuracy": acc, "eval_time": t_eval})
             self.samples.write(0, self.trainer.eval_samples, [])
+
+    def _write(self, row: dict[str, Any]) -> None:
+        """A metrics row to ``metrics.jsonl`` and to every tracker of ``report_to``."""
+        self.writer.write(row)
+        self.trackers.log(row)
 
     def advance(self) -> dict[str, Any]:
         """One GRPO step (+ evaluation and checkpoint when due); returns its metrics row."""
@@ -199,7 +215,7 @@ class RunSession:
             self.last_eval, row["eval_time"] = trainer.evaluate()
             row["eval_accuracy"] = self.last_eval
             self.samples.write(trainer.step_idx, trainer.eval_samples, trainer.last_samples)
-        self.writer.write(row)
+        self._write(row)
         self.finished = trainer.step_idx
         if flat:
             self.save()
@@ -228,6 +244,7 @@ class RunSession:
             "samples": self.samples.last_eval,
         }
         summary = write_report(self.run_dir, rows, info, self.config.target_accuracy)
+        self.trackers.finish("completed")
         self._status("completed", summary=summary)
         return RunResult(self.run_dir, summary, rows)
 
@@ -244,6 +261,7 @@ class RunSession:
             self.save()
         self.writer.close()
         self.samples.close()
+        self._close_trackers("interrupted")
         name, cmd = signal_name(signum), f"grpo-parts train --resume {shlex.quote(str(self.run_dir))}"
         where = f"after step {self.finished}" if step_finished else f"during step {self.finished + 1}"
         if self.saved_step is None:
@@ -260,7 +278,12 @@ class RunSession:
             return
         self.writer.close()
         self.samples.close()
+        self._close_trackers("failed")
         self._status("failed", error=f"{type(e).__name__}: {e}")
+
+    def _close_trackers(self, status: str) -> None:
+        if hasattr(self, "trackers"):  # (not yet there when the trackers themselves failed to start)
+            self.trackers.finish(status)
 
 
 def postfix(session: RunSession, row: dict[str, Any]) -> dict[str, str]:

@@ -22,6 +22,7 @@ from ..task.formats import load_records
 from ..task.jsonl import DataConfig, JsonlTask
 from ..task.reasoning import ReasoningConfig, ReasoningTask
 from .config import DEFAULT_TASK, TrainConfig
+from .threads import calibrate_threads
 
 log = logging.getLogger("grpo_parts.train")
 
@@ -200,6 +201,10 @@ def load_setup(config: TrainConfig) -> Setup:
         task = with_rewards(task, config)
         notes.append(
             f"training reward: {getattr(task, 'grader_name', '')} (held-out accuracy: the task's grader)"
+        )
+    if not threads and device.type == "cpu":  # --model on the CPU: measured, not torch's default
+        notes.append(
+            calibrate_threads(policy, config.prompts_per_step * config.group_size, config.max_new_tokens)[1]
         )
     ref_model = None
     if config.loss.kl_coef > 0 or config.advantage.kl_coef > 0:  # KL in the loss or in the reward

@@ -40,13 +40,15 @@ import torch
 _CURRENT_DEVICE: list[Any] = ["cpu"]
 
 
-def setup_process(port: int) -> None:
-    """Stand-ins for flash_attn / vllm, CUDA calls answered for CPU, a one-rank gloo group."""
+def setup_process(port: int | None) -> None:
+    """Stand-ins for flash_attn / vllm, CUDA calls answered for CPU, a gloo group: one rank, or
+    (``port=None``) the ranks the environment names (``RANK``, ``WORLD_SIZE``, ``MASTER_*``)."""
     from _openrlhf_standins import install
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    )
+    if port is not None:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
     install()
     torch.cuda.current_device = lambda: _CURRENT_DEVICE[0]  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]

@@ -184,3 +184,37 @@ def test_attach_refuses_unsupported_model():
     with pytest.raises(NotSupportedError, match="not this one"):
         actor.use_backend(Refuses())
     assert actor.grpo_backend is None
+
+
+def test_packed_long_tail_is_bounded_by_the_packed_tokens():
+    """One prompt, 8 completions: one 40 tokens long, seven of 2. The group's layout would pad every
+    slot to 40 (4 + 8 x 40 = 324 tokens vs 4 x 8 + 54 = 86 packed): the actor cuts the group into
+    sub-groups by completion length (4 + 40 and 4 + 7 x 2 = 62 tokens), runs the part with no
+    fallback, reports the tokens, and equals the plain actor."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 48, (4,), generator=g).tolist()
+    rows = [prompt + torch.randint(3, 48, (n,), generator=g).tolist() for n in [40] + [2] * 7]
+    t = max(len(r) for r in rows)
+    seq = torch.zeros(len(rows), t, dtype=torch.long)
+    att = torch.zeros(len(rows), t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        seq[i, : len(r)], att[i, : len(r)] = torch.tensor(r), 1
+    am = torch.zeros(len(rows), t, dtype=torch.bool)
+    am[:, 4:] = att[:, 4:].bool()
+    am = am[:, 1:]
+    model = tiny_model("qwen2", seed=0)
+    ours = parts_actor(model, shared_prefix_backend(), 1.0, packing=True)
+    plain = plain_actor(model, 1.0, packing=True)
+    w = torch.randn(am.shape, generator=g, dtype=torch.float64)
+    a, ga = logprobs_and_grads(ours, model, seq, att, am, w)
+    b, gb = logprobs_and_grads(plain, model, seq, att, am, w)
+    assert_same(a, b, ga, gb)
+    assert ours.counters.flush() == {"parts/attention/forwards": 1.0, "parts/attention/fallbacks": 0.0}
+    tokens = ours.flush_tokens()
+    assert tokens["parts/attention/packed_tokens"] == 4 * 8 + 54
+    assert (
+        tokens["parts/attention/grid_tokens"]
+        == (4 + 40) + (4 + 7 * 2)
+        <= tokens["parts/attention/packed_tokens"]
+    )
+    assert tokens["parts/attention/padding_free_tokens"] == 4 + 54

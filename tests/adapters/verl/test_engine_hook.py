@@ -177,23 +177,26 @@ def test_fallbacks_run_verls_forward_counted_and_logged_once(cpu, verl_forward, 
     assert "parts/attention/logprob_fallbacks" not in out["metrics"]
 
 
-def test_max_padding_ratio_keeps_verls_packed_forward(cpu, verl_forward, model):
+def test_grouped_layout_is_bounded_by_the_packed_micro_batch(cpu, verl_forward, model):
+    """One call would pad both groups to 2 x (3 + 3 slots x 3) = 24 tokens, more than the 23 packed:
+    the plan gives each group its own call (12 + 8 = 20); ``max_padding_ratio`` below that hands the
+    micro-batch to verl's packed forward (counted)."""
     mb = micro_batch()
-    packed = mb["input_ids"].values().numel()  # 23 tokens; the grid: 2 groups x (3 + 3 slots x 3) = 24
+    packed = mb["input_ids"].values().numel()
     assert packed == 23
-    tight = StandInEngine(model, EngineOptions(attention="shared_prefix", max_padding_ratio=1.02))
-    _, out = tight.forward_step(mb, None, forward_only=True)
-    assert len(verl_forward) == 1 and out["metrics"]["parts/attention/grid_tokens"].aggregate() == 24
-    assert out["metrics"]["parts/attention/packed_tokens"].aggregate() == packed
-    loose = StandInEngine(model, EngineOptions(attention="shared_prefix", max_padding_ratio=1.2))
-    loose.forward_step(micro_batch(), None, forward_only=True)
-    assert len(verl_forward) == 1
-    # one call per group (merge_slack=0): 12 + 8 tokens, under the ratio that refused one call
-    split = StandInEngine(
-        model, EngineOptions(attention="shared_prefix", max_padding_ratio=1.02, merge_slack=0)
+    default = StandInEngine(model, EngineOptions(attention="shared_prefix"))
+    _, out = default.forward_step(mb, None, forward_only=True)
+    m = {k: v.aggregate() for k, v in out["metrics"].items()}
+    assert (
+        not verl_forward
+        and m["parts/attention/grid_tokens"] == 20
+        and m["parts/attention/packed_tokens"] == packed
     )
-    _, out = split.forward_step(micro_batch(), None, forward_only=True)
+    assert m["parts/attention/grid_over_packed_max"] <= 1 and m["parts/attention/padding_free_tokens"] <= 20
+    tight = StandInEngine(model, EngineOptions(attention="shared_prefix", max_padding_ratio=0.8))
+    _, out = tight.forward_step(micro_batch(), None, forward_only=True)
     assert len(verl_forward) == 1 and out["metrics"]["parts/attention/grid_tokens"].aggregate() == 20
+    assert out["metrics"]["parts/attention/fallbacks"].aggregate() == 1
 
 
 def test_engines_without_options_and_critics_run_verls_forward_uncounted(cpu, verl_forward, model):

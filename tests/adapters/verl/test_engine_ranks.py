@@ -8,7 +8,7 @@ Per case (``fsdp``/``fsdp2``, fixed/dynamic micro-batches, remove-padding on/off
 checkpointing on): log-probs and entropies, the losses and grad norms of two updates and every
 rank's parameter shards after them equal verl's own forward to float32 tolerance; the part counters
 say every micro-batch of every rank went through grpo_parts. One launch runs every case
-(``_ranks_worker.py``); FSDP1's accelerator-only ``sync_module_states`` check is skipped on CPU
+(``_verl_ranks_worker.py``); FSDP1's accelerator-only ``sync_module_states`` check is skipped on CPU
 (``_cpu_verl.verl_on_cpu``).
 """
 
@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("verl.workers.engine.fsdp.transformer_impl")
 pytest.importorskip("transfer_queue")
 
-from _ranks_worker import CASES  # noqa: E402
+from _verl_ranks_worker import CASES  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):  # type: ignore[no-untyped-def]
-    res = run_ranks(HERE / "_ranks_worker.py", tmp_path_factory.mktemp("verl_ranks"), timeout=420)
+    res = run_ranks(HERE / "_verl_ranks_worker.py", tmp_path_factory.mktemp("verl_ranks"), timeout=420)
     for r in res:
         assert not r["errors"], r["errors"]
     return res

@@ -171,12 +171,13 @@ def test_calls_per_group_equal_one_call_and_pad_less(model):
     )
     resp = torch.tensor([len(r) for _, _, r in rows])
     uids = [u for u, _, _ in rows]
-    one = attention.plan_calls(ids, cu, resp, uids, "shared_prefix", None)
+    bounded = attention.plan_calls(ids, cu, resp, uids, "shared_prefix", None)
     per_group = attention.plan_calls(ids, cu, resp, uids, "shared_prefix", 0.0)
-    assert len(one.calls) == 1 and len(per_group.calls) == 3
-    assert one.grid_tokens == 3 * (6 + 4 * 9) and per_group.grid_tokens == (3 + 3 * 2) + (6 + 2 * 9) + (
-        2 + 4 * 2
-    )
+    packed = int(cu[-1])  # 56 tokens; one call would pad to 3 x (6 + 4 x 9) = 126
+    assert len(per_group.calls) == 3 and len(bounded.calls) == 3  # the bound split the one call
+    assert bounded.grid_tokens == per_group.grid_tokens == (3 + 3 * 2) + (6 + 2 * 9) + (2 + 4 * 2) <= packed
+    assert bounded.padding_free_tokens == (3 + 6 + 2) + int(resp.sum())
+    one = attention.CallPlan(bounded.group_index, bounded.prompt_lens, [torch.arange(len(rows))], 126)
     assert (
         len(attention.plan_calls(ids, cu, resp, uids, "shared_prefix", 0.25).calls) == 2
     )  # the short two merge

@@ -1,4 +1,4 @@
-"""One rank of test_engine_ranks.py (``python _ranks_worker.py OUT_DIR`` under multirank.run_ranks).
+"""One rank of test_engine_ranks.py (``python _verl_ranks_worker.py OUT_DIR`` under multirank.run_ranks).
 
 verl 0.9.1's real FSDP engine (``fsdp`` and ``fsdp2``) on a two-rank gloo group, verl's device
 helpers pointed at CPU (``_cpu_verl.verl_on_cpu``). The ranks hold different data, as verl's
@@ -50,8 +50,10 @@ def rank_rows(rank: int) -> list[tuple[str, list[int], list[int]]]:
     if rank == 0:  # one group
         prompt = toks(6)
         return [("a", prompt, toks(k)) for k in (2, 4, 3, 5)]
-    pb, pc, pd = toks(4), toks(8), toks(3)  # parts of three groups, long-tailed completions
-    return [("b", pb, toks(1)), ("b", pb, toks(14)), ("c", pc, toks(3)), ("d", pd, toks(20))]
+    # parts of three groups: b long-tailed (cut into sub-groups, one call each: the padding bound),
+    # c and d alike (one call, split into two grids when grids are forced)
+    pb, pc, pd = toks(4), toks(8), toks(8)
+    return [("b", pb, toks(1)), ("b", pb, toks(14)), ("c", pc, toks(5)), ("d", pd, toks(5))]
 
 
 def rollout_data(rows: list[tuple[str, list[int], list[int]]]) -> Any:

@@ -1,4 +1,4 @@
-"""One rank of test_chunking_ranks.py: ``python _ranks_worker.py OUT_DIR`` under multirank.run_ranks.
+"""One rank of test_chunking_ranks.py: ``python _attention_ranks_worker.py OUT_DIR`` under multirank.run_ranks.
 
 A float64 tiny Qwen2 sharded with FSDP2 (``fully_shard`` per decoder layer and at the root) over a
 two-rank gloo group; the ranks hold batches of different shapes (rank 0 a single group, or three;
