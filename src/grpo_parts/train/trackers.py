@@ -72,11 +72,7 @@ def flatten(tree: Any, prefix: str = "", sep: str = "/") -> dict[str, Any]:
 
 def numeric(row: dict[str, Any]) -> dict[str, float]:
     """The loggable scalars of a metrics row (``step`` is the axis, not a metric)."""
-    return {
-        k: float(v)
-        for k, v in flatten(row).items()
-        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, str)
-    }
+    return {k: float(v) for k, v in flatten(row).items() if k != "step" and isinstance(v, (int, float))}
 
 
 class _TensorBoard:
