@@ -146,3 +146,49 @@ def compact_cache(cache: Any, mask: torch.Tensor) -> torch.Tensor | None:
         if hasattr(ly, "cumulative_length"):  # sliding-window layers size their masks from it
             ly.cumulative_length = ly.keys.shape[-2]
     return mask.gather(1, idx)
+
+
+# ---------------------------------------------------------------- draft trees
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``parents: [A, N]`` (node ``i``'s parent node, ``-1`` = the root, always ``< i``) ->
+    ``anc: [A, N + 1, N + 1]`` bool, ``anc[a, i, j]`` = column ``j`` is column ``i`` or one of its
+    ancestors, where column 0 is the root (the row's last token) and column ``i + 1`` is node ``i``."""
+    a, n = parents.shape
+    anc = torch.eye(n + 1, dtype=torch.bool, device=parents.device).expand(a, -1, -1).clone()
+    anc[:, 1:, 0] = True
+    pcol = parents + 1  # the parent's column
+    for i in range(n):  # parent < i: its row is final when node i is reached
+        anc[:, i + 1] |= anc[torch.arange(a, device=parents.device), pcol[:, i]]
+    return anc
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node (children of the root: 1), ``[A, N]``."""
+    return tree_ancestors(parents)[:, 1:].sum(-1) - 1
+
+
+def tree_attention_mask(past: torch.Tensor, anc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4-D mask ``[A, 1, T, P + T]`` for a cached forward of a tree block: every query sees
+    the live past columns (``past: [A, P]``, 1 = live) and its own ancestors-or-self in the block
+    (``anc: [A, T, T]``). Float (0 / dtype min): eager adds it, SDPA takes it as is."""
+    a, t = anc.shape[:2]
+    allowed = torch.cat([past.bool()[:, None, :].expand(a, t, -1), anc], -1)
+    out = torch.zeros(allowed.shape, dtype=dtype, device=past.device)
+    return out.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def compact_block(cache: Any, order: torch.Tensor) -> bool:
+    """Reorder the last ``B`` cache columns of every row by ``order: [A, B]`` (column indices into
+    the block), in place: used to move a verified tree's accepted path to the front of its block
+    so the rest can be cropped. False when the cache type has no ``layers[i].keys/values``."""
+    layers = cache_layers(cache)
+    if layers is None:
+        return False
+    b = order.shape[1]
+    for ly in layers:
+        if not getattr(ly, "is_initialized", True) or ly.keys.numel() == 0:
+            continue
+        g = order[:, None, :, None].expand(-1, ly.keys.shape[1], -1, ly.keys.shape[-1])
+        ly.keys[:, :, -b:] = ly.keys[:, :, -b:].gather(2, g)
+        ly.values[:, :, -b:] = ly.values[:, :, -b:].gather(2, g)
+    return True

@@ -90,3 +90,32 @@ def test_one_slow_speculative_step_corrects_every_draft_length() -> None:
     assert cost.scale[(16, True)] == pytest.approx(3.0)
     assert cost.choose(16, 0.7, 6) == 0
     assert cost.choose(1, 0.7, 6) > 0  # other batch sizes keep their own estimate
+
+
+def test_tree_size_follows_concurrency() -> None:
+    """On GPU-like costs (verification free up to 64 tokens per step) with a draft whose trees are
+    measured to accept deep, trees are picked when few rows are active and shrink / give way to
+    chains or plain decoding as rows are added; measured acceptance, not the prior, decides."""
+    from grpo_parts.draft.protocol import TreeBudget
+    from grpo_parts.sampler.speculative import SpeculativeConfig
+    from grpo_parts.sampler.tree_cost import TreeAcceptance, TreeCost, choose_plan
+
+    cost, cfg = gpu_like(), SpeculativeConfig()
+    budgets = [cfg.tree_budget(n) for n in (4, 8, 16, 32)]
+    acc = TreeAcceptance(decay=1.0)
+    for b in budgets:  # measured: a row accepts a node at every depth 90% of the time
+        for _ in range(50):
+            acc.update(b.nodes, b.depth, torch.tensor([b.depth] * 9 + [0]))
+    plans = [
+        choose_plan(cost, TreeCost(), acc, a, 0.5, cost.choose(a, 0.5, 6), budgets) for a in (1, 4, 16, 64)
+    ]
+    nodes = [p.nodes if isinstance(p, TreeBudget) else 0 for p in plans]
+    assert nodes[0] == 32 and nodes[-1] == 0, plans
+    assert all(x >= y for x, y in zip(nodes, nodes[1:])), plans
+    bad = TreeAcceptance(decay=1.0)
+    for b in budgets:  # trees measured to accept nothing: never picked
+        for _ in range(50):
+            bad.update(b.nodes, b.depth, torch.zeros(10, dtype=torch.long))
+    assert not isinstance(
+        choose_plan(cost, TreeCost(), bad, 1, 0.5, cost.choose(1, 0.5, 6), budgets), TreeBudget
+    )

@@ -204,6 +204,8 @@ def test_reasoning_task_run_writes_the_decode_trace(
     assert (res.run_dir / "decode_trace.png").is_file()
     report = (res.run_dir / "report.md").read_text()
     assert "per decode step" in report and "built-in reasoning" in report
+    assert len(last["depth"]) == len(last["width"]) == len(last["k"])
+    assert "| decode step | active rows | nodes per row | depth | width | tokens per verification |" in report
     rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all("time_logprobs" in r and "time_update" in r for r in rows if r["step"] > 0)
 

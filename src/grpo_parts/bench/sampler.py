@@ -14,7 +14,8 @@ and add it to :data:`FACTORIES` (one factory may return several rows, e.g. one p
 factory raises ``ImportError`` / ``NotSupportedError`` are skipped with a note.
 
 JSON (``--json PATH``): ``{"setup": {...}, "points": [...]}``; each point has the keys
-``sampler``, ``draft``, ``batch``, ``mode``, ``tokens_per_s``, ``speedup`` (vs the reference sampler,
+``sampler``, ``draft``, ``shape`` (speculative rows: ``chains`` or ``trees``; ``tree_steps`` /
+``verify_steps`` count the verifications that used trees), ``batch``, ``mode``, ``tokens_per_s``, ``speedup`` (vs the reference sampler,
 same batch and mode), ``ratio_vs_generate``, ``accepted_per_verify`` (None when not speculative),
 ``seconds``, ``tokens``.
 """
@@ -46,6 +47,7 @@ class BenchSampler:
     name: str
     sampler: Any
     draft: str | None = None
+    shape: str | None = None  # speculative rows: "chains" or "trees"
 
 
 def _reference(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
@@ -97,8 +99,16 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
                         f"{[round(h, 2) for h in hist]}"
                     )
                 cache_save(args, key, draft.state_dict())
-        cfg = SpeculativeConfig(max_draft_tokens=args.spec_max_draft, train_draft=False)
-        out.append(BenchSampler("speculative", SpeculativeSampler(policy, draft, cfg), draft=name))
+        for shape in args.spec_shapes.split(","):
+            trees = args.spec_max_tree if shape == "trees" else 0
+            cfg = SpeculativeConfig(
+                max_draft_tokens=args.spec_max_draft, max_tree_nodes=trees, train_draft=False
+            )
+            sampler = SpeculativeSampler(policy, draft, cfg)
+            if shape == "trees" and sampler.tree_reasons():
+                print(f"skipping {name} trees: {'; '.join(sampler.tree_reasons())}")
+                continue
+            out.append(BenchSampler("speculative", sampler, draft=name, shape=shape))
     return out
 
 
@@ -184,6 +194,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--spec-warmup", type=int, default=8, help="rollouts a learnable draft is distilled on first"
+    )
+    p.add_argument(
+        "--spec-shapes", default="chains,trees", type=names(["chains", "trees"]),
+        help="speculative rows per draft: chains only, and/or trees weighed against chains (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--spec-max-tree",
+        type=int,
+        default=32,
+        help="largest draft tree (nodes per row) the cost model may pick",
     )
     p.add_argument(
         "--spec-text-batches", type=int, default=150,
@@ -300,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         "command": "grpo-parts bench sampler "
         + ("--quick" if args.quick else f"--batches {args.batches}")
         + f" --policy {args.policy} --hidden {args.hidden} --layers {args.layers} --samplers {args.samplers}"
-        + f" --spec-drafts {args.spec_drafts} --max-new-tokens {args.max_new_tokens} --repeats {args.repeats}"
+        + f" --spec-drafts {args.spec_drafts} --spec-shapes {args.spec_shapes} --max-new-tokens {args.max_new_tokens} --repeats {args.repeats}"
         + f" --prompt-batches {args.prompt_batches}"
         + (
             f" --task-steps {args.task_steps} --spec-text-batches {args.spec_text_batches}"
@@ -350,6 +370,9 @@ def run(args: argparse.Namespace) -> int:
                     dict(
                         sampler=bs.name,
                         draft=bs.draft,
+                        shape=bs.shape,
+                        tree_steps=sum(x[2].stats.get("tree_steps", 0.0) for x in results),
+                        verify_steps=sum(x[2].stats.get("verify_steps", 0.0) for x in results),
                         batch=batch,
                         mode=mode,
                         tokens_per_s=toks / secs,
@@ -364,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
                 p["speedup"] = p["tokens_per_s"] / ref if ref else None
                 p["ratio_vs_generate"] = p["tokens_per_s"] / gen if gen else None
                 print(
-                    f"{mode:6s} batch={batch:3d} {p['sampler']:>12s} draft={p['draft']!s:10s} "
+                    f"{mode:6s} batch={batch:3d} {p['sampler']:>12s} draft={p['draft']!s:10s} {p['shape'] or '':6s} "
                     f"{p['tokens_per_s']:9.1f} tok/s  vs reference {_fmt(p['speedup'])}  "
                     f"vs generate {_fmt(p['ratio_vs_generate'])}"
                 )
@@ -392,12 +415,13 @@ def _fmt(x: float | None) -> str:
 
 def markdown_table(points: list[dict[str, Any]]) -> str:
     lines = [
-        "| mode | batch | sampler | draft | tokens/s | vs reference | vs generate |",
-        "|---|---:|---|---|---:|---:|---:|",
+        "| mode | batch | sampler | draft | shape | tokens/s | vs reference | vs generate | tokens/verify |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|",
     ]
     for p in points:
         lines.append(
-            f"| {p['mode']} | {p['batch']} | {p['sampler']} | {p['draft'] or '-'} | {p['tokens_per_s']:.1f} "
-            f"| {_fmt(p['speedup']).strip()} | {_fmt(p['ratio_vs_generate']).strip()} |"
+            f"| {p['mode']} | {p['batch']} | {p['sampler']} | {p['draft'] or '-'} | {p.get('shape') or '-'} "
+            f"| {p['tokens_per_s']:.1f} | {_fmt(p['speedup']).strip()} | {_fmt(p['ratio_vs_generate']).strip()} "
+            f"| {'-' if p.get('accepted_per_verify') is None else format(p['accepted_per_verify'], '.2f')} |"
         )
     return "\n".join(lines)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..registry import load
-from .protocol import DraftContext, DraftModel, DraftProposal, DraftTrainingBatch
+from .protocol import DraftContext, DraftModel, DraftProposal, DraftTrainingBatch, TreeBudget, TreeDraftModel
 
 IMPLEMENTATIONS: dict[str, str] = {
     "frozen_lm": "grpo_parts.draft.reference:FrozenLMDraft",
@@ -27,5 +27,7 @@ __all__ = [
     "DraftModel",
     "DraftProposal",
     "DraftTrainingBatch",
+    "TreeBudget",
+    "TreeDraftModel",
     "get_draft_class",
 ]

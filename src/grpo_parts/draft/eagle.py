@@ -33,7 +33,8 @@ from ..compat import attn_implementation, cache_kwarg, causal_lm_class
 from ..decoding import SamplingParams, sampling_probs
 from ..errors import GRPOPartsError
 from .kv_state import DraftKVState
-from .protocol import DraftContext, DraftProposal, DraftTrainingBatch
+from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
+from .tree import Frontier, topk_tree
 
 
 class EagleConfig(BaseModel):
@@ -88,16 +89,32 @@ class EagleHead(torch.nn.Module):
         # the boolean mask below is what the sdpa kernel takes (eager wants an additive one)
         self.direct = getattr(cfg, "model_type", None) in DIRECT_LAYER_FAMILIES and attn == "sdpa"
 
-    def forward(self, emb: torch.Tensor, feat: torch.Tensor, cache: Any = None, **kw: Any) -> Any:
-        """``cache``: the head's KV cache (passed to the body under :func:`~grpo_parts.compat.cache_kwarg`)."""
+    def forward(
+        self,
+        emb: torch.Tensor,
+        feat: torch.Tensor,
+        cache: Any = None,
+        tree: torch.Tensor | None = None,
+        **kw: Any,
+    ) -> Any:
+        """``cache``: the head's KV cache (passed to the body under :func:`~grpo_parts.compat.cache_kwarg`).
+        ``tree: [A, q, past + q]`` bool: which columns each query sees (a draft tree's mask),
+        instead of the causal mask over ``attention_mask``."""
         x = self.fc(torch.cat([emb, feat.to(emb.dtype)], -1))
         if cache is None:
             return self.body(inputs_embeds=x, **kw)
         if self.direct and not torch.is_grad_enabled():
-            return self._direct(x, kw["attention_mask"], kw["position_ids"], cache)
+            return self._direct(x, kw["attention_mask"], kw["position_ids"], cache, tree)
+        if tree is not None:
+            kw["attention_mask"] = torch.zeros(tree.shape, dtype=x.dtype, device=x.device).masked_fill_(
+                ~tree, torch.finfo(x.dtype).min
+            )[:, None]
         return self.body(inputs_embeds=x, **kw, **{cache_kwarg(self.body): cache})
 
-    def _direct(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> Any:
+    def _direct(
+        self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+        tree: torch.Tensor | None = None,
+    ) -> Any:  # fmt: skip
         """The body's forward for a cached call, without the model wrapper. ``mask: [A, past + q]``."""
         from types import SimpleNamespace
 
@@ -107,7 +124,10 @@ class EagleHead(torch.nn.Module):
         row = past + torch.arange(q, device=x.device)[:, None]
         # key j is visible to query i if it is real and not in the future; a query always sees its
         # own entry, so a hole's row (masked everywhere else) stays finite -- nobody attends to it
-        allowed = (mask.bool()[:, None, None, :] & (col <= row)[None, None]) | (col == row)[None, None]
+        if tree is not None:
+            allowed = tree[:, None]
+        else:
+            allowed = (mask.bool()[:, None, None, :] & (col <= row)[None, None]) | (col == row)[None, None]
         emb = self.body.rotary_emb(x, position_ids)
         h = x
         for layer in self.body.layers:
@@ -170,26 +190,8 @@ class EagleDraft:
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
-        if context.new_hidden is None or context.num_new is None:
-            raise GRPOPartsError(
-                "DraftContext.new_hidden: the eagle draft needs the policy's hidden states, got None"
-            )
-        self.head.eval()
-        kv = self._kv = self._kv or DraftKVState(context.rows)  # propose without reset: a fresh cache
-        # drop last call's drafted entries (the policy's true features replace them) and finished rows
-        kv.begin_call(context.rows)
-        feats, num = context.new_hidden, context.num_new
-        a, m = feats.shape[:2]
-        j = torch.arange(m, device=feats.device)
-        valid = (j[None, :] >= (m - num)[:, None]).long()
-        pos = (context.lengths[:, None] - m + j[None, :]).clamp(min=0)
-        kv.append(valid)
-        out = self.head(
-            self.embed(context.tokens[:, -m:]), feats, attention_mask=kv.mask, position_ids=pos,  # type: ignore[operator]
-            cache=kv.cache, use_cache=True,
-        )  # fmt: skip
+        kv, h = self._feed_true(context)
         toks, probs = [], []
-        h = out.last_hidden_state[:, -1:]
         for i in range(num_tokens):
             q = sampling_probs(self._logits(h[:, 0]), params)
             d = q.argmax(-1) if params.greedy else torch.multinomial(q, 1, generator=generator).squeeze(-1)
@@ -205,6 +207,62 @@ class EagleDraft:
             h = out.last_hidden_state
         kv.spec = num_tokens - 1
         return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1))
+
+    def _feed_true(self, context: DraftContext) -> tuple[DraftKVState, torch.Tensor]:
+        """Feed the policy's true features of the tokens verified since the last call; returns the
+        cache state and the head's feature at the last position ``[A, 1, H]``."""
+        if context.new_hidden is None or context.num_new is None:
+            raise GRPOPartsError(
+                "DraftContext.new_hidden: the eagle draft needs the policy's hidden states, got None"
+            )
+        self.head.eval()
+        kv = self._kv = self._kv or DraftKVState(context.rows)  # propose without reset: a fresh cache
+        # drop last call's drafted entries (the policy's true features replace them) and finished rows
+        kv.begin_call(context.rows)
+        feats, num = context.new_hidden, context.num_new
+        m = feats.shape[1]
+        j = torch.arange(m, device=feats.device)
+        valid = (j[None, :] >= (m - num)[:, None]).long()
+        pos = (context.lengths[:, None] - m + j[None, :]).clamp(min=0)
+        kv.append(valid)
+        out = self.head(
+            self.embed(context.tokens[:, -m:]), feats, attention_mask=kv.mask, position_ids=pos,  # type: ignore[operator]
+            cache=kv.cache, use_cache=True,
+        )  # fmt: skip
+        return kv, out.last_hidden_state[:, -1:]
+
+    @torch.no_grad()
+    def propose_tree(
+        self,
+        context: DraftContext,
+        budget: TreeBudget,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        """EAGLE-2 dynamic tree: top-K expansion by cumulative draft log-probability, one head call
+        per level (the level's K nodes fed together under a tree mask), best ``N`` nodes kept."""
+        kv, h_root = self._feed_true(context)
+        past = kv.mask.shape[1]
+        feats: list[torch.Tensor] = []  # the head's output at every fed node, in feeding order
+
+        def expand(fr: Frontier) -> torch.Tensor:
+            allf = torch.cat(feats, 1) if feats else h_root[:, :0]
+            idx = fr.fed_parent.clamp(min=0)[..., None].expand(-1, -1, h_root.shape[-1])
+            parent_f = torch.where(
+                fr.fed_parent[..., None] >= 0, allf.gather(1, idx) if feats else h_root, h_root
+            )
+            kv.append(torch.ones_like(fr.tokens))
+            tree = torch.cat([kv.mask[:, None, :past].bool().expand(-1, fr.tokens.shape[1], -1), fr.anc], 2)
+            out = self.head(
+                self.embed(fr.tokens), parent_f, attention_mask=kv.mask, cache=kv.cache, use_cache=True,  # type: ignore[operator]
+                position_ids=(context.lengths[:, None] + fr.depth - 1).expand_as(fr.tokens), tree=tree,
+            )  # fmt: skip
+            feats.append(out.last_hidden_state)
+            return self._logits(out.last_hidden_state)
+
+        prop = topk_tree(self._logits(h_root[:, 0]), expand, budget, params)
+        kv.spec = kv.mask.shape[1] - past
+        return prop
 
     def observe(
         self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor

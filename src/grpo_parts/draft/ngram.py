@@ -23,19 +23,19 @@ import torch
 
 from ..decoding import SamplingParams
 from ..errors import GRPOPartsError
-from .protocol import DraftContext, DraftProposal, DraftTrainingBatch
+from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
 
 Key = tuple[int, ...]
 
 
 class _Pool:
-    """The sequences of one prompt group and an index ``ngram -> (sequence, end)`` of the most
-    recent occurrence of every n-gram that has a continuation."""
+    """The sequences of one prompt group and an index ``ngram -> [(sequence, end), ...]`` of the
+    most recent occurrences (oldest first, at most ``keep``) of every n-gram that has a continuation."""
 
-    def __init__(self, lo: int, hi: int):
-        self.lo, self.hi = lo, hi
+    def __init__(self, lo: int, hi: int, keep: int = 16):
+        self.lo, self.hi, self.keep = lo, hi, keep
         self.seqs: list[list[int]] = []
-        self.index: dict[Key, tuple[int, int]] = {}
+        self.index: dict[Key, list[tuple[int, int]]] = {}
 
     def add(self, tokens: list[int]) -> int:
         sid = len(self.seqs)
@@ -48,22 +48,67 @@ class _Pool:
         for tok in tokens:
             e = len(seq)  # the n-grams ending at e now have a continuation: ``tok``
             for n in range(self.lo, min(self.hi, e) + 1):
-                self.index[tuple(seq[e - n : e])] = (sid, e)
+                occ = self.index.setdefault(tuple(seq[e - n : e]), [])
+                occ.append((sid, e))
+                if len(occ) > self.keep:
+                    del occ[0]
             seq.append(tok)
 
     def continuation(self, tail: list[int], k: int) -> list[int]:
+        """Chain the most recent occurrence of the longest matching suffix until ``k`` tokens."""
         out: list[int] = []
         while len(out) < k:
             ctx = tail + out
             for n in range(min(self.hi, len(ctx)), self.lo - 1, -1):
-                hit = self.index.get(tuple(ctx[len(ctx) - n :]))
-                if hit is not None:
-                    sid, e = hit
+                occ = self.index.get(tuple(ctx[len(ctx) - n :]))
+                if occ:
+                    sid, e = occ[-1]
                     out += self.seqs[sid][e : e + k - len(out)]
                     break
             else:
                 break
         return out
+
+    def branches(self, ctx: list[int], width: int) -> list[tuple[int, float]]:
+        """Up to ``width`` distinct next tokens after ``ctx`` with their share of the occurrences of
+        the longest matching suffix (count, then recency); shorter suffixes add tokens at half weight."""
+        out: dict[int, float] = {}
+        weight = 1.0
+        for n in range(min(self.hi, len(ctx)), self.lo - 1, -1):
+            occ = self.index.get(tuple(ctx[len(ctx) - n :]))
+            if not occ:
+                continue
+            counts: dict[int, float] = {}
+            for rank, (sid, e) in enumerate(occ):  # oldest first: later (more recent) wins ties
+                tok = self.seqs[sid][e]
+                counts[tok] = counts.get(tok, 0.0) + 1.0 + 1e-3 * rank
+            total = sum(counts.values())
+            for tok, c in sorted(counts.items(), key=lambda kv: -kv[1]):
+                if tok not in out:
+                    out[tok] = weight * c / total
+            if len(out) >= width:
+                break
+            weight *= 0.5
+        return sorted(out.items(), key=lambda kv: -kv[1])[:width]
+
+    def tree(self, tail: list[int], budget: TreeBudget) -> tuple[list[int], list[int]]:
+        """Every distinct continuation as a branch, level by level (the ``width`` best of a level
+        are expanded), best ``nodes`` by product of shares; returns ``(tokens, parents)``."""
+        cands: list[tuple[float, int, int]] = []  # (score, token, parent candidate)
+        frontier: list[tuple[int, list[int], float]] = [(-1, [], 1.0)]  # (candidate, path, score)
+        for _ in range(budget.depth):
+            level: list[tuple[int, list[int], float]] = []
+            for ci, path, sc in frontier:
+                for tok, share in self.branches(tail + path, budget.width):
+                    cands.append((sc * share, tok, ci))
+                    level.append((len(cands) - 1, path + [tok], sc * share))
+            if not level:
+                break
+            frontier = sorted(level, key=lambda x: -x[2])[: budget.width]
+        order = sorted(range(len(cands)), key=lambda i: (-cands[i][0], i))[: budget.nodes]
+        keep = sorted(order)  # parents (earlier, never lower score) before children
+        new = {c: i for i, c in enumerate(keep)}
+        return [cands[c][1] for c in keep], [new[cands[c][2]] if cands[c][2] >= 0 else -1 for c in keep]
 
 
 class NGramDraft:
@@ -115,6 +160,22 @@ class NGramDraft:
             self._row_sid[r] = self._pools[g].add(prompt)
             self._row_group[r] = g
 
+    def _sync(self, context: DraftContext) -> list[tuple[_Pool, list[int]]]:
+        """Append each row's new tokens to its pool sequence; returns ``(pool, sequence)`` per row."""
+        lengths = context.lengths.tolist()
+        # only the tail each row gained since the last call is converted to Python
+        known = [len(self._pools[self._row_group[r]].seqs[self._row_sid[r]]) for r in context.rows.tolist()]
+        grow = max(1, max(n - s for n, s in zip(lengths, known)))
+        tail_rows = context.tokens[:, -max(grow, self.hi) :].tolist()
+        out = []
+        for a, r in enumerate(context.rows.tolist()):
+            pool, sid = self._pools[self._row_group[r]], self._row_sid[r]
+            new = lengths[a] - known[a]
+            if new > 0:
+                pool.extend(sid, tail_rows[a][len(tail_rows[a]) - new :])
+            out.append((pool, pool.seqs[sid]))
+        return out
+
     def propose(
         self,
         context: DraftContext,
@@ -123,23 +184,35 @@ class NGramDraft:
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
         k = num_tokens
-        lengths = context.lengths.tolist()
         tokens = context.tokens
         out = torch.empty(tokens.shape[0], k, dtype=torch.long)
-        # only the tail each row gained since the last call is converted to Python
-        known = [len(self._pools[self._row_group[r]].seqs[self._row_sid[r]]) for r in context.rows.tolist()]
-        grow = max(1, max(n - s for n, s in zip(lengths, known)))
-        tail_rows = tokens[:, -max(grow, self.hi) :].tolist()
-        for a, r in enumerate(context.rows.tolist()):
-            pool, sid = self._pools[self._row_group[r]], self._row_sid[r]
-            new = lengths[a] - known[a]
-            if new > 0:
-                pool.extend(sid, tail_rows[a][len(tail_rows[a]) - new :])
-            seq = pool.seqs[sid]
+        for a, (pool, seq) in enumerate(self._sync(context)):
             cont = pool.continuation(seq[-self.hi :], k)
             fill = cont[-1] if cont else seq[-1]
             out[a] = torch.tensor(cont + [fill] * (k - len(cont)), dtype=torch.long)
         return DraftProposal(out.to(tokens.device), None)
+
+    def propose_tree(
+        self,
+        context: DraftContext,
+        budget: TreeBudget,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        """Every distinct continuation the pool holds for the row's suffix is a branch (own text,
+        siblings, earlier rollouts of the prompt), ranked by count and recency; rows with fewer
+        than ``budget.nodes`` real nodes are padded with a chain repeating their last token."""
+        n = budget.nodes
+        toks = torch.empty(context.tokens.shape[0], n, dtype=torch.long)
+        pars = torch.empty_like(toks)
+        for a, (pool, seq) in enumerate(self._sync(context)):
+            t, p = pool.tree(seq[-self.hi :], budget)
+            fill = t[-1] if t else seq[-1]
+            pad = n - len(t)
+            toks[a] = torch.tensor(t + [fill] * pad, dtype=torch.long)
+            pars[a] = torch.tensor(p + list(range(len(t) - 1, len(t) - 1 + pad)), dtype=torch.long)
+        dev = context.tokens.device
+        return DraftProposal(toks.to(dev), None, pars.to(dev))
 
     def observe(
         self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor

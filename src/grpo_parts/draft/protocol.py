@@ -17,7 +17,14 @@ import torch
 from ..decoding import SamplingParams
 from ..errors import GRPOPartsError, check_tensor
 
-__all__ = ["DraftContext", "DraftModel", "DraftProposal", "DraftTrainingBatch"]
+__all__ = [
+    "DraftContext",
+    "DraftModel",
+    "DraftProposal",
+    "DraftTrainingBatch",
+    "TreeBudget",
+    "TreeDraftModel",
+]
 
 
 @dataclass(frozen=True)
@@ -74,20 +81,57 @@ class DraftContext:
 
 @dataclass(frozen=True)
 class DraftProposal:
-    """``tokens: [A, k]`` proposed continuations; ``probs: [A, k, V]`` the (already processed:
-    temperature/top-k/top-p) distributions each token was drawn from, or None for a deterministic
-    draft (a point mass on the proposed token, e.g. n-gram lookup)."""
+    """A draft **tree** per row: ``tokens: [A, N]`` the nodes' tokens; ``parents: [A, N]`` each
+    node's parent node (``-1`` = the row's last emitted token, the root; always ``< i``, so a
+    parent precedes its children); ``probs: [A, N, V]`` the (already processed: temperature /
+    top-k / top-p) distribution node ``i`` was drawn from at its parent's context, or None for a
+    deterministic draft (a point mass on the proposed token, e.g. n-gram lookup or top-K expansion).
+
+    ``parents=None`` is a **chain** (``parents[i] = i - 1``), the width-1 case every draft
+    supports; chains are verified by residual rejection sampling (accepts more for *sampled* drafts),
+    trees by sample-then-match (docs/speculative.md).
+    """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_tensor("DraftProposal.tokens", self.tokens, ndim=2, dtype="int", allow_empty=True)
+        a, k = self.tokens.shape
         if self.probs is not None:
-            a, k = self.tokens.shape
             check_tensor(
                 "DraftProposal.probs", self.probs, shape=[a, k, None], dtype="float", allow_empty=True
             )
+        if self.parents is not None:
+            check_tensor("DraftProposal.parents", self.parents, shape=[a, k], dtype="int", allow_empty=True)
+            idx = torch.arange(k, device=self.parents.device)
+            if k and (bool((self.parents < -1).any()) or bool((self.parents >= idx).any())):
+                raise GRPOPartsError(
+                    "DraftProposal.parents: expected -1 <= parents[:, i] < i (a parent precedes its children), "
+                    f"got {self.parents.tolist()}"
+                )
+
+    def chain_parents(self) -> torch.Tensor:
+        """``parents``, with a chain's spelled out."""
+        if self.parents is not None:
+            return self.parents
+        a, k = self.tokens.shape
+        return (torch.arange(k, device=self.tokens.device) - 1).expand(a, k)
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """How big a tree the sampler wants per row: ``nodes`` drafted tokens in all, at most ``depth``
+    levels below the root, at most ``width`` children per node (a chain: ``width == 1``)."""
+
+    nodes: int
+    depth: int
+    width: int
+
+    def __post_init__(self) -> None:
+        if not (self.nodes >= 1 and self.depth >= 1 and self.width >= 1):
+            raise GRPOPartsError(f"TreeBudget: expected nodes, depth, width >= 1, got {self}")
 
 
 @dataclass(frozen=True)
@@ -154,4 +198,21 @@ class DraftModel(Protocol):
     def bind_policy(self, policy: torch.nn.Module) -> None:
         """The sampler's policy module (called by ``Sampler.sync_weights``): drafts that share the
         policy's embedding / lm_head read them from here; others ignore it."""
+        ...
+
+
+@runtime_checkable
+class TreeDraftModel(DraftModel, Protocol):
+    """A draft that also proposes trees (every built-in draft does; a draft without
+    ``propose_tree`` is served with chains)."""
+
+    def propose_tree(
+        self,
+        context: DraftContext,
+        budget: TreeBudget,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        """At most ``budget.nodes`` nodes per row (every row the same count ``N``), each row's
+        tree of depth <= ``budget.depth`` and width <= ``budget.width``; ``parents`` set."""
         ...

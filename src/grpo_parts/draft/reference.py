@@ -13,7 +13,8 @@ import torch
 
 from ..decoding import SamplingParams, sampling_probs
 from ..errors import GRPOPartsError
-from .protocol import DraftContext, DraftProposal, DraftTrainingBatch
+from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
+from .tree import Frontier, topk_tree
 
 
 class FrozenLMDraft:
@@ -73,6 +74,35 @@ class FrozenLMDraft:
             tokens = torch.cat([tokens, tok[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         return DraftProposal(torch.stack(out_tok, 1), torch.stack(out_prob, 1))
+
+    @torch.no_grad()
+    def propose_tree(
+        self,
+        context: DraftContext,
+        budget: TreeBudget,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        """Top-K expansion; every frontier node's context (prompt + path) is re-encoded in full."""
+        tokens = context.tokens
+        a, width = tokens.shape
+        mask = (
+            torch.arange(width, device=tokens.device)[None, :] >= (width - context.lengths)[:, None]
+        ).long()
+
+        def logits_of(ids: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            pos = (m.cumsum(-1) - 1).clamp(min=0)
+            return self.model(input_ids=ids, attention_mask=m, position_ids=pos, logits_to_keep=1).logits[
+                :, -1
+            ]
+
+        def expand(fr: Frontier) -> torch.Tensor:
+            f = fr.tokens.shape[1]
+            ids = torch.cat([tokens[:, None].expand(-1, f, -1), fr.paths], 2).reshape(a * f, -1)
+            m = torch.cat([mask[:, None].expand(-1, f, -1), torch.ones_like(fr.paths)], 2).reshape(a * f, -1)
+            return logits_of(ids, m).view(a, f, -1)
+
+        return topk_tree(logits_of(tokens, mask), expand, budget, params)
 
     def observe(
         self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor

@@ -22,8 +22,9 @@ import torch
 from ..compat import cache_kwarg
 from ..decoding import SamplingParams, sampling_probs
 from .kv_state import DraftKVState
-from .protocol import DraftContext, DraftProposal
+from .protocol import DraftContext, DraftProposal, TreeBudget
 from .reference import FrozenLMDraft
+from .tree import Frontier, topk_tree
 
 
 class CachedLMDraft(FrozenLMDraft):
@@ -61,19 +62,8 @@ class CachedLMDraft(FrozenLMDraft):
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
-        kv = self._kv or self._start(context.rows)  # propose without reset: a fresh cache
-        sel = kv.begin_call(context.rows)  # crop last call's drafted entries, drop finished rows
-        if sel is not None:
-            self._seen = self._seen[sel]
-        # feed each row's tokens the cache has not seen (right-aligned; shorter rows leave holes)
+        kv, logits = self._feed_new(context)
         lengths = context.lengths
-        num_new = (lengths - self._seen).clamp(min=1)
-        m = int(num_new.max())
-        j = torch.arange(m, device=lengths.device)
-        valid = (j[None, :] >= (m - num_new)[:, None]).long()
-        pos = (lengths[:, None] - m + j[None, :]).clamp(min=0)
-        logits = self._forward(kv, context.tokens[:, -m:], valid, pos)
-        self._seen = lengths.clone()
         toks, probs = [], []
         for i in range(num_tokens):
             q = sampling_probs(logits, params)
@@ -85,6 +75,54 @@ class CachedLMDraft(FrozenLMDraft):
             logits = self._forward(kv, d[:, None], torch.ones_like(d[:, None]), (lengths + i)[:, None])
         kv.spec = num_tokens - 1
         return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1))
+
+    def _feed_new(self, context: DraftContext) -> tuple[DraftKVState, torch.Tensor]:
+        """Feed each row's tokens the cache has not seen (right-aligned; shorter rows leave holes);
+        returns the cache state and the next-token logits ``[A, V]``."""
+        kv = self._kv or self._start(context.rows)  # propose without reset: a fresh cache
+        sel = kv.begin_call(context.rows)  # crop last call's drafted entries, drop finished rows
+        if sel is not None:
+            self._seen = self._seen[sel]
+        lengths = context.lengths
+        num_new = (lengths - self._seen).clamp(min=1)
+        m = int(num_new.max())
+        j = torch.arange(m, device=lengths.device)
+        valid = (j[None, :] >= (m - num_new)[:, None]).long()
+        pos = (lengths[:, None] - m + j[None, :]).clamp(min=0)
+        logits = self._forward(kv, context.tokens[:, -m:], valid, pos)
+        self._seen = lengths.clone()
+        return kv, logits
+
+    @torch.no_grad()
+    def propose_tree(
+        self,
+        context: DraftContext,
+        budget: TreeBudget,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        """Top-K expansion (EAGLE-2 style), one cached forward per level under a tree mask."""
+        kv, root = self._feed_new(context)
+        past = kv.mask.shape[1]
+        dtype = next(self.model.parameters()).dtype
+
+        def expand(fr: Frontier) -> torch.Tensor:
+            kv.append(torch.ones_like(fr.tokens))
+            allowed = torch.cat(
+                [kv.mask[:, None, :past].bool().expand(-1, fr.tokens.shape[1], -1), fr.anc], 2
+            )
+            mask4 = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            mask4 = mask4.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+            out = self.model(
+                input_ids=fr.tokens, attention_mask=mask4, use_cache=True,
+                position_ids=(context.lengths[:, None] + fr.depth - 1).expand_as(fr.tokens),
+                **{cache_kwarg(self.model): kv.cache},
+            )  # fmt: skip
+            return out.logits
+
+        prop = topk_tree(root, expand, budget, params)
+        kv.spec = kv.mask.shape[1] - past
+        return prop
 
     def observe(
         self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor

@@ -133,17 +133,20 @@ class CostModel:
         for key in [key for key in self._memo if key[1] < 0]:
             del self._memo[key]
 
-    def observe_step(self, a: int, k: int, seconds: float, draft_seconds: float) -> None:
+    def observe_step(
+        self, a: int, k: int, seconds: float, draft_seconds: float, predicted: float | None = None,
+        tokens: int | None = None,
+    ) -> None:  # fmt: skip
         """Fold a whole step's wall time into the measured / predicted ratio of its kind (plain or
         speculative) at the nearest calibrated batch size, and into the bookkeeping overhead of its
         kind. Predictions are then scaled by that ratio, so a start-up table taken under different
         load corrects itself, while the *shape* of the cost in ``k`` stays the calibrated one (a
         per-``k`` measurement would let timing noise on one step lock in a worse draft length)."""
         key = (self._bucket(a), k > 0)
-        ratio = seconds / max(self._predict(a, k), 1e-9)
+        ratio = seconds / max(self._predict(a, k) if predicted is None else predicted, 1e-9)
         old_s = self.scale.get(key)
         self.scale[key] = ratio if old_s is None else self.ema * old_s + (1 - self.ema) * ratio
-        resid = max(seconds - draft_seconds - self.t_verify(a, k + 1), 0.0)
+        resid = max(seconds - draft_seconds - self.t_verify(a, k + 1 if tokens is None else tokens), 0.0)
         self.overhead[k > 0] = self.ema * self.overhead[k > 0] + (1 - self.ema) * resid
 
     def _bucket(self, a: int) -> int:
@@ -197,7 +200,7 @@ def batch_grid(max_rows: int) -> list[int]:
 
 
 def token_grid(max_tokens: int) -> list[int]:
-    return sorted({t for t in (1, 2, 3, 5, max_tokens) if t <= max_tokens})
+    return sorted({t for t in (1, 2, 3, 5, 9, 17, 33, 65, max_tokens) if t <= max_tokens})
 
 
 def _best_time(fn: Callable[[], object], repeats: int) -> float:

@@ -23,10 +23,19 @@ import torch
 
 from ..compat import cache_kwarg, crop_cache, output_cache, repeat_cache_rows, select_cache_rows
 from ..core import token_logprobs
-from ..decoding import SamplingParams, compact_cache, right_align, sample_tokens
+from ..decoding import (
+    SamplingParams,
+    compact_block,
+    compact_cache,
+    right_align,
+    sample_tokens,
+    tree_ancestors,
+    tree_attention_mask,
+)
 from ..draft.protocol import DraftContext
 from ..errors import GRPOPartsError
 from ..types import PromptBatch
+from .tree_verify import TreeVerifier
 from .verify import Verifier
 
 
@@ -59,6 +68,7 @@ class DecodeState:
     #: sliding attention window of the policy (None: none); the cache is compacted before a
     #: forward would pass ``window - 1`` columns, so the window never drops or hides a live entry
     window: int | None = None
+    dtype: torch.dtype = torch.float32  # the policy's (tree attention masks are built in it)
 
     @property
     def width(self) -> int:
@@ -109,7 +119,7 @@ class DecodeState:
             cache=cache, act=torch.arange(n, device=device), mask=pmask.long(), next_pos=plen.clone(),
             last=first, num_new=plen.clone(),
             h_parts=[out.hidden_states[-1].repeat_interleave(g, 0)] if need_h else [],
-            cache_kw=cache_kwarg(model),
+            cache_kw=cache_kwarg(model), dtype=next(model.parameters()).dtype,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ per step
@@ -220,6 +230,52 @@ class DecodeState:
         self.last, self.num_new = nxt, n_acc + 1
         if self.need_h:
             self.h_parts = [right_align(out.hidden_states[-1], n_acc + 1, k + 1, 0.0)]
+        return n_acc, take
+
+    def verify_tree(
+        self, tokens: torch.Tensor, parents: torch.Tensor, verifier: TreeVerifier,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Score every node of each row's tree ``tokens/parents: [A, N]`` in one cached forward
+        (tree attention mask over the cache, position = the row's next position + node depth),
+        verify, emit. Only the accepted path's KV entries stay: they are moved to the front of the
+        block and the rest cropped (or left as holes). Returns ``(n_acc, take)``."""
+        params, (a, n) = self.params, tokens.shape
+        anc = tree_ancestors(parents)  # [A, N+1, N+1], column 0 = the root (last token)
+        depth = anc.sum(-1) - 1
+        inp = torch.cat([self.last[:, None], tokens], 1)
+        self.fit_window(n + 1)
+        am = tree_attention_mask(self.mask, anc, self.dtype)
+        self.mask = torch.cat([self.mask, torch.ones_like(inp)], 1)
+        out = self.forward(inp, am, self.next_pos[:, None] + depth)
+        logits = out.logits
+        n_acc, path, nxt = verifier(logits, tokens, parents, params, generator)
+        d = path.shape[1]
+        j = torch.arange(d + 1, device=inp.device)
+        src = torch.cat(
+            [torch.zeros(a, 1, dtype=torch.long, device=inp.device), path], 1
+        )  # predicted token j
+        emitted = torch.where(j[None, :] == n_acc[:, None], nxt[:, None], inp.gather(1, src.roll(-1, 1)))
+        lg = logits.gather(1, src[..., None].expand(-1, -1, logits.shape[-1]))
+        lp = token_logprobs(lg, emitted, params.logprob_temperature)
+        take = self.emit(emitted, lp, n_acc)
+        # keep the path's entries (root + accepted nodes) at the front of the block, in order
+        on_path = j[None, :] <= n_acc[:, None]
+        c = torch.arange(n + 1, device=inp.device)
+        rank = torch.full((a, n + 1), n + 1, dtype=torch.long, device=inp.device) + c
+        rank.scatter_(1, torch.where(on_path, src, 0), torch.where(on_path, j[None, :], 0).expand(a, -1))
+        order = rank.argsort(1)
+        if compact_block(self.cache, order):
+            self.mask[:, -(n + 1) :] = (c[None, :] <= n_acc[:, None]).long()
+        else:  # no per-layer keys to move: the rejected nodes stay as holes
+            kept = torch.zeros(a, n + 1, dtype=torch.long, device=inp.device)
+            self.mask[:, -(n + 1) :] = kept.scatter_(1, torch.where(on_path, src, 0), 1)
+        self.next_pos = self.next_pos + n_acc + 1
+        self.last, self.num_new = nxt, n_acc + 1
+        if self.need_h:
+            h = out.hidden_states[-1]
+            h = h.gather(1, src[..., None].expand(-1, -1, h.shape[-1]))
+            self.h_parts = [right_align(h, n_acc + 1, d + 1, 0.0)]
         return n_acc, take
 
     def window_room(self) -> int:

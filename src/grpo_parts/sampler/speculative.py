@@ -20,13 +20,14 @@ gathered to the right). No row ever computes or attends to another row's filler.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..draft.protocol import DraftModel, DraftTrainingBatch
+from ..draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDraftModel
 from ..errors import NotSupportedError
 from .cost_model import (
     AcceptanceEstimate,
@@ -41,6 +42,8 @@ from .model_support import recurrent_reasons, sliding_window, window_reason
 from .protocol import PromptBatch, Rollout, SamplingParams
 from .reference import check_model, completion_mask_from_eos, expand_prompts
 from .trace import DecodeTrace
+from .tree_cost import TreeAcceptance, TreeCost, choose_plan, tree_step_time
+from .tree_verify import TreeVerifier, verify_tree
 from .verify import Verifier, verify_chain
 
 
@@ -66,6 +69,23 @@ class SpeculativeConfig(BaseModel):
         0.5, gt=0.0, description="compact the policy cache when holes exceed this fraction"
     )
     train_draft: bool = True
+    tree_nodes: int | None = Field(
+        None, ge=1, le=128, description="fix a draft tree of this many nodes per row (tests, ablations)"
+    )
+    max_tree_nodes: int = Field(
+        32, ge=0, le=128, description="largest tree the cost model may pick per row (0: chains only)"
+    )
+    tree_alpha: float = Field(0.75, gt=0.0, description="FastGRPO's depth constant: L = log2(N / alpha)")
+    tree_min_depth: int = Field(3, ge=1)
+    tree_max_depth: int = Field(6, ge=1)
+    tree_max_width: int = Field(8, ge=1)
+
+    def tree_budget(self, nodes: int) -> TreeBudget:
+        """FastGRPO's split of ``N`` nodes: depth ``clamp(floor(log2(N / alpha)), L_min, L_max)``
+        (at most ``N``), width ``min(N - 1, K_max)`` (at least 1)."""
+        depth = int(math.floor(math.log2(max(nodes / self.tree_alpha, 1.0))))
+        depth = min(max(depth, self.tree_min_depth), self.tree_max_depth, nodes)
+        return TreeBudget(nodes, depth, max(1, min(nodes - 1, self.tree_max_width)))
 
 
 class SpeculativeSampler:
@@ -79,6 +99,7 @@ class SpeculativeSampler:
         draft: DraftModel,
         config: SpeculativeConfig | None = None,
         verifier: Verifier = verify_chain,
+        tree_verifier: TreeVerifier = verify_tree,
     ):
         reasons = check_model(model) or recurrent_reasons(model)
         if reasons:
@@ -89,6 +110,10 @@ class SpeculativeSampler:
             config or SpeculativeConfig(),
             verifier,
         )
+        self.tree_verifier = tree_verifier
+        self.tree_acceptance = TreeAcceptance(decay=self.config.acceptance_decay)
+        self.tree_cost = TreeCost()
+        self._tree_reasons = self.tree_reasons()
         self.acceptance = AcceptanceEstimate(self.config.acceptance_prior, decay=self.config.acceptance_decay)
         self.cost: CostModel | None = None
         self.last_draft_metrics: dict[str, float] = {}
@@ -114,7 +139,10 @@ class SpeculativeSampler:
     def calibrate(self, max_rows: int, context_len: int, params: SamplingParams) -> CostModel:
         """Measure policy verification cost (``A x T`` grid) and draft cost on this machine."""
         sizes = batch_grid(max_rows)
-        toks = token_grid(self.config.max_draft_tokens + 1)
+        biggest = max(
+            self.config.max_draft_tokens, self.config.max_tree_nodes if not self._tree_reasons else 0
+        )
+        toks = token_grid(biggest + 1)
         reps = self.config.calibrate_repeats
         cost = CostModel(sizes, toks, calibrate_policy(self.model, sizes, toks, context_len, reps))
         calibrate_draft(self.draft, self.model, cost, params, context_len, self.config.max_draft_tokens, reps)
@@ -179,41 +207,110 @@ class SpeculativeSampler:
         st = DecodeState.prefill(model, prompts, params, expanded, draft.needs_hidden_states, generator)  # type: ignore[arg-type]
         st.window = window
         stats = dict.fromkeys(
-            ("verify_steps", "plain_steps", "drafted", "accepted", "emitted_spec", "row_verifies"), 0.0
+            (
+                "verify_steps",
+                "plain_steps",
+                "tree_steps",
+                "drafted",
+                "accepted",
+                "emitted_spec",
+                "row_verifies",
+            ),
+            0.0,
         )
         self.last_trace = trace = DecodeTrace()
         step = 0
         while st.drop_finished():
             a = st.act.numel()
-            t_step, t_draft = time.perf_counter(), 0.0
-            k = min(self.choose_k(a, st.remaining(), step), st.window_room())
+            t_step = time.perf_counter()
+            plan = self.choose_plan(a, st.remaining(), step, st.window_room())
             step += 1
-            if k == 0:  # plain decoding step, as lean as the reference sampler's
+            if plan == 0:  # plain decoding step, as lean as the reference sampler's
                 st.plain_step(generator)
                 stats["plain_steps"] += 1
                 if self.cost is not None:
                     self.cost.observe_step(a, 0, time.perf_counter() - t_step, 0.0)
                 trace.record(a, 0, 1.0, self.acceptance.rate, self.cost)
                 continue
-            ctx = st.draft_context()
-            t0 = time.perf_counter()
-            prop = draft.propose(ctx, k, params, generator)
-            t_draft = time.perf_counter() - t0
+            self._speculative_step(st, plan, params, generator, stats, trace, t_step)
+        comp, logps, emitted = st.outputs()
+        return ids, pmask, group, comp, logps, emitted, params, prompts.num_prompts, stats
+
+    def tree_reasons(self) -> list[str]:
+        """Why this sampler drafts chains only (empty: trees are candidates)."""
+        reasons = []
+        if not isinstance(self.draft, TreeDraftModel):
+            reasons.append(f"draft: {type(self.draft).__name__} has no propose_tree")
+        attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if attn not in ("eager", "sdpa"):
+            reasons.append(f"model: attention {attn!r} takes no tree mask (eager and sdpa do)")
+        if self.config.max_tree_nodes == 0 and self.config.tree_nodes is None:
+            reasons.append("config: max_tree_nodes=0")
+        return reasons
+
+    def tree_budgets(self) -> list[TreeBudget]:
+        """The tree sizes the cost model weighs (powers of two from 4 up to ``max_tree_nodes``)."""
+        sizes = [n for n in (4, 8, 16, 32, 64, 128) if n <= self.config.max_tree_nodes]
+        return [self.config.tree_budget(n) for n in sizes]
+
+    def choose_plan(self, active: int, remaining: int, step: int, room: int) -> int | TreeBudget:
+        """This step's draft: 0 (plain), a chain length ``k``, or a tree budget. Trees only when
+        the draft and the attention kernel support them (:meth:`tree_reasons`)."""
+        trees_ok = remaining > 1 and not self._tree_reasons
+        if self.config.tree_nodes is not None and trees_ok:
+            nodes = min(self.config.tree_nodes, room)
+            if nodes >= 1:
+                return self.config.tree_budget(nodes)
+        k = min(self.choose_k(active, remaining, step), room)
+        if not trees_ok or self.cost is None or self.config.draft_tokens is not None:
+            return k
+        budgets = [b for b in self.tree_budgets() if b.nodes <= room]
+        return choose_plan(
+            self.cost, self.tree_cost, self.tree_acceptance, active, self.acceptance.rate, k, budgets
+        )
+
+    def _speculative_step(
+        self, st: DecodeState, plan: int | TreeBudget, params: SamplingParams, generator: torch.Generator | None,
+        stats: dict[str, float], trace: DecodeTrace, t_step: float,
+    ) -> None:  # fmt: skip
+        a, ctx = st.act.numel(), st.draft_context()
+        t0 = time.perf_counter()
+        if isinstance(plan, TreeBudget):
+            prop = self.draft.propose_tree(ctx, plan, params, generator)  # type: ignore[attr-defined]
+        else:
+            prop = self.draft.propose(ctx, plan, params, generator)
+        t_draft = time.perf_counter() - t0
+        k = prop.tokens.shape[1]
+        predicted = tokens = None
+        if isinstance(plan, TreeBudget):
+            parents = prop.chain_parents()
+            n_acc, take = st.verify_tree(prop.tokens, parents, self.tree_verifier, generator)
+            depth, width = tree_shape(parents)
+            stats["tree_steps"] += 1
+            self.tree_acceptance.update(k, plan.depth, n_acc)
+            if self.cost is not None:
+                self.tree_cost.observe(self.cost._bucket(a), k, t_draft)
+                predicted = tree_step_time(self.cost, self.tree_cost, a, plan) / self.cost.scale.get(
+                    (self.cost._bucket(a), True), 1.0
+                )
+                tokens = k + 1
+        else:
             if self.cost is not None:
                 self.cost.observe_draft(a, k, t_draft)
             n_acc, take = st.verify_chain(prop.tokens, prop.probs, self.verifier, generator)
-            trace.record(a, k, float(take.float().mean()), self.acceptance.rate, self.cost)
             self.acceptance.update(n_acc, k)
-            stats["verify_steps"] += 1
-            stats["drafted"] += k * a
-            stats["accepted"] += float(n_acc.sum())
-            stats["emitted_spec"] += float(take.sum())
-            stats["row_verifies"] += a
-            st.release(k - n_acc, self.config.compact_waste)
-            if self.cost is not None:  # the whole step, cache housekeeping included
-                self.cost.observe_step(a, k, time.perf_counter() - t_step, t_draft)
-        comp, logps, emitted = st.outputs()
-        return ids, pmask, group, comp, logps, emitted, params, prompts.num_prompts, stats
+            depth, width = k, 1
+        trace.record(
+            a, k, float(take.float().mean()), self.acceptance.rate, self.cost, depth=depth, width=width
+        )
+        stats["verify_steps"] += 1
+        stats["drafted"] += k * a
+        stats["accepted"] += float(n_acc.sum())
+        stats["emitted_spec"] += float(take.sum())
+        stats["row_verifies"] += a
+        st.release(k - n_acc, self.config.compact_waste)
+        if self.cost is not None:  # the whole step, cache housekeeping included
+            self.cost.observe_step(a, k, time.perf_counter() - t_step, t_draft, predicted, tokens)
 
     def _finish(
         self, ids: torch.Tensor, pmask: torch.Tensor, group: torch.Tensor, comp: torch.Tensor, logps: torch.Tensor,
@@ -235,6 +332,7 @@ class SpeculativeSampler:
             "mean_draft_tokens": stats["drafted"] / rv,
             "verify_steps": stats["verify_steps"],
             "plain_steps": stats["plain_steps"],
+            "tree_steps": stats["tree_steps"],
             "acceptance_estimate": self.acceptance.rate,
         }
         self.draft.observe(rollout.completion_ids, rollout.completion_mask, group)
@@ -258,3 +356,15 @@ class SpeculativeSampler:
         loss_mask = torch.zeros_like(attn)
         loss_mask[:, p - 1 : p - 1 + rollout.completion_ids.shape[1]] = rollout.completion_mask.long()
         return DraftTrainingBatch(ids, loss_mask, out.hidden_states[-1], out.logits, attention_mask=attn)
+
+
+def tree_shape(parents: torch.Tensor) -> tuple[int, int]:
+    """(deepest level, most children of one node) over the rows of a tree batch."""
+    from ..decoding import tree_depths
+
+    if parents.numel() == 0:
+        return 0, 0
+    depth = int(tree_depths(parents).max())
+    kids = torch.zeros(parents.shape[0], parents.shape[1] + 1, dtype=torch.long, device=parents.device)
+    kids.scatter_add_(1, parents + 1, torch.ones_like(parents))
+    return depth, int(kids.max())

@@ -23,10 +23,18 @@ class DecodeTrace:
     break_even: list[float | None] = field(default_factory=list)
     t_plain_ms: list[float | None] = field(default_factory=list)
     t_spec_ms: list[float | None] = field(default_factory=list)
+    #: tree shape per step (a chain of k: depth k, width 1; plain: 0, 0); ``k`` is the node count
+    depth: list[int] = field(default_factory=list)
+    width: list[int] = field(default_factory=list)
 
-    def record(self, active: int, k: int, tokens: float, acceptance: float, cost: Any) -> None:
+    def record(
+        self, active: int, k: int, tokens: float, acceptance: float, cost: Any,
+        depth: int | None = None, width: int | None = None,
+    ) -> None:  # fmt: skip
         self.active.append(int(active))
         self.k.append(int(k))
+        self.depth.append(int(k if depth is None else depth))
+        self.width.append(int((1 if k else 0) if width is None else width))
         self.tokens.append(round(float(tokens), 4))
         self.acceptance.append(round(float(acceptance), 4))
         if cost is None or k > 0:  # the cost model's reasons are kept for plain steps only (cheap)
@@ -47,6 +55,8 @@ class DecodeTrace:
             "break_even": self.break_even,
             "t_plain_ms": self.t_plain_ms,
             "t_spec_ms": self.t_spec_ms,
+            "depth": self.depth,
+            "width": self.width,
         }
 
 

@@ -1,0 +1,112 @@
+"""Concurrency-aware tree sizing: how many draft-tree nodes per row when ``A`` rows are active.
+
+FastGRPO gives each of the ``B`` active rows ``N = C / B`` nodes, ``C`` being the verification
+budget of the hardware. Here ``C`` is never a constant: a tree of ``N`` nodes on ``A`` rows is
+priced with the *measured* verification cost ``t_verify(A, N + 1)`` (the same start-up table as
+chains, calibrated up to the largest tree), the measured draft cost of trees of that size (online,
+per batch-size bucket) and the measured per-step overhead; its yield is
+
+    E(N) = 1 + sum_{d=1..L} prod_{i<=d} r_i(N)
+
+tokens per row, with ``r_i(N)`` the **measured per-depth acceptance** of trees of ``N`` nodes
+(the fraction of rows that accepted a node at depth ``i`` among those that accepted one at depth
+``i - 1``; exponential forgetting). Before trees of a size were measured, ``r_i`` is the prior
+``1 - (1 - a)^w_i`` (``a``: the chain acceptance, ``w_i``: the level's width), the acceptance of
+``w_i`` independent candidates, so a tree is tried where it could pay and then judged on
+measurements. :func:`choose_plan` compares plain decoding, every chain length and every tree size
+by expected tokens per second, so trees are used only where they pay -- typically in the long
+tail, where few rows are left and verifying many tokens per row is nearly free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..draft.protocol import TreeBudget
+from .cost_model import CostModel, _nearest
+
+
+@dataclass
+class TreeAcceptance:
+    """Per tree size ``N``: decayed counts of rows that reached / accepted a node at each depth."""
+
+    decay: float = 0.98
+    prior_weight: float = 4.0
+    reach: dict[int, list[float]] = field(default_factory=dict)
+    accept: dict[int, list[float]] = field(default_factory=dict)
+
+    def update(self, nodes: int, depth: int, num_accepted: torch.Tensor) -> None:
+        r = self.reach.setdefault(nodes, [0.0] * depth)
+        acc = self.accept.setdefault(nodes, [0.0] * depth)
+        while len(r) < depth:
+            r.append(0.0)
+            acc.append(0.0)
+        n = num_accepted.float()
+        for d in range(depth):
+            r[d] = r[d] * self.decay + float((n >= d).sum())
+            acc[d] = acc[d] * self.decay + float((n >= d + 1).sum())
+
+    def rates(self, budget: TreeBudget, chain_rate: float) -> list[float]:
+        """``r_1 .. r_L`` for a tree of this budget (measured, shrunk towards the width prior)."""
+        per_level = max(1.0, min(float(budget.width), (budget.nodes) / budget.depth))
+        prior = 1.0 - (1.0 - chain_rate) ** per_level
+        r = self.reach.get(budget.nodes, [])
+        acc = self.accept.get(budget.nodes, [])
+        out = []
+        for d in range(budget.depth):
+            seen, ok = (r[d], acc[d]) if d < len(r) else (0.0, 0.0)
+            out.append(min((ok + prior * self.prior_weight) / (seen + self.prior_weight), 0.995))
+        return out
+
+    def expected_tokens(self, budget: TreeBudget, chain_rate: float) -> float:
+        total, run = 1.0, 1.0
+        for rate in self.rates(budget, chain_rate):
+            run *= rate
+            total += run
+        return total
+
+
+@dataclass
+class TreeCost:
+    """Measured draft seconds of trees per (batch-size bucket, nodes), EMA."""
+
+    ema: float = 0.8
+    draft: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def observe(self, bucket: int, nodes: int, seconds: float) -> None:
+        old = self.draft.get((bucket, nodes))
+        self.draft[(bucket, nodes)] = seconds if old is None else self.ema * old + (1 - self.ema) * seconds
+
+    def t_draft(self, cost: CostModel, a: int, budget: TreeBudget) -> float:
+        """Measured, or before the first measurement a chain of the tree's depth (one draft call
+        per level) scaled by the level's width relative to one token."""
+        got = self.draft.get((_nearest(cost.batch_sizes, a), budget.nodes))
+        if got is not None:
+            return got
+        return cost.t_draft(a, budget.depth) * max(1.0, budget.nodes / budget.depth) ** 0.5
+
+
+def tree_step_time(cost: CostModel, trees: TreeCost, a: int, budget: TreeBudget) -> float:
+    pred = cost.t_verify(a, budget.nodes + 1) + trees.t_draft(cost, a, budget) + cost.overhead[True]
+    return pred * cost.scale.get((cost._bucket(a), True), 1.0)
+
+
+def choose_plan(
+    cost: CostModel,
+    trees: TreeCost,
+    acceptance: TreeAcceptance,
+    active: int,
+    chain_rate: float,
+    chain_k: int,
+    budgets: list[TreeBudget],
+) -> int | TreeBudget:
+    """The best of the cost model's chain choice ``chain_k`` (0 = plain) and every tree budget."""
+    best: int | TreeBudget = chain_k
+    rate = cost.rate(active, chain_k, chain_rate) * (cost.margin if chain_k == 0 else 1.0)
+    for b in budgets:
+        r = acceptance.expected_tokens(b, chain_rate) / tree_step_time(cost, trees, active, b)
+        if r > rate:
+            best, rate = b, r
+    return best
