@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +73,25 @@ def tiny_compare(tiny_model_dir: Path, tmp_path: Path) -> Any:
         return rc, json.loads(out.read_text()) if out.is_file() else None
 
     return run
+
+
+@pytest.fixture(scope="session")
+def made_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A completed 3-step run with checkpoints at steps 2 and 3 (tests use copies, see ``old``)."""
+    from cli_helpers import QUIET
+
+    from grpo_parts.cli import main
+
+    out = tmp_path_factory.mktemp("made")
+    rc = main(["train", "--reference", "--model", str(tiny_model_dir), "--out-dir", str(out), "--name", "old",
+               "--steps", "3", "--set", "prompts_per_step=2", "--set", "group_size=4", "--set", "max_new_tokens=4",
+               "--set", "task.name=arithmetic", "--set", "task.num_eval=4", "--set", "threads=1",
+               "--set", "checkpoint_every=2", "--set", "stop_after_flat=0", *QUIET])  # fmt: skip
+    assert rc == 0
+    return out / "old"
+
+
+@pytest.fixture
+def old(made_run: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the made run, under tmp_path/runs/old."""
+    return Path(shutil.copytree(made_run, tmp_path / "runs" / "old"))

@@ -6,7 +6,6 @@ run folder is byte for byte as it was. Also --compare's accuracy goal: "within 3
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,23 +15,6 @@ from grpo_parts.cli import main
 from grpo_parts.train.metrics import accuracy_goal_met
 from grpo_parts.train.report import write_compare
 from grpo_parts.train.seeds import aggregate_seeds
-
-
-@pytest.fixture(scope="module")
-def made_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A completed 3-step run with checkpoints at steps 2 and 3."""
-    out = tmp_path_factory.mktemp("made")
-    rc = main(["train", "--reference", "--model", str(tiny_model_dir), "--out-dir", str(out), "--name", "old",
-               "--steps", "3", "--set", "prompts_per_step=2", "--set", "group_size=4", "--set", "max_new_tokens=4",
-               "--set", "task.name=arithmetic", "--set", "task.num_eval=4", "--set", "threads=1",
-               "--set", "checkpoint_every=2", "--set", "stop_after_flat=0", *QUIET])  # fmt: skip
-    assert rc == 0
-    return out / "old"
-
-
-@pytest.fixture
-def old(made_run: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(made_run, tmp_path / "runs" / "old"))
 
 
 @pytest.mark.parametrize(
