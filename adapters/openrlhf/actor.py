@@ -51,6 +51,39 @@ def hf_model(module: torch.nn.Module) -> torch.nn.Module:
     return m
 
 
+class _CallsThrough:
+    """The transformers model a backend inspects (config, modules, parameters), whose *calls* run
+    through ``wrapper`` -- the DeepSpeed engine (and PEFT model) around it -- as OpenRLHF's own
+    ``Actor.forward`` calls ``self.model``.
+
+    Calling the inner module skips ``DeepSpeedEngine.forward``, which is not a pass-through: it
+    registers the backward hooks that start DeepSpeed's backward (``_backward_prologue``) and, under
+    ZeRO-3, advances the optimizer's ``micro_step_id`` (``clear_backward_seen_flag``). Without it
+    ZeRO-3 *copies* each micro-batch's gradient partition instead of adding it (``micro_step_id``
+    stays 0), so with gradient accumulation only the last micro-batch's gradient reached the update
+    (ZeRO-2 accumulates elsewhere and was unaffected)."""
+
+    def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module) -> None:
+        object.__setattr__(self, "_wrapper", wrapper)
+        object.__setattr__(self, "_model", model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapper(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._model, name, value)
+
+
+def backend_model(module: torch.nn.Module) -> Any:
+    """What a backend gets as ``model``: :func:`hf_model` of ``module``, called through ``module``
+    (see :class:`_CallsThrough`) when ``module`` wraps it."""
+    inner = hf_model(module)
+    return inner if inner is module else _CallsThrough(module, inner)
+
+
 @contextlib.contextmanager
 def _overhead(backend: Any, overhead: int | None) -> Iterator[None]:
     """The backend's ``chunk_overhead_tokens`` set to ``overhead`` for one call (None: unchanged)."""
@@ -207,7 +240,7 @@ class GRPOPartsActor(Actor):
         self.counters.ran("attention")
         with _overhead(self.grpo_backend, overhead):
             out = self.grpo_backend.completion_logprobs(
-                hf_model(self.model),
+                backend_model(self.model),
                 layout.batch,
                 temperature=self.temperature,
                 compute_entropy=return_entropy,

@@ -52,18 +52,6 @@ def use_parts_backend(actor: Any, args: Any, role: str) -> None:
     parts = PartsConfig.from_args(args)
     if parts.attention == "reference":
         return
-    stage = getattr(getattr(args, "ds", None), "zero_stage", None)
-    if stage == 3:
-        from grpo_parts.errors import NotSupportedError
-
-        raise NotSupportedError(
-            f"grpo_parts.attention={parts.attention!r}",
-            [
-                "--ds.zero_stage 3: the update differs from OpenRLHF's actor under ZeRO-3 (forward and "
-                "objective agree, gradients do not; tests/adapters/openrlhf/test_openrlhf_ranks.py), "
-                "use --ds.zero_stage 2 or --grpo_parts.attention reference"
-            ],
-        )
     backend = parts.build_attention(hf_model(actor.model))
     actor.use_backend(backend)
     logger.info("grpo_parts %s: log-probs by attention backend %r", role, backend.name)

@@ -43,6 +43,25 @@ def full_params(policy: Any) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def record_grads(policy: Any) -> list[dict[str, torch.Tensor]]:
+    """Each update's full gradient per parameter, read at the accumulation boundary just before
+    DeepSpeed's optimizer step (``safe_get_full_grad``: ZeRO-3 holds only a partition per rank)."""
+    from deepspeed.utils import safe_get_full_grad
+    from grpo_parts_adapters.openrlhf.actor import hf_model
+
+    engine, grads = policy.actor.model, []
+    step = engine.step
+
+    def recording(*a: Any, **k: Any) -> Any:
+        if engine.is_gradient_accumulation_boundary():
+            named = hf_model(engine).named_parameters()
+            grads.append({n: safe_get_full_grad(p).detach().clone() for n, p in named})
+        return step(*a, **k)
+
+    engine.step = recording
+    return grads
+
+
 def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]:
     from _ds_worker import policy_actor, step_args
     from _openrlhf_helpers import rollout_samples, tiny_model
@@ -58,8 +77,8 @@ def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]
         os.environ["WORLD_SIZE"]
     )  # 4 kept rows per rank, micro-batches of 2: 2 per rank per step
     args.rollout.batch_size = 2
-    strategy = make_strategy(args)  # holds the stage from here on
-    args.ds.zero_stage = min(stage, 2)  # bypasses the adapter's ZeRO-3 refusal, to keep measuring it
+    args.train.max_epochs = 2  # two updates on the same experiences (the second one off-policy)
+    strategy = make_strategy(args)
     policy = policy_actor(args, strategy, tiny_model("qwen2", seed=0, dtype=torch.float32), parts_on)
     plans: list[dict[str, Any]] = []
     if parts_on:
@@ -91,11 +110,11 @@ def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]
         for p, lp, m in zip(e.prompts, e.action_log_probs, e.action_mask)
     ]
     group.async_run_method_batch("append", experience=experiences)
-    before = full_params(policy)
+    before, grads = full_params(policy), record_grads(policy)
     torch.manual_seed(0)
     status = group.async_run_method("fit", kl_ctl=0.0)[0]
     return {"old_logprobs": old, "status": status, "params": full_params(policy), "params_before": before,
-            "counters": policy.grpo_parts_counters() if parts_on else {}, "plans": plans,
+            "grads": grads, "counters": policy.grpo_parts_counters() if parts_on else {}, "plans": plans,
             "kept_prompts": sorted({p for p, _ in old}), "micro_batches": len(losses),
             "objective": float(sum(losses) / strategy.accumulated_gradient)}  # fmt: skip
 

@@ -169,6 +169,38 @@ def test_without_backend_it_is_openrlhfs_actor():
     assert ours.counters.flush() == {}
 
 
+class _Engine(torch.nn.Module):
+    """Shaped like DeepSpeed's engine around the model (``.module``): counts its forwards."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.module(*args, **kwargs)
+
+
+def test_backend_calls_the_model_through_its_wrapper():
+    """The backend inspects the transformers model but calls it through the wrapper the actor holds,
+    as OpenRLHF's forward does: ``DeepSpeedEngine.forward`` sets up DeepSpeed's backward (under ZeRO-3,
+    gradient accumulation across micro-batches; calling the inner module lost all but the last one)."""
+    from grpo_parts.attention.reference import RepeatedPrefixAttention
+
+    gen = torch.Generator().manual_seed(4)
+    model = tiny_model("qwen2")
+    seq, att, am = openrlhf_batch(gen, 3, 2, env_tokens=True)
+    for backend in (RepeatedPrefixAttention(), shared_prefix_backend()):
+        engine = _Engine(model)
+        actor = parts_actor(engine, backend, 1.0, packing=False)
+        weights = torch.randn(am.shape, generator=gen, dtype=torch.float64)
+        a, ga = logprobs_and_grads(actor, model, seq, att, am, weights)
+        assert engine.calls >= 1 and actor.counters.flush()["parts/attention/forwards"] == 1
+        b, gb = logprobs_and_grads(parts_actor(model, backend, 1.0, False), model, seq, att, am, weights)
+        assert_same(a, b, ga, gb)
+
+
 def test_attach_refuses_unsupported_model():
     from grpo_parts.errors import NotSupportedError
 
