@@ -349,6 +349,7 @@ class SharedPrefixAttention:
             max_positions=getattr(tc, "max_position_embeddings", None),
             kernel=kernel,
             chunk_elems=self.chunk_elems,
+            suffix_flash_min=self.suffix_flash_min,
             max_position=max_position,
         )
         logits = ungroup_logits(_grouped_forward(model, grouped), grouped)  # [N, S, V]
