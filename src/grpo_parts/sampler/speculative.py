@@ -122,6 +122,8 @@ class SpeculativeSampler:
         #: decisions between chains and trees so far, and the last one that ran each shape
         self._shape_steps = 0
         self._last_shape = {"chain": 0, "tree": 0}
+        #: steps between probes of a shape: 2, 4, 8, ... up to ``probe_every`` (measured early)
+        self._shape_gap = {"chain": 2, "tree": 2}
         self._probe_gap = self.config.probe_every
 
     # ------------------------------------------------------------------ Sampler protocol
@@ -277,25 +279,29 @@ class SpeculativeSampler:
         self, plan: int | TreeBudget, k: int, active: int, budgets: list[TreeBudget]
     ) -> int | TreeBudget:
         """Chains and trees are judged on their own measured acceptance, which only a step of that
-        shape updates: while one shape wins, the other is tried once every ``probe_every`` steps
-        (a chain when the cost model would draft one at all; a tree when chains win and its
-        predicted rate is at least 0.7 of theirs, so a probe costs < 2% of the steps), so a stale
-        estimate -- e.g. a chain acceptance never measured because trees ran from the start --
+        shape updates: while one shape wins, the other is tried after 2, 4, 8, ... and then every
+        ``probe_every`` steps (a chain when the cost model would draft one at all; a tree when
+        chains win and its predicted rate is at least 0.7 of theirs, so a probe costs < 2% of the
+        steps), so a stale estimate -- e.g. a chain acceptance never measured because trees ran from the start --
         cannot lock in the worse shape."""
         assert self.cost is not None
         self._shape_steps += 1
-        gap = self.config.probe_every
+        gap, last = self._shape_gap, self._last_shape
+        probe: int | TreeBudget | None = None
         if isinstance(plan, TreeBudget):
-            if k > 0 and self._shape_steps - self._last_shape["chain"] >= gap:
-                return k
-        elif plan > 0 and budgets and self._shape_steps - self._last_shape["tree"] >= gap:
+            if k > 0 and self._shape_steps - last["chain"] >= gap["chain"]:
+                probe, kind = k, "chain"
+        elif plan > 0 and budgets and self._shape_steps - last["tree"] >= gap["tree"]:
             chain = self.cost.rate(active, plan, self.acceptance.rate)
             tree, rate = best_tree(
                 self.cost, self.tree_cost, self.tree_acceptance, active, self.acceptance.rate, budgets
             )
             if tree is not None and rate >= 0.7 * chain:
-                return tree
-        return plan
+                probe, kind = tree, "tree"
+        if probe is None:
+            return plan
+        gap[kind] = min(2 * gap[kind], self.config.probe_every)
+        return probe
 
     def _speculative_step(
         self, st: DecodeState, plan: int | TreeBudget, params: SamplingParams, generator: torch.Generator | None,
