@@ -181,7 +181,8 @@ def _plan(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[Any, str 
     """``((ids, cu, resp, keys, plan), reason)``: the micro-batch's backend calls, and why it must run
     verl's forward instead (``None``: it need not)."""
     ids, cu, resp, keys = _parts(micro_batch)
-    plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack)
+    layout = getattr(_engine_state(engine, opts), "layout", "grid")
+    plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack, layout)
     reason = None
     if opts.max_padding_ratio is not None and plan.grid_tokens > opts.max_padding_ratio * ids.numel():
         reason = f"grouped layout > max_padding_ratio={opts.max_padding_ratio} x packed tokens"
