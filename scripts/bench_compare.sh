@@ -12,7 +12,8 @@
 # installed editable from another checkout (checked: the run fails otherwise). Each run writes the
 # bench's --json; the table gives, per point, each revision's `speedup` (optimized vs reference in the
 # same process) as min / median over the rounds, B's median over A's, and, where the bench reports an
-# ideal ratio, B's median as a fraction of it. A point's speedup is already a ratio measured in one
+# ideal ratio, B's median as a fraction of it; a second table gives each arm's own time (the bench's
+# `time_*_s` keys, medians), since a ratio can drop because the baseline got faster. A point's speedup is already a ratio measured in one
 # process, so load on a shared machine mostly cancels; the rounds show how much it did not.
 #
 # Environment: PYTHON (default: python on PATH, e.g. the activated venv), BENCH_METRIC (default:
@@ -163,6 +164,24 @@ for i in range(n_points.pop()):
         f"{fmt(row['B_median']):>7} {fmt(row['B_over_A']):>7} {fmt(row['B_of_ideal']):>8}"
     )
     out.append(row)
+
+# The ratio hides which arm moved: print each arm's own time (the bench's `time_*_s` keys) per
+# revision, so "B is slower" can be told apart from "B's baseline got faster".
+time_keys = sorted({k for n in "AB" for p in runs[n] for pt in p for k in pt if k.startswith("time_") and k.endswith("_s")})
+if time_keys:
+    print(f"\nper-arm times in s (median over {rounds} rounds); B/A < 1: B faster")
+    print(f"{'point':<28} {'arm':<14} {'A med':>8} {'B med':>8} {'B/A':>7}")
+    for i, row in enumerate(out):
+        if "skipped" in row:
+            continue
+        row["times"] = {}
+        for k in time_keys:
+            vals = {n: [p[i].get(k) for p in runs[n]] for n in "AB"}
+            if any(v is None for n in "AB" for v in vals[n]):
+                continue
+            a, b = statistics.median(vals["A"]), statistics.median(vals["B"])
+            row["times"][k] = {"A": vals["A"], "B": vals["B"], "A_median": a, "B_median": b, "B_over_A": b / a if a else None}
+            print(f"{row['point']:<28} {k:<14} {a:>8.3f} {b:>8.3f} {fmt(b / a if a else None):>7}")
 if json_out:
     with open(json_out, "w") as f:
         json.dump({"metric": metric, "rounds": rounds, "A": label_A, "B": label_B, "points": out}, f, indent=1)

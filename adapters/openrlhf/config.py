@@ -31,6 +31,12 @@ FLAGS: dict[str, tuple[type, Any, str]] = {
         0,
         "max extra rollout rounds that refill slots freed by the filter (0 = no refill)",
     ),
+    "filter_rounding": (
+        str,
+        "up",
+        "make the kept rows a multiple of --train.batch_size (whole optimizer steps, equal rows per "
+        "rank): up (re-add the best pruned rows) | down (drop the worst kept rows)",
+    ),
     "grouped_microbatches": (
         str,
         "auto",
@@ -75,6 +81,7 @@ class PartsConfig(BaseModel):
     filter: str = "keep_all"
     filter_kwargs: dict[str, Any] = Field(default_factory=dict)
     refill_rounds: int = Field(0, ge=0)
+    filter_rounding: str = "up"
     grouped_microbatches: str = "auto"
     speculative_config: dict[str, Any] = Field(default_factory=dict)
     draft_sync: str = "none"
@@ -90,6 +97,13 @@ class PartsConfig(BaseModel):
     def _draft_sync(cls, v: str) -> str:
         if v not in ("none", "shared"):
             raise ValueError(f"draft_sync: expected 'none' or 'shared', got {v!r}")
+        return v
+
+    @field_validator("filter_rounding")
+    @classmethod
+    def _rounding(cls, v: str) -> str:
+        if v not in ("up", "down"):
+            raise ValueError(f"filter_rounding: expected 'up' or 'down', got {v!r}")
         return v
 
     @field_validator("grouped_microbatches")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields
-from typing import Any
+from typing import Any, Literal
 
 import ray
 import torch
@@ -30,6 +30,7 @@ from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from grpo_parts.core import AdvantageConfig, group_advantages, group_stats
 from grpo_parts.errors import GRPOPartsError
+from grpo_parts.filter.data_parallel import batch_multiple, rank_shares, round_rounds
 from grpo_parts.filter.reference import KeepAll
 from grpo_parts.types import ScoredBatch
 
@@ -92,10 +93,12 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         samples_generator: Any = None,
         generate_kwargs: dict[str, Any] | None = None,
         refill_rounds: int = 0,
+        rounding: str = "up",
         counters: PartCounters | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        self.rounding = rounding
         if refill_rounds > 0 and not hasattr(samples_generator, "generate_prompts"):
             raise GRPOPartsError(
                 "refill_rounds > 0 needs the trainer's samples generator to be a GRPOPartsSamplesGenerator"
@@ -118,10 +121,23 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         self.counters = counters if counters is not None else PartCounters({"filter": "calls"}, logger)
         self.counters.track("filter")
         self.last_info: dict[str, float] = {}
+        self.rounded_rows = 0  # rows the last step's rounding added (> 0) or dropped (< 0)
 
     @property
     def group_size(self) -> int:
         return int(self.args.rollout.n_samples_per_prompt)
+
+    @property
+    def dp_size(self) -> int:
+        """The actor's data-parallel ranks, as OpenRLHF counts them (``split_rollout_samples``)."""
+        a, ds = self.args.actor, self.args.ds
+        return int(a.num_nodes * a.num_gpus_per_node // ds.ring_attn_size // ds.tensor_parallel_size)
+
+    @property
+    def batch_multiple(self) -> int:
+        """Kept rows are rounded to this: whole ``--train.batch_size`` optimizer steps, which also
+        gives every rank the same number of micro-batches (OpenRLHF's ``accumulated_gradient``)."""
+        return batch_multiple(int(self.args.train.batch_size), self.dp_size)
 
     # ----------------------------------------------------------------------------- scoring
 
@@ -154,8 +170,13 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         if not can_refill:
             res = self.completion_filter.select(scored, target_size=None)
             self.counters.ran("filter")
-            self.last_info = {"kept_fraction": res.kept.numel() / max(target, 1), "refill_prompts": 0.0}
-            return [samples[i] for i in res.kept.tolist()]
+            (kept,) = self._round([scored], [res.kept])
+            self.last_info = {
+                "kept_fraction": kept.numel() / max(target, 1),
+                "refill_prompts": 0.0,
+                "rounded_rows": float(self.rounded_rows),
+            }
+            return [samples[i] for i in kept.tolist()]
         from grpo_parts.filter.allocation import Chunk, Refiller
 
         first = [True]
@@ -174,11 +195,25 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         )
         out = refiller.fill(self.completion_filter, produce)
         self.counters.ran("filter", n=out.rounds)
+        rounded = self._round([s.chunk.scored for s in out.selections], [s.kept for s in out.selections])
         self.last_info = {
             **out.info,
             "refill_prompts": float(out.prompts_used - len(samples) // self.group_size),
+            "rounded_rows": float(self.rounded_rows),
         }
-        return [sel.chunk.payload[i] for sel in out.selections for i in sel.kept.tolist()]
+        return [sel.chunk.payload[i] for sel, k in zip(out.selections, rounded) for i in k.tolist()]
+
+    def _round(self, scored: list[ScoredBatch], kept: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Round the kept rows of all rounds to :attr:`batch_multiple` (``--grpo_parts.filter_rounding``),
+        unless the filter kept every row it saw (then the batch is what plain OpenRLHF trains on)."""
+        total = sum(int(k.numel()) for k in kept)
+        self.rounded_rows = 0
+        if total == sum(s.size for s in scored):
+            return kept
+        mode: Literal["up", "down"] = "up" if self.rounding == "up" else "down"
+        rounded = round_rounds(scored, kept, self.batch_multiple, mode, field="train.batch_size")
+        self.rounded_rows = sum(int(k.numel()) for k in rounded) - total
+        return rounded
 
     def _generate_more(self, num_prompts: int) -> list[Experience]:
         """``num_prompts`` more prompts' samples from the trainer's samples generator (same
@@ -213,7 +248,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
                 raise NothingKept(
                     f"completion filter {self.completion_filter.name!r} kept 0 of {len(samples)} rows"
                 )
-            return self.compute_advantages_and_returns(self.make_experience(self.split_rollout_samples(kept)))
+            return self.compute_advantages_and_returns(self.make_experience(self.split_for_ranks(kept)))
         # rewards come from a reward model: forwards first, then score and filter
         experiences = self.make_experience(self.split_rollout_samples(samples))
         singles = [one for e in experiences for one in _split(e)]
@@ -227,13 +262,25 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             raise NothingKept(
                 f"completion filter {self.completion_filter.name!r} kept 0 of {len(singles)} rows"
             )
-        batches = [
-            Experience.concat_experiences(
-                kept[i : i + self.args.rollout.micro_batch_size], self.tokenizer.pad_token_id
-            )
-            for i in range(0, len(kept), self.args.rollout.micro_batch_size)
-        ]
-        return self.compute_advantages_and_returns(batches)
+        return self.compute_advantages_and_returns(self.split_for_ranks(kept, keep_index=True))
+
+    def split_for_ranks(self, rows: list[Experience], keep_index: bool = False) -> list[Experience]:
+        """Micro-batches of ``--rollout.micro_batch_size`` rows, cut per rank: OpenRLHF hands the
+        list to its ranks in ``len / dp_size`` consecutive pieces (``async_run_method_batch``), so
+        each rank gets one equal contiguous share of the kept rows (prompts stay together). With
+        ``--train.dynamic_batch_enable`` OpenRLHF balances the experiences itself."""
+        if self.args.train.dynamic_batch_enable or len(rows) % self.dp_size:
+            return self.split_rollout_samples(rows) if not keep_index else self._micro(rows)
+        if not keep_index:
+            for i, r in enumerate(rows):
+                r.index = [i]
+        shares = rank_shares(len(rows), self.dp_size, field="train.batch_size")
+        return [e for share in shares for e in self._micro([rows[i] for i in share])]
+
+    def _micro(self, rows: list[Experience]) -> list[Experience]:
+        m = self.args.rollout.micro_batch_size
+        pad = self.tokenizer.pad_token_id
+        return [Experience.concat_experiences(rows[i : i + m], pad) for i in range(0, len(rows), m)]
 
     @torch.no_grad()
     def compute_advantages_and_returns(self, experiences: list[Experience]) -> list[Experience]:

@@ -20,7 +20,7 @@ import torch
 
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.filter._common import priority_order
+from grpo_parts.filter.data_parallel import round_to_multiple
 from grpo_parts.types import ScoredBatch
 
 
@@ -126,14 +126,6 @@ def regrouped_logprobs(
     return logps, ents
 
 
-def _priority(scored: ScoredBatch, last: torch.Tensor | None) -> torch.Tensor:
-    """The filters' priority order, with the rows flagged in ``last`` moved behind all others."""
-    order = priority_order(scored)
-    if last is None:
-        return order
-    return order[torch.sort(last.to(order.device)[order].to(torch.int8), stable=True).indices]
-
-
 def round_kept(
     scored: Sequence[ScoredBatch],
     kept: Sequence[torch.Tensor],
@@ -141,50 +133,8 @@ def round_kept(
     mode: Literal["restore", "drop"],
     last: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], int]:
-    """Make ``sum(len(k) for k in kept)`` a positive multiple of ``multiple``.
-
-    ``"restore"`` adds pruned rows, ``"drop"`` removes kept rows, in the filters' priority order
-    (zero-variance rows last, larger ``|A|`` first, lower row first), latest round first; rows
-    flagged in ``last`` (one bool mask per round, e.g. rows with no loss token) rank after every
-    other row. A total of 0 always restores ``multiple`` rows. Returns the new kept lists and the
-    signed change."""
-    kept = [k.clone() for k in kept]
-    total = sum(int(k.numel()) for k in kept)
-    rem = total % multiple
-    if rem == 0 and total > 0:
-        return kept, 0
-    if mode == "drop" and total >= multiple:
-        need = rem
-        for i in reversed(range(len(kept))):
-            if need == 0:
-                break
-            order = _priority(scored[i], None if last is None else last[i])
-            rank = torch.empty_like(order)
-            rank[order] = torch.arange(order.numel(), device=order.device)
-            k = kept[i]
-            worst_first = k[torch.argsort(rank[k], descending=True)]
-            n_drop = min(need, int(k.numel()))
-            kept[i] = torch.sort(worst_first[n_drop:]).values
-            need -= n_drop
-        return kept, -rem
-    need = multiple - rem if total > 0 else multiple
-    added = 0
-    for i in reversed(range(len(kept))):
-        if need == 0:
-            break
-        order = _priority(scored[i], None if last is None else last[i])
-        is_kept = torch.zeros(scored[i].size, dtype=torch.bool, device=order.device)
-        is_kept[kept[i]] = True
-        pruned = order[~is_kept[order]]
-        take = pruned[:need]
-        kept[i] = torch.sort(torch.cat([kept[i], take])).values
-        need -= int(take.numel())
-        added += int(take.numel())
-    if need:
-        raise GRPOPartsError(
-            f"steps_per_generation: expected a generation batch of at least {multiple} rows, got {total + added}"
-        )
-    return kept, added
+    """:func:`grpo_parts.filter.data_parallel.round_to_multiple` for ``steps_per_generation``."""
+    return round_to_multiple(scored, kept, multiple, mode, last, field="steps_per_generation")
 
 
 def drop_no_loss_rows(kept: Sequence[torch.Tensor], no_loss: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -16,11 +16,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpo_parts.core import AdvantageConfig, group_advantages
 from grpo_parts.errors import GRPOPartsError, check_tensor
 from grpo_parts.filter import get_filter_class
+from grpo_parts.filter.data_parallel import batch_multiple, round_rounds
 from grpo_parts.filter.protocol import CompletionFilter
 from grpo_parts.types import ScoredBatch
 
@@ -38,6 +39,12 @@ class FilterOptions(BaseModel):
     ``data.gen_batch_size or data.train_batch_size``, and the sampler seam does not see ``data``, so
     :func:`grpo_parts_adapters.verl.sampler.hydra_overrides` interpolates both.
     ``multiple_of``/``rounding``: make the kept count a multiple of this.
+
+    Data parallelism: ``ppo_mini_batch_size`` x ``rollout_n`` (rows per optimizer step) and
+    ``n_gpus_per_node`` x ``nnodes`` (the ranks) join ``multiple_of`` in :attr:`batch_multiple`, the
+    least common multiple the kept count is rounded to (``hydra_overrides`` interpolates all four
+    from verl's config), so verl's ``_balance_batch`` cuts it into equal per-rank shares of whole
+    mini-batches and adds no padding rows. ``target_rows`` must be a multiple of it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -52,6 +59,27 @@ class FilterOptions(BaseModel):
     multiple_of: int = Field(1, ge=1)
     rounding: Literal["up", "down"] = "up"
     norm_adv_by_std: bool = True
+    ppo_mini_batch_size: int | None = Field(None, ge=1)
+    rollout_n: int | None = Field(None, ge=1)
+    n_gpus_per_node: int | None = Field(None, ge=1)
+    nnodes: int = Field(1, ge=1)
+
+    @property
+    def batch_multiple(self) -> int:
+        """What the kept count is rounded to (see the class docstring)."""
+        step = None if self.ppo_mini_batch_size is None else self.ppo_mini_batch_size * (self.rollout_n or 1)
+        world = None if self.n_gpus_per_node is None else self.n_gpus_per_node * self.nnodes
+        return batch_multiple(self.multiple_of, step, world)
+
+    @model_validator(mode="after")
+    def _target_fits(self) -> FilterOptions:
+        m = self.batch_multiple
+        if self.target_rows is not None and self.target_rows % m:
+            raise ValueError(
+                f"target_rows: expected a multiple of {m} (lcm of multiple_of, ppo_mini_batch_size x "
+                f"rollout_n and the ranks), got {self.target_rows}"
+            )
+        return self
 
     @property
     def refill_granularity(self) -> int:
@@ -89,33 +117,16 @@ def scored_batch(
 
 
 def round_kept(
-    kept: torch.Tensor, scored: ScoredBatch, multiple_of: int, rounding: Literal["up", "down"] = "up"
+    kept: torch.Tensor,
+    scored: ScoredBatch,
+    multiple_of: int,
+    rounding: Literal["up", "down"] = "up",
+    field: str = "multiple_of",
 ) -> torch.Tensor:
-    """Make ``len(kept)`` a multiple of ``multiple_of`` (ascending rows out)."""
-    from grpo_parts.filter._common import priority_order
-
-    n_kept = int(kept.numel())
-    if multiple_of <= 1 or n_kept % multiple_of == 0:
-        return kept
-    order = priority_order(scored)
-    is_kept = torch.zeros(scored.size, dtype=torch.bool, device=order.device)
-    is_kept[kept.to(order.device)] = True
-    want = (
-        -(-n_kept // multiple_of) * multiple_of if rounding == "up" else (n_kept // multiple_of) * multiple_of
-    )
-    if want > scored.size:  # not enough rows to round up: round down instead
-        want = (n_kept // multiple_of) * multiple_of
-    if want == 0:
-        raise GRPOPartsError(
-            f"multiple_of: the filter kept {n_kept} rows of {scored.size}; no multiple of {multiple_of} "
-            "can be formed (roll out more prompts or lower multiple_of)"
-        )
-    if want > n_kept:
-        extra = order[~is_kept[order]][: want - n_kept]
-        out = torch.cat([kept.to(order.device), extra])
-    else:
-        out = order[is_kept[order]][:want]
-    return torch.sort(out).values
+    """Make ``len(kept)`` a multiple of ``multiple_of`` (ascending rows out); ``"up"`` falls back to
+    ``"down"`` when the batch has too few rows
+    (:func:`grpo_parts.filter.data_parallel.round_rounds`)."""
+    return round_rounds([scored], [kept], multiple_of, rounding, field)[0]
 
 
 @dataclass(frozen=True)

@@ -95,9 +95,16 @@ def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **
     """The Hydra overrides of ``python -m verl.trainer.main_ppo`` that switch the filter on under
     verl's default trainer (with ``algorithm.adv_estimator=grpo_parts_grpo``); ``options`` are
     further :class:`~.filtering.FilterOptions` keys. ``refill_multiple`` / ``train_batch_size``
-    default to verl's ``data.gen_batch_size`` / ``data.train_batch_size`` (Hydra interpolations)."""
+    default to verl's ``data.gen_batch_size`` / ``data.train_batch_size``, and the data-parallel
+    rounding keys (``ppo_mini_batch_size``, ``rollout_n``, ``n_gpus_per_node``, ``nnodes``) to
+    verl's own (Hydra interpolations)."""
     options.setdefault("refill_multiple", "${data.gen_batch_size}")
     options.setdefault("train_batch_size", "${data.train_batch_size}")
+    # what the kept count is rounded to under data parallelism (FilterOptions.batch_multiple)
+    options.setdefault("ppo_mini_batch_size", "${actor_rollout_ref.actor.ppo_mini_batch_size}")
+    options.setdefault("rollout_n", "${actor_rollout_ref.rollout.n}")
+    options.setdefault("n_gpus_per_node", "${trainer.n_gpus_per_node}")
+    options.setdefault("nnodes", "${trainer.nnodes}")
     FilterOptions(
         name=name, kwargs=dict(kwargs or {}), **{k: v for k, v in options.items() if "$" not in str(v)}
     )

@@ -34,9 +34,10 @@ from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from grpo_parts.filter.allocation import Chunk, Refiller
+from grpo_parts.filter.data_parallel import round_rounds
 from grpo_parts.filter.protocol import CompletionFilter
 
-from .filtering import KV_FIELDS, SEQ_ADV_FIELD, FilterOptions, rewards_from_fields, round_kept, scored_batch
+from .filtering import KV_FIELDS, SEQ_ADV_FIELD, FilterOptions, rewards_from_fields, scored_batch
 
 NAME = "grpo_parts_sync"
 
@@ -110,10 +111,15 @@ def filter_kv_batch(
     keys: list[str] = []
     tags: list[dict] = []
     kept_by_chunk: dict[int, set[int]] = {}
-    for sel in outcome.selections:
-        rows = sel.kept
-        if sel is outcome.selections[-1] and options.multiple_of > 1:
-            rows = round_kept(rows, sel.chunk.scored, options.multiple_of, options.rounding)
+    # the total over all rounds fills whole mini-batches on every rank (no padding rows)
+    rounded = round_rounds(
+        [sel.chunk.scored for sel in outcome.selections],
+        [sel.kept for sel in outcome.selections],
+        options.batch_multiple,
+        options.rounding,
+        field="grpo_parts_filter.multiple_of",
+    )
+    for sel, rows in zip(outcome.selections, rounded):
         kept_by_chunk[id(sel.chunk.payload)] = set(rows.tolist())
     adv_by_chunk = {id(sel.chunk.payload): sel.chunk.scored.advantages for sel in outcome.selections}
     scored_by_chunk = {id(sel.chunk.payload): sel.chunk.scored for sel in outcome.selections}

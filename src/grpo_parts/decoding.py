@@ -152,13 +152,22 @@ def compact_cache(cache: Any, mask: torch.Tensor) -> torch.Tensor | None:
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     """``parents: [A, N]`` (node ``i``'s parent node, ``-1`` = the root, always ``< i``) ->
     ``anc: [A, N + 1, N + 1]`` bool, ``anc[a, i, j]`` = column ``j`` is column ``i`` or one of its
-    ancestors, where column 0 is the root (the row's last token) and column ``i + 1`` is node ``i``."""
+    ancestors, where column 0 is the root (the row's last token) and column ``i + 1`` is node ``i``.
+
+    Walks every column up to the root at once, one level per iteration (trees are shallow: the loop
+    runs depth + 1 times, not N times)."""
     a, n = parents.shape
-    anc = torch.eye(n + 1, dtype=torch.bool, device=parents.device).expand(a, -1, -1).clone()
-    anc[:, 1:, 0] = True
-    pcol = parents + 1  # the parent's column
-    for i in range(n):  # parent < i: its row is final when node i is reached
-        anc[:, i + 1] |= anc[torch.arange(a, device=parents.device), pcol[:, i]]
+    dev = parents.device
+    anc = torch.eye(n + 1, dtype=torch.bool, device=dev).expand(a, -1, -1).clone()
+    up = torch.cat(
+        [torch.zeros(a, 1, dtype=torch.long, device=dev), parents + 1], 1
+    )  # column -> parent column
+    cur = up
+    for _ in range(n):
+        anc.scatter_(2, cur[..., None], True)
+        if not bool(cur.any()):  # every column reached the root
+            break
+        cur = up.gather(1, cur)
     return anc
 
 
@@ -177,18 +186,25 @@ def tree_attention_mask(past: torch.Tensor, anc: torch.Tensor, dtype: torch.dtyp
     return out.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def compact_block(cache: Any, order: torch.Tensor) -> bool:
+def compact_block(cache: Any, order: torch.Tensor, keep: int | None = None) -> bool:
     """Reorder the last ``B`` cache columns of every row by ``order: [A, B]`` (column indices into
     the block), in place: used to move a verified tree's accepted path to the front of its block
-    so the rest can be cropped. False when the cache type has no ``layers[i].keys/values``."""
+    so the rest can be cropped. With ``keep``, only the block's first ``keep`` columns are written
+    (the rest are about to be cropped or masked). False when the cache type has no
+    ``layers[i].keys/values``."""
     layers = cache_layers(cache)
     if layers is None:
         return False
     b = order.shape[1]
+    m = b if keep is None else min(max(keep, 0), b)
+    if m == 0:
+        return True
+    order = order[:, :m]
     for ly in layers:
         if not getattr(ly, "is_initialized", True) or ly.keys.numel() == 0:
             continue
         g = order[:, None, :, None].expand(-1, ly.keys.shape[1], -1, ly.keys.shape[-1])
-        ly.keys[:, :, -b:] = ly.keys[:, :, -b:].gather(2, g)
-        ly.values[:, :, -b:] = ly.values[:, :, -b:].gather(2, g)
+        end = ly.keys.shape[2] - b + m
+        ly.keys[:, :, -b:end] = ly.keys[:, :, -b:].gather(2, g)
+        ly.values[:, :, -b:end] = ly.values[:, :, -b:].gather(2, g)
     return True

@@ -168,13 +168,23 @@ def test_every_family(family):  # type: ignore[no-untyped-def]
             assert_equivalent(model, batch, kernel, tol=tolerance(family), layout=layout)
 
 
-def test_sdpa_chunking_options():  # type: ignore[no-untyped-def]
+def test_sdpa_chunking_options(monkeypatch):  # type: ignore[no-untyped-def]
+    import grpo_parts.attention.cascade as cascade
+
+    flash_calls = []
+    slots4 = cascade._slots4
+    monkeypatch.setattr(cascade, "_slots4", lambda *a: flash_calls.append(1) or slots4(*a))
     model = exact_model("llama", vocab_size=48, hidden_size=32, num_heads=4, num_kv_heads=2, num_layers=2)
     batch = random_batch(
         torch.Generator().manual_seed(3), [3, 1, 2], vocab=48, max_prompt=7, max_completion=5
     )
     assert_equivalent(model, batch, "sdpa", chunk_elems=1, layout="grid")  # one slot per suffix-self chunk
+    assert_equivalent(
+        model, batch, "sdpa", chunk_elems=1, layout="grid"
+    )  # (the default threshold: no flash here)
+    assert not flash_calls
     assert_equivalent(model, batch, "sdpa", suffix_flash_min=1, layout="grid")  # suffix-self through flash
+    assert flash_calls  # the option reached the kernel (it used to be dropped on the way)
     for kernel in ("sdpa", "eager"):  # one grid per group
         assert_equivalent(model, batch, kernel, max_chunks=8, chunk_overhead_tokens=-1, layout="grid")
 

@@ -119,3 +119,43 @@ def test_tree_size_follows_concurrency() -> None:
     assert not isinstance(
         choose_plan(cost, TreeCost(), bad, 1, 0.5, cost.choose(1, 0.5, 6), budgets), TreeBudget
     )
+
+
+def test_chains_and_trees_probe_each_other() -> None:
+    """While trees win, a chain runs every ``probe_every`` decisions (its acceptance is only measured
+    by chain steps: a prior that never moves must not lock in trees); trees measured to accept
+    nothing are never probed (their predicted rate is far below the chains')."""
+    from grpo_parts.draft.ngram import NGramDraft
+    from grpo_parts.draft.protocol import TreeBudget
+    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.sampler.tree_cost import TreeAcceptance
+    from grpo_parts.tiny import tiny_causal_lm
+
+    def run(sampler: SpeculativeSampler, steps: int) -> list[str]:
+        kinds = []
+        for i in range(steps):
+            plan = sampler.choose_plan(1, 100, i, 1 << 30)
+            kind = "tree" if isinstance(plan, TreeBudget) else "chain" if plan > 0 else "plain"
+            if kind != "plain":  # what _speculative_step records when it runs the shape
+                sampler._last_shape[kind] = sampler._shape_steps
+            kinds.append(kind)
+        return kinds
+
+    model = tiny_causal_lm("qwen2", vocab_size=16, hidden_size=32, num_layers=1, attn_implementation="sdpa")
+    sampler = SpeculativeSampler(model, NGramDraft())
+    sampler.cost, sampler.tree_acceptance = gpu_like(), TreeAcceptance(decay=1.0)
+    for b in sampler.tree_budgets():  # trees measured to accept at every depth
+        for _ in range(50):
+            sampler.tree_acceptance.update(b.nodes, b.depth, torch.full((10,), b.depth))
+    kinds = run(sampler, 64)
+    chains = [i + 1 for i, k in enumerate(kinds) if k == "chain"]
+    assert chains == [2, 6, 14, 30, 46, 62], kinds  # gaps 2, 4, 8, then every probe_every = 16
+    assert kinds.count("tree") == 58
+
+    sampler = SpeculativeSampler(model, NGramDraft())
+    sampler.cost, sampler.tree_acceptance = gpu_like(), TreeAcceptance(decay=1.0)
+    sampler.acceptance = AcceptanceEstimate(prior=0.9)
+    for b in sampler.tree_budgets():  # trees measured to accept nothing
+        for _ in range(50):
+            sampler.tree_acceptance.update(b.nodes, b.depth, torch.zeros(10, dtype=torch.long))
+    assert set(run(sampler, 48)) == {"chain"}

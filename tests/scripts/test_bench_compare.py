@@ -50,7 +50,7 @@ def main(argv=None):
     done = open(log).read().split() if os.path.exists(log) else []
     open(log, "a").write(rev + "\\n")
     value = (2.0 if rev == "b" else 1.0) + 0.1 * done.count(rev)
-    point = {"G": 8, "P": 1024, "S": 128, "ideal": 4.0, "speedup": value}
+    point = {"G": 8, "P": 1024, "S": 128, "ideal": 4.0, "speedup": value, "time_ref_s": 4.0 * value, "time_shared_s": 4.0}
     json.dump([point, {"G": 1, "P": 1, "S": 1, "speedup": None, "skipped": "too big"}], open(argv[-1], "w"))
     return 0
 """
@@ -88,7 +88,8 @@ def test_alternation_min_median_and_json(stub_repo: Path, tmp_path: Path) -> Non
         "  round 1", "  round 1", "  round 2", "  round 2", "  round 3", "  round 3"
     ]  # fmt: skip
     # A: 1.0 1.1 1.2, B: 2.0 2.1 2.2 -> min, median, B/A = 2.1/1.1, B/ideal = 2.1/4
-    rows = {" ".join(x.split()[:3]): x.split()[3:] for x in lines if x.startswith("G=")}
+    ratio_part = lines[: next(i for i, x in enumerate(lines) if x.startswith("per-arm times"))]
+    rows = {" ".join(x.split()[:3]): x.split()[3:] for x in ratio_part if x.startswith("G=")}
     assert rows["G=8 P=1024 S=128"] == ["1.000", "1.100", "2.000", "2.100", "1.909", "0.525"]
     assert rows["G=1 P=1 S=1"] == ["skipped", "(too", "big)"]
     data = json.loads(out.read_text())
@@ -96,6 +97,10 @@ def test_alternation_min_median_and_json(stub_repo: Path, tmp_path: Path) -> Non
     assert point["A"] == [1.0, 1.1, 1.2] and point["B"] == [2.0, 2.1, 2.2]
     assert point["B_over_A"] == pytest.approx(2.1 / 1.1) and point["B_of_ideal"] == pytest.approx(2.1 / 4)
     assert skipped == {"point": "G=1 P=1 S=1", "A": [None] * 3, "B": [None] * 3, "skipped": "too big"}
+    # each arm's own time: the reference moved (4.4 -> 8.4 s median), the shared arm did not
+    arms = [x.split()[3:] for x in lines[len(ratio_part) :] if x.startswith("G=8")]
+    assert arms == [["time_ref_s", "4.400", "8.400", "1.909"], ["time_shared_s", "4.000", "4.000", "1.000"]]
+    assert point["times"]["time_shared_s"]["B_over_A"] == 1.0
     assert len(_git(stub_repo, "worktree", "list").splitlines()) == 1  # the temporary worktrees are gone
 
 
@@ -138,6 +143,7 @@ def test_attention_bench_two_revisions(repo: Path, tmp_path: Path) -> None:
     point, skipped = data["points"]
     assert point["point"] == "G=4 P=256 S=64" and len(point["A"]) == len(point["B"]) == 1
     assert point["B_over_A"] == pytest.approx(point["B"][0] / point["A"][0])
+    assert set(point["times"]) >= {"time_ref_s", "time_shared_s"}
     assert "skipped" in skipped
     assert len(_git(repo, "worktree", "list").splitlines()) == 1  # the temporary worktrees are gone
 

@@ -84,3 +84,18 @@ def test_data_task_section_and_rewards() -> None:
         load_config(overrides={"data": "d.jsonl", "task.grader": "fuzzy"})
     with pytest.raises(GRPOPartsError, match="rewards: got 'm.f'; expected 'module:function'"):
         load_config(overrides={"rewards": ["m.f"]})
+
+
+def test_config_errors_one_line_each() -> None:
+    """One problem: one line, our validator's message not repeated; several: one line per field."""
+    with pytest.raises(GRPOPartsError) as e:
+        load_config(overrides={"rewards": ["m.f"]})
+    assert (
+        str(e.value).count("\n") == 0 and str(e.value).count("m.f") == 1 and "Value error" not in str(e.value)
+    )
+    with pytest.raises(GRPOPartsError) as e:
+        load_config(sets=["seed=x", "group_size=y"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "invalid training config:" and len(lines) == 3
+    assert lines[1].strip().startswith("seed: ") and lines[1].endswith("got 'x'")
+    assert lines[2].strip().startswith("group_size: ") and lines[2].endswith("got 'y'")

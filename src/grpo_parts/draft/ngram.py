@@ -36,6 +36,8 @@ class _Pool:
         self.lo, self.hi, self.keep = lo, hi, keep
         self.seqs: list[list[int]] = []
         self.index: dict[Key, list[tuple[int, int]]] = {}
+        #: n-gram -> its continuations ranked by share (count, then recency); dropped when it gains one
+        self._ranked: dict[Key, list[tuple[int, float]]] = {}
 
     def add(self, tokens: list[int]) -> int:
         sid = len(self.seqs)
@@ -48,10 +50,12 @@ class _Pool:
         for tok in tokens:
             e = len(seq)  # the n-grams ending at e now have a continuation: ``tok``
             for n in range(self.lo, min(self.hi, e) + 1):
-                occ = self.index.setdefault(tuple(seq[e - n : e]), [])
+                key = tuple(seq[e - n : e])
+                occ = self.index.setdefault(key, [])
                 occ.append((sid, e))
                 if len(occ) > self.keep:
                     del occ[0]
+                self._ranked.pop(key, None)
             seq.append(tok)
 
     def continuation(self, tail: list[int], k: int) -> list[int]:
@@ -69,23 +73,33 @@ class _Pool:
                 break
         return out
 
+    def ranked(self, key: Key) -> list[tuple[int, float]]:
+        """The distinct continuations of the n-gram ``key`` with their share of its occurrences,
+        best first (count, then recency); cached until the n-gram gains an occurrence."""
+        got = self._ranked.get(key)
+        if got is None:
+            counts: dict[int, float] = {}
+            for rank, (sid, e) in enumerate(self.index.get(key, ())):  # oldest first: recent wins ties
+                tok = self.seqs[sid][e]
+                counts[tok] = counts.get(tok, 0.0) + 1.0 + 1e-3 * rank
+            total = sum(counts.values())
+            got = self._ranked[key] = [
+                (t, c / total) for t, c in sorted(counts.items(), key=lambda kv: -kv[1])
+            ]
+        return got
+
     def branches(self, ctx: list[int], width: int) -> list[tuple[int, float]]:
         """Up to ``width`` distinct next tokens after ``ctx`` with their share of the occurrences of
         the longest matching suffix (count, then recency); shorter suffixes add tokens at half weight."""
         out: dict[int, float] = {}
         weight = 1.0
         for n in range(min(self.hi, len(ctx)), self.lo - 1, -1):
-            occ = self.index.get(tuple(ctx[len(ctx) - n :]))
-            if not occ:
+            key = tuple(ctx[len(ctx) - n :])
+            if key not in self.index:
                 continue
-            counts: dict[int, float] = {}
-            for rank, (sid, e) in enumerate(occ):  # oldest first: later (more recent) wins ties
-                tok = self.seqs[sid][e]
-                counts[tok] = counts.get(tok, 0.0) + 1.0 + 1e-3 * rank
-            total = sum(counts.values())
-            for tok, c in sorted(counts.items(), key=lambda kv: -kv[1]):
+            for tok, share in self.ranked(key):
                 if tok not in out:
-                    out[tok] = weight * c / total
+                    out[tok] = weight * share
             if len(out) >= width:
                 break
             weight *= 0.5

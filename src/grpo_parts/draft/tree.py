@@ -58,9 +58,9 @@ def topk_tree(
     paths = tok[..., None]
     anc = torch.zeros(a, 0, 0, dtype=torch.bool, device=dev)  # among fed nodes
     fed_parent = torch.full((a, k), -1, dtype=torch.long, device=dev)
+    # all ``depth`` levels are grown even when the first levels already hold ``nodes`` candidates:
+    # a deep path of confident tokens outranks a level's weak siblings in the final selection
     for depth in range(1, budget.depth):
-        if sum(t.shape[1] for t in toks) >= budget.nodes:
-            break
         m0 = anc.shape[1]
         # the new fed nodes see their parent's ancestors and themselves
         par_anc = torch.where(

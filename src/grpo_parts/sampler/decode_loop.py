@@ -235,11 +235,12 @@ class DecodeState:
     def verify_tree(
         self, tokens: torch.Tensor, parents: torch.Tensor, verifier: TreeVerifier,
         generator: torch.Generator | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:  # fmt: skip
         """Score every node of each row's tree ``tokens/parents: [A, N]`` in one cached forward
         (tree attention mask over the cache, position = the row's next position + node depth),
         verify, emit. Only the accepted path's KV entries stay: they are moved to the front of the
-        block and the rest cropped (or left as holes). Returns ``(n_acc, take)``."""
+        block and the rest cropped (or left as holes). Returns ``(n_acc, take, (depth, width))``,
+        the last two the deepest level and the most children of one node over the rows."""
         params, (a, n) = self.params, tokens.shape
         anc = tree_ancestors(parents)  # [A, N+1, N+1], column 0 = the root (last token)
         depth = anc.sum(-1) - 1
@@ -265,7 +266,7 @@ class DecodeState:
         rank = torch.full((a, n + 1), n + 1, dtype=torch.long, device=inp.device) + c
         rank.scatter_(1, torch.where(on_path, src, 0), torch.where(on_path, j[None, :], 0).expand(a, -1))
         order = rank.argsort(1)
-        if compact_block(self.cache, order):
+        if compact_block(self.cache, order, keep=int(n_acc.max()) + 1):
             self.mask[:, -(n + 1) :] = (c[None, :] <= n_acc[:, None]).long()
         else:  # no per-layer keys to move: the rejected nodes stay as holes
             kept = torch.zeros(a, n + 1, dtype=torch.long, device=inp.device)
@@ -276,7 +277,9 @@ class DecodeState:
             h = out.hidden_states[-1]
             h = h.gather(1, src[..., None].expand(-1, -1, h.shape[-1]))
             self.h_parts = [right_align(h, n_acc + 1, d + 1, 0.0)]
-        return n_acc, take
+        kids = torch.zeros(a, n + 1, dtype=torch.long, device=inp.device)
+        kids.scatter_add_(1, parents + 1, torch.ones_like(parents))
+        return n_acc, take, (int(depth.max()), int(kids.max()))
 
     def window_room(self) -> int:
         """The longest draft a step may verify under the sliding window (after compaction)."""

@@ -42,7 +42,7 @@ from .model_support import recurrent_reasons, sliding_window, window_reason
 from .protocol import PromptBatch, Rollout, SamplingParams
 from .reference import check_model, completion_mask_from_eos, expand_prompts
 from .trace import DecodeTrace
-from .tree_cost import TreeAcceptance, TreeCost, choose_plan, tree_step_time
+from .tree_cost import TreeAcceptance, TreeCost, best_tree, choose_plan, tree_step_time
 from .tree_verify import TreeVerifier, verify_tree
 from .verify import Verifier, verify_chain
 
@@ -119,6 +119,11 @@ class SpeculativeSampler:
         self.last_draft_metrics: dict[str, float] = {}
         self.last_trace = DecodeTrace()  # per decode step of the last rollout: rows, k, tokens, why
         self._steps = self._last_probe = 0
+        #: decisions between chains and trees so far, and the last one that ran each shape
+        self._shape_steps = 0
+        self._last_shape = {"chain": 0, "tree": 0}
+        #: steps between probes of a shape: 2, 4, 8, ... up to ``probe_every`` (measured early)
+        self._shape_gap = {"chain": 2, "tree": 2}
         self._probe_gap = self.config.probe_every
 
     # ------------------------------------------------------------------ Sampler protocol
@@ -265,9 +270,38 @@ class SpeculativeSampler:
         if not trees_ok or self.cost is None or self.config.draft_tokens is not None:
             return k
         budgets = [b for b in self.tree_budgets() if b.nodes <= room]
-        return choose_plan(
+        plan = choose_plan(
             self.cost, self.tree_cost, self.tree_acceptance, active, self.acceptance.rate, k, budgets
         )
+        return self._probe_other_shape(plan, k, active, budgets)
+
+    def _probe_other_shape(
+        self, plan: int | TreeBudget, k: int, active: int, budgets: list[TreeBudget]
+    ) -> int | TreeBudget:
+        """Chains and trees are judged on their own measured acceptance, which only a step of that
+        shape updates: while one shape wins, the other is tried after 2, 4, 8, ... and then every
+        ``probe_every`` steps (a chain when the cost model would draft one at all; a tree when
+        chains win and its predicted rate is at least 0.7 of theirs, so a probe costs < 2% of the
+        steps), so a stale estimate -- e.g. a chain acceptance never measured because trees ran from the start --
+        cannot lock in the worse shape."""
+        assert self.cost is not None
+        self._shape_steps += 1
+        gap, last = self._shape_gap, self._last_shape
+        probe: int | TreeBudget | None = None
+        if isinstance(plan, TreeBudget):
+            if k > 0 and self._shape_steps - last["chain"] >= gap["chain"]:
+                probe, kind = k, "chain"
+        elif plan > 0 and budgets and self._shape_steps - last["tree"] >= gap["tree"]:
+            chain = self.cost.rate(active, plan, self.acceptance.rate)
+            tree, rate = best_tree(
+                self.cost, self.tree_cost, self.tree_acceptance, active, self.acceptance.rate, budgets
+            )
+            if tree is not None and rate >= 0.7 * chain:
+                probe, kind = tree, "tree"
+        if probe is None:
+            return plan
+        gap[kind] = min(2 * gap[kind], self.config.probe_every)
+        return probe
 
     def _speculative_step(
         self, st: DecodeState, plan: int | TreeBudget, params: SamplingParams, generator: torch.Generator | None,
@@ -284,8 +318,8 @@ class SpeculativeSampler:
         predicted = tokens = None
         if isinstance(plan, TreeBudget):
             parents = prop.chain_parents()
-            n_acc, take = st.verify_tree(prop.tokens, parents, self.tree_verifier, generator)
-            depth, width = tree_shape(parents)
+            self._last_shape["tree"] = self._shape_steps
+            n_acc, take, (depth, width) = st.verify_tree(prop.tokens, parents, self.tree_verifier, generator)
             stats["tree_steps"] += 1
             self.tree_acceptance.update(k, plan.depth, n_acc)
             if self.cost is not None:
@@ -295,6 +329,7 @@ class SpeculativeSampler:
                 )
                 tokens = k + 1
         else:
+            self._last_shape["chain"] = self._shape_steps
             if self.cost is not None:
                 self.cost.observe_draft(a, k, t_draft)
             n_acc, take = st.verify_chain(prop.tokens, prop.probs, self.verifier, generator)
@@ -356,15 +391,3 @@ class SpeculativeSampler:
         loss_mask = torch.zeros_like(attn)
         loss_mask[:, p - 1 : p - 1 + rollout.completion_ids.shape[1]] = rollout.completion_mask.long()
         return DraftTrainingBatch(ids, loss_mask, out.hidden_states[-1], out.logits, attention_mask=attn)
-
-
-def tree_shape(parents: torch.Tensor) -> tuple[int, int]:
-    """(deepest level, most children of one node) over the rows of a tree batch."""
-    from ..decoding import tree_depths
-
-    if parents.numel() == 0:
-        return 0, 0
-    depth = int(tree_depths(parents).max())
-    kids = torch.zeros(parents.shape[0], parents.shape[1] + 1, dtype=torch.long, device=parents.device)
-    kids.scatter_add_(1, parents + 1, torch.ones_like(parents))
-    return depth, int(kids.max())

@@ -93,6 +93,20 @@ def tree_step_time(cost: CostModel, trees: TreeCost, a: int, budget: TreeBudget)
     return pred * cost.scale.get((cost._bucket(a), True), 1.0)
 
 
+def best_tree(
+    cost: CostModel, trees: TreeCost, acceptance: TreeAcceptance, active: int, chain_rate: float,
+    budgets: list[TreeBudget],
+) -> tuple[TreeBudget | None, float]:  # fmt: skip
+    """The tree budget with the most expected tokens per second per row, and that rate."""
+    best: TreeBudget | None = None
+    rate = 0.0
+    for b in budgets:
+        r = acceptance.expected_tokens(b, chain_rate) / tree_step_time(cost, trees, active, b)
+        if r > rate:
+            best, rate = b, r
+    return best, rate
+
+
 def choose_plan(
     cost: CostModel,
     trees: TreeCost,
@@ -103,10 +117,6 @@ def choose_plan(
     budgets: list[TreeBudget],
 ) -> int | TreeBudget:
     """The best of the cost model's chain choice ``chain_k`` (0 = plain) and every tree budget."""
-    best: int | TreeBudget = chain_k
     rate = cost.rate(active, chain_k, chain_rate) * (cost.margin if chain_k == 0 else 1.0)
-    for b in budgets:
-        r = acceptance.expected_tokens(b, chain_rate) / tree_step_time(cost, trees, active, b)
-        if r > rate:
-            best, rate = b, r
-    return best
+    tree, tree_rate = best_tree(cost, trees, acceptance, active, chain_rate, budgets)
+    return tree if tree is not None and tree_rate > rate else chain_k

@@ -299,12 +299,24 @@ def load_config(
     try:
         return TrainConfig.model_validate(tree)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "config"
-            got = f", got {err['input']!r}" if "input" in err and not isinstance(err["input"], dict) else ""
-            lines.append(f"{loc}: {err['msg']}{got}")
+        lines = [_error_line(err) for err in e.errors()]
+        if len(lines) == 1:  # the usual case: one line, as for every other user error
+            raise GRPOPartsError(f"invalid training config: {lines[0]}") from None
         raise GRPOPartsError("invalid training config:\n  " + "\n  ".join(lines)) from None
+
+
+def _error_line(err: Any) -> str:
+    """One pydantic error as ``field: message, got value``. Our own validators' messages already
+    name the field and the value (``ValueError``s, which pydantic prefixes with "Value error, "):
+    those are kept as they are rather than repeating both."""
+    loc = ".".join(str(x) for x in err["loc"]) or "config"
+    msg = str(err["msg"])
+    if err.get("type") == "value_error":
+        msg = msg.removeprefix("Value error, ")
+        if msg.startswith(f"{loc}:") or msg.startswith(f"{loc.split('.')[-1]}:"):
+            return msg
+    got = f", got {err['input']!r}" if "input" in err and not isinstance(err["input"], dict) else ""
+    return f"{loc}: {msg}{got}"
 
 
 def dump_config(config: TrainConfig) -> str:

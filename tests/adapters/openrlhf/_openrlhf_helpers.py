@@ -135,6 +135,7 @@ def openrlhf_args(group_size: int, batch_size: int, **overrides: Any) -> SimpleN
             colocate_actor_ref=False,
             max_epochs=1,
             micro_batch_size=2,
+            batch_size=2,  # one rank: an optimizer step per micro-batch
         ),
         reward=ns(
             clip_range=(-10.0, 10.0),

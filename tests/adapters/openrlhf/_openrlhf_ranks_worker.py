@@ -13,6 +13,7 @@ live in this process, see ``_cpu_openrlhf.LocalGroup``).
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import traceback
@@ -81,6 +82,10 @@ def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]
         group, None, None, None, FixedKLController(0.0), strategy, type("Tok", (), {"pad_token_id": 0})(),
         completion_filter=PartsConfig.from_args(args).build_filter(),
     )  # fmt: skip
+    # this process plays the controller for its own rank only: its kept rows are rounded to one
+    # rank's share of --train.batch_size (4), not to the global batch
+    maker.args = copy.deepcopy(args)
+    maker.args.train.batch_size = 4
     samples = rollout_samples(torch.Generator().manual_seed(1 + rank), G, 2, REWARDS[rank], env_tokens=True)
     for s in samples:
         s.rewards, s.scores = s.rewards.float(), s.scores.float()

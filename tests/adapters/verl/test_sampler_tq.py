@@ -151,3 +151,51 @@ def test_verls_own_estimator_is_refused_after_the_first_step(store):
     with pytest.raises(ValueError, match="adv_estimator=grpo_parts_grpo"):
         buffer.sample(global_steps=2, partition_id="train", batch_size=4)
     assert not advantage._FULL_GROUPS
+
+
+def dp_config(*extra: str):
+    """verl's config on two ranks with ``hydra_overrides("cppo", {"k": 3})`` (the sampler's
+    data-parallel keys interpolated from verl's own)."""
+    import verl
+    from grpo_parts_adapters.verl.sampler import hydra_overrides
+    from hydra import compose, initialize_config_dir
+
+    overrides = [
+        "data.train_batch_size=4",
+        "data.gen_batch_size=2",
+        f"actor_rollout_ref.rollout.n={N}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # x n = 4 rows per optimizer step
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "trainer.n_gpus_per_node=2",
+        *hydra_overrides("cppo", {"k": 3}),
+        *extra,
+    ]
+    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+def test_kept_rows_fill_whole_mini_batches_on_two_ranks(store):
+    """Two data-parallel ranks: the sampler rounds the kept rows to lcm(ranks, ppo_mini_batch_size
+    x n) = 4, so verl's own ``_balance_batch`` adds no padding row and cuts equal per-rank shares of
+    whole mini-batches; a ``target_rows`` that cannot be cut so is refused at construction."""
+    cfg = dp_config()
+    rollout = Rollouts("dp")
+    stub = trainer_stub(cfg, rollout)
+    stub.actor_rollout_wg._dispatch_info = {"actor": [0, 1]}
+    buffer = PPOTrainer._build_replay_buffer(stub)
+    assert buffer.grpo_parts_filter_options.batch_multiple == 4
+    rollout.submit(4)  # prompts 0..3: only prompt 1 has a reward signal
+    batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=4)
+    # CPPO keeps 3 rows of prompt 1, rounded up to its 4 (verl alone would pad with a no-op row)
+    assert len(batch.keys) == 4 and all(k.startswith("dp1x") for k in batch.keys)
+    batch = PPOTrainer._balance_batch(stub, batch, metrics)
+    assert len(batch.keys) == 4 and not any(t.get("is_padding", False) for t in batch.tags)
+    shares = [batch.keys[:2], batch.keys[2:]]  # verl's dispatch cuts the reordered batch in order
+    assert [len(s) for s in shares] == [2, 2]  # = ppo_mini_batch_size x n / ranks: one step each
+    PPOTrainer._compute_advantage(stub, batch, metrics)
+    assert not advantage._FULL_GROUPS
+
+    refused = dp_config("+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.target_rows=6")
+    with pytest.raises(ValueError, match="target_rows: expected a multiple of 4"):
+        PPOTrainer._build_replay_buffer(trainer_stub(refused, rollout))
