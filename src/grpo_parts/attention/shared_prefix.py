@@ -314,8 +314,8 @@ class SharedPrefixAttention:
         chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
         free = padding_free_tokens(batch)
         layout, why = choose_layout(self.layout, info["grid_slots"], free)
-        if layout == "padding_free":
-            chunks = [torch.arange(batch.group_index.numel(), device=device)]
+        if layout == "padding_free":  # one call; grid_slots stays: what the grid would have run
+            chunks, info = [torch.arange(batch.group_index.numel(), device=device)], {**info, "chunks": 1}
         chunks, self.last_plan, empty = rank_consistent_plan(
             batch, self.chunk_overhead_tokens, self._max_chunks(model), self.rank_group, device,
             planned=(chunks, info), replan=layout == "grid",
