@@ -189,7 +189,15 @@ def token_stats(args: argparse.Namespace, variant: str) -> dict[str, int]:
             sub_ids = ids[int(cu[s]) : int(cu[min(s + args.n, len(uids))])]
             sub_cu = cu[s : s + args.n + 1] - cu[s]
             slack = None if variant == "ours_one_call" else 0.25
-            plan = plan_calls(sub_ids, sub_cu, resp[rows], uids[rows], "shared_prefix", slack, args.layout)
+            plan = plan_calls(
+                sub_ids,
+                sub_cu,
+                resp[rows],
+                uids[rows],
+                "shared_prefix",
+                slack,
+                getattr(args, "layout", "auto"),
+            )
             tokens += plan.grid_tokens
             if plan.grid_tokens == plan.padding_free_tokens:  # padding-free: a logit per response token
                 logits += int(resp[rows].sum()) - len(plan.calls[0]) + len(set(uids[rows]))
@@ -245,7 +253,7 @@ def build_engine(args: argparse.Namespace, variant: str) -> tuple[Any, Any, bool
     grpo_parts = {
         "attention": "shared_prefix",
         "merge_slack": None if variant == "ours_one_call" else 0.25,
-        "layout": args.layout,
+        "layout": getattr(args, "layout", "auto"),
     }
     mp = {"param_dtype": args.dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     cfg = FSDPActorConfig(
