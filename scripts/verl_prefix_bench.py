@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("verl_padded", "verl_packed", "verl_pg", "ours", "ours_one_call")
 
 
-def build_model(path: Path, vocab: int) -> None:
+def build_model(path: Path, vocab: int, hidden: int = 256, layers: int = 4) -> None:
     import torch
 
     from grpo_parts.tiny import tiny_causal_lm
@@ -54,8 +54,8 @@ def build_model(path: Path, vocab: int) -> None:
     model = tiny_causal_lm(
         "qwen2",
         vocab_size=vocab,
-        hidden_size=256,
-        num_layers=4,
+        hidden_size=hidden,
+        num_layers=layers,
         num_heads=8,
         num_kv_heads=2,
         dtype=torch.float32,
@@ -83,7 +83,7 @@ def make_batch(args: argparse.Namespace) -> Any:
     import torch
     from verl.utils import tensordict_utils as tu
 
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed + 1000 * int(os.environ.get("RANK", "0")))
     rows = []
     for i in range(args.prompts):
         prompt = torch.randint(
@@ -189,9 +189,20 @@ def token_stats(args: argparse.Namespace, variant: str) -> dict[str, int]:
             sub_ids = ids[int(cu[s]) : int(cu[min(s + args.n, len(uids))])]
             sub_cu = cu[s : s + args.n + 1] - cu[s]
             slack = None if variant == "ours_one_call" else 0.25
-            plan = plan_calls(sub_ids, sub_cu, resp[rows], uids[rows], "shared_prefix", slack)
+            plan = plan_calls(
+                sub_ids,
+                sub_cu,
+                resp[rows],
+                uids[rows],
+                "shared_prefix",
+                slack,
+                getattr(args, "layout", "auto"),
+            )
             tokens += plan.grid_tokens
-            logits += sum(len(c) * int(resp[rows][c].max()) for c in plan.calls)
+            if plan.grid_tokens == plan.padding_free_tokens:  # padding-free: a logit per response token
+                logits += int(resp[rows].sum()) - len(plan.calls[0]) + len(set(uids[rows]))
+            else:
+                logits += sum(len(c) * int(resp[rows][c].max()) for c in plan.calls)
     return {"model_tokens": tokens, "logit_rows": logits}
 
 
@@ -239,7 +250,11 @@ def build_engine(args: argparse.Namespace, variant: str) -> tuple[Any, Any, bool
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.utils.losses import ppo_loss
 
-    grpo_parts = {"attention": "shared_prefix", "merge_slack": None if variant == "ours_one_call" else 0.25}
+    grpo_parts = {
+        "attention": "shared_prefix",
+        "merge_slack": None if variant == "ours_one_call" else 0.25,
+        "layout": getattr(args, "layout", "auto"),
+    }
     mp = {"param_dtype": args.dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     cfg = FSDPActorConfig(
         strategy=args.strategy,
@@ -310,6 +325,9 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
         r["update_s_median"] = statistics.median(r["update_s"])
         r["update_s_min"] = min(r["update_s"])
         r.update(token_stats(args, v))
+        r["padding_free_tokens"] = token_stats(args, "verl_pg")["model_tokens"]
+    resp = make_batch(args)["responses"].offsets().diff().tolist()
+    out["shape"] = {"median_S": statistics.median(resp), "max_S": max(resp)}
     return out
 
 
@@ -342,6 +360,10 @@ def _environment(args: argparse.Namespace) -> Any:
     if not torch.cuda.is_available():
         from _cpu_verl import verl_on_cpu
 
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of --ranks N: its gloo group first
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
         return verl_on_cpu()
 
     @contextlib.contextmanager
@@ -357,6 +379,79 @@ def _environment(args: argparse.Namespace) -> Any:
             dist.destroy_process_group()
 
     return gpu()
+
+
+def _spawn(cmd: list[str], ranks: int) -> dict[str, Any]:
+    """``cmd`` on ``ranks`` processes (a gloo group; one thread each when several); rank 0's JSON."""
+    from multirank import free_port
+
+    env = dict(os.environ)
+    procs = []
+    for r in range(ranks):
+        e = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks)}
+        e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port() if r == 0 else e.get("MASTER_PORT")))
+        env["MASTER_PORT"] = e["MASTER_PORT"]
+        out = subprocess.PIPE if r == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen(cmd, env=e, stdout=out, stderr=subprocess.PIPE, text=True))
+    first, err = procs[0].communicate()
+    for p in procs[1:]:
+        p.wait()
+    if procs[0].returncode:
+        return {"error": (err.strip().splitlines() or ["?"])[-1]}
+    return json.loads(first.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """``--sweep``: update time, model tokens and logit rows of verl's padded and packed forwards and
+    ours on long-tailed batches, over G x P x median completion (``--sweep-*``), on ``--ranks``
+    gloo processes (each rank its own batch); one markdown row per point, then JSON."""
+    build_model(args.model, args.vocab, args.hidden, args.layers)
+    variants = ["verl_padded", "verl_packed", "ours"]
+    print("| ranks | G | P (max) | median S | max S | update s: verl padded / packed / ours | ours vs "
+          "faster verl | model tokens: padded / packed / ours (padding-free) | logit rows: packed / ours "
+          "| share of ideal | max abs log-prob diff |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for n in args.sweep_g:
+        for plen in args.sweep_p:
+            for median in args.sweep_median:
+                a = [sys.executable, __file__, "--mode", "time", "--long-tail", "--model", str(args.model)]
+                a += ["--prompts", str(args.prompts), "--n", str(n), "--prompt-len", str(plen)]
+                a += [
+                    "--response-len",
+                    str(median),
+                    "--vocab",
+                    str(args.vocab),
+                    "--repeats",
+                    str(args.repeats),
+                ]
+                a += ["--threads", str(max(1, args.threads // args.ranks)), "--layout", args.layout]
+                a += ["--variants", *variants]
+                r = _spawn(a, args.ranks)
+                if "error" in r:
+                    print(
+                        f"| {args.ranks} | {n} | {plen} | {median} | | error: {r['error'][:160]} | | | | | |"
+                    )
+                    continue
+                t = {v: r[v]["update_s_median"] for v in variants}
+                tok = {v: r[v]["model_tokens"] for v in variants}
+                faster = min(t["verl_padded"], t["verl_packed"])
+                free = r["ours"]["padding_free_tokens"]
+                share = (tok["verl_packed"] / tok["ours"]) / (tok["verl_packed"] / free)
+                row = {"ranks": args.ranks, "G": n, "P": plen, **r["shape"], "update_s": t, "model_tokens": tok,
+                       "logit_rows": {v: r[v]["logit_rows"] for v in variants}, "padding_free_tokens": free,
+                       "ours_over_faster_verl": t["ours"] / faster, "share_of_ideal": share}  # fmt: skip
+                rows.append(row)
+                print(
+                    f"| {args.ranks} | {n} | {plen} | {r['shape']['median_S']:.0f} | {r['shape']['max_S']} | "
+                    f"{t['verl_padded']:.2f} / {t['verl_packed']:.2f} / {t['ours']:.2f} | {t['ours'] / faster:.2f} | "
+                    f"{tok['verl_padded']} / {tok['verl_packed']} / {tok['ours']} ({free}) | "
+                    f"{row['logit_rows']['verl_packed']} / {row['logit_rows']['ours']} | {share:.2f} | "
+                    f"{r['ours']['max_abs_logprob_diff']:.1e} |",
+                    flush=True,
+                )
+    print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "sweep": rows}))
+    return 0
 
 
 def main() -> int:
@@ -387,6 +482,14 @@ def main() -> int:
     p.add_argument("--attn", default=None, help="default: flash_attention_2 on GPU, sdpa on CPU")
     p.add_argument("--dtype", default=None, help="param dtype, default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", default="auto", help="the shared-prefix layout (auto, grid, padding_free)")
+    p.add_argument("--sweep", action="store_true", help="long-tailed sweep (see sweep()); --model is rebuilt")
+    p.add_argument("--ranks", type=int, default=1, help="--sweep: gloo processes (each its own batch)")
+    p.add_argument("--hidden", type=int, default=256, help="model hidden size (--sweep)")
+    p.add_argument("--layers", type=int, default=4, help="model layers (--sweep)")
+    p.add_argument("--sweep-g", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--sweep-p", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--sweep-median", type=int, nargs="+", default=[48, 128])
     args = p.parse_args()
     import torch
 
@@ -403,6 +506,9 @@ def main() -> int:
     if args.tokens_only:
         sys.path.insert(0, str(ROOT / "tests" / "adapters" / "verl"))
         return tokens_table(args)
+    sys.path.insert(0, str(ROOT / "tests"))  # multirank.free_port
+    if args.sweep:
+        return sweep(args)
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "verl"))
     if args.mode != "all":

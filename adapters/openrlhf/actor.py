@@ -103,7 +103,10 @@ class GRPOPartsActor(Actor):
         return self
 
     def _bound(self, layout: Any) -> tuple[Any, int | None, str | None]:
-        """Bound the shared-prefix layout by the packed tokens: each prompt group is cut into
+        """Bound the shared-prefix layout by the packed tokens. Unless the backend's ``layout`` is
+        ``grid``, a call whose padding-free layout (each prompt once plus every action token, never
+        more than the packed rows) runs fewer tokens than the grid keeps its prompt groups and the
+        backend lays it out padding-free. Otherwise each prompt group is cut into
         sub-groups of similar completion length (:func:`grpo_parts.attention.chunking.split_long_tails`,
         each at most its packed rows); when the backend's grid plan would still run more tokens than
         the packed rows, the plan splits into more grids (no per-forward overhead for this call), and
@@ -120,14 +123,19 @@ class GRPOPartsActor(Actor):
             return layout, None, None
         b = layout.batch
         plen, clen = b.prompt_mask.long().sum(-1), b.completion_mask.long().sum(-1)
-        batch = replace(b, group_index=split_long_tails(b.group_index, plen, clen))
-        layout = replace(layout, batch=batch)
         packed = int(plen.sum() + clen.sum())
         first = torch.zeros_like(b.group_index).scatter_reduce(
             0, b.group_index, plen, "amax", include_self=False
         )
         free = int(first[torch.unique(b.group_index)].sum() + clen.sum())
         most = backend._max_chunks(hf_model(self.model))
+        if backend.layout != "grid":  # the prompt groups as they are, if padding-free runs fewer tokens
+            grid = chunk_plan(b, backend.chunk_overhead_tokens, most)[1]["grid_slots"]
+            if free < grid or backend.layout == "padding_free":
+                self.tokens.update(grid_tokens=free, packed_tokens=packed, padding_free_tokens=free)
+                return layout, None, None
+        batch = replace(b, group_index=split_long_tails(b.group_index, plen, clen))
+        layout = replace(layout, batch=batch)
         overhead, grid = None, chunk_plan(batch, backend.chunk_overhead_tokens, most)[1]["grid_slots"]
         if grid > packed:
             overhead, grid = 0, chunk_plan(batch, 0, most)[1]["grid_slots"]

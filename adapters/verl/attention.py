@@ -111,6 +111,7 @@ def plan_calls(
     group_keys: Sequence[Any] | None = None,
     backend: str = "shared_prefix",
     merge_slack: float | None = None,
+    layout: str = "grid",
 ) -> CallPlan:
     """Split a packed micro-batch into backend calls. For ``shared_prefix``, each ``uid`` group is
     first cut into sub-groups of similar completion length whose layouts hold no more tokens than
@@ -119,7 +120,11 @@ def plan_calls(
     taken longest completion first and a group joins the current call only while the call's layout
     stays within ``1 + merge_slack`` times the sum of its groups' own layouts (0: one call per
     group). **Bound**: when the calls would run more tokens than the packed micro-batch, every
-    sub-group gets its own call, which runs at most the packed tokens."""
+    sub-group gets its own call, which runs at most the packed tokens. ``layout``: the backend's
+    (``grid``, ``padding_free`` or ``auto``); unless ``grid``, when the padding-free layout of the
+    ``uid`` groups runs fewer tokens than those calls, the micro-batch is one call of the ``uid``
+    groups (the backend then lays it out padding-free: each prompt once plus every response token,
+    never more than the packed micro-batch)."""
     from grpo_parts.attention.chunking import split_long_tails
 
     ids = input_ids.reshape(-1)
@@ -148,6 +153,8 @@ def plan_calls(
     if shared and total > packed and len(calls) < len(groups):
         calls = groups  # each sub-group's layout <= its packed rows
         total = sum(cost(c) for c in calls)
+    if shared and layout != "grid" and (free < total or layout == "padding_free"):
+        return CallPlan(uid_gi, plen, [rows], free, free)
     return CallPlan(gi, plen, calls, total, free)
 
 

@@ -44,7 +44,8 @@ class EngineOptions(BaseModel):
     run verl's own packed forward for a micro-batch whose grouped layouts would hold more than this
     many times its packed tokens (None: never). ``max_chunks`` / ``chunk_overhead_tokens``: the
     shared-prefix backend's grid splitting inside each call (:mod:`grpo_parts.attention.chunking`;
-    the data-parallel ranks agree on the number of model calls). See docs/adapters/verl.md, "Memory".
+    the data-parallel ranks agree on the number of model calls). ``layout``: the shared-prefix
+    layout (``auto``, ``grid``, ``padding_free``; docs/attention.md). See docs/adapters/verl.md, "Memory".
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -55,6 +56,7 @@ class EngineOptions(BaseModel):
     max_padding_ratio: float | None = Field(None, gt=0)
     max_chunks: int | None = Field(None, ge=1)
     chunk_overhead_tokens: int = 1024
+    layout: str = "auto"
 
     @field_validator("attention")
     @classmethod
@@ -79,7 +81,10 @@ class EngineOptions(BaseModel):
         if self.attention != "shared_prefix":
             return cls()
         return cls(
-            kernel=self.kernel, max_chunks=self.max_chunks, chunk_overhead_tokens=self.chunk_overhead_tokens
+            kernel=self.kernel,
+            max_chunks=self.max_chunks,
+            chunk_overhead_tokens=self.chunk_overhead_tokens,
+            layout=self.layout,
         )
 
 

@@ -20,12 +20,14 @@ reported in the micro-batch's metrics, which verl's actor update returns as ``ac
   passes (old-policy, reference) this worker process ran since the previous update, reported once
   with the update's first micro-batch;
 * ``parts/attention/grid_tokens``, ``parts/attention/packed_tokens``,
-  ``parts/attention/padding_free_tokens`` -- tokens the grouped layout ran, the packed micro-batches'
-  tokens (what remove-padding would have run) and those of a padding-free shared layout (each prompt
+  ``parts/attention/padding_free_tokens`` -- tokens the shared-prefix layout ran (grid or
+  padding-free, whichever the backend's ``layout`` chose), the packed micro-batches' tokens (what remove-padding would have run) and those of a padding-free shared layout (each prompt
   once per ``uid`` plus the completions: what verl's Prefix Grouper runs); the step's
-  ``grid_tokens / padding_free_tokens`` is the padding the grouped layout pays;
+  ``grid_tokens / padding_free_tokens`` is the padding the grouped layout pays (1 when every
+  micro-batch ran padding-free);
   ``parts/attention/grid_over_packed_max`` -- the largest per-micro-batch ``grid / packed`` (<= 1:
-  the plan never runs more tokens than the packed micro-batch).
+  the plan never runs more tokens than the packed micro-batch), and
+  ``parts/attention/grid_over_padding_free_max`` the largest ``grid / padding_free``.
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[int, int
         out["parts/attention/packed_tokens"] = _sum(tokens[1])
         out["parts/attention/padding_free_tokens"] = _sum(tokens[2])
         out["parts/attention/grid_over_packed_max"] = _max(tokens[0] / max(1, tokens[1]))
+        out["parts/attention/grid_over_padding_free_max"] = _max(tokens[0] / max(1, tokens[2]))
     if forward_only:
         _pending_logprob = True
     elif _pending_logprob:
@@ -181,7 +184,8 @@ def _plan(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[Any, str 
     """``((ids, cu, resp, keys, plan), reason)``: the micro-batch's backend calls, and why it must run
     verl's forward instead (``None``: it need not)."""
     ids, cu, resp, keys = _parts(micro_batch)
-    plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack)
+    layout = getattr(_engine_state(engine, opts), "layout", "grid")
+    plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack, layout)
     reason = None
     if opts.max_padding_ratio is not None and plan.grid_tokens > opts.max_padding_ratio * ids.numel():
         reason = f"grouped layout > max_padding_ratio={opts.max_padding_ratio} x packed tokens"

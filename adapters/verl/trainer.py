@@ -56,6 +56,16 @@ def filter_options_from(config: Any) -> FilterOptions | None:
         return None
     norm = OmegaConf.select(config, "algorithm.norm_adv_by_std_in_grpo", default=True)
     opts.setdefault("norm_adv_by_std", bool(norm))  # follow verl's setting unless given
+    # whole mini-batches on every rank (FilterOptions.batch_multiple), from verl's own keys
+    for key, path in (
+        ("ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        ("rollout_n", "actor_rollout_ref.rollout.n"),
+        ("n_gpus_per_node", "trainer.n_gpus_per_node"),
+        ("nnodes", "trainer.nnodes"),
+    ):
+        value = OmegaConf.select(config, path, default=None)
+        if value is not None:
+            opts.setdefault(key, int(value))
     return FilterOptions(**opts)
 
 

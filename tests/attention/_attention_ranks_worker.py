@@ -48,16 +48,23 @@ def make_batch(groups: list[tuple[int, list[int]]], seed: int) -> LogprobBatch:
 #: case -> (backend options, rank 0's groups, rank 1's groups)
 CASES: dict[str, tuple[dict[str, Any], list, list]] = {
     "single_group_vs_split": (
-        {"chunk_overhead_tokens": -1},
+        {"chunk_overhead_tokens": -1, "layout": "grid"},
         [(5, [3, 6])],
         [(4, [2]), (6, [2, 3, 1]), (3, [12]), (7, [5, 5]), (2, [1, 9, 4, 2])],
     ),
     "replan_and_pad": (
-        {"chunk_overhead_tokens": 2},
+        {"chunk_overhead_tokens": 2, "layout": "grid"},
         [(3, [1, 2]), (8, [7]), (4, [2, 2, 2])],
         [(4, [2, 1, 1]), (6, [30, 1]), (3, [1, 2]), (7, [2, 2]), (2, [14, 1, 1])],
     ),
     "default_options": ({}, [(5, [4])], [(6, [3, 2]), (4, [1])]),
+    # rank 0: one long-tailed group, padding-free (one call); rank 1: groups of equal completions,
+    # grid split into three calls (ties keep the grid): rank 0 pads with two empty calls
+    "padding_free_vs_grid": (
+        {"chunk_overhead_tokens": -1},
+        [(5, [1, 1, 1, 12])],
+        [(4, [3, 3]), (6, [2, 2]), (3, [5])],
+    ),
 }
 
 

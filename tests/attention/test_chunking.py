@@ -72,11 +72,13 @@ def test_a_model_sharded_on_one_process_splits_as_usual() -> None:
     model = tiny_causal_lm("llama", vocab_size=16, hidden_size=16, num_layers=1, num_heads=2)
     batch = _batch([2, 1, 3], [3, 9, 1, 6])
     next(model.parameters()).ds_id = 0  # type: ignore[attr-defined]  # what DeepSpeed ZeRO-3 marks
-    sharded = SharedPrefixAttention(chunk_overhead_tokens=-1)
+    sharded = SharedPrefixAttention(chunk_overhead_tokens=-1, layout="grid")
     sharded.completion_logprobs(model, batch)
     assert sharded.last_plan["chunks"] == sharded.last_plan["model_calls"] == 3
     assert sharded.last_plan["empty_calls"] == 0
-    explicit = SharedPrefixAttention(chunk_overhead_tokens=-1, max_chunks=2)  # the user's choice wins
+    explicit = SharedPrefixAttention(
+        chunk_overhead_tokens=-1, max_chunks=2, layout="grid"
+    )  # the user's choice wins
     explicit.completion_logprobs(model, batch)
     assert explicit.last_plan["chunks"] == 2
     chunks, info, empty = rank_consistent_plan(batch, -1, 8)

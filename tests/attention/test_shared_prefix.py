@@ -75,10 +75,14 @@ def logps_and_grads(backend, model, batch, temperature=1.0):  # type: ignore[no-
 
 
 def assert_equivalent(model, batch, kernel, temperature=1.0, tol=(ATOL, 0.0), **options):  # type: ignore[no-untyped-def]
+    if options.get("chunk_overhead_tokens", 0) < 0:  # a forced split is a grid plan
+        options.setdefault("layout", "grid")
     ref, ref_g = logps_and_grads(RepeatedPrefixAttention(), model, batch, temperature)
     backend = SharedPrefixAttention(kernel, **options)
     out, out_g = logps_and_grads(backend, model, batch, temperature)
     atol, rtol = tol
+    if options.get("layout", "auto") != "auto":  # the layout asked for ran
+        assert backend.last_plan["layout"] == options["layout"]
     if options.get("chunk_overhead_tokens", 0) < 0:  # a split was asked for: it must have happened
         groups = int(torch.unique(batch.group_index).numel())
         assert backend.last_plan["chunks"] == min(options.get("max_chunks", 8), groups)
@@ -109,6 +113,7 @@ def cases(draw):  # type: ignore[no-untyped-def]
         max_prompt=draw(st.integers(1, 6)),
         max_completion=draw(st.integers(1, 5)),
         kernel=draw(st.sampled_from(kernels_for(family))),
+        layout=draw(st.sampled_from(["grid", "padding_free", "auto"])),
         temperature=draw(st.sampled_from([1.0, 0.7])),
         seed=draw(st.integers(0, 2**16)),
         # several grids (groups split by completion length); a negative overhead forces the split
@@ -135,8 +140,9 @@ def test_equivalent_to_reference(case):  # type: ignore[no-untyped-def]
         gen, case["groups"], vocab=48, max_prompt=case["max_prompt"], max_completion=case["max_completion"]
     )
     assert_equivalent(
-        model, batch, case["kernel"], case["temperature"], tol=tolerance(case["family"]), **case["chunks"]
-    )
+        model, batch, case["kernel"], case["temperature"], tol=tolerance(case["family"]),
+        **({"layout": "grid", **case["chunks"]} if case["chunks"] else {"layout": case["layout"]}),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -158,7 +164,8 @@ def test_every_family(family):  # type: ignore[no-untyped-def]
         return
     assert SharedPrefixAttention().not_supported_reasons(model, batch) == []
     for kernel in kernels_for(family):
-        assert_equivalent(model, batch, kernel, tol=tolerance(family))
+        for layout in ("grid", "padding_free"):
+            assert_equivalent(model, batch, kernel, tol=tolerance(family), layout=layout)
 
 
 def test_sdpa_chunking_options(monkeypatch):  # type: ignore[no-untyped-def]
@@ -171,13 +178,15 @@ def test_sdpa_chunking_options(monkeypatch):  # type: ignore[no-untyped-def]
     batch = random_batch(
         torch.Generator().manual_seed(3), [3, 1, 2], vocab=48, max_prompt=7, max_completion=5
     )
-    assert_equivalent(model, batch, "sdpa", chunk_elems=1)  # one slot per suffix-self chunk
-    assert_equivalent(model, batch, "sdpa", chunk_elems=1)  # (the default threshold: no flash here)
+    assert_equivalent(model, batch, "sdpa", chunk_elems=1, layout="grid")  # one slot per suffix-self chunk
+    assert_equivalent(
+        model, batch, "sdpa", chunk_elems=1, layout="grid"
+    )  # (the default threshold: no flash here)
     assert not flash_calls
-    assert_equivalent(model, batch, "sdpa", suffix_flash_min=1)  # suffix-self through flash
+    assert_equivalent(model, batch, "sdpa", suffix_flash_min=1, layout="grid")  # suffix-self through flash
     assert flash_calls  # the option reached the kernel (it used to be dropped on the way)
     for kernel in ("sdpa", "eager"):  # one grid per group
-        assert_equivalent(model, batch, kernel, max_chunks=8, chunk_overhead_tokens=-1)
+        assert_equivalent(model, batch, kernel, max_chunks=8, chunk_overhead_tokens=-1, layout="grid")
 
 
 def test_no_grad_forwards_and_flex():  # type: ignore[no-untyped-def]
@@ -187,8 +196,9 @@ def test_no_grad_forwards_and_flex():  # type: ignore[no-untyped-def]
     with torch.no_grad():
         ref = RepeatedPrefixAttention().completion_logprobs(model, batch).logprobs
         for kernel in ("auto", "sdpa", "eager", "flex"):
-            out = SharedPrefixAttention(kernel).completion_logprobs(model, batch).logprobs
-            torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+            for layout in ("grid", "padding_free"):
+                out = SharedPrefixAttention(kernel, layout=layout).completion_logprobs(model, batch).logprobs
+                torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
 
 def test_registry_and_auto_choice():  # type: ignore[no-untyped-def]

@@ -81,17 +81,21 @@ def rank_consistent_plan(
     max_chunks: int,
     group: Any = None,
     device: torch.device | None = None,
+    planned: tuple[list[torch.Tensor], dict[str, Any]] | None = None,
+    replan: bool = True,
 ) -> tuple[list[torch.Tensor], dict[str, Any], int]:
     """:func:`chunk_plan` on which the ranks of ``group`` agree: ``(chunks, info, empty_calls)`` with
     ``len(chunks) + empty_calls`` equal on every rank. A rank whose own plan has fewer grids than the
     largest re-plans with up to that many at no overhead (the calls run anyway), and pads with empty
     calls what its groups cannot fill (a rank with one group: one grid + empty calls). ``info`` adds
-    ``model_calls`` and ``empty_calls``. On one process: :func:`chunk_plan`, no empty calls."""
-    chunks, info = chunk_plan(batch, overhead_tokens, max_chunks)
+    ``model_calls`` and ``empty_calls``. On one process: :func:`chunk_plan`, no empty calls.
+    ``planned``: this rank's own ``(chunks, info)`` (default: :func:`chunk_plan`); ``replan=False``
+    pads with empty calls only (a padding-free call is not split)."""
+    chunks, info = planned or chunk_plan(batch, overhead_tokens, max_chunks)
     calls = len(chunks)
     if ranks_of(group) > 1:
         calls = agree_on_calls(len(chunks), group, device)
-        if calls > len(chunks):
+        if calls > len(chunks) and replan:
             chunks, info = chunk_plan(batch, 0, calls)
     empty = calls - len(chunks)
     info.update(model_calls=calls, empty_calls=empty)

@@ -38,6 +38,7 @@ from ..compat import own_attention, own_attention_function, sdpa_attention_forwa
 from ..errors import GRPOPartsError, NotSupportedError
 from .cascade import flash_ops, repeat_kv, sdpa_cascade
 from .layout import LAYOUT_KWARG, PrefixLayout
+from .padding_free import PaddingFreeLayout, padding_free_attention
 
 KERNELS: tuple[str, ...] = ("sdpa", "eager", "flex")
 
@@ -244,7 +245,7 @@ def shared_prefix_attention(
     selected) it runs the model's own attention -- the implementation selected before
     (:func:`~grpo_parts.compat.own_attention`, with its own mask builder), soft-capping, sinks and
     sliding windows included -- or, for a model built with this kernel, transformers' SDPA."""
-    lay: PrefixLayout | None = kwargs.pop(LAYOUT_KWARG, None)
+    lay: PrefixLayout | PaddingFreeLayout | None = kwargs.pop(LAYOUT_KWARG, None)
     if lay is None:
         own = own_attention(getattr(module, "config", None))
         fn = None if own is None else own_attention_function(module, own)
@@ -312,6 +313,11 @@ def shared_prefix_attention(
         raise NotSupportedError(f"shared_prefix[{lay.kernel}]", reasons)
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     n_rep = query.shape[1] // key.shape[1]
+    if isinstance(lay, PaddingFreeLayout):
+        if lay.kernel != "flex":
+            key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+        out = padding_free_attention(query, key, value, lay, scale, softcap, s_aux)
+        return out.transpose(1, 2).contiguous(), None
     if lay.kernel == "flex":
         out = _flex(query, key, value, lay, scale, softcap)
         return out.transpose(1, 2).contiguous(), None

@@ -88,7 +88,7 @@ class GroupedInputs:
 
     input_ids: torch.Tensor  # [B, L]
     position_ids: torch.Tensor  # [B, L]
-    layout: PrefixLayout
+    layout: Any  # PrefixLayout, or padding_free.PaddingFreeLayout
     keep: torch.Tensor  # [K] grid columns whose logits are needed (``logits_to_keep``)
     row_group: torch.Tensor  # [N] grid row of each batch row
     row_keep: torch.Tensor  # [N, S] index into ``keep`` of the logit predicting completion token t
@@ -121,6 +121,20 @@ def _check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return pm, cm
 
 
+def check_context(plen_row: torch.Tensor, clen: torch.Tensor, max_positions: int | None) -> None:
+    """Every row's prompt + completion must fit the model's context."""
+    if max_positions is None:
+        return
+    total = plen_row + clen
+    over = (total > max_positions).nonzero()
+    if over.numel():
+        r = int(over[0])
+        raise GRPOPartsError(
+            f"LogprobBatch: row {r} has {int(plen_row[r])} prompt + {int(clen[r])} completion tokens = "
+            f"{int(total[r])}, expected <= the model's context (max_position_embeddings={max_positions})"
+        )
+
+
 def build_grouped_inputs(
     batch: LogprobBatch,
     *,
@@ -139,15 +153,7 @@ def build_grouped_inputs(
     n = batch.prompt_ids.shape[0]
     plen_row = pm.sum(-1)
     clen = cm.sum(-1)
-    if max_positions is not None:
-        total = plen_row + clen
-        over = (total > max_positions).nonzero()
-        if over.numel():
-            r = int(over[0])
-            raise GRPOPartsError(
-                f"LogprobBatch: row {r} has {int(plen_row[r])} prompt + {int(clen[r])} completion tokens = "
-                f"{int(total[r])}, expected <= the model's context (max_position_embeddings={max_positions})"
-            )
+    check_context(plen_row, clen, max_positions)
     # Compact each prompt's real tokens into a right-padded [N, Pp] tensor (the reference ignores
     # masked prompt tokens entirely, so dropping them is exact).
     pp = int(plen_row.max())

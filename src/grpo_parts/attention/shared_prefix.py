@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import Counter
 from typing import Any, ClassVar
 
 import torch
@@ -26,9 +27,10 @@ import torch
 from ..compat import accepts_logits_to_keep, register_attention_function, select_attention
 from ..core import token_logprobs
 from ..errors import GRPOPartsError, NotSupportedError
-from .chunking import empty_call_batch, rank_consistent_plan
+from .chunking import chunk_plan, empty_call_batch, rank_consistent_plan
 from .guard import architecture_reasons, layout_shortfall, position_tables, text_config
 from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs, ungroup_logits
+from .padding_free import LAYOUTS, build_padding_free_inputs, choose_layout, padding_free_tokens
 from .protocol import LogprobBatch, LogprobOutput
 from .reference import entropy_from_logits
 
@@ -156,7 +158,9 @@ class SharedPrefixAttention:
     token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid; ``None`` = 8). With several processes
     (FSDP, ZeRO, DDP) the ranks of ``rank_group`` (default: all) agree on the number of model calls
     per call of :meth:`completion_logprobs` (:func:`.chunking.rank_consistent_plan`), so every rank
-    must call it equally often; ``last_plan`` says what the last call did."""
+    must call it equally often; ``last_plan`` says what the last call did. ``layout``: ``"grid"``,
+    ``"padding_free"`` (:mod:`.padding_free`) or ``"auto"`` (:func:`.padding_free.choose_layout`:
+    the one that runs fewer model tokens); ``layout_counts`` counts the calls of each."""
 
     name: ClassVar[str] = "shared_prefix"
 
@@ -170,12 +174,16 @@ class SharedPrefixAttention:
         max_chunks: int | None = None,
         chunk_overhead_tokens: int = 1024,
         rank_group: Any = None,
+        layout: str = "auto",
     ) -> None:
         from .kernels import KERNELS
 
         if kernel != "auto" and kernel not in (*KERNELS, "flash_varlen"):
             raise GRPOPartsError(f"kernel: expected 'auto' or one of {KERNELS}, got {kernel!r}")
-        self.kernel = kernel
+        if layout != "auto" and layout not in LAYOUTS:
+            raise GRPOPartsError(f"layout: expected 'auto' or one of {LAYOUTS}, got {layout!r}")
+        self.kernel, self.layout = kernel, layout
+        self.layout_counts: Counter[str] = Counter()
         self.chunk_elems = chunk_elems
         self.suffix_flash_min = suffix_flash_min
         self.probe = probe
@@ -303,16 +311,25 @@ class SharedPrefixAttention:
         kernel = self.choose_kernel(model)
         register_attention()
         device = batch.group_index.device
+        chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
+        free = padding_free_tokens(batch)
+        layout, why = choose_layout(self.layout, info["grid_slots"], free)
+        if layout == "padding_free":  # one call; grid_slots stays: what the grid would have run
+            chunks, info = [torch.arange(batch.group_index.numel(), device=device)], {**info, "chunks": 1}
         chunks, self.last_plan, empty = rank_consistent_plan(
-            batch, self.chunk_overhead_tokens, self._max_chunks(model), self.rank_group, device
-        )
+            batch, self.chunk_overhead_tokens, self._max_chunks(model), self.rank_group, device,
+            planned=(chunks, info), replan=layout == "grid",
+        )  # fmt: skip
+        self.last_plan.update(layout=layout, layout_choice=why, padding_free_tokens=free)
+        self.layout_counts[layout] += 1
         if len(chunks) == 1 and not empty:
-            return self._one_grid(model, batch, temperature, compute_entropy, kernel, None)
+            return self._one_grid(model, batch, temperature, compute_entropy, kernel, None, layout)
         # rows of different groups never attend to each other: one grid per chunk, then un-permute;
         # every grid's largest position id is the whole batch's, as in the reference's one forward
         top = int((batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).max()) - 1
         outs = [
-            self._one_grid(model, batch.select(c), temperature, compute_entropy, kernel, top) for c in chunks
+            self._one_grid(model, batch.select(c), temperature, compute_entropy, kernel, top, layout)
+            for c in chunks
         ]
         # empty calls (other ranks run more grids): in the graph times zero, so their backward runs
         zero = sum(
@@ -342,16 +359,18 @@ class SharedPrefixAttention:
         compute_entropy: bool,
         kernel: str,
         max_position: int | None,
+        layout: str = "grid",
     ) -> LogprobOutput:
-        tc = _text_config(model)
-        grouped = build_grouped_inputs(
-            batch,
-            max_positions=getattr(tc, "max_position_embeddings", None),
-            kernel=kernel,
-            chunk_elems=self.chunk_elems,
-            suffix_flash_min=self.suffix_flash_min,
-            max_position=max_position,
-        )
+        ctx = getattr(_text_config(model), "max_position_embeddings", None)
+        if layout == "padding_free":
+            grouped = build_padding_free_inputs(
+                batch, max_positions=ctx, kernel=kernel, max_position=max_position
+            )
+        else:
+            grouped = build_grouped_inputs(
+                batch, max_positions=ctx, kernel=kernel, chunk_elems=self.chunk_elems,
+                suffix_flash_min=self.suffix_flash_min, max_position=max_position,
+            )  # fmt: skip
         logits = ungroup_logits(_grouped_forward(model, grouped), grouped)  # [N, S, V]
         n, t = batch.completion_ids.shape
         s = logits.shape[1]

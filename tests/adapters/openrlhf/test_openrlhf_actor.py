@@ -14,10 +14,10 @@ from grpo_parts.attention import IMPLEMENTATIONS, get_attention_class
 TOL = 1e-10
 
 
-def shared_prefix_backend():
+def shared_prefix_backend(**options):  # type: ignore[no-untyped-def]
     if "shared_prefix" not in IMPLEMENTATIONS:
         pytest.skip("the 'shared_prefix' AttentionBackend is not registered yet (grpo_parts.attention)")
-    return get_attention_class("shared_prefix")()
+    return get_attention_class("shared_prefix")(**options)
 
 
 def plain_actor(model, temperature: float, packing: bool):
@@ -203,18 +203,18 @@ def test_packed_long_tail_is_bounded_by_the_packed_tokens():
     am[:, 4:] = att[:, 4:].bool()
     am = am[:, 1:]
     model = tiny_model("qwen2", seed=0)
-    ours = parts_actor(model, shared_prefix_backend(), 1.0, packing=True)
     plain = plain_actor(model, 1.0, packing=True)
     w = torch.randn(am.shape, generator=g, dtype=torch.float64)
-    a, ga = logprobs_and_grads(ours, model, seq, att, am, w)
     b, gb = logprobs_and_grads(plain, model, seq, att, am, w)
-    assert_same(a, b, ga, gb)
-    assert ours.counters.flush() == {"parts/attention/forwards": 1.0, "parts/attention/fallbacks": 0.0}
-    tokens = ours.flush_tokens()
-    assert tokens["parts/attention/packed_tokens"] == 4 * 8 + 54
-    assert (
-        tokens["parts/attention/grid_tokens"]
-        == (4 + 40) + (4 + 7 * 2)
-        <= tokens["parts/attention/packed_tokens"]
-    )
-    assert tokens["parts/attention/padding_free_tokens"] == 4 + 54
+    # the grid layout: sub-groups by completion length; the default (auto): padding-free, 4 + 54
+    for layout, grid_tokens in (("grid", (4 + 40) + (4 + 7 * 2)), ("auto", 4 + 54)):
+        backend = shared_prefix_backend(layout=layout)
+        ours = parts_actor(model, backend, 1.0, packing=True)
+        a, ga = logprobs_and_grads(ours, model, seq, att, am, w)
+        assert_same(a, b, ga, gb)
+        assert ours.counters.flush() == {"parts/attention/forwards": 1.0, "parts/attention/fallbacks": 0.0}
+        tokens = ours.flush_tokens()
+        assert tokens["parts/attention/packed_tokens"] == 4 * 8 + 54
+        assert tokens["parts/attention/grid_tokens"] == grid_tokens <= tokens["parts/attention/packed_tokens"]
+        assert tokens["parts/attention/padding_free_tokens"] == 4 + 54
+        assert backend.last_plan["layout"] == ("grid" if layout == "grid" else "padding_free")

@@ -184,7 +184,7 @@ def test_grouped_layout_is_bounded_by_the_packed_micro_batch(cpu, verl_forward, 
     mb = micro_batch()
     packed = mb["input_ids"].values().numel()
     assert packed == 23
-    default = StandInEngine(model, EngineOptions(attention="shared_prefix"))
+    default = StandInEngine(model, EngineOptions(attention="shared_prefix", layout="grid"))
     _, out = default.forward_step(mb, None, forward_only=True)
     m = {k: v.aggregate() for k, v in out["metrics"].items()}
     assert (
@@ -193,10 +193,21 @@ def test_grouped_layout_is_bounded_by_the_packed_micro_batch(cpu, verl_forward, 
         and m["parts/attention/packed_tokens"] == packed
     )
     assert m["parts/attention/grid_over_packed_max"] <= 1 and m["parts/attention/padding_free_tokens"] <= 20
-    tight = StandInEngine(model, EngineOptions(attention="shared_prefix", max_padding_ratio=0.8))
+    tight = StandInEngine(
+        model, EngineOptions(attention="shared_prefix", max_padding_ratio=0.8, layout="grid")
+    )
     _, out = tight.forward_step(micro_batch(), None, forward_only=True)
     assert len(verl_forward) == 1 and out["metrics"]["parts/attention/grid_tokens"].aggregate() == 20
     assert out["metrics"]["parts/attention/fallbacks"].aggregate() == 1
+    # the default layout ("auto"): one call, padding-free (each prompt once plus every response token)
+    free = StandInEngine(model, EngineOptions(attention="shared_prefix"))
+    _, out = free.forward_step(micro_batch(), None, forward_only=True)
+    m = {k: v.aggregate() for k, v in out["metrics"].items()}
+    assert m["parts/attention/grid_tokens"] == m["parts/attention/padding_free_tokens"] < 20
+    assert m["parts/attention/grid_over_padding_free_max"] == 1.0
+    assert len(verl_forward) == 1 and m["parts/attention/fallbacks"] == 0
+    backend = free.__dict__["_grpo_parts_attention"][1]
+    assert backend.last_plan["layout"] == "padding_free" and backend.layout_counts["padding_free"] == 1
 
 
 def test_engines_without_options_and_critics_run_verls_forward_uncounted(cpu, verl_forward, model):

@@ -158,6 +158,11 @@ def test_filter_options_from_config():
     drgrpo = cfg.copy()
     drgrpo.algorithm = {"norm_adv_by_std_in_grpo": False}
     assert tr.filter_options_from(drgrpo).norm_adv_by_std is False
+    # kept rows fill whole mini-batches on every rank: lcm(2 x 4 rows per step, 3 ranks)
+    dp = cfg.copy()
+    dp.actor_rollout_ref = {"actor": {"ppo_mini_batch_size": 2}, "rollout": {"n": 4}}
+    dp.trainer = {"n_gpus_per_node": 3, "nnodes": 1}
+    assert tr.filter_options_from(dp).batch_multiple == 24
 
 
 def test_trainer_refuses_algorithms_it_would_train_wrongly():

@@ -1,0 +1,250 @@
+"""Padding-free shared-prefix layout: every group's prefix once, then its completions back to back.
+
+The grid (:mod:`.layout`) gives every group ``G`` slots of the longest completion. With
+long-tailed completion lengths most of those slots are padding. This layout runs exactly the real
+tokens instead -- one row::
+
+    [ prefix_1 | s_11 | s_12 | ... | prefix_2 | s_21 | ... ]  (+ at most one padding column)
+
+Each group is a contiguous *span*. Inside a span a prefix token attends causally to the prefix; a
+token of suffix ``j`` attends to the whole prefix and causally to suffix ``j`` only; nothing
+attends across spans. Position ids count real tokens as in the reference (prefix ``0..p-1``, every
+suffix ``p..p+len-1``); the padding column, added only when the row has no padding but ends below
+the reference's largest position id, carries that id (as the grid's padding does, :mod:`.layout`).
+Logits are kept where they predict a completion token: the last prefix token of each group (shared
+by its completions) and every suffix token but the last -- one logit row per completion token.
+
+Kernels (``PaddingFreeLayout.kernel``): ``eager`` and ``sdpa`` attend within each span with an
+explicit boolean mask (so no score is computed across groups; ``sdpa`` is PyTorch's
+``scaled_dot_product_attention`` with that mask, with autograd); ``flex`` is one FlexAttention
+call over the row with the same pattern as a block-sparse mask (the CUDA choice; forward-only on
+CPU). :func:`choose_layout` picks grid or padding-free (:data:`LAYOUTS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .layout import GroupedInputs, Receipts, _check_masks
+from .protocol import LogprobBatch
+
+#: the layouts by name, in the order ``layout="auto"`` prefers them on a tie in model tokens
+LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
+
+
+class _Masks:
+    """Per-call cache of the kernel's masks (built on the first layer, reused by the others). Not a
+    dict or dataclass, so FSDP2's input casting passes it through like :class:`~.layout.Receipts`."""
+
+    def __init__(self) -> None:
+        self.spans: list[torch.Tensor] | None = None
+        self.block: Any = None
+
+
+@dataclass(frozen=True)
+class PaddingFreeLayout:
+    """One row of ``row_len`` tokens. ``spans``: ``(start, end)`` of each group (and of the padding
+    column); ``suffix_id: [row_len]``: 0 on prefix tokens, a distinct positive id per suffix, -1 on
+    padding. ``max_span``: the longest real sequence (prompt + completion)."""
+
+    row_len: int
+    spans: tuple[tuple[int, int], ...]
+    suffix_id: torch.Tensor
+    max_span: int
+    kernel: str = "sdpa"
+    receipts: Receipts = field(default_factory=Receipts, compare=False, repr=False)
+    masks: _Masks = field(default_factory=_Masks, compare=False, repr=False)
+
+
+def padding_free_tokens(batch: LogprobBatch) -> int:
+    """Tokens of the padding-free layout of ``batch``: each group's prompt once plus every completion
+    token (without the padding column :func:`build_padding_free_inputs` may add)."""
+    plen = batch.prompt_mask.long().sum(-1)
+    _, row_group = torch.unique(batch.group_index, return_inverse=True)
+    first = torch.zeros(int(row_group.max()) + 1, dtype=plen.dtype, device=plen.device)
+    first = first.scatter_reduce(0, row_group, plen, "amax", include_self=False)
+    return int(first.sum() + batch.completion_mask.long().sum())
+
+
+def choose_layout(requested: str, grid_tokens: float, free_tokens: float) -> tuple[str, str]:
+    """``(layout, why)``: ``requested`` unless ``"auto"``, which takes the layout that runs fewer
+    model tokens, the grid on a tie (its cascade kernels attend to the prefix without a mask)."""
+    if requested != "auto":
+        return requested, f"layout {requested!r} (requested)"
+    if free_tokens < grid_tokens:
+        return "padding_free", f"padding_free: {free_tokens:.0f} model tokens < grid {grid_tokens:.0f}"
+    return "grid", f"grid: {grid_tokens:.0f} model tokens <= padding_free {free_tokens:.0f}"
+
+
+def build_padding_free_inputs(
+    batch: LogprobBatch,
+    *,
+    max_positions: int | None = None,
+    pad_token_id: int = 0,
+    kernel: str = "sdpa",
+    max_position: int | None = None,
+) -> GroupedInputs:
+    """``batch`` (rows in any order) in the padding-free layout, with the same index maps as
+    :func:`.layout.build_grouped_inputs` (so :func:`.layout.ungroup_logits` un-groups it)."""
+    from .layout import check_context
+
+    pm, cm = _check_masks(batch)
+    dev = batch.prompt_ids.device
+    n = batch.prompt_ids.shape[0]
+    plen_row, clen = pm.sum(-1), cm.sum(-1)
+    check_context(plen_row, clen, max_positions)
+    uniq, row_group = torch.unique(batch.group_index, return_inverse=True)
+    b = int(uniq.numel())
+    order = torch.sort(row_group, stable=True).indices
+    sizes = torch.bincount(row_group, minlength=b)
+    starts = sizes.cumsum(0) - sizes
+    rep = order[starts]  # first row of each group: its prompt is the group's prefix
+    plen = plen_row[rep]
+    same = (plen_row == plen[row_group]) & ((batch.prompt_ids == batch.prompt_ids[rep[row_group]]) | ~pm).all(
+        -1
+    )
+    if not bool(same.all()):
+        from ..errors import GRPOPartsError
+
+        r = int((~same).nonzero()[0])
+        raise GRPOPartsError(
+            f"LogprobBatch.group_index: rows {int(rep[row_group[r]])} and {r} share group_index "
+            f"{int(batch.group_index[r])} but carry different prompts; expected one prompt per group"
+        )
+    gtot = plen + torch.zeros(b, dtype=clen.dtype, device=dev).index_add(0, row_group, clen)
+    gstart = gtot.cumsum(0) - gtot
+    cs = clen[order].cumsum(0) - clen[order]  # exclusive cumsum of completions in group order
+    row_off = torch.empty_like(clen)
+    row_off[order] = gstart[row_group[order]] + plen[row_group[order]] + cs - cs[starts][row_group[order]]
+    top = int((plen_row + clen).max()) - 1
+    max_position = top if max_position is None else max_position
+    real_len = int(gtot.sum())
+    length = real_len + int(top < max_position)  # one padding column carries max_position
+
+    ids = torch.full((length,), pad_token_id, dtype=batch.prompt_ids.dtype, device=dev)
+    pos = torch.full((length,), max_position, dtype=torch.long, device=dev)
+    sid = torch.full((length,), -1, dtype=torch.long, device=dev)
+    # prefixes: the real (left-padded) prompt tokens of each group's first row, in order
+    pp = pm.shape[1]
+    pcol = gstart.unsqueeze(-1) + (pm[rep].long().cumsum(-1) - 1)  # [B, Pp]
+    pvalid = pm[rep]
+    ids[pcol[pvalid]] = batch.prompt_ids[rep][pvalid]
+    pos[pcol[pvalid]] = (pm[rep].long().cumsum(-1) - 1)[pvalid]
+    sid[pcol[pvalid]] = 0
+    del pp
+    # completions
+    t = cm.shape[1]
+    ar = torch.arange(t, device=dev)
+    ccol = row_off.unsqueeze(-1) + ar  # [N, T]
+    ids[ccol[cm]] = batch.completion_ids[cm]
+    pos[ccol[cm]] = (plen_row.unsqueeze(-1) + ar).expand(n, t)[cm]
+    sid[ccol[cm]] = (torch.arange(n, device=dev) + 1).unsqueeze(-1).expand(n, t)[cm]
+
+    # logits: each group's last prefix token, then completion tokens 0..len-2 of every row
+    s = int(clen.max())
+    need = cm[:, 1:s]  # token t+1 exists: column row_off + t predicts it
+    keep = torch.cat([gstart + plen - 1, ccol[:, : s - 1][need]])
+    row_keep = torch.zeros(n, s, dtype=torch.long, device=dev)
+    row_keep[:, 0] = row_group
+    row_keep[:, 1:][need] = b + torch.arange(int(need.sum()), device=dev)
+
+    bounds = torch.cat([gstart, gstart[-1:] + gtot[-1:]]).tolist()
+    spans = [(int(a), int(e)) for a, e in zip(bounds[:-1], bounds[1:])]
+    if length > real_len:
+        spans.append((real_len, length))
+    layout = PaddingFreeLayout(length, tuple(spans), sid, top + 1, kernel)
+    return GroupedInputs(
+        ids.unsqueeze(0),
+        pos.unsqueeze(0),
+        layout,
+        keep,
+        torch.zeros_like(row_group),
+        row_keep,
+        clen,  # type: ignore[arg-type]
+    )
+
+
+# ------------------------------------------------------------------------------------- kernels
+
+
+def _span_masks(lay: PaddingFreeLayout) -> list[torch.Tensor]:
+    """``[len, len]`` boolean mask of each span (True = attend): causal, and a key is a prefix token
+    or in the query's own suffix (a padding column attends to itself)."""
+    if lay.masks.spans is None:
+        out = []
+        for a, e in lay.spans:
+            sid = lay.suffix_id[a:e]
+            causal = torch.ones(e - a, e - a, dtype=torch.bool, device=sid.device).tril()
+            out.append(causal & ((sid == 0).unsqueeze(0) | (sid.unsqueeze(0) == sid.unsqueeze(1))))
+        lay.masks.spans = out
+    return lay.masks.spans
+
+
+def padding_free_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lay: PaddingFreeLayout,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``q: [1, H, L, D]``, ``k, v: [1, H, L, D(v)]`` (KV heads already repeated for eager/sdpa;
+    flex takes them grouped) -> ``[1, H, L, Dv]``."""
+    if lay.kernel == "flex":
+        return _flex(q, k, v, lay, scale, softcap)
+    outs = []
+    for (a, e), mask in zip(lay.spans, _span_masks(lay)):
+        qs, ks, vs = q[:, :, a:e], k[:, :, a:e], v[:, :, a:e]
+        if lay.kernel == "sdpa":
+            outs.append(
+                torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+            )
+            continue
+        x = (qs @ ks.transpose(-1, -2)) * scale
+        if softcap is not None:
+            x = torch.tanh(x / softcap) * softcap
+        x = x.masked_fill(~mask, torch.finfo(x.dtype).min)
+        lse = x.logsumexp(-1, keepdim=True)
+        if sinks is not None:  # one extra logit per head in every softmax, no value
+            lse = torch.logaddexp(lse, sinks.to(x.dtype).view(1, -1, 1, 1))
+        outs.append((x - lse).exp() @ vs)
+    return torch.cat(outs, dim=2)
+
+
+def _flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lay: PaddingFreeLayout,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if lay.masks.block is None:
+        sid = lay.suffix_id
+        span = torch.empty_like(sid)
+        for i, (a, e) in enumerate(lay.spans):
+            span[a:e] = i
+
+        def mask_mod(bi, hi, qi, ki):  # type: ignore[no-untyped-def]
+            return (span[ki] == span[qi]) & (ki <= qi) & ((sid[ki] == 0) | (sid[ki] == sid[qi]))
+
+        lay.masks.block = create_block_mask(mask_mod, 1, None, lay.row_len, lay.row_len, device=q.device)
+
+    def score_mod(score, bi, hi, qi, ki):  # type: ignore[no-untyped-def]
+        return torch.tanh(score / softcap) * softcap
+
+    return flex_attention(  # type: ignore[no-any-return]
+        q,
+        k,
+        v,
+        block_mask=lay.masks.block,
+        scale=scale,
+        score_mod=None if softcap is None else score_mod,
+        enable_gqa=True,
+    )
