@@ -127,7 +127,7 @@ def test_chains_and_trees_probe_each_other() -> None:
     nothing are never probed (their predicted rate is far below the chains')."""
     from grpo_parts.draft.ngram import NGramDraft
     from grpo_parts.draft.protocol import TreeBudget
-    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
     from grpo_parts.sampler.tree_cost import TreeAcceptance
     from grpo_parts.tiny import tiny_causal_lm
 
@@ -142,7 +142,7 @@ def test_chains_and_trees_probe_each_other() -> None:
         return kinds
 
     model = tiny_causal_lm("qwen2", vocab_size=16, hidden_size=32, num_layers=1, attn_implementation="sdpa")
-    sampler = SpeculativeSampler(model, NGramDraft())
+    sampler = SpeculativeSampler(model, NGramDraft(), SpeculativeConfig(max_tree_nodes=32))
     sampler.cost, sampler.tree_acceptance = gpu_like(), TreeAcceptance(decay=1.0)
     for b in sampler.tree_budgets():  # trees measured to accept at every depth
         for _ in range(50):
@@ -152,7 +152,7 @@ def test_chains_and_trees_probe_each_other() -> None:
     assert chains == [2, 6, 14, 30, 46, 62], kinds  # gaps 2, 4, 8, then every probe_every = 16
     assert kinds.count("tree") == 58
 
-    sampler = SpeculativeSampler(model, NGramDraft())
+    sampler = SpeculativeSampler(model, NGramDraft(), SpeculativeConfig(max_tree_nodes=32))
     sampler.cost, sampler.tree_acceptance = gpu_like(), TreeAcceptance(decay=1.0)
     sampler.acceptance = AcceptanceEstimate(prior=0.9)
     for b in sampler.tree_budgets():  # trees measured to accept nothing

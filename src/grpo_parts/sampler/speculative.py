@@ -72,8 +72,12 @@ class SpeculativeConfig(BaseModel):
     tree_nodes: int | None = Field(
         None, ge=1, le=128, description="fix a draft tree of this many nodes per row (tests, ablations)"
     )
+    # 0 by default: on this project's 2-core CPU, main job, trees lost to chains in every same-machine
+    # pair measured (rollout 62.0 vs 51.8 s and 52.1 vs 41.8 s, docs/benchmarks.md) and in
+    # `bench sampler` at batch 1 and 16: sample-then-match accepts less per level than chains'
+    # residual rejection. Opt in with e.g. 32 (the cost model then weighs trees of 4-32 nodes).
     max_tree_nodes: int = Field(
-        32, ge=0, le=128, description="largest tree the cost model may pick per row (0: chains only)"
+        0, ge=0, le=128, description="largest tree the cost model may pick per row (0: chains only)"
     )
     tree_alpha: float = Field(0.75, gt=0.0, description="FastGRPO's depth constant: L = log2(N / alpha)")
     tree_min_depth: int = Field(3, ge=1)
