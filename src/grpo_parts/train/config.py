@@ -7,6 +7,7 @@ optimized parts, and :data:`REFERENCE_PARTS` switches every part back to its ref
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -307,16 +308,20 @@ def load_config(
 
 def _error_line(err: Any) -> str:
     """One pydantic error as ``field: message, got value``. Our own validators' messages already
-    name the field and the value (``ValueError``s, which pydantic prefixes with "Value error, "):
-    those are kept as they are rather than repeating both."""
-    loc = ".".join(str(x) for x in err["loc"]) or "config"
+    start with the field they concern (``ValueError``s, which pydantic prefixes "Value error, "), relative
+    to the section that raised them: those get the section's path in front (``advantage`` +
+    ``norm: ...`` -> ``advantage.norm: ...``) rather than both repeated."""
+    loc = ".".join(str(x) for x in err["loc"])
     msg = str(err["msg"])
     if err.get("type") == "value_error":
         msg = msg.removeprefix("Value error, ")
-        if msg.startswith(f"{loc}:") or msg.startswith(f"{loc.split('.')[-1]}:"):
-            return msg
+        head = re.match(r"[\w.]+(?=: )", msg)
+        if head:
+            if not loc or head.group() == loc or head.group().startswith(loc + "."):
+                return msg
+            return f"{loc}.{msg}"
     got = f", got {err['input']!r}" if "input" in err and not isinstance(err["input"], dict) else ""
-    return f"{loc}: {msg}{got}"
+    return f"{loc or 'config'}: {msg}{got}"
 
 
 def dump_config(config: TrainConfig) -> str:
