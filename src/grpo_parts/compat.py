@@ -96,7 +96,9 @@ def reserve_cache_room(cache: Any, slack: int) -> int:
 
 @functools.cache
 def _room_class(base: type) -> type:
-    def update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def update(
+        self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
         keys, values = getattr(self, "keys", None), getattr(self, "values", None)
         if (
             not getattr(self, "is_initialized", True)
@@ -119,8 +121,10 @@ def _room_class(base: type) -> type:
     def batch_select_indices(self: Any, indices: torch.Tensor) -> None:
         kb, vb = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
         keys, values = getattr(self, "keys", None), getattr(self, "values", None)
-        if keys is None or keys.dim() != 4 or not (
-            _is_prefix_view(keys, kb, keys.shape[2]) and _is_prefix_view(values, vb, values.shape[2])
+        if (
+            keys is None
+            or keys.dim() != 4
+            or not (_is_prefix_view(keys, kb, keys.shape[2]) and _is_prefix_view(values, vb, values.shape[2]))
         ):
             return base.batch_select_indices(self, indices)
         # one gather of the buffers (the room included) instead of a gather now and a copy at the

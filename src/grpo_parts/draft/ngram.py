@@ -49,7 +49,14 @@ class _Pool:
         return sid
 
     def extend(self, sid: int, tokens: list[int]) -> None:
-        seq, index, ranked, lo, hi, keep = self.seqs[sid], self.index, self._ranked, self.lo, self.hi, self.keep
+        seq, index, ranked, lo, hi, keep = (
+            self.seqs[sid],
+            self.index,
+            self._ranked,
+            self.lo,
+            self.hi,
+            self.keep,
+        )
         for tok in tokens:
             e = len(seq)  # the n-grams ending at e now have a continuation: ``tok``
             for n in range(lo, min(hi, e) + 1):
