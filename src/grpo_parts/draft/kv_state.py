@@ -44,7 +44,7 @@ class DraftKVState:
             new = compact_cache(self.cache, self.mask)  # too many holes: gather live entries
             self.mask = self.mask if new is None else new
         if not self.room_layers:  # appends in place once the first call created the layers
-            self.room_layers = reserve_cache_room(self.cache, 64)
+            self.room_layers = reserve_cache_room(self.cache, 16)
         return sel
 
     def append(self, valid: torch.Tensor) -> torch.Tensor:

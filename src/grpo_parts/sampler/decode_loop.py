@@ -45,9 +45,10 @@ from ..types import PromptBatch
 from .tree_verify import TreeVerifier
 from .verify import Verifier
 
-#: columns of room a cache layer's buffers get beyond what they hold (then regrown): ~20 speculative
-#: steps between copies, at most ~64 x the row's per-column bytes of slack
-CACHE_ROOM = 64
+#: columns of room a cache layer's buffers get beyond what they hold (then regrown): one copy of the
+#: cache per 16 appended columns instead of one per step; small, because dropping finished rows
+#: gathers the room too (room 64 made that gather cost more than the copies it saved at batch 64)
+CACHE_ROOM = 16
 
 
 @dataclass
