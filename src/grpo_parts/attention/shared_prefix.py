@@ -160,7 +160,11 @@ class SharedPrefixAttention:
     per call of :meth:`completion_logprobs` (:func:`.chunking.rank_consistent_plan`), so every rank
     must call it equally often; ``last_plan`` says what the last call did. ``layout``: ``"grid"``,
     ``"padding_free"`` (:mod:`.padding_free`) or ``"auto"`` (:func:`.padding_free.choose_layout`:
-    the one that runs fewer model tokens); ``layout_counts`` counts the calls of each."""
+    the one that runs fewer model tokens); ``layout_counts`` counts the calls of each. ``varlen``: the
+    padding-free layout's ``sdpa`` kernel runs the varlen cascade (:mod:`.varlen`; False: a dense
+    masked SDPA per group span); ``attention_calls`` counts the padding-free attention calls per path
+    (``varlen_cascade``, ``masked_sdpa``, ``eager``, ``flex``), ``last_plan["attention_calls"]``
+    the last call's (with ``masked_sdpa_why`` when the masked path ran)."""
 
     name: ClassVar[str] = "shared_prefix"
 
@@ -175,6 +179,7 @@ class SharedPrefixAttention:
         chunk_overhead_tokens: int = 1024,
         rank_group: Any = None,
         layout: str = "auto",
+        varlen: bool = True,
     ) -> None:
         from .kernels import KERNELS
 
@@ -184,6 +189,8 @@ class SharedPrefixAttention:
             raise GRPOPartsError(f"layout: expected 'auto' or one of {LAYOUTS}, got {layout!r}")
         self.kernel, self.layout = kernel, layout
         self.layout_counts: Counter[str] = Counter()
+        self.varlen = varlen
+        self.attention_calls: Counter[str] = Counter()
         self.chunk_elems = chunk_elems
         self.suffix_flash_min = suffix_flash_min
         self.probe = probe
@@ -364,7 +371,7 @@ class SharedPrefixAttention:
         ctx = getattr(_text_config(model), "max_position_embeddings", None)
         if layout == "padding_free":
             grouped = build_padding_free_inputs(
-                batch, max_positions=ctx, kernel=kernel, max_position=max_position
+                batch, max_positions=ctx, kernel=kernel, max_position=max_position, varlen=self.varlen
             )
         else:
             grouped = build_grouped_inputs(
@@ -372,6 +379,13 @@ class SharedPrefixAttention:
                 suffix_flash_min=self.suffix_flash_min, max_position=max_position,
             )  # fmt: skip
         logits = ungroup_logits(_grouped_forward(model, grouped), grouped)  # [N, S, V]
+        if layout == "padding_free":
+            masks = grouped.layout.masks  # type: ignore[union-attr]
+            self.attention_calls.update(masks.calls)
+            calls = self.last_plan.setdefault("attention_calls", Counter())
+            calls.update(masks.calls)
+            if masks.why:
+                self.last_plan["masked_sdpa_why"] = "; ".join(masks.why)
         n, t = batch.completion_ids.shape
         s = logits.shape[1]
         cm = batch.completion_mask.bool()
