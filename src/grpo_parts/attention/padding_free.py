@@ -22,7 +22,7 @@ it, ``sdpa`` is PyTorch's ``scaled_dot_product_attention`` with an explicit bool
 (counted in ``calls["masked_sdpa"]`` with the reason, never silently). ``eager`` attends within
 each span with that mask (soft-capping, sinks); ``flex`` is one FlexAttention call over the row
 with the same pattern as a block-sparse mask (the CUDA choice; forward-only on CPU).
-:func:`choose_layout` picks grid or padding-free (:data:`LAYOUTS`).
+:func:`.layout_choice.choose_layout` picks grid or padding-free (:data:`LAYOUTS`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from .layout import GroupedInputs, Receipts, _check_masks
 from .protocol import LogprobBatch
 
-#: the layouts by name, in the order ``layout="auto"`` prefers them on a tie in model tokens
+#: the layouts by name, in the order ``layout="auto"`` prefers them on a tie (:mod:`.layout_choice`)
 LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
 
 
@@ -79,16 +79,6 @@ def padding_free_tokens(batch: LogprobBatch) -> int:
     first = torch.zeros(int(row_group.max()) + 1, dtype=plen.dtype, device=plen.device)
     first = first.scatter_reduce(0, row_group, plen, "amax", include_self=False)
     return int(first.sum() + batch.completion_mask.long().sum())
-
-
-def choose_layout(requested: str, grid_tokens: float, free_tokens: float) -> tuple[str, str]:
-    """``(layout, why)``: ``requested`` unless ``"auto"``, which takes the layout that runs fewer
-    model tokens, the grid on a tie (its cascade kernels attend to the prefix without a mask)."""
-    if requested != "auto":
-        return requested, f"layout {requested!r} (requested)"
-    if free_tokens < grid_tokens:
-        return "padding_free", f"padding_free: {free_tokens:.0f} model tokens < grid {grid_tokens:.0f}"
-    return "grid", f"grid: {grid_tokens:.0f} model tokens <= padding_free {free_tokens:.0f}"
 
 
 def build_padding_free_inputs(
