@@ -36,6 +36,7 @@ from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 
 from .._counters import PartCounters
+from .._wrapped import backend_model
 from .build import build_part
 from .filtering import FilterSeam
 from .options import (
@@ -325,7 +326,8 @@ class GRPOPartsTrainer(FilterSeam):
         with self.accelerator.autocast():
             logps, ents = regrouped_logprobs(
                 self.gp_attention,
-                model,
+                # the model inside DeepSpeed's engine / DDP, every call through the wrapper TRL passed
+                backend_model(model, self.accelerator.unwrap_model(model)),
                 input_ids,
                 attention_mask,
                 logits_to_keep,
