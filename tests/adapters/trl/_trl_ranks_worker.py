@@ -26,12 +26,16 @@ G = 4
 
 
 def _scripted(prompt_ids: list[list[int]]) -> list[list[int]]:
-    """Fixed completions of different lengths, drawn from the prompt (so each rank differs)."""
+    """Fixed completions of 1-4 tokens and EOS (1), drawn from the prompt (so each rank differs);
+    on rank 0 the first prompt's completions are truncated (5 tokens, no EOS): with
+    ``mask_truncated_completions`` that group has no loss token, so rank 0 has a micro-batch with no
+    completion to score while rank 1 has none such, and fewer live rows to score without grad."""
+    first = torch.distributed.get_rank() == 0
     out = []
     for i, p in enumerate(prompt_ids):
-        n = 1 + (sum(p) + 3 * (i % G)) % 5  # 1..5 tokens, EOS (1) last when short
+        n = 5 if first and i < G else 1 + (sum(p) + 3 * (i % G)) % 4
         toks = [3 + (sum(p) * 7 + 5 * i + 3 * k) % 26 for k in range(n)]
-        out.append(toks + [1] if n < 5 else toks)
+        out.append(toks if n == 5 else toks + [1])
     return out
 
 
@@ -115,6 +119,7 @@ def run(case: str, parts_on: bool, base: torch.nn.Module, ref_path: str) -> dict
         gradient_accumulation_steps=2,
         num_iterations=2,
         beta=0.1,
+        mask_truncated_completions=True,
         max_steps=2,
         optim="sgd",
         use_cpu=case == "ddp",
@@ -134,6 +139,15 @@ def run(case: str, parts_on: bool, base: torch.nn.Module, ref_path: str) -> dict
         callbacks=[Capture()],
         **({"attention": "shared_prefix"} if parts_on else {}),
     )
+    calls: list[tuple[int, int]] = []  # completion_ids.shape of each backend call
+    if parts_on:
+        backend, served = trainer.gp_attention, trainer.gp_attention.completion_logprobs
+
+        def counting(model: Any, batch: Any, **kw: Any) -> Any:
+            calls.append(tuple(batch.completion_ids.shape))
+            return served(model, batch, **kw)
+
+        backend.completion_logprobs = counting
     if case != "ddp":  # the full gradient at each accumulation boundary, before DeepSpeed's step
         from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -157,6 +171,7 @@ def run(case: str, parts_on: bool, base: torch.nn.Module, ref_path: str) -> dict
         "wrapped": type(trainer.model_wrapped).__name__,
         "ref": type(trainer.ref_model).__name__,
         "shapes": list(getattr(trainer, "shapes", [])),
+        "calls": calls,
         "reasons": dict(trainer._gp_counters.reasons) if parts_on else {},
     }
 

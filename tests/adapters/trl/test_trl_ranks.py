@@ -8,8 +8,14 @@ what makes ZeRO-3 accumulate micro-batches (calling the inner model gave a grad 
 of 1.35 here), DDP's is what all-reduces the gradients (without it each rank kept its own). Before,
 the backend got the wrapper itself and refused it at the first forward.
 
-Each rank holds other prompts (other widths); per case: the full gradient of every parameter at both
-optimizer steps, the logged losses and grad norms, every parameter after training, and the counters.
+Each rank holds other prompts (other widths), and with ``mask_truncated_completions`` rank 0 has a
+group with nothing to score: fewer live rows (fewer chunks) in the no-grad forwards, and a
+micro-batch with no completion token at all. Every rank must make the same model calls (ZeRO-3
+gathers parameters in each forward, the backend agrees on its plan by all-reduce): rank 0 pads with
+an empty call, and both ranks run TRL's own forward for that micro-batch (before, the ranks' calls
+went out of step: a collective error or a hang). Per case: the full gradient of every parameter at
+both optimizer steps, the logged losses and grad norms, every parameter after training, the
+counters and the backend calls of each rank.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ pytest.importorskip("deepspeed")
 from multirank import run_ranks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+ALL_MASKED = (
+    "a batch whose every completion is masked (mask_truncated_completions) on this or another "
+    "data-parallel rank: every rank runs TRL's own forward for it"
+)
 WRAPPER = {"zero3": "DeepSpeedEngine", "zero2": "DeepSpeedEngine", "ddp": "DistributedDataParallel"}
 
 
@@ -58,8 +68,11 @@ def _check(ranks: list[dict[str, Any]], case: str) -> None:
         assert {grad for grad, _ in on["shapes"]} == {True, False}
         steps = [log for log in on["logs"] if "loss" in log]
         assert len(steps) == 2
-        assert [s["parts/attention/forwards"] for s in steps] == [4, 2]
-        assert all(s["parts/attention/fallbacks"] == 0 for s in steps) and not on["reasons"]
+        # step 1: old-policy + reference + one micro-batch; the other micro-batch (rank 0's
+        # truncated group, and rank 1's at the same step) runs TRL's forward on both ranks
+        assert [s["parts/attention/forwards"] for s in steps] == [3, 1]
+        assert [s["parts/attention/fallbacks"] for s in steps] == [1, 1]
+        assert on["reasons"] == {"attention": [ALL_MASKED]}
         for ls, lo in zip([log for log in off["logs"] if "loss" in log], steps):
             assert lo["loss"] == pytest.approx(ls["loss"], rel=1e-5, abs=1e-7)
             assert lo["grad_norm"] == pytest.approx(ls["grad_norm"], rel=1e-5)
@@ -74,6 +87,11 @@ def _check(ranks: list[dict[str, Any]], case: str) -> None:
             torch.testing.assert_close(
                 on["params"][name], p, atol=1e-7, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
             )
+    # equally many backend calls on both ranks: rank 0 has fewer live rows to score without grad
+    # (one chunk, rank 1 two) and pads with an empty call (one 1-token row)
+    calls = [r["runs"][case, True]["calls"] for r in ranks]
+    assert len(calls[0]) == len(calls[1]) > 0
+    assert (1, 1) in calls[0] and (1, 1) not in calls[1]
     # every rank ends with the same parameters (one data-parallel update)
     for name, p in ranks[0]["runs"][case, True]["params"].items():
         torch.testing.assert_close(ranks[1]["runs"][case, True]["params"][name], p, atol=0, rtol=0)
