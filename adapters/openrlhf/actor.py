@@ -127,9 +127,15 @@ class GRPOPartsActor(Actor):
         return layout, overhead, None
 
     def flush_tokens(self) -> dict[str, float]:
-        """``parts/attention/{grid,packed,padding_free}_tokens`` since the last flush (then reset)."""
+        """``parts/attention/{grid,packed,padding_free}_tokens`` since the last flush (then reset), and
+        ``parts/attention/calls_<path>``: the backend's padding-free attention calls per path
+        (``varlen_cascade``, ``masked_sdpa``, ...; ``SharedPrefixAttention.attention_calls``)."""
         out = {f"parts/attention/{k}": float(v) for k, v in self.tokens.items()}
         self.tokens.clear()
+        calls = Counter(getattr(self.grpo_backend, "attention_calls", None) or {})
+        seen = self.__dict__.get("_calls_seen", Counter())
+        out.update({f"parts/attention/calls_{k}": float(v) for k, v in (calls - seen).items()})
+        self.__dict__["_calls_seen"] = calls
         return out
 
     def _call_reasons(

@@ -27,12 +27,15 @@ reported in the micro-batch's metrics, which verl's actor update returns as ``ac
   micro-batch ran padding-free);
   ``parts/attention/grid_over_packed_max`` -- the largest per-micro-batch ``grid / packed`` (<= 1:
   the plan never runs more tokens than the packed micro-batch), and
-  ``parts/attention/grid_over_padding_free_max`` the largest ``grid / padding_free``.
+  ``parts/attention/grid_over_padding_free_max`` the largest ``grid / padding_free``;
+* ``parts/attention/calls_<path>`` -- the padding-free layout's attention calls per path
+  (``varlen_cascade``, ``masked_sdpa``, ``eager``, ``flex``: ``SharedPrefixAttention.attention_calls``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from contextlib import nullcontext
 from typing import Any
 
@@ -227,7 +230,9 @@ def _forward_step(
     )
     with ctx:
         temperature = micro_batch["temperature"]
+        before = Counter(getattr(backend, "attention_calls", None) or {})
         out = packed_logprobs(engine.module, ids, cu, resp, keys, temperature, backend, entropy, plan, calls)
+        ran = Counter(getattr(backend, "attention_calls", None) or {}) - before
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.log_probs, cu)}
         if out.entropy is not None:
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy, cu)
@@ -237,6 +242,7 @@ def _forward_step(
             )
         else:
             loss, metrics = torch.tensor(1.0, device=ids.device), {}
+        metrics = {**metrics, **{f"parts/attention/calls_{k}": _sum(v) for k, v in ran.items()}}
     return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
 

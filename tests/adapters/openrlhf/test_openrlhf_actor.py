@@ -249,4 +249,6 @@ def test_packed_long_tail_is_bounded_by_the_packed_tokens():
         assert tokens["parts/attention/packed_tokens"] == 4 * 8 + 54
         assert tokens["parts/attention/grid_tokens"] == grid_tokens <= tokens["parts/attention/packed_tokens"]
         assert tokens["parts/attention/padding_free_tokens"] == 4 + 54
+        varlen = model.config.num_hidden_layers if layout == "auto" else None  # counted, every layer
+        assert tokens.get("parts/attention/calls_varlen_cascade") == varlen
         assert backend.last_plan["layout"] == ("grid" if layout == "grid" else "padding_free")

@@ -206,6 +206,10 @@ def test_grouped_layout_is_bounded_by_the_packed_micro_batch(cpu, verl_forward, 
     assert m["parts/attention/grid_tokens"] == m["parts/attention/padding_free_tokens"] < 20
     assert m["parts/attention/grid_over_padding_free_max"] == 1.0
     assert len(verl_forward) == 1 and m["parts/attention/fallbacks"] == 0
+    layers = model.config.num_hidden_layers  # the varlen cascade ran in every layer, counted
+    assert (
+        m["parts/attention/calls_varlen_cascade"] == layers and "parts/attention/calls_masked_sdpa" not in m
+    )
     backend = free.__dict__["_grpo_parts_attention"][1]
     assert backend.last_plan["layout"] == "padding_free" and backend.layout_counts["padding_free"] == 1
 
