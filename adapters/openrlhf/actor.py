@@ -27,61 +27,10 @@ from openrlhf.models import Actor
 from grpo_parts.errors import NotSupportedError
 
 from .._counters import PartCounters
+from .._wrapped import backend_model, hf_model
 from .layout import scatter_to_openrlhf, to_logprob_batch
 
 logger = logging.getLogger(__name__)
-
-
-def hf_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers:
-    backends call it with keyword arguments its ``forward`` declares (``logits_to_keep``)."""
-    from transformers import PreTrainedModel
-
-    m = module
-    for _ in range(4):
-        if isinstance(m, PreTrainedModel):
-            return m
-        if hasattr(m, "get_base_model"):
-            m = m.get_base_model()  # type: ignore[operator]  # PEFT
-            continue
-        inner = getattr(m, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            break
-        m = inner
-    return m
-
-
-class _CallsThrough:
-    """The transformers model a backend inspects (config, modules, parameters), whose *calls* run
-    through ``wrapper`` -- the DeepSpeed engine (and PEFT model) around it -- as OpenRLHF's own
-    ``Actor.forward`` calls ``self.model``.
-
-    Calling the inner module skips ``DeepSpeedEngine.forward``, which is not a pass-through: it
-    registers the backward hooks that start DeepSpeed's backward (``_backward_prologue``) and, under
-    ZeRO-3, advances the optimizer's ``micro_step_id`` (``clear_backward_seen_flag``). Without it
-    ZeRO-3 *copies* each micro-batch's gradient partition instead of adding it (``micro_step_id``
-    stays 0), so with gradient accumulation only the last micro-batch's gradient reached the update
-    (ZeRO-2 accumulates elsewhere and was unaffected)."""
-
-    def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module) -> None:
-        object.__setattr__(self, "_wrapper", wrapper)
-        object.__setattr__(self, "_model", model)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._wrapper(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._model, name, value)
-
-
-def backend_model(module: torch.nn.Module) -> Any:
-    """What a backend gets as ``model``: :func:`hf_model` of ``module``, called through ``module``
-    (see :class:`_CallsThrough`) when ``module`` wraps it."""
-    inner = hf_model(module)
-    return inner if inner is module else _CallsThrough(module, inner)
 
 
 @contextlib.contextmanager
