@@ -27,61 +27,10 @@ from openrlhf.models import Actor
 from grpo_parts.errors import NotSupportedError
 
 from .._counters import PartCounters
+from .._wrapped import backend_model, hf_model
 from .layout import scatter_to_openrlhf, to_logprob_batch
 
 logger = logging.getLogger(__name__)
-
-
-def hf_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers:
-    backends call it with keyword arguments its ``forward`` declares (``logits_to_keep``)."""
-    from transformers import PreTrainedModel
-
-    m = module
-    for _ in range(4):
-        if isinstance(m, PreTrainedModel):
-            return m
-        if hasattr(m, "get_base_model"):
-            m = m.get_base_model()  # type: ignore[operator]  # PEFT
-            continue
-        inner = getattr(m, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            break
-        m = inner
-    return m
-
-
-class _CallsThrough:
-    """The transformers model a backend inspects (config, modules, parameters), whose *calls* run
-    through ``wrapper`` -- the DeepSpeed engine (and PEFT model) around it -- as OpenRLHF's own
-    ``Actor.forward`` calls ``self.model``.
-
-    Calling the inner module skips ``DeepSpeedEngine.forward``, which is not a pass-through: it
-    registers the backward hooks that start DeepSpeed's backward (``_backward_prologue``) and, under
-    ZeRO-3, advances the optimizer's ``micro_step_id`` (``clear_backward_seen_flag``). Without it
-    ZeRO-3 *copies* each micro-batch's gradient partition instead of adding it (``micro_step_id``
-    stays 0), so with gradient accumulation only the last micro-batch's gradient reached the update
-    (ZeRO-2 accumulates elsewhere and was unaffected)."""
-
-    def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module) -> None:
-        object.__setattr__(self, "_wrapper", wrapper)
-        object.__setattr__(self, "_model", model)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._wrapper(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._model, name, value)
-
-
-def backend_model(module: torch.nn.Module) -> Any:
-    """What a backend gets as ``model``: :func:`hf_model` of ``module``, called through ``module``
-    (see :class:`_CallsThrough`) when ``module`` wraps it."""
-    inner = hf_model(module)
-    return inner if inner is module else _CallsThrough(module, inner)
 
 
 @contextlib.contextmanager
@@ -137,9 +86,9 @@ class GRPOPartsActor(Actor):
 
     def _bound(self, layout: Any) -> tuple[Any, int | None, str | None]:
         """Bound the shared-prefix layout by the packed tokens. Unless the backend's ``layout`` is
-        ``grid``, a call whose padding-free layout (each prompt once plus every action token, never
-        more than the packed rows) runs fewer tokens than the grid keeps its prompt groups and the
-        backend lays it out padding-free. Otherwise each prompt group is cut into
+        ``grid``, a call the backend lays out padding-free (each prompt once plus every action token,
+        never more than the packed rows; ``SharedPrefixAttention.layout_for``: with ``auto``, of
+        smaller estimated cost than its grids) keeps its prompt groups. Otherwise each prompt group is cut into
         sub-groups of similar completion length (:func:`grpo_parts.attention.chunking.split_long_tails`,
         each at most its packed rows); when the backend's grid plan would still run more tokens than
         the packed rows, the plan splits into more grids (no per-forward overhead for this call), and
@@ -162,11 +111,11 @@ class GRPOPartsActor(Actor):
         )
         free = int(first[torch.unique(b.group_index)].sum() + clen.sum())
         most = backend._max_chunks(hf_model(self.model))
-        if backend.layout != "grid":  # the prompt groups as they are, if padding-free runs fewer tokens
-            grid = chunk_plan(b, backend.chunk_overhead_tokens, most)[1]["grid_slots"]
-            if free < grid or backend.layout == "padding_free":
-                self.tokens.update(grid_tokens=free, packed_tokens=packed, padding_free_tokens=free)
-                return layout, None, None
+        # the prompt groups as they are, where the backend lays them out padding-free (auto: of smaller
+        # estimated cost than its grids, tokens and attention scores)
+        if backend.layout != "grid" and backend.layout_for(hf_model(self.model), b)[0] == "padding_free":
+            self.tokens.update(grid_tokens=free, packed_tokens=packed, padding_free_tokens=free)
+            return layout, None, None
         batch = replace(b, group_index=split_long_tails(b.group_index, plen, clen))
         layout = replace(layout, batch=batch)
         overhead, grid = None, chunk_plan(batch, backend.chunk_overhead_tokens, most)[1]["grid_slots"]
@@ -178,9 +127,15 @@ class GRPOPartsActor(Actor):
         return layout, overhead, None
 
     def flush_tokens(self) -> dict[str, float]:
-        """``parts/attention/{grid,packed,padding_free}_tokens`` since the last flush (then reset)."""
+        """``parts/attention/{grid,packed,padding_free}_tokens`` since the last flush (then reset), and
+        ``parts/attention/calls_<path>``: the backend's padding-free attention calls per path
+        (``varlen_cascade``, ``masked_sdpa``, ...; ``SharedPrefixAttention.attention_calls``)."""
         out = {f"parts/attention/{k}": float(v) for k, v in self.tokens.items()}
         self.tokens.clear()
+        calls = Counter(getattr(self.grpo_backend, "attention_calls", None) or {})
+        seen = self.__dict__.get("_calls_seen", Counter())
+        out.update({f"parts/attention/calls_{k}": float(v) for k, v in (calls - seen).items()})
+        self.__dict__["_calls_seen"] = calls
         return out
 
     def _call_reasons(

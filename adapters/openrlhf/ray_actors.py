@@ -28,8 +28,9 @@ from openrlhf.trainer.ray.launcher import ReferenceModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from .._counters import PartCounters
+from .._wrapped import hf_model
 from ._scoped import with_globals
-from .actor import GRPOPartsActor, hf_model
+from .actor import GRPOPartsActor
 from .config import PartsConfig
 from .experience import GRPOPartsExperienceMaker, NothingKept
 from .samples import GRPOPartsSamplesGenerator

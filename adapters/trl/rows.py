@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from grpo_parts.attention.chunking import agree_on_calls, empty_call_batch, ranks_of
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.data_parallel import round_to_multiple
@@ -63,7 +64,11 @@ def regrouped_logprobs(
     mask of truncated completions) have nothing to score: they skip the backend and get log-prob and
     entropy 0 at every position, which is what TRL's own forward returns there (its fused LM head
     zeroes masked positions). A batch with no such row left gives zeros without a forward (no graph:
-    under grad the caller must run TRL's own forward so that ``backward`` has one)."""
+    under grad the caller must run TRL's own forward so that ``backward`` has one).
+
+    With several processes every rank makes as many backend calls as the rank that makes the most
+    (:func:`_extra_calls`); a batch with no row left makes none, so then no rank may call this (the
+    trainer has every rank run TRL's own forward)."""
     n, width = input_ids.shape
     p = width - logits_to_keep
     if p < 1:
@@ -105,6 +110,7 @@ def regrouped_logprobs(
         start = end
     ents = None
     out_logps, out_ents = [], []
+    extra = _extra_calls(backend, len(chunks), input_ids.device)  # before any call: collectives
     for rows in chunks:
         batch = LogprobBatch(
             prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows], group[rows]
@@ -117,6 +123,12 @@ def regrouped_logprobs(
     inv = torch.empty_like(order)
     inv[order] = torch.arange(n, device=order.device)
     logps = torch.cat(out_logps, dim=0)[inv]
+    if extra:  # empty calls, in the graph times zero (their backward runs too)
+        empty = empty_call_batch(batch)
+        logps = logps + sum(
+            backend.completion_logprobs(model, empty, temperature=temperature).logprobs.sum() * 0.0
+            for _ in range(extra)
+        )
     if compute_entropy:
         if any(e is None for e in out_ents):
             raise GRPOPartsError(
@@ -124,6 +136,17 @@ def regrouped_logprobs(
             )
         ents = torch.cat([e for e in out_ents if e is not None], dim=0)[inv]
     return logps, ents
+
+
+def _extra_calls(backend: Any, calls: int, device: torch.device) -> int:
+    """With several processes, how many empty backend calls this rank adds to its ``calls`` to make
+    as many as the rank that makes the most (one all-reduce; 0 on one process). Every call runs
+    collectives (ZeRO-3 / FSDP gather parameters in each forward, the backends agree on their plans),
+    and a rank's chunk count depends on how its groups fall: TRL deals rows, not groups, to the ranks."""
+    group = getattr(backend, "rank_group", None)
+    if ranks_of(group) <= 1:
+        return 0
+    return agree_on_calls(calls, group, device) - calls
 
 
 def round_kept(

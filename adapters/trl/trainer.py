@@ -36,6 +36,7 @@ from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 
 from .._counters import PartCounters
+from .._wrapped import backend_model
 from .build import build_part
 from .filtering import FilterSeam
 from .options import (
@@ -311,21 +312,16 @@ class GRPOPartsTrainer(FilterSeam):
             raise NotSupportedError(
                 "attention", [f"TRL passed {used or ['compute_aux_loss']}: text-only, no MoE aux loss"]
             )
-        if torch.is_grad_enabled() and not bool(attention_mask[:, -logits_to_keep:].any()):
-            # every completion masked (mask_truncated_completions): nothing to score, but backward
-            # needs a graph; TRL's forward gives the all-zero log-probs connected to the model
-            self._gp_counters.fell_back(
-                "attention",
-                "a micro-batch whose every completion is masked (mask_truncated_completions) runs TRL's "
-                "own forward, so that backward has a graph",
-                mode=self._gp_mode(),
-            )
+        reason = self._gp_all_masked(attention_mask[:, -logits_to_keep:])
+        if reason:
+            self._gp_counters.fell_back("attention", reason, mode=self._gp_mode())
             return super()._get_per_token_logps_and_entropies(*args, compute_aux_loss, **multimodal)
         self._gp_count("attention", served=True)
         with self.accelerator.autocast():
             logps, ents = regrouped_logprobs(
                 self.gp_attention,
-                model,
+                # the model inside DeepSpeed's engine / DDP, every call through the wrapper TRL passed
+                backend_model(model, self.accelerator.unwrap_model(model)),
                 input_ids,
                 attention_mask,
                 logits_to_keep,
@@ -334,6 +330,29 @@ class GRPOPartsTrainer(FilterSeam):
                 batch_size,
             )
         return logps, ents, None
+
+    def _gp_all_masked(self, completion_mask: torch.Tensor) -> str | None:
+        """Why this call runs TRL's own forward when a batch has every completion masked
+        (``mask_truncated_completions``), else None. Nothing is left to score, but under grad
+        ``backward`` needs a graph (TRL's forward gives the all-zero log-probs connected to the
+        model). With several processes (one all-reduce per call) every rank falls back when any rank
+        has such a batch: the backend would make no model call there, and every rank must make the
+        same calls (ZeRO-3 / FSDP gather parameters in each forward, the backends agree on plans)."""
+        from grpo_parts.attention.chunking import agree_max, ranks_of
+
+        dead = not bool(completion_mask.any())
+        group = getattr(self.gp_attention, "rank_group", None)
+        if ranks_of(group) > 1 and bool(agree_max([int(dead)], group, completion_mask.device)[0]):
+            return (
+                "a batch whose every completion is masked (mask_truncated_completions) on this or another "
+                "data-parallel rank: every rank runs TRL's own forward for it"
+            )
+        if dead and torch.is_grad_enabled():
+            return (
+                "a micro-batch whose every completion is masked (mask_truncated_completions) runs TRL's "
+                "own forward, so that backward has a graph"
+            )
+        return None
 
     @contextmanager
     def _gp_kernel_scope(self) -> Iterator[None]:

@@ -27,19 +27,22 @@ reported in the micro-batch's metrics, which verl's actor update returns as ``ac
   micro-batch ran padding-free);
   ``parts/attention/grid_over_packed_max`` -- the largest per-micro-batch ``grid / packed`` (<= 1:
   the plan never runs more tokens than the packed micro-batch), and
-  ``parts/attention/grid_over_padding_free_max`` the largest ``grid / padding_free``.
+  ``parts/attention/grid_over_padding_free_max`` the largest ``grid / padding_free``;
+* ``parts/attention/calls_<path>`` -- the padding-free layout's attention calls per path
+  (``varlen_cascade``, ``masked_sdpa``, ``eager``, ``flex``: ``SharedPrefixAttention.attention_calls``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from .._counters import PartCounters
-from .attention import packed_logprobs, plan_calls
+from .attention import call_batch, packed_logprobs, plan_calls
 from .config import EngineOptions, options_of
 
 logger = logging.getLogger(__name__)
@@ -184,8 +187,13 @@ def _plan(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[Any, str 
     """``((ids, cu, resp, keys, plan), reason)``: the micro-batch's backend calls, and why it must run
     verl's forward instead (``None``: it need not)."""
     ids, cu, resp, keys = _parts(micro_batch)
-    layout = getattr(_engine_state(engine, opts), "layout", "grid")
+    backend = _engine_state(engine, opts)
+    layout = getattr(backend, "layout", "grid")
     plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack, layout)
+    if plan.layout == "padding_free" and layout == "auto":  # fewer tokens; the backend weighs attention too
+        batch = call_batch(ids, cu, plan, plan.calls[0])
+        if backend.layout_for(engine.module, batch)[0] != "padding_free":
+            plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack, "grid")
     reason = None
     if opts.max_padding_ratio is not None and plan.grid_tokens > opts.max_padding_ratio * ids.numel():
         reason = f"grouped layout > max_padding_ratio={opts.max_padding_ratio} x packed tokens"
@@ -227,7 +235,9 @@ def _forward_step(
     )
     with ctx:
         temperature = micro_batch["temperature"]
+        before = Counter(getattr(backend, "attention_calls", None) or {})
         out = packed_logprobs(engine.module, ids, cu, resp, keys, temperature, backend, entropy, plan, calls)
+        ran = Counter(getattr(backend, "attention_calls", None) or {}) - before
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.log_probs, cu)}
         if out.entropy is not None:
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy, cu)
@@ -237,6 +247,7 @@ def _forward_step(
             )
         else:
             loss, metrics = torch.tensor(1.0, device=ids.device), {}
+        metrics = {**metrics, **{f"parts/attention/calls_{k}": _sum(v) for k, v in ran.items()}}
     return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
 

@@ -170,23 +170,32 @@ class _Cascade(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+def same_head_size(fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``fn(q, k, v)`` with one head size, as the flash ops need: with multi-head latent attention
+    (MLA: DeepSeek-V2/V3, MiniCPM3; ``Dv != D``) the smaller side is zero-padded, which changes
+    neither the scores (the caller's ``scale`` is explicit) nor the output's first ``Dv`` columns,
+    nor their gradients."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        return fn(q, k, torch.nn.functional.pad(v, (0, d - dv)))[..., :dv]  # type: ignore[no-any-return]
+    if dv > d:
+        q, k = torch.nn.functional.pad(q, (0, dv - d)), torch.nn.functional.pad(k, (0, dv - d))
+    return fn(q, k, v)  # type: ignore[no-any-return]
+
+
 def sdpa_cascade(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, scale: float
 ) -> torch.Tensor:
     """``q: [B, H, L, D]``, ``k: [B, Hkv, L, D]``, ``v: [B, Hkv, L, Dv]`` (not repeated) ->
-    ``[B, H, L, Dv]``. The flash ops need one head size: with multi-head latent attention (MLA:
-    DeepSeek-V2/V3, MiniCPM3; ``Dv != D``) the smaller side is zero-padded, which changes neither
-    the scores (``scale`` is explicit) nor the output's first ``Dv`` columns, nor their gradients."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if dv < d:
-        return sdpa_cascade(q, k, torch.nn.functional.pad(v, (0, d - dv)), lay, scale)[..., :dv]
-    if dv > d:
-        q, k = torch.nn.functional.pad(q, (0, dv - d)), torch.nn.functional.pad(k, (0, dv - d))
+    ``[B, H, L, Dv]`` (MLA's ``Dv != D`` through :func:`same_head_size`)."""
     bias = None
     if lay.prefix_valid is not None:
         bias = torch.zeros(lay.prefix_valid.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(~lay.prefix_valid, float("-inf"))[:, None, None, :]
     flash_b = lay.slot_len >= lay.suffix_flash_min
-    return _Cascade.apply(
-        q, k, v, bias, lay.prefix_len, lay.num_slots, lay.slot_len, scale, lay.chunk_elems, flash_b
-    )
+    return same_head_size(
+        lambda q_, k_, v_: _Cascade.apply(
+            q_, k_, v_, bias, lay.prefix_len, lay.num_slots, lay.slot_len, scale, lay.chunk_elems, flash_b
+        ),
+        q, k, v,
+    )  # fmt: skip

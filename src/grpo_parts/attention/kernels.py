@@ -314,8 +314,6 @@ def shared_prefix_attention(
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     n_rep = query.shape[1] // key.shape[1]
     if isinstance(lay, PaddingFreeLayout):
-        if lay.kernel != "flex":
-            key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
         out = padding_free_attention(query, key, value, lay, scale, softcap, s_aux)
         return out.transpose(1, 2).contiguous(), None
     if lay.kernel == "flex":

@@ -14,15 +14,20 @@ the reference's largest position id, carries that id (as the grid's padding does
 Logits are kept where they predict a completion token: the last prefix token of each group (shared
 by its completions) and every suffix token but the last -- one logit row per completion token.
 
-Kernels (``PaddingFreeLayout.kernel``): ``eager`` and ``sdpa`` attend within each span with an
-explicit boolean mask (so no score is computed across groups; ``sdpa`` is PyTorch's
-``scaled_dot_product_attention`` with that mask, with autograd); ``flex`` is one FlexAttention
-call over the row with the same pattern as a block-sparse mask (the CUDA choice; forward-only on
-CPU). :func:`choose_layout` picks grid or padding-free (:data:`LAYOUTS`).
+Kernels (``PaddingFreeLayout.kernel``): ``sdpa`` runs the *varlen cascade* (:mod:`.varlen`: per
+span, all queries against the prefix, each completion against itself in length buckets, PyTorch's
+CPU flash ops merged by log-sum-exp; about ``P^2/2 + sum_j S_j (P + S_j/2)`` scores per span
+instead of ``(P + sum_j S_j)^2``); with ``varlen=False``, or where :func:`varlen_reasons` refuses
+it, ``sdpa`` is PyTorch's ``scaled_dot_product_attention`` with an explicit boolean mask per span
+(counted in ``calls["masked_sdpa"]`` with the reason, never silently). ``eager`` attends within
+each span with that mask (soft-capping, sinks); ``flex`` is one FlexAttention call over the row
+with the same pattern as a block-sparse mask (the CUDA choice; forward-only on CPU).
+:func:`.layout_choice.choose_layout` picks grid or padding-free (:data:`LAYOUTS`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,30 +36,37 @@ import torch
 from .layout import GroupedInputs, Receipts, _check_masks
 from .protocol import LogprobBatch
 
-#: the layouts by name, in the order ``layout="auto"`` prefers them on a tie in model tokens
+#: the layouts by name, in the order ``layout="auto"`` prefers them on a tie (:mod:`.layout_choice`)
 LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
 
 
 class _Masks:
-    """Per-call cache of the kernel's masks (built on the first layer, reused by the others). Not a
-    dict or dataclass, so FSDP2's input casting passes it through like :class:`~.layout.Receipts`."""
+    """Per-call cache of the kernel's masks and varlen plan (built on the first layer, reused by the
+    others) and what ran: ``calls`` counts attention calls per path (``varlen_cascade``,
+    ``masked_sdpa``, ``eager``, ``flex``), ``why`` says why ``masked_sdpa`` ran. Not a dict or
+    dataclass, so FSDP2's input casting passes it through like :class:`~.layout.Receipts`."""
 
     def __init__(self) -> None:
         self.spans: list[torch.Tensor] | None = None
         self.block: Any = None
+        self.plan: Any = None
+        self.calls: Counter[str] = Counter()
+        self.why: list[str] = []
 
 
 @dataclass(frozen=True)
 class PaddingFreeLayout:
     """One row of ``row_len`` tokens. ``spans``: ``(start, end)`` of each group (and of the padding
     column); ``suffix_id: [row_len]``: 0 on prefix tokens, a distinct positive id per suffix, -1 on
-    padding. ``max_span``: the longest real sequence (prompt + completion)."""
+    padding. ``max_span``: the longest real sequence (prompt + completion). ``varlen``: the ``sdpa``
+    kernel runs the varlen cascade (False: the dense masked SDPA per span)."""
 
     row_len: int
     spans: tuple[tuple[int, int], ...]
     suffix_id: torch.Tensor
     max_span: int
     kernel: str = "sdpa"
+    varlen: bool = True
     receipts: Receipts = field(default_factory=Receipts, compare=False, repr=False)
     masks: _Masks = field(default_factory=_Masks, compare=False, repr=False)
 
@@ -69,16 +81,6 @@ def padding_free_tokens(batch: LogprobBatch) -> int:
     return int(first.sum() + batch.completion_mask.long().sum())
 
 
-def choose_layout(requested: str, grid_tokens: float, free_tokens: float) -> tuple[str, str]:
-    """``(layout, why)``: ``requested`` unless ``"auto"``, which takes the layout that runs fewer
-    model tokens, the grid on a tie (its cascade kernels attend to the prefix without a mask)."""
-    if requested != "auto":
-        return requested, f"layout {requested!r} (requested)"
-    if free_tokens < grid_tokens:
-        return "padding_free", f"padding_free: {free_tokens:.0f} model tokens < grid {grid_tokens:.0f}"
-    return "grid", f"grid: {grid_tokens:.0f} model tokens <= padding_free {free_tokens:.0f}"
-
-
 def build_padding_free_inputs(
     batch: LogprobBatch,
     *,
@@ -86,6 +88,7 @@ def build_padding_free_inputs(
     pad_token_id: int = 0,
     kernel: str = "sdpa",
     max_position: int | None = None,
+    varlen: bool = True,
 ) -> GroupedInputs:
     """``batch`` (rows in any order) in the padding-free layout, with the same index maps as
     :func:`.layout.build_grouped_inputs` (so :func:`.layout.ungroup_logits` un-groups it)."""
@@ -155,7 +158,7 @@ def build_padding_free_inputs(
     spans = [(int(a), int(e)) for a, e in zip(bounds[:-1], bounds[1:])]
     if length > real_len:
         spans.append((real_len, length))
-    layout = PaddingFreeLayout(length, tuple(spans), sid, top + 1, kernel)
+    layout = PaddingFreeLayout(length, tuple(spans), sid, top + 1, kernel, varlen)
     return GroupedInputs(
         ids.unsqueeze(0),
         pos.unsqueeze(0),
@@ -183,6 +186,22 @@ def _span_masks(lay: PaddingFreeLayout) -> list[torch.Tensor]:
     return lay.masks.spans
 
 
+def varlen_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PaddingFreeLayout) -> list[str]:
+    """Why the ``sdpa`` kernel cannot run the varlen cascade here (empty = it can)."""
+    from .cascade import flash_ops
+
+    out = [] if lay.varlen else ["varlen=False (requested)"]
+    if flash_ops() is None:
+        out.append(f"torch {torch.__version__} lacks aten._scaled_dot_product_flash_attention_for_cpu")
+    if q.device.type != "cpu":
+        out.append(f"the CPU flash ops cannot run on {q.device.type}")
+    if q.dtype not in (torch.float32, torch.float64, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        out.append(
+            f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: the CPU flash ops take one of float32/64, bf16"
+        )
+    return out
+
+
 def padding_free_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -192,10 +211,29 @@ def padding_free_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``q: [1, H, L, D]``, ``k, v: [1, H, L, D(v)]`` (KV heads already repeated for eager/sdpa;
-    flex takes them grouped) -> ``[1, H, L, Dv]``."""
+    """``q: [1, H, L, D]``, ``k, v: [1, Hkv, L, D(v)]`` (KV heads not repeated) -> ``[1, H, L, Dv]``.
+    Counts the path it ran in ``lay.masks.calls``."""
+    from .cascade import repeat_kv
+
     if lay.kernel == "flex":
+        lay.masks.calls["flex"] += 1
         return _flex(q, k, v, lay, scale, softcap)
+    if lay.kernel == "sdpa":
+        why = varlen_reasons(q, k, v, lay)
+        if not why:
+            from .varlen import varlen_cascade, varlen_plan
+
+            if lay.masks.plan is None:
+                lay.masks.plan = varlen_plan(lay.spans, lay.suffix_id)
+            lay.masks.calls["varlen_cascade"] += 1
+            return varlen_cascade(q, k, v, lay.masks.plan, scale)
+        lay.masks.calls["masked_sdpa"] += 1
+        if not lay.masks.why:
+            lay.masks.why = why
+    else:
+        lay.masks.calls[lay.kernel] += 1
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     outs = []
     for (a, e), mask in zip(lay.spans, _span_masks(lay)):
         qs, ks, vs = q[:, :, a:e], k[:, :, a:e], v[:, :, a:e]

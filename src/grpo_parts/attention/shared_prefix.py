@@ -30,7 +30,8 @@ from ..errors import GRPOPartsError, NotSupportedError
 from .chunking import chunk_plan, empty_call_batch, rank_consistent_plan
 from .guard import architecture_reasons, layout_shortfall, position_tables, text_config
 from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs, ungroup_logits
-from .padding_free import LAYOUTS, build_padding_free_inputs, choose_layout, padding_free_tokens
+from .layout_choice import auto_costs, choose_layout
+from .padding_free import LAYOUTS, build_padding_free_inputs, padding_free_tokens
 from .protocol import LogprobBatch, LogprobOutput
 from .reference import entropy_from_logits
 
@@ -159,8 +160,10 @@ class SharedPrefixAttention:
     (FSDP, ZeRO, DDP) the ranks of ``rank_group`` (default: all) agree on the number of model calls
     per call of :meth:`completion_logprobs` (:func:`.chunking.rank_consistent_plan`), so every rank
     must call it equally often; ``last_plan`` says what the last call did. ``layout``: ``"grid"``,
-    ``"padding_free"`` (:mod:`.padding_free`) or ``"auto"`` (:func:`.padding_free.choose_layout`:
-    the one that runs fewer model tokens); ``layout_counts`` counts the calls of each."""
+    ``"padding_free"`` (:mod:`.padding_free`) or ``"auto"`` (:func:`.layout_choice.choose_layout`:
+    smaller estimated cost); ``layout_counts`` counts the calls of each. ``varlen``: the padding-free
+    ``sdpa`` kernel is the varlen cascade (:mod:`.varlen`; False: masked SDPA); ``attention_calls``
+    (and ``last_plan["attention_calls"]``) count the padding-free attention calls per path."""
 
     name: ClassVar[str] = "shared_prefix"
 
@@ -175,6 +178,7 @@ class SharedPrefixAttention:
         chunk_overhead_tokens: int = 1024,
         rank_group: Any = None,
         layout: str = "auto",
+        varlen: bool = True,
     ) -> None:
         from .kernels import KERNELS
 
@@ -184,6 +188,8 @@ class SharedPrefixAttention:
             raise GRPOPartsError(f"layout: expected 'auto' or one of {LAYOUTS}, got {layout!r}")
         self.kernel, self.layout = kernel, layout
         self.layout_counts: Counter[str] = Counter()
+        self.varlen = varlen
+        self.attention_calls: Counter[str] = Counter()
         self.chunk_elems = chunk_elems
         self.suffix_flash_min = suffix_flash_min
         self.probe = probe
@@ -296,6 +302,16 @@ class SharedPrefixAttention:
     def register_kernel(self) -> str | None:
         return register_attention()
 
+    def layout_for(
+        self, model: torch.nn.Module, batch: LogprobBatch, kernel: str | None = None
+    ) -> tuple[str, str, list[torch.Tensor], dict[str, Any]]:
+        """``(layout, why, grid chunks, grid plan info)``: what :meth:`completion_logprobs` runs for
+        ``batch`` (before the ranks agree on the number of calls); adapters ask it to plan alike."""
+        kernel = kernel or self.choose_kernel(model)
+        chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
+        costs = auto_costs(batch, chunks, info["grid_slots"], _text_config(model), kernel, self.varlen)
+        return (*choose_layout(self.layout, *costs), chunks, info)
+
     # ------------------------------------------------------------------------------------- compute
 
     def completion_logprobs(
@@ -311,9 +327,8 @@ class SharedPrefixAttention:
         kernel = self.choose_kernel(model)
         register_attention()
         device = batch.group_index.device
-        chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
+        layout, why, chunks, info = self.layout_for(model, batch, kernel)
         free = padding_free_tokens(batch)
-        layout, why = choose_layout(self.layout, info["grid_slots"], free)
         if layout == "padding_free":  # one call; grid_slots stays: what the grid would have run
             chunks, info = [torch.arange(batch.group_index.numel(), device=device)], {**info, "chunks": 1}
         chunks, self.last_plan, empty = rank_consistent_plan(
@@ -364,7 +379,7 @@ class SharedPrefixAttention:
         ctx = getattr(_text_config(model), "max_position_embeddings", None)
         if layout == "padding_free":
             grouped = build_padding_free_inputs(
-                batch, max_positions=ctx, kernel=kernel, max_position=max_position
+                batch, max_positions=ctx, kernel=kernel, max_position=max_position, varlen=self.varlen
             )
         else:
             grouped = build_grouped_inputs(
@@ -372,6 +387,13 @@ class SharedPrefixAttention:
                 suffix_flash_min=self.suffix_flash_min, max_position=max_position,
             )  # fmt: skip
         logits = ungroup_logits(_grouped_forward(model, grouped), grouped)  # [N, S, V]
+        if layout == "padding_free":
+            masks = grouped.layout.masks  # type: ignore[union-attr]
+            self.attention_calls.update(masks.calls)
+            calls = self.last_plan.setdefault("attention_calls", Counter())
+            calls.update(masks.calls)
+            if masks.why:
+                self.last_plan["masked_sdpa_why"] = "; ".join(masks.why)
         n, t = batch.completion_ids.shape
         s = logits.shape[1]
         cm = batch.completion_mask.bool()
