@@ -84,7 +84,7 @@ def reserve_cache_room(cache: Any, slack: int) -> int:
     layers = getattr(cache, "layers", None) or []
     done = 0
     for ly in layers:
-        base = type(ly)
+        base: Any = type(ly)
         if base.__name__ != "DynamicLayer" and not getattr(base, "_grpo_parts_room", False):
             continue
         if not getattr(base, "_grpo_parts_room", False):
@@ -95,11 +95,12 @@ def reserve_cache_room(cache: Any, slack: int) -> int:
 
 
 @functools.cache
-def _room_class(base: type) -> type:
+def _room_class(base: Any) -> Any:
     def update(
         self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
-        keys, values = getattr(self, "keys", None), getattr(self, "values", None)
+        keys: Any = getattr(self, "keys", None)
+        values: Any = getattr(self, "values", None)
         if (
             not getattr(self, "is_initialized", True)
             or keys is None
@@ -109,7 +110,8 @@ def _room_class(base: type) -> type:
         ):  # cat's type promotion / device rules: the base class
             return base.update(self, key_states, value_states, *args, **kwargs)
         n, t = keys.shape[-2], key_states.shape[-2]
-        kb, vb = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
+        kb: Any = getattr(self, "_kbuf", None)
+        vb: Any = getattr(self, "_vbuf", None)
         if not (_is_prefix_view(keys, kb, n + t) and _is_prefix_view(values, vb, n + t)):
             kb, vb = _with_room(keys, n + t + self._room), _with_room(values, n + t + self._room)
             self._kbuf, self._vbuf = kb, vb
@@ -119,8 +121,10 @@ def _room_class(base: type) -> type:
         return self.keys, self.values
 
     def batch_select_indices(self: Any, indices: torch.Tensor) -> None:
-        kb, vb = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
-        keys, values = getattr(self, "keys", None), getattr(self, "values", None)
+        kb: Any = getattr(self, "_kbuf", None)
+        vb: Any = getattr(self, "_vbuf", None)
+        keys: Any = getattr(self, "keys", None)
+        values: Any = getattr(self, "values", None)
         if (
             keys is None
             or keys.dim() != 4
@@ -130,7 +134,6 @@ def _room_class(base: type) -> type:
         # one gather of the buffers (the room included) instead of a gather now and a copy at the
         # next append
         n = keys.shape[2]
-        assert kb is not None and vb is not None
         self._kbuf, self._vbuf = kb[indices], vb[indices]
         self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
 
