@@ -86,9 +86,9 @@ class GRPOPartsActor(Actor):
 
     def _bound(self, layout: Any) -> tuple[Any, int | None, str | None]:
         """Bound the shared-prefix layout by the packed tokens. Unless the backend's ``layout`` is
-        ``grid``, a call whose padding-free layout (each prompt once plus every action token, never
-        more than the packed rows) runs fewer tokens than the grid keeps its prompt groups and the
-        backend lays it out padding-free. Otherwise each prompt group is cut into
+        ``grid``, a call the backend lays out padding-free (each prompt once plus every action token,
+        never more than the packed rows; ``SharedPrefixAttention.layout_for``: with ``auto``, of
+        smaller estimated cost than its grids) keeps its prompt groups. Otherwise each prompt group is cut into
         sub-groups of similar completion length (:func:`grpo_parts.attention.chunking.split_long_tails`,
         each at most its packed rows); when the backend's grid plan would still run more tokens than
         the packed rows, the plan splits into more grids (no per-forward overhead for this call), and
@@ -111,11 +111,11 @@ class GRPOPartsActor(Actor):
         )
         free = int(first[torch.unique(b.group_index)].sum() + clen.sum())
         most = backend._max_chunks(hf_model(self.model))
-        if backend.layout != "grid":  # the prompt groups as they are, if padding-free runs fewer tokens
-            grid = chunk_plan(b, backend.chunk_overhead_tokens, most)[1]["grid_slots"]
-            if free < grid or backend.layout == "padding_free":
-                self.tokens.update(grid_tokens=free, packed_tokens=packed, padding_free_tokens=free)
-                return layout, None, None
+        # the prompt groups as they are, where the backend lays them out padding-free (auto: of smaller
+        # estimated cost than its grids, tokens and attention scores)
+        if backend.layout != "grid" and backend.layout_for(hf_model(self.model), b)[0] == "padding_free":
+            self.tokens.update(grid_tokens=free, packed_tokens=packed, padding_free_tokens=free)
+            return layout, None, None
         batch = replace(b, group_index=split_long_tails(b.group_index, plen, clen))
         layout = replace(layout, batch=batch)
         overhead, grid = None, chunk_plan(batch, backend.chunk_overhead_tokens, most)[1]["grid_slots"]

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from grpo_parts.attention import get_attention_class
-from grpo_parts.attention.packed import packed_completion_logprobs
-from grpo_parts.attention.protocol import AttentionBackend
+from grpo_parts.attention.packed import packed_completion_logprobs, unpack
+from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch
 from grpo_parts.errors import GRPOPartsError, check_tensor
 
 from .advantage import uid_to_group_index
@@ -87,6 +87,8 @@ class CallPlan:
     calls: list[torch.Tensor]
     grid_tokens: int
     padding_free_tokens: int = 0
+    #: "padding_free": one call of the ``uid`` groups, for the backend's padding-free layout
+    layout: str = "grid"
 
 
 def _merge(groups: list[torch.Tensor], cost: Any, slack: float) -> list[torch.Tensor]:
@@ -124,7 +126,8 @@ def plan_calls(
     (``grid``, ``padding_free`` or ``auto``); unless ``grid``, when the padding-free layout of the
     ``uid`` groups runs fewer tokens than those calls, the micro-batch is one call of the ``uid``
     groups (the backend then lays it out padding-free: each prompt once plus every response token,
-    never more than the packed micro-batch)."""
+    never more than the packed micro-batch); ``CallPlan.layout`` is then ``padding_free`` (the verl
+    engine hook re-plans with ``grid`` where the backend's cost choice, ``layout_for``, disagrees)."""
     from grpo_parts.attention.chunking import split_long_tails
 
     ids = input_ids.reshape(-1)
@@ -154,8 +157,18 @@ def plan_calls(
         calls = groups  # each sub-group's layout <= its packed rows
         total = sum(cost(c) for c in calls)
     if shared and layout != "grid" and (free < total or layout == "padding_free"):
-        return CallPlan(uid_gi, plen, [rows], free, free)
+        return CallPlan(uid_gi, plen, [rows], free, free, "padding_free")
     return CallPlan(gi, plen, calls, total, free)
+
+
+def call_batch(ids: torch.Tensor, cu: torch.Tensor, plan: CallPlan, rows: torch.Tensor) -> LogprobBatch:
+    """The :class:`LogprobBatch` the backend gets for the call of ``rows`` (as :func:`packed_logprobs` builds it)."""
+    b, lens = cu.numel() - 1, cu.diff()
+    in_call = torch.zeros(b, dtype=torch.bool, device=ids.device)
+    in_call[rows] = True
+    tok = in_call[torch.repeat_interleave(torch.arange(b, device=ids.device), lens)]
+    sub_cu = torch.cat([cu.new_zeros(1), lens[in_call].cumsum(0)])
+    return unpack(ids[tok], sub_cu, plan.prompt_lens[in_call], plan.group_index[in_call])[0]
 
 
 def resolve_backend(backend: str | AttentionBackend) -> AttentionBackend:

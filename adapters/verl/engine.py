@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .._counters import PartCounters
-from .attention import packed_logprobs, plan_calls
+from .attention import call_batch, packed_logprobs, plan_calls
 from .config import EngineOptions, options_of
 
 logger = logging.getLogger(__name__)
@@ -187,8 +187,13 @@ def _plan(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[Any, str 
     """``((ids, cu, resp, keys, plan), reason)``: the micro-batch's backend calls, and why it must run
     verl's forward instead (``None``: it need not)."""
     ids, cu, resp, keys = _parts(micro_batch)
-    layout = getattr(_engine_state(engine, opts), "layout", "grid")
+    backend = _engine_state(engine, opts)
+    layout = getattr(backend, "layout", "grid")
     plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack, layout)
+    if plan.layout == "padding_free" and layout == "auto":  # fewer tokens; the backend weighs attention too
+        batch = call_batch(ids, cu, plan, plan.calls[0])
+        if backend.layout_for(engine.module, batch)[0] != "padding_free":
+            plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack, "grid")
     reason = None
     if opts.max_padding_ratio is not None and plan.grid_tokens > opts.max_padding_ratio * ids.numel():
         reason = f"grouped layout > max_padding_ratio={opts.max_padding_ratio} x packed tokens"

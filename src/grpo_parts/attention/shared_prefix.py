@@ -161,11 +161,9 @@ class SharedPrefixAttention:
     per call of :meth:`completion_logprobs` (:func:`.chunking.rank_consistent_plan`), so every rank
     must call it equally often; ``last_plan`` says what the last call did. ``layout``: ``"grid"``,
     ``"padding_free"`` (:mod:`.padding_free`) or ``"auto"`` (:func:`.layout_choice.choose_layout`:
-    the one of smaller estimated cost, model tokens + attention scores); ``layout_counts`` counts the calls of each. ``varlen``: the
-    padding-free layout's ``sdpa`` kernel runs the varlen cascade (:mod:`.varlen`; False: a dense
-    masked SDPA per group span); ``attention_calls`` counts the padding-free attention calls per path
-    (``varlen_cascade``, ``masked_sdpa``, ``eager``, ``flex``), ``last_plan["attention_calls"]``
-    the last call's (with ``masked_sdpa_why`` when the masked path ran)."""
+    smaller estimated cost); ``layout_counts`` counts the calls of each. ``varlen``: the padding-free
+    ``sdpa`` kernel is the varlen cascade (:mod:`.varlen`; False: masked SDPA); ``attention_calls``
+    (and ``last_plan["attention_calls"]``) count the padding-free attention calls per path."""
 
     name: ClassVar[str] = "shared_prefix"
 
@@ -304,6 +302,16 @@ class SharedPrefixAttention:
     def register_kernel(self) -> str | None:
         return register_attention()
 
+    def layout_for(
+        self, model: torch.nn.Module, batch: LogprobBatch, kernel: str | None = None
+    ) -> tuple[str, str, list[torch.Tensor], dict[str, Any]]:
+        """``(layout, why, grid chunks, grid plan info)``: what :meth:`completion_logprobs` runs for
+        ``batch`` (before the ranks agree on the number of calls); adapters ask it to plan alike."""
+        kernel = kernel or self.choose_kernel(model)
+        chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
+        costs = auto_costs(batch, chunks, info["grid_slots"], _text_config(model), kernel, self.varlen)
+        return (*choose_layout(self.layout, *costs), chunks, info)
+
     # ------------------------------------------------------------------------------------- compute
 
     def completion_logprobs(
@@ -319,10 +327,8 @@ class SharedPrefixAttention:
         kernel = self.choose_kernel(model)
         register_attention()
         device = batch.group_index.device
-        chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
+        layout, why, chunks, info = self.layout_for(model, batch, kernel)
         free = padding_free_tokens(batch)
-        costs = auto_costs(batch, chunks, info["grid_slots"], _text_config(model), kernel, self.varlen)
-        layout, why = choose_layout(self.layout, *costs)
         if layout == "padding_free":  # one call; grid_slots stays: what the grid would have run
             chunks, info = [torch.arange(batch.group_index.numel(), device=device)], {**info, "chunks": 1}
         chunks, self.last_plan, empty = rank_consistent_plan(

@@ -214,6 +214,34 @@ def test_grouped_layout_is_bounded_by_the_packed_micro_batch(cpu, verl_forward, 
     assert backend.last_plan["layout"] == "padding_free" and backend.layout_counts["padding_free"] == 1
 
 
+@pytest.mark.parametrize(("kernel", "expected"), [("sdpa", "padding_free"), ("eager", "grid")])
+def test_the_backends_cost_choice_decides_the_padding_free_call(
+    cpu, verl_forward, model, monkeypatch, kernel, expected
+):
+    """8 near-equal completions (20 and 21 tokens) after a 2-token prompt: padding-free saves 7 tokens,
+    but under ``eager`` its dense span mask costs ~13x the grid's attention scores, so the backend
+    (``layout_for``) keeps the grid and the plan follows it; the metrics say what ran, exactly."""
+    g = torch.Generator().manual_seed(1)
+    rows = [("a", [5, 6], torch.randint(3, 40, (20 + (i == 0),), generator=g).tolist()) for i in range(8)]
+    monkeypatch.setitem(globals(), "ROWS", rows)
+    engine = StandInEngine(model, EngineOptions(attention="shared_prefix", kernel=kernel))
+    mb = micro_batch()
+    _, out = engine.forward_step(mb, None, forward_only=True)
+    m = {k: v.aggregate() for k, v in out["metrics"].items()}
+    backend = engine.__dict__["_grpo_parts_attention"][1]
+    assert backend.last_plan["layout"] == expected and not verl_forward
+    assert m["parts/attention/padding_free_tokens"] == 2 + 8 * 20 + 1
+    # the grid plan: the long row and the seven short ones as two sub-groups, (2 + 21) + (2 + 7 x 20)
+    assert m["parts/attention/grid_tokens"] == (163 if expected == "padding_free" else 165)
+    assert ("parts/attention/calls_varlen_cascade" in m) == (expected == "padding_free")
+    ids, cu = mb["input_ids"].values(), mb["input_ids"].offsets()
+    ref = plain_packed_logprobs(model, ids, cu, 1.0).detach()
+    ours = no_padding_2_padding(out["model_output"]["log_probs"], mb)
+    torch.testing.assert_close(
+        ours, no_padding_2_padding(torch.nested.nested_tensor_from_jagged(ref, cu), mb), rtol=0, atol=1e-10
+    )
+
+
 def test_engines_without_options_and_critics_run_verls_forward_uncounted(cpu, verl_forward, model):
     before = hook.COUNTERS.total("attention") + hook.COUNTERS.total("attention", "fallbacks")
     for engine in (
