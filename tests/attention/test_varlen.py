@@ -63,7 +63,8 @@ def model_and_batch(case, **extra):  # type: ignore[no-untyped-def]
     context = VARIANTS[name][2] if name in VARIANTS else None
     kv = case["heads"] if name == "minicpm3_like" else case["kv"]  # (see test_padding_free.py)
     model = exact_model(name, vocab_size=48, hidden_size=8 * case["heads"], num_heads=case["heads"],
-                        num_kv_heads=kv, head_dim=8, num_layers=case["layers"], seed=case["seed"], **extra)  # fmt: skip
+                        num_kv_heads=kv, head_dim=8, num_layers=case["layers"], seed=case["seed"],
+                        **extra)  # fmt: skip
     gen = torch.Generator().manual_seed(case["seed"])
     long = case["long"] if context is None else min(case["long"], context - case["max_prompt"])
     batch = long_tailed(gen, case["groups"], case["max_prompt"], case["short"], max(long, case["short"]))

@@ -86,7 +86,7 @@ def _kernel_vs_dense(lay, heads, kv, d, dv, seed, softcap, sinks):  # type: igno
 
 @settings(max_examples=40, derandomize=True, deadline=None)
 @given(case=rows(), softcap=st.sampled_from([None, 0.8, 5.0]), sinks=st.booleans())
-def test_kernel_equals_the_dense_mask_with_softcap_and_sinks(case, softcap, sinks):  # type: ignore[no-untyped-def]
+def test_kernel_equals_the_dense_mask_softcap_sinks(case, softcap, sinks):  # type: ignore[no-untyped-def]
     lay = _layout(case["groups"], case["pad"])
     _kernel_vs_dense(lay, case["heads"], case["kv"], case["d"], case["dv"], case["seed"], softcap, sinks)
 
