@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -119,20 +120,26 @@ def batch(rows: Any, *, dynamic: bool, remove_padding: bool, seed: int) -> Any:
     return data
 
 
-def build(
-    model_dir: str, strategy: str, options: dict[str, Any] | None, dynamic: bool, remove_padding: bool
+def actor_config(
+    model_dir: str,
+    strategy: str,
+    options: dict[str, Any] | None,
+    dynamic: bool,
+    remove_padding: bool,
+    *,
+    mini_batch: int = 2,
+    micro_batch: int = 2,
 ) -> Any:
+    """verl's model config and the actor config (fp32 FSDP, AdamW) of the engines built here."""
     from grpo_parts_adapters.verl.config import FSDPActorConfig
-    from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     cfg = FSDPActorConfig(
         strategy=strategy,
         rollout_n=N,
-        ppo_mini_batch_size=2,
-        ppo_micro_batch_size_per_gpu=None if dynamic else 2,
+        ppo_mini_batch_size=mini_batch,
+        ppo_micro_batch_size_per_gpu=None if dynamic else micro_batch,
         use_dynamic_bsz=dynamic,
         ppo_max_token_len_per_gpu=40,
         fsdp_config=FSDPEngineConfig(strategy=strategy, mixed_precision=fp32, use_torch_compile=False),
@@ -142,6 +149,16 @@ def build(
     model = HFModelConfig(
         path=model_dir, override_config={"attn_implementation": "sdpa"}, use_remove_padding=remove_padding
     )  # verl's default enable_gradient_checkpointing=True
+    return model, cfg
+
+
+def build(
+    model_dir: str, strategy: str, options: dict[str, Any] | None, dynamic: bool, remove_padding: bool
+) -> Any:
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    model, cfg = actor_config(model_dir, strategy, options, dynamic, remove_padding)
     engine = FSDPEngineWithLMHead(model, cfg.engine, cfg.optim, CheckpointConfig())
     engine.initialize()
     return engine, cfg
@@ -218,7 +235,10 @@ def run_case(
         SharedPrefixAttention.completion_logprobs = original  # type: ignore[method-assign]
 
 
-def main() -> None:
+def run_worker(cases: Any, run_case: Callable[..., dict[str, Any]]) -> None:
+    """This rank's part of a launch: join the gloo group (rank 0 writes the tiny model), then
+    ``run_case(model_dir, rank, *case)`` per case under ``verl_on_cpu``; saves ``OUT_DIR/rank{r}.pt``.
+    A failing case exits at once (the other rank's next collective then fails too)."""
     out = Path(sys.argv[1])
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     rank = dist.get_rank()
@@ -229,10 +249,10 @@ def main() -> None:
     dist.barrier()
     results: dict[str, Any] = {"cases": {}, "errors": {}}
     with verl_on_cpu():
-        for case in CASES:
+        for case in cases:
             try:
                 results["cases"][case] = run_case(model_dir, rank, *case)
-            except Exception:  # exit at once: the other rank's next collective then fails too
+            except Exception:
                 results["errors"][str(case)] = traceback.format_exc()
                 print(results["errors"][str(case)], flush=True)
                 torch.save(results, out / f"rank{rank}.pt")
@@ -243,4 +263,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(CASES, run_case)

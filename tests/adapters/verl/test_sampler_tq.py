@@ -71,9 +71,9 @@ def verl_config(estimator: str = "grpo_parts_grpo"):
 
 class Rollouts:
     """Stands in for verl's trainer + agent loop: each submitted prompt's ``n`` rollouts land in
-    TransferQueue; prompt ``i`` has rewards ``REWARDS[i % 3]`` (groups 0 and 2 have no signal)."""
+    TransferQueue; prompt ``i`` has rewards ``REWARDS[i % len(REWARDS)]`` (here 0 and 2 have no signal)."""
 
-    REWARDS = ([1.0] * N, [1.0, 0.0, 0.0, 1.0], [0.0] * N)
+    REWARDS: tuple[list[float], ...] = ([1.0] * N, [1.0, 0.0, 0.0, 1.0], [0.0] * N)
 
     def __init__(self, prefix: str):
         self.prefix, self.count, self.calls = prefix, 0, []
@@ -83,7 +83,7 @@ class Rollouts:
         rows, rewards = [], []
         for _ in range(n_prompts):
             rows += rollouts(1, N, seed=self.count, prefix=f"{self.prefix}{self.count}x")
-            rewards += self.REWARDS[self.count % 3]
+            rewards += self.REWARDS[self.count % len(self.REWARDS)]
             self.count += 1
         return submit_prompts(rows, rewards)
 
@@ -153,9 +153,9 @@ def test_verls_own_estimator_is_refused_after_the_first_step(store):
     assert not advantage._FULL_GROUPS
 
 
-def dp_config(*extra: str):
-    """verl's config on two ranks with ``hydra_overrides("cppo", {"k": 3})`` (the sampler's
-    data-parallel keys interpolated from verl's own)."""
+def dp_config(*extra: str, name: str = "cppo", kwargs: dict | None = None):
+    """verl's config on two ranks with ``hydra_overrides(name, kwargs)`` (default CPPO ``k=3``; the
+    sampler's data-parallel keys interpolated from verl's own)."""
     import verl
     from grpo_parts_adapters.verl.sampler import hydra_overrides
     from hydra import compose, initialize_config_dir
@@ -167,7 +167,7 @@ def dp_config(*extra: str):
         "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # x n = 4 rows per optimizer step
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
         "trainer.n_gpus_per_node=2",
-        *hydra_overrides("cppo", {"k": 3}),
+        *hydra_overrides(name, {"k": 3} if kwargs is None else kwargs),
         *extra,
     ]
     cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
