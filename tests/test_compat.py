@@ -196,3 +196,36 @@ def test_portable_tokenizer_config(tmp_path: Path) -> None:
     assert loaded("12+3=").input_ids == tok("12+3=").input_ids
     shipped = json.loads((Path(builtin_model_path()) / "tokenizer_config.json").read_text())
     assert shipped["tokenizer_class"] == "PreTrainedTokenizerFast"  # loads under 4.x too
+
+
+def test_reserved_cache_room_appends_in_place_and_equals_cat() -> None:
+    """A layer with room holds exactly what ``torch.cat`` would after appends, crops (which keep
+    the buffer), row selection (one gather of the buffer) and a replacement of the tensors (a new
+    buffer at the next append); appends within the room do not reallocate."""
+    gen = torch.Generator().manual_seed(0)
+    plain, kv = _filled_cache(3)
+    roomy, _ = _filled_cache(3)
+    assert compat.reserve_cache_room(roomy, 4) == len(_layers(roomy))
+
+    def both(fn: object) -> None:
+        for c in (plain, roomy):
+            fn(c)  # type: ignore[operator]
+        for a, b in zip(_layers(plain), _layers(roomy)):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)  # type: ignore[attr-defined]
+
+    def append(t: int) -> object:
+        k, v = (torch.randn(3, 2, t, 4, generator=gen) for _ in range(2))
+        return lambda c: [ly.update(k[: ly.keys.shape[0]], v[: ly.keys.shape[0]]) for ly in _layers(c)]
+
+    both(append(2))  # the first append gets a buffer
+    ptr = [ly.keys.data_ptr() for ly in _layers(roomy)]  # type: ignore[attr-defined]
+    both(append(3))
+    both(lambda c: compat.crop_cache(c, 6))
+    both(append(1))  # writes over the cropped column
+    assert [ly.keys.data_ptr() for ly in _layers(roomy)] == ptr  # type: ignore[attr-defined]
+    both(lambda c: compat.select_cache_rows(c, torch.tensor([2, 0])))
+    both(append(2))
+    both(lambda c: [setattr(ly, "keys", ly.keys.clone()) for ly in _layers(c)])  # e.g. compaction
+    both(append(5))  # past the room: regrown
+    assert roomy.get_seq_length() == 14  # type: ignore[attr-defined]
+    assert kv and all(type(ly).__name__ == "DynamicLayer" for ly in _layers(roomy))

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..compat import crop_cache, new_dynamic_cache, select_cache_rows
+from ..compat import crop_cache, new_dynamic_cache, reserve_cache_room, select_cache_rows
 from ..decoding import compact_cache
 
 
@@ -25,6 +25,7 @@ class DraftKVState:
         self.mask = torch.zeros(rows.shape[0], 0, dtype=torch.long, device=rows.device)
         self.rows = rows.clone()
         self.spec = 0  # speculative entries appended by the last call
+        self.room_layers = 0  # layers that append in place (``compat.reserve_cache_room``)
 
     def begin_call(self, rows: torch.Tensor) -> torch.Tensor | None:
         """Crop the last call's speculative entries, drop rows that finished since (returns the
@@ -42,6 +43,8 @@ class DraftKVState:
         if self.mask.shape[1] > 64 and float(self.mask.sum(-1).max()) < 0.5 * self.mask.shape[1]:
             new = compact_cache(self.cache, self.mask)  # too many holes: gather live entries
             self.mask = self.mask if new is None else new
+        if not self.room_layers:  # appends in place once the first call created the layers
+            self.room_layers = reserve_cache_room(self.cache, 16)
         return sel
 
     def append(self, valid: torch.Tensor) -> torch.Tensor:

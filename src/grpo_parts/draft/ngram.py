@@ -39,23 +39,37 @@ class _Pool:
         #: n-gram -> its continuations ranked by share (count, then recency); dropped when it gains one
         self._ranked: dict[Key, list[tuple[int, float]]] = {}
 
-    def add(self, tokens: list[int]) -> int:
+    def add(self, tokens: list[int], known: int = 0) -> int:
+        """A new sequence starting with ``tokens``; its first ``known`` tokens are not indexed (a
+        copy of the prompt, which the pool already holds as sequence 0: the n-grams ending inside
+        it continue as the prompt does)."""
         sid = len(self.seqs)
-        self.seqs.append([])
-        self.extend(sid, tokens)
+        self.seqs.append(list(tokens[:known]))
+        self.extend(sid, tokens[known:])
         return sid
 
     def extend(self, sid: int, tokens: list[int]) -> None:
-        seq = self.seqs[sid]
+        seq, index, ranked, lo, hi, keep = (
+            self.seqs[sid],
+            self.index,
+            self._ranked,
+            self.lo,
+            self.hi,
+            self.keep,
+        )
         for tok in tokens:
             e = len(seq)  # the n-grams ending at e now have a continuation: ``tok``
-            for n in range(self.lo, min(self.hi, e) + 1):
+            for n in range(lo, min(hi, e) + 1):
                 key = tuple(seq[e - n : e])
-                occ = self.index.setdefault(key, [])
+                occ = index.get(key)
+                if occ is None:
+                    index[key] = [(sid, e)]
+                    continue
                 occ.append((sid, e))
-                if len(occ) > self.keep:
+                if len(occ) > keep:
                     del occ[0]
-                self._ranked.pop(key, None)
+                if key in ranked:
+                    del ranked[key]
             seq.append(tok)
 
     def continuation(self, tail: list[int], k: int) -> list[int]:
@@ -169,9 +183,9 @@ class NGramDraft:
                 key = tuple(prompt)
                 pool.add(prompt)
                 for old in self.history.get(key, []):
-                    pool.add(prompt + old)
+                    pool.add(prompt + old, known=len(prompt))
                 self._pools[g], self._keys[g] = pool, key
-            self._row_sid[r] = self._pools[g].add(prompt)
+            self._row_sid[r] = self._pools[g].add(prompt, known=len(prompt))
             self._row_group[r] = g
 
     def _sync(self, context: DraftContext) -> list[tuple[_Pool, list[int]]]:

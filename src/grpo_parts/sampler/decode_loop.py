@@ -21,7 +21,14 @@ from typing import Any
 
 import torch
 
-from ..compat import cache_kwarg, crop_cache, output_cache, repeat_cache_rows, select_cache_rows
+from ..compat import (
+    cache_kwarg,
+    crop_cache,
+    output_cache,
+    repeat_cache_rows,
+    reserve_cache_room,
+    select_cache_rows,
+)
 from ..core import token_logprobs
 from ..decoding import (
     SamplingParams,
@@ -37,6 +44,11 @@ from ..errors import GRPOPartsError
 from ..types import PromptBatch
 from .tree_verify import TreeVerifier
 from .verify import Verifier
+
+#: columns of room a cache layer's buffers get beyond what they hold (then regrown): one copy of the
+#: cache per 16 appended columns instead of one per step; small, because dropping finished rows
+#: gathers the room too (room 64 made that gather cost more than the copies it saved at batch 64)
+CACHE_ROOM = 16
 
 
 @dataclass
@@ -69,6 +81,8 @@ class DecodeState:
     #: forward would pass ``window - 1`` columns, so the window never drops or hides a live entry
     window: int | None = None
     dtype: torch.dtype = torch.float32  # the policy's (tree attention masks are built in it)
+    #: cache layers that append in place (``compat.reserve_cache_room``; 0: every step copies the cache)
+    room_layers: int = 0
 
     @property
     def width(self) -> int:
@@ -103,6 +117,7 @@ class DecodeState:
         cache, logits0 = output_cache(out), out.logits[:, -1].repeat_interleave(g, 0)
         if g > 1:
             repeat_cache_rows(cache, g)
+        room = reserve_cache_room(cache, CACHE_ROOM)
         first = sample_tokens(logits0, params, generator)
         pad = torch.full((n, tmax), params.pad_token_id, device=device, dtype=ids.dtype)
         seq = torch.cat([ids, pad], 1)
@@ -119,7 +134,7 @@ class DecodeState:
             cache=cache, act=torch.arange(n, device=device), mask=pmask.long(), next_pos=plen.clone(),
             last=first, num_new=plen.clone(),
             h_parts=[out.hidden_states[-1].repeat_interleave(g, 0)] if need_h else [],
-            cache_kw=cache_kwarg(model), dtype=next(model.parameters()).dtype,
+            cache_kw=cache_kwarg(model), dtype=next(model.parameters()).dtype, room_layers=room,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ per step

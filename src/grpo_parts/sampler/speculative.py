@@ -227,6 +227,7 @@ class SpeculativeSampler:
             ),
             0.0,
         )
+        stats["kv_in_place_layers"] = float(st.room_layers)
         self.last_trace = trace = DecodeTrace()
         step = 0
         while st.drop_finished():
@@ -373,6 +374,7 @@ class SpeculativeSampler:
             "plain_steps": stats["plain_steps"],
             "tree_steps": stats["tree_steps"],
             "acceptance_estimate": self.acceptance.rate,
+            "kv_in_place_layers": stats["kv_in_place_layers"],
         }
         self.draft.observe(rollout.completion_ids, rollout.completion_mask, group)
         if self.config.train_draft and self.draft.learnable:
