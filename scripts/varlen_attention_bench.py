@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """One attention call of the padding-free layout, forward + backward, on CPU: the varlen cascade
 (``attention/varlen.py``, the ``sdpa`` kernel's default) vs the dense masked SDPA per span
-(``varlen=False``), interleaved in one process, ratio per case (docs/benchmarks.md).
+(``varlen=False``), or with ``--kernel eager`` the eager kernel's varlen plan
+(``attention/varlen_eager.py``) vs the dense eager span mask; interleaved in one process, ratio per
+case (docs/benchmarks.md).
 
-    python scripts/varlen_attention_bench.py --threads 1 --repeats 5 [--json]
+    python scripts/varlen_attention_bench.py --threads 1 --repeats 5 [--kernel eager] [--json]
 
 Cases: one span (one prompt) of G completions with long-tailed lengths as
 ``scripts/verl_prefix_bench.py --long-tail`` draws them (seed 0), layer-shaped q/k/v in float32
@@ -28,16 +30,19 @@ from verl_prefix_bench import long_tail_length  # noqa: E402
 
 from grpo_parts.attention.padding_free import PaddingFreeLayout, padding_free_attention  # noqa: E402
 from grpo_parts.attention.varlen import varlen_plan  # noqa: E402
+from grpo_parts.attention.varlen_eager import eager_scores  # noqa: E402
 
 
-def layout(prefix: int, lengths: list[int]) -> PaddingFreeLayout:
+def layout(prefix: int, lengths: list[int], kernel: str = "sdpa") -> PaddingFreeLayout:
     sid = [0] * prefix + [j + 1 for j, n in enumerate(lengths) for _ in range(n)]
-    return PaddingFreeLayout(len(sid), ((0, len(sid)),), torch.tensor(sid), len(sid), "sdpa")
+    return PaddingFreeLayout(len(sid), ((0, len(sid)),), torch.tensor(sid), len(sid), kernel)
 
 
-def one(lay: PaddingFreeLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+def one(
+    lay: PaddingFreeLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None
+) -> float:
     t = time.perf_counter()
-    out = padding_free_attention(q, k, v, lay, q.shape[-1] ** -0.5, None, None)
+    out = padding_free_attention(q, k, v, lay, q.shape[-1] ** -0.5, softcap, None)
     out.sum().backward()
     return time.perf_counter() - t
 
@@ -45,7 +50,7 @@ def one(lay: PaddingFreeLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def case(g: int, prefix: int, median: int, args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
     gen = torch.Generator().manual_seed(0)
     lengths = [long_tail_length(median, first=j == 0, g=gen) for j in range(g)]
-    lay = layout(prefix, lengths)
+    lay = layout(prefix, lengths, args.kernel)
     t = time.perf_counter()
     plan = varlen_plan(lay.spans, lay.suffix_id)
     plan_s = time.perf_counter() - t
@@ -60,14 +65,15 @@ def case(g: int, prefix: int, median: int, args: argparse.Namespace) -> dict:  #
     times: dict[str, list[float]] = {name: [] for name in lays}
     for i in range(args.repeats + 1):  # the first round warms up (and builds the masks / plan)
         for name, lay_ in lays.items():
-            dt = one(lay_, q, k, v)
+            dt = one(lay_, q, k, v, args.softcap)
             if i:
                 times[name].append(dt)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     n = lay.row_len
     return {
         "G": g, "P": prefix, "median_S": statistics.median(lengths), "max_S": max(lengths), "row_len": n,
-        "buckets": len(plan.buckets), "scores_varlen": plan.scores, "scores_masked": n * n,
+        "buckets": len(plan.buckets), "scores_masked": n * n,
+        "scores_varlen": eager_scores(plan) if args.kernel == "eager" else plan.scores,
         "plan_s": plan_s, "varlen_s": med["varlen"], "masked_s": med["masked"],
         "speedup": med["masked"] / med["varlen"],
     }  # fmt: skip
@@ -80,6 +86,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--kernel", choices=["sdpa", "eager"], default="sdpa")
+    p.add_argument("--softcap", type=float, default=None, help="attention logit soft-capping (eager)")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -91,7 +99,7 @@ def main() -> None:
     for d in args.head_dim:
         args.head_dim = d
         for g, prefix, median in ((16, 64, 128), (16, 1024, 48), (8, 256, 48)):
-            r = {"head_dim": d, **case(g, prefix, median, args)}
+            r = {"kernel": args.kernel, "head_dim": d, **case(g, prefix, median, args)}
             rows.append(r)
             print(
                 f"| {d} | {g} | {prefix} | {r['median_S']:.0f} | {r['max_S']} | {r['buckets']} | "

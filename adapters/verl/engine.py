@@ -29,7 +29,8 @@ reported in the micro-batch's metrics, which verl's actor update returns as ``ac
   the plan never runs more tokens than the packed micro-batch), and
   ``parts/attention/grid_over_padding_free_max`` the largest ``grid / padding_free``;
 * ``parts/attention/calls_<path>`` -- the padding-free layout's attention calls per path
-  (``varlen_cascade``, ``masked_sdpa``, ``eager``, ``flex``: ``SharedPrefixAttention.attention_calls``).
+  (``varlen_cascade``, ``masked_sdpa``, ``varlen_eager``, ``masked_eager``, ``flex``:
+  ``SharedPrefixAttention.attention_calls``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``layout="auto"`` by estimated cost (``attention/layout_choice.py``): model tokens plus attention
-scores weighed by FLOPs. The varlen cascade never computes more scores than the grid, so fewer
-tokens decide; under a dense per-span mask (``eager``, ``varlen=False``) the grid's cascade can win
+scores weighed by FLOPs. The varlen plan (the ``sdpa`` cascade, its ``eager`` equivalent) never
+computes more scores than the grid under the same kernel, so fewer tokens decide; under a dense
+per-span mask (``varlen=False``) the grid's cascade can win
 although the padding-free layout runs fewer tokens. The choice and its reason are recorded, and
 either layout is exact (float64, live reference)."""
 
@@ -59,13 +60,14 @@ def batches(draw):  # type: ignore[no-untyped-def]
 @settings(max_examples=50, derandomize=True, deadline=None)
 @given(batch=batches())
 def test_varlen_never_costs_more_than_the_grid(batch):  # type: ignore[no-untyped-def]
-    """Every grid plan pads each completion to at least its own length: the varlen cascade's scores and
-    tokens are at most the grid's, so with it the cost choice is the token choice."""
+    """Every grid plan pads each completion to at least its own length: the varlen plan's scores and
+    tokens are at most the grid's (per kernel), so with it the cost choice is the token choice."""
     chunks, info = chunk_plan(batch, 0, 8)
-    grid = grid_cost(batch, chunks, info["grid_slots"])
-    free = padding_free_cost(batch, dense=False)
-    assert free.tokens == padding_free_tokens(batch) <= grid.tokens
-    assert free.scores <= grid.scores + 1e-9
+    for eager in (False, True):  # eager: whole squares on both sides
+        grid = grid_cost(batch, chunks, info["grid_slots"], eager)
+        free = padding_free_cost(batch, dense=False, eager=eager)
+        assert free.tokens == padding_free_tokens(batch) <= grid.tokens
+        assert free.scores <= grid.scores + 1e-9
 
 
 def _near_uniform() -> LogprobBatch:
@@ -88,7 +90,8 @@ def test_a_dense_mask_keeps_the_grid_the_varlen_cascade_takes_padding_free():  #
     for kernel, options, expected in (
         ("sdpa", {}, "padding_free"),
         ("sdpa", {"varlen": False}, "grid"),
-        ("eager", {}, "grid"),
+        ("eager", {}, "padding_free"),  # its varlen plan: whole squares, as the grid's eager
+        ("eager", {"varlen": False}, "grid"),
     ):
         backend = SharedPrefixAttention(kernel, **options)
         backend.completion_logprobs(model, batch)

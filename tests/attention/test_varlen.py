@@ -57,18 +57,25 @@ def cases(draw):  # type: ignore[no-untyped-def]
     )
 
 
-@settings(max_examples=25, derandomize=True, deadline=None)
-@given(case=cases())
-def test_equivalent_to_reference_and_to_the_masked_path(case):  # type: ignore[no-untyped-def]
+def model_and_batch(case, **extra):  # type: ignore[no-untyped-def]
+    """The case's float64 model (``extra``: config overrides), long-tailed batch and tolerances."""
     name = case["family"]
     context = VARIANTS[name][2] if name in VARIANTS else None
     kv = case["heads"] if name == "minicpm3_like" else case["kv"]  # (see test_padding_free.py)
     model = exact_model(name, vocab_size=48, hidden_size=8 * case["heads"], num_heads=case["heads"],
-                        num_kv_heads=kv, head_dim=8, num_layers=case["layers"], seed=case["seed"])  # fmt: skip
+                        num_kv_heads=kv, head_dim=8, num_layers=case["layers"], seed=case["seed"],
+                        **extra)  # fmt: skip
     gen = torch.Generator().manual_seed(case["seed"])
     long = case["long"] if context is None else min(case["long"], context - case["max_prompt"])
     batch = long_tailed(gen, case["groups"], case["max_prompt"], case["short"], max(long, case["short"]))
-    atol, rtol = (1e-8, 1e-6) if name == "minicpm3_like" else (1e-10, 0.0)  # DeepSeek routes in float32
+    tol = (1e-8, 1e-6) if name == "minicpm3_like" else (1e-10, 0.0)  # DeepSeek routes in float32
+    return model, batch, tol
+
+
+@settings(max_examples=25, derandomize=True, deadline=None)
+@given(case=cases())
+def test_equivalent_to_reference_and_to_the_masked_path(case):  # type: ignore[no-untyped-def]
+    model, batch, (atol, rtol) = model_and_batch(case)
     ref = outputs_and_grads(RepeatedPrefixAttention(), model, batch, case["temperature"])
     varlen = SharedPrefixAttention("sdpa", layout="padding_free")
     got = outputs_and_grads(varlen, model, batch, case["temperature"])

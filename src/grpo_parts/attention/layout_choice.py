@@ -1,10 +1,11 @@
 """``layout="auto"``: grid or padding-free by estimated cost, model tokens plus attention scores.
 
-With the varlen cascade (the padding-free ``sdpa`` kernel) the padding-free layout never computes
-more scores than the grid (every completion padded to at most the grid's longest), so fewer tokens
-decide; with a dense per-span mask (``eager``, ``varlen=False``) its ``(P + sum_j S_j)^2`` scores can
-outweigh the tokens it saves, and the grid's cascade wins. Scores are weighed against tokens by
-FLOPs (:func:`score_weight`)."""
+With the varlen plan (the padding-free ``sdpa`` kernel's cascade, ``eager``'s
+:mod:`.varlen_eager`) the padding-free layout never computes more scores than the grid under the
+same kernel (every completion padded to at most the grid's longest), so fewer tokens decide; with a
+dense per-span mask (``varlen=False``) its ``(P + sum_j S_j)^2`` scores can outweigh the tokens it
+saves, and the grid's cascade wins. ``eager`` computes whole score squares (it masks them), the
+flash calls causal halves. Scores are weighed against tokens by FLOPs (:func:`score_weight`)."""
 
 from __future__ import annotations
 
@@ -31,22 +32,28 @@ class LayoutCost:
         return self.tokens + score_weight * self.scores
 
 
-def grid_cost(batch: LogprobBatch, chunks: list[torch.Tensor], tokens: float) -> LayoutCost:
+def grid_cost(
+    batch: LogprobBatch, chunks: list[torch.Tensor], tokens: float, eager: bool = False
+) -> LayoutCost:
     """The grid plan's cost: ``tokens`` (its slots) and, per grid of ``B`` groups, prompt ``Pp``,
-    group ``G``, completion ``S``: ``B (Pp^2/2 + G S Pp + G S^2/2)`` cascade scores."""
+    group ``G``, completion ``S``: ``B (Pp^2/2 + G S Pp + G S^2/2)`` cascade scores (``eager``:
+    ``B (Pp^2 + G S Pp + G S^2)``, whole squares)."""
+    half = 1.0 if eager else 0.5
     scores = 0.0
     for c in chunks:
         _, rows, p, s = _group_sizes(batch.select(c))
         if rows.numel():
             pp, g, sl = float(p.max()), float(rows.max()), float(s.max())
-            scores += rows.numel() * (pp * pp / 2 + g * sl * pp + g * sl * sl / 2)
+            scores += rows.numel() * (half * pp * pp + g * sl * pp + half * g * sl * sl)
     return LayoutCost(tokens, scores)
 
 
-def padding_free_cost(batch: LogprobBatch, dense: bool) -> LayoutCost:
+def padding_free_cost(batch: LogprobBatch, dense: bool, eager: bool = False) -> LayoutCost:
     """The padding-free layout's cost: :func:`padding_free_tokens` and, per group span of prompt
-    ``P`` and completions ``S_j``, ``(P + sum S_j)^2`` scores with a ``dense`` mask (``eager``,
-    masked SDPA) or ``P^2/2 + sum_j S_j (P + S_j/2)`` (the varlen cascade, flex's block mask)."""
+    ``P`` and completions ``S_j``, ``(P + sum S_j)^2`` scores with a ``dense`` mask (masked eager or
+    SDPA), ``P^2/2 + sum_j S_j (P + S_j/2)`` (the varlen cascade, flex's block mask) or, ``eager``,
+    ``P^2 + sum_j S_j (P + S_j)`` (:mod:`.varlen_eager`: whole squares; bucket padding not counted,
+    as for the cascade)."""
     row_group, _, p, _ = _group_sizes(batch)
     clen = batch.completion_mask.detach().cpu().double().sum(-1)
     total = torch.zeros(p.numel(), dtype=torch.float64).index_add(0, row_group, clen)
@@ -54,7 +61,8 @@ def padding_free_cost(batch: LogprobBatch, dense: bool) -> LayoutCost:
     if dense:
         scores = float(((pf + total) ** 2).sum())
     else:
-        scores = float((pf * pf / 2 + pf * total).sum() + (clen * clen / 2).sum())
+        half = 1.0 if eager else 0.5
+        scores = float((half * pf * pf + pf * total).sum() + (half * clen * clen).sum())
     return LayoutCost(float(padding_free_tokens(batch)), scores)
 
 
@@ -108,6 +116,10 @@ def auto_costs(
     varlen: bool,
 ) -> tuple[LayoutCost, LayoutCost, float]:
     """``(grid, padding-free, weight)`` for :func:`choose_layout`: the padding-free attention is
-    dense under ``eager`` and the masked SDPA (``sdpa`` with ``varlen=False``)."""
-    dense = kernel == "eager" or (kernel == "sdpa" and not varlen)
-    return grid_cost(batch, chunks, grid_slots), padding_free_cost(batch, dense), score_weight(config)
+    dense with ``varlen=False`` (masked eager or SDPA); ``eager`` computes whole squares."""
+    dense, eager = kernel in ("eager", "sdpa") and not varlen, kernel == "eager"
+    return (
+        grid_cost(batch, chunks, grid_slots, eager),
+        padding_free_cost(batch, dense, eager),
+        score_weight(config),
+    )

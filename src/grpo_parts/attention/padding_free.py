@@ -19,9 +19,11 @@ span, all queries against the prefix, each completion against itself in length b
 CPU flash ops merged by log-sum-exp; about ``P^2/2 + sum_j S_j (P + S_j/2)`` scores per span
 instead of ``(P + sum_j S_j)^2``); with ``varlen=False``, or where :func:`varlen_reasons` refuses
 it, ``sdpa`` is PyTorch's ``scaled_dot_product_attention`` with an explicit boolean mask per span
-(counted in ``calls["masked_sdpa"]`` with the reason, never silently). ``eager`` attends within
-each span with that mask (soft-capping, sinks); ``flex`` is one FlexAttention call over the row
-with the same pattern as a block-sparse mask (the CUDA choice; forward-only on CPU).
+(counted in ``calls["masked_sdpa"]`` with the reason, never silently). ``eager`` (soft-capping,
+sinks) runs the same varlen plan in plain PyTorch ops (:mod:`.varlen_eager`, ``calls["varlen_eager"]``;
+about ``P^2 + sum_j S_j (P + S_j)`` scores), with ``varlen=False`` the span mask
+(``calls["masked_eager"]``); ``flex`` is one FlexAttention call over the row with the same pattern as
+a block-sparse mask (the CUDA choice; forward-only on CPU).
 :func:`.layout_choice.choose_layout` picks grid or padding-free (:data:`LAYOUTS`).
 """
 
@@ -43,7 +45,8 @@ LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
 class _Masks:
     """Per-call cache of the kernel's masks and varlen plan (built on the first layer, reused by the
     others) and what ran: ``calls`` counts attention calls per path (``varlen_cascade``,
-    ``masked_sdpa``, ``eager``, ``flex``), ``why`` says why ``masked_sdpa`` ran. Not a dict or
+    ``masked_sdpa``, ``varlen_eager``, ``masked_eager``, ``flex``), ``why`` says why ``masked_sdpa``
+    ran. Not a dict or
     dataclass, so FSDP2's input casting passes it through like :class:`~.layout.Receipts`."""
 
     def __init__(self) -> None:
@@ -59,7 +62,7 @@ class PaddingFreeLayout:
     """One row of ``row_len`` tokens. ``spans``: ``(start, end)`` of each group (and of the padding
     column); ``suffix_id: [row_len]``: 0 on prefix tokens, a distinct positive id per suffix, -1 on
     padding. ``max_span``: the longest real sequence (prompt + completion). ``varlen``: the ``sdpa``
-    kernel runs the varlen cascade (False: the dense masked SDPA per span)."""
+    and ``eager`` kernels run the varlen plan (False: a dense mask per span)."""
 
     row_len: int
     spans: tuple[tuple[int, int], ...]
@@ -186,6 +189,15 @@ def _span_masks(lay: PaddingFreeLayout) -> list[torch.Tensor]:
     return lay.masks.spans
 
 
+def _plan(lay: PaddingFreeLayout) -> Any:
+    """The row's :class:`.varlen.VarlenPlan`, built on the first layer and reused by the others."""
+    from .varlen import varlen_plan
+
+    if lay.masks.plan is None:
+        lay.masks.plan = varlen_plan(lay.spans, lay.suffix_id)
+    return lay.masks.plan
+
+
 def varlen_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PaddingFreeLayout) -> list[str]:
     """Why the ``sdpa`` kernel cannot run the varlen cascade here (empty = it can)."""
     from .cascade import flash_ops
@@ -221,17 +233,20 @@ def padding_free_attention(
     if lay.kernel == "sdpa":
         why = varlen_reasons(q, k, v, lay)
         if not why:
-            from .varlen import varlen_cascade, varlen_plan
+            from .varlen import varlen_cascade
 
-            if lay.masks.plan is None:
-                lay.masks.plan = varlen_plan(lay.spans, lay.suffix_id)
             lay.masks.calls["varlen_cascade"] += 1
-            return varlen_cascade(q, k, v, lay.masks.plan, scale)
+            return varlen_cascade(q, k, v, _plan(lay), scale)
         lay.masks.calls["masked_sdpa"] += 1
         if not lay.masks.why:
             lay.masks.why = why
+    elif lay.varlen:  # eager: plain PyTorch ops, any device and dtype
+        from .varlen_eager import varlen_eager
+
+        lay.masks.calls["varlen_eager"] += 1
+        return varlen_eager(q, k, v, _plan(lay), scale, softcap, sinks)
     else:
-        lay.masks.calls[lay.kernel] += 1
+        lay.masks.calls["masked_eager"] += 1
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     outs = []

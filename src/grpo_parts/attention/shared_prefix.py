@@ -162,7 +162,8 @@ class SharedPrefixAttention:
     must call it equally often; ``last_plan`` says what the last call did. ``layout``: ``"grid"``,
     ``"padding_free"`` (:mod:`.padding_free`) or ``"auto"`` (:func:`.layout_choice.choose_layout`:
     smaller estimated cost); ``layout_counts`` counts the calls of each. ``varlen``: the padding-free
-    ``sdpa`` kernel is the varlen cascade (:mod:`.varlen`; False: masked SDPA); ``attention_calls``
+    ``sdpa`` kernel is the varlen cascade (:mod:`.varlen`), ``eager`` its plain-ops equivalent
+    (:mod:`.varlen_eager`; False: a dense mask per span, masked SDPA / eager); ``attention_calls``
     (and ``last_plan["attention_calls"]``) count the padding-free attention calls per path."""
 
     name: ClassVar[str] = "shared_prefix"

@@ -254,11 +254,15 @@ def test_packed_long_tail_is_bounded_by_the_packed_tokens():
         assert backend.last_plan["layout"] == ("grid" if layout == "grid" else "padding_free")
 
 
-@pytest.mark.parametrize(("kernel", "expected"), [("sdpa", "padding_free"), ("eager", "grid")])
-def test_the_backends_cost_choice_decides_the_padding_free_call(kernel, expected):
+@pytest.mark.parametrize(
+    ("kernel", "varlen", "expected"),
+    [("sdpa", True, "padding_free"), ("eager", True, "padding_free"), ("eager", False, "grid")],
+)
+def test_the_backends_cost_choice_decides_the_padding_free_call(kernel, varlen, expected):
     """8 near-equal completions (one of 21 tokens, seven of 20) after a 2-token prompt: padding-free
-    saves 7 tokens, but under ``eager`` its dense span mask costs far more attention scores than the
-    grid's cascade, so the actor keeps the grid as the backend would (``layout_for``); exact either way."""
+    saves 7 tokens, but under a dense span mask (``varlen=False``) it costs far more attention scores
+    than the grid's cascade, so the actor keeps the grid as the backend would (``layout_for``); exact
+    either way."""
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 48, (2,), generator=g).tolist()
     rows = [prompt + torch.randint(3, 48, (n,), generator=g).tolist() for n in [21] + [20] * 7]
@@ -268,11 +272,13 @@ def test_the_backends_cost_choice_decides_the_padding_free_call(kernel, expected
     model = tiny_model("qwen2", seed=0)
     w = torch.randn(am.shape, generator=g, dtype=torch.float64)
     b, gb = logprobs_and_grads(plain_actor(model, 1.0, packing=True), model, seq, att, am, w)
-    backend = shared_prefix_backend(kernel=kernel)
+    backend = shared_prefix_backend(kernel=kernel, varlen=varlen)
     ours = parts_actor(model, backend, 1.0, packing=True)
     a, ga = logprobs_and_grads(ours, model, seq, att, am, w)
     assert_same(a, b, ga, gb)
     tokens = ours.flush_tokens()
+    path = "varlen_cascade" if kernel == "sdpa" else "varlen_eager"
+    assert (f"parts/attention/calls_{path}" in tokens) == (expected == "padding_free")
     assert backend.last_plan["layout"] == expected and tokens["parts/attention/padding_free_tokens"] == 163
     # the grid: the long row and the seven short ones as two sub-groups, (2 + 21) + (2 + 7 x 20)
     assert tokens["parts/attention/grid_tokens"] == (163 if expected == "padding_free" else 165)

@@ -214,17 +214,25 @@ def test_grouped_layout_is_bounded_by_the_packed_micro_batch(cpu, verl_forward, 
     assert backend.last_plan["layout"] == "padding_free" and backend.layout_counts["padding_free"] == 1
 
 
-@pytest.mark.parametrize(("kernel", "expected"), [("sdpa", "padding_free"), ("eager", "grid")])
+@pytest.mark.parametrize(
+    ("kernel", "varlen", "expected"),
+    [("sdpa", True, "padding_free"), ("eager", True, "padding_free"), ("eager", False, "grid")],
+)
 def test_the_backends_cost_choice_decides_the_padding_free_call(
-    cpu, verl_forward, model, monkeypatch, kernel, expected
+    cpu, verl_forward, model, monkeypatch, kernel, varlen, expected
 ):
     """8 near-equal completions (20 and 21 tokens) after a 2-token prompt: padding-free saves 7 tokens,
-    but under ``eager`` its dense span mask costs ~13x the grid's attention scores, so the backend
-    (``layout_for``) keeps the grid and the plan follows it; the metrics say what ran, exactly."""
+    but under a dense span mask (``varlen=False``) it costs ~13x the grid's attention scores, so the
+    backend (``layout_for``) keeps the grid and the plan follows it; the metrics say what ran, exactly."""
     g = torch.Generator().manual_seed(1)
     rows = [("a", [5, 6], torch.randint(3, 40, (20 + (i == 0),), generator=g).tolist()) for i in range(8)]
     monkeypatch.setitem(globals(), "ROWS", rows)
-    engine = StandInEngine(model, EngineOptions(attention="shared_prefix", kernel=kernel))
+    options = EngineOptions(attention="shared_prefix", kernel=kernel)
+    if not varlen:  # (not an engine option: the backend's)
+        backend = options.backend()
+        backend.varlen = False
+        monkeypatch.setattr(EngineOptions, "backend", lambda self: backend)
+    engine = StandInEngine(model, options)
     mb = micro_batch()
     _, out = engine.forward_step(mb, None, forward_only=True)
     m = {k: v.aggregate() for k, v in out["metrics"].items()}
@@ -233,7 +241,8 @@ def test_the_backends_cost_choice_decides_the_padding_free_call(
     assert m["parts/attention/padding_free_tokens"] == 2 + 8 * 20 + 1
     # the grid plan: the long row and the seven short ones as two sub-groups, (2 + 21) + (2 + 7 x 20)
     assert m["parts/attention/grid_tokens"] == (163 if expected == "padding_free" else 165)
-    assert ("parts/attention/calls_varlen_cascade" in m) == (expected == "padding_free")
+    path = "varlen_cascade" if kernel == "sdpa" else "varlen_eager"
+    assert ("parts/attention/calls_" + path in m) == (expected == "padding_free")
     ids, cu = mb["input_ids"].values(), mb["input_ids"].offsets()
     ref = plain_packed_logprobs(model, ids, cu, 1.0).detach()
     ours = no_padding_2_padding(out["model_output"]["log_probs"], mb)
