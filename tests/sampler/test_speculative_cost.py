@@ -79,6 +79,29 @@ def test_probes_back_off_while_speculation_stays_off() -> None:
     assert sampler._probe_gap == sampler.config.probe_every
 
 
+def test_probes_also_where_the_calibration_says_drafting_cannot_pay() -> None:
+    """A calibration that prices every draft out (break-even acceptance >= 1) still gets k=1 probes
+    with the same back-off, so a disturbed calibration cannot keep speculation off for good; the
+    probe's measured step corrects it."""
+    from grpo_parts.draft.ngram import NGramDraft
+    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.tiny import tiny_causal_lm
+
+    sampler = SpeculativeSampler(
+        tiny_causal_lm("qwen2", vocab_size=16, hidden_size=32, num_layers=1), NGramDraft()
+    )
+    sampler.cost = cost = gpu_like()
+    cost.verify = {b: [t * 50 for t in ts] for b, ts in cost.verify.items()}  # verification "costs" 50x
+    cost.verify = {b: [ts[0] / 50] + ts[1:] for b, ts in cost.verify.items()}  # ... but plain steps do not
+    sampler.acceptance = AcceptanceEstimate(prior=0.9)
+    assert cost.break_even_acceptance(1) >= 1.0
+    probes = [i + 1 for i in range(200) if sampler.choose_k(1, 100, i) == 1]
+    assert probes == [16, 48, 112]
+    for _ in range(5):  # the probes measure a speculative step as cheap as a plain one
+        cost.observe_step(1, 1, cost.step_time(1, 0), 0.0)
+    assert sampler.choose_k(1, 100, 0) > 0
+
+
 def test_one_slow_speculative_step_corrects_every_draft_length() -> None:
     """A speculative step measured 3x slower than predicted scales the prediction of the draft
     lengths not tried yet at that batch size too, so the sampler switches speculation off instead
