@@ -72,23 +72,31 @@ def model_and_batch(case, **extra):  # type: ignore[no-untyped-def]
     return model, batch, tol
 
 
-@settings(max_examples=25, derandomize=True, deadline=None)
-@given(case=cases())
-def test_equivalent_to_reference_and_to_the_masked_path(case):  # type: ignore[no-untyped-def]
-    model, batch, (atol, rtol) = model_and_batch(case)
+def check_against_reference_and_masked(  # type: ignore[no-untyped-def]
+    model, batch, case, kernel: str, path: str, atol: float, rtol: float
+):
+    """The padding-free ``kernel`` against the reference and against its own ``varlen=False`` path:
+    log-probs, entropies and every gradient; ``path`` ran in every layer, the masked path never."""
     ref = outputs_and_grads(RepeatedPrefixAttention(), model, batch, case["temperature"])
-    varlen = SharedPrefixAttention("sdpa", layout="padding_free")
-    got = outputs_and_grads(varlen, model, batch, case["temperature"])
-    masked = SharedPrefixAttention("sdpa", layout="padding_free", varlen=False)
+    new = SharedPrefixAttention(kernel, layout="padding_free")
+    got = outputs_and_grads(new, model, batch, case["temperature"])
+    masked = SharedPrefixAttention(kernel, layout="padding_free", varlen=False)
     old = outputs_and_grads(masked, model, batch, case["temperature"])
-    # the cascade ran in every layer, the masked path never (and the other way round), all counted
-    assert varlen.last_plan["attention_calls"] == {"varlen_cascade": case["layers"]}
-    assert masked.last_plan["attention_calls"] == {"masked_sdpa": case["layers"]}
-    assert masked.last_plan["masked_sdpa_why"] == "varlen=False (requested)"
+    assert new.last_plan["attention_calls"] == {path: case["layers"]}
+    assert masked.last_plan["attention_calls"] == {f"masked_{kernel}": case["layers"]}
     names = ["logprobs", "entropies"] + [n for n, p in model.named_parameters() if p.requires_grad]
     for n, a, b, c in zip(names, got, ref, old):
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m, n=n: f"{n} vs reference: {m}")
         torch.testing.assert_close(a, c, atol=atol, rtol=rtol, msg=lambda m, n=n: f"{n} vs masked: {m}")
+    return masked
+
+
+@settings(max_examples=25, derandomize=True, deadline=None)
+@given(case=cases())
+def test_equivalent_to_reference_and_to_the_masked_path(case):  # type: ignore[no-untyped-def]
+    model, batch, (atol, rtol) = model_and_batch(case)
+    masked = check_against_reference_and_masked(model, batch, case, "sdpa", "varlen_cascade", atol, rtol)
+    assert masked.last_plan["masked_sdpa_why"] == "varlen=False (requested)"
 
 
 def _layout(groups: list[tuple[int, list[int]]], pad: bool) -> PaddingFreeLayout:

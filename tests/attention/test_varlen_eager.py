@@ -16,11 +16,9 @@ from _attention_helpers import use_exact_eager
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_padding_free import CLASSES, FAMILIES
-from test_varlen import _layout, cases, model_and_batch, outputs_and_grads, rows
+from test_varlen import _layout, cases, check_against_reference_and_masked, model_and_batch, rows
 
 from grpo_parts.attention.padding_free import padding_free_attention
-from grpo_parts.attention.reference import RepeatedPrefixAttention
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention
 from grpo_parts.attention.varlen import varlen_plan
 from grpo_parts.attention.varlen_eager import eager_scores
 
@@ -53,17 +51,7 @@ def _check(case):  # type: ignore[no-untyped-def]
         use_exact_eager(model)
     else:
         model, batch, (atol, rtol) = model_and_batch(case)
-    ref = outputs_and_grads(RepeatedPrefixAttention(), model, batch, case["temperature"])
-    new = SharedPrefixAttention("eager", layout="padding_free")
-    got = outputs_and_grads(new, model, batch, case["temperature"])
-    dense = SharedPrefixAttention("eager", layout="padding_free", varlen=False)
-    old = outputs_and_grads(dense, model, batch, case["temperature"])
-    assert new.last_plan["attention_calls"] == {"varlen_eager": case["layers"]}
-    assert dense.last_plan["attention_calls"] == {"masked_eager": case["layers"]}
-    names = ["logprobs", "entropies"] + [n for n, p in model.named_parameters() if p.requires_grad]
-    for n, a, b, c in zip(names, got, ref, old):
-        torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m, n=n: f"{n} vs reference: {m}")
-        torch.testing.assert_close(a, c, atol=atol, rtol=rtol, msg=lambda m, n=n: f"{n} vs dense: {m}")
+    check_against_reference_and_masked(model, batch, case, "eager", "varlen_eager", atol, rtol)
 
 
 def _kernel_vs_dense(lay, heads, kv, d, dv, seed, softcap, sinks):  # type: ignore[no-untyped-def]
