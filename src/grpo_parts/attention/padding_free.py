@@ -226,6 +226,7 @@ def padding_free_attention(
     """``q: [1, H, L, D]``, ``k, v: [1, Hkv, L, D(v)]`` (KV heads not repeated) -> ``[1, H, L, Dv]``.
     Counts the path it ran in ``lay.masks.calls``."""
     from .cascade import repeat_kv
+    from .varlen_eager import masked_softmax_out
 
     if lay.kernel == "flex":
         lay.masks.calls["flex"] += 1
@@ -258,13 +259,8 @@ def padding_free_attention(
             )
             continue
         x = (qs @ ks.transpose(-1, -2)) * scale
-        if softcap is not None:
-            x = torch.tanh(x / softcap) * softcap
-        x = x.masked_fill(~mask, torch.finfo(x.dtype).min)
-        lse = x.logsumexp(-1, keepdim=True)
-        if sinks is not None:  # one extra logit per head in every softmax, no value
-            lse = torch.logaddexp(lse, sinks.to(x.dtype).view(1, -1, 1, 1))
-        outs.append((x - lse).exp() @ vs)
+        sink = None if sinks is None else sinks.to(x.dtype).view(1, -1, 1, 1)
+        outs.append(masked_softmax_out(x, mask, vs, softcap, sink))
     return torch.cat(outs, dim=2)
 
 

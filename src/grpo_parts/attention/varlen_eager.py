@@ -28,10 +28,11 @@ import torch
 from .varlen import VarlenPlan
 
 
-def _softmax_out(
+def masked_softmax_out(
     x: torch.Tensor, keep: torch.Tensor, v: torch.Tensor, softcap: float | None, sink: torch.Tensor | None
 ) -> torch.Tensor:
-    """``softmax(cap(x) masked by keep, + sink) @ v`` as the dense eager path computes it."""
+    """``softmax(cap(x) masked by keep, + sink) @ v``: the eager softmax of both padding-free eager paths
+    (soft-capping before the mask; a sink is one extra logit per head in the normaliser, no value)."""
     if softcap is not None:
         x = torch.tanh(x / softcap) * softcap
     x = x.masked_fill(~keep, torch.finfo(x.dtype).min)
@@ -64,7 +65,7 @@ def varlen_eager(
     for a, _, p in plan.spans:
         x = (q5[..., a : a + p, :] @ k5[..., a : a + p, :].transpose(-1, -2)) * scale
         causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
-        outs.append(_softmax_out(x, causal, v5[..., a : a + p, :], softcap, sink).flatten(1, 2)[0])
+        outs.append(masked_softmax_out(x, causal, v5[..., a : a + p, :], softcap, sink).flatten(1, 2)[0])
         where.append(torch.arange(a, a + p, device=dev))
     # (b) each bucket's completions vs [their span's prefix | themselves], one softmax
     start = torch.tensor([a for a, _, _ in plan.spans], device=dev)
@@ -84,7 +85,7 @@ def varlen_eager(
         qb = q5[0][:, :, idx].permute(2, 0, 1, 3, 4)  # [n, Hkv, rep, S, D]
         kb = k5[0][:, :, kidx].permute(2, 0, 1, 3, 4)  # [n, Hkv, 1, Pm + S, D]
         vb = v5[0][:, :, kidx].permute(2, 0, 1, 3, 4)
-        ob = _softmax_out((qb @ kb.transpose(-1, -2)) * scale, keep, vb, softcap, sink)
+        ob = masked_softmax_out((qb @ kb.transpose(-1, -2)) * scale, keep, vb, softcap, sink)
         outs.append(ob.flatten(1, 2).transpose(0, 1)[:, valid])  # [H, real tokens, Dv]
         where.append(idx[valid])
     out = torch.cat(outs, 1)
