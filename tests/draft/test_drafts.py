@@ -10,7 +10,7 @@ import torch
 
 from grpo_parts.draft import IMPLEMENTATIONS, get_draft_class
 from grpo_parts.draft.eagle import EagleConfig, EagleDraft
-from grpo_parts.draft.ngram import NGramDraft
+from grpo_parts.draft.ngram import NGramDraft, _Pool
 from grpo_parts.draft.protocol import DraftContext, DraftModel, DraftTrainingBatch
 from grpo_parts.draft.reference import FrozenLMDraft
 from grpo_parts.errors import GRPOPartsError
@@ -129,3 +129,35 @@ def test_draft_context_validation() -> None:
             t, torch.tensor([3]), torch.tensor([0]), torch.tensor([0]),
             new_hidden=torch.zeros(1, 2, 4), num_new=torch.tensor([3]),
         )  # fmt: skip
+
+
+def test_ngram_pool_prefers_longest_agreement_then_own_text() -> None:
+    """Where the occurrences of the matched suffix disagree on what follows, the one whose earlier
+    text agrees longest with the row's wins, then the row's own text, then the most recent."""
+    pool = _Pool(1, 2)
+    own = pool.add([7, 5, 1, 2, 3, 4, 5, 1])  # the row's previous "line" 5 1 2 3, now at "5 1"
+    sibling = pool.add([7, 5, 1, 2, 9])  # more recent, same agreement (5 1 2), different next token
+    pool.extend(own, [2])
+    tail = pool.seqs[own]
+    assert pool.continuation(tail, 2, own) == [3, 4]  # own previous line, not the sibling's 9
+    assert pool.continuation(tail, 2) == [9]  # no own row: the most recent on a tie
+    # a sibling whose text agrees further back (4 5 1 2) beats the row's own shorter agreement
+    pool.add([3, 4, 5, 1, 2, 8])
+    assert pool.continuation(tail, 1, own) == [8]
+    assert sibling != own
+    # every occurrence agreeing on the next token: the most recent one, as before
+    solo = _Pool(1, 2)
+    a = solo.add([1, 2, 3, 4])
+    solo.add([0, 2, 3, 6])
+    assert solo.continuation([5, 2], 2, a) == [3, 6]
+
+
+def test_ngram_draft_proposes_the_rows_own_previous_line() -> None:
+    d = NGramDraft(max_ngram=2)
+    prompts = torch.tensor([[7, 8], [7, 8]])
+    d.reset(prompts, torch.ones_like(prompts), torch.tensor([0, 0]))
+    # row 1 (the sibling) wrote its line 5 1 2 with a different term (9) after row 0 wrote 5 1 2 3
+    row0, row1 = [7, 8, 5, 1, 2, 3, 4, 5, 1], [7, 8, 5, 1, 2, 9]
+    d.propose(ctx([row0, row1], [0, 1], [0, 0]), 1, GREEDY)
+    out = d.propose(ctx([row0 + [2]], [0], [0]), 2, GREEDY)
+    assert out.tokens[0].tolist() == [3, 4]

@@ -4,8 +4,11 @@ A row's continuation is looked up in the token sequences most likely to repeat i
 and its own text so far, its **sibling completions** in the group (GRPO samples G completions of
 the same prompt, which share long stretches), and **earlier rollouts of the same prompt** (kept
 across rollouts, keyed by the prompt's tokens). The longest suffix of the row (``max_ngram`` down
-to ``min_ngram`` tokens) found in that pool proposes the tokens that followed its most recent
-occurrence; the lookup is chained until ``k`` tokens are drafted.
+to ``min_ngram`` tokens) found in that pool proposes the tokens that followed one of its
+occurrences; the lookup is chained until ``k`` tokens are drafted. Where the occurrences disagree
+on the next token, the one whose preceding text agrees longest with the row's wins, then the row's
+own text, then the most recent (before: the most recent, often a sibling at the same line that had
+mis-copied a term where the row's own previous line held the right one).
 
 Proposals are deterministic (``probs=None``): the verifier treats them as point masses, which keeps
 verification exact at any temperature (accept ``d`` with probability ``p(d)``, else resample from
@@ -26,6 +29,8 @@ from ..errors import GRPOPartsError
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
 
 Key = tuple[int, ...]
+#: how far back ``_Pool._best`` compares an occurrence's text with the row's
+AGREE = 32
 
 
 class _Pool:
@@ -72,20 +77,38 @@ class _Pool:
                     del ranked[key]
             seq.append(tok)
 
-    def continuation(self, tail: list[int], k: int) -> list[int]:
-        """Chain the most recent occurrence of the longest matching suffix until ``k`` tokens."""
+    def continuation(self, tail: list[int], k: int, own: int = -1) -> list[int]:
+        """Chain the best occurrence of the longest matching suffix until ``k`` tokens: where the
+        occurrences disagree on what follows, the one whose preceding text agrees longest with
+        ``tail`` (then the row's own sequence ``own``, then the most recent): ``max_ngram`` tokens
+        often fail to place a row within a line that repeats with small changes."""
         out: list[int] = []
         while len(out) < k:
             ctx = tail + out
             for n in range(min(self.hi, len(ctx)), self.lo - 1, -1):
-                occ = self.index.get(tuple(ctx[len(ctx) - n :]))
+                key = tuple(ctx[len(ctx) - n :])
+                occ = self.index.get(key)
                 if occ:
-                    sid, e = occ[-1]
+                    sid, e = occ[-1] if len(self.ranked(key)) == 1 else self._best(occ, ctx, n, own)
                     out += self.seqs[sid][e : e + k - len(out)]
                     break
             else:
                 break
         return out
+
+    def _best(self, occ: list[tuple[int, int]], ctx: list[int], n: int, own: int) -> tuple[int, int]:
+        """The occurrence whose text before the matched ``n`` tokens agrees longest with ``ctx``
+        (up to ``AGREE`` tokens), then the one in sequence ``own``, then the most recent."""
+        best, best_score = occ[-1], (-1, False, -1)
+        seqs, top_ctx = self.seqs, min(AGREE, len(ctx))
+        for rank, (sid, e) in enumerate(occ):
+            seq, m, top = seqs[sid], n, min(top_ctx, e)
+            while m < top and seq[e - m - 1] == ctx[-m - 1]:
+                m += 1
+            score = (m, sid == own, rank)
+            if score > best_score:
+                best, best_score = (sid, e), score
+        return best
 
     def ranked(self, key: Key) -> list[tuple[int, float]]:
         """The distinct continuations of the n-gram ``key`` with their share of its occurrences,
@@ -214,8 +237,8 @@ class NGramDraft:
         k = num_tokens
         tokens = context.tokens
         out = torch.empty(tokens.shape[0], k, dtype=torch.long)
-        for a, (pool, seq) in enumerate(self._sync(context)):
-            cont = pool.continuation(seq[-self.hi :], k)
+        for a, ((pool, seq), r) in enumerate(zip(self._sync(context), context.rows.tolist())):
+            cont = pool.continuation(seq[-AGREE:], k, self._row_sid[r])
             fill = cont[-1] if cont else seq[-1]
             out[a] = torch.tensor(cont + [fill] * (k - len(cont)), dtype=torch.long)
         return DraftProposal(out.to(tokens.device), None)
