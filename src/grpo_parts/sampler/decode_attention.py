@@ -35,11 +35,11 @@ KERNEL_NAME = "grpo_decode_shared_prompt"
 LAYOUT_KWARG = "grpo_decode_layout"
 #: attention implementations whose decode attention the kernel reproduces (plain causal softmax)
 OWN_IMPLEMENTATIONS = ("sdpa", "eager")
-#: cost rule (measured, docs/speculative.md): the shared path pays when the active rows per group
-#: average at least this many ...
-MIN_ROWS_PER_GROUP = 2.0
-#: ... and a forward scores at least this many query tokens (active rows x tokens per row)
-MIN_QUERY_TOKENS = 48
+#: cost rule (measured per call on the main job's shapes, docs/speculative.md): the shared path
+#: pays when the active rows per group average at least this many ...
+MIN_ROWS_PER_GROUP = 4.0
+#: ... and at least this many rows are active (below, SDPA's per-row cost is small enough)
+MIN_ROWS = 64
 
 
 @dataclass
@@ -83,7 +83,7 @@ class DecodeLayout:
     def choose(self, query_len: int) -> bool:
         """The cost rule for a forward of ``query_len`` tokens per row: sets and returns ``use_shared``."""
         a, u = self.group_id.numel(), self.reps.numel()
-        self.use_shared = self.always or a >= MIN_ROWS_PER_GROUP * u and a * query_len >= MIN_QUERY_TOKENS
+        self.use_shared = self.always or (a >= MIN_ROWS_PER_GROUP * u and a >= MIN_ROWS)
         return self.use_shared
 
     def additive_mask(self, mask: torch.Tensor | None, t: int, n: int, dtype: torch.dtype) -> torch.Tensor:
