@@ -141,7 +141,7 @@ def test_greedy_identity_with_the_shared_path(attn: str, draft: str, nodes: int 
 def test_auto_counts_both_paths_and_off_neither() -> None:
     policy = _policy("sdpa")
     prompts = PromptBatch.from_lists(PROMPTS * 4, pad_token_id=0)
-    params = SamplingParams(group_size=4, max_new_tokens=12, temperature=0.0, eos_token_ids=(3,))
+    params = SamplingParams(group_size=8, max_new_tokens=12, temperature=0.0, eos_token_ids=(3,))
     ref = ReferenceSampler(policy).generate(prompts, params)
     for mode in ("auto", "off"):
         cfg = SpeculativeConfig(draft_tokens=1, decode_shared_prompt=mode)
