@@ -45,7 +45,9 @@ class EngineOptions(BaseModel):
     many times its packed tokens (None: never). ``max_chunks`` / ``chunk_overhead_tokens``: the
     shared-prefix backend's grid splitting inside each call (:mod:`grpo_parts.attention.chunking`;
     the data-parallel ranks agree on the number of model calls). ``layout``: the shared-prefix
-    layout (``auto``, ``grid``, ``padding_free``; docs/attention.md). See docs/adapters/verl.md, "Memory".
+    layout (``auto``, ``grid``, ``padding_free``; docs/attention.md). ``varlen``: the padding-free
+    layout's varlen cascade kernel (False: the masked kernel, for A/B checks; counted as
+    ``calls_masked_sdpa`` / ``calls_masked_eager``). See docs/adapters/verl.md, "Memory".
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -57,6 +59,7 @@ class EngineOptions(BaseModel):
     max_chunks: int | None = Field(None, ge=1)
     chunk_overhead_tokens: int = 1024
     layout: str = "auto"
+    varlen: bool = True
 
     @field_validator("attention")
     @classmethod
@@ -85,6 +88,7 @@ class EngineOptions(BaseModel):
             max_chunks=self.max_chunks,
             chunk_overhead_tokens=self.chunk_overhead_tokens,
             layout=self.layout,
+            varlen=self.varlen,
         )
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _attention_helpers import exact_model, random_batch
 
-import grpo_parts.attention.shared_prefix as sp
+import grpo_parts.attention.grouped_forward as gf
 from grpo_parts.attention.kernels import shared_prefix_attention
 from grpo_parts.attention.layout import LAYOUT_KWARG, build_grouped_inputs
 from grpo_parts.attention.reference import RepeatedPrefixAttention
@@ -53,7 +53,7 @@ def test_layer_dropping_kwargs_is_refused(monkeypatch):  # type: ignore[no-untyp
     with pytest.raises(NotSupportedError, match=refusal):  # and the check after every forward
         SharedPrefixAttention().completion_logprobs(model, batch)
     # what the guard prevents: without it the numbers are wrong, with no error
-    monkeypatch.setattr(sp, "layout_shortfall", lambda model, receipts: [])
+    monkeypatch.setattr(gf, "layout_shortfall", lambda model, receipts: [])
     wrong = SharedPrefixAttention().completion_logprobs(model, batch).logprobs
     ref = RepeatedPrefixAttention().completion_logprobs(model, batch).logprobs
     assert (wrong - ref).abs().max() > 1e-3

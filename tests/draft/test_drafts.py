@@ -67,6 +67,44 @@ def test_ngram_uses_siblings_and_history() -> None:
         NGramDraft(max_ngram=1, min_ngram=2)
 
 
+def test_ngram_pools_are_built_at_first_use_with_the_same_proposals() -> None:
+    """A rollout that never drafts builds no pool (reset only remembers the prompts); one that does
+    proposes exactly what pools built for every row at reset (the earlier behaviour) propose."""
+    from grpo_parts.draft.protocol import TreeBudget
+
+    class Eager(NGramDraft):
+        def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
+            super().reset(prompts, prompt_mask, group_index)
+            for r in range(prompts.shape[0]):
+                self._row(r)
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 6, (6, 5), generator=gen)
+    prompts[3:] = prompts[:3]  # groups of two rows sharing a prompt
+    mask, groups = torch.ones_like(prompts), torch.tensor([0, 1, 2, 0, 1, 2])
+    lazy, eager = NGramDraft(max_ngram=3), Eager(max_ngram=3)
+    for rollout in range(3):
+        for d in (lazy, eager):
+            d.reset(prompts, mask, groups)
+        assert lazy.pools_built == 3 * rollout  # nothing built at reset
+        text = [list(p) for p in prompts.tolist()]
+        for step in range(12):
+            for t in text:
+                t.append(int(torch.randint(1, 6, (1,), generator=gen)))
+            rows = [r for r in range(6) if (r + step) % 3 or step > 8]  # rows join at different steps
+            c = ctx([text[r] for r in rows], rows, [int(groups[r]) for r in rows])
+            if step % 2:
+                a, b = lazy.propose(c, 3, GREEDY), eager.propose(c, 3, GREEDY)
+            else:
+                budget = TreeBudget(6, 3, 2)
+                a, b = lazy.propose_tree(c, budget, GREEDY), eager.propose_tree(c, budget, GREEDY)
+                assert torch.equal(a.parents, b.parents)
+            assert torch.equal(a.tokens, b.tokens), (rollout, step)
+        comp = torch.tensor([t[5:] for t in text])
+        for d in (lazy, eager):
+            d.observe(comp, torch.ones_like(comp), groups)
+
+
 def test_eagle_cache_matches_one_shot(policy: torch.nn.Module) -> None:
     """Feeding the policy's features in two calls (with drafted entries cropped in between) gives the
     same proposal as feeding them all at once."""

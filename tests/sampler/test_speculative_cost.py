@@ -76,7 +76,7 @@ def test_probes_back_off_while_speculation_stays_off() -> None:
     assert probes == [16, 48, 112]
     sampler.acceptance = AcceptanceEstimate(prior=0.9)
     assert sampler.choose_k(1, 100, 0) > 0
-    assert sampler._probe_gap == sampler.config.probe_every
+    assert sampler._probe_gap[1] == sampler.config.probe_every
 
 
 def test_probes_also_where_the_calibration_says_drafting_cannot_pay() -> None:
@@ -113,6 +113,57 @@ def test_one_slow_speculative_step_corrects_every_draft_length() -> None:
     assert cost.scale[(16, True)] == pytest.approx(3.0)
     assert cost.choose(16, 0.7, 6) == 0
     assert cost.choose(1, 0.7, 6) > 0  # other batch sizes keep their own estimate
+
+
+def cpu_like() -> CostModel:
+    """The bench's task policy on the 2-core CPU: a plain step 23 ms at 1 row, 55 ms at 64 rows;
+    each drafted token adds ~3 ms at 1 row and ~36 ms at 64; an n-gram draft costs next to nothing."""
+    sizes, tokens = [1, 64], [1, 2, 3, 5, 7]
+    table = {1: [23e-3, 26e-3, 29e-3, 35e-3, 45e-3], 64: [55e-3, 91e-3, 127e-3, 199e-3, 264e-3]}
+    cost = CostModel(sizes, tokens, table)
+    for a in sizes:
+        cost.draft_fixed[a], cost.draft_per_token[a] = 1e-5, 1e-6
+    return cost
+
+
+def test_overhead_measured_at_one_batch_size_stays_there() -> None:
+    """A start-up table that under-timed the 64-row forward (55 ms, every plain step measured at
+    80 ms) leaves a 25 ms residual at 64 rows; it must not price plain steps at 1 row at 48 ms, which
+    made the n-gram draft (acceptance 0.2) draft at a loss in the tail of a batch-64 rollout."""
+    cost = cpu_like()
+    assert cost.choose(1, 0.2, 6) == 0
+    for _ in range(50):
+        cost.observe_step(64, 0, 80e-3, 0.0)
+    assert cost.overhead_at(64, False) == pytest.approx(25e-3, rel=1e-3)
+    assert cost.step_time(64, 0) == pytest.approx(80e-3, rel=1e-3)
+    assert cost.overhead_at(1, False) == 0.0 and cost.step_time(1, 0) == pytest.approx(23e-3)
+    assert cost.choose(1, 0.2, 6) == 0
+    assert cost.choose(1, 0.6, 6) > 0  # a draft that pays at 1 row still drafts there
+
+
+def test_probes_back_off_per_batch_size() -> None:
+    """Drafting in the 1-row tail of each rollout does not reset the probe back-off of the 64-row
+    steps, where speculation is off: over 10 rollouts of 20 steps at 64 rows the probes there come
+    after 16, 48, 112 of its steps (not once per rollout)."""
+    from grpo_parts.draft.ngram import NGramDraft
+    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.tiny import tiny_causal_lm
+
+    sampler = SpeculativeSampler(
+        tiny_causal_lm("qwen2", vocab_size=16, hidden_size=32, num_layers=1), NGramDraft()
+    )
+    sampler.cost = cost = cpu_like()
+    sampler.acceptance = AcceptanceEstimate(prior=0.6)
+    assert cost.choose(64, 0.6, 6) == 0 and cost.choose(1, 0.6, 6) > 0
+    probes, n64 = [], 0
+    for _ in range(10):
+        for _ in range(20):
+            n64 += 1
+            if sampler.choose_k(64, 100, 0) > 0:
+                probes.append(n64)
+        for _ in range(5):
+            assert sampler.choose_k(1, 100, 0) > 0
+    assert probes == [16, 48, 112], probes
 
 
 def test_tree_size_follows_concurrency() -> None:

@@ -17,119 +17,35 @@ one-token probe by :meth:`SharedPrefixAttention.not_supported_reasons` too.
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections import Counter
 from typing import Any, ClassVar
 
 import torch
 
-from ..compat import accepts_logits_to_keep, register_attention_function, select_attention
+from ..compat import accepts_logits_to_keep, select_attention
 from ..core import token_logprobs
 from ..errors import GRPOPartsError, NotSupportedError
 from .chunking import chunk_plan, empty_call_batch, rank_consistent_plan
-from .guard import architecture_reasons, layout_shortfall, position_tables, text_config
-from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs, ungroup_logits
+from .grouped_forward import KERNEL_NAME, grouped_forward, probe_reasons, register_attention
+from .guard import architecture_reasons, position_tables, text_config
+from .layout import build_grouped_inputs, ungroup_logits
 from .layout_choice import auto_costs, choose_layout
 from .padding_free import LAYOUTS, build_padding_free_inputs, padding_free_tokens
 from .protocol import LogprobBatch, LogprobOutput
 from .reference import entropy_from_logits
 
-#: name under which the attention function is registered with transformers
-KERNEL_NAME = "grpo_shared_prefix"
+# KERNEL_NAME, register_attention and select_attention are re-exported for the adapters and tests
+__all__ = [
+    "KERNEL_NAME",
+    "KERNEL_PRIORITY",
+    "SharedPrefixAttention",
+    "probe_reasons",
+    "register_attention",
+    "select_attention",
+]
+
 #: ``kernel="auto"`` tries these in order
 KERNEL_PRIORITY: tuple[str, ...] = ("sdpa", "flex", "eager")
-
-
-def register_attention() -> str:
-    """Register the attention function with transformers under :data:`KERNEL_NAME`, with the mask
-    builder of the model's own implementation for forwards without the layout (``mask="own"``:
-    the shared-prefix forward passes a 4-D placeholder mask, which no builder touches). Idempotent."""
-    from .kernels import shared_prefix_attention
-
-    register_attention_function(KERNEL_NAME, shared_prefix_attention, mask="own")
-    return KERNEL_NAME
-
-
-def _use_kernel(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """Select the shared-prefix attention function on ``model`` for the duration of a forward."""
-    return select_attention(model, KERNEL_NAME)
-
-
-_text_config = text_config
-
-#: model -> reasons found by the one-token probe (``[]``: every decoder layer got the layout)
-_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, list[str]] = weakref.WeakKeyDictionary()
-
-
-def _grouped_forward(model: torch.nn.Module, grouped: GroupedInputs) -> torch.Tensor:
-    """``model`` on the grid with the shared-prefix kernel selected; the logits at ``grouped.keep``.
-    Raises :class:`NotSupportedError` when a decoder layer did not receive the layout."""
-    b = grouped.input_ids.shape[0]
-    placeholder = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=grouped.input_ids.device)
-    try:
-        with _use_kernel(model):
-            out = model(
-                input_ids=grouped.input_ids,
-                position_ids=grouped.position_ids,
-                attention_mask=placeholder,  # 4-D: transformers passes it through instead of building a mask
-                logits_to_keep=grouped.keep,
-                use_cache=False,
-                **{LAYOUT_KWARG: grouped.layout},
-            )
-    except (GRPOPartsError, torch.OutOfMemoryError):
-        raise  # our own refusals name their cause already; running out of memory is not the architecture
-    except Exception as e:  # noqa: BLE001 - whatever the layout breaks inside a model is a refusal
-        kind = f"{type(model).__name__} ({getattr(_text_config(model), 'model_type', '?')})"
-        raise NotSupportedError(
-            "shared_prefix",
-            [f"model: {kind} failed under the shared-prefix layout: {type(e).__name__}: {e}"],
-        ) from e
-    shortfall = layout_shortfall(model, grouped.layout.receipts)
-    if shortfall:
-        raise NotSupportedError("shared_prefix", shortfall)
-    return out.logits
-
-
-def _sharded(model: torch.nn.Module) -> bool:
-    """Whether a forward needs other processes (ZeRO-3 / FSDP / a process group): then the probe is
-    left to the first real forward, which every rank runs."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return True
-    return any(
-        p.device.type == "meta" or hasattr(p, "ds_id") or type(p).__name__ == "DTensor"
-        for p in model.parameters()
-    )
-
-
-def probe_reasons(model: torch.nn.Module) -> list[str]:
-    """Run ``model`` once on a one-token prompt and a one-token completion through the shared-prefix
-    kernel (``eager``, no grad, eval mode; the modules' training flags are restored) and return why
-    the layout did not reach every decoder layer (empty: it did). Cached per model; skipped (``[]``)
-    for a model sharded across processes, where the first real forward checks the same."""
-    if model in _PROBED:
-        return _PROBED[model]
-    if _sharded(model):
-        return []
-    register_attention()
-    p = next(model.parameters())
-    tok = torch.ones(1, 1, dtype=torch.long, device=p.device)
-    batch = LogprobBatch(tok, tok, tok, tok, torch.zeros(1, dtype=torch.long, device=p.device))
-    grouped = build_grouped_inputs(batch, kernel="eager")
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            _grouped_forward(model, grouped)
-        reasons: list[str] = []
-    except GRPOPartsError as e:  # NotSupportedError included: _grouped_forward names the cause
-        reasons = getattr(e, "reasons", None) or [f"model: {type(model).__name__}: {e}"]
-    finally:
-        for m, t in flags:
-            m.training = t
-    _PROBED[model] = reasons
-    return reasons
 
 
 def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
@@ -209,7 +125,7 @@ class SharedPrefixAttention:
             return [f"model: expected a transformers causal LM with .config, got {type(model).__name__}"]
         if getattr(cfg, "is_encoder_decoder", False):
             return [f"model: encoder-decoder models ({cfg.model_type}) are not supported"]
-        tc = _text_config(model)
+        tc = text_config(model)
         out = []
         if not getattr(tc, "is_causal", True) or getattr(tc, "use_bidirectional_attention", False):
             out.append(f"model: {tc.model_type} uses bidirectional attention")
@@ -242,7 +158,7 @@ class SharedPrefixAttention:
         return out
 
     def _softcap(self, model: torch.nn.Module) -> bool:
-        return getattr(_text_config(model), "attn_logit_softcapping", None) is not None
+        return getattr(text_config(model), "attn_logit_softcapping", None) is not None
 
     def _sinks(self, model: torch.nn.Module) -> bool:
         """Attention sinks (gpt-oss and others: a ``sinks`` tensor on the attention modules)."""
@@ -310,7 +226,7 @@ class SharedPrefixAttention:
         ``batch`` (before the ranks agree on the number of calls); adapters ask it to plan alike."""
         kernel = kernel or self.choose_kernel(model)
         chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
-        costs = auto_costs(batch, chunks, info["grid_slots"], _text_config(model), kernel, self.varlen)
+        costs = auto_costs(batch, chunks, info["grid_slots"], text_config(model), kernel, self.varlen)
         return (*choose_layout(self.layout, *costs), chunks, info)
 
     # ------------------------------------------------------------------------------------- compute
@@ -377,7 +293,7 @@ class SharedPrefixAttention:
         max_position: int | None,
         layout: str = "grid",
     ) -> LogprobOutput:
-        ctx = getattr(_text_config(model), "max_position_embeddings", None)
+        ctx = getattr(text_config(model), "max_position_embeddings", None)
         if layout == "padding_free":
             grouped = build_padding_free_inputs(
                 batch, max_positions=ctx, kernel=kernel, max_position=max_position, varlen=self.varlen
@@ -387,7 +303,7 @@ class SharedPrefixAttention:
                 batch, max_positions=ctx, kernel=kernel, chunk_elems=self.chunk_elems,
                 suffix_flash_min=self.suffix_flash_min, max_position=max_position,
             )  # fmt: skip
-        logits = ungroup_logits(_grouped_forward(model, grouped), grouped)  # [N, S, V]
+        logits = ungroup_logits(grouped_forward(model, grouped), grouped)  # [N, S, V]
         if layout == "padding_free":
             masks = grouped.layout.masks  # type: ignore[union-attr]
             self.attention_calls.update(masks.calls)

@@ -90,8 +90,12 @@ class CostModel:
     verify: dict[int, list[float]]
     draft_fixed: dict[int, float] = field(default_factory=dict)
     draft_per_token: dict[int, float] = field(default_factory=dict)
-    #: per-step sampler bookkeeping beyond the forward and the draft (plain, speculative), measured online
-    overhead: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
+    #: per-step sampler bookkeeping beyond the forward and the draft per (calibrated batch size,
+    #: speculative?), measured online; 0 where not measured yet. Per batch size, because a residual
+    #: measured at 64 rows (e.g. a start-up table that under-timed the 64-row forward by 20 ms) added
+    #: to a 23 ms plain step at 1 row made plain decoding look twice its cost there, so the tail of a
+    #: batch-64 rollout drafted at a loss (n-gram, 1.07 tokens for 38 ms vs 1 for 25 ms plain)
+    overhead: dict[tuple[int, bool], float] = field(default_factory=dict)
     ema: float = 0.8
     #: a draft length must beat plain decoding by this factor (timing noise must not flip decisions)
     margin: float = 1.1
@@ -147,13 +151,17 @@ class CostModel:
         old_s = self.scale.get(key)
         self.scale[key] = ratio if old_s is None else self.ema * old_s + (1 - self.ema) * ratio
         resid = max(seconds - draft_seconds - self.t_verify(a, k + 1 if tokens is None else tokens), 0.0)
-        self.overhead[k > 0] = self.ema * self.overhead[k > 0] + (1 - self.ema) * resid
+        self.overhead[key] = self.ema * self.overhead.get(key, 0.0) + (1 - self.ema) * resid
+
+    def overhead_at(self, a: int, speculative: bool) -> float:
+        """Measured per-step bookkeeping of that kind at the calibrated batch size nearest ``a``."""
+        return self.overhead.get((self._bucket(a), speculative), 0.0)
 
     def _bucket(self, a: int) -> int:
         return _nearest(self.batch_sizes, a)
 
     def _predict(self, a: int, k: int) -> float:
-        return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead[k > 0]
+        return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead_at(a, k > 0)
 
     def step_time(self, a: int, k: int) -> float:
         return self._predict(a, k) * self.scale.get((self._bucket(a), k > 0), 1.0)
@@ -182,10 +190,8 @@ class CostModel:
             out[f"t_verify_b{b}_t{self.tokens[-1]}_ms"] = 1e3 * self.t_verify(b, self.tokens[-1])
         for b in sorted(self.draft_fixed):
             out[f"t_draft_b{b}_per_token_ms"] = 1e3 * self.draft_per_token[b]
-        out["overhead_plain_ms"], out["overhead_spec_ms"] = (
-            1e3 * self.overhead[False],
-            1e3 * self.overhead[True],
-        )
+        for (b, spec), sec in sorted(self.overhead.items()):
+            out[f"overhead_b{b}_{'spec' if spec else 'plain'}_ms"] = 1e3 * sec
         return out
 
 

@@ -131,13 +131,17 @@ class SpeculativeSampler:
         self.cost: CostModel | None = None
         self.last_draft_metrics: dict[str, float] = {}
         self.last_trace = DecodeTrace()  # per decode step of the last rollout: rows, k, tokens, why
-        self._steps = self._last_probe = 0
+        #: per calibrated batch size: decisions so far, the last probe, the gap to the next one (a
+        #: tail that drafts at 1 row must not reset the back-off of the 64-row steps, where one k=1
+        #: probe per rollout cost ~2% with the n-gram draft)
+        self._steps: dict[int, int] = {}
+        self._last_probe: dict[int, int] = {}
+        self._probe_gap: dict[int, int] = {}
         #: decisions between chains and trees so far, and the last one that ran each shape
         self._shape_steps = 0
         self._last_shape = {"chain": 0, "tree": 0}
         #: steps between probes of a shape: 2, 4, 8, ... up to ``probe_every`` (measured early)
         self._shape_gap = {"chain": 2, "tree": 2}
-        self._probe_gap = self.config.probe_every
 
     # ------------------------------------------------------------------ Sampler protocol
     def not_supported_reasons(self, params: SamplingParams) -> list[str]:
@@ -176,16 +180,18 @@ class SpeculativeSampler:
             return min(self.config.draft_tokens, cap)
         assert self.cost is not None
         k = self.cost.choose(active, self.acceptance.rate, cap)
-        self._steps += 1
+        b = self.cost._bucket(active)
+        steps = self._steps[b] = self._steps.get(b, 0) + 1
+        gap = self._probe_gap.get(b, self.config.probe_every)
         if k > 0:
-            self._probe_gap = self.config.probe_every
-        elif self._steps - self._last_probe >= self._probe_gap:
+            self._probe_gap[b] = self.config.probe_every
+        elif steps - self._last_probe.get(b, 0) >= gap:
             # probe so a better draft is noticed, backing off exponentially while probes keep failing
             # (so "off" costs next to nothing) -- also where the calibrated costs say no draft can
             # pay: a probe's measured step time corrects a disturbed calibration (which otherwise
             # kept an EAGLE sampler plain for a whole bench run at batch 1, 1.02x instead of ~2x)
-            k, self._last_probe = 1, self._steps
-            self._probe_gap = min(2 * self._probe_gap, 1024)
+            k, self._last_probe[b] = 1, steps
+            self._probe_gap[b] = min(2 * gap, 1024)
         return k
 
     def generate(

@@ -89,7 +89,7 @@ class TreeCost:
 
 
 def tree_step_time(cost: CostModel, trees: TreeCost, a: int, budget: TreeBudget) -> float:
-    pred = cost.t_verify(a, budget.nodes + 1) + trees.t_draft(cost, a, budget) + cost.overhead[True]
+    pred = cost.t_verify(a, budget.nodes + 1) + trees.t_draft(cost, a, budget) + cost.overhead_at(a, True)
     return pred * cost.scale.get((cost._bucket(a), True), 1.0)
 
 

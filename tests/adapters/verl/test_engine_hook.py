@@ -212,6 +212,15 @@ def test_grouped_layout_is_bounded_by_the_packed_micro_batch(cpu, verl_forward, 
     )
     backend = free.__dict__["_grpo_parts_attention"][1]
     assert backend.last_plan["layout"] == "padding_free" and backend.layout_counts["padding_free"] == 1
+    # varlen=false (the engine option, for A/B checks): the same padding-free call on the masked kernel
+    masked = StandInEngine(
+        model, EngineOptions(attention="shared_prefix", layout="padding_free", varlen=False)
+    )
+    _, out = masked.forward_step(micro_batch(), None, forward_only=True)
+    m = {k: v.aggregate() for k, v in out["metrics"].items()}
+    assert (
+        m["parts/attention/calls_masked_sdpa"] == layers and "parts/attention/calls_varlen_cascade" not in m
+    )
 
 
 @pytest.mark.parametrize(
@@ -227,11 +236,7 @@ def test_the_backends_cost_choice_decides_the_padding_free_call(
     g = torch.Generator().manual_seed(1)
     rows = [("a", [5, 6], torch.randint(3, 40, (20 + (i == 0),), generator=g).tolist()) for i in range(8)]
     monkeypatch.setitem(globals(), "ROWS", rows)
-    options = EngineOptions(attention="shared_prefix", kernel=kernel)
-    if not varlen:  # (not an engine option: the backend's)
-        backend = options.backend()
-        backend.varlen = False
-        monkeypatch.setattr(EngineOptions, "backend", lambda self: backend)
+    options = EngineOptions(attention="shared_prefix", kernel=kernel, varlen=varlen)
     engine = StandInEngine(model, options)
     mb = micro_batch()
     _, out = engine.forward_step(mb, None, forward_only=True)
