@@ -130,22 +130,30 @@ def right_align(buf: torch.Tensor, ends: torch.Tensor, width: int, fill: int | f
     return out.masked_fill(~valid.view(*valid.shape, *([1] * (buf.ndim - 2))), fill)
 
 
-def compact_cache(cache: Any, mask: torch.Tensor) -> torch.Tensor | None:
-    """Gather each row's live KV entries (``mask == 1``) to the right end of the cache, in order.
-    Returns the new mask, or None when the cache type has no ``layers[i].keys/values``."""
+def compact_cache(cache: Any, mask: torch.Tensor, start: int = 0) -> torch.Tensor | None:
+    """Gather each row's live KV entries (``mask == 1``) among columns ``>= start`` to the right end
+    of the cache, in order; columns ``< start`` stay where they are (the speculative sampler keeps
+    the prompt's columns in place so its decode attention can read them once per group). Returns
+    the new mask, or None when the cache type has no ``layers[i].keys/values``."""
     layers = cache_layers(cache)
     if layers is None:
         return None
-    width = int(mask.sum(-1).max())
-    idx = torch.sort(mask, dim=-1, stable=True).indices[:, -width:]  # holes first, then live in order
+    tail = mask[:, start:]
+    width = int(tail.sum(-1).max())
+    # holes first, then live in order
+    idx = start + torch.sort(tail, dim=-1, stable=True).indices[:, tail.shape[1] - width :]
     for ly in layers:
         if not getattr(ly, "is_initialized", True) or ly.keys.numel() == 0:
             continue
         g = idx[:, None, :, None].expand(-1, ly.keys.shape[1], -1, ly.keys.shape[-1])
-        ly.keys, ly.values = ly.keys.gather(2, g), ly.values.gather(2, g)
+        keys, values = ly.keys.gather(2, g), ly.values.gather(2, g)
+        if start > 0:
+            keys = torch.cat([ly.keys[:, :, :start], keys], 2)
+            values = torch.cat([ly.values[:, :, :start], values], 2)
+        ly.keys, ly.values = keys, values
         if hasattr(ly, "cumulative_length"):  # sliding-window layers size their masks from it
             ly.cumulative_length = ly.keys.shape[-2]
-    return mask.gather(1, idx)
+    return torch.cat([mask[:, :start], mask.gather(1, idx)], 1)
 
 
 # ---------------------------------------------------------------- draft trees

@@ -42,6 +42,7 @@ from ..decoding import (
 from ..draft.protocol import DraftContext
 from ..errors import GRPOPartsError
 from ..types import PromptBatch
+from .decode_attention import LAYOUT_KWARG, DecodeLayout
 from .tree_verify import TreeVerifier
 from .verify import Verifier
 
@@ -83,6 +84,10 @@ class DecodeState:
     dtype: torch.dtype = torch.float32  # the policy's (tree attention masks are built in it)
     #: cache layers that append in place (``compat.reserve_cache_room``; 0: every step copies the cache)
     room_layers: int = 0
+    #: the shared-prompt decode attention's layout (None: the policy's own attention), rebuilt when
+    #: the active rows change; the first ``width`` cache columns (the prompt) are never moved
+    layout: DecodeLayout | None = None
+    layout_act: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -158,9 +163,18 @@ class DecodeState:
 
     def forward(self, inp: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> Any:
         """One cached policy forward of ``inp: [A, T]``; updates the cache."""
+        extra = {self.cache_kw: self.cache}
+        if self.layout is not None:
+            if self.layout_act is not self.act:
+                old = self.layout
+                self.layout = DecodeLayout.build(self.group[self.act], self.width, old.calls)
+                self.layout.always = old.always
+                self.layout_act = self.act
+            self.layout.choose(inp.shape[1])
+            extra[LAYOUT_KWARG] = self.layout
         out = self.model(
             input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True,
-            output_hidden_states=self.need_h, **{self.cache_kw: self.cache},
+            output_hidden_states=self.need_h, **extra,
         )  # fmt: skip
         self.cache = output_cache(out)
         return out
@@ -324,8 +338,9 @@ class DecodeState:
         if c > 0:
             crop_cache(self.cache, self.mask.shape[1] - c)
             self.mask = self.mask[:, :-c]
-        if float(self.mask.sum(-1).max()) < (1 - compact_waste) * self.mask.shape[1]:
-            compacted = compact_cache(self.cache, self.mask)
+        tail = self.mask[:, self.width :]  # the prompt's columns stay in place (decode attention)
+        if float(tail.sum(-1).max()) < (1 - compact_waste) * tail.shape[1]:
+            compacted = compact_cache(self.cache, self.mask, start=self.width)
             self.mask = self.mask if compacted is None else compacted
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

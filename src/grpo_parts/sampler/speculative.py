@@ -20,13 +20,15 @@ gathered to the right). No row ever computes or attends to another row's filler.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..compat import select_attention
 from ..draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDraftModel
 from ..errors import NotSupportedError
 from .cost_model import (
@@ -37,6 +39,7 @@ from .cost_model import (
     calibrate_policy,
     token_grid,
 )
+from .decode_attention import DecodeLayout, decode_attention_reasons, register
 from .decode_loop import DecodeState
 from .model_support import recurrent_reasons, sliding_window, window_reason
 from .protocol import PromptBatch, Rollout, SamplingParams
@@ -69,6 +72,12 @@ class SpeculativeConfig(BaseModel):
         0.5, gt=0.0, description="compact the policy cache when holes exceed this fraction"
     )
     train_draft: bool = True
+    decode_shared_prompt: Literal["auto", "always", "off"] = Field(
+        "auto",
+        description="decode attention reads each group's prompt K/V once where the model allows it "
+        "(sampler/decode_attention.py): 'auto' where its cost rule says it pays, 'always' in every "
+        "decode forward (tests, ablations), 'off': the policy's own attention",
+    )
     tree_nodes: int | None = Field(
         None, ge=1, le=128, description="fix a draft tree of this many nodes per row (tests, ablations)"
     )
@@ -233,8 +242,28 @@ class SpeculativeSampler:
             0.0,
         )
         stats["kv_in_place_layers"] = float(st.room_layers)
-        self.last_trace = trace = DecodeTrace()
-        step = 0
+        self.last_trace = DecodeTrace()
+        why_not = self.decode_attention_reasons(params)
+        if not why_not:
+            st.layout = DecodeLayout.build(st.group[st.act], st.width)
+            st.layout.always = self.config.decode_shared_prompt == "always"
+        with select_attention(model, register()) if not why_not else contextlib.nullcontext():
+            self._loop(st, params, generator, stats)
+        calls = st.layout.calls if st.layout is not None else {}
+        stats["decode_attention_shared_prefix_calls"] = float(calls.get("shared_prefix", 0))
+        stats["decode_attention_plain_calls"] = float(calls.get("plain", 0))
+        comp, logps, emitted = st.outputs()
+        return ids, pmask, group, comp, logps, emitted, params, prompts.num_prompts, stats
+
+    def _loop(
+        self,
+        st: DecodeState,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        stats: dict[str, float],
+    ) -> None:
+        """Decode until every row finished: per step a plan (plain, chain or tree) for the rows left."""
+        trace, step = self.last_trace, 0
         while st.drop_finished():
             a = st.act.numel()
             t_step = time.perf_counter()
@@ -248,8 +277,13 @@ class SpeculativeSampler:
                 trace.record(a, 0, 1.0, self.acceptance.rate, self.cost)
                 continue
             self._speculative_step(st, plan, params, generator, stats, trace, t_step)
-        comp, logps, emitted = st.outputs()
-        return ids, pmask, group, comp, logps, emitted, params, prompts.num_prompts, stats
+
+    def decode_attention_reasons(self, params: SamplingParams) -> list[str]:
+        """Why the decode loop runs the policy's own attention everywhere (empty: the shared-prompt
+        decode attention is selected and the cost rule picks it per forward)."""
+        if self.config.decode_shared_prompt == "off":
+            return ["config: decode_shared_prompt='off'"]
+        return decode_attention_reasons(self.model, params.group_size)
 
     def tree_reasons(self) -> list[str]:
         """Why this sampler drafts chains only (empty: trees are candidates)."""
@@ -380,6 +414,9 @@ class SpeculativeSampler:
             "tree_steps": stats["tree_steps"],
             "acceptance_estimate": self.acceptance.rate,
             "kv_in_place_layers": stats["kv_in_place_layers"],
+            # attention calls (layers x forwards) of the decode loop per path (both 0: not selected)
+            "decode_attention_shared_prefix_calls": stats["decode_attention_shared_prefix_calls"],
+            "decode_attention_plain_calls": stats["decode_attention_plain_calls"],
         }
         self.draft.observe(rollout.completion_ids, rollout.completion_mask, group)
         if self.config.train_draft and self.draft.learnable:

@@ -109,7 +109,16 @@ def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "tokens_per_s": mean("tokens_per_s"),
         "accepted_per_verify": mean("accepted_per_verify"),
         "kept_fraction": mean("kept_fraction"),
+        "decode_attention_shared_fraction": _shared_fraction(steps),
         "train_reward_last10": (
             sum(float(r["reward"]) for r in steps[-10:]) / len(steps[-10:]) if steps else None
         ),
     }
+
+
+def _shared_fraction(steps: list[dict[str, Any]]) -> float | None:
+    """Share of the speculative decode loop's attention calls that read the prompt once per group
+    (None: no step counted any)."""
+    shared = sum(float(r.get("decode_attention_shared_prefix_calls") or 0.0) for r in steps)
+    plain = sum(float(r.get("decode_attention_plain_calls") or 0.0) for r in steps)
+    return shared / (shared + plain) if shared + plain else None

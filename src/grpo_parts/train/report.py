@@ -119,6 +119,15 @@ def write_report(
         f"| {_fmt(s['mean_rollout_s'])} | {_fmt(s['mean_training_s'])} | {_fmt(s['mean_other_s'])} "
         f"| {_fmt(s['tokens_per_s'], '.0f')} | {_fmt(s['accepted_per_verify'], '.2f')} | {_fmt(s['kept_fraction'], '.2f')} |",
         "",
+        *(
+            [
+                f"Decode attention: {s['decode_attention_shared_fraction']:.0%} of the speculative decode loop's "
+                "attention calls read each group's prompt once (the rest: the policy's own attention).",
+                "",
+            ]
+            if s.get("decode_attention_shared_fraction") is not None
+            else []
+        ),
         *[f"![{f}]({f})" for f in files],
         "",
         *trace_lines,
