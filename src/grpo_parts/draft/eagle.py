@@ -215,7 +215,8 @@ class EagleDraft:
             raise GRPOPartsError(
                 "DraftContext.new_hidden: the eagle draft needs the policy's hidden states, got None"
             )
-        self.head.eval()
+        if self.head.training:  # Module.eval() walks every submodule: 0.24 ms a call at batch 1
+            self.head.eval()
         kv = self._kv = self._kv or DraftKVState(context.rows)  # propose without reset: a fresh cache
         # drop last call's drafted entries (the policy's true features replace them) and finished rows
         kv.begin_call(context.rows)
