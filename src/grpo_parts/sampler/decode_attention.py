@@ -20,14 +20,19 @@ the calls per path, which the rollout reports.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..compat import own_attention, own_attention_function, register_attention_function
+from ..compat import own_attention, own_attention_function, register_attention_function, select_attention
 from ..errors import NotSupportedError
+
+if TYPE_CHECKING:
+    from .decode_loop import DecodeState
 
 #: name under which the attention function is registered with transformers
 KERNEL_NAME = "grpo_decode_shared_prompt"
@@ -103,6 +108,20 @@ def register() -> str:
     """Register :func:`decode_attention` (with the mask builder of the model's own implementation)."""
     register_attention_function(KERNEL_NAME, decode_attention, mask="own")
     return KERNEL_NAME
+
+
+@contextlib.contextmanager
+def shared_prompt_decoding(st: DecodeState, reasons: list[str], mode: str) -> Iterator[None]:
+    """For the block (the decode loop): when nothing stands against it (``reasons`` empty), give
+    ``st`` a :class:`DecodeLayout` (``mode == "always"``: no cost rule) and select the kernel on the
+    policy, restoring the policy's own attention afterwards; otherwise change nothing."""
+    if reasons:
+        yield
+        return
+    st.layout = DecodeLayout.build(st.group[st.act], st.width)
+    st.layout.always = mode == "always"
+    with select_attention(st.model, register()):
+        yield
 
 
 def decode_attention_reasons(model: torch.nn.Module, group_size: int) -> list[str]:

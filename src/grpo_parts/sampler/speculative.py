@@ -20,7 +20,6 @@ gathered to the right). No row ever computes or attends to another row's filler.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Any, ClassVar, Literal
@@ -28,7 +27,6 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..compat import select_attention
 from ..draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDraftModel
 from ..errors import NotSupportedError
 from .cost_model import (
@@ -39,7 +37,7 @@ from .cost_model import (
     calibrate_policy,
     token_grid,
 )
-from .decode_attention import DecodeLayout, decode_attention_reasons, register
+from .decode_attention import decode_attention_reasons, shared_prompt_decoding
 from .decode_loop import DecodeState
 from .model_support import recurrent_reasons, sliding_window, window_reason
 from .protocol import PromptBatch, Rollout, SamplingParams
@@ -229,39 +227,22 @@ class SpeculativeSampler:
         draft.reset(ids, pmask, group)
         st = DecodeState.prefill(model, prompts, params, expanded, draft.needs_hidden_states, generator)  # type: ignore[arg-type]
         st.window = window
-        stats = dict.fromkeys(
-            (
-                "verify_steps",
-                "plain_steps",
-                "tree_steps",
-                "drafted",
-                "accepted",
-                "emitted_spec",
-                "row_verifies",
-            ),
-            0.0,
-        )
+        keys = ("verify_steps", "plain_steps", "tree_steps", "drafted", "accepted", "emitted_spec", "row_verifies")  # fmt: skip
+        stats = dict.fromkeys(keys, 0.0)
         stats["kv_in_place_layers"] = float(st.room_layers)
         self.last_trace = DecodeTrace()
         why_not = self.decode_attention_reasons(params)
-        if not why_not:
-            st.layout = DecodeLayout.build(st.group[st.act], st.width)
-            st.layout.always = self.config.decode_shared_prompt == "always"
-        with select_attention(model, register()) if not why_not else contextlib.nullcontext():
+        with shared_prompt_decoding(st, why_not, self.config.decode_shared_prompt):
             self._loop(st, params, generator, stats)
         calls = st.layout.calls if st.layout is not None else {}
-        stats["decode_attention_shared_prefix_calls"] = float(calls.get("shared_prefix", 0))
-        stats["decode_attention_plain_calls"] = float(calls.get("plain", 0))
+        for k in ("shared_prefix", "plain"):
+            stats[f"decode_attention_{k}_calls"] = float(calls.get(k, 0))
         comp, logps, emitted = st.outputs()
         return ids, pmask, group, comp, logps, emitted, params, prompts.num_prompts, stats
 
     def _loop(
-        self,
-        st: DecodeState,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        stats: dict[str, float],
-    ) -> None:
+        self, st: DecodeState, params: SamplingParams, generator: torch.Generator | None, stats: dict[str, float],
+    ) -> None:  # fmt: skip
         """Decode until every row finished: per step a plan (plain, chain or tree) for the rows left."""
         trace, step = self.last_trace, 0
         while st.drop_finished():
