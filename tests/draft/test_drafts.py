@@ -69,29 +69,49 @@ def test_ngram_uses_siblings_and_history() -> None:
 
 def test_ngram_pools_are_built_at_first_use_with_the_same_proposals() -> None:
     """A rollout that never drafts builds no pool (reset only remembers the prompts); one that does
-    proposes exactly what pools built for every row at reset (the earlier behaviour) propose."""
+    proposes exactly what pools built from scratch for every row at reset (the earlier behaviour)
+    propose, also where a prompt's indexed history is kept between rollouts and its oldest
+    completions are dropped (``history_per_prompt=2``, 4 rollouts)."""
+    from grpo_parts.draft.ngram import _Pool
     from grpo_parts.draft.protocol import TreeBudget
 
     class Eager(NGramDraft):
+        """The earlier behaviour: at reset, one pool per group indexing its prompt and history."""
+
         def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
             super().reset(prompts, prompt_mask, group_index)
             for r in range(prompts.shape[0]):
                 self._row(r)
 
+        def _row(self, r: int) -> tuple[_Pool, int]:
+            g = self._row_group[r]
+            if g not in self._pools:
+                key = self._keys[g]
+                pool = self._pools[g] = _Pool(self.lo, self.hi)
+                pool.add(list(key))
+                for old in self.history.get(key, []):
+                    pool.add(list(key) + old, known=len(key))
+            if r not in self._row_sid:
+                prompt = self._row_prompt[r]
+                self._row_sid[r] = self._pools[g].add(prompt, known=len(prompt))
+            return self._pools[g], self._row_sid[r]
+
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, 6, (6, 5), generator=gen)
     prompts[3:] = prompts[:3]  # groups of two rows sharing a prompt
     mask, groups = torch.ones_like(prompts), torch.tensor([0, 1, 2, 0, 1, 2])
-    lazy, eager = NGramDraft(max_ngram=3), Eager(max_ngram=3)
-    for rollout in range(3):
+    lazy = NGramDraft(max_ngram=3, history_per_prompt=2)
+    for rollout in range(4):
+        eager = Eager(max_ngram=3, history_per_prompt=2)  # nothing kept from earlier rollouts
+        eager.load_state_dict(lazy.state_dict())
         for d in (lazy, eager):
             d.reset(prompts, mask, groups)
         assert lazy.pools_built == 3 * rollout  # nothing built at reset
         text = [list(p) for p in prompts.tolist()]
-        for step in range(12):
+        for step in range(24):
             for t in text:
                 t.append(int(torch.randint(1, 6, (1,), generator=gen)))
-            rows = [r for r in range(6) if (r + step) % 3 or step > 8]  # rows join at different steps
+            rows = [r for r in range(6) if (r + step) % 3 or step > 16]  # rows join at different steps
             c = ctx([text[r] for r in rows], rows, [int(groups[r]) for r in rows])
             if step % 2:
                 a, b = lazy.propose(c, 3, GREEDY), eager.propose(c, 3, GREEDY)
@@ -101,8 +121,7 @@ def test_ngram_pools_are_built_at_first_use_with_the_same_proposals() -> None:
                 assert torch.equal(a.parents, b.parents)
             assert torch.equal(a.tokens, b.tokens), (rollout, step)
         comp = torch.tensor([t[5:] for t in text])
-        for d in (lazy, eager):
-            d.observe(comp, torch.ones_like(comp), groups)
+        lazy.observe(comp, torch.ones_like(comp), groups)
 
 
 def test_eagle_cache_matches_one_shot(policy: torch.nn.Module) -> None:

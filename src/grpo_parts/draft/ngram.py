@@ -37,9 +37,12 @@ class _Pool:
     """The sequences of one prompt group and an index ``ngram -> [(sequence, end), ...]`` of the
     most recent occurrences (oldest first, at most ``keep``) of every n-gram that has a continuation."""
 
-    def __init__(self, lo: int, hi: int, keep: int = 16):
+    def __init__(self, lo: int, hi: int, keep: int = 16, base: _Pool | None = None):
         self.lo, self.hi, self.keep = lo, hi, keep
-        self.seqs: list[list[int]] = []
+        #: a pool this one extends without changing it (a prompt's indexed history): its sequences
+        #: come first, and an n-gram's occurrences are the base's followed by this pool's
+        self.base = base
+        self.seqs: list[list[int]] = [] if base is None else list(base.seqs)
         self.index: dict[Key, list[tuple[int, int]]] = {}
         #: n-gram -> its continuations ranked by share (count, then recency); dropped when it gains one
         self._ranked: dict[Key, list[tuple[int, float]]] = {}
@@ -69,13 +72,21 @@ class _Pool:
                 occ = index.get(key)
                 if occ is None:
                     index[key] = [(sid, e)]
-                    continue
-                occ.append((sid, e))
-                if len(occ) > keep:
-                    del occ[0]
-                if key in ranked:
+                else:
+                    occ.append((sid, e))
+                    if len(occ) > keep:
+                        del occ[0]
+                if key in ranked:  # (a key new here may have been ranked on the base's occurrences)
                     del ranked[key]
             seq.append(tok)
+
+    def occurrences(self, key: Key) -> list[tuple[int, int]] | None:
+        """The most recent occurrences of ``key`` (oldest first, at most ``keep``), or None."""
+        own = self.index.get(key)
+        old = None if self.base is None else self.base.index.get(key)
+        if old is None:
+            return own
+        return old if own is None else (old + own)[-self.keep :]
 
     def continuation(self, tail: list[int], k: int, own: int = -1) -> list[int]:
         """Chain the best occurrence of the longest matching suffix until ``k`` tokens: where the
@@ -87,7 +98,7 @@ class _Pool:
             ctx = tail + out
             for n in range(min(self.hi, len(ctx)), self.lo - 1, -1):
                 key = tuple(ctx[len(ctx) - n :])
-                occ = self.index.get(key)
+                occ = self.occurrences(key)
                 if occ:
                     sid, e = occ[-1] if len(self.ranked(key)) == 1 else self._best(occ, ctx, n, own)
                     out += self.seqs[sid][e : e + k - len(out)]
@@ -116,7 +127,7 @@ class _Pool:
         got = self._ranked.get(key)
         if got is None:
             counts: dict[int, float] = {}
-            for rank, (sid, e) in enumerate(self.index.get(key, ())):  # oldest first: recent wins ties
+            for rank, (sid, e) in enumerate(self.occurrences(key) or ()):  # oldest first: recent wins ties
                 tok = self.seqs[sid][e]
                 counts[tok] = counts.get(tok, 0.0) + 1.0 + 1e-3 * rank
             total = sum(counts.values())
@@ -132,7 +143,7 @@ class _Pool:
         weight = 1.0
         for n in range(min(self.hi, len(ctx)), self.lo - 1, -1):
             key = tuple(ctx[len(ctx) - n :])
-            if key not in self.index:
+            if key not in self.index and (self.base is None or key not in self.base.index):
                 continue
             for tok, share in self.ranked(key):
                 if tok not in out:
@@ -168,6 +179,8 @@ class NGramDraft:
     name: ClassVar[str] = "ngram"
     learnable: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False
+    #: prompts whose indexed history is kept between rollouts
+    BASE_POOLS: ClassVar[int] = 256
 
     def __init__(
         self, max_ngram: int = 4, min_ngram: int = 1, history_per_prompt: int = 16, max_prompts: int = 4096
@@ -192,6 +205,10 @@ class NGramDraft:
         self._row_prompt: dict[int, list[int]] = {}
         #: pools built (tests; a rollout the sampler decodes plainly builds none)
         self.pools_built = 0
+        #: prompt -> its prompt and earlier completions indexed (LRU, at most ``BASE_POOLS``; completions
+        #: observed since are indexed at the next use): a rollout's pools extend it without changing
+        #: it, so a prompt's history is indexed once, not at every rollout that drafts
+        self._base: OrderedDict[Key, _Pool] = OrderedDict()
 
     def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
         return []  # works with any tokenizer: it only copies token ids the policy already produced
@@ -218,17 +235,29 @@ class NGramDraft:
         g = self._row_group[r]
         pool = self._pools.get(g)
         if pool is None:
-            key = self._keys[g]
-            pool = self._pools[g] = _Pool(self.lo, self.hi)
-            pool.add(list(key))
-            for old in self.history.get(key, []):
-                pool.add(list(key) + old, known=len(key))
+            base = self._base_pool(self._keys[g])
+            pool = self._pools[g] = _Pool(self.lo, self.hi, base.keep, base=base)
             self.pools_built += 1
         sid = self._row_sid.get(r)
         if sid is None:
             prompt = self._row_prompt[r]
             sid = self._row_sid[r] = pool.add(prompt, known=len(prompt))
         return pool, sid
+
+    def _base_pool(self, key: Key) -> _Pool:
+        """The prompt and its earlier completions, indexed (built once, then extended by the
+        completions observed since; rebuilt when the oldest was dropped)."""
+        base = self._base.get(key)
+        if base is None:
+            base = self._base[key] = _Pool(self.lo, self.hi)
+            base.add(list(key))
+            while len(self._base) > self.BASE_POOLS:
+                self._base.popitem(last=False)
+        self._base.move_to_end(key)
+        hist = self.history.get(key, [])
+        for old in hist[len(base.seqs) - 1 :]:  # completions observed since (sequence 0: the prompt)
+            base.add(list(key) + old, known=len(key))
+        return base
 
     def _sync(self, context: DraftContext) -> list[tuple[_Pool, list[int]]]:
         """Append each row's new tokens to its pool sequence; returns ``(pool, sequence)`` per row."""
@@ -295,10 +324,12 @@ class NGramDraft:
                 continue
             hist = self.history.setdefault(key, [])
             hist.append([t for t, keep in zip(ids, m) if keep])
-            del hist[: -self.history_per_prompt]
+            if len(hist) > self.history_per_prompt:  # the oldest goes: index the prompt anew
+                del hist[: -self.history_per_prompt]
+                self._base.pop(key, None)
             self.history.move_to_end(key)
         while len(self.history) > self.max_prompts:
-            self.history.popitem(last=False)
+            self._base.pop(self.history.popitem(last=False)[0], None)
 
     def update(self, batch: DraftTrainingBatch) -> dict[str, float]:
         return {}
@@ -310,3 +341,4 @@ class NGramDraft:
         if "history" not in state:
             raise GRPOPartsError(f"state: expected a 'history' entry, got keys {sorted(state)}")
         self.history = OrderedDict((tuple(k), [list(c) for c in v]) for k, v in state["history"])
+        self._base = OrderedDict()
