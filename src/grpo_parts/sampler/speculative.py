@@ -55,11 +55,10 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # 12, not 6: the ceiling for every batch size, the cost model picks k per step from the measured
-    # verify cost; where few rows remain verifying 13 tokens costs about what 7 do, and copyable text
-    # accepts long runs (main job, 2-core CPU: tail tokens per verification 3.3 -> 4.0, 3.1 -> 3.8; wide
-    # phase not slower; docs/speculative.md, "N-gram draft in the tail")
-    max_draft_tokens: int = Field(12, ge=1, le=32)
+    # 6: a ceiling of 12 raised the main job's tail tokens per verification (3.2-3.4 -> 4.0-4.4) but
+    # made its tail slower in both runs measured (the cost model drafted k ~ 9-11 at <= 16 rows);
+    # docs/speculative.md, "N-gram draft in the tail"
+    max_draft_tokens: int = Field(6, ge=1, le=32)
     draft_tokens: int | None = Field(None, ge=0, le=32)
     calibrate_repeats: int = Field(2, ge=1)
     acceptance_prior: float = Field(0.6, gt=0.0, lt=1.0)
