@@ -84,6 +84,21 @@ def test_no_mask_is_causal_over_the_block() -> None:
     torch.testing.assert_close(got, plain_attention(q, k, v, allowed, 0.5), rtol=1e-12, atol=1e-12)
 
 
+def test_the_per_forward_mask_cache_keys_on_both_block_sizes() -> None:
+    """Two mask-less forwards (causal over the block) with the same cache length but different
+    query lengths must not share the converted mask (a 1-token step after a crop can meet the
+    width an earlier verification had)."""
+    gen = torch.Generator().manual_seed(1)
+    lay = DecodeLayout.build(torch.tensor([0, 0, 1, 1]), 3)
+    k = torch.randn(2, 2, 7, 4, generator=gen, dtype=torch.float64).repeat_interleave(2, 0)
+    v = torch.randn(2, 2, 7, 4, generator=gen, dtype=torch.float64).repeat_interleave(2, 0)
+    for t in (1, 3):
+        q = torch.randn(4, 2, t, 4, generator=gen, dtype=torch.float64)
+        allowed = torch.ones(t, 7, dtype=torch.bool).tril(7 - t)
+        got = shared_prompt_attention(q, k, v, None, lay, 0.5)
+        torch.testing.assert_close(got, plain_attention(q, k, v, allowed, 0.5), rtol=1e-12, atol=1e-12)
+
+
 def test_compaction_keeps_the_prompt_columns() -> None:
     from transformers import DynamicCache
 

@@ -94,7 +94,7 @@ class DecodeLayout:
     def additive_mask(self, mask: torch.Tensor | None, t: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         """``mask`` (boolean, True = attend, or additive; None = causal over the last ``t`` of ``n``
         columns) as an additive ``[A, 1|H, t, n]`` mask, converted once per forward."""
-        if self._mask is not None and self._mask[0] is mask and self._mask[1].shape[-1] == n:
+        if self._mask is not None and self._mask[0] is mask and self._mask[1].shape[-2:] == (t, n):
             return self._mask[1]
         m = torch.ones(t, n, dtype=torch.bool).tril(n - t) if mask is None else mask[..., :n]
         add = m.to(dtype) if m.dtype != torch.bool else torch.zeros(m.shape, dtype=dtype, device=m.device)
