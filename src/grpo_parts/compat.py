@@ -73,6 +73,12 @@ def repeat_cache_rows(cache: Any, repeats: int) -> None:
     cache.batch_repeat_interleave(repeats)
 
 
+#: columns of room a cache layer's buffers get beyond what they hold (then regrown): one copy of the
+#: cache per 16 appended columns instead of one per step; small, because dropping finished rows
+#: gathers the room too (room 64 made that gather cost more than the copies it saved at batch 64)
+CACHE_ROOM = 16
+
+
 def reserve_cache_room(cache: Any, slack: int) -> int:
     """Let every plain ``DynamicLayer`` of ``cache`` append in place: its keys and values become
     views of buffers with room for ``slack`` more columns, so a forward writes its new columns

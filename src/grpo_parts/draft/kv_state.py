@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..compat import crop_cache, new_dynamic_cache, reserve_cache_room, select_cache_rows
+from ..compat import CACHE_ROOM, crop_cache, new_dynamic_cache, reserve_cache_room, select_cache_rows
 from ..decoding import compact_cache
 
 
@@ -44,7 +44,7 @@ class DraftKVState:
             new = compact_cache(self.cache, self.mask)  # too many holes: gather live entries
             self.mask = self.mask if new is None else new
         if not self.room_layers:  # appends in place once the first call created the layers
-            self.room_layers = reserve_cache_room(self.cache, 16)
+            self.room_layers = reserve_cache_room(self.cache, CACHE_ROOM)
         return sel
 
     def append(self, valid: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..compat import (
+    CACHE_ROOM,
     cache_kwarg,
     crop_cache,
     output_cache,
@@ -45,11 +46,6 @@ from ..types import PromptBatch
 from .decode_attention import LAYOUT_KWARG, DecodeLayout
 from .tree_verify import TreeVerifier
 from .verify import Verifier
-
-#: columns of room a cache layer's buffers get beyond what they hold (then regrown): one copy of the
-#: cache per 16 appended columns instead of one per step; small, because dropping finished rows
-#: gathers the room too (room 64 made that gather cost more than the copies it saved at batch 64)
-CACHE_ROOM = 16
 
 
 @dataclass
