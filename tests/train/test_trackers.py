@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +96,23 @@ def test_wandb_offline(
     run = _run("wandb", tiny_model_dir, tmp_path, tiny_overrides)
     run_id = json.loads((run.run_dir / "trackers.json").read_text())["wandb"]
     (log,) = list((run.run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    # wandb-core writes the log from its own service process; run.finish() returning does not mean
+    # the writer has flushed (CI once read only the records before the history). teardown() waits for
+    # the service to exit, and the log is read once it holds the run's exit record.
+    import wandb
+
+    wandb.teardown()
+    deadline = time.monotonic() + 60
+    while True:
+        records = _wandb_records(log)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds:
+            break
+        assert time.monotonic() < deadline, kinds
+        time.sleep(0.5)
     got: dict[int, dict[str, float]] = {}
     config: dict[str, Any] = {}
-    for rec in _wandb_records(log):
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
