@@ -20,6 +20,7 @@ tail, where few rows are left and verifying many tokens per row is nearly free.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -115,8 +116,12 @@ def choose_plan(
     chain_rate: float,
     chain_k: int,
     budgets: list[TreeBudget],
+    chain_rates: Sequence[float] | None = None,
 ) -> int | TreeBudget:
-    """The best of the cost model's chain choice ``chain_k`` (0 = plain) and every tree budget."""
-    rate = cost.rate(active, chain_k, chain_rate) * (cost.margin if chain_k == 0 else 1.0)
+    """The best of the cost model's chain choice ``chain_k`` (0 = plain) and every tree budget;
+    the chain is priced with its measured per-depth rates ``chain_rates`` where given (else with the
+    geometric ``chain_rate``, which also sets the trees' prior)."""
+    accept = chain_rate if chain_rates is None or len(chain_rates) < chain_k else chain_rates
+    rate = cost.rate(active, chain_k, accept) * (cost.margin if chain_k == 0 else 1.0)
     tree, tree_rate = best_tree(cost, trees, acceptance, active, chain_rate, budgets)
     return tree if tree is not None and tree_rate > rate else chain_k
