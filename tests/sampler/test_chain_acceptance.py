@@ -96,3 +96,36 @@ def test_buckets_keep_their_own_depth_rates() -> None:
     assert wide[0] < 0.1 and min(tail) > 0.9
     assert sampler.choose_k(1, 100, 0) == 6
     assert sampler.choose_k(64, 100, 0) == 0
+
+
+def test_speculative_overhead_is_priced_per_verified_position() -> None:
+    """The residual a speculative step costs beyond the calibrated forward and the draft grows with
+    the positions verified; priced per position, a 3-token verification is not charged the residual
+    measured on 7-token ones (a constant per step made long chains look relatively cheap)."""
+    cost = gpu_like()
+    pred7, pred3 = cost.step_time(64, 6), cost.step_time(64, 2)
+    for _ in range(50):
+        cost.observe_step(64, 6, pred7 + 70e-3, cost.t_draft(64, 6), predicted=pred7 + 70e-3)
+    assert cost.overhead_at(64, True, 7) == pytest.approx(70e-3, rel=1e-3)
+    assert cost.step_time(64, 2) == pytest.approx(pred3 + 30e-3, rel=1e-3)
+    assert cost.overhead_at(64, False) == 0.0
+
+
+def test_eagle_chains_longer_than_the_rows_text() -> None:
+    """A chain of 12 on rows whose prompt + completion is shorter than the 13 policy features the
+    EAGLE head catches up on (short prompts): it used to crash (``torch.cat`` size mismatch in the
+    head); greedy output equals the reference sampler's."""
+    from grpo_parts.draft.eagle import EagleDraft
+    from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
+    from grpo_parts.sampler.reference import ReferenceSampler
+    from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    from grpo_parts.tiny import tiny_causal_lm
+
+    policy = tiny_causal_lm("qwen2", vocab_size=8, hidden_size=32, num_layers=2, seed=0)
+    prompts = PromptBatch.from_lists([[1, 2], [4], [6, 7, 1]], pad_token_id=0)
+    params = SamplingParams(group_size=2, max_new_tokens=20, temperature=0.0, eos_token_ids=(3,))
+    ref = ReferenceSampler(policy).generate(prompts, params)
+    cfg = SpeculativeConfig(draft_tokens=12, max_draft_tokens=12, train_draft=False)
+    out = SpeculativeSampler(policy, EagleDraft(policy), cfg).generate(prompts, params)
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    assert out.stats["verify_steps"] > 0

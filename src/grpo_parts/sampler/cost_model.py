@@ -164,7 +164,11 @@ class CostModel:
     draft_fixed: dict[int, float] = field(default_factory=dict)
     draft_per_token: dict[int, float] = field(default_factory=dict)
     #: per-step sampler bookkeeping beyond the forward and the draft per (calibrated batch size,
-    #: speculative?), measured online; 0 where not measured yet. Per batch size, because a residual
+    #: speculative?), measured online; 0 where not measured yet. Speculative steps: seconds per
+    #: verified position (the residual grows with ``k + 1``: verification maths, sampling, the
+    #: forward's cost over holes and housekeeping; one constant per step priced a 7-token
+    #: verification at 128 rows like a 3-token one plus the difference of the calibrated forwards,
+    #: which measured 2x, so measured per-depth acceptance drafted k = 6 there at a loss). Per batch size, because a residual
     #: measured at 64 rows (e.g. a start-up table that under-timed the 64-row forward by 20 ms) added
     #: to a 23 ms plain step at 1 row made plain decoding look twice its cost there, so the tail of a
     #: batch-64 rollout drafted at a loss (n-gram, 1.07 tokens for 38 ms vs 1 for 25 ms plain)
@@ -223,18 +227,20 @@ class CostModel:
         ratio = seconds / max(self._predict(a, k) if predicted is None else predicted, 1e-9)
         old_s = self.scale.get(key)
         self.scale[key] = ratio if old_s is None else self.ema * old_s + (1 - self.ema) * ratio
-        resid = max(seconds - draft_seconds - self.t_verify(a, k + 1 if tokens is None else tokens), 0.0)
+        t = k + 1 if tokens is None else tokens
+        resid = max(seconds - draft_seconds - self.t_verify(a, t), 0.0) / t
         self.overhead[key] = self.ema * self.overhead.get(key, 0.0) + (1 - self.ema) * resid
 
-    def overhead_at(self, a: int, speculative: bool) -> float:
-        """Measured per-step bookkeeping of that kind at the calibrated batch size nearest ``a``."""
-        return self.overhead.get((self._bucket(a), speculative), 0.0)
+    def overhead_at(self, a: int, speculative: bool, tokens: int = 1) -> float:
+        """Measured per-step bookkeeping of that kind at the calibrated batch size nearest ``a``, for a
+        step verifying ``tokens`` positions per row (plain: 1)."""
+        return self.overhead.get((self._bucket(a), speculative), 0.0) * tokens
 
     def _bucket(self, a: int) -> int:
         return _nearest(self.batch_sizes, a)
 
     def _predict(self, a: int, k: int) -> float:
-        return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead_at(a, k > 0)
+        return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead_at(a, k > 0, k + 1)
 
     def step_time(self, a: int, k: int) -> float:
         return self._predict(a, k) * self.scale.get((self._bucket(a), k > 0), 1.0)
@@ -270,7 +276,7 @@ class CostModel:
         for b in sorted(self.draft_fixed):
             out[f"t_draft_b{b}_per_token_ms"] = 1e3 * self.draft_per_token[b]
         for (b, spec), sec in sorted(self.overhead.items()):
-            out[f"overhead_b{b}_{'spec' if spec else 'plain'}_ms"] = 1e3 * sec
+            out[f"overhead_b{b}_{'spec_per_token' if spec else 'plain'}_ms"] = 1e3 * sec
         return out
 
 

@@ -90,7 +90,11 @@ class TreeCost:
 
 
 def tree_step_time(cost: CostModel, trees: TreeCost, a: int, budget: TreeBudget) -> float:
-    pred = cost.t_verify(a, budget.nodes + 1) + trees.t_draft(cost, a, budget) + cost.overhead_at(a, True)
+    pred = (
+        cost.t_verify(a, budget.nodes + 1)
+        + trees.t_draft(cost, a, budget)
+        + cost.overhead_at(a, True, budget.nodes + 1)
+    )
     return pred * cost.scale.get((cost._bucket(a), True), 1.0)
 
 
