@@ -185,7 +185,7 @@ class SpeculativeSampler:
         with shared_prompt_decoding(st, why_not, self.config.decode_shared_prompt):
             self._loop(st, params, generator, stats)
         calls = st.layout.calls if st.layout is not None else {}
-        for k in ("shared_prefix", "plain"):
+        for k in ("shared_prefix", "plain", "plain_gqa"):
             stats[f"decode_attention_{k}_calls"] = float(calls.get(k, 0))
         comp, logps, emitted = st.outputs()
         return ids, pmask, group, comp, logps, emitted, params, prompts.num_prompts, stats
@@ -348,6 +348,8 @@ class SpeculativeSampler:
             # attention calls (layers x forwards) of the decode loop per path (both 0: not selected)
             "decode_attention_shared_prefix_calls": stats["decode_attention_shared_prefix_calls"],
             "decode_attention_plain_calls": stats["decode_attention_plain_calls"],
+            # of the plain calls, those served without copying K/V per query head (GQA models)
+            "decode_attention_plain_gqa_calls": stats["decode_attention_plain_gqa_calls"],
         }
         self.draft.observe(rollout.completion_ids, rollout.completion_mask, group)
         if self.config.train_draft and self.draft.learnable:
