@@ -14,7 +14,7 @@ from grpo_parts.attention.shared_prefix import SharedPrefixAttention
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.filter.cppo import TopKAbsAdvantage
 from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
-from grpo_parts.task.arithmetic import ArithmeticTask
+from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask
 from grpo_parts.train.config import TrainConfig
 from grpo_parts.train.loop import GRPOTrainer
 from grpo_parts.train.parts import Parts
@@ -25,11 +25,10 @@ ap.add_argument("--steps", type=int, default=20)
 args = ap.parse_args()
 torch.set_num_threads(1)  # fastest for a tiny model on a CPU
 
-config = TrainConfig(
-    steps=args.steps, prompts_per_step=16, group_size=8, lr=1e-4, seed=0, task={"name": "arithmetic"}
-)
+task_config = ArithmeticConfig()
+config = TrainConfig(steps=args.steps, prompts_per_step=16, group_size=8, lr=1e-4, seed=0, task=task_config)
 policy, tokenizer = load_model(builtin_model_path(), torch.float32, torch.device("cpu"))
-task = ArithmeticTask(config.task, seed=config.seed)
+task = ArithmeticTask(task_config, seed=config.seed)
 
 # the four parts
 draft = NGramDraft(max_ngram=4)  # copies from the prompt, sibling completions and earlier rollouts

@@ -99,14 +99,16 @@ LENGTH = 4  # token 1 from the prefill, 2-3 drafted and verified, 4 the bonus/co
 _EXACT: dict[str, np.ndarray] = {}
 
 
-def _sample(policy, draft, setting, verifier=None):
+def _sample(policy, draft, setting, verifier=None, shared="off"):
     params = SamplingParams(group_size=N_SAMPLES, max_new_tokens=LENGTH, **SETTINGS[setting])
     kw = {} if verifier is None else {"verifier": verifier}
-    cfg = SpeculativeConfig(draft_tokens=2, train_draft=False)
+    cfg = SpeculativeConfig(draft_tokens=2, train_draft=False, decode_shared_prompt=shared)
     spec = SpeculativeSampler(policy, make_draft(draft, policy), cfg, **kw)  # type: ignore[arg-type]
     prompts = PromptBatch.from_lists([PROMPT], pad_token_id=0)
     out = spec.generate(prompts, params, torch.Generator().manual_seed(1234))
     assert out.stats["verify_steps"] > 0
+    shared_calls = out.stats["decode_attention_shared_prefix_calls"]
+    assert (shared_calls > 0) == (shared == "always"), shared_calls  # the path under test ran (or not)
     return out.completion_ids
 
 
@@ -129,9 +131,16 @@ CASES = [(d, "t1") for d in DRAFTS] + [
 ]
 
 
-@pytest.mark.parametrize(("draft", "setting"), CASES)
-def test_lossless_chi_square(policy: torch.nn.Module, draft: str, setting: str) -> None:
-    comp = _sample(policy, draft, setting)
+# "always": every decode forward reads the group's prompt K/V once (sampler/decode_attention.py);
+# the 2000 rows here are one group, the shape that path is for
+SHARED = [("eagle", "t1"), ("ngram", "t0.7_p0.9"), ("frozen_lm", "topk3")]
+
+
+@pytest.mark.parametrize(
+    ("draft", "setting", "shared"), [(*c, "off") for c in CASES] + [(*c, "always") for c in SHARED]
+)
+def test_lossless_chi_square(policy: torch.nn.Module, draft: str, setting: str, shared: str) -> None:
+    comp = _sample(policy, draft, setting, shared=shared)
     exact = _exact(policy, setting)
     # whole 3-token sequences (the prefix of a longer sample is distributed as its marginal)
     assert chi_square_gof(encode_sequences(comp[:, :3], V), exact.sum(-1).reshape(-1)) > 1e-4

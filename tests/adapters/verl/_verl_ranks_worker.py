@@ -33,12 +33,17 @@ N = 4
 #: split a micro-batch into calls by group (merge_slack); the forced ones make one call per
 #: micro-batch and split it into as many grids as it has groups
 FORCED = (("merge_slack", None), ("chunk_overhead_tokens", -1))
+#: the padding-free layout forced, on its varlen cascade kernel and (``varlen=False``, the A/B
+#: option) on the masked kernel
+PADDING_FREE = (("layout", "padding_free"),)
 CASES = [
     ("fsdp2", False, True, ()),
     ("fsdp2", True, True, ()),
     ("fsdp2", False, False, FORCED),
     ("fsdp", False, True, FORCED),
     ("fsdp", True, False, ()),
+    ("fsdp2", False, True, PADDING_FREE),
+    ("fsdp2", True, True, (*PADDING_FREE, ("varlen", False))),
 ]
 
 

@@ -37,9 +37,11 @@ def ranks(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 def _id(case) -> str:  # type: ignore[no-untyped-def]
     strategy, dynamic, rmpad, options = case
-    return f"{strategy}-{'dynamic' if dynamic else 'fixed'}-{'rmpad' if rmpad else 'padded'}" + (
-        "-grids" if options else ""
-    )
+    opts = dict(options)
+    tail = "-grids" if "chunk_overhead_tokens" in opts else ""
+    if opts.get("layout") == "padding_free":
+        tail = "-padding_free" + ("-masked" if opts.get("varlen") is False else "-varlen")
+    return f"{strategy}-{'dynamic' if dynamic else 'fixed'}-{'rmpad' if rmpad else 'padded'}{tail}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
@@ -67,5 +69,17 @@ def test_two_ranks_part_on_equals_off(ranks, case):  # type: ignore[no-untyped-d
     p0, p1 = runs[0]["plans"], runs[1]["plans"]
     assert len(p0) == len(p1) > 0
     assert [p["model_calls"] for p in p0] == [p["model_calls"] for p in p1]
-    if case[3]:  # one call per micro-batch, split into grids: rank 0 (one group) pads with empty calls
+    opts = dict(case[3])
+    if (
+        "chunk_overhead_tokens" in opts
+    ):  # one call per micro-batch, split into grids: rank 0 (one group) pads with empty calls
         assert max(p["chunks"] for p in p1) > 1 and max(p["empty_calls"] for p in p0) > 0
+    if opts.get("layout") == "padding_free":  # the kernel asked for ran on every rank, the other never
+        ran, other = ("calls_masked_sdpa", "calls_varlen_cascade")[
+            :: 1 if opts.get("varlen") is False else -1
+        ]
+        for run in runs:
+            counters = [run["infer_counters"]] + [c for _, _, c in run["steps"]["on"]]
+            assert all(c.get(f"parts/attention/{ran}", 0) > 0 for c in counters), (ran, counters)
+            assert not any(c.get(f"parts/attention/{other}", 0) for c in counters), (other, counters)
+            assert all(c["parts/attention/padding_free_tokens"] > 0 for c in counters)
