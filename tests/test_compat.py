@@ -229,3 +229,33 @@ def test_reserved_cache_room_appends_in_place_and_equals_cat() -> None:
     both(append(5))  # past the room: regrown
     assert roomy.get_seq_length() == 14  # type: ignore[attr-defined]
     assert kv and all(type(ly).__name__ == "DynamicLayer" for ly in _layers(roomy))
+
+
+@pytest.mark.parametrize("keep", [[1, 0, 1], [0, 0, 1], [1, 1, 0], [0, 1, 0]])
+@pytest.mark.parametrize("roomy", [True, False])
+def test_drop_cache_rows_moves_the_last_live_rows_into_the_gaps(keep: list[int], roomy: bool) -> None:
+    """``drop_cache_rows`` leaves every layer holding exactly the rows of the returned order (live
+    rows only, each once, the first live ones in place), then appends like ``torch.cat``; layers
+    with room move rows within their buffers (no reallocation), others gather."""
+    gen = torch.Generator().manual_seed(1)
+    cache, kv = _filled_cache(3)
+    if roomy:
+        compat.reserve_cache_room(cache, 4)
+        for ly in _layers(cache):  # give the layers their buffers
+            ly.update(*(torch.randn(B, H, 1, D, generator=gen) for _ in range(2)))  # type: ignore[attr-defined]
+    before = [(ly.keys.clone(), ly.values.clone()) for ly in _layers(cache)]  # type: ignore[attr-defined]
+    ptr = [ly.keys.data_ptr() for ly in _layers(cache)]  # type: ignore[attr-defined]
+    live = torch.tensor(keep, dtype=torch.bool)
+    order = compat.drop_cache_rows(cache, live)
+    assert sorted(order.tolist()) == live.nonzero().squeeze(1).tolist()
+    assert all(order[i] == i for i in range(order.numel()) if keep[i])  # live rows in place stay
+    for ly, (k, v) in zip(_layers(cache), before):
+        assert torch.equal(ly.keys, k[order]) and torch.equal(ly.values, v[order])  # type: ignore[attr-defined]
+    if roomy:
+        assert [ly.keys.data_ptr() for ly in _layers(cache)] == ptr  # type: ignore[attr-defined]
+    new = [tuple(torch.randn(order.numel(), H, 2, D, generator=gen) for _ in range(2)) for _ in range(LAYERS)]
+    for ly, (k, v), (nk, nv) in zip(_layers(cache), before, new):
+        ly.update(nk, nv)  # type: ignore[attr-defined]
+        assert torch.equal(ly.keys, torch.cat([k[order], nk], 2))  # type: ignore[attr-defined]
+        assert torch.equal(ly.values, torch.cat([v[order], nv], 2))  # type: ignore[attr-defined]
+    assert kv

@@ -20,6 +20,9 @@ from typing import Any
 import torch
 
 from .errors import GRPOPartsError, NotSupportedError
+from .kv_room import CACHE_ROOM, drop_cache_rows, reserve_cache_room
+
+__all__ = ["CACHE_ROOM", "drop_cache_rows", "reserve_cache_room"]  # in-place KV buffers: kv_room.py
 
 
 @functools.cache
@@ -71,101 +74,6 @@ def repeat_cache_rows(cache: Any, repeats: int) -> None:
     """Repeat each batch row ``repeats`` times (``repeat_interleave``), in place:
     ``Cache.batch_repeat_interleave``, the same in every release in range."""
     cache.batch_repeat_interleave(repeats)
-
-
-#: columns of room a cache layer's buffers get beyond what they hold (then regrown): one copy of the
-#: cache per 16 appended columns instead of one per step; small, because dropping finished rows
-#: gathers the room too (room 64 made that gather cost more than the copies it saved at batch 64)
-CACHE_ROOM = 16
-
-
-def reserve_cache_room(cache: Any, slack: int) -> int:
-    """Let every plain ``DynamicLayer`` of ``cache`` append in place: its keys and values become
-    views of buffers with room for ``slack`` more columns, so a forward writes its new columns
-    instead of copying the whole cache (``DynamicLayer.update`` is ``torch.cat``: on a small model's
-    batched decode step that copy costs as much as attention itself). ``crop`` (a slice) keeps the
-    buffer; anything that replaces the tensors (row selection, compaction) gets a new buffer at the
-    next append. Values are bit-identical to ``torch.cat``'s. Sliding-window and other layer types
-    are left alone. Returns how many layers were converted (the caller counts it)."""
-    layers = getattr(cache, "layers", None) or []
-    done = 0
-    for ly in layers:
-        base: Any = type(ly)
-        if base.__name__ != "DynamicLayer" and not getattr(base, "_grpo_parts_room", False):
-            continue
-        if not getattr(base, "_grpo_parts_room", False):
-            ly.__class__ = _room_class(base)
-        ly._room = max(1, int(slack))
-        done += 1
-    return done
-
-
-@functools.cache
-def _room_class(base: Any) -> Any:
-    def update(
-        self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> Any:
-        keys: Any = getattr(self, "keys", None)
-        values: Any = getattr(self, "values", None)
-        if (
-            not getattr(self, "is_initialized", True)
-            or keys is None
-            or keys.dim() != 4
-            or key_states.dtype != keys.dtype
-            or key_states.device != keys.device
-        ):  # cat's type promotion / device rules: the base class
-            return base.update(self, key_states, value_states, *args, **kwargs)
-        n, t = keys.shape[-2], key_states.shape[-2]
-        kb: Any = getattr(self, "_kbuf", None)
-        vb: Any = getattr(self, "_vbuf", None)
-        if not (_is_prefix_view(keys, kb, n + t) and _is_prefix_view(values, vb, n + t)):
-            kb, vb = _with_room(keys, n + t + self._room), _with_room(values, n + t + self._room)
-            self._kbuf, self._vbuf = kb, vb
-        kb[:, :, n : n + t] = key_states
-        vb[:, :, n : n + t] = value_states
-        self.keys, self.values = kb[:, :, : n + t], vb[:, :, : n + t]
-        return self.keys, self.values
-
-    def batch_select_indices(self: Any, indices: torch.Tensor) -> None:
-        kb: Any = getattr(self, "_kbuf", None)
-        vb: Any = getattr(self, "_vbuf", None)
-        keys: Any = getattr(self, "keys", None)
-        values: Any = getattr(self, "values", None)
-        if (
-            keys is None
-            or keys.dim() != 4
-            or not (_is_prefix_view(keys, kb, keys.shape[2]) and _is_prefix_view(values, vb, values.shape[2]))
-        ):
-            return base.batch_select_indices(self, indices)
-        # one gather of the buffers (the room included) instead of a gather now and a copy at the
-        # next append
-        n = keys.shape[2]
-        self._kbuf, self._vbuf = kb[indices], vb[indices]
-        self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
-
-    return type(
-        base.__name__,
-        (base,),
-        {"update": update, "batch_select_indices": batch_select_indices, "_grpo_parts_room": True},
-    )
-
-
-def _is_prefix_view(x: torch.Tensor, buf: torch.Tensor | None, need: int) -> bool:
-    """``x`` is ``buf[:, :, :n]`` and ``buf`` holds at least ``need`` columns."""
-    return (
-        buf is not None
-        and x.data_ptr() == buf.data_ptr()
-        and x.stride() == buf.stride()
-        and x.shape[:2] == buf.shape[:2]
-        and x.shape[3] == buf.shape[3]
-        and need <= buf.shape[2]
-    )
-
-
-def _with_room(x: torch.Tensor, cols: int) -> torch.Tensor:
-    buf = x.new_empty(x.shape[0], x.shape[1], cols, x.shape[3])
-    buf[:, :, : x.shape[2]] = x
-    return buf
 
 
 def cache_layers(cache: Any) -> list[Any] | None:

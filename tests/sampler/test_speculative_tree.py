@@ -1,7 +1,9 @@
 """Draft trees: exact greedy identity with the reference sampler and log-probs equal to a plain
 forward for every draft (hypothesis: batch 1-16, rows finishing at different steps, EOS inside a
-branch); chi-square losslessness of sample-then-match with every draft at temperatures 1.0 and 0.7,
-top-k and top-p, EOS and ``max_new_tokens`` inside a branch; a broken tree verifier must fail."""
+branch); chi-square losslessness with every draft at temperatures 1.0 and 0.7, top-k and top-p,
+EOS and ``max_new_tokens`` inside a branch (sample-then-match for n-gram / frozen-LM trees,
+recursive rejection sampling for the EAGLE / small-LM trees of sampled children); a broken tree
+verifier and a wrong recursive rejection sampler must fail."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from grpo_parts.draft.small_lm import CachedLMDraft
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
-from grpo_parts.sampler.tree_verify import tree_always_accept
+from grpo_parts.sampler.tree_verify import rrs_without_q_update, tree_always_accept
 from grpo_parts.testing import chi_square_gof, sequence_distribution
 from grpo_parts.tiny import tiny_causal_lm
 
@@ -169,7 +171,7 @@ def _cut(seq: list[int], eos: int | None) -> list[int]:
     return seq
 
 
-def _sample(policy, draft, setting, eos, verifier=None, nodes=6):  # type: ignore[no-untyped-def]
+def _sample(policy, draft, setting, eos, verifier=None, nodes=6, sampled_verifier=None):  # type: ignore[no-untyped-def]
     params = SamplingParams(
         group_size=N_SAMPLES,
         max_new_tokens=LENGTH,
@@ -177,6 +179,8 @@ def _sample(policy, draft, setting, eos, verifier=None, nodes=6):  # type: ignor
         **SETTINGS[setting],
     )
     kw = {} if verifier is None else {"tree_verifier": verifier}
+    if sampled_verifier is not None:
+        kw["sampled_tree_verifier"] = sampled_verifier
     cfg = SpeculativeConfig(tree_nodes=nodes, train_draft=False, tree_min_depth=3)
     spec = SpeculativeSampler(policy, make_draft(draft, policy), cfg, **kw)
     out = spec.generate(
@@ -218,11 +222,19 @@ def test_tree_lossless_chi_square(policy: torch.nn.Module, draft: str, setting: 
 
 
 @pytest.mark.parametrize(
-    ("draft", "setting"), [("eagle", "t0.7_p0.9"), pytest.param("frozen_lm", "t1", marks=pytest.mark.slow)]
+    ("draft", "setting"), [("ngram", "t0.7_p0.9"), pytest.param("frozen_lm", "t1", marks=pytest.mark.slow)]
 )
 def test_broken_tree_verifier_fails(policy: torch.nn.Module, draft: str, setting: str) -> None:
     samples = _sample(policy, draft, setting, None, verifier=tree_always_accept)
     assert _p_value(samples, _exact(policy, setting, None)) < 1e-6
+
+
+@pytest.mark.parametrize("draft", ["eagle", pytest.param("small_lm", marks=pytest.mark.slow)])
+def test_wrong_rrs_fails(policy: torch.nn.Module, draft: str) -> None:
+    """EAGLE / small-LM trees are sampled (recursive rejection sampling verifies them): a variant
+    that does not renormalize ``q`` after a rejected child must fail."""
+    samples = _sample(policy, draft, "t1", None, sampled_verifier=rrs_without_q_update)
+    assert _p_value(samples, _exact(policy, "t1", None)) < 1e-6
 
 
 def test_budget_split_follows_fastgrpo() -> None:

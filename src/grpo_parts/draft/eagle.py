@@ -35,6 +35,7 @@ from ..errors import GRPOPartsError
 from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
 from .tree import Frontier, topk_tree
+from .tree_sampled import sampled_tree
 
 
 class EagleConfig(BaseModel):
@@ -51,6 +52,11 @@ class EagleConfig(BaseModel):
     unroll: int = Field(2, ge=1, le=4)
     max_grad_norm: float = Field(1.0, gt=0.0)
     seed: int = 0
+    sampled_trees: bool = Field(
+        True,
+        description="trees of children sampled from the head, verified by recursive rejection sampling "
+        "(docs/speculative.md); False: EAGLE-2 top-K trees, verified by sample-then-match. Greedy: top-K",
+    )
 
 
 def _body_config(policy: torch.nn.Module) -> Any:
@@ -243,8 +249,10 @@ class EagleDraft:
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
-        """EAGLE-2 dynamic tree: top-K expansion by cumulative draft log-probability, one head call
-        per level (the level's K nodes fed together under a tree mask), best ``N`` nodes kept."""
+        """Sampled children in a fixed shape (:func:`~.tree_sampled.sampled_tree`), or EAGLE-2's
+        dynamic tree when greedy or ``sampled_trees=False`` (top-K expansion by cumulative draft
+        log-probability, best ``N`` nodes kept); one head call per level (the level's expanded
+        nodes fed together under a tree mask)."""
         kv, h_root = self._feed_true(context)
         past = kv.mask.shape[1]
         feats: list[torch.Tensor] = []  # the head's output at every fed node, in feeding order
@@ -264,7 +272,11 @@ class EagleDraft:
             feats.append(out.last_hidden_state)
             return self._logits(out.last_hidden_state)
 
-        prop = topk_tree(self._logits(h_root[:, 0]), expand, budget, params)
+        root = self._logits(h_root[:, 0])
+        if self.config.sampled_trees and not params.greedy:
+            prop = sampled_tree(root, expand, budget, params, generator)
+        else:
+            prop = topk_tree(root, expand, budget, params)
         kv.spec = kv.mask.shape[1] - past
         return prop
 

@@ -89,12 +89,18 @@ class DraftProposal:
 
     ``parents=None`` is a **chain** (``parents[i] = i - 1``), the width-1 case every draft
     supports; chains are verified by residual rejection sampling (accepts more for *sampled* drafts),
-    trees by sample-then-match (docs/speculative.md).
+    deterministic trees by sample-then-match (docs/speculative.md).
+
+    ``sampled=True`` (a tree with ``probs``): each node's children were drawn **without replacement**
+    from their parent's ``probs`` (siblings share it), in node order, and which children exist did
+    not depend on the drawn values (:mod:`grpo_parts.draft.tree_sampled`); such trees are verified by
+    recursive rejection sampling (:func:`~grpo_parts.sampler.tree_verify.verify_sampled_tree`).
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     parents: torch.Tensor | None = None
+    sampled: bool = False
 
     def __post_init__(self) -> None:
         check_tensor("DraftProposal.tokens", self.tokens, ndim=2, dtype="int", allow_empty=True)
@@ -102,6 +108,10 @@ class DraftProposal:
         if self.probs is not None:
             check_tensor(
                 "DraftProposal.probs", self.probs, shape=[a, k, None], dtype="float", allow_empty=True
+            )
+        if self.sampled and (self.probs is None or self.parents is None):
+            raise GRPOPartsError(
+                "DraftProposal.sampled: expected probs and parents with sampled=True, got None"
             )
         if self.parents is not None:
             check_tensor("DraftProposal.parents", self.parents, shape=[a, k], dtype="int", allow_empty=True)

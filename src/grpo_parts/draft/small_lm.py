@@ -25,15 +25,19 @@ from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal, TreeBudget
 from .reference import FrozenLMDraft
 from .tree import Frontier, topk_tree
+from .tree_sampled import sampled_tree
 
 
 class CachedLMDraft(FrozenLMDraft):
-    """``CachedLMDraft(small_model)``: a frozen small LM sharing the policy's tokenizer, KV-cached."""
+    """``CachedLMDraft(small_model)``: a frozen small LM sharing the policy's tokenizer, KV-cached.
+    ``sampled_trees``: trees of children sampled from it (recursive rejection sampling verifies
+    them), else top-K trees (always when greedy)."""
 
     name: ClassVar[str] = "small_lm"
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, sampled_trees: bool = True):
         super().__init__(model)
+        self.sampled_trees = sampled_trees
         self._kv: DraftKVState | None = None
         self._seen = torch.empty(0, dtype=torch.long)  # real tokens in the cache, per row
 
@@ -101,7 +105,8 @@ class CachedLMDraft(FrozenLMDraft):
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
-        """Top-K expansion (EAGLE-2 style), one cached forward per level under a tree mask."""
+        """Sampled children in a fixed shape (:func:`~.tree_sampled.sampled_tree`), or top-K
+        expansion (EAGLE-2 style) when greedy; one cached forward per level under a tree mask."""
         kv, root = self._feed_new(context)
         past = kv.mask.shape[1]
         dtype = next(self.model.parameters()).dtype
@@ -120,7 +125,10 @@ class CachedLMDraft(FrozenLMDraft):
             )  # fmt: skip
             return out.logits
 
-        prop = topk_tree(root, expand, budget, params)
+        if self.sampled_trees and not params.greedy:
+            prop = sampled_tree(root, expand, budget, params, generator)
+        else:
+            prop = topk_tree(root, expand, budget, params)
         kv.spec = kv.mask.shape[1] - past
         return prop
 

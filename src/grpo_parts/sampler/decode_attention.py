@@ -10,12 +10,19 @@ group's queries stacked (one ``[G' * T, D] @ [D, P]`` matmul per group and KV he
 row, and takes one softmax over both with the forward's own mask (holes, tree masks, left padding).
 Exact up to float rounding.
 
+Every other decode forward of a GQA policy (fewer KV heads than query heads) runs
+:func:`grouped_query_attention`: transformers' sdpa and eager attention copy each layer's whole
+K/V cache per query head (``repeat_kv``) whenever a mask is given -- every step of a left-padded
+batch -- which at batch 64 cost a quarter of a decode forward (docs/speculative.md); folding the
+query heads that share a KV head into one SDPA call reads the cache as it is.
+
 It runs as a transformers ``AttentionInterface`` function (:data:`KERNEL_NAME`, selected on the
 policy for the decode loop only and restored after it, :func:`decode_attention_reasons` says for
 which models) that receives the rollout's :class:`DecodeLayout` as the forward keyword argument
 :data:`LAYOUT_KWARG`. A forward without the layout (prefill, the draft, anything else) and a call
 the cost rule or the kernel's checks turn down run the model's own attention; the layout counts
-the calls per path, which the rollout reports.
+the calls per path (``plain_gqa``: the plain calls served by the grouped path), which the
+rollout reports.
 """
 
 from __future__ import annotations
@@ -64,9 +71,12 @@ class DecodeLayout:
     use_shared: bool = True
     #: skip the cost rule (every decode forward takes the shared path)
     always: bool = False
-    calls: dict[str, int] = field(default_factory=lambda: {"shared_prefix": 0, "plain": 0})
+    calls: dict[str, int] = field(default_factory=lambda: {"shared_prefix": 0, "plain": 0, "plain_gqa": 0})
+    #: the shared path may run (False: one row per prompt, or the config turned it off)
+    shared_ok: bool = True
     #: the last forward's mask and its additive form (every layer of a forward gets the same mask)
     _mask: tuple[Any, torch.Tensor] | None = field(default=None, repr=False)
+    _folded: tuple[Any, Any, torch.Tensor | None] | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, group: torch.Tensor, prompt_len: int, calls: dict[str, int] | None = None) -> DecodeLayout:
@@ -88,7 +98,7 @@ class DecodeLayout:
     def choose(self, query_len: int) -> bool:
         """The cost rule for a forward of ``query_len`` tokens per row: sets and returns ``use_shared``."""
         a, u = self.group_id.numel(), self.reps.numel()
-        self.use_shared = self.always or (a >= MIN_ROWS_PER_GROUP * u and a >= MIN_ROWS)
+        self.use_shared = self.shared_ok and (self.always or (a >= MIN_ROWS_PER_GROUP * u and a >= MIN_ROWS))
         return self.use_shared
 
     def additive_mask(self, mask: torch.Tensor | None, t: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -103,6 +113,25 @@ class DecodeLayout:
         self._mask = (mask, add)
         return add
 
+    def folded_mask(self, mask: torch.Tensor | None, h: int, hk: int, t: int, n: int) -> torch.Tensor | None:
+        """``mask`` for queries folded to ``[A, Hk, r * T, D]`` (row ``i * T + j`` = head ``i`` of the
+        group, query ``j``): ``[A, 1|Hk, r * T, n]``, built once per forward (None stays None for
+        one query: nothing to mask; a block of ``T > 1`` gets its causal mask)."""
+        key = (id(mask), h, hk, t, n)
+        if self._folded is not None and self._folded[0] is mask and self._folded[1] == key:
+            return self._folded[2]
+        r = h // hk
+        if mask is None:
+            m = None if t == 1 else torch.ones(t, n, dtype=torch.bool).tril(n - t).repeat(r, 1)
+        else:
+            m = mask[..., :n]
+            if m.shape[1] == 1:
+                m = m.expand(-1, -1, r, -1) if t == 1 else m.repeat(1, 1, r, 1)
+            else:  # one mask per query head: heads of a KV head are consecutive
+                m = m.expand(-1, h, -1, -1).reshape(m.shape[0], hk, r * t, n)
+        self._folded = (mask, key, m)
+        return m
+
 
 def register() -> str:
     """Register :func:`decode_attention` (with the mask builder of the model's own implementation)."""
@@ -112,24 +141,31 @@ def register() -> str:
 
 @contextlib.contextmanager
 def shared_prompt_decoding(st: DecodeState, reasons: list[str], mode: str) -> Iterator[None]:
-    """For the block (the decode loop): when nothing stands against it (``reasons`` empty), give
-    ``st`` a :class:`DecodeLayout` (``mode == "always"``: no cost rule) and select the kernel on the
-    policy, restoring the policy's own attention afterwards; otherwise change nothing."""
-    if reasons:
+    """For the block (the decode loop): give ``st`` a :class:`DecodeLayout` and select the kernel on
+    the policy, restoring the policy's own attention afterwards, unless ``mode == "off"`` or the
+    kernel cannot reproduce the model's attention (:func:`kernel_reasons`). The shared-prompt path
+    runs when nothing stands against it (``reasons`` empty; ``mode == "always"``: no cost rule);
+    otherwise the kernel still serves the GQA forwards without copying K/V per head."""
+    if mode == "off" or kernel_reasons(st.model):
         yield
         return
     st.layout = DecodeLayout.build(st.group[st.act], st.width)
     st.layout.always = mode == "always"
+    st.layout.shared_ok = not reasons
     with select_attention(st.model, register()):
         yield
 
 
 def decode_attention_reasons(model: torch.nn.Module, group_size: int) -> list[str]:
     """Why the shared-prompt decode attention is not used for ``model`` (empty: it is)."""
+    out = ["group_size 1: no prompt is shared"] if group_size < 2 else []
+    return out + kernel_reasons(model)
+
+
+def kernel_reasons(model: torch.nn.Module) -> list[str]:
+    """Why the decode attention kernel (either path) cannot stand in for ``model``'s attention."""
     cfg: Any = getattr(model, "config", None)
     out = []
-    if group_size < 2:
-        out.append("group_size 1: no prompt is shared")
     impl = getattr(cfg, "_attn_implementation", None)
     if impl not in OWN_IMPLEMENTATIONS:
         out.append(f"model: attention {impl!r} (the kernel reproduces {' and '.join(OWN_IMPLEMENTATIONS)})")
@@ -160,26 +196,48 @@ def decode_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers ``AttentionInterface`` function: shared-prompt attention when the forward
     carries a :class:`DecodeLayout` that chose it and nothing in the call changes the maths
-    (sliding window, soft-cap, sinks, dropout, a cache narrower than the prompt); otherwise the
-    model's own attention. Returns ``([A, T, H, Dv], None)`` as transformers' functions do."""
+    (sliding window, soft-cap, sinks, dropout, a cache narrower than the prompt); otherwise, for a
+    GQA model, :func:`grouped_query_attention`, and else the model's own attention. Returns
+    ``([A, T, H, Dv], None)`` as transformers' functions do."""
     lay: DecodeLayout | None = kwargs.pop(LAYOUT_KWARG, None)
-    special = any(kwargs.get(k) is not None for k in ("sliding_window", "softcap", "s_aux"))
-    if (
-        lay is None
-        or not lay.use_shared
-        or special
+    if lay is None:
+        return _own(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    unusual = (
+        any(kwargs.get(k) is not None for k in ("sliding_window", "softcap", "s_aux"))
         or dropout > 0.0
         or query.shape[0] != lay.group_id.numel()
-        or key.shape[2] <= lay.prompt_len
         or query.shape[1] % key.shape[1] != 0
-    ):
-        if lay is not None:
-            lay.calls["plain"] += 1
-        return _own(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    )
+    if unusual or not lay.use_shared or key.shape[2] <= lay.prompt_len:
+        lay.calls["plain"] += 1
+        if unusual or query.shape[1] == key.shape[1]:
+            return _own(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        # GQA: the model's own sdpa/eager attention copies K/V per query head (repeat_kv) whenever a
+        # mask is given, i.e. in every padded decode step; this reads each KV head once
+        lay.calls["plain_gqa"] += 1
+        out = grouped_query_attention(query, key, value, attention_mask, lay, scaling)
+        return out.transpose(1, 2).contiguous(), None
     lay.calls["shared_prefix"] += 1
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = shared_prompt_attention(query, key, value, attention_mask, lay, scale)
     return out.transpose(1, 2).contiguous(), None
+
+
+def grouped_query_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    lay: DecodeLayout, scale: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """``softmax(q k^T * scale + mask) v`` for ``query: [A, H, T, D]`` over ``key/value: [A, Hk, L,
+    D/Dv]`` (``H = r * Hk``) without copying K/V per query head: the ``r`` heads that share a KV
+    head are folded into the query length (``[A, Hk, r * T, D]``) of one SDPA call and the mask
+    repeated to match (once per forward, ``lay``). ``mask``: boolean (True = attend) or additive,
+    ``[A, 1|H, T, >= L]``; None = causal over the last ``T`` columns. Returns ``[A, H, T, Dv]``."""
+    a, h, t, d = query.shape
+    hk, n = key.shape[1], key.shape[2]
+    q = query.reshape(a, hk, (h // hk) * t, d)
+    m = lay.folded_mask(mask, h, hk, t, n)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scale)
+    return out.view(a, h, t, -1)
 
 
 def _own(

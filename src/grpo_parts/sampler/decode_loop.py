@@ -9,7 +9,8 @@ the policy features its draft has not seen yet. The steps that change it:
 * :meth:`DecodeState.plain_step` -- one token per row, as lean as the reference sampler;
 * :meth:`DecodeState.emit` -- write the tokens a verification emitted (cut after EOS and at
   ``max_new_tokens``) and mark finished rows;
-* :meth:`DecodeState.drop_finished` -- finished rows leave the batch and the cache at once;
+* :meth:`DecodeState.drop_finished` -- finished rows leave the batch and the cache at once (live
+  rows from the end of the batch move into their slots: a copy of those rows, not of the cache);
 * :meth:`DecodeState.release` -- crop columns every surviving row rejected, compact when holes
   exceed a fraction of the cache.
 """
@@ -25,10 +26,10 @@ from ..compat import (
     CACHE_ROOM,
     cache_kwarg,
     crop_cache,
+    drop_cache_rows,
     output_cache,
     repeat_cache_rows,
     reserve_cache_room,
-    select_cache_rows,
 )
 from ..core import token_logprobs
 from ..decoding import (
@@ -84,6 +85,8 @@ class DecodeState:
     #: the active rows change; the first ``width`` cache columns (the prompt) are never moved
     layout: DecodeLayout | None = None
     layout_act: torch.Tensor | None = None
+    #: times finished rows left the batch (each moved only the rows that took their slots)
+    drops: int = 0
 
     @property
     def width(self) -> int:
@@ -144,13 +147,17 @@ class DecodeState:
         keep = ~self.done[self.act]
         if bool(keep.all()):
             return True
-        sel = keep.nonzero().squeeze(1)
+        if not bool(keep.any()):
+            self.act = self.act[:0]
+            return False
+        # live rows from the end of the batch take the finished rows' slots: the cache moves those
+        # rows only instead of gathering every row of every layer (rows change order; every per-row
+        # tensor, the draft and the decode layout follow ``act``)
+        sel = drop_cache_rows(self.cache, keep)
         self.act, self.mask, self.next_pos = self.act[sel], self.mask[sel], self.next_pos[sel]
         self.last, self.num_new = self.last[sel], self.num_new[sel]
         self.h_parts = [torch.cat(self.h_parts, 1)[sel]] if self.h_parts else []
-        if self.act.numel() == 0:
-            return False
-        select_cache_rows(self.cache, sel)
+        self.drops += 1
         return True
 
     def remaining(self) -> int:

@@ -21,6 +21,7 @@ gathered to the right). No row ever computes or attends to another row's filler.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -43,7 +44,7 @@ from .reference import check_model, completion_mask_from_eos, expand_prompts
 from .speculative_config import SpeculativeConfig
 from .trace import DecodeTrace
 from .tree_cost import TreeAcceptance, TreeCost, best_tree, choose_plan, tree_step_time
-from .tree_verify import TreeVerifier, verify_tree
+from .tree_verify import SampledTreeVerifier, TreeVerifier, verify_sampled_tree, verify_tree
 from .verify import Verifier, verify_chain
 
 __all__ = ["SpeculativeConfig", "SpeculativeSampler"]  # the config lives in speculative_config.py
@@ -61,6 +62,7 @@ class SpeculativeSampler:
         config: SpeculativeConfig | None = None,
         verifier: Verifier = verify_chain,
         tree_verifier: TreeVerifier = verify_tree,
+        sampled_tree_verifier: SampledTreeVerifier = verify_sampled_tree,
     ):
         reasons = check_model(model) or recurrent_reasons(model)
         if reasons:
@@ -72,6 +74,7 @@ class SpeculativeSampler:
             verifier,
         )
         self.tree_verifier = tree_verifier
+        self.sampled_tree_verifier = sampled_tree_verifier  # for trees of sampled children
         self.tree_acceptance = TreeAcceptance(decay=self.config.acceptance_decay)
         self.tree_cost = TreeCost()
         self._tree_reasons = self.tree_reasons()
@@ -191,7 +194,7 @@ class SpeculativeSampler:
         with shared_prompt_decoding(st, why_not, self.config.decode_shared_prompt):
             self._loop(st, params, generator, stats)
         calls = st.layout.calls if st.layout is not None else {}
-        for k in ("shared_prefix", "plain"):
+        for k in ("shared_prefix", "plain", "plain_gqa"):
             stats[f"decode_attention_{k}_calls"] = float(calls.get(k, 0))
         comp, logps, emitted = st.outputs()
         return ids, pmask, group, comp, logps, emitted, params, prompts.num_prompts, stats
@@ -301,7 +304,10 @@ class SpeculativeSampler:
         if isinstance(plan, TreeBudget):
             parents = prop.chain_parents()
             self._last_shape["tree"] = self._shape_steps
-            n_acc, take, (depth, width) = st.verify_tree(prop.tokens, parents, self.tree_verifier, generator)
+            verifier = self.tree_verifier
+            if prop.sampled:  # children drawn from the draft: recursive rejection sampling
+                verifier = partial(self.sampled_tree_verifier, probs=prop.probs)
+            n_acc, take, (depth, width) = st.verify_tree(prop.tokens, parents, verifier, generator)
             stats["tree_steps"] += 1
             self.tree_acceptance.update(k, plan.depth, n_acc)
             if self.cost is not None:
@@ -355,6 +361,8 @@ class SpeculativeSampler:
             # attention calls (layers x forwards) of the decode loop per path (both 0: not selected)
             "decode_attention_shared_prefix_calls": stats["decode_attention_shared_prefix_calls"],
             "decode_attention_plain_calls": stats["decode_attention_plain_calls"],
+            # of the plain calls, those served without copying K/V per query head (GQA models)
+            "decode_attention_plain_gqa_calls": stats["decode_attention_plain_gqa_calls"],
         }
         self.draft.observe(rollout.completion_ids, rollout.completion_mask, group)
         if self.config.train_draft and self.draft.learnable:

@@ -17,6 +17,12 @@ with probability above ``p(S)`` (the emitted token must be distributed as ``p``)
 moves on with probability exactly ``p(S)``, so it is optimal here. Multi-draft recursive rejection
 sampling only accepts more when children are *sampled* from ``q``; chains drawn from ``q`` keep
 the residual rule (:func:`~grpo_parts.sampler.verify.verify_chain`).
+
+**Sampled trees** (``DraftProposal.sampled``: each node's children drawn without replacement from
+the draft's ``q`` at that node, shape fixed beforehand, :mod:`grpo_parts.draft.tree_sampled`) are
+verified by recursive rejection sampling without replacement (Jeon et al. 2024,
+:func:`verify_sampled_tree`), which moves on with probability at least the chain's ``sum min(p, q)``
+and more with every extra child.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ TreeVerifier = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, SamplingParams, torch.Generator | None],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ]
+#: a :data:`TreeVerifier` that also takes ``probs=`` (keyword): ``[A, N, V]`` the ``q`` each node
+#: was drawn from; the sampler binds it per step for sampled trees
+SampledTreeVerifier = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def policy_draws(
@@ -95,3 +104,102 @@ def _walk(
         cur = nxt_col
     path = torch.stack(cols, 1) if cols else torch.zeros(a, 0, dtype=torch.long, device=x.device)
     return n_acc, path, x.gather(1, cur[:, None]).squeeze(1)
+
+
+def verify_sampled_tree(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    *,
+    probs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling without replacement down each row's sampled tree.
+
+    At the current node (start: the root, column 0) the residual target is ``p`` (the policy's
+    processed distribution at the node's column) and the residual proposal ``q`` (the draft's, which
+    all its children were drawn from, in node order). Child ``x`` is accepted with probability
+    ``min(1, p(x) / q(x))``: then move to it and repeat. On rejection ``p <- norm(max(p - q, 0))``
+    and ``q <- q`` with ``x`` removed, renormalized; a child with no ``q`` mass left (drawn past
+    ``q``'s support) is skipped. When every child is rejected, emit a draw from the residual ``p``;
+    at a leaf, from ``p`` (the bonus). Each step is an exact rejection sampler for ``p`` given any
+    ``q`` the draws really came from, so the emitted token is distributed as ``p``; with one child
+    this is :func:`~grpo_parts.sampler.verify.verify_chain`'s residual rule. Greedy: sample-then-match.
+    """
+    return _rrs(logits, tokens, parents, probs, params, generator, renormalize_q=True)
+
+
+def rrs_without_q_update(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    *,
+    probs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A deliberately **wrong** variant (after a rejection ``q`` keeps the tried child's mass, as if
+    the children were drawn *with* replacement): tests use it to show the chi-square tests bite."""
+    return _rrs(logits, tokens, parents, probs, params, generator, renormalize_q=False)
+
+
+def _rrs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    probs: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    renormalize_q: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if params.greedy:  # q is a point mass at each drawn child: RRS is sample-then-match
+        return verify_tree(logits, tokens, parents, params, generator)
+    a, n = tokens.shape
+    dev = logits.device
+    p_all = sampling_probs(logits, params).double()  # [A, N+1, V]
+    q_all = probs.double()
+    pcol = parents + 1
+    # each node's rank among its siblings (node order = draw order)
+    same = pcol[:, :, None] == pcol[:, None, :]  # [A, N, N]
+    sib = (same & torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)).sum(-1)
+    width = int(sib.max()) + 1 if n else 0
+    rows = torch.arange(a, device=dev)
+    cur = torch.zeros(a, dtype=torch.long, device=dev)
+    n_acc, alive = torch.zeros_like(cur), torch.ones(a, dtype=torch.bool, device=dev)
+    final = p_all[:, 0].clone()
+    cols: list[torch.Tensor] = []
+    for _ in range(n + 1):
+        kids = (pcol == cur[:, None]) & alive[:, None]  # [A, N]
+        p_r = p_all[rows, cur]
+        q_r = q_all[rows, kids.float().argmax(1)]  # every child of ``cur`` was drawn from it
+        moved = torch.zeros_like(alive)
+        nxt = cur.clone()
+        for r in range(width):
+            m = kids & (sib == r)
+            idx = m.float().argmax(1)
+            x = tokens[rows, idx]
+            qx, px = q_r[rows, x], p_r[rows, x]
+            tried = m.any(1) & ~moved & (qx > 0)
+            u = torch.rand(a, generator=generator, device=dev, dtype=torch.float64)
+            acc = tried & (u * qx < px)
+            moved |= acc
+            nxt = torch.where(acc, idx + 1, nxt)
+            rej = (tried & ~acc)[:, None]
+            resid = (p_r - q_r).clamp(min=0.0)
+            mass = resid.sum(-1, keepdim=True)
+            # mass 0 only by rounding (p == q never rejects): keep p there
+            p_r = torch.where(rej & (mass > 1e-12), resid / mass.clamp(min=1e-300), p_r)
+            if renormalize_q:
+                q_del = q_r.scatter(1, x[:, None], 0.0)
+                q_r = torch.where(rej, q_del / q_del.sum(-1, keepdim=True).clamp(min=1e-300), q_r)
+        stop = alive & ~moved
+        final = torch.where(stop[:, None], p_r, final)
+        if not bool(moved.any()):
+            break
+        cols.append(nxt)
+        n_acc += moved.long()
+        alive &= moved
+        cur = nxt
+    path = torch.stack(cols, 1) if cols else torch.zeros(a, 0, dtype=torch.long, device=dev)
+    return n_acc, path, draw(final, generator)

@@ -1,0 +1,160 @@
+"""In-place KV cache buffers for the speculative sampler and its drafts (re-exported by ``compat``).
+
+``DynamicLayer.update`` appends with ``torch.cat`` (a copy of the whole cache per forward) and
+``batch_select_indices`` gathers every row of every layer when a row leaves the batch. Layers
+converted by :func:`reserve_cache_room` keep their keys and values as prefix views of buffers with
+room to append in place, and :func:`drop_cache_rows` removes finished rows by moving the few live
+rows from the end of the batch into their slots (a view of the buffers' first rows remains), so the
+cost of a drop is the rows moved, not the whole cache. Values are bit-identical to transformers'.
+The layer API used (``keys``/``values``/``update``/``batch_select_indices``) is the same in every
+transformers release in range (``compat``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+#: columns of room a cache layer's buffers get beyond what they hold (then regrown): one copy of the
+#: cache per 16 appended columns instead of one per step; small, because dropping finished rows
+#: gathers the room too (room 64 made that gather cost more than the copies it saved at batch 64)
+CACHE_ROOM = 16
+
+
+def reserve_cache_room(cache: Any, slack: int) -> int:
+    """Let every plain ``DynamicLayer`` of ``cache`` append in place: its keys and values become
+    views of buffers with room for ``slack`` more columns, so a forward writes its new columns
+    instead of copying the whole cache (``DynamicLayer.update`` is ``torch.cat``: on a small model's
+    batched decode step that copy costs as much as attention itself). ``crop`` (a slice) keeps the
+    buffer; anything that replaces the tensors (row selection, compaction) gets a new buffer at the
+    next append. Values are bit-identical to ``torch.cat``'s. Sliding-window and other layer types
+    are left alone. Returns how many layers were converted (the caller counts it)."""
+    layers = getattr(cache, "layers", None) or []
+    done = 0
+    for ly in layers:
+        base: Any = type(ly)
+        if base.__name__ != "DynamicLayer" and not getattr(base, "_grpo_parts_room", False):
+            continue
+        if not getattr(base, "_grpo_parts_room", False):
+            ly.__class__ = _room_class(base)
+        ly._room = max(1, int(slack))
+        done += 1
+    return done
+
+
+@functools.cache
+def _room_class(base: Any) -> Any:
+    def update(
+        self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        keys: Any = getattr(self, "keys", None)
+        values: Any = getattr(self, "values", None)
+        if (
+            not getattr(self, "is_initialized", True)
+            or keys is None
+            or keys.dim() != 4
+            or key_states.dtype != keys.dtype
+            or key_states.device != keys.device
+        ):  # cat's type promotion / device rules: the base class
+            return base.update(self, key_states, value_states, *args, **kwargs)
+        n, t = keys.shape[-2], key_states.shape[-2]
+        kb: Any = getattr(self, "_kbuf", None)
+        vb: Any = getattr(self, "_vbuf", None)
+        if not (_is_prefix_view(keys, kb, n + t) and _is_prefix_view(values, vb, n + t)):
+            kb, vb = _with_room(keys, n + t + self._room), _with_room(values, n + t + self._room)
+            self._kbuf, self._vbuf = kb, vb
+        kb[:, :, n : n + t] = key_states
+        vb[:, :, n : n + t] = value_states
+        self.keys, self.values = kb[:, :, : n + t], vb[:, :, : n + t]
+        return self.keys, self.values
+
+    def batch_select_indices(self: Any, indices: torch.Tensor) -> None:
+        kb: Any = getattr(self, "_kbuf", None)
+        vb: Any = getattr(self, "_vbuf", None)
+        keys: Any = getattr(self, "keys", None)
+        values: Any = getattr(self, "values", None)
+        if (
+            keys is None
+            or keys.dim() != 4
+            or not (_is_prefix_view(keys, kb, keys.shape[2]) and _is_prefix_view(values, vb, values.shape[2]))
+        ):
+            return base.batch_select_indices(self, indices)
+        # one gather of the buffers (the room included) instead of a gather now and a copy at the
+        # next append
+        n = keys.shape[2]
+        self._kbuf, self._vbuf = kb[indices], vb[indices]
+        self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
+
+    def move_rows(self: Any, dst: torch.Tensor, src: torch.Tensor, rows: int) -> bool:
+        """Copy rows ``src`` into rows ``dst`` and keep the first ``rows``, in the buffers (False:
+        the layer holds no in-place buffers; nothing done)."""
+        kb: Any = getattr(self, "_kbuf", None)
+        vb: Any = getattr(self, "_vbuf", None)
+        keys: Any = getattr(self, "keys", None)
+        values: Any = getattr(self, "values", None)
+        if (
+            keys is None
+            or keys.dim() != 4
+            or not (_is_prefix_view(keys, kb, keys.shape[2]) and _is_prefix_view(values, vb, values.shape[2]))
+        ):
+            return False
+        n = keys.shape[2]
+        if dst.numel():
+            kb[dst], vb[dst] = kb[src], vb[src]
+        self._kbuf, self._vbuf = kb[:rows], vb[:rows]  # views of the first rows: no copy
+        self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
+        return True
+
+    return type(
+        base.__name__,
+        (base,),
+        {
+            "update": update,
+            "batch_select_indices": batch_select_indices,
+            "move_rows": move_rows,
+            "_grpo_parts_room": True,
+        },
+    )
+
+
+def drop_cache_rows(cache: Any, keep: torch.Tensor) -> torch.Tensor:
+    """Remove the rows where ``keep: [A]`` (bool) is False, in place, moving rather than gathering:
+    the live rows among the last ``K = keep.sum()`` take the dropped rows' slots among the first
+    ``K`` and every layer keeps its first ``K`` rows. Returns ``order: [K]``, the old index of each
+    new row (the caller reorders its per-row state by it). Layers with in-place buffers
+    (:func:`reserve_cache_room`) copy only the moved rows; any other layer (or a cache without
+    ``layers``) gets ``batch_select_indices(order)``, a gather of every row."""
+    k = int(keep.sum())
+    dst = (~keep[:k]).nonzero().squeeze(1)
+    src = keep[k:].nonzero().squeeze(1) + k
+    order = torch.arange(k, device=keep.device)
+    order[dst] = src
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        cache.batch_select_indices(order)
+        return order
+    for ly in layers:
+        move = getattr(ly, "move_rows", None)
+        if move is None or not move(dst, src, k):
+            ly.batch_select_indices(order)
+    return order
+
+
+def _is_prefix_view(x: torch.Tensor, buf: torch.Tensor | None, need: int) -> bool:
+    """``x`` is ``buf[:, :, :n]`` and ``buf`` holds at least ``need`` columns."""
+    return (
+        buf is not None
+        and x.data_ptr() == buf.data_ptr()
+        and x.stride() == buf.stride()
+        and x.shape[:2] == buf.shape[:2]
+        and x.shape[3] == buf.shape[3]
+        and need <= buf.shape[2]
+    )
+
+
+def _with_room(x: torch.Tensor, cols: int) -> torch.Tensor:
+    buf = x.new_empty(x.shape[0], x.shape[1], cols, x.shape[3])
+    buf[:, :, : x.shape[2]] = x
+    return buf
