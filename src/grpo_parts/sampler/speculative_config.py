@@ -20,7 +20,9 @@ class SpeculativeConfig(BaseModel):
 
     # 6: a ceiling of 12 raised the main job's tail tokens per verification (3.2-3.4 -> 4.0-4.4) but
     # made its tail slower in both runs measured (the cost model drafted k ~ 9-11 at <= 16 rows);
-    # docs/speculative.md, "N-gram draft in the tail"
+    # docs/speculative.md, "N-gram draft in the tail". Re-measured with chains priced by measured
+    # per-depth acceptance (docs/benchmarks.md, "Chains priced by measured per-depth acceptance"):
+    # ceilings 8 / 10 / 12 were not faster on bench sampler (EAGLE, batch 1 and 4) nor the main job
     max_draft_tokens: int = Field(6, ge=1, le=32)
     draft_tokens: int | None = Field(None, ge=0, le=32)
     calibrate_repeats: int = Field(2, ge=1)
