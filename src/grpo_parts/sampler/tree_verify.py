@@ -10,8 +10,8 @@ drew there, move to it (it is accepted) and repeat; otherwise emit ``x_c`` and s
 **Why it is exact.** Every emitted token is the policy's own draw at the column whose context is
 exactly the tokens emitted before it (the accepted path), so the emitted sequence is distributed as
 plain sampling, whatever the draft proposed, at any temperature / top-k / top-p; the tree only
-decides how many of those draws one forward yields. **Why this rule for trees.** Every built-in
-tree is *deterministic* given its context (n-gram branches, EAGLE-2 / small-LM top-K expansion):
+decides how many of those draws one forward yields. **Why this rule for these trees.** N-gram
+and top-K trees (EAGLE-2 / small-LM under greedy, frozen LM) are *deterministic* given the context:
 the children of a node form a fixed set ``S`` of distinct tokens, and no lossless rule can move on
 with probability above ``p(S)`` (the emitted token must be distributed as ``p``); sample-then-match
 moves on with probability exactly ``p(S)``, so it is optimal here. Multi-draft recursive rejection
