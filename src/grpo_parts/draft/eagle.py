@@ -232,8 +232,11 @@ class EagleDraft:
         valid = (j[None, :] >= (m - num)[:, None]).long()
         pos = (context.lengths[:, None] - m + j[None, :]).clamp(min=0)
         kv.append(valid)
+        toks = context.tokens[:, -m:]
+        if toks.shape[1] < m:  # a chain longer than the short rows' text so far: masked filler (valid = 0)
+            toks = torch.nn.functional.pad(toks, (m - toks.shape[1], 0))
         out = self.head(
-            self.embed(context.tokens[:, -m:]), feats, attention_mask=kv.mask, position_ids=pos,  # type: ignore[operator]
+            self.embed(toks), feats, attention_mask=kv.mask, position_ids=pos,  # type: ignore[operator]
             cache=kv.cache, use_cache=True,
         )  # fmt: skip
         return kv, out.last_hidden_state[:, -1:]

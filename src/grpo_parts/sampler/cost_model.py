@@ -50,12 +50,38 @@ def _nearest(sizes: Iterable[int], a: int) -> int:
     return min(sizes, key=lambda x: abs(math.log(x) - math.log(max(a, 1))))
 
 
+def chain_expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Mean tokens emitted per row by a ``k``-chain whose depth ``d`` is accepted with probability
+    ``rates[d - 1]`` given depth ``d - 1`` was: ``1 + sum_{d<=k} prod_{i<=d} r_i`` (bonus included)."""
+    total, run = 1.0, 1.0
+    for r in rates[: max(k, 0)]:
+        run *= r
+        total += run
+    return total
+
+
+#: key of the per-depth counts pooled over every batch-size bucket
+POOLED = 0
+
+
 @dataclass
 class AcceptanceEstimate:
-    """Online per-token acceptance rate with exponential forgetting and a weak prior.
+    """Online chain acceptance: a geometric per-token ``rate`` and, per batch-size bucket, the
+    measured **per-depth** acceptance ``r_d`` (:meth:`depth_rates`), both with exponential forgetting.
 
-    A chain of ``k`` drafts with ``n`` accepted is ``n`` successes and (if ``n < k``) one failure of
-    a geometric model, so ``a = successes / trials`` is its maximum-likelihood estimate.
+    ``rate``: a chain of ``k`` drafts with ``n`` accepted is ``n`` successes and (if ``n < k``) one
+    failure of a geometric model, so ``a = successes / trials`` is its maximum-likelihood estimate
+    (used for the trace, the trees' prior and as the prior of the per-depth rates).
+
+    ``r_d``: the fraction of rows that accepted draft position ``d`` among those that accepted
+    ``d - 1``. Real acceptance is not geometric -- the n-gram draft's copies match long or fail at
+    one spot, EAGLE's accuracy falls with depth, and the wide phase differs from the tail -- and one
+    global rate over-credited long chains (a ceiling of 12 drafted ``k`` ~ 9-11 in the main job's
+    tail and made it slower). A bucket's counts shrink towards the pooled counts (``prior_weight``
+    steps' worth), which shrink towards the prior ``min(rate, pooled r_{d-1})``; a depth no row has
+    reached yet is priced at that prior, and the chain may be at most one position deeper than the deepest
+    depth measured (in that bucket or pooled), so each longer ``k`` is tried one step at a time and
+    then judged on its own measurement.
     """
 
     prior: float = 0.6
@@ -63,20 +89,67 @@ class AcceptanceEstimate:
     decay: float = 0.98
     successes: float = 0.0
     trials: float = 0.0
+    #: per bucket (``POOLED``: all): decayed fraction of rows that reached / accepted each depth
+    reach: dict[int, list[float]] = field(default_factory=dict)
+    accept: dict[int, list[float]] = field(default_factory=dict)
+    #: a depth counts as measured once this many verification steps' worth of rows reached it
+    min_reach: float = 0.5
 
     @property
     def rate(self) -> float:
         a = (self.successes + self.prior * self.prior_weight) / (self.trials + self.prior_weight)
         return min(a, 0.995)
 
-    def update(self, num_accepted: torch.Tensor, k: int) -> None:
+    def update(self, num_accepted: torch.Tensor, k: int, bucket: int | None = None) -> None:
+        """Fold one verification of ``k``-chains (``num_accepted`` per row) into the estimates;
+        ``bucket``: the cost model's calibrated batch size of the step (None: pooled only)."""
         if k <= 0 or num_accepted.numel() == 0:
             return
+        rows = num_accepted.numel()
         s = float(num_accepted.sum())
         t = s + float((num_accepted < k).sum())
         # forget per verification step, weighting by rows so big batches are not drowned out
-        self.successes = self.successes * self.decay + s / num_accepted.numel()
-        self.trials = self.trials * self.decay + t / num_accepted.numel()
+        self.successes = self.successes * self.decay + s / rows
+        self.trials = self.trials * self.decay + t / rows
+        n = num_accepted.float()
+        reached = [float((n >= d).sum()) / rows for d in range(k + 1)]  # reached[d]: accepted >= d
+        for key in {POOLED, POOLED if bucket is None else bucket}:
+            r, acc = self.reach.setdefault(key, []), self.accept.setdefault(key, [])
+            while len(r) < k:
+                r.append(0.0)
+                acc.append(0.0)
+            for d in range(len(r)):  # every depth forgets; only the drafted ones gain counts
+                r[d] *= self.decay
+                acc[d] *= self.decay
+                if d < k:
+                    r[d] += reached[d]
+                    acc[d] += reached[d + 1]
+
+    def measured_depth(self, bucket: int | None) -> int:
+        """The deepest draft position enough rows reached, in ``bucket`` or pooled."""
+        best = 0
+        for key in {POOLED, POOLED if bucket is None else bucket}:
+            r = self.reach.get(key, [])
+            best = max([best] + [d + 1 for d in range(len(r)) if r[d] >= self.min_reach])
+        return best
+
+    def depth_rates(self, bucket: int | None, max_k: int) -> list[float]:
+        """``r_1 .. r_m`` with ``m = min(max_k, measured_depth + 1)``: the chain lengths worth
+        pricing now (one position past the measured ones: a cheap probe of the next depth)."""
+        m = min(max_k, self.measured_depth(bucket) + 1)
+        w, prior, out = self.prior_weight, self.rate, []
+        pr, pa = self.reach.get(POOLED, []), self.accept.get(POOLED, [])
+        br = self.reach.get(POOLED if bucket is None else bucket, [])
+        ba = self.accept.get(POOLED if bucket is None else bucket, [])
+        for d in range(m):
+            pooled = (_at(pa, d) + prior * w) / (_at(pr, d) + w)
+            out.append(min((_at(ba, d) + pooled * w) / (_at(br, d) + w), 0.995))
+            prior = min(self.rate, pooled)  # an unmeasured depth: no better than the one before
+        return out
+
+
+def _at(xs: list[float], i: int) -> float:
+    return xs[i] if i < len(xs) else 0.0
 
 
 @dataclass
@@ -91,7 +164,11 @@ class CostModel:
     draft_fixed: dict[int, float] = field(default_factory=dict)
     draft_per_token: dict[int, float] = field(default_factory=dict)
     #: per-step sampler bookkeeping beyond the forward and the draft per (calibrated batch size,
-    #: speculative?), measured online; 0 where not measured yet. Per batch size, because a residual
+    #: speculative?), measured online; 0 where not measured yet. Speculative steps: seconds per
+    #: verified position (the residual grows with ``k + 1``: verification maths, sampling, the
+    #: forward's cost over holes and housekeeping; one constant per step priced a 7-token
+    #: verification at 128 rows like a 3-token one plus the difference of the calibrated forwards,
+    #: which measured 2x, so measured per-depth acceptance drafted k = 6 there at a loss). Per batch size, because a residual
     #: measured at 64 rows (e.g. a start-up table that under-timed the 64-row forward by 20 ms) added
     #: to a 23 ms plain step at 1 row made plain decoding look twice its cost there, so the tail of a
     #: batch-64 rollout drafted at a loss (n-gram, 1.07 tokens for 38 ms vs 1 for 25 ms plain)
@@ -150,28 +227,36 @@ class CostModel:
         ratio = seconds / max(self._predict(a, k) if predicted is None else predicted, 1e-9)
         old_s = self.scale.get(key)
         self.scale[key] = ratio if old_s is None else self.ema * old_s + (1 - self.ema) * ratio
-        resid = max(seconds - draft_seconds - self.t_verify(a, k + 1 if tokens is None else tokens), 0.0)
+        t = k + 1 if tokens is None else tokens
+        resid = max(seconds - draft_seconds - self.t_verify(a, t), 0.0) / t
         self.overhead[key] = self.ema * self.overhead.get(key, 0.0) + (1 - self.ema) * resid
 
-    def overhead_at(self, a: int, speculative: bool) -> float:
-        """Measured per-step bookkeeping of that kind at the calibrated batch size nearest ``a``."""
-        return self.overhead.get((self._bucket(a), speculative), 0.0)
+    def overhead_at(self, a: int, speculative: bool, tokens: int = 1) -> float:
+        """Measured per-step bookkeeping of that kind at the calibrated batch size nearest ``a``, for a
+        step verifying ``tokens`` positions per row (plain: 1)."""
+        return self.overhead.get((self._bucket(a), speculative), 0.0) * tokens
 
     def _bucket(self, a: int) -> int:
         return _nearest(self.batch_sizes, a)
 
     def _predict(self, a: int, k: int) -> float:
-        return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead_at(a, k > 0)
+        return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead_at(a, k > 0, k + 1)
 
     def step_time(self, a: int, k: int) -> float:
         return self._predict(a, k) * self.scale.get((self._bucket(a), k > 0), 1.0)
 
-    def rate(self, a: int, k: int, accept: float) -> float:
-        """Tokens per second per row at draft length ``k``."""
-        return expected_tokens(accept, k) / self.step_time(a, k)
+    def rate(self, a: int, k: int, accept: float | Sequence[float]) -> float:
+        """Tokens per second per row at draft length ``k``; ``accept``: a geometric per-token rate or
+        the per-depth rates ``r_1 .. r_m`` (:meth:`AcceptanceEstimate.depth_rates`, ``m >= k``)."""
+        if isinstance(accept, (int, float)):
+            return expected_tokens(float(accept), k) / self.step_time(a, k)
+        return chain_expected_tokens(accept, k) / self.step_time(a, k)
 
-    def choose(self, active: int, accept: float, max_k: int) -> int:
-        """Draft length with the highest expected throughput (0 = plain decoding)."""
+    def choose(self, active: int, accept: float | Sequence[float], max_k: int) -> int:
+        """Draft length with the highest expected throughput (0 = plain decoding); with per-depth
+        rates, at most ``len(accept)``."""
+        if not isinstance(accept, (int, float)):
+            max_k = min(max_k, len(accept))
         best_k, best = 0, self.rate(active, 0, accept) * self.margin
         for k in range(1, max_k + 1):
             r = self.rate(active, k, accept)
@@ -191,7 +276,7 @@ class CostModel:
         for b in sorted(self.draft_fixed):
             out[f"t_draft_b{b}_per_token_ms"] = 1e3 * self.draft_per_token[b]
         for (b, spec), sec in sorted(self.overhead.items()):
-            out[f"overhead_b{b}_{'spec' if spec else 'plain'}_ms"] = 1e3 * sec
+            out[f"overhead_b{b}_{'spec_per_token' if spec else 'plain'}_ms"] = 1e3 * sec
         return out
 
 

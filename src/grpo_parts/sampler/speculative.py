@@ -130,7 +130,7 @@ class SpeculativeSampler:
         if self.config.draft_tokens is not None:
             return min(self.config.draft_tokens, cap)
         assert self.cost is not None
-        k = self.cost.choose(active, self.acceptance.rate, cap)
+        k = self.cost.choose(active, self.chain_rates(active, cap), cap)
         b = self.cost._bucket(active)
         steps = self._steps[b] = self._steps.get(b, 0) + 1
         gap = self._probe_gap.get(b, self.config.probe_every)
@@ -144,6 +144,12 @@ class SpeculativeSampler:
             k, self._last_probe[b] = 1, steps
             self._probe_gap[b] = min(2 * gap, 1024)
         return k
+
+    def chain_rates(self, active: int, max_k: int) -> list[float]:
+        """Measured per-depth chain acceptance at ``active`` rows' batch-size bucket (the chain
+        lengths worth pricing: at most one position past the measured ones)."""
+        bucket = None if self.cost is None else self.cost._bucket(active)
+        return self.acceptance.depth_rates(bucket, max_k)
 
     def generate(
         self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
@@ -249,8 +255,9 @@ class SpeculativeSampler:
             return k
         budgets = [b for b in self.tree_budgets() if b.nodes <= room]
         plan = choose_plan(
-            self.cost, self.tree_cost, self.tree_acceptance, active, self.acceptance.rate, k, budgets
-        )
+            self.cost, self.tree_cost, self.tree_acceptance, active, self.acceptance.rate, k, budgets,
+            chain_rates=self.chain_rates(active, k),
+        )  # fmt: skip
         return self._probe_other_shape(plan, k, active, budgets)
 
     def _probe_other_shape(
@@ -270,7 +277,7 @@ class SpeculativeSampler:
             if k > 0 and self._shape_steps - last["chain"] >= gap["chain"]:
                 probe, kind = k, "chain"
         elif plan > 0 and budgets and self._shape_steps - last["tree"] >= gap["tree"]:
-            chain = self.cost.rate(active, plan, self.acceptance.rate)
+            chain = self.cost.rate(active, plan, self.chain_rates(active, plan))
             tree, rate = best_tree(
                 self.cost, self.tree_cost, self.tree_acceptance, active, self.acceptance.rate, budgets
             )
@@ -314,7 +321,7 @@ class SpeculativeSampler:
             if self.cost is not None:
                 self.cost.observe_draft(a, k, t_draft)
             n_acc, take = st.verify_chain(prop.tokens, prop.probs, self.verifier, generator)
-            self.acceptance.update(n_acc, k)
+            self.acceptance.update(n_acc, k, None if self.cost is None else self.cost._bucket(a))
             depth, width = k, 1
         trace.record(
             a, k, float(take.float().mean()), self.acceptance.rate, self.cost, depth=depth, width=width

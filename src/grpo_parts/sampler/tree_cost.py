@@ -20,6 +20,7 @@ tail, where few rows are left and verifying many tokens per row is nearly free.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -89,7 +90,11 @@ class TreeCost:
 
 
 def tree_step_time(cost: CostModel, trees: TreeCost, a: int, budget: TreeBudget) -> float:
-    pred = cost.t_verify(a, budget.nodes + 1) + trees.t_draft(cost, a, budget) + cost.overhead_at(a, True)
+    pred = (
+        cost.t_verify(a, budget.nodes + 1)
+        + trees.t_draft(cost, a, budget)
+        + cost.overhead_at(a, True, budget.nodes + 1)
+    )
     return pred * cost.scale.get((cost._bucket(a), True), 1.0)
 
 
@@ -115,8 +120,12 @@ def choose_plan(
     chain_rate: float,
     chain_k: int,
     budgets: list[TreeBudget],
+    chain_rates: Sequence[float] | None = None,
 ) -> int | TreeBudget:
-    """The best of the cost model's chain choice ``chain_k`` (0 = plain) and every tree budget."""
-    rate = cost.rate(active, chain_k, chain_rate) * (cost.margin if chain_k == 0 else 1.0)
+    """The best of the cost model's chain choice ``chain_k`` (0 = plain) and every tree budget;
+    the chain is priced with its measured per-depth rates ``chain_rates`` where given (else with the
+    geometric ``chain_rate``, which also sets the trees' prior)."""
+    accept = chain_rate if chain_rates is None or len(chain_rates) < chain_k else chain_rates
+    rate = cost.rate(active, chain_k, accept) * (cost.margin if chain_k == 0 else 1.0)
     tree, tree_rate = best_tree(cost, trees, acceptance, active, chain_rate, budgets)
     return tree if tree is not None and tree_rate > rate else chain_k
