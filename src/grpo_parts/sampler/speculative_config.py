@@ -47,10 +47,13 @@ class SpeculativeConfig(BaseModel):
     tree_nodes: int | None = Field(
         None, ge=1, le=128, description="fix a draft tree of this many nodes per row (tests, ablations)"
     )
-    # 0 by default: on this project's 2-core CPU, main job, trees lost to chains in every same-machine
-    # pair measured (rollout 62.0 vs 51.8 s and 52.1 vs 41.8 s, docs/benchmarks.md) and in
-    # `bench sampler` at batch 1 and 16: sample-then-match accepts less per level than chains'
-    # residual rejection. Opt in with e.g. 32 (the cost model then weighs trees of 4-32 nodes).
+    # 0 by default: on this project's 2-core CPU trees have not beaten chains in tokens per second in
+    # any measurement (main job: rollout 62.0 vs 51.8 s and 52.1 vs 41.8 s; `bench sampler` at batch
+    # 1-16). n-gram trees (point masses, sample-then-match) accept too little per level; sampled
+    # EAGLE / small-LM trees (recursive rejection sampling) accept more than chains at depth 6
+    # (5.4-5.7 vs 4.6 tokens per verification) but their 33-token verification costs about what the
+    # extra tokens save (docs/benchmarks.md, "Sampled EAGLE trees"). Opt in with e.g. 32 (the cost
+    # model then weighs trees of 4-32 nodes against chains and plain decoding).
     max_tree_nodes: int = Field(
         0, ge=0, le=128, description="largest tree the cost model may pick per row (0: chains only)"
     )
