@@ -70,7 +70,9 @@ def _room_class(base: Any) -> Any:
         self.keys, self.values = kb[:, :, : n + t], vb[:, :, : n + t]
         return self.keys, self.values
 
-    def batch_select_indices(self: Any, indices: torch.Tensor) -> None:
+    def _buffers(self: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """``(key buffer, value buffer, columns in use)`` when the layer's keys/values are prefix
+        views of its in-place buffers, else None."""
         kb: Any = getattr(self, "_kbuf", None)
         vb: Any = getattr(self, "_vbuf", None)
         keys: Any = getattr(self, "keys", None)
@@ -80,27 +82,26 @@ def _room_class(base: Any) -> Any:
             or keys.dim() != 4
             or not (_is_prefix_view(keys, kb, keys.shape[2]) and _is_prefix_view(values, vb, values.shape[2]))
         ):
+            return None
+        return kb, vb, keys.shape[2]
+
+    def batch_select_indices(self: Any, indices: torch.Tensor) -> None:
+        bufs = self._buffers()
+        if bufs is None:
             return base.batch_select_indices(self, indices)
         # one gather of the buffers (the room included) instead of a gather now and a copy at the
         # next append
-        n = keys.shape[2]
+        kb, vb, n = bufs
         self._kbuf, self._vbuf = kb[indices], vb[indices]
         self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
 
     def move_rows(self: Any, dst: torch.Tensor, src: torch.Tensor, rows: int) -> bool:
         """Copy rows ``src`` into rows ``dst`` and keep the first ``rows``, in the buffers (False:
         the layer holds no in-place buffers; nothing done)."""
-        kb: Any = getattr(self, "_kbuf", None)
-        vb: Any = getattr(self, "_vbuf", None)
-        keys: Any = getattr(self, "keys", None)
-        values: Any = getattr(self, "values", None)
-        if (
-            keys is None
-            or keys.dim() != 4
-            or not (_is_prefix_view(keys, kb, keys.shape[2]) and _is_prefix_view(values, vb, values.shape[2]))
-        ):
+        bufs = self._buffers()
+        if bufs is None:
             return False
-        n = keys.shape[2]
+        kb, vb, n = bufs
         if dst.numel():
             kb[dst], vb[dst] = kb[src], vb[src]
         self._kbuf, self._vbuf = kb[:rows], vb[:rows]  # views of the first rows: no copy
@@ -114,6 +115,7 @@ def _room_class(base: Any) -> Any:
             "update": update,
             "batch_select_indices": batch_select_indices,
             "move_rows": move_rows,
+            "_buffers": _buffers,
             "_grpo_parts_room": True,
         },
     )
