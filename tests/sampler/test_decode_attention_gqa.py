@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_decode_attention import plain_attention  # the float64 reference both kernels are checked against
 
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.sampler.decode_attention import DecodeLayout, grouped_query_attention
@@ -16,13 +17,6 @@ from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.tiny import tiny_causal_lm
-
-
-def plain_attention(q, k, v, allowed, scale):  # type: ignore[no-untyped-def]
-    r = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)
