@@ -146,14 +146,24 @@ def shared_prompt_decoding(st: DecodeState, reasons: list[str], mode: str) -> It
     kernel cannot reproduce the model's attention (:func:`kernel_reasons`). The shared-prompt path
     runs when nothing stands against it (``reasons`` empty; ``mode == "always"``: no cost rule);
     otherwise the kernel still serves the GQA forwards without copying K/V per head."""
-    if mode == "off" or kernel_reasons(st.model):
+    with decode_kernel(st.model, mode) as on:
+        if on:
+            st.layout = DecodeLayout.build(st.group[st.act], st.width)
+            st.layout.always = mode == "always"
+            st.layout.shared_ok = not reasons
         yield
+
+
+@contextlib.contextmanager
+def decode_kernel(model: torch.nn.Module, mode: str) -> Iterator[bool]:
+    """Select the kernel on ``model`` for the block (True) unless ``mode == "off"`` or it cannot
+    reproduce the model's attention (False: nothing changes). The decode loop and the cost model's
+    start-up timing (which must time the forwards the loop will run) both enter it."""
+    if mode == "off" or kernel_reasons(model):
+        yield False
         return
-    st.layout = DecodeLayout.build(st.group[st.act], st.width)
-    st.layout.always = mode == "always"
-    st.layout.shared_ok = not reasons
-    with select_attention(st.model, register()):
-        yield
+    with select_attention(model, register()):
+        yield True
 
 
 def decode_attention_reasons(model: torch.nn.Module, group_size: int) -> list[str]:

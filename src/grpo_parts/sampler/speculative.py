@@ -36,7 +36,7 @@ from .cost_model import (
     calibrate_policy,
     token_grid,
 )
-from .decode_attention import decode_attention_reasons, shared_prompt_decoding
+from .decode_attention import DecodeLayout, decode_attention_reasons, decode_kernel, shared_prompt_decoding
 from .decode_loop import DecodeState
 from .model_support import recurrent_reasons, sliding_window, window_reason
 from .protocol import PromptBatch, Rollout, SamplingParams
@@ -109,15 +109,29 @@ class SpeculativeSampler:
             self.cost = None  # a different module may cost differently
         self.draft.bind_policy(policy)
 
-    def calibrate(self, max_rows: int, context_len: int, params: SamplingParams) -> CostModel:
-        """Measure policy verification cost (``A x T`` grid) and draft cost on this machine."""
+    def calibrate(
+        self, max_rows: int, context_len: int, params: SamplingParams, prompt_len: int = 0
+    ) -> CostModel:
+        """Measure policy verification cost (``A x T`` grid) and draft cost on this machine, timing
+        the decode loop's forwards (its attention kernel and layout, rows in groups of
+        ``params.group_size`` sharing the first ``prompt_len`` cache columns)."""
         sizes = batch_grid(max_rows)
         biggest = max(
             self.config.max_draft_tokens, self.config.max_tree_nodes if not self._tree_reasons else 0
         )
         toks = token_grid(biggest + 1)
         reps = self.config.calibrate_repeats
-        cost = CostModel(sizes, toks, calibrate_policy(self.model, sizes, toks, context_len, reps))
+        mode, why_not = self.config.decode_shared_prompt, self.decode_attention_reasons(params)
+        calls = {"shared_prefix": 0, "plain": 0, "plain_gqa": 0}
+
+        def layout(a: int) -> DecodeLayout:  # the decode loop's layout for ``a`` rows, groups of G
+            lay = DecodeLayout.build(torch.arange(a) // params.group_size, prompt_len, calls)
+            lay.always, lay.shared_ok = mode == "always", not why_not
+            return lay
+
+        with decode_kernel(self.model, mode) as on:
+            table = calibrate_policy(self.model, sizes, toks, context_len, reps, layout if on else None)
+        cost = CostModel(sizes, toks, table, calibration_calls=calls)
         calibrate_draft(self.draft, self.model, cost, params, context_len, self.config.max_draft_tokens, reps)
         self.cost = cost
         return cost
@@ -182,7 +196,7 @@ class SpeculativeSampler:
             clen = width + params.max_new_tokens // 2
             if window is not None:  # the calibration cache must fit the window too
                 clen = max(1, min(clen, window - 2 - self.config.max_draft_tokens))
-            self.calibrate(n, clen, params)
+            self.calibrate(n, clen, params, prompt_len=min(width, clen))
         draft.reset(ids, pmask, group)
         st = DecodeState.prefill(model, prompts, params, expanded, draft.needs_hidden_states, generator)  # type: ignore[arg-type]
         st.window = window
