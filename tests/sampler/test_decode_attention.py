@@ -169,26 +169,6 @@ def test_auto_counts_both_paths_and_off_neither() -> None:
         assert (shared > 0 and plain > 0) if mode == "auto" else (shared == plain == 0)
 
 
-@pytest.mark.parametrize("mode", ["auto", "off"])
-def test_calibration_times_the_decode_loops_attention(mode: str) -> None:
-    """The start-up cost table is timed on the forwards the decode loop runs: the shared-prompt path
-    at >= 64 rows of >= 4 per group, the grouped GQA path below (this policy has 2 KV heads for 4
-    query heads), nothing of the kernel when it is off -- and the policy's attention is restored."""
-    policy = _policy("sdpa")
-    params = SamplingParams(group_size=8, max_new_tokens=8, temperature=1.0)
-    cfg = SpeculativeConfig(max_draft_tokens=2, decode_shared_prompt=mode, calibrate_repeats=1)
-    spec = SpeculativeSampler(policy, NGramDraft(max_ngram=3), cfg)
-    cost = spec.calibrate(64, 12, params, prompt_len=6)
-    calls = cost.calibration_calls
-    if mode == "auto":
-        # (``plain`` counts every call off the shared path; ``plain_gqa`` those of them served grouped)
-        assert calls["shared_prefix"] > 0 and calls["plain"] == calls["plain_gqa"] > 0
-    else:
-        assert sum(calls.values()) == 0
-    assert all(0 < t for row in cost.verify.values() for t in row)
-    assert policy.config._attn_implementation == "sdpa"
-
-
 def test_refusals() -> None:
     assert decode_attention_reasons(_policy("sdpa"), 4) == []
     assert any("group_size 1" in r for r in decode_attention_reasons(_policy("sdpa"), 1))

@@ -187,6 +187,12 @@ def _sample(policy, draft, setting, eos, verifier=None, nodes=6, sampled_verifie
         PromptBatch.from_lists([PROMPT], pad_token_id=0), params, torch.Generator().manual_seed(7)
     )
     assert out.stats["tree_steps"] > 0
+    # the drafts with probabilities draw their children (recursive rejection sampling ran); the
+    # others propose point masses, verified by sample-then-match
+    sampled = draft in ("eagle", "small_lm")
+    assert (out.stats["sampled_tree_steps"] > 0) == sampled
+    if sampled:
+        assert out.stats["sampled_tree_steps"] == out.stats["tree_steps"]
     comp = torch.full((N_SAMPLES, LENGTH), -1, dtype=torch.long)
     t = out.completion_ids.shape[1]
     comp[:, :t] = out.completion_ids.masked_fill(out.completion_mask == 0, -1)

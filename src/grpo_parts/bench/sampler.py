@@ -15,7 +15,8 @@ factory raises ``ImportError`` / ``NotSupportedError`` are skipped with a note.
 
 JSON (``--json PATH``): ``{"setup": {...}, "points": [...]}``; each point has the keys
 ``sampler``, ``draft``, ``shape`` (speculative rows: ``chains`` or ``trees``; ``tree_steps`` /
-``verify_steps`` count the verifications that used trees), ``batch``, ``mode``, ``tokens_per_s``, ``speedup`` (vs the reference sampler,
+``verify_steps`` count the verifications that used trees, ``sampled_tree_steps`` those of trees of
+sampled children, verified by recursive rejection sampling), ``batch``, ``mode``, ``tokens_per_s``, ``speedup`` (vs the reference sampler,
 same batch and mode), ``ratio_vs_generate``, ``accepted_per_verify`` (None when not speculative),
 ``seconds``, ``tokens``.
 """
@@ -372,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
                         draft=bs.draft,
                         shape=bs.shape,
                         tree_steps=sum(x[2].stats.get("tree_steps", 0.0) for x in results),
+                        sampled_tree_steps=sum(x[2].stats.get("sampled_tree_steps", 0.0) for x in results),
                         verify_steps=sum(x[2].stats.get("verify_steps", 0.0) for x in results),
                         batch=batch,
                         mode=mode,

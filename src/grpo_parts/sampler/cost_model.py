@@ -6,7 +6,7 @@ per-token acceptance rate. Plain decoding (``k = 0``) emits 1 token per row for 
 We pick the ``k`` with the most tokens per second, so ``k`` shrinks as the batch grows (verifying
 more tokens per row stops being free once the hardware is busy) and grows again as rows finish;
 ``k = 0`` switches speculation off. This replaces FastGRPO's hand-set verification budget ``C``:
-``t_verify`` is *measured* on the running machine at start-up (:func:`calibrate_policy`), never a
+``t_verify`` is *measured* on the running machine at start-up (:mod:`.calibration`), never a
 constant, and ``t_draft`` is measured at start-up and refined online from every draft call.
 """
 
@@ -14,25 +14,15 @@ from __future__ import annotations
 
 import bisect
 import math
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-
-from ..compat import CACHE_ROOM, cache_kwarg, crop_cache, output_cache, repeat_cache_rows, reserve_cache_room
-from ..decoding import SamplingParams
-from ..draft.protocol import DraftContext, DraftModel
 from .acceptance import AcceptanceEstimate, chain_expected_tokens, expected_tokens
-from .decode_attention import LAYOUT_KWARG
 
 __all__ = [
     "AcceptanceEstimate",
     "CostModel",
     "batch_grid",
-    "calibrate_draft",
-    "calibrate_policy",
     "chain_expected_tokens",
     "expected_tokens",
     "token_grid",
@@ -200,151 +190,3 @@ def token_grid(max_tokens: int) -> list[int]:
     interpolated, and online step times rescale it. Each point is a forward per batch size and
     repeat: the first rollout of the main job spent more time calibrating (3.1 s) than decoding."""
     return sorted({t for t in (1, 2, 4, 8, 16, 32, 64, max_tokens) if t <= max_tokens})
-
-
-#: a start-up forward at least this long is timed once: the repeats guard short forwards against
-#: timer and scheduler noise, while the main job's 32-128-row forwards (40-75 ms each) made up two
-#: thirds of its calibration; online step times rescale every prediction anyway
-LONG_FORWARD_S = 0.02
-
-
-def _best_time(fn: Callable[[], object], repeats: int, long: float = LONG_FORWARD_S) -> float:
-    """Fastest of ``repeats`` runs of ``fn``, stopping early once a run takes ``long`` seconds."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if best >= long:
-            break
-    return best
-
-
-@torch.no_grad()
-def calibrate_policy(
-    model: torch.nn.Module,
-    batch_sizes: Sequence[int],
-    tokens: Sequence[int],
-    context_len: int,
-    repeats: int = 2,
-    layout: Callable[[int], Any] | None = None,
-) -> dict[int, list[float]]:
-    """Time the policy's cached forward of ``A x T`` tokens on a ``context_len`` cache (random ids).
-
-    The forwards are the decode loop's: the cache appends in place (``reserve_cache_room``) and,
-    with ``layout(A)`` (a :class:`~.decode_attention.DecodeLayout` for ``A`` rows, or None), they
-    carry the decode attention's layout, so the caller selects that kernel around the call. Timed
-    with the model's own attention and a copying cache, the 128-row forward of the main job cost
-    51 ms for 1 token and 74 ms for 7 where the decode loop's cost 27 and 31: the table's shape
-    in ``k`` was wrong, online rescaling keeps the shape, and the wide phase drafted k ~ 5 where
-    k = 2 was 1.6x faster per token.
-
-    Minimum of ``repeats`` runs after a warm-up: the minimum is the least disturbed by other
-    processes sharing the machine.
-    """
-    device = next(model.parameters()).device
-    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    table: dict[int, list[float]] = {}
-    cache_kw = cache_kwarg(model)
-    for a in batch_sizes:
-        # one row's prefill, repeated to ``a`` rows: the timed forwards see an ``a x context_len``
-        # cache either way, and prefilling every size cost ~70% of the calibration (the 128-row
-        # prefill alone is a training-sized forward)
-        ids = torch.randint(0, vocab, (1, context_len), generator=gen).to(device)
-        cache = output_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1))
-        if a > 1:
-            repeat_cache_rows(cache, a)
-        reserve_cache_room(cache, CACHE_ROOM)
-        lay = None if layout is None else layout(a)
-        extra = {} if lay is None else {LAYOUT_KWARG: lay}
-        row: list[float] = []
-        for t in tokens:
-            step = torch.randint(0, vocab, (a, t), generator=gen).to(device)
-            mask = torch.ones(a, context_len + t, dtype=torch.long, device=device)
-            pos = torch.arange(context_len, context_len + t, device=device).expand(a, t)
-
-            def fwd(
-                step: torch.Tensor = step,
-                mask: torch.Tensor = mask,
-                pos: torch.Tensor = pos,
-                cache: Any = cache,
-                lay: Any = lay,
-                extra: dict[str, Any] = extra,
-            ) -> None:
-                if lay is not None:
-                    lay.choose(step.shape[1])
-                model(
-                    input_ids=step,
-                    attention_mask=mask,
-                    position_ids=pos,
-                    use_cache=True,
-                    **{cache_kw: cache},
-                    **extra,
-                )
-                crop_cache(cache, context_len)
-                sync()
-
-            if not row:  # warm-up: once per batch size (a new cache size), not per cell
-                fwd()
-            row.append(_best_time(fwd, repeats))
-        # cost never decreases with more tokens; enforce it against timing noise
-        for j in range(1, len(row)):
-            row[j] = max(row[j], row[j - 1])
-        table[a] = row
-    return table
-
-
-#: context of the draft's start-up timing: the untimed first proposal indexes (n-gram) or encodes
-#: (EAGLE, small LM) the whole context of every row, which at the main job's 291 tokens was 0.6 s of
-#: the n-gram's 0.7 s calibration, while a proposal's own cost hardly depends on it (and every real
-#: draft call refines the estimate, :meth:`CostModel.observe_draft`)
-DRAFT_CONTEXT = 64
-
-
-@torch.no_grad()
-def calibrate_draft(
-    draft: DraftModel,
-    model: torch.nn.Module,
-    cost: CostModel,
-    params: SamplingParams,
-    context_len: int,
-    max_tokens: int,
-    repeats: int = 2,
-) -> None:
-    """Time ``draft.propose`` of 1 and ``max_tokens`` tokens at every calibrated batch size on a
-    context of random ids (random policy features for hidden-state drafts) of at most
-    :data:`DRAFT_CONTEXT` tokens; fills ``cost.draft_fixed`` / ``cost.draft_per_token``."""
-    device = next(model.parameters()).device
-    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
-    hid = int(getattr(model, "config").hidden_size)  # noqa: B009
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    ctx, kmax, reps = min(context_len, DRAFT_CONTEXT), max_tokens, repeats
-    for a in cost.batch_sizes:
-        toks = torch.randint(1, vocab, (a, ctx + 2 * reps + 2), generator=gen).to(device)
-        rows = torch.arange(a, device=device)
-        draft.reset(toks[:, :ctx], torch.ones_like(toks[:, :ctx]), rows)
-
-        def context(
-            length: int, new: int, toks: torch.Tensor = toks, rows: torch.Tensor = rows
-        ) -> DraftContext:
-            na = toks.shape[0]
-            h = torch.randn(na, new, hid, generator=gen).to(device) if draft.needs_hidden_states else None
-            return DraftContext(
-                toks[:, :length], torch.full((na,), length, device=device), rows, rows,
-                hidden=None if h is None else h[:, -1], new_hidden=h,
-                num_new=None if h is None else torch.full((na,), new, device=device),
-            )  # fmt: skip
-
-        draft.propose(context(ctx, ctx), 1, params, None)  # warm-up / prefill
-        times = {1: float("inf"), kmax: float("inf")}
-        for i in range(reps):
-            for j, k in enumerate(times):
-                c = context(ctx + 1 + 2 * i + j, 1)
-                t0 = time.perf_counter()
-                draft.propose(c, k, params, None)
-                times[k] = min(times[k], time.perf_counter() - t0)
-        per = max((times[kmax] - times[1]) / max(kmax - 1, 1), 1e-7)
-        cost.draft_fixed[a] = max(times[1] - per, 1e-7)
-        cost.draft_per_token[a] = per

@@ -21,6 +21,7 @@ gathered to the right). No row ever computes or attends to another row's filler.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any, ClassVar
 
@@ -28,15 +29,9 @@ import torch
 
 from ..draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDraftModel
 from ..errors import NotSupportedError
-from .cost_model import (
-    AcceptanceEstimate,
-    CostModel,
-    batch_grid,
-    calibrate_draft,
-    calibrate_policy,
-    token_grid,
-)
-from .decode_attention import DecodeLayout, decode_attention_reasons, decode_kernel, shared_prompt_decoding
+from .calibration import calibrate, calibration_context
+from .cost_model import AcceptanceEstimate, CostModel
+from .decode_attention import decode_attention_reasons, shared_prompt_decoding
 from .decode_loop import DecodeState
 from .model_support import recurrent_reasons, sliding_window, window_reason
 from .protocol import PromptBatch, Rollout, SamplingParams
@@ -110,31 +105,23 @@ class SpeculativeSampler:
         self.draft.bind_policy(policy)
 
     def calibrate(
-        self, max_rows: int, context_len: int, params: SamplingParams, prompt_len: int = 0
+        self,
+        max_rows: int,
+        context_len: int | Callable[[int], int],
+        params: SamplingParams,
+        prompt_len: int = 0,
     ) -> CostModel:
-        """Measure policy verification cost (``A x T`` grid) and draft cost on this machine, timing
-        the decode loop's forwards (its attention kernel and layout, rows in groups of
-        ``params.group_size`` sharing the first ``prompt_len`` cache columns)."""
-        sizes = batch_grid(max_rows)
-        biggest = max(
-            self.config.max_draft_tokens, self.config.max_tree_nodes if not self._tree_reasons else 0
-        )
-        toks = token_grid(biggest + 1)
-        reps = self.config.calibrate_repeats
-        mode, why_not = self.config.decode_shared_prompt, self.decode_attention_reasons(params)
-        calls = {"shared_prefix": 0, "plain": 0, "plain_gqa": 0}
-
-        def layout(a: int) -> DecodeLayout:  # the decode loop's layout for ``a`` rows, groups of G
-            lay = DecodeLayout.build(torch.arange(a) // params.group_size, prompt_len, calls)
-            lay.always, lay.shared_ok = mode == "always", not why_not
-            return lay
-
-        with decode_kernel(self.model, mode) as on:
-            table = calibrate_policy(self.model, sizes, toks, context_len, reps, layout if on else None)
-        cost = CostModel(sizes, toks, table, calibration_calls=calls)
-        calibrate_draft(self.draft, self.model, cost, params, context_len, self.config.max_draft_tokens, reps)
-        self.cost = cost
-        return cost
+        """Measure policy verification cost (``A x T`` grid) and draft cost on this machine on the
+        decode loop's own forwards (:func:`.calibration.calibrate`; ``context_len``: cache columns,
+        or per batch size; rows of a group share the first ``prompt_len``)."""
+        cfg = self.config
+        biggest = max(cfg.max_draft_tokens, cfg.max_tree_nodes if not self._tree_reasons else 0)
+        attention = (cfg.decode_shared_prompt, not self.decode_attention_reasons(params))
+        self.cost = calibrate(
+            self.model, self.draft, params, max_rows, biggest + 1, context_len, prompt_len,
+            cfg.calibrate_repeats, attention, cfg.max_draft_tokens,
+        )  # fmt: skip
+        return self.cost
 
     def choose_k(self, active: int, remaining: int, step: int) -> int:
         """Draft length for this step (at most ``remaining - 1``: the step always emits one more)."""
@@ -193,14 +180,12 @@ class SpeculativeSampler:
         if why:
             raise NotSupportedError(self.name, [why])
         if self.config.draft_tokens is None and (self.cost is None or max(self.cost.batch_sizes) < n):
-            clen = width + params.max_new_tokens // 2
-            if window is not None:  # the calibration cache must fit the window too
-                clen = max(1, min(clen, window - 2 - self.config.max_draft_tokens))
-            self.calibrate(n, clen, params, prompt_len=min(width, clen))
+            ctx = calibration_context(n, width, params.max_new_tokens, window, self.config.max_draft_tokens)
+            self.calibrate(n, ctx, params, width)
         draft.reset(ids, pmask, group)
         st = DecodeState.prefill(model, prompts, params, expanded, draft.needs_hidden_states, generator)  # type: ignore[arg-type]
         st.window = window
-        keys = ("verify_steps", "plain_steps", "tree_steps", "drafted", "accepted", "emitted_spec", "row_verifies")  # fmt: skip
+        keys = ("verify_steps", "plain_steps", "tree_steps", "sampled_tree_steps", "drafted", "accepted", "emitted_spec", "row_verifies")  # fmt: skip
         stats = dict.fromkeys(keys, 0.0)
         stats["kv_in_place_layers"] = float(st.room_layers)
         self.last_trace = DecodeTrace()
@@ -321,6 +306,7 @@ class SpeculativeSampler:
             verifier = self.tree_verifier
             if prop.sampled:  # children drawn from the draft: recursive rejection sampling
                 verifier = partial(self.sampled_tree_verifier, probs=prop.probs)
+                stats["sampled_tree_steps"] += 1
             n_acc, take, (depth, width) = st.verify_tree(prop.tokens, parents, verifier, generator)
             stats["tree_steps"] += 1
             self.tree_acceptance.update(k, plan.depth, n_acc)
@@ -370,6 +356,8 @@ class SpeculativeSampler:
             "verify_steps": stats["verify_steps"],
             "plain_steps": stats["plain_steps"],
             "tree_steps": stats["tree_steps"],
+            # of the tree steps, those verified by recursive rejection sampling (sampled children)
+            "sampled_tree_steps": stats["sampled_tree_steps"],
             "acceptance_estimate": self.acceptance.rate,
             "kv_in_place_layers": stats["kv_in_place_layers"],
             # attention calls (layers x forwards) of the decode loop per path (both 0: not selected)

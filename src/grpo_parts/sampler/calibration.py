@@ -1,0 +1,215 @@
+"""Start-up timing of the speculative sampler's costs on the running machine (FastGRPO's verification
+budget ``C``, measured): the policy's cached forward of ``A x T`` tokens (:func:`calibrate_policy`,
+the decode loop's own forwards) and the draft's proposal (:func:`calibrate_draft`), into a
+:class:`~.cost_model.CostModel` that online step times then refine (:func:`calibrate`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..compat import CACHE_ROOM, cache_kwarg, crop_cache, output_cache, repeat_cache_rows, reserve_cache_room
+from ..decoding import SamplingParams
+from ..draft.protocol import DraftContext, DraftModel
+from .cost_model import CostModel, batch_grid, token_grid
+from .decode_attention import LAYOUT_KWARG, DecodeLayout, decode_kernel
+
+
+def calibrate(
+    model: torch.nn.Module, draft: DraftModel, params: SamplingParams, max_rows: int, max_tokens: int,
+    context_len: int | Callable[[int], int], prompt_len: int, repeats: int, attention: tuple[str, bool],
+    max_draft: int,
+) -> CostModel:  # fmt: skip
+    """The cost table for up to ``max_rows`` rows and ``max_tokens`` tokens per row (the longest
+    chain's or tree's verification), timed on the decode loop's forwards: rows in groups of
+    ``params.group_size`` sharing the first ``prompt_len`` cache columns, under the decode
+    attention kernel of ``attention = (mode, shared_ok)`` (``SpeculativeConfig.decode_shared_prompt``
+    and whether the shared-prompt path may run). ``context_len``: cache columns, or per batch size
+    (:func:`calibration_context`). The draft is timed proposing 1 and ``max_draft`` tokens."""
+    mode, shared_ok = attention
+    sizes, toks = batch_grid(max_rows), token_grid(max_tokens)
+    calls = {"shared_prefix": 0, "plain": 0, "plain_gqa": 0}
+
+    def layout(a: int) -> DecodeLayout:
+        lay = DecodeLayout.build(torch.arange(a) // params.group_size, prompt_len, calls)
+        lay.always, lay.shared_ok = mode == "always", shared_ok
+        return lay
+
+    with decode_kernel(model, mode) as on:
+        table = calibrate_policy(model, sizes, toks, context_len, repeats, layout if on else None)
+    cost = CostModel(sizes, toks, table, calibration_calls=calls)
+    dctx = context_len(1) if callable(context_len) else context_len
+    calibrate_draft(draft, model, cost, params, dctx, max_draft, repeats)
+    return cost
+
+
+#: a start-up forward at least this long is timed once: the repeats guard short forwards against
+#: timer and scheduler noise, while the main job's 32-128-row forwards (40-75 ms each) made up two
+#: thirds of its calibration; online step times rescale every prediction anyway
+LONG_FORWARD_S = 0.02
+
+
+def calibration_context(
+    rows: int, width: int, max_new_tokens: int, window: int | None, max_draft: int
+) -> Callable[[int], int]:
+    """Cache length at which ``A`` of ``rows`` rows are timed: ``width + max_new_tokens * (1 - A /
+    (rows + 1))``, the prompt alone for a full batch and nearly all of ``max_new_tokens`` at one row
+    of many (a lone row, ``rows == 1``, is timed half-way). Rows finish as the rollout goes on, so
+    few active rows go with long caches: the main job's decode forwards saw ~190 columns at 128
+    rows, 350-470 at 16 and 520-600 at 1-4 (holes included). One length for every size (``width +
+    max_new_tokens / 2`` = 291) made the wide phase's cost in ``T`` too flat (drafting long chains
+    there) and the tail's too steep: the cache read, which does not grow with ``T``, was too small a
+    share of it. A sliding-window model's cache stays inside the window."""
+    hi = width + max_new_tokens
+    if window is not None:
+        hi = max(1, min(hi, window - 2 - max_draft))
+    lo = min(width, hi)
+    return lambda a: lo + round((hi - lo) * (1 - a / (rows + 1)))
+
+
+def _best_time(fn: Callable[[], object], repeats: int, long: float = LONG_FORWARD_S) -> float:
+    """Fastest of ``repeats`` runs of ``fn``, stopping early once a run takes ``long`` seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if best >= long:
+            break
+    return best
+
+
+@torch.no_grad()
+def calibrate_policy(
+    model: torch.nn.Module,
+    batch_sizes: Sequence[int],
+    tokens: Sequence[int],
+    context_len: int | Callable[[int], int],
+    repeats: int = 2,
+    layout: Callable[[int], Any] | None = None,
+) -> dict[int, list[float]]:
+    """Time the policy's cached forward of ``A x T`` tokens on a ``context_len`` cache (random ids;
+    a callable gives the context per batch size ``A``).
+
+    The forwards are the decode loop's: the cache appends in place (``reserve_cache_room``) and,
+    with ``layout(A)`` (a :class:`~.decode_attention.DecodeLayout` for ``A`` rows, or None), they
+    carry the decode attention's layout, so the caller selects that kernel around the call. Timed
+    with the model's own attention and a copying cache, the main job's 128-row forward cost 51 ms
+    for 1 token and 74 ms for 7 (1.44x), where the decode loop's took ~23 and ~65 ms: online
+    rescaling fixes the level but keeps the calibrated shape in ``T``, and the flat shape made
+    the wide phase draft k = 6 (64 ms per step) where k = 3 took 34 ms for ~80% of the tokens.
+
+    Minimum of ``repeats`` runs after a warm-up: the minimum is the least disturbed by other
+    processes sharing the machine.
+    """
+    device = next(model.parameters()).device
+    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    table: dict[int, list[float]] = {}
+    cache_kw = cache_kwarg(model)
+    for a in batch_sizes:
+        # one row's prefill, repeated to ``a`` rows: the timed forwards see an ``a x context_len``
+        # cache either way, and prefilling every size cost ~70% of the calibration (the 128-row
+        # prefill alone is a training-sized forward)
+        clen = context_len(a) if callable(context_len) else context_len
+        ids = torch.randint(0, vocab, (1, clen), generator=gen).to(device)
+        cache = output_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1))
+        if a > 1:
+            repeat_cache_rows(cache, a)
+        reserve_cache_room(cache, CACHE_ROOM)
+        lay = None if layout is None else layout(a)
+        extra = {} if lay is None else {LAYOUT_KWARG: lay}
+        row: list[float] = []
+        for t in tokens:
+            step = torch.randint(0, vocab, (a, t), generator=gen).to(device)
+            mask = torch.ones(a, clen + t, dtype=torch.long, device=device)
+            pos = torch.arange(clen, clen + t, device=device).expand(a, t)
+
+            def fwd(
+                step: torch.Tensor = step,
+                mask: torch.Tensor = mask,
+                pos: torch.Tensor = pos,
+                cache: Any = cache,
+                lay: Any = lay,
+                extra: dict[str, Any] = extra,
+                clen: int = clen,
+            ) -> None:
+                if lay is not None:
+                    lay.choose(step.shape[1])
+                model(
+                    input_ids=step,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    use_cache=True,
+                    **{cache_kw: cache},
+                    **extra,
+                )
+                crop_cache(cache, clen)
+                sync()
+
+            if not row:  # warm-up: once per batch size (a new cache size), not per cell
+                fwd()
+            row.append(_best_time(fwd, repeats))
+        # cost never decreases with more tokens; enforce it against timing noise
+        for j in range(1, len(row)):
+            row[j] = max(row[j], row[j - 1])
+        table[a] = row
+    return table
+
+
+#: context of the draft's start-up timing: the untimed first proposal indexes (n-gram) or encodes
+#: (EAGLE, small LM) the whole context of every row, which at the main job's 291 tokens was 0.6 s of
+#: the n-gram's 0.7 s calibration, while a proposal's own cost hardly depends on it (and every real
+#: draft call refines the estimate, :meth:`CostModel.observe_draft`)
+DRAFT_CONTEXT = 64
+
+
+@torch.no_grad()
+def calibrate_draft(
+    draft: DraftModel,
+    model: torch.nn.Module,
+    cost: CostModel,
+    params: SamplingParams,
+    context_len: int,
+    max_tokens: int,
+    repeats: int = 2,
+) -> None:
+    """Time ``draft.propose`` of 1 and ``max_tokens`` tokens at every calibrated batch size on a
+    context of random ids (random policy features for hidden-state drafts) of at most
+    :data:`DRAFT_CONTEXT` tokens; fills ``cost.draft_fixed`` / ``cost.draft_per_token``."""
+    device = next(model.parameters()).device
+    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
+    hid = int(getattr(model, "config").hidden_size)  # noqa: B009
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ctx, kmax, reps = min(context_len, DRAFT_CONTEXT), max_tokens, repeats
+    for a in cost.batch_sizes:
+        toks = torch.randint(1, vocab, (a, ctx + 2 * reps + 2), generator=gen).to(device)
+        rows = torch.arange(a, device=device)
+        draft.reset(toks[:, :ctx], torch.ones_like(toks[:, :ctx]), rows)
+
+        def context(
+            length: int, new: int, toks: torch.Tensor = toks, rows: torch.Tensor = rows
+        ) -> DraftContext:
+            na = toks.shape[0]
+            h = torch.randn(na, new, hid, generator=gen).to(device) if draft.needs_hidden_states else None
+            return DraftContext(
+                toks[:, :length], torch.full((na,), length, device=device), rows, rows,
+                hidden=None if h is None else h[:, -1], new_hidden=h,
+                num_new=None if h is None else torch.full((na,), new, device=device),
+            )  # fmt: skip
+
+        draft.propose(context(ctx, ctx), 1, params, None)  # warm-up / prefill
+        times = {1: float("inf"), kmax: float("inf")}
+        for i in range(reps):
+            for j, k in enumerate(times):
+                c = context(ctx + 1 + 2 * i + j, 1)
+                t0 = time.perf_counter()
+                draft.propose(c, k, params, None)
+                times[k] = min(times[k], time.perf_counter() - t0)
+        per = max((times[kmax] - times[1]) / max(kmax - 1, 1), 1e-7)
+        cost.draft_fixed[a] = max(times[1] - per, 1e-7)
+        cost.draft_per_token[a] = per
