@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 from test_decode_attention import _policy  # a GQA llama (2 KV heads for 4 query heads)
 
 from grpo_parts.draft.ngram import NGramDraft
-from grpo_parts.sampler.calibration import _best_time, calibration_context
+from grpo_parts.sampler.calibration import _best_times, calibration_context
 from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
 
@@ -23,17 +24,19 @@ def test_context_grows_as_rows_finish() -> None:
     assert 180 <= max(win(a) for a in range(1, 129)) <= 200 - 2 - 6  # inside the sliding window
 
 
-def test_long_forwards_are_timed_once() -> None:
-    calls = []
+def test_cells_are_timed_in_turn_and_long_ones_once() -> None:
+    order: list[str] = []
 
-    def slow() -> None:
-        calls.append(1)
-        time.sleep(0.03)
+    def cell(name: str, seconds: float) -> Callable[[], None]:
+        def run() -> None:
+            order.append(name)
+            time.sleep(seconds)
 
-    assert _best_time(slow, 3) >= 0.03 and len(calls) == 1
-    calls.clear()
-    _best_time(lambda: calls.append(1), 3)
-    assert len(calls) == 3
+        return run
+
+    best = _best_times([cell("short", 0.0), cell("long", 0.03)], 3)
+    assert order == ["short", "long", "short", "short"]  # passes in turn; the long cell ran once
+    assert best[1] >= 0.03 > best[0]
 
 
 @pytest.mark.parametrize("mode", ["auto", "off"])

@@ -5,6 +5,7 @@ the decode loop's own forwards) and the draft's proposal (:func:`calibrate_draft
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,15 +71,21 @@ def calibration_context(
     return lambda a: lo + round((hi - lo) * (1 - a / (rows + 1)))
 
 
-def _best_time(fn: Callable[[], object], repeats: int, long: float = LONG_FORWARD_S) -> float:
-    """Fastest of ``repeats`` runs of ``fn``, stopping early once a run takes ``long`` seconds."""
-    best = float("inf")
+def _best_times(
+    fns: Sequence[Callable[[], object]], repeats: int, long: float = LONG_FORWARD_S
+) -> list[float]:
+    """Fastest run of each of ``fns`` over ``repeats`` passes taken in turn, so a burst of load from
+    other processes hits different cells in different passes instead of every run of one cell
+    (which bent the table's shape in ``T``, and with it every later choice); a cell whose run took
+    ``long`` seconds is not run again."""
+    best = [math.inf] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if best >= long:
-            break
+        for i, fn in enumerate(fns):
+            if math.isfinite(best[i]) and best[i] >= long:
+                continue
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -123,7 +130,7 @@ def calibrate_policy(
         reserve_cache_room(cache, CACHE_ROOM)
         lay = None if layout is None else layout(a)
         extra = {} if lay is None else {LAYOUT_KWARG: lay}
-        row: list[float] = []
+        fwds = []
         for t in tokens:
             step = torch.randint(0, vocab, (a, t), generator=gen).to(device)
             mask = torch.ones(a, clen + t, dtype=torch.long, device=device)
@@ -151,9 +158,9 @@ def calibrate_policy(
                 crop_cache(cache, clen)
                 sync()
 
-            if not row:  # warm-up: once per batch size (a new cache size), not per cell
-                fwd()
-            row.append(_best_time(fwd, repeats))
+            fwds.append(fwd)
+        fwds[0]()  # warm-up: once per batch size (a new cache size), not per cell
+        row = _best_times(fwds, repeats)
         # cost never decreases with more tokens; enforce it against timing noise
         for j in range(1, len(row)):
             row[j] = max(row[j], row[j - 1])
