@@ -34,8 +34,10 @@ def calibrate(
     sizes, toks = batch_grid(max_rows), token_grid(max_tokens)
     calls = {"shared_prefix": 0, "plain": 0, "plain_gqa": 0}
 
-    def layout(a: int) -> DecodeLayout:
-        lay = DecodeLayout.build(torch.arange(a) // params.group_size, prompt_len, calls)
+    device = next(model.parameters()).device
+
+    def layout(a: int) -> DecodeLayout:  # the rollout's: rows in groups of G, on the model's device
+        lay = DecodeLayout.build(torch.arange(a, device=device) // params.group_size, prompt_len, calls)
         lay.always, lay.shared_ok = mode == "always", shared_ok
         return lay
 
