@@ -33,13 +33,11 @@ def calibrate(
     mode, shared_ok = attention
     sizes, toks = batch_grid(max_rows), token_grid(max_tokens)
     calls = {"shared_prefix": 0, "plain": 0, "plain_gqa": 0}
-
     device = next(model.parameters()).device
 
     def layout(a: int) -> DecodeLayout:  # the rollout's: rows in groups of G, on the model's device
-        lay = DecodeLayout.build(torch.arange(a, device=device) // params.group_size, prompt_len, calls)
-        lay.always, lay.shared_ok = mode == "always", shared_ok
-        return lay
+        group = torch.arange(a, device=device) // params.group_size
+        return DecodeLayout.build(group, prompt_len, calls, always=mode == "always", shared_ok=shared_ok)
 
     with decode_kernel(model, mode) as on:
         table = calibrate_policy(model, sizes, toks, context_len, repeats, layout if on else None)

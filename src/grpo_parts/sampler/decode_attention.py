@@ -79,7 +79,10 @@ class DecodeLayout:
     _folded: tuple[Any, Any, torch.Tensor | None] | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, group: torch.Tensor, prompt_len: int, calls: dict[str, int] | None = None) -> DecodeLayout:
+    def build(
+        cls, group: torch.Tensor, prompt_len: int, calls: dict[str, int] | None = None,
+        always: bool = False, shared_ok: bool = True,
+    ) -> DecodeLayout:  # fmt: skip
         """Layout of the active rows whose prompt (group) index is ``group: [A]``."""
         uniq, gid = torch.unique(group, return_inverse=True)
         counts = torch.bincount(gid, minlength=uniq.numel())
@@ -90,10 +93,15 @@ class DecodeLayout:
         gm = int(counts.max()) if counts.numel() else 0
         i = torch.arange(gid.numel(), device=gid.device)
         dense = gid.numel() == gm * uniq.numel() and bool(((gid == i // gm) & (rank == i % gm)).all())
-        lay = cls(prompt_len, gid, rank, order[start], gm, dense)
+        lay = cls(prompt_len, gid, rank, order[start], gm, dense, always=always, shared_ok=shared_ok)
         if calls is not None:
             lay.calls = calls
         return lay
+
+    def for_rows(self, group: torch.Tensor) -> DecodeLayout:
+        """The layout of another set of active rows (``group: [A']``), with this one's settings and
+        call counts (rows finished or moved)."""
+        return DecodeLayout.build(group, self.prompt_len, self.calls, self.always, self.shared_ok)
 
     def choose(self, query_len: int) -> bool:
         """The cost rule for a forward of ``query_len`` tokens per row: sets and returns ``use_shared``."""
@@ -148,9 +156,9 @@ def shared_prompt_decoding(st: DecodeState, reasons: list[str], mode: str) -> It
     otherwise the kernel still serves the GQA forwards without copying K/V per head."""
     with decode_kernel(st.model, mode) as on:
         if on:
-            st.layout = DecodeLayout.build(st.group[st.act], st.width)
-            st.layout.always = mode == "always"
-            st.layout.shared_ok = not reasons
+            st.layout = DecodeLayout.build(
+                st.group[st.act], st.width, always=mode == "always", shared_ok=not reasons
+            )
         yield
 
 

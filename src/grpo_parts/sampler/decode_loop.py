@@ -169,9 +169,7 @@ class DecodeState:
         extra = {self.cache_kw: self.cache}
         if self.layout is not None:
             if self.layout_act is not self.act:
-                old = self.layout
-                self.layout = DecodeLayout.build(self.group[self.act], self.width, old.calls)
-                self.layout.always = old.always
+                self.layout = self.layout.for_rows(self.group[self.act])
                 self.layout_act = self.act
             self.layout.choose(inp.shape[1])
             extra[LAYOUT_KWARG] = self.layout
