@@ -217,9 +217,11 @@ def test_reserved_cache_room_appends_in_place_and_equals_cat() -> None:
         k, v = (torch.randn(3, 2, t, 4, generator=gen) for _ in range(2))
         return lambda c: [ly.update(k[: ly.keys.shape[0]], v[: ly.keys.shape[0]]) for ly in _layers(c)]
 
-    both(append(2))  # the first append gets a buffer
     ptr = [ly.keys.data_ptr() for ly in _layers(roomy)]  # type: ignore[attr-defined]
-    both(append(3))
+    both(append(2))  # the buffers exist from reserve_cache_room on: the first append writes in place
+    assert [ly.keys.data_ptr() for ly in _layers(roomy)] == ptr  # type: ignore[attr-defined]
+    both(append(3))  # past the room (3 + 4 columns): regrown
+    ptr = [ly.keys.data_ptr() for ly in _layers(roomy)]  # type: ignore[attr-defined]
     both(lambda c: compat.crop_cache(c, 6))
     both(append(1))  # writes over the cropped column
     assert [ly.keys.data_ptr() for ly in _layers(roomy)] == ptr  # type: ignore[attr-defined]
@@ -229,6 +231,26 @@ def test_reserved_cache_room_appends_in_place_and_equals_cat() -> None:
     both(append(5))  # past the room: regrown
     assert roomy.get_seq_length() == 14  # type: ignore[attr-defined]
     assert kv and all(type(ly).__name__ == "DynamicLayer" for ly in _layers(roomy))
+
+
+def test_cache_room_grows_geometrically() -> None:
+    """Growing a 100-column cache one column at a time to 400 copies it a handful of times (room for
+    a quarter of what it holds at each regrowth), not once per ``slack`` columns; values stay cat's."""
+    gen = torch.Generator().manual_seed(2)
+    plain, _ = _filled_cache(100)
+    roomy, _ = _filled_cache(100)
+    compat.reserve_cache_room(roomy, 4)
+    copies, ptr = 0, _layers(roomy)[0].keys.data_ptr()  # type: ignore[attr-defined]
+    for _ in range(300):
+        k, v = (torch.randn(B, H, 1, D, generator=gen) for _ in range(2))
+        for c in (plain, roomy):
+            for ly in _layers(c):
+                ly.update(k, v)  # type: ignore[attr-defined]
+        now = _layers(roomy)[0].keys.data_ptr()  # type: ignore[attr-defined]
+        copies, ptr = copies + (now != ptr), now
+    assert copies <= 6, copies  # 100 -> 125 -> 156 -> 195 -> 243 -> 304 -> 380 -> (400 fits)
+    for a, b in zip(_layers(plain), _layers(roomy)):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("keep", [[1, 0, 1], [0, 0, 1], [1, 1, 0], [0, 1, 0]])
