@@ -253,6 +253,18 @@ def test_cache_room_grows_geometrically() -> None:
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)  # type: ignore[attr-defined]
 
 
+def test_cache_room_is_capped() -> None:
+    """A long cache gets at most ``ROOM_MAX`` spare columns (GPU memory), at least ``slack``."""
+    from grpo_parts import kv_room
+
+    long, _ = _filled_cache(4000)
+    compat.reserve_cache_room(long, 4)
+    short, _ = _filled_cache(2)
+    compat.reserve_cache_room(short, 4)
+    assert _layers(long)[0]._kbuf.shape[2] == 4000 + kv_room.ROOM_MAX  # type: ignore[attr-defined]
+    assert _layers(short)[0]._kbuf.shape[2] == 2 + 4  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("keep", [[1, 0, 1], [0, 0, 1], [1, 1, 0], [0, 1, 0]])
 @pytest.mark.parametrize("roomy", [True, False])
 def test_drop_cache_rows_moves_the_last_live_rows_into_the_gaps(keep: list[int], roomy: bool) -> None:
