@@ -218,6 +218,8 @@ def test_reserved_cache_room_appends_in_place_and_equals_cat() -> None:
         return lambda c: [ly.update(k[: ly.keys.shape[0]], v[: ly.keys.shape[0]]) for ly in _layers(c)]
 
     ptr = [ly.keys.data_ptr() for ly in _layers(roomy)]  # type: ignore[attr-defined]
+    compat.reserve_cache_room(roomy, 4)  # again: the buffers are kept, not copied
+    assert [ly.keys.data_ptr() for ly in _layers(roomy)] == ptr  # type: ignore[attr-defined]
     both(append(2))  # the buffers exist from reserve_cache_room on: the first append writes in place
     assert [ly.keys.data_ptr() for ly in _layers(roomy)] == ptr  # type: ignore[attr-defined]
     both(append(3))  # past the room (3 + 4 columns): regrown

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 #: columns of room a cache layer's buffers get beyond what they hold (then regrown): at least this,
-#: and at least :data:`ROOM_FRACTION` of the columns held
+#: and at least :data:`ROOM_FRACTION` of the columns held (up to :data:`ROOM_MAX`)
 CACHE_ROOM = 16
 #: regrowth is geometric: a buffer gets room for a quarter of what it holds, so a rollout that
 #: appends ``T`` columns to a ``P``-column cache copies it ~``log(1 + T/P) / log(1.25)`` times (about
@@ -34,7 +34,8 @@ ROOM_MAX = 256
 
 def reserve_cache_room(cache: Any, slack: int) -> int:
     """Let every plain ``DynamicLayer`` of ``cache`` append in place: its keys and values become
-    views of buffers with room for ``slack`` more columns, so a forward writes its new columns
+    views of buffers (made now for layers that hold tensors, else at their first append) with room
+    for at least ``slack`` more columns (:func:`_grow`), so a forward writes its new columns
     instead of copying the whole cache (``DynamicLayer.update`` is ``torch.cat``: on a small model's
     batched decode step that copy costs as much as attention itself). ``crop`` (a slice) keeps the
     buffer; anything that replaces the tensors (row selection, compaction) gets a new buffer at the
@@ -50,10 +51,15 @@ def reserve_cache_room(cache: Any, slack: int) -> int:
             ly.__class__ = _room_class(base)
         ly._room = max(1, int(slack))
         keys, values = getattr(ly, "keys", None), getattr(ly, "values", None)
-        if getattr(ly, "is_initialized", True) and isinstance(keys, torch.Tensor) and keys.dim() == 4:
+        if (
+            getattr(ly, "is_initialized", True)
+            and isinstance(keys, torch.Tensor)
+            and isinstance(values, torch.Tensor)
+            and keys.dim() == 4
+            and not _is_prefix_view(keys, getattr(ly, "_kbuf", None), keys.shape[2])
+        ):
             # buffers now (a prefill's cache): the first decode step must not pay for copying the
             # prompt's cache, which made it look 3x its cost to the sampler's online step timing
-            assert isinstance(values, torch.Tensor)
             ly._kbuf, ly._vbuf = _grow(keys, 0, ly._room), _grow(values, 0, ly._room)
             ly.keys, ly.values = ly._kbuf[:, :, : keys.shape[2]], ly._vbuf[:, :, : values.shape[2]]
         done += 1
