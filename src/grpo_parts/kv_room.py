@@ -56,12 +56,11 @@ def reserve_cache_room(cache: Any, slack: int) -> int:
             and isinstance(keys, torch.Tensor)
             and isinstance(values, torch.Tensor)
             and keys.dim() == 4
-            and not _is_prefix_view(keys, getattr(ly, "_kbuf", None), keys.shape[2])
+            and ly._buffers() is None
         ):
             # buffers now (a prefill's cache): the first decode step must not pay for copying the
             # prompt's cache, which made it look 3x its cost to the sampler's online step timing
-            ly._kbuf, ly._vbuf = _grow(keys, 0, ly._room), _grow(values, 0, ly._room)
-            ly.keys, ly.values = ly._kbuf[:, :, : keys.shape[2]], ly._vbuf[:, :, : values.shape[2]]
+            ly._use(_grow(keys, 0, ly._room), _grow(values, 0, ly._room), keys.shape[2])
         done += 1
     return done
 
@@ -86,11 +85,15 @@ def _room_class(base: Any) -> Any:
         vb: Any = getattr(self, "_vbuf", None)
         if not (_is_prefix_view(keys, kb, n + t) and _is_prefix_view(values, vb, n + t)):
             kb, vb = _grow(keys, t, self._room), _grow(values, t, self._room)
-            self._kbuf, self._vbuf = kb, vb
         kb[:, :, n : n + t] = key_states
         vb[:, :, n : n + t] = value_states
-        self.keys, self.values = kb[:, :, : n + t], vb[:, :, : n + t]
+        self._use(kb, vb, n + t)
         return self.keys, self.values
+
+    def _use(self: Any, kb: torch.Tensor, vb: torch.Tensor, n: int) -> None:
+        """Hold ``kb``/``vb`` as the buffers, their first ``n`` columns as keys/values."""
+        self._kbuf, self._vbuf = kb, vb
+        self.keys, self.values = kb[:, :, :n], vb[:, :, :n]
 
     def _buffers(self: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """``(key buffer, value buffer, columns in use)`` when the layer's keys/values are prefix
@@ -114,8 +117,7 @@ def _room_class(base: Any) -> Any:
         # one gather of the buffers (the room included) instead of a gather now and a copy at the
         # next append
         kb, vb, n = bufs
-        self._kbuf, self._vbuf = kb[indices], vb[indices]
-        self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
+        self._use(kb[indices], vb[indices], n)
 
     def move_rows(self: Any, dst: torch.Tensor, src: torch.Tensor, rows: int) -> bool:
         """Copy rows ``src`` into rows ``dst`` and keep the first ``rows``, in the buffers (False:
@@ -126,8 +128,7 @@ def _room_class(base: Any) -> Any:
         kb, vb, n = bufs
         if dst.numel():
             kb[dst], vb[dst] = kb[src], vb[src]
-        self._kbuf, self._vbuf = kb[:rows], vb[:rows]  # views of the first rows: no copy
-        self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
+        self._use(kb[:rows], vb[:rows], n)  # views of the first rows: no copy
         return True
 
     return type(
@@ -138,6 +139,7 @@ def _room_class(base: Any) -> Any:
             "batch_select_indices": batch_select_indices,
             "move_rows": move_rows,
             "_buffers": _buffers,
+            "_use": _use,
             "_grpo_parts_room": True,
         },
     )
