@@ -102,17 +102,70 @@ def test_probes_also_where_the_calibration_says_drafting_cannot_pay() -> None:
     assert sampler.choose_k(1, 100, 0) > 0
 
 
-def test_one_slow_speculative_step_corrects_every_draft_length() -> None:
-    """A speculative step measured 3x slower than predicted scales the prediction of the draft
-    lengths not tried yet at that batch size too, so the sampler switches speculation off instead
-    of paying for one bad step per draft length."""
+def test_slow_speculative_steps_correct_every_draft_length() -> None:
+    """Speculative steps measured 3x slower than predicted (twice in a row: one could be the host)
+    scale the prediction of the draft lengths not tried yet at that batch size too, so the sampler
+    switches speculation off instead of paying for one bad step per draft length."""
     cost = gpu_like()
     k = cost.choose(16, 0.7, 6)
     assert k > 0
-    cost.observe_step(16, k, 3 * cost.step_time(16, k), 0.0)
+    for _ in range(2):
+        cost.observe_step(16, k, 3 * cost._predict(16, k), 0.0)
     assert cost.scale[(16, True)] == pytest.approx(3.0)
     assert cost.choose(16, 0.7, 6) == 0
     assert cost.choose(1, 0.7, 6) > 0  # other batch sizes keep their own estimate
+
+
+def test_one_disturbed_step_moves_nothing() -> None:
+    """One step the host stalled (13x its prediction, as the first 128-row speculative step of a
+    main-job run measured) neither rescales that batch size nor adds to its overhead: a running
+    mean seeded by it priced speculation out there for the whole run."""
+    cost = gpu_like()
+    k = cost.choose(16, 0.7, 6)
+    cost.observe_step(16, k, 13 * cost._predict(16, k), 0.0)
+    assert cost.scale[(16, True)] == 1.0 and cost.overhead_at(16, True) == 0.0
+    assert cost.choose(16, 0.7, 6) == k
+    cost.observe_step(16, k, cost._predict(16, k), 0.0)
+    cost.observe_step(16, k, 13 * cost._predict(16, k), 0.0)  # a second outlier, not in a row
+    assert cost.scale[(16, True)] == pytest.approx(1.0)
+
+
+def test_two_probes_undo_a_stale_estimate() -> None:
+    """A speculative level measured slow four times, then two steps as predicted: the estimate
+    follows the new measurements (a running mean kept 0.8^2 of the stale 4x)."""
+    cost = gpu_like()
+    for _ in range(4):
+        cost.observe_step(16, 2, 4 * cost._predict(16, 2), 0.0)
+    assert cost.scale[(16, True)] == pytest.approx(4.0)
+    cost.observe_step(16, 1, cost._predict(16, 1), 0.0)
+    cost.observe_step(16, 1, cost._predict(16, 1), 0.0)
+    assert cost.scale[(16, True)] == pytest.approx(1.0)
+
+
+def test_a_cheap_probe_brings_the_next_one_forward() -> None:
+    """Where speculation is priced out, a probe that measures the step well below its price makes
+    the next probe come after ``probe_every`` steps rather than after the doubled gap."""
+    from grpo_parts.draft.ngram import NGramDraft
+    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.tiny import tiny_causal_lm
+
+    sampler = SpeculativeSampler(
+        tiny_causal_lm("qwen2", vocab_size=16, hidden_size=32, num_layers=1), NGramDraft()
+    )
+    sampler.cost = cost = gpu_like()
+    sampler.acceptance = AcceptanceEstimate(prior=0.9)
+    calibrated = cost._predict(1, 1)
+    for _ in range(4):  # speculation at 1 row measured 20x its price: off
+        cost.observe_step(1, 1, 20 * calibrated, 0.0)
+    assert cost.break_even_acceptance(1) >= 1.0
+    probes = []
+    for i in range(60):
+        if sampler.choose_k(1, 100, i) == 1:
+            probes.append(i + 1)
+            cost.observe_step(1, 1, calibrated, 0.0)  # the probe runs at its calibrated cost
+    assert probes[:2] == [16, 32]  # not 16, 48
+    assert sampler.choose_k(1, 100, 0) > 0
+    assert cost.step_time(1, 1) == pytest.approx(calibrated)
 
 
 def cpu_like() -> CostModel:

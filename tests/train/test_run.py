@@ -19,8 +19,23 @@ COMPARED = ("reward", "accuracy", "kept", "prompts", "data_pos", "loss", "clip_f
 def test_run_writes_metrics_report_and_plots(
     tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any
 ) -> None:
+    import gc
+
+    from grpo_parts.train.loop import GRPOTrainer
+
     cfg = load_config(overrides=tiny_overrides(tiny_model_dir, tmp_path, name="r"))
-    res = train(cfg)
+    frozen: list[int] = []
+    step = GRPOTrainer.step
+
+    def counting_step(self: GRPOTrainer) -> dict[str, Any]:
+        frozen.append(gc.get_freeze_count())
+        return step(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GRPOTrainer, "step", counting_step)
+        res = train(cfg)
+    # set-up's objects are out of the collector's view while the steps run, and back after
+    assert frozen and min(frozen) > 0 and gc.get_freeze_count() == 0
     d = res.run_dir
     for f in (
         "metrics.jsonl",

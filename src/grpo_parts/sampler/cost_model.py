@@ -65,6 +65,7 @@ class CostModel:
     #: to a 23 ms plain step at 1 row made plain decoding look twice its cost there, so the tail of a
     #: batch-64 rollout drafted at a loss (n-gram, 1.07 tokens for 38 ms vs 1 for 25 ms plain)
     overhead: dict[tuple[int, bool], float] = field(default_factory=dict)
+    #: EMA weight of :meth:`observe_draft` (draft times are short and steady)
     ema: float = 0.8
     #: a draft length must beat plain decoding by this factor (timing noise must not flip decisions)
     margin: float = 1.1
@@ -72,6 +73,9 @@ class CostModel:
     #: prediction at that batch size, draft lengths not tried yet included (cache housekeeping,
     #: sampling and verification maths grow with ``A x (k + 1)`` and are not in the calibrated forward)
     scale: dict[tuple[int, bool], float] = field(default_factory=dict)
+    #: the last ``RECENT`` measured ratios and residuals per key; ``scale`` and ``overhead`` are their
+    #: lower medians with a prior (ratio 1, residual 0), see :meth:`observe_step`
+    recent: dict[tuple[int, bool], RecentSteps] = field(default_factory=dict)
     #: decode attention calls per path while the table was timed (all 0: the model's own attention)
     calibration_calls: dict[str, int] = field(default_factory=dict)
     _memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
@@ -116,14 +120,26 @@ class CostModel:
         speculative) at the nearest calibrated batch size, and into the bookkeeping overhead of its
         kind. Predictions are then scaled by that ratio, so a start-up table taken under different
         load corrects itself, while the *shape* of the cost in ``k`` stays the calibrated one (a
-        per-``k`` measurement would let timing noise on one step lock in a worse draft length)."""
+        per-``k`` measurement would let timing noise on one step lock in a worse draft length).
+
+        Both are lower medians of the last :data:`RECENT` measurements and a prior, not running
+        means: one step disturbed by the host (the first 128-row speculative step of a main-job run
+        measured 13x its prediction) set the ratio to 13x and priced speculation out at that batch
+        size for the rest of the run, since only rare probes measured it again (a 17-row tail then
+        decoded 200 steps plain, its speculative step priced at 51 ms against 8 ms plain). Now one
+        outlier moves nothing, two in a row set the new level, and two probes undo a stale one."""
         key = (self._bucket(a), k > 0)
         ratio = seconds / max(self._predict(a, k) if predicted is None else predicted, 1e-9)
-        old_s = self.scale.get(key)
-        self.scale[key] = ratio if old_s is None else self.ema * old_s + (1 - self.ema) * ratio
         t = k + 1 if tokens is None else tokens
         resid = max(seconds - draft_seconds - self.t_verify(a, t), 0.0) / t
-        self.overhead[key] = self.ema * self.overhead.get(key, 0.0) + (1 - self.ema) * resid
+        rec = self.recent.setdefault(key, RecentSteps())
+        rec.add(ratio, resid)
+        self.scale[key], self.overhead[key] = rec.ratio(), rec.residual()
+
+    def last_ratio(self, a: int, speculative: bool) -> float | None:
+        """Measured / predicted time of the last step of that kind at ``a``'s batch-size bucket."""
+        rec = self.recent.get((self._bucket(a), speculative))
+        return rec.ratios[-1] if rec is not None and rec.ratios else None
 
     def overhead_at(self, a: int, speculative: bool, tokens: int = 1) -> float:
         """Measured per-step bookkeeping of that kind at the calibrated batch size nearest ``a``, for a
@@ -172,6 +188,34 @@ class CostModel:
         for (b, spec), sec in sorted(self.overhead.items()):
             out[f"overhead_b{b}_{'spec_per_token' if spec else 'plain'}_ms"] = 1e3 * sec
         return out
+
+
+#: measurements per (batch size, kind) that the step-time corrections are medians of
+RECENT = 4
+
+
+@dataclass
+class RecentSteps:
+    """The last :data:`RECENT` measured / predicted ratios and per-position residuals of one kind
+    of step at one batch size. Estimates are lower medians over them plus one prior entry (ratio 1,
+    residual 0): robust to a single disturbed step, yet a level measured twice in a row is taken."""
+
+    ratios: list[float] = field(default_factory=list)
+    residuals: list[float] = field(default_factory=list)
+
+    def add(self, ratio: float, residual: float) -> None:
+        self.ratios = [*self.ratios, ratio][-RECENT:]
+        self.residuals = [*self.residuals, residual][-RECENT:]
+
+    def ratio(self) -> float:
+        return _lower_median([1.0, *self.ratios])
+
+    def residual(self) -> float:
+        return _lower_median([0.0, *self.residuals])
+
+
+def _lower_median(xs: list[float]) -> float:
+    return sorted(xs)[(len(xs) - 1) // 2]
 
 
 def batch_grid(max_rows: int) -> list[int]:

@@ -15,7 +15,7 @@ import torch
 
 from ..compat import cache_kwarg, output_cache, select_cache_rows
 from ..core import token_logprobs
-from ..decoding import sample_tokens
+from ..decoding import collector_paused, sample_tokens
 from ..errors import GRPOPartsError
 from .protocol import PromptBatch, Rollout, SamplingParams
 
@@ -68,7 +68,7 @@ class ReferenceSampler:
     ) -> Rollout:
         # inference_mode skips autograd bookkeeping (~4% of a CPU decode step); its tensors cannot
         # enter autograd later (the rollout feeds the training forward), so clone them out of it.
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused():
             ro = self._generate(prompts, params, generator)
         return replace(
             ro,

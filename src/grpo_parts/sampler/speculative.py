@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..decoding import collector_paused
 from ..draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDraftModel
 from ..errors import NotSupportedError
 from .calibration import calibrate, calibration_context
@@ -135,6 +136,11 @@ class SpeculativeSampler:
         b = self.cost._bucket(active)
         steps = self._steps[b] = self._steps.get(b, 0) + 1
         gap = self._probe_gap.get(b, self.config.probe_every)
+        last = self.cost.last_ratio(active, True)
+        if last is not None and last < 0.8 * self.cost.scale.get((b, True), 1.0):
+            # the last speculative step here ran well below its price (a stale estimate): measure
+            # again soon rather than after a doubled gap, so two probes can correct it
+            gap = self.config.probe_every
         if k > 0:
             self._probe_gap[b] = self.config.probe_every
         elif steps - self._last_probe.get(b, 0) >= gap:
@@ -158,7 +164,7 @@ class SpeculativeSampler:
         # inference_mode skips autograd bookkeeping in every decode step (as the reference sampler
         # does); its tensors cannot enter autograd, so the outputs are cloned out of it before the
         # rollout is assembled and the draft trains on it.
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused():  # (both samplers: a fair comparison)
             parts = self._decode(prompts, params, generator)
         parts = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in parts)
         with torch.no_grad():

@@ -13,10 +13,13 @@ Resuming with more steps (``--resume RUN --steps N``) rewrites ``config.yaml`` t
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shlex
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -309,7 +312,7 @@ def train(
 
     Raises :class:`~.interrupt.Interrupted` on SIGINT/SIGTERM, after saving what resumes."""
     session = RunSession(config, run_dir, resume, title, rewind)
-    with StopRequest(session.note_stop) as stop:
+    with StopRequest(session.note_stop) as stop, setup_frozen():
         try:
             _steps(session, stop)
             if session.done:  # (a signal during the last step or from here on: the run completes)
@@ -321,6 +324,20 @@ def train(
             raise
         assert stop.signum is not None
         raise session.interrupted(stop.signum, step_finished=True)
+
+
+@contextmanager
+def setup_frozen() -> Iterator[None]:
+    """Everything set-up created (imported modules, the policy, tokenizer, task, parts: ~450k
+    objects) moved out of the garbage collector's view for the run (``gc.freeze``), and back after.
+    Otherwise every full collection walks them all: up to 0.68 s per collection, two or three per
+    four steps of the main job. Applies to the reference and the optimized arm alike."""
+    gc.collect()  # set-up's own garbage goes now, not into the frozen set
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _steps(session: RunSession, stop: StopRequest) -> None:
