@@ -257,3 +257,23 @@ def test_lr_schedule_sets_each_steps_lr(
     d = train(load_config(overrides=over)).run_dir
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows if r["step"] > 0] == pytest.approx(expected, rel=1e-12)
+
+
+def test_setup_frozen_keeps_a_callers_own_freeze() -> None:
+    """``train`` freezes set-up's objects only where nothing is frozen yet, and unfreezes only
+    what it froze: a caller that froze its own objects finds them still frozen after."""
+    import gc
+
+    from grpo_parts.train.run import setup_frozen
+
+    with setup_frozen():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        with setup_frozen():
+            assert gc.get_freeze_count() == mine
+        assert gc.get_freeze_count() == mine
+    finally:
+        gc.unfreeze()
