@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -141,6 +142,11 @@ class CostModel:
         rec = self.recent.get((self._bucket(a), speculative))
         return rec.ratios[-1] if rec is not None and rec.ratios else None
 
+    def scale_at(self, a: int, speculative: bool) -> float:
+        """Measured / predicted step time of that kind at the calibrated batch size nearest ``a``
+        (1 where not measured yet)."""
+        return self.scale.get((self._bucket(a), speculative), 1.0)
+
     def overhead_at(self, a: int, speculative: bool, tokens: int = 1) -> float:
         """Measured per-step bookkeeping of that kind at the calibrated batch size nearest ``a``, for a
         step verifying ``tokens`` positions per row (plain: 1)."""
@@ -153,7 +159,7 @@ class CostModel:
         return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead_at(a, k > 0, k + 1)
 
     def step_time(self, a: int, k: int) -> float:
-        return self._predict(a, k) * self.scale.get((self._bucket(a), k > 0), 1.0)
+        return self._predict(a, k) * self.scale_at(a, k > 0)
 
     def rate(self, a: int, k: int, accept: float | Sequence[float]) -> float:
         """Tokens per second per row at draft length ``k``; ``accept``: a geometric per-token rate or
@@ -200,12 +206,12 @@ class RecentSteps:
     of step at one batch size. Estimates are lower medians over them plus one prior entry (ratio 1,
     residual 0): robust to a single disturbed step, yet a level measured twice in a row is taken."""
 
-    ratios: list[float] = field(default_factory=list)
-    residuals: list[float] = field(default_factory=list)
+    ratios: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    residuals: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
     def add(self, ratio: float, residual: float) -> None:
-        self.ratios = [*self.ratios, ratio][-RECENT:]
-        self.residuals = [*self.residuals, residual][-RECENT:]
+        self.ratios.append(ratio)
+        self.residuals.append(residual)
 
     def ratio(self) -> float:
         return _lower_median([1.0, *self.ratios])

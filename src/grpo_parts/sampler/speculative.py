@@ -137,7 +137,7 @@ class SpeculativeSampler:
         steps = self._steps[b] = self._steps.get(b, 0) + 1
         gap = self._probe_gap.get(b, self.config.probe_every)
         last = self.cost.last_ratio(active, True)
-        if last is not None and last < 0.8 * self.cost.scale.get((b, True), 1.0):
+        if last is not None and last < 0.8 * self.cost.scale_at(active, True):
             # the last speculative step here ran well below its price (a stale estimate): measure
             # again soon rather than after a doubled gap, so two probes can correct it
             gap = self.config.probe_every
@@ -318,9 +318,7 @@ class SpeculativeSampler:
             self.tree_acceptance.update(k, plan.depth, n_acc)
             if self.cost is not None:
                 self.tree_cost.observe(self.cost._bucket(a), k, t_draft)
-                predicted = tree_step_time(self.cost, self.tree_cost, a, plan) / self.cost.scale.get(
-                    (self.cost._bucket(a), True), 1.0
-                )
+                predicted = tree_step_time(self.cost, self.tree_cost, a, plan) / self.cost.scale_at(a, True)
                 tokens = k + 1
         else:
             self._last_shape["chain"] = self._shape_steps

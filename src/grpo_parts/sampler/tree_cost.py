@@ -95,7 +95,7 @@ def tree_step_time(cost: CostModel, trees: TreeCost, a: int, budget: TreeBudget)
         + trees.t_draft(cost, a, budget)
         + cost.overhead_at(a, True, budget.nodes + 1)
     )
-    return pred * cost.scale.get((cost._bucket(a), True), 1.0)
+    return pred * cost.scale_at(a, True)
 
 
 def best_tree(
