@@ -7,6 +7,9 @@
 #  2. the core suite (everything but the tests that need TRL/verl/OpenRLHF/vLLM, which pin older
 #     transformers) runs in that same venv, i.e. under the newest transformers;
 #  3. the core suite runs under the declared transformers floor (scripts/test-transformers-range.sh).
+# Time (CI has 2 cores): the two core suites (3 with the floor's venv install) run side by side, one
+# torch thread each (GRPO_PARTS_TEST_THREADS=1); the floor's output is printed when it ends.
+# SERIAL=1 runs them one after the other instead.
 # Usage: bash scripts/test-install.sh [extra pytest args for the core suites]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -69,10 +72,30 @@ if problems:
 print(f"test-install: {run}: metrics.jsonl, report.md, {len(list(run.glob('*.png')))} PNGs, model/ loads")
 EOF
 
-echo "== core suite under the newest transformers ($("$VENV/bin/python" -c 'import transformers; print(transformers.__version__)'))"
+NEWEST=$("$VENV/bin/python" -c 'import transformers; print(transformers.__version__)')
 # test tools only: nothing here may change what the README block installed
 "$VENV/bin/python" -m pip install -q pytest pytest-timeout hypothesis scipy
-"$VENV/bin/python" -m pytest "${CORE_SUITE[@]}" "$@"
-
-echo "== core suite under the declared transformers floor"
-bash scripts/test-transformers-range.sh "$@"
+if [ "${SERIAL:-0}" = 1 ]; then
+    echo "== core suite under the newest transformers ($NEWEST)"
+    "$VENV/bin/python" -m pytest "${CORE_SUITE[@]}" "$@"
+    echo "== core suite under the declared transformers floor"
+    bash scripts/test-transformers-range.sh "$@"
+    exit 0
+fi
+echo "== core suites under the newest transformers ($NEWEST) and the declared floor, side by side"
+LOGS=$(mktemp -d)
+export GRPO_PARTS_TEST_THREADS=1
+# the floor's venv is installed (first use) inside this background job, after the main job's
+# `pip install -e .`: two editable installs at once would both write src/grpo_parts.egg-info
+# separate --basetemp: the two pytest sessions never share (or clean up) each other's tmp folders
+bash scripts/test-transformers-range.sh --basetemp="$LOGS/tmp_floor" "$@" > "$LOGS/floor.log" 2>&1 &
+floor=$!
+newest_rc=0
+"$VENV/bin/python" -m pytest "${CORE_SUITE[@]}" --basetemp="$LOGS/tmp_newest" "$@" || newest_rc=$?
+floor_rc=0
+wait "$floor" || floor_rc=$?
+echo "== core suite under the declared transformers floor (ran beside the one above)"
+cat "$LOGS/floor.log"
+[ "$newest_rc" = 0 ] || { echo "test-install: core suite under transformers $NEWEST failed (exit $newest_rc)" >&2; exit 1; }
+[ "$floor_rc" = 0 ] || { echo "test-install: core suite under the floor failed (exit $floor_rc)" >&2; exit 1; }
+rm -rf "$LOGS"

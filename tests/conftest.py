@@ -9,7 +9,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# GRPO_PARTS_TEST_THREADS: scripts/test-install.sh runs two suites side by side, one thread each.
+torch.set_num_threads(int(os.environ.get("GRPO_PARTS_TEST_THREADS") or max(1, min(2, os.cpu_count() or 1))))
 
 # derandomize=True: CI sees the same examples every run; deadline=None: torch timing is noisy.
 settings.register_profile(
