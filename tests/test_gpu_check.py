@@ -12,7 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_dry_run_lists_every_step_and_passes_its_checks(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_PYTHON": sys.executable}
+    # this interpreter's venv first on PATH: the script calls `grpo-parts`, which must be this venv's
+    # (scripts/test-install.sh runs the suite with a venv's python, not an activated venv)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_PYTHON": sys.executable, "PATH": path}
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"],
         env=env, capture_output=True, text=True, timeout=300,
