@@ -90,10 +90,13 @@ export GRPO_PARTS_TEST_THREADS=1
 # separate --basetemp: the two pytest sessions never share (or clean up) each other's tmp folders
 bash scripts/test-transformers-range.sh --basetemp="$LOGS/tmp_floor" "$@" > "$LOGS/floor.log" 2>&1 &
 floor=$!
+# Ctrl-C or a failure here must not leave the floor suite running behind the script
+trap 'kill "$floor" 2>/dev/null || true' EXIT
 newest_rc=0
 "$VENV/bin/python" -m pytest "${CORE_SUITE[@]}" --basetemp="$LOGS/tmp_newest" "$@" || newest_rc=$?
 floor_rc=0
 wait "$floor" || floor_rc=$?
+trap - EXIT
 echo "== core suite under the declared transformers floor (ran beside the one above)"
 cat "$LOGS/floor.log"
 [ "$newest_rc" = 0 ] || { echo "test-install: core suite under transformers $NEWEST failed (exit $newest_rc)" >&2; exit 1; }

@@ -9,8 +9,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# GRPO_PARTS_TEST_THREADS: scripts/test-install.sh runs two suites side by side, one thread each.
-torch.set_num_threads(int(os.environ.get("GRPO_PARTS_TEST_THREADS") or max(1, min(2, os.cpu_count() or 1))))
+
+def _test_threads() -> int:
+    """GRPO_PARTS_TEST_THREADS (scripts/test-install.sh runs two suites side by side, one thread
+    each), else up to 2."""
+    given = os.environ.get("GRPO_PARTS_TEST_THREADS", "")
+    if not given:
+        return max(1, min(2, os.cpu_count() or 1))
+    if not given.isdigit() or int(given) < 1:
+        raise pytest.UsageError(f"GRPO_PARTS_TEST_THREADS: got {given!r}, expected a whole number >= 1")
+    return int(given)
+
+
+torch.set_num_threads(_test_threads())
 
 # derandomize=True: CI sees the same examples every run; deadline=None: torch timing is noisy.
 settings.register_profile(
