@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from grpo_parts.sampler.decode_loop import DecodeState
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.train.config import load_config
 from grpo_parts.train.loop import _Stream
@@ -42,7 +43,20 @@ def main(k: int, batches: int) -> None:
     def hook(_m: Any, _a: Any, kw: dict[str, Any]) -> None:
         rec.append((int(kw["input_ids"].shape[0]), time.perf_counter()))
 
-    tr.policy.register_forward_pre_hook(hook, with_kwargs=True)
+    # the speculative sampler's forwards are recorded on its decode state, not by a hook on the
+    # policy: a hook (rightly) turns its lean forward off
+    fwd, pre = DecodeState.forward, DecodeState.prefill.__func__  # type: ignore[attr-defined]
+
+    def spec_forward(st: Any, inp: torch.Tensor, *a: Any) -> Any:
+        rec.append((int(inp.shape[0]), time.perf_counter()))
+        return fwd(st, inp, *a)
+
+    def spec_prefill(cls: Any, model: Any, prompts: Any, *a: Any) -> Any:
+        rec.append((int(prompts.input_ids.shape[0]), time.perf_counter()))
+        return pre(cls, model, prompts, *a)
+
+    DecodeState.forward = spec_forward  # type: ignore[method-assign]
+    DecodeState.prefill = classmethod(spec_prefill)  # type: ignore[method-assign, assignment]
     gens = {"ref": torch.Generator().manual_seed(0), "spec": torch.Generator().manual_seed(1)}
     t: dict[str, dict[str, float]] = {n: defaultdict(float) for n in gens}
     v: dict[str, float] = defaultdict(float)
@@ -50,9 +64,12 @@ def main(k: int, batches: int) -> None:
         pb = tr._prompts([next(stream) for _ in range(16)])
         for name, s in (("ref", ref), ("spec", spec)):
             rec.clear()
+            handle = tr.policy.register_forward_pre_hook(hook, with_kwargs=True) if name == "ref" else None
             t0 = time.perf_counter()
             s.generate(pb, tr.params, gens[name])
             end = time.perf_counter()
+            if handle is not None:
+                handle.remove()
             if it == 0:
                 continue
             t[name]["wall"] += end - t0
@@ -84,6 +101,7 @@ def main(k: int, batches: int) -> None:
             f"{p}: ref {r[p]:.2f}s {ms(r, p):.2f}ms/tok spec {s_[p]:.2f}s {ms(s_, p):.2f}ms/tok "
             f"= {ms(r, p) / ms(s_, p):.2f}x tok/verify {v[p + '_t'] / rows:.2f} k {v[p + '_k'] / rows:.2f}"
         )
+    out.append(f"lean forward: {'; '.join(spec.lean_forward_reasons) or 'on'}")
     print(" | ".join(out), flush=True)
 
 

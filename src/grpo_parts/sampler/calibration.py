@@ -17,19 +17,22 @@ from ..decoding import SamplingParams
 from ..draft.protocol import DraftContext, DraftModel
 from .cost_model import CostModel, batch_grid, token_grid
 from .decode_attention import LAYOUT_KWARG, DecodeLayout, decode_kernel
+from .lean_forward import LeanForward, lean_forward_for
 
 
 def calibrate(
     model: torch.nn.Module, draft: DraftModel, params: SamplingParams, max_rows: int, max_tokens: int,
     context_len: int | Callable[[int], int], prompt_len: int, repeats: int, attention: tuple[str, bool],
-    max_draft: int,
+    max_draft: int, lean_mode: str = "auto",
 ) -> CostModel:  # fmt: skip
     """The cost table for up to ``max_rows`` rows and ``max_tokens`` tokens per row (the longest
     chain's or tree's verification), timed on the decode loop's forwards: rows in groups of
     ``params.group_size`` sharing the first ``prompt_len`` cache columns, under the decode
     attention kernel of ``attention = (mode, shared_ok)`` (``SpeculativeConfig.decode_shared_prompt``
     and whether the shared-prompt path may run). ``context_len``: cache columns, or per batch size
-    (:func:`calibration_context`). The draft is timed proposing 1 and ``max_draft`` tokens."""
+    (:func:`calibration_context`), through the lean forward where the loop will run it
+    (``lean_mode``: ``SpeculativeConfig.lean_forward``). The draft is timed proposing 1 and
+    ``max_draft`` tokens."""
     mode, shared_ok = attention
     sizes, toks = batch_grid(max_rows), token_grid(max_tokens)
     calls = {"shared_prefix": 0, "plain": 0, "plain_gqa": 0}
@@ -40,7 +43,8 @@ def calibrate(
         return DecodeLayout.build(group, prompt_len, calls, always=mode == "always", shared_ok=shared_ok)
 
     with decode_kernel(model, mode) as on:
-        table = calibrate_policy(model, sizes, toks, context_len, repeats, layout if on else None)
+        lean, _ = lean_forward_for(model, lean_mode)
+        table = calibrate_policy(model, sizes, toks, context_len, repeats, layout if on else None, lean)
     cost = CostModel(sizes, toks, table, calibration_calls=calls)
     dctx = context_len(1) if callable(context_len) else context_len
     calibrate_draft(draft, model, cost, params, dctx, max_draft, repeats)
@@ -97,6 +101,7 @@ def calibrate_policy(
     context_len: int | Callable[[int], int],
     repeats: int = 2,
     layout: Callable[[int], Any] | None = None,
+    lean: LeanForward | None = None,
 ) -> dict[int, list[float]]:
     """Time the policy's cached forward of ``A x T`` tokens on a ``context_len`` cache (random ids;
     a callable gives the context per batch size ``A``).
@@ -147,14 +152,17 @@ def calibrate_policy(
             ) -> None:
                 if lay is not None:
                     lay.choose(step.shape[1])
-                model(
-                    input_ids=step,
-                    attention_mask=mask,
-                    position_ids=pos,
-                    use_cache=True,
-                    **{cache_kw: cache},
-                    **extra,
-                )
+                if lean is not None:
+                    lean(step, mask, pos, cache, extra=extra)
+                else:
+                    model(
+                        input_ids=step,
+                        attention_mask=mask,
+                        position_ids=pos,
+                        use_cache=True,
+                        **{cache_kw: cache},
+                        **extra,
+                    )
                 crop_cache(cache, clen)
                 sync()
 

@@ -20,6 +20,7 @@ gathered to the right). No row ever computes or attends to another row's filler.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -34,6 +35,7 @@ from .calibration import calibrate, calibration_context
 from .cost_model import AcceptanceEstimate, CostModel
 from .decode_attention import decode_attention_reasons, shared_prompt_decoding
 from .decode_loop import DecodeState
+from .lean_forward import lean_forward_for, lean_forward_reasons
 from .model_support import recurrent_reasons, sliding_window, window_reason
 from .protocol import PromptBatch, Rollout, SamplingParams
 from .reference import check_model, completion_mask_from_eos, expand_prompts
@@ -43,6 +45,7 @@ from .tree_cost import TreeAcceptance, TreeCost, best_tree, choose_plan, tree_st
 from .tree_verify import SampledTreeVerifier, TreeVerifier, verify_sampled_tree, verify_tree
 from .verify import Verifier, verify_chain
 
+log = logging.getLogger("grpo_parts.sampler")
 __all__ = ["SpeculativeConfig", "SpeculativeSampler"]  # the config lives in speculative_config.py
 
 
@@ -61,6 +64,8 @@ class SpeculativeSampler:
         sampled_tree_verifier: SampledTreeVerifier = verify_sampled_tree,
     ):
         reasons = check_model(model) or recurrent_reasons(model)
+        if not reasons and config is not None and config.lean_forward == "on":
+            reasons = lean_forward_reasons(model)
         if reasons:
             raise NotSupportedError(self.name, reasons)
         self.model, self.draft, self.config, self.verifier = (
@@ -77,6 +82,8 @@ class SpeculativeSampler:
         self.acceptance = AcceptanceEstimate(self.config.acceptance_prior, decay=self.config.acceptance_decay)
         self.cost: CostModel | None = None
         self.last_draft_metrics: dict[str, float] = {}
+        #: why the last rollout's decode forwards ran the model's own forward (empty: the lean one)
+        self.lean_forward_reasons: list[str] = []
         self.last_trace = DecodeTrace()  # per decode step of the last rollout: rows, k, tokens, why
         #: per calibrated batch size: decisions so far, the last probe, the gap to the next one (a
         #: tail that drafts at 1 row must not reset the back-off of the 64-row steps, where one k=1
@@ -120,7 +127,7 @@ class SpeculativeSampler:
         attention = (cfg.decode_shared_prompt, not self.decode_attention_reasons(params))
         self.cost = calibrate(
             self.model, self.draft, params, max_rows, biggest + 1, context_len, prompt_len,
-            cfg.calibrate_repeats, attention, cfg.max_draft_tokens,
+            cfg.calibrate_repeats, attention, cfg.max_draft_tokens, cfg.lean_forward,
         )  # fmt: skip
         return self.cost
 
@@ -197,7 +204,16 @@ class SpeculativeSampler:
         self.last_trace = DecodeTrace()
         why_not = self.decode_attention_reasons(params)
         with shared_prompt_decoding(st, why_not, self.config.decode_shared_prompt):
+            # inside the kernel's block: the lean forward calls the attention selected there
+            st.lean, off = lean_forward_for(model, self.config.lean_forward)
+            if off and off != self.lean_forward_reasons and self.config.lean_forward == "auto":
+                log.warning(
+                    "speculative sampler: decode forwards run the model's own forward: %s", "; ".join(off)
+                )
+            self.lean_forward_reasons = off
             self._loop(st, params, generator, stats)
+        stats["lean_forward_calls"] = float(st.forwards["lean"])
+        stats["model_forward_calls"] = float(st.forwards["model"])
         calls = st.layout.calls if st.layout is not None else {}
         for k in ("shared_prefix", "plain", "plain_gqa"):
             stats[f"decode_attention_{k}_calls"] = float(calls.get(k, 0))
@@ -369,6 +385,10 @@ class SpeculativeSampler:
             "decode_attention_plain_calls": stats["decode_attention_plain_calls"],
             # of the plain calls, those served without copying K/V per query head (GQA models)
             "decode_attention_plain_gqa_calls": stats["decode_attention_plain_gqa_calls"],
+            # decode forwards per path (lean: the policy's weights called directly; model: its own
+            # forward, for the reasons in ``lean_forward_reasons``)
+            "lean_forward_calls": stats["lean_forward_calls"],
+            "model_forward_calls": stats["model_forward_calls"],
         }
         self.draft.observe(rollout.completion_ids, rollout.completion_mask, group)
         if self.config.train_draft and self.draft.learnable:

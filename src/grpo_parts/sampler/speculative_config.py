@@ -44,6 +44,12 @@ class SpeculativeConfig(BaseModel):
         "(sampler/decode_attention.py): 'auto' where its cost rule says it pays, 'always' in every "
         "decode forward (tests, ablations), 'off': the policy's own attention",
     )
+    lean_forward: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="decode forwards call the policy's weights directly, without transformers' "
+        "per-forward overhead (sampler/lean_forward.py; Llama-family models): 'auto' where it "
+        "serves the model, 'on' to refuse a model it cannot serve, 'off': the model's own forward",
+    )
     tree_nodes: int | None = Field(
         None, ge=1, le=128, description="fix a draft tree of this many nodes per row (tests, ablations)"
     )

@@ -206,13 +206,11 @@ class GRPOTrainer:
         }
         apv = [s["accepted_per_verify"] for s in acc["stats"] if "accepted_per_verify" in s]
         m["accepted_per_verify"] = sum(apv) / len(apv) if apv else None
-        for path in ("shared_prefix", "plain"):  # the speculative decode loop's attention calls per path
-            calls = [
-                s[f"decode_attention_{path}_calls"]
-                for s in acc["stats"]
-                if f"decode_attention_{path}_calls" in s
-            ]
-            m[f"decode_attention_{path}_calls"] = sum(calls) if calls else None
+        # the speculative decode loop's attention calls and forwards per path
+        for key in ("decode_attention_shared_prefix_calls", "decode_attention_plain_calls",
+                    "lean_forward_calls", "model_forward_calls"):  # fmt: skip
+            calls = [s[key] for s in acc["stats"] if key in s]
+            m[key] = sum(calls) if calls else None
         m.update(train_info)
         for name, value in getattr(self.task, "last_per_function", {}).items():
             m[f"reward_{name}"] = value

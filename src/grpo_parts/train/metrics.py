@@ -110,10 +110,18 @@ def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "accepted_per_verify": mean("accepted_per_verify"),
         "kept_fraction": mean("kept_fraction"),
         "decode_attention_shared_fraction": _shared_fraction(steps),
+        "lean_forward_fraction": _fraction(steps, "lean_forward_calls", "model_forward_calls"),
         "train_reward_last10": (
             sum(float(r["reward"]) for r in steps[-10:]) / len(steps[-10:]) if steps else None
         ),
     }
+
+
+def _fraction(steps: list[dict[str, Any]], part: str, rest: str) -> float | None:
+    """``part / (part + rest)`` summed over the steps (None: no step counted either)."""
+    a = sum(float(r.get(part) or 0.0) for r in steps)
+    b = sum(float(r.get(rest) or 0.0) for r in steps)
+    return a / (a + b) if a + b else None
 
 
 def _shared_fraction(steps: list[dict[str, Any]]) -> float | None:

@@ -128,6 +128,16 @@ def write_report(
             if s.get("decode_attention_shared_fraction") is not None
             else []
         ),
+        *(
+            [
+                f"Lean decode forward: {s['lean_forward_fraction']:.0%} of the speculative decode loop's "
+                "forwards called the policy's weights directly (the rest: the model's own forward; "
+                "the log says why).",
+                "",
+            ]
+            if s.get("lean_forward_fraction") is not None
+            else []
+        ),
         *[f"![{f}]({f})" for f in files],
         "",
         *trace_lines,
