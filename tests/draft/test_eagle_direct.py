@@ -30,7 +30,7 @@ def test_direct_layer_path_matches_the_model(family: str) -> None:
     )
     draft = EagleDraft(policy)
     draft.head.to(torch.float64)
-    assert draft.head.direct
+    assert draft.head.direct and draft.head.lean  # the direct path runs the layer's plain ops
     # greedy: the same tokens are verified either way, so both runs draft from the same contexts;
     # rows accept different counts, so the head's cache has holes and rows feed different numbers
     # of new features
@@ -44,4 +44,5 @@ def test_direct_layer_path_matches_the_model(family: str) -> None:
 
 def test_eager_attention_keeps_the_model_path() -> None:
     policy = tiny_causal_lm("qwen2", vocab_size=16, hidden_size=32, num_layers=1, attn_implementation="eager")
-    assert not EagleDraft(policy).head.direct
+    head = EagleDraft(policy).head
+    assert not head.direct and not head.lean

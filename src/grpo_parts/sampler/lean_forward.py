@@ -14,7 +14,8 @@ tensor operations in the same order as the modeling code, and nothing else:
                h += o(attn(q, K, V, mask)); h += down(act(gate(rms(h))) * up(rms(h)))
     logits = lm_head(rms(h))
 
-Exact up to float rounding (tests/sampler/test_lean_forward.py compares logits, hidden states and
+The layer itself is :func:`grpo_parts.lean_layer.lean_layer` (shared with the EAGLE head's drafting
+path). Exact up to float rounding (tests/sampler/test_lean_forward.py compares logits, hidden states and
 the cache with the model's own forward in float64 for every supported architecture). Which models:
 :func:`lean_forward_reasons` lists why a model is not served (architecture outside the table,
 wrapped or quantised projections, hooks, sliding windows, an attention implementation other than
@@ -29,13 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..lean_layer import ARCHITECTURES, RMS_NORMS, layer_reasons, lean_layer, rms_norm
 from .model_support import sliding_window
 
-#: architectures whose decoder layer is the Llama layer (pre-norm RMSNorm, rotary q/k, SwiGLU MLP);
-#: ``qk_norm``: Qwen3 normalises q and k per head before the rotation
-ARCHITECTURES = {"llama": False, "qwen2": False, "mistral": False, "qwen3": True}
-#: RMSNorm classes whose forward is ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)``
-RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm")
 #: attention implementations the path calls (the decode kernel falls back to SDPA itself)
 ATTENTIONS = ("sdpa", "grpo_decode_shared_prompt")
 
@@ -105,23 +102,7 @@ def _module_reasons(model: Any) -> list[str]:
             f"model: forward hooks on {hooked[0]!r}"
             + (f" and {len(hooked) - 1} more" if len(hooked) > 1 else "")
         )
-    qk = ARCHITECTURES[model.config.model_type]
-    for i, ly in enumerate(model.model.layers):
-        attn, mlp = getattr(ly, "self_attn", None), getattr(ly, "mlp", None)
-        lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        lins += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(m) is not torch.nn.Linear for m in lins):
-            bad = next(m for m in lins if type(m) is not torch.nn.Linear)
-            out.append(f"model: layer {i} has a {type(bad).__name__} projection, not a plain Linear")
-            break
-        norms = [getattr(ly, "input_layernorm", None), getattr(ly, "post_attention_layernorm", None)]
-        norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)] if qk else []
-        if any(type(n).__name__ not in RMS_NORMS for n in norms):
-            out.append(f"model: layer {i} has a norm outside {', '.join(RMS_NORMS)}")
-            break
-        if getattr(attn, "head_dim", None) is None or getattr(attn, "scaling", None) is None:
-            out.append(f"model: layer {i}'s attention has no head_dim/scaling")
-            break
+    out += layer_reasons(model.model.layers, ARCHITECTURES[model.config.model_type])
     if type(model.model.norm).__name__ not in RMS_NORMS:
         out.append("model: final norm is not an RMSNorm of the table")
     return out
@@ -133,20 +114,6 @@ def _capturing(hook: Any) -> bool:
     one hidden state the loop reads itself)."""
     mod, name = getattr(hook, "__module__", "") or "", getattr(hook, "__qualname__", "") or ""
     return mod.startswith("transformers.utils") and "captur" in name.lower()
-
-
-def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    """The RMSNorm classes of :data:`RMS_NORMS`, op for op."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)  # type: ignore[no-any-return]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_pos_emb`` of the Llama family for one tensor (``cos/sin: [A, 1, T, D]``)."""
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), -1) * sin)
 
 
 class LeanForward:
@@ -188,42 +155,17 @@ class LeanForward:
         m = self.model
         inner, cfg = m.model, m.config
         h = inner.embed_tokens(input_ids)
-        a, t = input_ids.shape
+        t = input_ids.shape[1]
         cos, sin = inner.rotary_emb(h, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = attention_mask if attention_mask.dim() == 4 else _bool_mask(attention_mask, t)
         layers = inner.layers[: cfg.num_hidden_layers]
         fn = own_attention_function(layers[0].self_attn, cfg._attn_implementation)
+        assert fn is not None, cfg._attn_implementation  # attention_reasons() admitted only registered ones
         kw = extra or {}
         for i, ly in enumerate(layers):
-            at = ly.self_attn
-            x = _rms(h, ly.input_layernorm)
-            shape = (a, t, -1, at.head_dim)
-            q, k = (
-                F.linear(x, at.q_proj.weight, at.q_proj.bias),
-                F.linear(x, at.k_proj.weight, at.k_proj.bias),
-            )
-            v = F.linear(x, at.v_proj.weight, at.v_proj.bias).view(shape).transpose(1, 2)
-            if self.qk_norm:
-                q, k = (
-                    _rms(q.view(shape), at.q_norm).transpose(1, 2),
-                    _rms(k.view(shape), at.k_norm).transpose(1, 2),
-                )
-            else:
-                q, k = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            k, v = cache.update(k, v, i)
-            o, _ = fn(at, q, k, v, mask, dropout=0.0, scaling=at.scaling, **kw)  # type: ignore[misc]
-            h = h + F.linear(o.reshape(a, t, -1).contiguous(), at.o_proj.weight, at.o_proj.bias)
-            x = _rms(h, ly.post_attention_layernorm)
-            mlp = ly.mlp
-            g = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            h = h + F.linear(
-                g * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias),
-                mlp.down_proj.weight,
-                mlp.down_proj.bias,
-            )
-        h = _rms(h, inner.norm)
+            h = lean_layer(ly, h, (cos, sin), mask, cache, i, fn, kw, self.qk_norm)
+        h = rms_norm(h, inner.norm)
         self.calls += 1
         return LeanOutput(F.linear(h, m.lm_head.weight, m.lm_head.bias), (h,) if need_h else None)
 
