@@ -29,8 +29,8 @@ def _model(family: str, kv: int, bias: bool, tie: bool, rope: dict | None, seed:
     if rope is not None:
         over["rope_scaling"] = {**rope, "rope_theta": 10000.0}
     m = tiny_causal_lm(
-        family, vocab_size=24, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=kv, seed=seed,
-        dtype=torch.float64, attn_implementation="sdpa", **over,
+        family, vocab_size=24, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=kv, head_dim=8,
+        seed=seed, dtype=torch.float64, attn_implementation="sdpa", **over,
     )  # fmt: skip
     with torch.no_grad():  # larger logits: differences would show
         m.lm_head.weight.mul_(4.0)

@@ -89,7 +89,7 @@ def _module_reasons(model: Any) -> list[str]:
     out: list[str] = []
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         out.append("torch: global module forward hooks are registered")
-    patched = [n or type(model).__name__ for n, m in model.named_modules() if "forward" in m.__dict__]
+    patched = [n or type(model).__name__ for n, m in model.named_modules() if _replaced_forward(m)]
     if patched:  # e.g. accelerate's autocast wrapper: the model's own forward must run
         out.append(f"model: {patched[0]}.forward is replaced on the instance")
     hooked = [
@@ -108,10 +108,20 @@ def _module_reasons(model: Any) -> list[str]:
     return out
 
 
+def _replaced_forward(m: torch.nn.Module) -> bool:
+    """``m.forward`` is set on the instance to something other than its class's own forward bound
+    to it (transformers 4.5x leaves exactly that behind after capturing outputs) or transformers'
+    capture wrapper."""
+    f = m.__dict__.get("forward")
+    if f is None or _capturing(f):
+        return False
+    return not (getattr(f, "__self__", None) is m and getattr(f, "__func__", None) is type(m).forward)
+
+
 def _capturing(hook: Any) -> bool:
-    """transformers' own output-capturing hooks (installed on a model's first forward with
-    ``output_hidden_states``; they record only inside such a forward, and the lean path returns the
-    one hidden state the loop reads itself)."""
+    """transformers' own output capturing: hooks (5.x) or forward wrappers (4.5x) installed on a
+    model's first forward with ``output_hidden_states``; they record only inside such a forward,
+    and the lean path returns the one hidden state the loop reads itself."""
     mod, name = getattr(hook, "__module__", "") or "", getattr(hook, "__qualname__", "") or ""
     return mod.startswith("transformers.utils") and "captur" in name.lower()
 
