@@ -3,7 +3,7 @@
 A decode forward of a small policy is mostly framework overhead, not arithmetic: transformers'
 ``LlamaForCausalLM`` runs per forward an output-capturing decorator, a config-defaults decorator,
 mask creation through the masking utilities and per layer three module calls with keyword
-plumbing, which on this project's 2-core CPU cost 0.5-0.7 ms per forward (the main job's 4-layer
+plumbing, which on a 2-core CPU cost 0.5-0.9 ms per forward (the main job's 4-layer
 policy: 1.31 ms HF vs 0.82 ms for one row's token, 5.1 vs 4.2 ms for a 16 x 7 verification;
 docs/speculative.md). The decode loop's verifications are many such small forwards, so this path
 calls the policy's *own weights, rotary module, KV cache and attention function* with the same
