@@ -44,24 +44,30 @@ def layer_reasons(layers: Sequence[Any], qk_norm: bool) -> list[str]:
 
 
 def rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    """The RMSNorm classes of :data:`RMS_NORMS`, op for op."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)  # type: ignore[no-any-return]
+    """The RMSNorm classes of :data:`RMS_NORMS` (float32 inside, as they are), with torch's own
+    ``rms_norm`` for ``x * rsqrt(mean(x^2) + eps)``: one call instead of five small ones."""
+    h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)  # type: ignore[no-any-return]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_pos_emb`` of the Llama family for one tensor (``cos/sin: [A, 1, T, D]``)."""
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), -1) * sin)
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary module's ``cos, sin: [A, T, D]`` as :func:`lean_layer` takes them: ``[A, 1, T, D]``,
+    with the sign of ``rotate_half`` folded into the first half of ``sin`` (once per forward)."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), -1).unsqueeze(1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb`` of the Llama family for one tensor: ``rotate_half(x) * sin`` is
+    ``roll(x, D/2) * signed_sin`` (the same products, negation being exact)."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * signed_sin)
 
 
 def lean_layer(
     ly: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, cache: Any,
     idx: int, attention: Callable[..., Any], extra: dict[str, Any], qk_norm: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """Decoder layer ``ly`` on ``h: [A, T, d]``: ``rope`` = (cos, sin) ``[A, 1, T, D]``, ``mask`` as
+    """Decoder layer ``ly`` on ``h: [A, T, d]``: ``rope`` from :func:`rope_tables`, ``mask`` as
     the attention function takes it, new K/V appended with ``cache.update(k, v, idx)``,
     ``attention`` called as the model's attention module calls it (``extra``: its keywords)."""
     at, mlp = ly.self_attn, ly.mlp

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..compat import attn_implementation, cache_kwarg, causal_lm_class, own_attention_function
 from ..decoding import SamplingParams, sampling_probs
 from ..errors import GRPOPartsError
-from ..lean_layer import ARCHITECTURES, layer_reasons, lean_layer
+from ..lean_layer import ARCHITECTURES, layer_reasons, lean_layer, rope_tables
 from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
 from .tree import Frontier, topk_tree
@@ -141,7 +141,7 @@ class EagleHead(torch.nn.Module):
         emb = self.body.rotary_emb(x, position_ids)
         h = x
         if self.lean:  # the layer's ops without its module calls (~40% of a 1-layer call on a CPU)
-            rope = (emb[0].unsqueeze(1), emb[1].unsqueeze(1))
+            rope = rope_tables(*emb)
             fn = own_attention_function(self.body.layers[0].self_attn, "sdpa")
             assert fn is not None  # transformers registers sdpa in every release in range
             for i, layer in enumerate(self.body.layers):

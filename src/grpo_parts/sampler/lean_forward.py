@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..lean_layer import ARCHITECTURES, RMS_NORMS, layer_reasons, lean_layer, rms_norm
+from ..lean_layer import ARCHITECTURES, RMS_NORMS, layer_reasons, lean_layer, rms_norm, rope_tables
 from .model_support import sliding_window
 
 #: attention implementations the path calls (the decode kernel falls back to SDPA itself)
@@ -166,15 +166,14 @@ class LeanForward:
         inner, cfg = m.model, m.config
         h = inner.embed_tokens(input_ids)
         t = input_ids.shape[1]
-        cos, sin = inner.rotary_emb(h, position_ids=position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rope = rope_tables(*inner.rotary_emb(h, position_ids=position_ids))
         mask = attention_mask if attention_mask.dim() == 4 else _bool_mask(attention_mask, t)
         layers = inner.layers[: cfg.num_hidden_layers]
         fn = own_attention_function(layers[0].self_attn, cfg._attn_implementation)
         assert fn is not None, cfg._attn_implementation  # attention_reasons() admitted only registered ones
         kw = extra or {}
         for i, ly in enumerate(layers):
-            h = lean_layer(ly, h, (cos, sin), mask, cache, i, fn, kw, self.qk_norm)
+            h = lean_layer(ly, h, rope, mask, cache, i, fn, kw, self.qk_norm)
         h = rms_norm(h, inner.norm)
         self.calls += 1
         return LeanOutput(F.linear(h, m.lm_head.weight, m.lm_head.bias), (h,) if need_h else None)
