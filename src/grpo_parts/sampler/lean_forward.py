@@ -6,8 +6,8 @@ mask creation through the masking utilities and per layer three module calls wit
 plumbing, which on a 2-core CPU cost 0.5-0.9 ms per forward (the main job's 4-layer
 policy: 1.31 ms HF vs 0.82 ms for one row's token, 5.1 vs 4.2 ms for a 16 x 7 verification;
 docs/speculative.md). The decode loop's verifications are many such small forwards, so this path
-calls the policy's *own weights, rotary module, KV cache and attention function* with the same
-tensor operations in the same order as the modeling code, and nothing else:
+calls the policy's *own weights, rotary module, KV cache and attention function* with the modeling
+code's maths in the same order (:mod:`grpo_parts.lean_layer`), and nothing else:
 
     h = embed(ids); cos, sin = rotary(h, pos)
     per layer: x = rms(h); q, k, v = proj(x) [, q/k norm]; rope; K, V = cache.update(k, v)
