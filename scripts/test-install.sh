@@ -58,6 +58,8 @@ if status.get("status") != "completed":
 summary = status.get("summary", {})
 if summary.get("accepted_per_verify") is None:
     problems.append("no speculative verification ran (summary.accepted_per_verify is None)")
+if summary.get("lean_forward_fraction") != 1.0:  # the newest transformers must not turn it off
+    problems.append(f"decode forwards left the lean path (summary.lean_forward_fraction={summary.get('lean_forward_fraction')})")
 if not summary.get("kept_fraction", 1.0) < 1.0:
     problems.append(f"CPPO pruned nothing (summary.kept_fraction={summary.get('kept_fraction')})")
 model_dir = run / "model"

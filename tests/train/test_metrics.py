@@ -31,3 +31,13 @@ def test_final_accuracy_is_the_mean_of_the_last_three_evaluations() -> None:
     s = summarize(rows, 0.6)
     assert (s["initial_accuracy"], s["last_accuracy"], s["steps_to_target"]) == (0.1, 0.8, 10)
     assert s["time_to_target_s"] == pytest.approx(2.0)
+
+
+def test_decode_path_shares_sum_the_steps_and_stay_none_without_counts() -> None:
+    rows = _rows([(0, 0.0, 0.1), (5, 1.0, 0.5), (10, 2.0, 0.6)])
+    assert summarize(rows, 0.6)["lean_forward_fraction"] is None  # no speculative decode loop ran
+    rows[1].update(lean_forward_calls=30, model_forward_calls=0, decode_attention_shared_prefix_calls=3)
+    rows[2].update(lean_forward_calls=0, model_forward_calls=10, decode_attention_plain_calls=1)
+    s = summarize(rows, 0.6)
+    assert s["lean_forward_fraction"] == pytest.approx(0.75)
+    assert s["decode_attention_shared_fraction"] == pytest.approx(0.75)

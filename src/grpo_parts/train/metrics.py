@@ -127,6 +127,4 @@ def _fraction(steps: list[dict[str, Any]], part: str, rest: str) -> float | None
 def _shared_fraction(steps: list[dict[str, Any]]) -> float | None:
     """Share of the speculative decode loop's attention calls that read the prompt once per group
     (None: no step counted any)."""
-    shared = sum(float(r.get("decode_attention_shared_prefix_calls") or 0.0) for r in steps)
-    plain = sum(float(r.get("decode_attention_plain_calls") or 0.0) for r in steps)
-    return shared / (shared + plain) if shared + plain else None
+    return _fraction(steps, "decode_attention_shared_prefix_calls", "decode_attention_plain_calls")
