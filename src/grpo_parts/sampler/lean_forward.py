@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..compat import own_attention, own_attention_function
+from ..errors import NotSupportedError
 from ..lean_layer import ARCHITECTURES, RMS_NORMS, layer_reasons, lean_layer, rms_norm, rope_tables
 from .model_support import sliding_window
 
@@ -89,14 +91,14 @@ def _module_reasons(model: Any) -> list[str]:
     out: list[str] = []
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         out.append("torch: global module forward hooks are registered")
-    patched = [n or type(model).__name__ for n, m in model.named_modules() if _replaced_forward(m)]
+    patched, hooked = [], []  # one walk over the modules (checked once per rollout)
+    for n, m in model.named_modules():
+        if _replaced_forward(m):
+            patched.append(n or type(model).__name__)
+        if any(not _capturing(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())):
+            hooked.append(n)
     if patched:  # e.g. accelerate's autocast wrapper: the model's own forward must run
         out.append(f"model: {patched[0]}.forward is replaced on the instance")
-    hooked = [
-        n
-        for n, m in model.named_modules()
-        if any(not _capturing(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
-    ]
     if hooked:
         out.append(
             f"model: forward hooks on {hooked[0]!r}"
@@ -135,8 +137,6 @@ class LeanForward:
     def __init__(self, model: Any, checked: bool = False):
         reasons = [] if checked else lean_forward_reasons(model)
         if reasons:
-            from ..errors import NotSupportedError
-
             raise NotSupportedError("lean forward", reasons)
         self.model: Any = model
         self.qk_norm = ARCHITECTURES[model.config.model_type]
@@ -149,8 +149,6 @@ class LeanForward:
         if impl not in ATTENTIONS:
             return [f"model: attention {impl!r} (lean forward: {' or '.join(ATTENTIONS)})"]
         if impl == ATTENTIONS[1]:
-            from ..compat import own_attention
-
             own = own_attention(self.model.config)
             if own != "sdpa":
                 return [f"model: attention {own!r} under the decode kernel (lean forward: 'sdpa')"]
@@ -160,8 +158,6 @@ class LeanForward:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
         cache: Any, need_h: bool = False, extra: dict[str, Any] | None = None,
     ) -> LeanOutput:  # fmt: skip
-        from ..compat import own_attention_function
-
         m = self.model
         inner, cfg = m.model, m.config
         h = inner.embed_tokens(input_ids)
@@ -197,7 +193,5 @@ def lean_forward_for(model: torch.nn.Module, mode: str) -> tuple[LeanForward | N
     lean = None if reasons else LeanForward(model, checked=True)
     reasons = reasons or (lean.attention_reasons() if lean is not None else [])
     if reasons and mode == "on":
-        from ..errors import NotSupportedError
-
         raise NotSupportedError("lean forward (lean_forward='on')", reasons)
     return (None if reasons else lean), reasons
