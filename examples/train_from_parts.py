@@ -10,10 +10,10 @@ import argparse
 
 import torch
 
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.filter.cppo import TopKAbsAdvantage
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask
 from grpo_parts.train.config import TrainConfig
 from grpo_parts.train.loop import GRPOTrainer

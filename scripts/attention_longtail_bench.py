@@ -16,7 +16,7 @@ import torch
 
 from grpo_parts.attention.protocol import LogprobBatch
 from grpo_parts.attention.reference import RepeatedPrefixAttention
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 from grpo_parts.core import AdvantageConfig, group_advantages
 from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler

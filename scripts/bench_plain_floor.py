@@ -21,7 +21,7 @@ from grpo_parts.bench.sampler import _eos_kw, _prompts
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_parts.compat import crop_cache, output_cache
-from grpo_parts.sampler.lean_forward import LeanForward
+from grpo_parts.sampler.speculative.lean_forward import LeanForward
 from grpo_parts.tiny import tiny_causal_lm
 
 torch.set_num_threads(2)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from grpo_parts.sampler.decode_loop import DecodeState
 from grpo_parts.sampler.reference import ReferenceSampler
+from grpo_parts.sampler.speculative.decode_loop import DecodeState
 from grpo_parts.train.config import load_config
 from grpo_parts.train.loop import _Stream
 from grpo_parts.train.run import build_trainer

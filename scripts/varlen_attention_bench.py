@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """One attention call of the padding-free layout, forward + backward, on CPU: the varlen cascade
-(``attention/varlen.py``, the ``sdpa`` kernel's default) vs the dense masked SDPA per span
+(``attention/shared_prefix/varlen.py``, the ``sdpa`` kernel's default) vs the dense masked SDPA per span
 (``varlen=False``), or with ``--kernel eager`` the eager kernel's varlen plan
-(``attention/varlen_eager.py``) vs the dense eager span mask; interleaved in one process, ratio per
+(``attention/shared_prefix/varlen_eager.py``) vs the dense eager span mask; interleaved in one process, ratio per
 case (docs/benchmarks.md).
 
     python scripts/varlen_attention_bench.py --threads 1 --repeats 5 [--kernel eager] [--json]
@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verl_prefix_bench import long_tail_length  # noqa: E402
 
-from grpo_parts.attention.padding_free import PaddingFreeLayout, padding_free_attention  # noqa: E402
-from grpo_parts.attention.varlen import varlen_plan  # noqa: E402
-from grpo_parts.attention.varlen_eager import eager_scores  # noqa: E402
+from grpo_parts.attention.shared_prefix.padding_free import PaddingFreeLayout, padding_free_attention  # noqa: E402
+from grpo_parts.attention.shared_prefix.varlen import varlen_plan  # noqa: E402
+from grpo_parts.attention.shared_prefix.varlen_eager import eager_scores  # noqa: E402
 
 
 def layout(prefix: int, lengths: list[int], kernel: str = "sdpa") -> PaddingFreeLayout:

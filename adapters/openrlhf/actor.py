@@ -50,7 +50,7 @@ def _another_rank_falls_back(device: torch.device, here: bool = False) -> bool:
     """With several processes (ZeRO-3 gathers parameters in every forward, so every rank must make
     the same number of model calls), whether any rank runs OpenRLHF's forward for this call: then all
     do. One all-reduce; False on one process."""
-    from grpo_parts.attention.chunking import agree_max, ranks_of
+    from grpo_parts.attention.shared_prefix.chunking import agree_max, ranks_of
 
     if ranks_of() <= 1:
         return False
@@ -89,7 +89,7 @@ class GRPOPartsActor(Actor):
         ``grid``, a call the backend lays out padding-free (each prompt once plus every action token,
         never more than the packed rows; ``SharedPrefixAttention.layout_for``: with ``auto``, of
         smaller estimated cost than its grids) keeps its prompt groups. Otherwise each prompt group is cut into
-        sub-groups of similar completion length (:func:`grpo_parts.attention.chunking.split_long_tails`,
+        sub-groups of similar completion length (:func:`grpo_parts.attention.shared_prefix.chunking.split_long_tails`,
         each at most its packed rows); when the backend's grid plan would still run more tokens than
         the packed rows, the plan splits into more grids (no per-forward overhead for this call), and
         when even that does not fit with ``--ds.packing_samples``, the call runs OpenRLHF's packed
@@ -97,8 +97,8 @@ class GRPOPartsActor(Actor):
         and adds to :attr:`tokens`."""
         from dataclasses import replace
 
-        from grpo_parts.attention.chunking import chunk_plan, split_long_tails
-        from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+        from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
+        from grpo_parts.attention.shared_prefix.chunking import chunk_plan, split_long_tails
 
         backend = self.grpo_backend
         if not isinstance(backend, SharedPrefixAttention):

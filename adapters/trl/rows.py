@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import torch
 
-from grpo_parts.attention.chunking import agree_on_calls, empty_call_batch, ranks_of
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch
+from grpo_parts.attention.shared_prefix.chunking import agree_on_calls, empty_call_batch, ranks_of
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.data_parallel import round_to_multiple
 from grpo_parts.types import ScoredBatch

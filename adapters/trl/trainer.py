@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import trl
 
-from grpo_parts.attention.shared_prefix import select_attention
+from grpo_parts.attention.shared_prefix.backend import select_attention
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 
@@ -338,7 +338,7 @@ class GRPOPartsTrainer(FilterSeam):
         model). With several processes (one all-reduce per call) every rank falls back when any rank
         has such a batch: the backend would make no model call there, and every rank must make the
         same calls (ZeRO-3 / FSDP gather parameters in each forward, the backends agree on plans)."""
-        from grpo_parts.attention.chunking import agree_max, ranks_of
+        from grpo_parts.attention.shared_prefix.chunking import agree_max, ranks_of
 
         dead = not bool(completion_mask.any())
         group = getattr(self.gp_attention, "rank_group", None)

@@ -4,7 +4,7 @@ verl's FSDP engine receives a micro-batch as nested tensors: ``input_ids`` holds
 ``[prompt | response]`` back to back (``cu_seqlens = input_ids.offsets()``), and its forward returns
 per-token log-probs in a *rolled* layout: position ``j`` of a sequence holds
 ``log p(token j+1 | tokens <= j)``. :func:`packed_logprobs` hands the packed tokens to
-:func:`grpo_parts.attention.packed.packed_completion_logprobs` with ``group_index`` from ``uid``
+:func:`grpo_parts.attention.shared_prefix.packed.packed_completion_logprobs` with ``group_index`` from ``uid``
 (any grpo_parts ``AttentionBackend``; ``shared_prefix`` encodes each prompt once per group) and
 rolls the result into verl's layout. Positions that do not predict a response token (the prompt,
 the last token) are 0: verl's losses and metrics mask them with ``response_mask``.
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from grpo_parts.attention import get_attention_class
-from grpo_parts.attention.packed import packed_completion_logprobs, unpack
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch
+from grpo_parts.attention.shared_prefix.packed import packed_completion_logprobs, unpack
 from grpo_parts.errors import GRPOPartsError, check_tensor
 
 from .advantage import uid_to_group_index
@@ -64,7 +64,7 @@ def grid_tokens(
 ) -> int:
     """Tokens one backend call runs the model on: ``shared_prefix`` lays each group out as
     ``[prefix | slot x G]`` padded to the longest prompt, completion and group of the call
-    (grpo_parts/attention/layout.py); ``reference`` pads ``[prompt | completion]`` rows."""
+    (grpo_parts/attention/shared_prefix/layout.py); ``reference`` pads ``[prompt | completion]`` rows."""
     if prompt_lens.numel() == 0:
         return 0
     p, s = int(prompt_lens.max()), int(response_lens.max())
@@ -117,7 +117,7 @@ def plan_calls(
 ) -> CallPlan:
     """Split a packed micro-batch into backend calls. For ``shared_prefix``, each ``uid`` group is
     first cut into sub-groups of similar completion length whose layouts hold no more tokens than
-    their packed rows (:func:`grpo_parts.attention.chunking.split_long_tails`). One call pads every
+    their packed rows (:func:`grpo_parts.attention.shared_prefix.chunking.split_long_tails`). One call pads every
     (sub-)group to the call's longest prompt, completion and group; with ``merge_slack`` groups are
     taken longest completion first and a group joins the current call only while the call's layout
     stays within ``1 + merge_slack`` times the sum of its groups' own layouts (0: one call per
@@ -128,7 +128,7 @@ def plan_calls(
     groups (the backend then lays it out padding-free: each prompt once plus every response token,
     never more than the packed micro-batch); ``CallPlan.layout`` is then ``padding_free`` (the verl
     engine hook re-plans with ``grid`` where the backend's cost choice, ``layout_for``, disagrees)."""
-    from grpo_parts.attention.chunking import split_long_tails
+    from grpo_parts.attention.shared_prefix.chunking import split_long_tails
 
     ids = input_ids.reshape(-1)
     cu, resp = cu_seqlens.to(ids.device).long(), response_lens.to(ids.device).long()

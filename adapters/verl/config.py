@@ -43,7 +43,7 @@ class EngineOptions(BaseModel):
     their own layouts (0: a call per group; None: one call per micro-batch). ``max_padding_ratio``:
     run verl's own packed forward for a micro-batch whose grouped layouts would hold more than this
     many times its packed tokens (None: never). ``max_chunks`` / ``chunk_overhead_tokens``: the
-    shared-prefix backend's grid splitting inside each call (:mod:`grpo_parts.attention.chunking`;
+    shared-prefix backend's grid splitting inside each call (:mod:`grpo_parts.attention.shared_prefix.chunking`;
     the data-parallel ranks agree on the number of model calls). ``layout``: the shared-prefix
     layout (``auto``, ``grid``, ``padding_free``; docs/attention.md). ``varlen``: the padding-free
     layout's varlen cascade kernel (False: the masked kernel, for A/B checks; counted as

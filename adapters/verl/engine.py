@@ -99,8 +99,8 @@ def _dispatch_on_layout(model: Any) -> None:
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from grpo_parts.attention.kernels import shared_prefix_attention
-    from grpo_parts.attention.layout import LAYOUT_KWARG
+    from grpo_parts.attention.shared_prefix.kernels import shared_prefix_attention
+    from grpo_parts.attention.shared_prefix.layout import LAYOUT_KWARG
     from grpo_parts.errors import NotSupportedError
 
     name = model.config._attn_implementation
@@ -207,7 +207,7 @@ def _agree(engine: Any, reason: str | None, calls: int, device: torch.device) ->
     ``(falls back, backend calls)``. If any rank runs verl's forward for this micro-batch, all do
     (one call each); otherwise each makes the largest number of backend calls (padding with empty
     calls). One process: unchanged."""
-    from grpo_parts.attention.chunking import agree_max, ranks_of
+    from grpo_parts.attention.shared_prefix.chunking import agree_max, ranks_of
 
     group = engine.get_data_parallel_group() if hasattr(engine, "get_data_parallel_group") else None
     if ranks_of(group) <= 1:

@@ -20,9 +20,6 @@ from typing import Any
 import torch
 
 from .errors import GRPOPartsError, NotSupportedError
-from .kv_room import CACHE_ROOM, drop_cache_rows, reserve_cache_room
-
-__all__ = ["CACHE_ROOM", "drop_cache_rows", "reserve_cache_room"]  # in-place KV buffers: kv_room.py
 
 
 @functools.cache

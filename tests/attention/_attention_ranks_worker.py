@@ -22,7 +22,7 @@ from _attention_helpers import exact_norms  # noqa: E402
 
 from grpo_parts.attention import LogprobBatch  # noqa: E402
 from grpo_parts.attention.reference import RepeatedPrefixAttention  # noqa: E402
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention  # noqa: E402
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention  # noqa: E402
 from grpo_parts.tiny import tiny_causal_lm  # noqa: E402
 
 

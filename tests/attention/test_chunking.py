@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_parts.attention.chunking import chunk_plan
 from grpo_parts.attention.protocol import LogprobBatch
+from grpo_parts.attention.shared_prefix.chunking import chunk_plan
 
 
 def _batch(groups: list[int], lengths: list[int], prompt: int = 5) -> LogprobBatch:
@@ -65,8 +65,8 @@ def test_a_model_sharded_on_one_process_splits_as_usual() -> None:
     """The plan no longer falls back to one grid for a sharded-looking model: on one process there is
     nobody to agree with (no empty calls); several processes agree on the number of model calls
     (test_chunking_ranks.py)."""
-    from grpo_parts.attention.chunking import rank_consistent_plan
-    from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+    from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
+    from grpo_parts.attention.shared_prefix.chunking import rank_consistent_plan
     from grpo_parts.tiny import tiny_causal_lm
 
     model = tiny_causal_lm("llama", vocab_size=16, hidden_size=16, num_layers=1, num_heads=2)
@@ -96,7 +96,7 @@ def test_split_long_tails_never_exceeds_the_packed_rows(
 ) -> None:
     """Each group's sub-groups hold at most its rows packed, and at most its own one-group layout;
     sub-groups never mix groups."""
-    from grpo_parts.attention.chunking import split_long_tails
+    from grpo_parts.attention.shared_prefix.chunking import split_long_tails
 
     gi = torch.tensor([g for g, k in enumerate(sizes) for _ in range(k)])
     plen = torch.tensor([prompts[g % len(prompts)] for g in gi.tolist()])

@@ -1,4 +1,4 @@
-"""``layout="auto"`` by estimated cost (``attention/layout_choice.py``): model tokens plus attention
+"""``layout="auto"`` by estimated cost (``attention/shared_prefix/layout_choice.py``): model tokens plus attention
 scores weighed by FLOPs. The varlen plan (the ``sdpa`` cascade, its ``eager`` equivalent) never
 computes more scores than the grid under the same kernel, so fewer tokens decide; under a dense
 per-span mask (``varlen=False``) the grid's cascade can win
@@ -14,16 +14,16 @@ from hypothesis import strategies as st
 from test_shared_prefix import assert_equivalent
 
 from grpo_parts.attention import LogprobBatch
-from grpo_parts.attention.chunking import chunk_plan
-from grpo_parts.attention.layout_choice import (
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.chunking import chunk_plan
+from grpo_parts.attention.shared_prefix.layout_choice import (
     LayoutCost,
     choose_layout,
     grid_cost,
     padding_free_cost,
     score_weight,
 )
-from grpo_parts.attention.padding_free import padding_free_tokens
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.padding_free import padding_free_tokens
 
 
 def test_choose_layout_weighs_scores_against_tokens():  # type: ignore[no-untyped-def]

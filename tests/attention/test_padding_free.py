@@ -14,10 +14,10 @@ from test_shared_prefix import assert_equivalent, refused_here
 from test_shared_prefix_architectures import refusal
 
 from grpo_parts.attention import LogprobBatch
-from grpo_parts.attention.layout_choice import choose_layout
-from grpo_parts.attention.padding_free import build_padding_free_inputs, padding_free_tokens
 from grpo_parts.attention.reference import RepeatedPrefixAttention
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.layout_choice import choose_layout
+from grpo_parts.attention.shared_prefix.padding_free import build_padding_free_inputs, padding_free_tokens
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.tiny import family_missing
 

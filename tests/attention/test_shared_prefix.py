@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from grpo_parts.attention import IMPLEMENTATIONS, get_attention_class
 from grpo_parts.attention.reference import RepeatedPrefixAttention
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 from grpo_parts.compat import transformers_version
 from grpo_parts.core import grpo_loss
 from grpo_parts.errors import NotSupportedError
@@ -169,7 +169,7 @@ def test_every_family(family):  # type: ignore[no-untyped-def]
 
 
 def test_sdpa_chunking_options(monkeypatch):  # type: ignore[no-untyped-def]
-    import grpo_parts.attention.cascade as cascade
+    import grpo_parts.attention.shared_prefix.cascade as cascade
 
     flash_calls = []
     slots4 = cascade._slots4
@@ -214,7 +214,7 @@ def test_registry_and_auto_choice():  # type: ignore[no-untyped-def]
 
 def test_fallback_without_layout_is_sdpa():  # type: ignore[no-untyped-def]
     """Registered as attn_implementation, the kernel behaves like SDPA for ordinary forwards."""
-    from grpo_parts.attention.shared_prefix import KERNEL_NAME, register_attention
+    from grpo_parts.attention.shared_prefix.backend import KERNEL_NAME, register_attention
 
     register_attention()
     model = exact_model("qwen2", vocab_size=48)

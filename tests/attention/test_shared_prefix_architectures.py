@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_shared_prefix import ATOL, TOL_FP32_ROUTER, assert_equivalent
 
-from grpo_parts.attention.chunking import chunk_plan
-from grpo_parts.attention.layout import build_grouped_inputs
 from grpo_parts.attention.protocol import LogprobBatch
 from grpo_parts.attention.reference import RepeatedPrefixAttention
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.chunking import chunk_plan
+from grpo_parts.attention.shared_prefix.layout import build_grouped_inputs
 from grpo_parts.compat import transformers_version
 from grpo_parts.errors import NotSupportedError
 from grpo_parts.tiny import family_missing
@@ -231,7 +231,7 @@ def test_rotary_classes_are_inspected(monkeypatch):  # type: ignore[no-untyped-d
 def test_forward_without_layout_runs_the_models_own_attention(family, attn, over):  # type: ignore[no-untyped-def]
     """While the shared-prefix kernel stays selected (TRL's training_step, verl's engine), a forward
     without the layout -- generation, evaluation -- is the model's own attention, bit for bit."""
-    from grpo_parts.attention.shared_prefix import KERNEL_NAME, register_attention
+    from grpo_parts.attention.shared_prefix.backend import KERNEL_NAME, register_attention
     from grpo_parts.compat import select_attention
     from grpo_parts.tiny import tiny_causal_lm
 

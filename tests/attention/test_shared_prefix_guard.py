@@ -12,11 +12,11 @@ import pytest
 import torch
 from _attention_helpers import exact_model, random_batch
 
-import grpo_parts.attention.grouped_forward as gf
-from grpo_parts.attention.kernels import shared_prefix_attention
-from grpo_parts.attention.layout import LAYOUT_KWARG, build_grouped_inputs
+import grpo_parts.attention.shared_prefix.grouped_forward as gf
 from grpo_parts.attention.reference import RepeatedPrefixAttention
-from grpo_parts.attention.shared_prefix import KERNEL_NAME, SharedPrefixAttention, register_attention
+from grpo_parts.attention.shared_prefix.backend import KERNEL_NAME, SharedPrefixAttention, register_attention
+from grpo_parts.attention.shared_prefix.kernels import shared_prefix_attention
+from grpo_parts.attention.shared_prefix.layout import LAYOUT_KWARG, build_grouped_inputs
 from grpo_parts.errors import NotSupportedError
 from grpo_parts.tiny import tiny_causal_lm
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from _attention_helpers import exact_model, pack, random_batch, use_exact_eager
 
-from grpo_parts.attention.packed import packed_completion_logprobs, unpack
 from grpo_parts.attention.protocol import LogprobBatch
 from grpo_parts.attention.reference import RepeatedPrefixAttention
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.packed import packed_completion_logprobs, unpack
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 
 ATOL = 1e-10

@@ -1,4 +1,4 @@
-"""The padding-free layout's varlen cascade (``attention/varlen.py``) == the repeated-prefix
+"""The padding-free layout's varlen cascade (``attention/shared_prefix/varlen.py``) == the repeated-prefix
 reference and == the dense masked SDPA path it replaces (float64, CPU, live): log-probs, entropies
 and every parameter gradient of a loss on both, across the families test_padding_free.py draws,
 grouped-query heads, groups of one completion, completions of one token, very different lengths in
@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_padding_free import CLASSES, FAMILIES, long_tailed
 
-from grpo_parts.attention.padding_free import PaddingFreeLayout, padding_free_attention
 from grpo_parts.attention.reference import RepeatedPrefixAttention
-from grpo_parts.attention.shared_prefix import SharedPrefixAttention
-from grpo_parts.attention.varlen import bucket_lengths, varlen_plan
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.padding_free import PaddingFreeLayout, padding_free_attention
+from grpo_parts.attention.shared_prefix.varlen import bucket_lengths, varlen_plan
 from grpo_parts.core import grpo_loss
 
 #: families whose sdpa kernel can run (gpt-oss' attention sinks are eager-only)

@@ -1,4 +1,4 @@
-"""The padding-free layout's ``eager`` kernel on the varlen plan (``attention/varlen_eager.py``) ==
+"""The padding-free layout's ``eager`` kernel on the varlen plan (``attention/shared_prefix/varlen_eager.py``) ==
 the repeated-prefix reference and == the dense span mask it replaces (``varlen=False``), float64,
 CPU, live: log-probs, entropies and every parameter gradient across the families test_varlen.py
 draws plus attention sinks (gpt-oss) and attention logit soft-capping (Gemma-2, exact eager
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from test_padding_free import CLASSES, FAMILIES
 from test_varlen import _layout, cases, check_against_reference_and_masked, model_and_batch, rows
 
-from grpo_parts.attention.padding_free import padding_free_attention
-from grpo_parts.attention.varlen import varlen_plan
-from grpo_parts.attention.varlen_eager import eager_scores
+from grpo_parts.attention.shared_prefix.padding_free import padding_free_attention
+from grpo_parts.attention.shared_prefix.varlen import varlen_plan
+from grpo_parts.attention.shared_prefix.varlen_eager import eager_scores
 
 #: every family of the padding-free tests, plus Gemma-2 with attention logit soft-capping
 EAGER_FAMILIES = FAMILIES + CLASSES + (["gemma2_softcap"] if "gemma2" in FAMILIES else [])

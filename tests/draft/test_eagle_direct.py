@@ -7,7 +7,7 @@ import torch
 
 from grpo_parts.draft.eagle import DIRECT_LAYER_FAMILIES, EagleDraft
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.testing import record_proposals
 from grpo_parts.tiny import tiny_causal_lm
 

@@ -8,7 +8,7 @@ import torch
 from grpo_parts.draft.reference import FrozenLMDraft
 from grpo_parts.draft.small_lm import CachedLMDraft
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.testing import record_proposals
 from grpo_parts.tiny import tiny_causal_lm
 

@@ -1,4 +1,4 @@
-"""Start-up timing of the speculative sampler (``sampler/calibration.py``)."""
+"""Start-up timing of the speculative sampler (``sampler/speculative/calibration.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from test_decode_attention import _policy  # a GQA llama (2 KV heads for 4 query heads)
 
 from grpo_parts.draft.ngram import NGramDraft
-from grpo_parts.sampler.calibration import _best_times, calibration_context
 from grpo_parts.sampler.protocol import SamplingParams
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.calibration import _best_times, calibration_context
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 
 
 def test_context_grows_as_rows_finish() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_parts.sampler.cost_model import (
+from grpo_parts.sampler.speculative.cost_model import (
     AcceptanceEstimate,
     CostModel,
     chain_expected_tokens,
@@ -25,7 +25,7 @@ def gpu_like() -> CostModel:
 
 def sampler_with(cost: CostModel, max_draft: int):  # type: ignore[no-untyped-def]
     from grpo_parts.draft.ngram import NGramDraft
-    from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
     from grpo_parts.tiny import tiny_causal_lm
 
     model = tiny_causal_lm("qwen2", vocab_size=16, hidden_size=32, num_layers=1)
@@ -118,7 +118,7 @@ def test_eagle_chains_longer_than_the_rows_text() -> None:
     from grpo_parts.draft.eagle import EagleDraft
     from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
     from grpo_parts.sampler.reference import ReferenceSampler
-    from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
     from grpo_parts.tiny import tiny_causal_lm
 
     policy = tiny_causal_lm("qwen2", vocab_size=8, hidden_size=32, num_layers=2, seed=0)

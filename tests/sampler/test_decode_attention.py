@@ -1,4 +1,4 @@
-"""Shared-prompt decode attention (sampler/decode_attention.py): float64 equivalence with plain
+"""Shared-prompt decode attention (sampler/speculative/decode_attention.py): float64 equivalence with plain
 attention on random layouts (groups of different sizes, rows out of group order, holes, tree masks,
 GQA, left padding, boolean and additive masks), exact greedy identity of the speculative sampler
 with the path active, the prompt columns kept in place by compaction, and the model refusals."""
@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from grpo_parts.decoding import compact_cache
 from grpo_parts.draft.eagle import EagleDraft
 from grpo_parts.draft.ngram import NGramDraft
-from grpo_parts.sampler.decode_attention import (
+from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
+from grpo_parts.sampler.reference import ReferenceSampler
+from grpo_parts.sampler.speculative.decode_attention import (
     DecodeLayout,
     decode_attention_reasons,
     shared_prompt_attention,
 )
-from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
-from grpo_parts.sampler.reference import ReferenceSampler
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.tiny import tiny_causal_lm
 
 

@@ -1,4 +1,4 @@
-"""The decode attention's grouped path (sampler/decode_attention.py, ``grouped_query_attention``):
+"""The decode attention's grouped path (sampler/speculative/decode_attention.py, ``grouped_query_attention``):
 float64 equivalence with plain attention (GQA, left padding, holes, tree blocks, boolean, additive
 and per-head masks, no mask), and exact greedy identity of the speculative sampler with the
 reference sampler where it serves the decode forwards (counted in ``Rollout.stats``)."""
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from test_decode_attention import plain_attention  # the float64 reference both kernels are checked against
 
 from grpo_parts.draft.ngram import NGramDraft
-from grpo_parts.sampler.decode_attention import DecodeLayout, grouped_query_attention
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.decode_attention import DecodeLayout, grouped_query_attention
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.tiny import tiny_causal_lm
 
 

@@ -1,4 +1,4 @@
-"""The lean decode forward (sampler/lean_forward.py) equals the model's own cached forward, and the
+"""The lean decode forward (sampler/speculative/lean_forward.py) equals the model's own cached forward, and the
 speculative sampler runs it (and says when it does not)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from grpo_parts.compat import output_cache, select_attention
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.errors import NotSupportedError
-from grpo_parts.sampler.decode_attention import LAYOUT_KWARG, DecodeLayout, register
-from grpo_parts.sampler.lean_forward import LeanForward, lean_forward_for, lean_forward_reasons
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.decode_attention import LAYOUT_KWARG, DecodeLayout, register
+from grpo_parts.sampler.speculative.lean_forward import LeanForward, lean_forward_for, lean_forward_reasons
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.tiny import family_missing, tiny_causal_lm
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]

@@ -10,10 +10,10 @@ import torch
 from grpo_parts.draft.eagle import EagleDraft
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.errors import NotSupportedError
-from grpo_parts.sampler.model_support import layer_kinds, recurrent_reasons, sliding_window
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.model_support import layer_kinds, recurrent_reasons, sliding_window
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.tiny import tiny_causal_lm
 
 

@@ -186,8 +186,8 @@ def test_decoding_runs_with_the_collector_paused(lm: torch.nn.Module, kind: str)
     import gc
 
     from grpo_parts.draft.ngram import NGramDraft
-    from grpo_parts.sampler.speculative import SpeculativeSampler
-    from grpo_parts.sampler.speculative_config import SpeculativeConfig
+    from grpo_parts.sampler.speculative.config import SpeculativeConfig
+    from grpo_parts.sampler.speculative.sampler import SpeculativeSampler
 
     seen: list[bool] = []
     handle = lm.register_forward_hook(lambda *_: seen.append(gc.isenabled()))

@@ -13,8 +13,8 @@ from grpo_parts.draft.reference import FrozenLMDraft
 from grpo_parts.draft.small_lm import CachedLMDraft
 from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
-from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
-from grpo_parts.sampler.verify import always_accept
+from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
+from grpo_parts.sampler.speculative.verify import always_accept
 from grpo_parts.testing import chi_square_gof, encode_sequences, sequence_distribution
 from grpo_parts.tiny import tiny_causal_lm
 
@@ -131,7 +131,7 @@ CASES = [(d, "t1") for d in DRAFTS] + [
 ]
 
 
-# "always": every decode forward reads the group's prompt K/V once (sampler/decode_attention.py);
+# "always": every decode forward reads the group's prompt K/V once (sampler/speculative/decode_attention.py);
 # the 2000 rows here are one group, the shape that path is for
 SHARED = [("eagle", "t1"), ("ngram", "t0.7_p0.9"), ("frozen_lm", "topk3")]
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_parts.sampler.cost_model import AcceptanceEstimate, CostModel, batch_grid, expected_tokens
+from grpo_parts.sampler.speculative.cost_model import (
+    AcceptanceEstimate,
+    CostModel,
+    batch_grid,
+    expected_tokens,
+)
 
 
 def gpu_like() -> CostModel:
@@ -63,7 +68,7 @@ def test_probes_back_off_while_speculation_stays_off() -> None:
     """With speculation off for low acceptance, k=1 probes come after 16, 32, 64, ... steps (so
     "off" costs next to nothing) and the gap resets once the cost model drafts again."""
     from grpo_parts.draft.ngram import NGramDraft
-    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.sampler.speculative.sampler import SpeculativeSampler
     from grpo_parts.tiny import tiny_causal_lm
 
     sampler = SpeculativeSampler(
@@ -84,7 +89,7 @@ def test_probes_also_where_the_calibration_says_drafting_cannot_pay() -> None:
     with the same back-off, so a disturbed calibration cannot keep speculation off for good; the
     probe's measured step corrects it."""
     from grpo_parts.draft.ngram import NGramDraft
-    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.sampler.speculative.sampler import SpeculativeSampler
     from grpo_parts.tiny import tiny_causal_lm
 
     sampler = SpeculativeSampler(
@@ -146,7 +151,7 @@ def test_a_cheap_probe_brings_the_next_one_forward() -> None:
     """Where speculation is priced out, a probe that measures the step well below its price makes
     the next probe come after ``probe_every`` steps rather than after the doubled gap."""
     from grpo_parts.draft.ngram import NGramDraft
-    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.sampler.speculative.sampler import SpeculativeSampler
     from grpo_parts.tiny import tiny_causal_lm
 
     sampler = SpeculativeSampler(
@@ -199,7 +204,7 @@ def test_probes_back_off_per_batch_size() -> None:
     steps, where speculation is off: over 10 rollouts of 20 steps at 64 rows the probes there come
     after 16, 48, 112 of its steps (not once per rollout)."""
     from grpo_parts.draft.ngram import NGramDraft
-    from grpo_parts.sampler.speculative import SpeculativeSampler
+    from grpo_parts.sampler.speculative.sampler import SpeculativeSampler
     from grpo_parts.tiny import tiny_causal_lm
 
     sampler = SpeculativeSampler(
@@ -224,8 +229,8 @@ def test_tree_size_follows_concurrency() -> None:
     measured to accept deep, trees are picked when few rows are active and shrink / give way to
     chains or plain decoding as rows are added; measured acceptance, not the prior, decides."""
     from grpo_parts.draft.protocol import TreeBudget
-    from grpo_parts.sampler.speculative import SpeculativeConfig
-    from grpo_parts.sampler.tree_cost import TreeAcceptance, TreeCost, choose_plan
+    from grpo_parts.sampler.speculative.sampler import SpeculativeConfig
+    from grpo_parts.sampler.speculative.tree_cost import TreeAcceptance, TreeCost, choose_plan
 
     cost, cfg = gpu_like(), SpeculativeConfig()
     budgets = [cfg.tree_budget(n) for n in (4, 8, 16, 32)]
@@ -254,8 +259,8 @@ def test_chains_and_trees_probe_each_other() -> None:
     nothing are never probed (their predicted rate is far below the chains')."""
     from grpo_parts.draft.ngram import NGramDraft
     from grpo_parts.draft.protocol import TreeBudget
-    from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
-    from grpo_parts.sampler.tree_cost import TreeAcceptance
+    from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
+    from grpo_parts.sampler.speculative.tree_cost import TreeAcceptance
     from grpo_parts.tiny import tiny_causal_lm
 
     def run(sampler: SpeculativeSampler, steps: int) -> list[str]:

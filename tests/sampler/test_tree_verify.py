@@ -21,7 +21,7 @@ from grpo_parts.decoding import SamplingParams, sampling_probs
 from grpo_parts.draft.protocol import DraftProposal, TreeBudget
 from grpo_parts.draft.tree import Frontier
 from grpo_parts.draft.tree_sampled import draw_without_replacement, sampled_tree
-from grpo_parts.sampler.tree_verify import rrs_without_q_update, verify_sampled_tree, verify_tree
+from grpo_parts.sampler.speculative.tree_verify import rrs_without_q_update, verify_sampled_tree, verify_tree
 from grpo_parts.testing import chi_square_gof
 
 V, L, SAMPLES = 5, 3, 4000

@@ -105,7 +105,7 @@ def _time(fn: Callable[[], Any], repeats: int, clock: str = "wall") -> float:
 
 def _dense_logprobs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """Single grouped row + dense additive 4-D mask through the model's own (SDPA) attention."""
-    from ..attention.layout import build_grouped_inputs, ungroup_logits
+    from ..attention.shared_prefix.layout import build_grouped_inputs, ungroup_logits
     from ..core import token_logprobs
 
     gi = build_grouped_inputs(batch)
@@ -129,7 +129,7 @@ def _dense_logprobs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Namespace) -> dict[str, Any]:
     from ..attention.protocol import LogprobBatch
     from ..attention.reference import RepeatedPrefixAttention
-    from ..attention.shared_prefix import SharedPrefixAttention
+    from ..attention.shared_prefix.backend import SharedPrefixAttention
 
     row: dict[str, Any] = {"G": g, "P": p, "S": s, "ideal": round(ideal_ratio(g, p, s), 4)}
     if g * (p + s) > args.max_ref_tokens:

@@ -75,7 +75,7 @@ def warm_up(
     seed: int = 0,
 ) -> list[float]:
     """Distil a learnable ``draft`` from ``rounds`` rollouts of ``policy``; returns accepted/verify per round."""
-    from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    from ..sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 
     if not draft.learnable or rounds <= 0:
         return []
@@ -186,7 +186,7 @@ def measure_drift(
     ``draft_accept_rate``."""
     from ..draft.eagle import EagleConfig, EagleDraft
     from ..draft.ngram import NGramDraft
-    from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    from ..sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
     from ..tiny import tiny_causal_lm
 
     torch.manual_seed(seed)

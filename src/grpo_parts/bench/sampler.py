@@ -68,7 +68,7 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
     while timed. With ``--policy task`` the ``frozen_lm`` and ``small_lm`` drafts are the same 2-layer
     LM of half the policy's width SFT-trained on the task like the policy (a random one would accept
     nothing): ``frozen_lm`` re-encodes its context per token, ``small_lm`` keeps a KV cache."""
-    from ..sampler.speculative import SpeculativeConfig, SpeculativeSampler
+    from ..sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
     from .draft_training import distill_on_text, make_draft, warm_up
 
     out = []

@@ -31,8 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..compat import attn_implementation, cache_kwarg, causal_lm_class, own_attention_function
 from ..decoding import SamplingParams, sampling_probs
+from ..decoding.lean_layer import ARCHITECTURES, layer_reasons, lean_layer, rope_tables
 from ..errors import GRPOPartsError
-from ..lean_layer import ARCHITECTURES, layer_reasons, lean_layer, rope_tables
 from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
 from .tree import Frontier, topk_tree

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ..compat import CACHE_ROOM, crop_cache, new_dynamic_cache, reserve_cache_room, select_cache_rows
-from ..decoding import compact_cache
+from ..compat import crop_cache, new_dynamic_cache, select_cache_rows
+from ..decoding import CACHE_ROOM, compact_cache, reserve_cache_room
 
 
 class DraftKVState:

@@ -94,7 +94,7 @@ class DraftProposal:
     ``sampled=True`` (a tree with ``probs``): each node's children were drawn **without replacement**
     from their parent's ``probs`` (siblings share it), in node order, and which children exist did
     not depend on the drawn values (:mod:`grpo_parts.draft.tree_sampled`); such trees are verified by
-    recursive rejection sampling (:func:`~grpo_parts.sampler.tree_verify.verify_sampled_tree`).
+    recursive rejection sampling (:func:`~grpo_parts.sampler.speculative.tree_verify.verify_sampled_tree`).
     """
 
     tokens: torch.Tensor

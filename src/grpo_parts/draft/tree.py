@@ -6,7 +6,7 @@ next level's frontier; each frontier node is fed to the draft once (:class:`Fron
 ``expand`` callback) to get its children's distribution. At the end the best ``N`` candidates by
 cumulative log-probability form the tree (a child never scores above its parent, so the selection
 is closed under ancestors). The tree is deterministic given the context: verified by
-sample-then-match (:mod:`grpo_parts.sampler.tree_verify`), which makes it exactly lossless.
+sample-then-match (:mod:`grpo_parts.sampler.speculative.tree_verify`), which makes it exactly lossless.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ replacement** from the draft's processed distribution ``q`` there (Gumbel-top-``
 exactly ``w`` sequential draws without replacement, in draw order).
 
 **Why the shape rule keeps verification exact.** Recursive rejection sampling without replacement
-(:func:`~grpo_parts.sampler.tree_verify.verify_sampled_tree`) emits a token distributed as the
+(:func:`~grpo_parts.sampler.speculative.tree_verify.verify_sampled_tree`) emits a token distributed as the
 policy's ``p`` at a node for *any* number ``w`` of children, provided the children are ``w``
 sequential draws without replacement from the ``q`` it is given. Here ``w`` depends only on the
 node's rank path (never on drawn values), and each node's children are drawn from ``q`` at that

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..sampler.trace import off_reason
+from ..sampler.speculative.trace import off_reason
 
 
 def write_trace(run_dir: Path, traces: dict[int, dict[str, Any]]) -> tuple[list[str], list[str]]:
-    """``traces``: training step -> :meth:`~grpo_parts.sampler.trace.DecodeTrace.as_dict` of that step's
+    """``traces``: training step -> :meth:`~grpo_parts.sampler.speculative.trace.DecodeTrace.as_dict` of that step's
     (last) rollout. Writes decode_trace.json and decode_trace.png; returns (files, report lines)."""
     if not traces:
         return [], []

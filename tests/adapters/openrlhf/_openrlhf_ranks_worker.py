@@ -70,7 +70,7 @@ def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]
     from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
-    from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+    from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 
     args = step_args(packing, parts_on, True)
     args.ds.zero_stage = stage

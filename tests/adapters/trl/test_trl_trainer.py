@@ -192,7 +192,7 @@ def test_zero_variance_filter_with_refill(base: torch.nn.Module, monkeypatch: py
 def test_all_parts_speculative_sampler_logs_acceptance(base: torch.nn.Module) -> None:
     try:
         from grpo_parts.draft.eagle import EagleDraft
-        from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+        from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
     except ImportError as e:  # pragma: no cover - until the speculative sampler lands
         pytest.skip(f"speculative sampler not available: {e}")
     args = _tiny.config(max_steps=2)
@@ -257,7 +257,7 @@ def test_config_reasons_name_the_setting() -> None:
 def test_eval_batches_are_not_filtered_and_do_not_train_the_draft(base: torch.nn.Module) -> None:
     try:
         from grpo_parts.draft.eagle import EagleDraft
-        from grpo_parts.sampler.speculative import SpeculativeConfig, SpeculativeSampler
+        from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
     except ImportError as e:  # pragma: no cover - until the speculative sampler lands
         pytest.skip(f"speculative sampler not available: {e}")
     args = _tiny.config(per_device_eval_batch_size=8)

@@ -126,7 +126,7 @@ def test_lora_with_shared_prefix_equals_stock(base: torch.nn.Module) -> None:
 
 def test_prompt_learning_peft_is_refused(base: torch.nn.Module) -> None:
     peft = pytest.importorskip("peft")
-    from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+    from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 
     model = peft.get_peft_model(
         copy.deepcopy(base), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)

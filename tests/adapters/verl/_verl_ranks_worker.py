@@ -196,7 +196,7 @@ def run_case(
 ) -> dict[str, Any]:
     from verl.workers.utils.losses import ppo_loss
 
-    from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+    from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 
     rows = rank_rows(rank)
     plans: list[dict[str, Any]] = []

@@ -143,8 +143,8 @@ def test_grid_tokens_follow_the_layouts():
     assert attention.grid_tokens("shared_prefix", plen, resp, gi) == 2 * (5 + 2 * 4)
     assert attention.grid_tokens("reference", plen, resp, gi) == 3 * (5 + 4)
     # and what grpo_parts.attention really builds (catches a layout change)
-    from grpo_parts.attention.layout import build_grouped_inputs
     from grpo_parts.attention.protocol import LogprobBatch
+    from grpo_parts.attention.shared_prefix.layout import build_grouped_inputs
 
     p, t = int(plen.max()), int(resp.max())
     pm = (torch.arange(p) >= p - plen[:, None]).long()

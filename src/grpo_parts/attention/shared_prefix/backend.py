@@ -22,17 +22,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..compat import accepts_logits_to_keep, select_attention
-from ..core import token_logprobs
-from ..errors import GRPOPartsError, NotSupportedError
+from ...compat import accepts_logits_to_keep, select_attention
+from ...core import token_logprobs
+from ...errors import GRPOPartsError, NotSupportedError
+from ..protocol import LogprobBatch, LogprobOutput
+from ..reference import entropy_from_logits
 from .chunking import chunk_plan, empty_call_batch, rank_consistent_plan
 from .grouped_forward import KERNEL_NAME, grouped_forward, probe_reasons, register_attention
 from .guard import architecture_reasons, position_tables, text_config
 from .layout import build_grouped_inputs, ungroup_logits
 from .layout_choice import auto_costs, choose_layout
 from .padding_free import LAYOUTS, build_padding_free_inputs, padding_free_tokens
-from .protocol import LogprobBatch, LogprobOutput
-from .reference import entropy_from_logits
 
 # KERNEL_NAME, register_attention and select_attention are re-exported for the adapters and tests
 __all__ = [

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ..compat import own_attention, own_attention_function, sdpa_attention_forward
-from ..errors import GRPOPartsError, NotSupportedError
+from ...compat import own_attention, own_attention_function, sdpa_attention_forward
+from ...errors import GRPOPartsError, NotSupportedError
 from .cascade import flash_ops, repeat_kv, sdpa_cascade
 from .layout import LAYOUT_KWARG, PrefixLayout
 from .padding_free import PaddingFreeLayout, padding_free_attention

@@ -7,14 +7,14 @@ plumbing, which on a 2-core CPU cost 0.5-0.9 ms per forward (the main job's 4-la
 policy: 1.31 ms HF vs 0.82 ms for one row's token, 5.1 vs 4.2 ms for a 16 x 7 verification;
 docs/speculative.md). The decode loop's verifications are many such small forwards, so this path
 calls the policy's *own weights, rotary module, KV cache and attention function* with the modeling
-code's maths in the same order (:mod:`grpo_parts.lean_layer`), and nothing else:
+code's maths in the same order (:mod:`grpo_parts.decoding.lean_layer`), and nothing else:
 
     h = embed(ids); cos, sin = rotary(h, pos)
     per layer: x = rms(h); q, k, v = proj(x) [, q/k norm]; rope; K, V = cache.update(k, v)
                h += o(attn(q, K, V, mask)); h += down(act(gate(rms(h))) * up(rms(h)))
     logits = lm_head(rms(h))
 
-The layer itself is :func:`grpo_parts.lean_layer.lean_layer` (shared with the EAGLE head's drafting
+The layer itself is :func:`grpo_parts.decoding.lean_layer.lean_layer` (shared with the EAGLE head's drafting
 path). Exact up to float rounding (tests/sampler/test_lean_forward.py compares logits, hidden states and
 the cache with the model's own forward in float64 for every supported architecture). Which models:
 :func:`lean_forward_reasons` lists why a model is not served (architecture outside the table,
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..compat import own_attention, own_attention_function
-from ..errors import NotSupportedError
-from ..lean_layer import ARCHITECTURES, RMS_NORMS, layer_reasons, lean_layer, rms_norm, rope_tables
+from ...compat import own_attention, own_attention_function
+from ...decoding.lean_layer import ARCHITECTURES, RMS_NORMS, layer_reasons, lean_layer, rms_norm, rope_tables
+from ...errors import NotSupportedError
 from .model_support import sliding_window
 
 #: attention implementations the path calls (the decode kernel falls back to SDPA itself)

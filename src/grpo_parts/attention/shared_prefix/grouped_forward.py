@@ -12,11 +12,11 @@ import weakref
 
 import torch
 
-from ..compat import register_attention_function, select_attention
-from ..errors import GRPOPartsError, NotSupportedError
+from ...compat import register_attention_function, select_attention
+from ...errors import GRPOPartsError, NotSupportedError
+from ..protocol import LogprobBatch
 from .guard import layout_shortfall, text_config
 from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs
-from .protocol import LogprobBatch
 
 #: name under which the attention function is registered with transformers
 KERNEL_NAME = "grpo_shared_prefix"

@@ -22,28 +22,28 @@ from typing import Any
 
 import torch
 
-from ..compat import (
-    CACHE_ROOM,
+from ...compat import (
     cache_kwarg,
     crop_cache,
-    drop_cache_rows,
     output_cache,
     repeat_cache_rows,
-    reserve_cache_room,
 )
-from ..core import token_logprobs
-from ..decoding import (
+from ...core import token_logprobs
+from ...decoding import (
+    CACHE_ROOM,
     SamplingParams,
     compact_block,
     compact_cache,
+    drop_cache_rows,
+    reserve_cache_room,
     right_align,
     sample_tokens,
     tree_ancestors,
     tree_attention_mask,
 )
-from ..draft.protocol import DraftContext
-from ..errors import GRPOPartsError
-from ..types import PromptBatch
+from ...draft.protocol import DraftContext
+from ...errors import GRPOPartsError
+from ...types import PromptBatch
 from .decode_attention import LAYOUT_KWARG, DecodeLayout
 from .lean_forward import LeanForward
 from .tree_verify import TreeVerifier

@@ -9,7 +9,7 @@ attention layer that receives the layout. Three checks, from cheapest to stronge
    mixers that are not attention (state-space / recurrent / short-convolution modules), attention
    temperature tuning by row index, a forward without ``position_ids``, a rotary embedding whose
    frequencies might follow the row length (:func:`rotary_reasons`).
-2. the kernel (:func:`~grpo_parts.attention.kernels.shared_prefix_attention`) refuses any keyword
+2. the kernel (:func:`~grpo_parts.attention.shared_prefix.kernels.shared_prefix_attention`) refuses any keyword
    argument it does not implement and records, in ``layout.receipts``, every attention module that
    received the layout.
 3. :func:`layout_shortfall` after every forward: each decoder layer must contain a module that
@@ -176,7 +176,7 @@ def decoder_layer_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modu
 
 def layout_shortfall(model: torch.nn.Module, receipts: Any) -> list[str]:
     """Empty when every decoder layer holds a module that received the layout (``receipts``: the
-    layout's :class:`~grpo_parts.attention.layout.Receipts`, or any sized iterable of modules);
+    layout's :class:`~grpo_parts.attention.shared_prefix.layout.Receipts`, or any sized iterable of modules);
     otherwise why not, naming the model class and the first layer without it."""
     lists = decoder_layer_lists(model)
     if not lists:

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..compat import own_attention, own_attention_function, register_attention_function, select_attention
-from ..errors import NotSupportedError
+from ...compat import own_attention, own_attention_function, register_attention_function, select_attention
+from ...errors import NotSupportedError
 
 if TYPE_CHECKING:
     from .decode_loop import DecodeState

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..decoding import SamplingParams, sampling_probs
+from ...decoding import SamplingParams, sampling_probs
 
 #: ``(logits [A, k+1, V], draft_tokens [A, k], draft_probs [A, k, V] | None, params, generator)``
 #: -> ``(num_accepted [A], next_token [A])``

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .protocol import LogprobBatch
+from ..protocol import LogprobBatch
 
 #: above this many groups the plan is not searched (one grid): the search is O(chunks x groups^2)
 MAX_PLANNED_GROUPS = 1024

@@ -28,18 +28,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..decoding import collector_paused
-from ..draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDraftModel
-from ..errors import NotSupportedError
+from ...decoding import collector_paused
+from ...draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDraftModel
+from ...errors import NotSupportedError
+from ..protocol import PromptBatch, Rollout, SamplingParams
+from ..reference import check_model, completion_mask_from_eos, expand_prompts
 from .calibration import calibrate, calibration_context
+from .config import SpeculativeConfig
 from .cost_model import AcceptanceEstimate, CostModel
 from .decode_attention import decode_attention_reasons, shared_prompt_decoding
 from .decode_loop import DecodeState
 from .lean_forward import lean_forward_for, lean_forward_reasons
 from .model_support import recurrent_reasons, sliding_window, window_reason
-from .protocol import PromptBatch, Rollout, SamplingParams
-from .reference import check_model, completion_mask_from_eos, expand_prompts
-from .speculative_config import SpeculativeConfig
 from .trace import DecodeTrace
 from .tree_cost import TreeAcceptance, TreeCost, best_tree, choose_plan, tree_step_time
 from .tree_verify import SampledTreeVerifier, TreeVerifier, verify_sampled_tree, verify_tree

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..draft.protocol import TreeBudget
+from ...draft.protocol import TreeBudget
 from .cost_model import CostModel, _nearest
 
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from ..errors import GRPOPartsError
-from .protocol import LogprobBatch
+from ...errors import GRPOPartsError
+from ..protocol import LogprobBatch
 
 #: the kwarg that carries the layout through ``model(...)`` to the attention function
 LAYOUT_KWARG = "grpo_prefix_layout"
@@ -63,7 +63,7 @@ class PrefixLayout:
     attention never spans more tokens than this (used to check sliding windows).
 
     ``receipts``: the attention modules that received this layout, appended by the kernel on each
-    call; after the forward, :func:`~grpo_parts.attention.guard.check_layout_reached` requires one
+    call; after the forward, :func:`~grpo_parts.attention.shared_prefix.guard.check_layout_reached` requires one
     in every decoder layer (a layer that ran without the layout attended over the whole grid row).
     """
 

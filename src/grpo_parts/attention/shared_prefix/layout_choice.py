@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from ..protocol import LogprobBatch
 from .chunking import _group_sizes
 from .padding_free import padding_free_tokens
-from .protocol import LogprobBatch
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..draft.protocol import TreeBudget
+from ...draft.protocol import TreeBudget
 
 
 class SpeculativeConfig(BaseModel):
@@ -41,13 +41,13 @@ class SpeculativeConfig(BaseModel):
     decode_shared_prompt: Literal["auto", "always", "off"] = Field(
         "auto",
         description="decode attention reads each group's prompt K/V once where the model allows it "
-        "(sampler/decode_attention.py): 'auto' where its cost rule says it pays, 'always' in every "
+        "(sampler/speculative/decode_attention.py): 'auto' where its cost rule says it pays, 'always' in every "
         "decode forward (tests, ablations), 'off': the policy's own attention",
     )
     lean_forward: Literal["auto", "on", "off"] = Field(
         "auto",
         description="decode forwards call the policy's weights directly, without transformers' "
-        "per-forward overhead (sampler/lean_forward.py; Llama-family models): 'auto' where it "
+        "per-forward overhead (sampler/speculative/lean_forward.py; Llama-family models): 'auto' where it "
         "serves the model, 'on' to refuse a model it cannot serve, 'off': the model's own forward",
     )
     tree_nodes: int | None = Field(

@@ -16,7 +16,7 @@ the children of a node form a fixed set ``S`` of distinct tokens, and no lossles
 with probability above ``p(S)`` (the emitted token must be distributed as ``p``); sample-then-match
 moves on with probability exactly ``p(S)``, so it is optimal here. Multi-draft recursive rejection
 sampling only accepts more when children are *sampled* from ``q``; chains drawn from ``q`` keep
-the residual rule (:func:`~grpo_parts.sampler.verify.verify_chain`).
+the residual rule (:func:`~grpo_parts.sampler.speculative.verify.verify_chain`).
 
 **Sampled trees** (``DraftProposal.sampled``: each node's children drawn without replacement from
 the draft's ``q`` at that node, shape fixed beforehand, :mod:`grpo_parts.draft.tree_sampled`) are
@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..decoding import SamplingParams, draw, sampling_probs
+from ...decoding import SamplingParams, draw, sampling_probs
 
 #: ``(logits [A, N+1, V], tokens [A, N], parents [A, N], params, generator)`` ->
 #: ``(num_accepted [A], path [A, D] columns of the accepted nodes (valid ``j < num_accepted``),
@@ -125,7 +125,7 @@ def verify_sampled_tree(
     ``q``'s support) is skipped. When every child is rejected, emit a draw from the residual ``p``;
     at a leaf, from ``p`` (the bonus). Each step is an exact rejection sampler for ``p`` given any
     ``q`` the draws really came from, so the emitted token is distributed as ``p``; with one child
-    this is :func:`~grpo_parts.sampler.verify.verify_chain`'s residual rule. Greedy: sample-then-match.
+    this is :func:`~grpo_parts.sampler.speculative.verify.verify_chain`'s residual rule. Greedy: sample-then-match.
     """
     return _rrs(logits, tokens, parents, probs, params, generator, renormalize_q=True)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..compat import CACHE_ROOM, cache_kwarg, crop_cache, output_cache, repeat_cache_rows, reserve_cache_room
-from ..decoding import SamplingParams
-from ..draft.protocol import DraftContext, DraftModel
+from ...compat import cache_kwarg, crop_cache, output_cache, repeat_cache_rows
+from ...decoding import CACHE_ROOM, SamplingParams, reserve_cache_room
+from ...draft.protocol import DraftContext, DraftModel
 from .cost_model import CostModel, batch_grid, token_grid
 from .decode_attention import LAYOUT_KWARG, DecodeLayout, decode_kernel
 from .lean_forward import LeanForward, lean_forward_for

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import GRPOPartsError, check_tensor
-from .protocol import AttentionBackend, LogprobBatch, LogprobOutput
+from ...errors import GRPOPartsError, check_tensor
+from ..protocol import AttentionBackend, LogprobBatch, LogprobOutput
 
 
 def unpack(
@@ -78,9 +78,9 @@ def packed_completion_logprobs(
 
     ``cu_seqlens: [N+1]`` sequence offsets, ``prompt_lens: [N]`` prompt length of each sequence,
     ``group_index: [N]`` the prompt each sequence belongs to. ``backend`` defaults to
-    :class:`~grpo_parts.attention.shared_prefix.SharedPrefixAttention` (``kernel="auto"``)."""
+    :class:`~grpo_parts.attention.shared_prefix.backend.SharedPrefixAttention` (``kernel="auto"``)."""
     if backend is None:
-        from .shared_prefix import SharedPrefixAttention
+        from .backend import SharedPrefixAttention
 
         backend = SharedPrefixAttention()
     batch, rows, cols = unpack(input_ids, cu_seqlens, prompt_lens, group_index)

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from ..protocol import LogprobBatch
 from .layout import GroupedInputs, Receipts, _check_masks
-from .protocol import LogprobBatch
 
 #: the layouts by name, in the order ``layout="auto"`` prefers them on a tie (:mod:`.layout_choice`)
 LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
@@ -113,7 +113,7 @@ def build_padding_free_inputs(
         -1
     )
     if not bool(same.all()):
-        from ..errors import GRPOPartsError
+        from ...errors import GRPOPartsError
 
         r = int((~same).nonzero()[0])
         raise GRPOPartsError(

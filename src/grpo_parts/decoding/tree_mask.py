@@ -1,0 +1,38 @@
+"""Draft-tree masks: which block columns each tree node sees (:func:`tree_ancestors`) and the
+additive attention mask of a cached tree forward (:func:`tree_attention_mask`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``parents: [A, N]`` (node ``i``'s parent node, ``-1`` = the root, always ``< i``) ->
+    ``anc: [A, N + 1, N + 1]`` bool, ``anc[a, i, j]`` = column ``j`` is column ``i`` or one of its
+    ancestors, where column 0 is the root (the row's last token) and column ``i + 1`` is node ``i``.
+
+    Walks every column up to the root at once, one level per iteration (trees are shallow: the loop
+    runs depth + 1 times, not N times)."""
+    a, n = parents.shape
+    dev = parents.device
+    anc = torch.eye(n + 1, dtype=torch.bool, device=dev).expand(a, -1, -1).clone()
+    up = torch.cat(
+        [torch.zeros(a, 1, dtype=torch.long, device=dev), parents + 1], 1
+    )  # column -> parent column
+    cur = up
+    for _ in range(n):
+        anc.scatter_(2, cur[..., None], True)
+        if not bool(cur.any()):  # every column reached the root
+            break
+        cur = up.gather(1, cur)
+    return anc
+
+
+def tree_attention_mask(past: torch.Tensor, anc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4-D mask ``[A, 1, T, P + T]`` for a cached forward of a tree block: every query sees
+    the live past columns (``past: [A, P]``, 1 = live) and its own ancestors-or-self in the block
+    (``anc: [A, T, T]``). Float (0 / dtype min): eager adds it, SDPA takes it as is."""
+    a, t = anc.shape[:2]
+    allowed = torch.cat([past.bool()[:, None, :].expand(a, t, -1), anc], -1)
+    out = torch.zeros(allowed.shape, dtype=dtype, device=past.device)
+    return out.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]

@@ -1,0 +1,91 @@
+"""The architecture as the tree shows it (issue #37): no import cycle (deferred or not), no private
+name imported across modules, no test oracle in a product module, no function over the limit
+without its reason, and the old import paths still working."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from structure import (
+    LONG_REASON,
+    MAX_FUNCTION_LINES,
+    cycles,
+    import_graph,
+    long_functions,
+    modules,
+    private_imports,
+)
+
+
+def test_no_import_cycles() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles (module level or deferred): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_graph_sees_deferred_and_relative_imports() -> None:
+    # the checker itself: a deferred relative import inside a function is an edge
+    g = import_graph()
+    assert "grpo_parts.sampler.speculative.decode_loop" in g["grpo_parts.sampler.speculative.sampler"]
+    assert any(t.startswith("grpo_parts.") for t in g["grpo_parts_adapters.trl.trainer"])
+
+
+def test_no_private_names_across_modules() -> None:
+    found = private_imports()
+    assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+def test_no_long_function_without_a_reason() -> None:
+    found = long_functions()
+    assert not found, (
+        f"functions over {MAX_FUNCTION_LINES} lines whose docstring gives no '{LONG_REASON} ...':\n"
+        + "\n".join(found)
+    )
+
+
+def test_product_never_imports_the_test_oracles() -> None:
+    known = modules()
+    g = import_graph()
+    users = sorted(m for m, targets in g.items() if any(t.startswith("grpo_parts.testing") for t in targets))
+    assert users == [] or all(u.startswith("grpo_parts.testing") for u in users), users
+    # deliberately broken verifiers live in grpo_parts.testing only
+    for name, mod in known.items():
+        if name.startswith("grpo_parts.testing"):
+            continue
+        defined = {n.name for n in mod.tree.body if hasattr(n, "name")}
+        assert not defined & {"always_accept", "tree_always_accept", "rrs_without_q_update"}, name
+
+
+@pytest.mark.parametrize(
+    "module, names",
+    [
+        ("grpo_parts.sampler.speculative", ["SpeculativeSampler", "SpeculativeConfig"]),
+        (
+            "grpo_parts.attention.shared_prefix",
+            ["SharedPrefixAttention", "KERNEL_NAME", "register_attention"],
+        ),
+        ("grpo_parts.decoding", ["SamplingParams", "sampling_probs", "compact_cache", "tree_ancestors"]),
+    ],
+)
+def test_old_import_paths_still_work(module: str, names: list[str]) -> None:
+    mod = importlib.import_module(module)
+    for n in names:
+        assert getattr(mod, n) is not None, f"{module}.{n}"
+
+
+def test_decoding_all_is_honest() -> None:
+    import grpo_parts.decoding as d
+
+    for n in d.__all__:
+        assert hasattr(d, n), n
+    # every name another module imports from the package is in __all__
+    known = modules()
+    from structure import imports
+
+    used = {
+        imp
+        for mod in known.values()
+        for t, imp, _ in imports(mod, known)
+        if t == "grpo_parts.decoding" and imp
+    }
+    assert used <= set(d.__all__), used - set(d.__all__)
