@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 
 
 def _test_threads() -> int:
-    """GRPO_PARTS_TEST_THREADS (scripts/test-install.sh runs two suites side by side, one thread
+    """GRPO_PARTS_TEST_THREADS (scripts/ci/test-install.sh runs two suites side by side, one thread
     each), else up to 2."""
     given = os.environ.get("GRPO_PARTS_TEST_THREADS", "")
     if not given:
@@ -41,7 +41,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Tests that need a training framework (TRL, verl, OpenRLHF) or vLLM carry the ``frameworks`` marker:
 # everything under tests/adapters/ and tests/sampler_vllm/, and any module that sets
 # ``pytestmark = pytest.mark.frameworks``. The "core suite" (``-m "not slow and not gpu and not
-# frameworks"``) is what scripts/test-install.sh runs under the newest and the floor transformers,
+# frameworks"``) is what scripts/ci/test-install.sh runs under the newest and the floor transformers,
 # where those frameworks (which pin older transformers) are not installed.
 _FRAMEWORK_DIRS = ("adapters", "sampler_vllm")
 

@@ -120,7 +120,7 @@ def _named_commands() -> list[tuple[str, str]]:
 
 def test_help_and_docs_name_commands() -> None:
     sources = {src for src, _ in _named_commands()}
-    assert {"--help", "README.md", "training.md", "benchmarks.md"} <= sources
+    assert {"--help", "README.md", "training.md", "results.md", "benchmarks-log.md"} <= sources
 
 
 @pytest.mark.parametrize(("source", "command"), sorted(set(_named_commands())))

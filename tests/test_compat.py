@@ -1,6 +1,6 @@
 """grpo_parts.compat: the same behaviour under every transformers release in range (the core suite
 runs under 5.10 in .venv, the newest release in .venvs/latest and the declared floor in
-.venvs/floor: scripts/test-transformers-range.sh)."""
+.venvs/floor: scripts/ci/test-transformers-range.sh)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from grpo_parts import compat
+from grpo_parts.decoding import kv_room
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.tiny import tiny_causal_lm
 
@@ -205,7 +206,7 @@ def test_reserved_cache_room_appends_in_place_and_equals_cat() -> None:
     gen = torch.Generator().manual_seed(0)
     plain, kv = _filled_cache(3)
     roomy, _ = _filled_cache(3)
-    assert compat.reserve_cache_room(roomy, 4) == len(_layers(roomy))
+    assert kv_room.reserve_cache_room(roomy, 4) == len(_layers(roomy))
 
     def both(fn: object) -> None:
         for c in (plain, roomy):
@@ -218,7 +219,7 @@ def test_reserved_cache_room_appends_in_place_and_equals_cat() -> None:
         return lambda c: [ly.update(k[: ly.keys.shape[0]], v[: ly.keys.shape[0]]) for ly in _layers(c)]
 
     ptr = [ly.keys.data_ptr() for ly in _layers(roomy)]  # type: ignore[attr-defined]
-    compat.reserve_cache_room(roomy, 4)  # again: the buffers are kept, not copied
+    kv_room.reserve_cache_room(roomy, 4)  # again: the buffers are kept, not copied
     assert [ly.keys.data_ptr() for ly in _layers(roomy)] == ptr  # type: ignore[attr-defined]
     both(append(2))  # the buffers exist from reserve_cache_room on: the first append writes in place
     assert [ly.keys.data_ptr() for ly in _layers(roomy)] == ptr  # type: ignore[attr-defined]
@@ -241,7 +242,7 @@ def test_cache_room_grows_geometrically() -> None:
     gen = torch.Generator().manual_seed(2)
     plain, _ = _filled_cache(100)
     roomy, _ = _filled_cache(100)
-    compat.reserve_cache_room(roomy, 4)
+    kv_room.reserve_cache_room(roomy, 4)
     copies, ptr = 0, _layers(roomy)[0].keys.data_ptr()  # type: ignore[attr-defined]
     for _ in range(300):
         k, v = (torch.randn(B, H, 1, D, generator=gen) for _ in range(2))
@@ -257,12 +258,11 @@ def test_cache_room_grows_geometrically() -> None:
 
 def test_cache_room_is_capped() -> None:
     """A long cache gets at most ``ROOM_MAX`` spare columns (GPU memory), at least ``slack``."""
-    from grpo_parts import kv_room
 
     long, _ = _filled_cache(4000)
-    compat.reserve_cache_room(long, 4)
+    kv_room.reserve_cache_room(long, 4)
     short, _ = _filled_cache(2)
-    compat.reserve_cache_room(short, 4)
+    kv_room.reserve_cache_room(short, 4)
     assert _layers(long)[0]._kbuf.shape[2] == 4000 + kv_room.ROOM_MAX  # type: ignore[attr-defined]
     assert _layers(short)[0]._kbuf.shape[2] == 2 + 4  # type: ignore[attr-defined]
 
@@ -276,13 +276,13 @@ def test_drop_cache_rows_moves_the_last_live_rows_into_the_gaps(keep: list[int],
     gen = torch.Generator().manual_seed(1)
     cache, kv = _filled_cache(3)
     if roomy:
-        compat.reserve_cache_room(cache, 4)
+        kv_room.reserve_cache_room(cache, 4)
         for ly in _layers(cache):  # give the layers their buffers
             ly.update(*(torch.randn(B, H, 1, D, generator=gen) for _ in range(2)))  # type: ignore[attr-defined]
     before = [(ly.keys.clone(), ly.values.clone()) for ly in _layers(cache)]  # type: ignore[attr-defined]
     ptr = [ly.keys.data_ptr() for ly in _layers(cache)]  # type: ignore[attr-defined]
     live = torch.tensor(keep, dtype=torch.bool)
-    order = compat.drop_cache_rows(cache, live)
+    order = kv_room.drop_cache_rows(cache, live)
     assert sorted(order.tolist()) == live.nonzero().squeeze(1).tolist()
     assert all(order[i] == i for i in range(order.numel()) if keep[i])  # live rows in place stay
     for ly, (k, v) in zip(_layers(cache), before):

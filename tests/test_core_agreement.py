@@ -7,7 +7,7 @@ The one documented exception: verl's ``seq-mean-token-mean`` divides each sequen
 float64 resolves; that case is checked against the exact size of that term here, and
 ``LossConfig(seq_len_eps=1e-8)`` reproduces it exactly (tests/test_core_variants.py).
 
-verl and trl are installed by scripts/install-dev.sh, so these tests run (never skip) in CI.
+verl and trl are installed by scripts/ci/install-dev.sh, so these tests run (never skip) in CI.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ groups and groups of one.
 so the entropy/KL test composes the three ``core_algos`` calls it makes (policy loss, ``agg_loss``
 of the entropy with ``loss_agg_mode``, ``agg_loss`` of ``kl_penalty``) on padded tensors.
 The one documented difference: a singleton group under GRPO's std scaling, where verl divides by a
-float32 ``1 + eps`` (checked at that size below). verl is installed by scripts/install-dev.sh, so
+float32 ``1 + eps`` (checked at that size below). verl is installed by scripts/ci/install-dev.sh, so
 these tests run (never skip) in CI.
 """
 

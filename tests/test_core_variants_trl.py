@@ -14,7 +14,7 @@ which needs a generation backend, so it cannot be called here: ``_compute_loss``
 ``correction_weights`` for each of TRL's four modes (checking how the ratio enters the loss), and
 the weights themselves are checked against the functions that compute the same thing (verl's
 ``compute_rollout_correction_weights`` in tests/test_core_variants.py, OpenRLHF's ``PolicyLoss`` in
-tests/adapters/openrlhf/test_core_agreement_openrlhf.py). TRL is installed by scripts/install-dev.sh,
+tests/adapters/openrlhf/test_core_agreement_openrlhf.py). TRL is installed by scripts/ci/install-dev.sh,
 so these tests run (never skip) in CI.
 """
 

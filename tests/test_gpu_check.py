@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh: ``--dry-run`` (what CI can check without a GPU) and its summary writer."""
+"""scripts/gpu/gpu_check.sh: ``--dry-run`` (what CI can check without a GPU) and its summary writer."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_dry_run_lists_every_step_and_passes_its_checks(tmp_path: Path) -> None:
     # this interpreter's venv first on PATH: the script calls `grpo-parts`, which must be this venv's
-    # (scripts/test-install.sh runs the suite with a venv's python, not an activated venv)
+    # (scripts/ci/test-install.sh runs the suite with a venv's python, not an activated venv)
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_PYTHON": sys.executable, "PATH": path}
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"],
+        ["bash", str(ROOT / "scripts" / "gpu" / "gpu_check.sh"), "--dry-run"],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -50,7 +50,7 @@ def test_summary_of_a_run_reads_each_steps_numbers(tmp_path: Path) -> None:
     (tmp_path / "verl_prefix.log").write_text("| table |\n" + json.dumps(bench) + "\n")
     (tmp_path / "openrlhf.log").write_text("Terminated\n")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_check_summary.py"), str(tmp_path)],
+        [sys.executable, str(ROOT / "scripts" / "gpu" / "gpu_check_summary.py"), str(tmp_path)],
         capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 1  # a step timed out

@@ -42,7 +42,7 @@ def test_readme_python_blocks_run(code: str) -> None:
 def test_readme_names_the_test_command_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    cmd = "bash scripts/install-dev.sh && python -m pytest && bash scripts/test-vllm.sh && bash scripts/test-install.sh"
+    cmd = "bash scripts/ci/install-dev.sh && python -m pytest && bash scripts/ci/test-vllm.sh && bash scripts/ci/test-install.sh"
     assert cmd in readme, "README's test command changed: update .ci/run and this test together"
     assert cmd in ci, ".ci/run must run exactly the README's test command"
 

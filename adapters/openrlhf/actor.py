@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from openrlhf.models import Actor
 
+from grpo_parts.attention.protocol import PLAN_GRID_SLOTS, CountsAttentionCalls
 from grpo_parts.errors import NotSupportedError
 
 from .._counters import PartCounters
@@ -110,7 +111,7 @@ class GRPOPartsActor(Actor):
             0, b.group_index, plen, "amax", include_self=False
         )
         free = int(first[torch.unique(b.group_index)].sum() + clen.sum())
-        most = backend._max_chunks(hf_model(self.model))
+        most = backend.chunk_limit(hf_model(self.model))
         # the prompt groups as they are, where the backend lays them out padding-free (auto: of smaller
         # estimated cost than its grids, tokens and attention scores)
         if backend.layout != "grid" and backend.layout_for(hf_model(self.model), b)[0] == "padding_free":
@@ -118,9 +119,9 @@ class GRPOPartsActor(Actor):
             return layout, None, None
         batch = replace(b, group_index=split_long_tails(b.group_index, plen, clen))
         layout = replace(layout, batch=batch)
-        overhead, grid = None, chunk_plan(batch, backend.chunk_overhead_tokens, most)[1]["grid_slots"]
+        overhead, grid = None, chunk_plan(batch, backend.chunk_overhead_tokens, most)[1][PLAN_GRID_SLOTS]
         if grid > packed:
-            overhead, grid = 0, chunk_plan(batch, 0, most)[1]["grid_slots"]
+            overhead, grid = 0, chunk_plan(batch, 0, most)[1][PLAN_GRID_SLOTS]
         self.tokens.update(grid_tokens=int(grid), packed_tokens=packed, padding_free_tokens=free)
         if self.packing_samples and grid > packed:
             return layout, None, f"grouped layout ({int(grid)} tokens) > packed micro-batch ({packed})"
@@ -132,7 +133,8 @@ class GRPOPartsActor(Actor):
         (``varlen_cascade``, ``masked_sdpa``, ...; ``SharedPrefixAttention.attention_calls``)."""
         out = {f"parts/attention/{k}": float(v) for k, v in self.tokens.items()}
         self.tokens.clear()
-        calls = Counter(getattr(self.grpo_backend, "attention_calls", None) or {})
+        backend = self.grpo_backend
+        calls = Counter(backend.attention_calls if isinstance(backend, CountsAttentionCalls) else {})
         seen = self.__dict__.get("_calls_seen", Counter())
         out.update({f"parts/attention/calls_{k}": float(v) for k, v in (calls - seen).items()})
         self.__dict__["_calls_seen"] = calls
@@ -156,6 +158,52 @@ class GRPOPartsActor(Actor):
         if mm_inputs or getattr(self, "is_vlm", False):
             out.append("multimodal inputs")
         return out
+
+    def _plan_call(
+        self, sequences: torch.Tensor, action_mask: Any, attention_mask: Any, reasons: list[str]
+    ) -> tuple[Any, int | None, list[str]]:
+        """``(layout, chunk overhead, reasons)``: the call regrouped by prompt and bounded
+        (:meth:`_bound`), or layout None and why OpenRLHF's forward runs it instead. ``reasons``: the
+        caller's refusals so far. Every rank falls back together (:func:`_another_rank_falls_back`)."""
+        if attention_mask is None:
+            reasons.append("no attention_mask")
+        layout = None if reasons else to_logprob_batch(sequences, attention_mask, action_mask)  # type: ignore[arg-type]
+        overhead = None
+        if layout is not None:
+            layout, overhead, reason = self._bound(layout)
+            reasons += [reason] if reason else []
+        here = layout is None or bool(reasons)
+        if _another_rank_falls_back(sequences.device, here=here) and not here:
+            reasons = ["another data-parallel rank runs OpenRLHF's forward for this call"]
+        if reasons:
+            layout = None
+        return layout, overhead, reasons
+
+    def _backend_logprobs(
+        self, layout: Any, overhead: int | None, action_mask: torch.Tensor, return_entropy: bool
+    ) -> tuple[torch.Tensor, Any]:
+        """``(action_log_probs [B, A], the backend's output)``: the backend's log-probs (float32, or
+        float64 as computed) scattered back to OpenRLHF's action positions."""
+        with _overhead(self.grpo_backend, overhead):
+            out = self.grpo_backend.completion_logprobs(
+                backend_model(self.model),
+                layout.batch,
+                temperature=self.temperature,
+                compute_entropy=return_entropy,
+            )
+        lp = out.logprobs if out.logprobs.dtype == torch.float64 else out.logprobs.float()
+        return scatter_to_openrlhf(lp, layout, action_mask.shape[1]) * action_mask.to(lp.dtype), out
+
+    @staticmethod
+    def _output(out: Any, layout: Any, seq_len: int, return_entropy: bool) -> Any:
+        """OpenRLHF's ``output`` with ``entropy: [B, T-1]`` when asked."""
+        from transformers.modeling_outputs import CausalLMOutput
+
+        output = CausalLMOutput()
+        if return_entropy:
+            ent = out.entropies if out.entropies.dtype == torch.float64 else out.entropies.float()
+            output.entropy = scatter_to_openrlhf(ent, layout, seq_len - 1)
+        return output
 
     def forward(  # type: ignore[override]
         self,
@@ -184,45 +232,20 @@ class GRPOPartsActor(Actor):
         reasons = self._call_reasons(
             action_mask, return_logprobs, allgather_logits, ring_attn_group, mm_inputs
         )
-        if attention_mask is None:
-            reasons.append("no attention_mask")
-        layout = None if reasons else to_logprob_batch(sequences, attention_mask, action_mask)  # type: ignore[arg-type]
-        overhead = None
-        if layout is not None:
-            layout, overhead, reason = self._bound(layout)
-            reasons += [reason] if reason else []
-        here = layout is None or bool(reasons)
-        if _another_rank_falls_back(sequences.device, here=here) and not here:
-            reasons = ["another data-parallel rank runs OpenRLHF's forward for this call"]
-        if reasons:
-            layout = None
+        layout, overhead, reasons = self._plan_call(sequences, action_mask, attention_mask, reasons)
         if layout is None:
             self.counters.fell_back("attention", "; ".join(reasons or ["no row has an action token"]))
             return super().forward(sequences, action_mask, attention_mask, **plain_call)
         assert action_mask is not None
         self.counters.ran("attention")
-        with _overhead(self.grpo_backend, overhead):
-            out = self.grpo_backend.completion_logprobs(
-                backend_model(self.model),
-                layout.batch,
-                temperature=self.temperature,
-                compute_entropy=return_entropy,
-            )
-        lp = out.logprobs if out.logprobs.dtype == torch.float64 else out.logprobs.float()
-        action_log_probs = scatter_to_openrlhf(lp, layout, action_mask.shape[1]) * action_mask.to(lp.dtype)
+        action_log_probs, out = self._backend_logprobs(layout, overhead, action_mask, return_entropy)
         if self.check_first_batch and self.first_batch_diff is None:
             self.first_batch_diff = self._diff_to_openrlhf(
                 action_log_probs, sequences, action_mask, attention_mask, plain_call
             )
         if not return_output:
             return action_log_probs
-        from transformers.modeling_outputs import CausalLMOutput
-
-        output = CausalLMOutput()
-        if return_entropy:
-            ent = out.entropies if out.entropies.dtype == torch.float64 else out.entropies.float()
-            output.entropy = scatter_to_openrlhf(ent, layout, sequences.shape[1] - 1)
-        return action_log_probs, output
+        return action_log_probs, self._output(out, layout, sequences.shape[1], return_entropy)
 
     @torch.no_grad()
     def _diff_to_openrlhf(

@@ -131,26 +131,17 @@ class PartsConfig(BaseModel):
     # ----------------------------------------------------------------------------- builders
 
     def build_filter(self) -> Any:
-        from grpo_parts.filter import get_filter_class
+        """The filter named by ``filter``, by :func:`grpo_parts.build.build_filter`."""
+        from grpo_parts.build import build_filter
 
-        return get_filter_class(self.filter)(**self.filter_kwargs)
+        return build_filter(self.filter, kwargs=self.filter_kwargs, where="grpo_parts.filter_kwargs")
 
     def build_attention(self, model: torch.nn.Module | None = None) -> Any:
-        """The backend named by ``attention``; ``"auto"`` needs ``model`` and walks ``AUTO_PRIORITY``."""
-        from grpo_parts.attention import AUTO_PRIORITY, IMPLEMENTATIONS, get_attention_class
-        from grpo_parts.registry import choose
+        """The backend named by ``attention``, by :func:`grpo_parts.build.build_attention`; ``"auto"``
+        needs ``model`` and walks ``AUTO_PRIORITY`` (``attention_kwargs`` go to the backends that take
+        them)."""
+        from grpo_parts.build import build_attention
 
-        name = self.attention
-        if name == "auto":
-            if model is None:
-                raise GRPOPartsError("attention: 'auto' needs the model to choose a backend")
-            choice = choose(
-                IMPLEMENTATIONS,
-                AUTO_PRIORITY,
-                "attention",
-                lambda c: c().not_supported_reasons(model),
-            )
-            name = choice.name
-            if name == "reference":
-                return get_attention_class(name)()
-        return get_attention_class(name)(**self.attention_kwargs)
+        return build_attention(
+            self.attention, model, kwargs=self.attention_kwargs, where="grpo_parts.attention_kwargs"
+        )

@@ -28,10 +28,11 @@ from openrlhf.trainer.ppo_utils.experience import Experience, split_experience_b
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
+from grpo_parts.build import build_filter
 from grpo_parts.core import AdvantageConfig, group_advantages, group_stats
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.data_parallel import batch_multiple, rank_shares, round_rounds
-from grpo_parts.filter.reference import KeepAll
+from grpo_parts.filter.protocol import KEPT_FRACTION
 from grpo_parts.types import ScoredBatch
 
 from .._counters import PartCounters
@@ -114,7 +115,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         self.adv_config = AdvantageConfig.model_validate(
             {**base, "reward_clip": tuple(clip) if clip else None}
         )
-        self.completion_filter = completion_filter if completion_filter is not None else KeepAll()
+        self.completion_filter = build_filter("keep_all" if completion_filter is None else completion_filter)
         self.samples_generator = samples_generator
         self.generate_kwargs = dict(generate_kwargs or {})
         self.refill_rounds = refill_rounds
@@ -172,7 +173,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             self.counters.ran("filter")
             (kept,) = self._round([scored], [res.kept])
             self.last_info = {
-                "kept_fraction": kept.numel() / max(target, 1),
+                KEPT_FRACTION: kept.numel() / max(target, 1),
                 "refill_prompts": 0.0,
                 "rounded_rows": float(self.rounded_rows),
             }

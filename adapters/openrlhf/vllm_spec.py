@@ -12,7 +12,7 @@ Draft weight sync: OpenRLHF broadcasts every policy parameter to the engines aft
 shares with the policy (token embedding, LM head) into the drafter, so the draft never reads stale
 embeddings. n-gram drafts need no sync. Pushing separately trained draft weights (online draft
 learning) is not wired here. Everything in this module except the kwargs plumbing needs a GPU and
-vLLM; the CPU tests check the plumbing only (docs/adapters/openrlhf.md, scripts/openrlhf_gpu_smoke.sh).
+vLLM; the CPU tests check the plumbing only (docs/adapters/openrlhf.md, scripts/gpu/openrlhf_gpu_smoke.sh).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""grpo_parts in TRL 1.16's ``GRPOTrainer`` (``pip install -e .[trl]``).
+"""grpo_parts in TRL 1.16's ``GRPOTrainer``: ``pip install -e '.[trl]'`` in a checkout (by name:
+``pip install 'grpo-parts[trl]'``).
 
 ::
 

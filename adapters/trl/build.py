@@ -1,13 +1,13 @@
-"""Building parts by name and the one-call helper :func:`make_trainer`."""
+"""Building parts by name (:func:`build_part`, a thin call of :mod:`grpo_parts.build`) and the
+one-call helper :func:`make_trainer`."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_parts import build as parts_build
 from grpo_parts.errors import GRPOPartsError
 
 from .options import TRLPartsOptions
@@ -15,27 +15,25 @@ from .options import TRLPartsOptions
 if TYPE_CHECKING:
     from .trainer import GRPOPartsTrainer
 
+#: ``build_part``'s ``kind`` -> (grpo_parts part, the trainer argument of its kwargs)
+KINDS: dict[str, tuple[str, str]] = {
+    "sampler": ("sampler", "sampler_kwargs"),
+    "draft": ("draft", "draft_kwargs"),
+    "attention": ("attention", "attention_kwargs"),
+    "completion_filter": ("filter", "filter_kwargs"),
+}
+
 
 def build_part(kind: str, spec: Any, model: torch.nn.Module, kwargs: dict[str, Any] | None = None) -> Any:
-    """An instance stays as is; a name is looked up in the part's ``IMPLEMENTATIONS`` table and built
-    with ``kwargs`` (plus the policy ``model`` where the constructor takes one)."""
-    if spec is None or not isinstance(spec, str):
-        if kwargs:
-            raise GRPOPartsError(
-                f"{kind}_kwargs: only used when {kind} is given by name, got {sorted(kwargs)}"
-            )
-        return spec
-    mod = importlib.import_module(f"grpo_parts.{'filter' if kind == 'completion_filter' else kind}")
-    getter = {"sampler": "get_sampler_class", "draft": "get_draft_class"}
-    getter |= {"attention": "get_attention_class", "completion_filter": "get_filter_class"}
-    cls = getattr(mod, getter[kind])(spec)
+    """An instance (or ``None``: TRL's own path) stays as is; a name is built by
+    :func:`grpo_parts.build.build_part` on the policy ``model`` with ``kwargs`` (a sampler's
+    ``kwargs`` may carry its ``draft`` instance)."""
+    if kind not in KINDS:
+        raise GRPOPartsError(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
+    part, where = KINDS[kind]
     kw = dict(kwargs or {})
-    # samplers take the policy as ``model``; learnable drafts as ``policy`` (a frozen draft's
-    # ``model`` is the draft LM itself, which the user must give in draft_kwargs)
-    name = {"sampler": "model", "draft": "policy"}.get(kind)
-    if name is not None and name in inspect.signature(cls).parameters and name not in kw:
-        kw[name] = model
-    return cls(**kw)
+    draft = kw.pop("draft", None) if part == "sampler" and isinstance(spec, str) else None
+    return parts_build.build_part(part, spec, model, kwargs=kw, draft=draft, where=where)
 
 
 def make_trainer(

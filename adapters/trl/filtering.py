@@ -140,62 +140,69 @@ class FilterSeam(GRPOTrainer):
             col.extend([None] * missing)
         col.extend(values)
 
-    def _generate_and_score_completions(self, inputs: Any) -> Any:
-        mode = self._gp_mode()
-        if self.gp_filter is None or mode != "train":
-            out = super()._generate_and_score_completions(inputs)
-            if mode == "train":
-                self._gp_count("filter", served=False)
-            elif self.gp_filter is not None:  # eval batches are not filtered: every row counts
-                self._gp_log_kept([torch.ones(out["completion_ids"].shape[0], dtype=torch.bool)])
-            return out
-        opts, g = self.parts_options, int(self.num_generations or 1)
-        out, deferred, scored = self._gp_score(inputs)
+    def _gp_unfiltered(self, inputs: Any, mode: str) -> Any:
+        """TRL's batch as is: no filter, or an eval batch (every row logged as kept)."""
+        out = super()._generate_and_score_completions(inputs)
+        if mode == "train":
+            self._gp_count("filter", served=False)
+        elif self.gp_filter is not None:  # eval batches are not filtered: every row counts
+            self._gp_log_kept([torch.ones(out["completion_ids"].shape[0], dtype=torch.bool)])
+        return out
+
+    def _gp_refill(
+        self, chunks: list[Chunk[Any]], n: int, g: int
+    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """Kept rows per chunk and the refill's info: round 1 is the batch TRL's dataloader gave us
+        (``chunks[0]``), later rounds score more prompts from the stream (appended to ``chunks``)."""
+        opts = self.parts_options
+
+        def produce(num_prompts: int) -> Chunk[Any] | None:
+            if not produced:  # round 1 is the batch TRL's dataloader gave us
+                produced.append(True)
+                return chunks[0]
+            extra = [copy.deepcopy(row) for row in self._gp_next_prompts(num_prompts) for _ in range(g)]
+            o, d, s = self._gp_score(extra)
+            chunks.append(Chunk((o, d), s, num_prompts))
+            return chunks[-1]
+
+        produced: list[bool] = []
+        refiller = Refiller(
+            target_size=opts.refill_target_size or n,
+            initial_prompts=chunks[0].num_prompts,
+            max_rounds=opts.max_refill_rounds,
+            max_prompts=opts.max_refill_prompts,
+        )
+        outcome = refiller.fill(self.gp_filter, produce)
+        kept_by_chunk = {id(sel.chunk): sel.kept for sel in outcome.selections}
+        kept = [kept_by_chunk.get(id(c), torch.zeros(0, dtype=torch.long)) for c in chunks]
+        for _ in chunks:
+            self._gp_count("filter", served=True)
+        return kept, dict(outcome.info)
+
+    def _gp_select(
+        self, chunks: list[Chunk[Any]], g: int, mode: str
+    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """Kept rows per chunk and the filter's info: every row when the filter refuses the batch
+        (unless strict), else the filter's choice, refilled when ``refill`` is on."""
+        scored = chunks[0].scored
         n = scored.size
-        chunks: list[Chunk[Any]] = [Chunk((out, deferred), scored, max(1, n // g))]
         reasons = list(self.gp_filter.not_supported_reasons(scored))
         if reasons:
-            if opts.strict:
+            if self.parts_options.strict:
                 raise NotSupportedError(f"completion_filter {self.gp_filter.name!r}", reasons)
             self._gp_counters.fell_back("filter", "; ".join(reasons), mode=mode)
-            kept, info = [torch.arange(n, device=scored.rewards.device)], {}
-        elif opts.refill:
+            return [torch.arange(n, device=scored.rewards.device)], {}
+        if self.parts_options.refill:
+            return self._gp_refill(chunks, n, g)
+        res = self.gp_filter.select(scored, None)
+        self._gp_count("filter", served=True)
+        return [res.kept], dict(res.info)
 
-            def produce(num_prompts: int) -> Chunk[Any] | None:
-                if not produced:  # round 1 is the batch TRL's dataloader gave us
-                    produced.append(True)
-                    return chunks[0]
-                extra = [copy.deepcopy(row) for row in self._gp_next_prompts(num_prompts) for _ in range(g)]
-                o, d, s = self._gp_score(extra)
-                chunks.append(Chunk((o, d), s, num_prompts))
-                return chunks[-1]
-
-            produced: list[bool] = []
-            refiller = Refiller(
-                target_size=opts.refill_target_size or n,
-                initial_prompts=chunks[0].num_prompts,
-                max_rounds=opts.max_refill_rounds,
-                max_prompts=opts.max_refill_prompts,
-            )
-            outcome = refiller.fill(self.gp_filter, produce)
-            kept_by_chunk = {id(sel.chunk): sel.kept for sel in outcome.selections}
-            kept = [kept_by_chunk.get(id(c), torch.zeros(0, dtype=torch.long)) for c in chunks]
-            info = dict(outcome.info)
-            for _ in chunks:
-                self._gp_count("filter", served=True)
-        else:
-            res = self.gp_filter.select(scored, None)
-            kept, info = [res.kept], dict(res.info)
-            self._gp_count("filter", served=True)
-        no_loss: list[torch.Tensor] = [self._gp_loss_mask(c.payload[0]).sum(-1) == 0 for c in chunks]
-        kept = drop_no_loss_rows(kept, no_loss)
-        kept, changed = round_kept(
-            [c.scored for c in chunks],
-            kept,
-            self.args.steps_per_generation,  # type: ignore[attr-defined]
-            opts.filter_remainder,
-            no_loss,
-        )
+    def _gp_kept_parts(
+        self, chunks: list[Chunk[Any]], kept: list[torch.Tensor]
+    ) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+        """Each chunk's batch sliced to its kept rows, with the postponed no-grad forwards run on
+        those rows only; and each chunk's kept flag per row (for the completions table)."""
         parts, flags = [], []
         for chunk, rows in zip(chunks, kept):
             flag = torch.zeros(chunk.scored.size, dtype=torch.bool)
@@ -212,6 +219,26 @@ class FilterSeam(GRPOTrainer):
                         model, ids[idx], mask[idx], keep, bs, **mm
                     )[0]
             parts.append(sub)
+        return parts, flags
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        mode = self._gp_mode()
+        if self.gp_filter is None or mode != "train":
+            return self._gp_unfiltered(inputs, mode)
+        g = int(self.num_generations or 1)
+        out, deferred, scored = self._gp_score(inputs)
+        chunks: list[Chunk[Any]] = [Chunk((out, deferred), scored, max(1, scored.size // g))]
+        kept, info = self._gp_select(chunks, g, mode)
+        no_loss: list[torch.Tensor] = [self._gp_loss_mask(c.payload[0]).sum(-1) == 0 for c in chunks]
+        kept = drop_no_loss_rows(kept, no_loss)
+        kept, changed = round_kept(
+            [c.scored for c in chunks],
+            kept,
+            self.args.steps_per_generation,  # type: ignore[attr-defined]
+            self.parts_options.filter_remainder,
+            no_loss,
+        )
+        parts, flags = self._gp_kept_parts(chunks, kept)
         self._gp_log_kept(flags)
         batch = concat_batches(parts, int(self._tokenizer.pad_token_id))
         batch["num_items_in_batch"] = self.accelerator.gather(self._gp_loss_mask(batch).sum()).sum()

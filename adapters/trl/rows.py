@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch
+from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch, RankAgreeing
 from grpo_parts.attention.shared_prefix.chunking import agree_on_calls, empty_call_batch, ranks_of
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.data_parallel import round_to_multiple
@@ -42,6 +42,107 @@ def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torc
     a shared-prefix backend only needs rows of a group to carry the same prompt."""
     key = prompt_ids.masked_fill(prompt_mask == 0, -1)
     return torch.unique(key, dim=0, return_inverse=True)[1].to(torch.long)
+
+
+def _live_rows_logprobs(
+    live: torch.Tensor,
+    backend: AttentionBackend,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    temperature: float,
+    compute_entropy: bool,
+    batch_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`regrouped_logprobs` of the ``live`` rows only (those with a completion token), zeros
+    at every position of the others; all zeros, without a forward, when no row is live."""
+    n = input_ids.shape[0]
+    if not bool(live.any()):
+        zeros = torch.zeros(n, logits_to_keep, device=input_ids.device)
+        return zeros, (zeros.clone() if compute_entropy else None)
+    idx = live.nonzero().flatten()
+    lp, ent = regrouped_logprobs(
+        backend,
+        model,
+        input_ids[idx],
+        attention_mask[idx],
+        logits_to_keep,
+        temperature,
+        compute_entropy,
+        batch_size,
+    )
+    lp = lp.new_zeros(n, logits_to_keep).index_copy(0, idx, lp)
+    ent = None if ent is None else ent.new_zeros(n, logits_to_keep).index_copy(0, idx, ent)
+    return lp, ent
+
+
+def _group_chunks(group: torch.Tensor, batch_size: int | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(order, chunks)``: the rows sorted by group (stable), cut into chunks of whole groups of
+    about ``batch_size`` rows (all rows when None); a group is never split."""
+    n = group.shape[0]
+    order = torch.sort(group, stable=True).indices
+    chunks: list[torch.Tensor] = []
+    limit = batch_size or n
+    start = 0
+    sorted_group = group[order].tolist()
+    while start < n:
+        end = min(start + limit, n)
+        while end < n and sorted_group[end] == sorted_group[end - 1]:
+            end += 1  # never split a group
+        chunks.append(order[start:end])
+        start = end
+    return order, chunks
+
+
+def _call_chunks(
+    backend: AttentionBackend,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    p: int,
+    group: torch.Tensor,
+    chunks: list[torch.Tensor],
+    temperature: float,
+    compute_entropy: bool,
+) -> tuple[list[torch.Tensor], list[Any], LogprobBatch | None]:
+    """One backend call per chunk of rows (``p``: prompt columns): the log-probs and entropies of
+    each call, and the last call's batch (what empty calls are shaped after, :func:`_with_empty_calls`;
+    None without chunks)."""
+    prompt_ids, prompt_mask = input_ids[:, :p], attention_mask[:, :p]
+    completion_ids, completion_mask = input_ids[:, p:], attention_mask[:, p:]
+    out_logps, out_ents = [], []
+    batch = None
+    for rows in chunks:
+        batch = LogprobBatch(
+            prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows], group[rows]
+        )
+        res = backend.completion_logprobs(
+            model, batch, temperature=temperature, compute_entropy=compute_entropy
+        )
+        out_logps.append(res.logprobs)
+        out_ents.append(res.entropies)
+    return out_logps, out_ents, batch
+
+
+def _with_empty_calls(
+    logps: torch.Tensor,
+    backend: AttentionBackend,
+    model: torch.nn.Module,
+    batch: LogprobBatch | None,
+    temperature: float,
+    extra: int,
+) -> torch.Tensor:
+    """``logps`` plus ``extra`` empty backend calls, in the graph times zero (their backward runs
+    too), so this rank makes as many calls as the others (:func:`_extra_calls`)."""
+    if not extra:
+        return logps
+    assert batch is not None  # a batch of >= 1 row makes >= 1 call
+    empty = empty_call_batch(batch)
+    return logps + sum(
+        backend.completion_logprobs(model, empty, temperature=temperature).logprobs.sum() * 0.0
+        for _ in range(extra)
+    )
 
 
 def regrouped_logprobs(
@@ -77,65 +178,33 @@ def regrouped_logprobs(
         )
     live = attention_mask[:, p:].bool().any(-1)
     if not bool(live.all()):
-        if not bool(live.any()):
-            zeros = torch.zeros(n, logits_to_keep, device=input_ids.device)
-            return zeros, (zeros.clone() if compute_entropy else None)
-        idx = live.nonzero().flatten()
-        lp, ent = regrouped_logprobs(
+        return _live_rows_logprobs(
+            live,
             backend,
             model,
-            input_ids[idx],
-            attention_mask[idx],
+            input_ids,
+            attention_mask,
             logits_to_keep,
             temperature,
             compute_entropy,
             batch_size,
         )
-        lp = lp.new_zeros(n, logits_to_keep).index_copy(0, idx, lp)
-        ent = None if ent is None else ent.new_zeros(n, logits_to_keep).index_copy(0, idx, ent)
-        return lp, ent
-    prompt_ids, prompt_mask = input_ids[:, :p], attention_mask[:, :p]
-    completion_ids, completion_mask = input_ids[:, p:], attention_mask[:, p:]
-    group = group_by_prompt(prompt_ids, prompt_mask)
-    order = torch.sort(group, stable=True).indices
-    chunks: list[torch.Tensor] = []
-    limit = batch_size or n
-    start = 0
-    sorted_group = group[order].tolist()
-    while start < n:
-        end = min(start + limit, n)
-        while end < n and sorted_group[end] == sorted_group[end - 1]:
-            end += 1  # never split a group
-        chunks.append(order[start:end])
-        start = end
-    ents = None
-    out_logps, out_ents = [], []
+    group = group_by_prompt(input_ids[:, :p], attention_mask[:, :p])
+    order, chunks = _group_chunks(group, batch_size)
     extra = _extra_calls(backend, len(chunks), input_ids.device)  # before any call: collectives
-    for rows in chunks:
-        batch = LogprobBatch(
-            prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows], group[rows]
-        )
-        res = backend.completion_logprobs(
-            model, batch, temperature=temperature, compute_entropy=compute_entropy
-        )
-        out_logps.append(res.logprobs)
-        out_ents.append(res.entropies)
+    out_logps, out_ents, batch = _call_chunks(
+        backend, model, input_ids, attention_mask, p, group, chunks, temperature, compute_entropy
+    )
     inv = torch.empty_like(order)
     inv[order] = torch.arange(n, device=order.device)
-    logps = torch.cat(out_logps, dim=0)[inv]
-    if extra:  # empty calls, in the graph times zero (their backward runs too)
-        empty = empty_call_batch(batch)
-        logps = logps + sum(
-            backend.completion_logprobs(model, empty, temperature=temperature).logprobs.sum() * 0.0
-            for _ in range(extra)
+    logps = _with_empty_calls(torch.cat(out_logps, dim=0)[inv], backend, model, batch, temperature, extra)
+    if not compute_entropy:
+        return logps, None
+    if any(e is None for e in out_ents):
+        raise GRPOPartsError(
+            f"{type(backend).__name__}.completion_logprobs: compute_entropy=True but got no entropies"
         )
-    if compute_entropy:
-        if any(e is None for e in out_ents):
-            raise GRPOPartsError(
-                f"{type(backend).__name__}.completion_logprobs: compute_entropy=True but got no entropies"
-            )
-        ents = torch.cat([e for e in out_ents if e is not None], dim=0)[inv]
-    return logps, ents
+    return logps, torch.cat([e for e in out_ents if e is not None], dim=0)[inv]
 
 
 def _extra_calls(backend: Any, calls: int, device: torch.device) -> int:
@@ -143,7 +212,7 @@ def _extra_calls(backend: Any, calls: int, device: torch.device) -> int:
     as many as the rank that makes the most (one all-reduce; 0 on one process). Every call runs
     collectives (ZeRO-3 / FSDP gather parameters in each forward, the backends agree on their plans),
     and a rank's chunk count depends on how its groups fall: TRL deals rows, not groups, to the ranks."""
-    group = getattr(backend, "rank_group", None)
+    group = backend.rank_group if isinstance(backend, RankAgreeing) else None
     if ranks_of(group) <= 1:
         return 0
     return agree_on_calls(calls, group, device) - calls

@@ -31,13 +31,14 @@ from typing import Any
 import torch
 import trl
 
+from grpo_parts.attention.protocol import RankAgreeing
 from grpo_parts.attention.shared_prefix.backend import select_attention
+from grpo_parts.build import build_attention, build_part, choose_attention
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 
 from .._counters import PartCounters
 from .._wrapped import backend_model
-from .build import build_part
 from .filtering import FilterSeam
 from .options import (
     TRLPartsOptions,
@@ -110,14 +111,14 @@ class GRPOPartsTrainer(FilterSeam):
         self._gp_stream: Iterator[dict[str, Any]] | None = None
         policy = self.accelerator.unwrap_model(self.model)
 
-        if sampler is not None and draft is not None and isinstance(sampler, str):
-            sampler_kwargs = {
-                "draft": build_part("draft", draft, policy, draft_kwargs),
-                **(sampler_kwargs or {}),
-            }
-        elif draft is not None:
+        # every part by grpo_parts.build (the same builder as grpo_parts_adapters.trl.build.build_part)
+        if draft is not None and not isinstance(sampler, str):
             raise GRPOPartsError("draft: only used with a sampler given by name (e.g. sampler='speculative')")
-        s = build_part("sampler", sampler, policy, sampler_kwargs)
+        d = build_part("draft", draft, policy, kwargs=draft_kwargs, where="draft_kwargs")
+        skw = dict(sampler_kwargs or {})
+        if isinstance(sampler, str) and "draft" in skw:
+            d = skw.pop("draft")  # a draft instance in sampler_kwargs, as before
+        s = build_part("sampler", sampler, policy, kwargs=skw, draft=d, where="sampler_kwargs")
         s_reasons = sampler_config_reasons(self)
         if s is not None and not s_reasons:
             s_reasons = list(
@@ -126,15 +127,16 @@ class GRPOPartsTrainer(FilterSeam):
         self.gp_sampler = self._gp_accept("sampler", s, s_reasons)
 
         if attention == "auto":
-            attention = self._gp_auto_attention(policy, attention_kwargs)
-        a = build_part("attention", attention, policy, attention_kwargs)
+            a = self._gp_auto_attention(policy, attention_kwargs)
+        else:
+            a = build_part("attention", attention, policy, kwargs=attention_kwargs, where="attention_kwargs")
         a_reasons = attention_config_reasons(self)
         if a is not None and not a_reasons:
             with _training(policy):
                 a_reasons = list(a.not_supported_reasons(policy))
         self.gp_attention = self._gp_accept("attention", a, a_reasons)
 
-        f = build_part("completion_filter", completion_filter, policy, filter_kwargs)
+        f = build_part("filter", completion_filter, policy, kwargs=filter_kwargs, where="filter_kwargs")
         self.gp_filter = self._gp_accept(
             "completion_filter", f, filter_config_reasons(self, self.parts_options)
         )
@@ -142,14 +144,11 @@ class GRPOPartsTrainer(FilterSeam):
 
     # ------------------------------------------------------------------------------------- helpers
 
-    def _gp_auto_attention(self, policy: torch.nn.Module, kwargs: dict[str, Any] | None) -> str | None:
-        """``attention="auto"``: the first backend of ``AUTO_PRIORITY`` that supports this trainer
-        and model; ``None`` (TRL's own forward) when TRL's config rules every backend out. The choice
-        is logged at INFO; anything but the first of ``AUTO_PRIORITY`` at WARNING, with the reasons,
-        and its forwards count as fallbacks."""
-        from grpo_parts.attention import AUTO_PRIORITY, IMPLEMENTATIONS
-        from grpo_parts.registry import choose
-
+    def _gp_auto_attention(self, policy: torch.nn.Module, kwargs: dict[str, Any] | None) -> Any:
+        """``attention="auto"``: the backend :func:`grpo_parts.build.choose_attention` chooses for
+        this model (checked in train mode), built; ``None`` (TRL's own forward) when TRL's config
+        rules every backend out. The choice is logged there, at INFO; anything but the first of
+        ``AUTO_PRIORITY`` also at WARNING, with the reasons, and its forwards count as fallbacks."""
         config_reasons = attention_config_reasons(self)
         if config_reasons:
             self.parts_choice["attention"] = "TRL's own forward: " + "; ".join(config_reasons)
@@ -159,19 +158,13 @@ class GRPOPartsTrainer(FilterSeam):
             self._gp_counters.note("attention", self._gp_off["attention"])
             return None
         with _training(policy):
-            choice = choose(
-                IMPLEMENTATIONS,
-                AUTO_PRIORITY,
-                "attention",
-                lambda cls: list(cls(**(kwargs or {})).not_supported_reasons(policy)),
-            )
+            choice, chosen_kwargs = choose_attention(policy, kwargs, logger=logger)
         self.parts_choice["attention"] = choice.explain()
-        logger.info("grpo_parts: attention='auto' %s", choice.explain().replace("\n", "; "))
-        if choice.name != AUTO_PRIORITY[0]:
+        if choice.refused:  # not the first of AUTO_PRIORITY
             refused = "; ".join(f"{n} refused: {', '.join(r)}" for n, r in choice.refused.items())
             self._gp_off["attention"] = f"attention='auto' chose {choice.name!r} ({refused})"
             self._gp_counters.note("attention", self._gp_off["attention"])
-        return choice.name
+        return build_attention(choice.name, policy, kwargs=chosen_kwargs)
 
     def _gp_accept(self, part: str, obj: Any, reasons: list[str]) -> Any:
         if obj is None:
@@ -341,7 +334,8 @@ class GRPOPartsTrainer(FilterSeam):
         from grpo_parts.attention.shared_prefix.chunking import agree_max, ranks_of
 
         dead = not bool(completion_mask.any())
-        group = getattr(self.gp_attention, "rank_group", None)
+        attention = self.gp_attention
+        group = attention.rank_group if isinstance(attention, RankAgreeing) else None
         if ranks_of(group) > 1 and bool(agree_max([int(dead)], group, completion_mask.device)[0]):
             return (
                 "a batch whose every completion is masked (mask_truncated_completions) on this or another "

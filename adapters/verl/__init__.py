@@ -1,4 +1,5 @@
-"""grpo_parts as a verl 0.9.1 plugin (``pip install -e .[verl]`` plus ``pip install --no-deps verl==0.9.1``).
+"""grpo_parts as a verl 0.9.1 plugin: ``pip install -e '.[verl]'`` in a checkout (by name:
+``pip install 'grpo-parts[verl]'``), plus ``pip install --no-deps verl==0.9.1``.
 
 Importing this package imports nothing from verl. Importing :mod:`grpo_parts_adapters.verl.plugin`
 registers every part with verl's own registries (verl loads it through the ``verl.plugins`` entry

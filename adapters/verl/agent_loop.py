@@ -30,8 +30,8 @@ import torch
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.workers.rollout.replica import TokenOutput
 
+from grpo_parts import build as parts_build
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.sampler import get_sampler_class
 from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
 
 NAME = "grpo_parts_agent"
@@ -159,25 +159,15 @@ _LOCAL_SERVERS: dict[tuple[str, str, str], SamplerServer] = {}  # one model per 
 def build_sampler(
     name: str, model: torch.nn.Module, draft: str | None = None, draft_factory: str | None = None
 ) -> Sampler:
-    """A grpo_parts sampler by name. Samplers that take a draft get ``draft_factory(policy)``
-    (``"module:function"``) or, without a factory, the draft class ``draft`` built from the policy
-    when its constructor needs a model (e.g. ``frozen_lm``) and with no arguments otherwise."""
-    cls = get_sampler_class(name)
-    if draft is None and draft_factory is None:
-        return cls(model)
+    """A grpo_parts sampler by name (:func:`grpo_parts.build.build_sampler`). Samplers that take a
+    draft get ``draft_factory(policy)`` (``"module:function"``) or, without a factory, the draft
+    ``draft`` by name (:func:`grpo_parts.build.build_draft`: on the policy when its constructor
+    takes a model, e.g. ``frozen_lm``, with no arguments otherwise)."""
     if draft_factory is not None:
-        return cls(model, draft=_load(draft_factory)(model))
-    import inspect
-
-    from grpo_parts.draft import get_draft_class
-
-    dcls = get_draft_class(draft or "")
-    needs = [
-        p
-        for p in list(inspect.signature(dcls.__init__).parameters.values())[1:]
-        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    return cls(model, draft=dcls(model) if needs else dcls())
+        made = _load(draft_factory)(model)
+    else:
+        made = parts_build.build_draft(draft, model, where="draft")
+    return parts_build.build_sampler(name, model, draft=made, where="sampler")
 
 
 class GrpoPartsAgentLoop(AgentLoopBase):

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from grpo_parts.attention import get_attention_class
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch
 from grpo_parts.attention.shared_prefix.packed import packed_completion_logprobs, unpack
+from grpo_parts.build import build_attention
 from grpo_parts.errors import GRPOPartsError, check_tensor
 
 from .advantage import uid_to_group_index
@@ -172,7 +172,8 @@ def call_batch(ids: torch.Tensor, cu: torch.Tensor, plan: CallPlan, rows: torch.
 
 
 def resolve_backend(backend: str | AttentionBackend) -> AttentionBackend:
-    return get_attention_class(backend)() if isinstance(backend, str) else backend
+    """A backend by name (built by :func:`grpo_parts.build.build_attention`), or the instance as is."""
+    return build_attention(backend)
 
 
 def _scalar_temperature(temperature: float | torch.Tensor) -> float:
@@ -204,6 +205,82 @@ def _empty_call(
     return out.logprobs.sum() * 0.0
 
 
+def _checked_packing(
+    input_ids: torch.Tensor, cu_seqlens: torch.Tensor, response_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [nnz], cu [B + 1], resp [B], lens [B])`` on the tokens' device, checked: offsets
+    ``0 .. nnz`` non-decreasing, every sequence at least one prompt token long."""
+    ids = input_ids.reshape(-1)
+    check_tensor("input_ids", ids, ndim=1, dtype="int")
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtype="int")
+    b = cu_seqlens.numel() - 1
+    check_tensor("response_lens", response_lens, shape=[b], dtype="int")
+    cu = cu_seqlens.to(ids.device).long()
+    resp = response_lens.to(ids.device).long()
+    lens = cu.diff()
+    if int(cu[0]) != 0 or int(cu[-1]) != ids.numel() or bool((lens < 0).any()):
+        raise GRPOPartsError(f"cu_seqlens: expected 0 .. {ids.numel()} non-decreasing, got {cu.tolist()}")
+    bad = ((lens - resp < 1) | (resp < 0)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise GRPOPartsError(
+            f"response_lens[{i}]: expected 0 <= value < sequence length {int(lens[i])} (>= 1 prompt token), "
+            f"got {int(resp[i])}"
+        )
+    return ids, cu, resp, lens
+
+
+def _run_calls(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    cu: torch.Tensor,
+    lens: torch.Tensor,
+    plan: CallPlan,
+    impl: AttentionBackend,
+    temp: float,
+    compute_entropy: bool,
+) -> tuple[list[torch.Tensor], list[Any], list[Any]]:
+    """One backend call per ``plan.calls`` entry (sequences with an empty response have nothing to
+    score: left out). Returns, per call, the packed positions of its tokens, its log-probs and its
+    entropies (None unless asked)."""
+    b = cu.numel() - 1
+    seq = torch.repeat_interleave(torch.arange(b, device=ids.device), lens)
+    where, lps, ents = [], [], []
+    for rows in plan.calls:
+        in_call = torch.zeros(b, dtype=torch.bool, device=ids.device)
+        in_call[rows] = True
+        tok = in_call[seq]
+        sub_cu = torch.cat([cu.new_zeros(1), lens[in_call].cumsum(0)])
+        out = packed_completion_logprobs(
+            model,
+            ids[tok],
+            sub_cu,
+            plan.prompt_lens[in_call],
+            plan.group_index[in_call],
+            backend=impl,
+            temperature=temp,
+            compute_entropy=compute_entropy,
+        )
+        where.append(tok.nonzero().reshape(-1))
+        lps.append(out.logprobs)
+        ents.append(out.entropies)
+    return where, lps, ents
+
+
+def _rolled(
+    parts: list[Any], where: list[torch.Tensor], nnz: int, zero: Any, device: torch.device
+) -> torch.Tensor:
+    """The calls' per-token values scattered to their packed positions in verl's rolled layout.
+    Position i of a sequence holds log p(token i); verl's rolled layout wants it at i - 1. The
+    element rolled in at each sequence's last position is a prompt token's 0. ``zero``: the empty
+    calls' zero, added to keep them in the graph."""
+    if not parts:
+        return torch.zeros(nnz, device=device) + zero
+    x = torch.cat(parts)
+    full = x.new_zeros(nnz).index_put((torch.cat(where),), x)  # differentiable scatter
+    return torch.roll(full, shifts=-1) + zero
+
+
 def packed_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -222,58 +299,13 @@ def packed_logprobs(
     :func:`plan_calls` (default: one call). ``model_calls``: backend calls to make in all (what the
     data-parallel ranks agreed on, >= the plan's): the extra ones are empty calls (:func:`_empty_call`)."""
     temp = _scalar_temperature(temperature)
-    ids = input_ids.reshape(-1)
-    check_tensor("input_ids", ids, ndim=1, dtype="int")
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtype="int")
-    b = cu_seqlens.numel() - 1
-    check_tensor("response_lens", response_lens, shape=[b], dtype="int")
-    cu = cu_seqlens.to(ids.device).long()
-    resp = response_lens.to(ids.device).long()
-    lens = cu.diff()
-    if int(cu[0]) != 0 or int(cu[-1]) != ids.numel() or bool((lens < 0).any()):
-        raise GRPOPartsError(f"cu_seqlens: expected 0 .. {ids.numel()} non-decreasing, got {cu.tolist()}")
-    bad = ((lens - resp < 1) | (resp < 0)).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        raise GRPOPartsError(
-            f"response_lens[{i}]: expected 0 <= value < sequence length {int(lens[i])} (>= 1 prompt token), "
-            f"got {int(resp[i])}"
-        )
+    ids, cu, resp, lens = _checked_packing(input_ids, cu_seqlens, response_lens)
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
     plan = plan or plan_calls(ids, cu, resp, group_keys, name)
     impl = resolve_backend(backend)
-    nnz = ids.numel()
-    seq = torch.repeat_interleave(torch.arange(b, device=ids.device), lens)
-    where, lps, ents = [], [], []
-    for rows in plan.calls:  # sequences with an empty response have nothing to score: left out
-        in_call = torch.zeros(b, dtype=torch.bool, device=ids.device)
-        in_call[rows] = True
-        tok = in_call[seq]
-        sub_cu = torch.cat([cu.new_zeros(1), lens[in_call].cumsum(0)])
-        out = packed_completion_logprobs(
-            model,
-            ids[tok],
-            sub_cu,
-            plan.prompt_lens[in_call],
-            plan.group_index[in_call],
-            backend=impl,
-            temperature=temp,
-            compute_entropy=compute_entropy,
-        )
-        where.append(tok.nonzero().reshape(-1))
-        lps.append(out.logprobs)
-        ents.append(out.entropies)
+    where, lps, ents = _run_calls(model, ids, cu, lens, plan, impl, temp, compute_entropy)
     extra = max(0, (model_calls or 0) - len(plan.calls))
     zero = sum(_empty_call(model, ids, cu, resp, impl) for _ in range(extra))
-
-    def assemble(parts: list[Any]) -> torch.Tensor:
-        # position i of a sequence holds log p(token i); verl's rolled layout wants it at i - 1. The
-        # element rolled in at each sequence's last position is a prompt token's 0.
-        if not parts:
-            return torch.zeros(nnz, device=ids.device) + zero
-        x = torch.cat(parts)
-        full = x.new_zeros(nnz).index_put((torch.cat(where),), x)  # differentiable scatter
-        return torch.roll(full, shifts=-1) + zero
-
-    entropy = assemble(ents) if compute_entropy else None
-    return PackedLogprobs(assemble(lps), entropy)
+    nnz = ids.numel()
+    entropy = _rolled(ents, where, nnz, zero, ids.device) if compute_entropy else None
+    return PackedLogprobs(_rolled(lps, where, nnz, zero, ids.device), entropy)

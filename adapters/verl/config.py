@@ -15,81 +15,36 @@ The options travel with the engine config this actor/ref config hands to its FSD
 verl's ``CriticConfig`` and never carries them. Settings the shared-prefix path cannot honour are
 refused here, when verl builds the config (the driver's ``validate_config`` for the actor, worker
 start-up for the reference), with the reason -- never once per micro-batch.
+
+A config that switches attention on is where the engine is set up in a verl worker (Hydra builds
+it from ``_target_`` before the engine; nothing else of ours runs there), so
+:meth:`FSDPActorConfig.__post_init__` installs the engine hook explicitly
+(:func:`.engine.install_engine_hook`, idempotent). The options themselves live in :mod:`.options`,
+which the engine reads: the engine does not import this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from verl.workers.config import FSDPActorConfig as _VerlFSDPActorConfig
 
 from grpo_parts.errors import NotSupportedError
 
+from .options import ENGINE_ATTR, EngineOptions, options_of
+
 TARGET = "grpo_parts_adapters.verl.config.FSDPActorConfig"
-#: attribute of verl's engine config that carries :class:`EngineOptions` to the engine
-ENGINE_ATTR = "grpo_parts"
 
-
-class EngineOptions(BaseModel):
-    """``actor_rollout_ref.{actor,ref}.grpo_parts.*``.
-
-    ``attention``: a grpo_parts attention backend (``shared_prefix``; ``reference`` re-encodes the
-    prompt per row, for checking) or None (verl's own forward). ``kernel``: the shared-prefix
-    kernel (``auto``, ``sdpa``, ``flex``, ``eager``). ``merge_slack``: a micro-batch's uid groups
-    share one model call while its grouped layout stays within ``1 + merge_slack`` times the sum of
-    their own layouts (0: a call per group; None: one call per micro-batch). ``max_padding_ratio``:
-    run verl's own packed forward for a micro-batch whose grouped layouts would hold more than this
-    many times its packed tokens (None: never). ``max_chunks`` / ``chunk_overhead_tokens``: the
-    shared-prefix backend's grid splitting inside each call (:mod:`grpo_parts.attention.shared_prefix.chunking`;
-    the data-parallel ranks agree on the number of model calls). ``layout``: the shared-prefix
-    layout (``auto``, ``grid``, ``padding_free``; docs/attention.md). ``varlen``: the padding-free
-    layout's varlen cascade kernel (False: the masked kernel, for A/B checks; counted as
-    ``calls_masked_sdpa`` / ``calls_masked_eager``). See docs/adapters/verl.md, "Memory".
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    attention: str | None = None
-    kernel: str = "auto"
-    merge_slack: float | None = Field(0.25, ge=0)
-    max_padding_ratio: float | None = Field(None, gt=0)
-    max_chunks: int | None = Field(None, ge=1)
-    chunk_overhead_tokens: int = 1024
-    layout: str = "auto"
-    varlen: bool = True
-
-    @field_validator("attention")
-    @classmethod
-    def _known(cls, v: str | None) -> str | None:
-        from grpo_parts.attention import IMPLEMENTATIONS
-
-        if v is not None and v not in IMPLEMENTATIONS:
-            raise ValueError(f"expected one of {sorted(IMPLEMENTATIONS)} or null, got {v!r}")
-        return v
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any] | None) -> EngineOptions:
-        return cls(**{str(k): v for k, v in dict(raw or {}).items()})
-
-    def backend(self) -> Any:
-        """The grpo_parts ``AttentionBackend`` these options name (None when off)."""
-        from grpo_parts.attention import get_attention_class
-
-        if self.attention is None:
-            return None
-        cls = get_attention_class(self.attention)
-        if self.attention != "shared_prefix":
-            return cls()
-        return cls(
-            kernel=self.kernel,
-            max_chunks=self.max_chunks,
-            chunk_overhead_tokens=self.chunk_overhead_tokens,
-            layout=self.layout,
-            varlen=self.varlen,
-        )
+__all__ = [
+    "ENGINE_ATTR",
+    "TARGET",
+    "EngineOptions",
+    "FSDPActorConfig",
+    "hydra_overrides",
+    "options_of",
+    "startup_reasons",
+]
 
 
 def startup_reasons(config: Any, model_config: Any = None) -> list[str]:
@@ -142,7 +97,7 @@ class FSDPActorConfig(_VerlFSDPActorConfig):
             reasons = startup_reasons(self)
             if reasons:
                 raise NotSupportedError(f"grpo_parts.attention={opts.attention!r}", reasons)
-            from .engine import install_engine_hook
+            from .engine import install_engine_hook  # where this engine is set up: see the module doc
 
             install_engine_hook()
         setattr(self.engine, ENGINE_ATTR, opts)  # a new attribute: verl's BaseConfig allows it
@@ -154,12 +109,6 @@ class FSDPActorConfig(_VerlFSDPActorConfig):
             reasons = startup_reasons(self, model_config)
             if reasons:
                 raise NotSupportedError(f"grpo_parts.attention={opts.attention!r}", reasons)
-
-
-def options_of(engine_config: Any) -> EngineOptions | None:
-    """The :class:`EngineOptions` an engine config carries when attention is on, else None."""
-    opts = getattr(engine_config, ENGINE_ATTR, None)
-    return opts if isinstance(opts, EngineOptions) and opts.attention is not None else None
 
 
 def hydra_overrides(

@@ -3,7 +3,7 @@
 verl 0.9.1 has no hook between an engine's micro-batch and its model forward, so
 :func:`install_engine_hook` puts a dispatcher in front of ``FSDPEngineWithLMHead.forward_step``. The
 dispatcher runs grpo_parts only for an engine whose ``engine_config`` carries
-:class:`~.config.EngineOptions` with ``attention`` set -- the actor and reference engines built from
+:class:`~.options.EngineOptions` with ``attention`` set -- the actor and reference engines built from
 :class:`~.config.FSDPActorConfig` -- and only for language-model engines: a value-head (critic)
 engine, or any engine without the options, runs verl's own ``forward_step`` unchanged.
 
@@ -42,9 +42,11 @@ from typing import Any
 
 import torch
 
+from grpo_parts.attention.protocol import ChoosesLayout, CountsAttentionCalls, RankAgreeing
+
 from .._counters import PartCounters
 from .attention import call_batch, packed_logprobs, plan_calls
-from .config import EngineOptions, options_of
+from .options import EngineOptions, options_of
 
 logger = logging.getLogger(__name__)
 #: what ran in this process: ``mode`` is ``"train"`` (actor update) or ``"logprob"`` (forward only)
@@ -144,7 +146,7 @@ def _engine_state(engine: Any, opts: EngineOptions) -> Any:
         role = "reference" if getattr(engine.engine_config, "forward_only", False) else "actor"
         logger.info("grpo_parts: %s attention computes the %s engine's log-probs", opts.attention, role)
         backend = opts.backend()
-        if hasattr(backend, "rank_group") and hasattr(engine, "get_data_parallel_group"):
+        if isinstance(backend, RankAgreeing) and hasattr(engine, "get_data_parallel_group"):
             backend.rank_group = engine.get_data_parallel_group()  # the ranks that agree on grid counts
         state = (opts, backend)
         engine.__dict__[_STATE_ATTR] = state
@@ -189,7 +191,7 @@ def _plan(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[Any, str 
     verl's forward instead (``None``: it need not)."""
     ids, cu, resp, keys = _parts(micro_batch)
     backend = _engine_state(engine, opts)
-    layout = getattr(backend, "layout", "grid")
+    layout = backend.layout if isinstance(backend, ChoosesLayout) else "grid"
     plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack, layout)
     if plan.layout == "padding_free" and layout == "auto":  # fewer tokens; the backend weighs attention too
         batch = call_batch(ids, cu, plan, plan.calls[0])
@@ -218,6 +220,11 @@ def _agree(engine: Any, reason: str | None, calls: int, device: torch.device) ->
     return reason, most
 
 
+def _attention_calls(backend: Any) -> Counter[str]:
+    """A copy of the backend's attention calls per path so far (empty when it counts none)."""
+    return Counter(backend.attention_calls if isinstance(backend, CountsAttentionCalls) else None)
+
+
 def _forward_step(
     engine: Any, micro_batch: Any, loss_function: Any, planned: Any, calls: int, opts: EngineOptions
 ) -> Any:
@@ -236,9 +243,9 @@ def _forward_step(
     )
     with ctx:
         temperature = micro_batch["temperature"]
-        before = Counter(getattr(backend, "attention_calls", None) or {})
+        before = _attention_calls(backend)
         out = packed_logprobs(engine.module, ids, cu, resp, keys, temperature, backend, entropy, plan, calls)
-        ran = Counter(getattr(backend, "attention_calls", None) or {}) - before
+        ran = _attention_calls(backend) - before
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.log_probs, cu)}
         if out.entropy is not None:
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy, cu)

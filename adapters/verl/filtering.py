@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grpo_parts import build as parts_build
 from grpo_parts.core import AdvantageConfig, group_advantages
 from grpo_parts.errors import GRPOPartsError, check_tensor
-from grpo_parts.filter import get_filter_class
 from grpo_parts.filter.data_parallel import batch_multiple, round_rounds
 from grpo_parts.filter.protocol import CompletionFilter
 from grpo_parts.types import ScoredBatch
@@ -94,9 +94,8 @@ class FilterOptions(BaseModel):
 
 
 def build_filter(name: str, kwargs: Mapping[str, Any] | None = None) -> CompletionFilter:
-    """Instantiate the grpo_parts filter registered as ``name``."""
-    cls = get_filter_class(name)
-    return cls(**dict(kwargs or {}))
+    """The grpo_parts filter registered as ``name``, by :func:`grpo_parts.build.build_filter`."""
+    return parts_build.build_filter(name, kwargs=kwargs, where="grpo_parts.filter.kwargs")
 
 
 def scored_batch(

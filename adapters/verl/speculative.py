@@ -9,7 +9,7 @@ updated after launch. A grpo_parts online-learned draft changes every step, so a
 
 What runs on CPU here: building the config / Hydra overrides and the sync call against stand-ins.
 The GPU path (vLLM accepting the config, ``load_weights`` on a real drafter) is exercised only by
-scripts/verl_gpu_smoke.py. vLLM sizes drafts statically (``num_speculative_tokens``); FastGRPO's
+scripts/gpu/verl_gpu_smoke.py. vLLM sizes drafts statically (``num_speculative_tokens``); FastGRPO's
 concurrency-aware sizing is available only with grpo_parts' own speculative sampler
 (:mod:`.agent_loop` with ``sampler: speculative``).
 """

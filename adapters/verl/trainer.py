@@ -84,6 +84,45 @@ def check_algorithm(config: Any) -> None:
         raise NotSupportedError("grpo_parts filter", reasons)
 
 
+def _kept_by_chunk(outcome: Any, options: FilterOptions) -> dict[int, set[int]]:
+    """Kept row indices per chunk payload (by ``id``), rounded so that the total over all rounds
+    fills whole mini-batches on every rank (no padding rows)."""
+    rounded = round_rounds(
+        [sel.chunk.scored for sel in outcome.selections],
+        [sel.kept for sel in outcome.selections],
+        options.batch_multiple,
+        options.rounding,
+        field="grpo_parts_filter.multiple_of",
+    )
+    return {id(sel.chunk.payload): set(rows.tolist()) for sel, rows in zip(outcome.selections, rounded)}
+
+
+def _store_kept(b: KVBatchMeta, kept: set[int], advantages: torch.Tensor | None, store: Any) -> list[int]:
+    """Clear ``b``'s dropped rows from ``store`` and put the full-group advantages of its kept rows
+    (restored after verl's ``_compute_advantage``, see the trainer); returns the kept rows, sorted."""
+    dropped = [k for i, k in enumerate(b.keys) if i not in kept]
+    if dropped:
+        store.kv_clear(keys=dropped, partition_id=b.partition_id)
+    kept_rows = sorted(kept)
+    if kept_rows:
+        assert advantages is not None
+        adv = advantages[torch.tensor(kept_rows)].float()
+        fields = TensorDict({SEQ_ADV_FIELD: adv}, batch_size=[len(kept_rows)])
+        store.kv_batch_put(keys=[b.keys[i] for i in kept_rows], partition_id=b.partition_id, fields=fields)
+    return kept_rows
+
+
+def _full_groups(
+    scored: Any, uid: list[Any], kept_rows: list[int]
+) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """``{uid: (rewards, advantages)}`` of the full group of every uid with a kept row."""
+    groups = {}
+    for g in dict.fromkeys(uid[i] for i in kept_rows):
+        rows = torch.tensor([j for j, x in enumerate(uid) if x == g])
+        groups[g] = (scored.rewards[rows].detach().cpu(), scored.advantages[rows].detach().cpu())
+    return groups
+
+
 def filter_kv_batch(
     batch: KVBatchMeta,
     filt: CompletionFilter,
@@ -120,40 +159,19 @@ def filter_kv_batch(
     outcome = refiller.fill(filt, produce)
     keys: list[str] = []
     tags: list[dict] = []
-    kept_by_chunk: dict[int, set[int]] = {}
-    # the total over all rounds fills whole mini-batches on every rank (no padding rows)
-    rounded = round_rounds(
-        [sel.chunk.scored for sel in outcome.selections],
-        [sel.kept for sel in outcome.selections],
-        options.batch_multiple,
-        options.rounding,
-        field="grpo_parts_filter.multiple_of",
-    )
-    for sel, rows in zip(outcome.selections, rounded):
-        kept_by_chunk[id(sel.chunk.payload)] = set(rows.tolist())
-    adv_by_chunk = {id(sel.chunk.payload): sel.chunk.scored.advantages for sel in outcome.selections}
+    kept_by_chunk = _kept_by_chunk(outcome, options)
     scored_by_chunk = {id(sel.chunk.payload): sel.chunk.scored for sel in outcome.selections}
     groups: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
     for b in chunks:
-        kept = kept_by_chunk.get(id(b), set())
-        dropped = [k for i, k in enumerate(b.keys) if i not in kept]
-        if dropped:
-            store.kv_clear(keys=dropped, partition_id=b.partition_id)
-        kept_rows = sorted(kept)
-        if kept_rows:  # full-group advantages, restored after verl's _compute_advantage (see the trainer)
-            adv = adv_by_chunk[id(b)][torch.tensor(kept_rows)].float()
-            fields = TensorDict({SEQ_ADV_FIELD: adv}, batch_size=[len(kept_rows)])
-            store.kv_batch_put(
-                keys=[b.keys[i] for i in kept_rows], partition_id=b.partition_id, fields=fields
-            )
+        sc = scored_by_chunk.get(id(b))
+        kept_rows = _store_kept(
+            b, kept_by_chunk.get(id(b), set()), None if sc is None else sc.advantages, store
+        )
         for i in kept_rows:
             keys.append(b.keys[i])
             tags.append(b.tags[i])
         if kept_rows and return_groups:
-            sc, u = scored_by_chunk[id(b)], uids[id(b)]
-            for g in dict.fromkeys(u[i] for i in kept_rows):
-                rows = torch.tensor([j for j, x in enumerate(u) if x == g])
-                groups[g] = (sc.rewards[rows].detach().cpu(), sc.advantages[rows].detach().cpu())
+            groups.update(_full_groups(sc, uids[id(b)], kept_rows))
     metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
     metrics["grpo_parts/filter/rows_kept"] = float(len(keys))
     metrics["grpo_parts/filter/target_rows"] = float(target)

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="side-by-side benchmarks (optimized vs reference)",
         description="Side-by-side benchmarks: each optimized part against its reference implementation.",
-        epilog="Each benchmark's options: grpo-parts bench BENCH --help. Results: docs/benchmarks.md",
+        epilog="Each benchmark's options: grpo-parts bench BENCH --help. Results: docs/results.md",
     )
     bench.set_defaults(_help_of=bench)
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")

@@ -2,7 +2,7 @@
 between the releases ``pyproject.toml`` declares (``transformers>=4.56.2,<6``).
 
 Each function says which releases do what. The core test suite passes under 4.56.2 (the floor:
-``scripts/test-transformers-range.sh``), 5.10.4, 5.15.0 and 5.24.0; the release boundaries named
+``scripts/ci/test-transformers-range.sh``), 5.10.4, 5.15.0 and 5.24.0; the release boundaries named
 below were read in the source of 5.5.3, 5.11-5.16.1 and 5.20-5.23. When a release lacks something,
 these raise a :class:`~grpo_parts.errors.GRPOPartsError` naming it; nothing here falls back silently.
 """

@@ -20,6 +20,12 @@ class NotSupportedError(GRPOPartsError):
         super().__init__(f"{impl} cannot run here: " + "; ".join(self.reasons))
 
 
+def install_hint(extra: str) -> str:
+    """How to install the optional extra ``extra``, both ways: the command that works from a checkout
+    of this repository and the one that installs the package by name."""
+    return f"pip install -e '.[{extra}]' in a checkout, or pip install 'grpo-parts[{extra}]'"
+
+
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 

@@ -9,9 +9,22 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 from .errors import GRPOPartsError
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class PartClass(Protocol[T_co]):
+    """A registered implementation class, as ``get_<part>_class`` returns it: called with its own
+    constructor arguments, it makes a ``T_co`` (the part's Protocol). Not ``type[T_co]``: a
+    Protocol's type has no constructor arguments, so a type checker would refuse ``cls(policy)``."""
+
+    __name__: str
+    __module__: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> T_co: ...
 
 
 def load(table: Mapping[str, str], name: str, part: str) -> Any:
@@ -20,6 +33,11 @@ def load(table: Mapping[str, str], name: str, part: str) -> Any:
         raise GRPOPartsError(f"{part}: unknown implementation {name!r}; expected one of {sorted(table)}")
     module, _, attr = table[name].partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def load_class(table: Mapping[str, str], name: str, part: str) -> PartClass[Any]:
+    """:func:`load`, typed for ``get_<part>_class`` (which narrows ``Any`` to its Protocol)."""
+    return cast("PartClass[Any]", load(table, name, part))
 
 
 @dataclass

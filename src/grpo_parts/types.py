@@ -1,4 +1,5 @@
-"""Batch types exchanged between parts (re-exported by each part's ``protocol.py``).
+"""Batch types exchanged between parts (re-exported by each part's ``protocol.py``), and the
+:class:`Stateful` ability any part may declare.
 
 Tensors follow one layout everywhere (the layout TRL and verl use at their seams):
 
@@ -11,7 +12,9 @@ Tensors follow one layout everywhere (the layout TRL and verl use at their seams
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -171,11 +174,18 @@ class ScoredBatch:
 class FilterResult:
     """``kept: [K]`` int64 row indices, ascending; ``extra_prompts_wanted``: how many more prompts
     the loop should roll out (and filter) to fill the batch to its target size (0 = none);
-    ``info``: diagnostics such as ``kept_fraction``."""
+    ``info``: diagnostics such as ``kept_fraction``.
+
+    ``weights: [K]`` (float, > 0), or None (every kept row weighs 1): importance weights of a
+    random filter (``dppo``: ``1 / P(row kept)``). When set, the loss must multiply each kept row by
+    its weight (``grpo_loss(..., seq_weights=)``) and normalise by the *whole* batch's denominators,
+    fixed before filtering (:func:`grpo_parts.filter.apply.apply_filter` returns them).
+    """
 
     kept: torch.Tensor
     extra_prompts_wanted: int = 0
     info: dict[str, float] = field(default_factory=dict)
+    weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_tensor("FilterResult.kept", self.kept, ndim=1, dtype=torch.long, allow_empty=True)
@@ -185,7 +195,28 @@ class FilterResult:
             )
         if self.kept.numel() > 1 and bool((self.kept[1:] <= self.kept[:-1]).any()):
             raise GRPOPartsError("FilterResult.kept: expected strictly ascending row indices")
+        if self.weights is not None:
+            w = self.weights
+            check_tensor(
+                "FilterResult.weights", w, shape=[self.kept.numel()], dtype="float", allow_empty=True
+            )
+            if w.numel() and not bool((torch.isfinite(w) & (w > 0)).all()):
+                raise GRPOPartsError("FilterResult.weights: expected finite values > 0, got one that is not")
 
     @property
     def is_empty(self) -> bool:
         return self.kept.numel() == 0
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A part whose state a checkpoint carries (every ``DraftModel``: weights, optimizer, history;
+    a sampler or filter may declare it too); the trainer saves and restores it with its own."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs (tensors, numbers, lists: what ``torch.save`` writes)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...

@@ -14,8 +14,8 @@ from grpo_parts.draft.small_lm import CachedLMDraft
 from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
-from grpo_parts.sampler.speculative.verify import always_accept
 from grpo_parts.testing import chi_square_gof, encode_sequences, sequence_distribution
+from grpo_parts.testing.oracles import always_accept
 from grpo_parts.tiny import tiny_causal_lm
 
 V = 8

@@ -22,8 +22,8 @@ from grpo_parts.draft.small_lm import CachedLMDraft
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
-from grpo_parts.sampler.speculative.tree_verify import rrs_without_q_update, tree_always_accept
 from grpo_parts.testing import chi_square_gof, sequence_distribution
+from grpo_parts.testing.oracles import rrs_without_q_update, tree_always_accept
 from grpo_parts.tiny import tiny_causal_lm
 
 V = 8

@@ -21,8 +21,9 @@ from grpo_parts.decoding import SamplingParams, sampling_probs
 from grpo_parts.draft.protocol import DraftProposal, TreeBudget
 from grpo_parts.draft.tree import Frontier
 from grpo_parts.draft.tree_sampled import draw_without_replacement, sampled_tree
-from grpo_parts.sampler.speculative.tree_verify import rrs_without_q_update, verify_sampled_tree, verify_tree
+from grpo_parts.sampler.speculative.tree_verify import verify_sampled_tree, verify_tree
 from grpo_parts.testing import chi_square_gof
+from grpo_parts.testing.oracles import rrs_without_q_update
 
 V, L, SAMPLES = 5, 3, 4000
 BASE = V + 1  # context code: sum (t + 1) * BASE**i, so every prefix has its own code

@@ -1,7 +1,7 @@
 """The model folder a ``grpo-parts train`` run leaves behind (``runs/NAME/model/``) loads in vLLM as it
 is, and vLLM's greedy completions equal transformers' from the same folder.
 
-Runs only where vLLM is installed (scripts/test-vllm.sh).
+Runs only where vLLM is installed (scripts/ci/test-vllm.sh).
 """
 
 from __future__ import annotations

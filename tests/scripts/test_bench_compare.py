@@ -1,4 +1,4 @@
-"""scripts/bench_compare.sh on throwaway repositories (so the tests need no history: CI's clone may
+"""scripts/measure/bench_compare.sh on throwaway repositories (so the tests need no history: CI's clone may
 be shallow). A stub ``grpo_parts`` whose bench returns known values per revision and round checks
 the alternation, min / median / B/A and the --json file in a second; the real attention bench on a
 tiny configuration (this checkout's ``src/grpo_parts`` committed twice, one point run and one
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_compare.sh"
+SCRIPT = ROOT / "scripts" / "measure" / "bench_compare.sh"
 TINY = ["--quick", "--max-ref-tokens", "2000", "--hidden", "32", "--layers", "1", "--heads", "2"]
 TINY += ["--kv-heads", "1", "--intermediate", "64", "--vocab", "64", "--repeats", "1", "--threads", "1"]
 

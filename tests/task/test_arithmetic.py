@@ -17,7 +17,7 @@ def test_worked_solution_format() -> None:
 @given(st.lists(st.integers(0, 999), min_size=2, max_size=6))
 def test_reward_accepts_the_worked_solution_and_only_the_right_answer(ops: list[int]) -> None:
     task = ArithmeticTask(ArithmeticConfig(operands=len(ops), max_value=999))
-    p = task._problem(ops)
+    p = task.problem(ops)
     assert task.reward(task.sft_target(p), p) == 1.0
     assert task.reward(f"anything;{sum(ops) + 1}", p) == 0.0
     assert task.reward(str(sum(ops)), p) == 0.0  # no ';' -> no answer

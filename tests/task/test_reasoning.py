@@ -20,7 +20,7 @@ def test_reduction_format() -> None:
 @given(st.lists(st.integers(1, 9), min_size=2, max_size=20))
 def test_reward_grades_only_the_final_answer(terms: list[int]) -> None:
     task = ReasoningTask()
-    p = task._problem(terms)
+    p = task.problem(terms)
     assert task.terms(p) == terms
     assert task.reward(task.sft_target(p), p) == 1.0
     assert task.reward(f"wrong work;{sum(terms)}", p) == 1.0

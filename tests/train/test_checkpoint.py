@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from grpo_parts.build import construct as _construct
 from grpo_parts.cli import main
 from grpo_parts.draft import get_draft_class
 from grpo_parts.draft.protocol import DraftTrainingBatch
 from grpo_parts.train import checkpoint as ck
 from grpo_parts.train.config import load_config
-from grpo_parts.train.parts import _construct
 from grpo_parts.train.run import train
 
 

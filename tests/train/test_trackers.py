@@ -2,7 +2,7 @@
 its step, and the config; the tests read the values back offline, from what each library wrote:
 TensorBoard event files, W&B offline mode (the run's ``.wandb`` log of protobuf records), an MLflow
 file store, Trackio's local database. A test skips only when its library is absent (a core venv
-without the extras); scripts/install-dev.sh installs all four, so in the dev suite and CI they run."""
+without the extras); scripts/ci/install-dev.sh installs all four, so in the dev suite and CI they run."""
 
 from __future__ import annotations
 
@@ -198,7 +198,12 @@ def test_a_missing_tracker_library_is_one_line_before_anything_runs(
     before = snapshot(tmp_path)
     both = f"{name},trackio" if name != "trackio" else name  # the first missing one in the order given
     argv = ["--model", str(tiny_model_dir), "--out-dir", str(tmp_path / "runs"), "--report-to", both]
-    refused(capsys, argv, f"report_to: {name!r} needs the", f"pip install 'grpo-parts[{name}]'")
+    refused(
+        capsys,
+        argv,
+        f"report_to: {name!r} needs the",
+        f"pip install -e '.[{name}]' in a checkout, or pip install 'grpo-parts[{name}]'",
+    )
     assert snapshot(tmp_path) == before
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..registry import load
+from ..registry import PartClass, load_class
 from .protocol import AttentionBackend, LogprobBatch, LogprobOutput
 
 IMPLEMENTATIONS: dict[str, str] = {
@@ -14,8 +12,9 @@ IMPLEMENTATIONS: dict[str, str] = {
 AUTO_PRIORITY: tuple[str, ...] = ("shared_prefix", "reference")
 
 
-def get_attention_class(name: str) -> Any:
-    return load(IMPLEMENTATIONS, name, "attention")
+def get_attention_class(name: str) -> PartClass[AttentionBackend]:
+    """The class registered as ``name`` (imported on first use); build it with :mod:`grpo_parts.build`."""
+    return load_class(IMPLEMENTATIONS, name, "attention")
 
 
 __all__ = [

@@ -8,19 +8,44 @@
 2. Kernel level -- :meth:`AttentionBackend.register_kernel`: the attention function a backend
    registers with transformers' ``AttentionInterface`` (``attn_implementation=<name>``), or None
    when the backend uses the model's own attention.
+
+Optional abilities a backend *declares* by having the members (checked with ``isinstance``):
+:class:`ReportsPlan` (how its last call split the batch; keys ``PLAN_*``), :class:`CountsAttentionCalls`
+(attention calls per path), :class:`RankAgreeing` (the ranks that must agree on its model calls) and
+:class:`ChoosesLayout` (lays batches out in one of several ways, and says which beforehand).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from ..errors import GRPOPartsError, check_tensor
 from ..types import Rollout
 
-__all__ = ["AttentionBackend", "LogprobBatch", "LogprobOutput"]
+__all__ = [
+    "PLAN_ATTENTION_CALLS",
+    "PLAN_CHUNKS",
+    "PLAN_GRID_SLOTS",
+    "AttentionBackend",
+    "ChoosesLayout",
+    "CountsAttentionCalls",
+    "LogprobBatch",
+    "LogprobOutput",
+    "RankAgreeing",
+    "ReportsPlan",
+]
+
+#: ``last_plan`` keys more than one module writes or reads (the trainer logs ``PLAN_CHUNKS`` as the
+#: ``attention_grids`` metric): model calls with rows in them (grids; 1 for a padding-free call) ...
+PLAN_CHUNKS = "chunks"
+#: ... the token slots of those grids (what one grid per call would run) ...
+PLAN_GRID_SLOTS = "grid_slots"
+#: ... and the padding-free attention calls per path (a ``Counter``; only when it ran padding-free)
+PLAN_ATTENTION_CALLS = "attention_calls"
 
 
 @dataclass(frozen=True)
@@ -113,4 +138,45 @@ class AttentionBackend(Protocol):
 
     def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
         """Why this backend cannot run ``model`` (and ``batch``, when given); empty = supported."""
+        ...
+
+
+@runtime_checkable
+class ReportsPlan(Protocol):
+    """A backend that says how its last ``completion_logprobs`` call laid the batch out."""
+
+    #: the last call's plan: ``PLAN_CHUNKS`` (int), ``PLAN_GRID_SLOTS`` (float), ``PLAN_ATTENTION_CALLS``
+    #: (Counter) and backend-specific entries (e.g. ``layout``, ``model_calls``); empty before any call
+    last_plan: dict[str, Any]
+
+
+@runtime_checkable
+class CountsAttentionCalls(Protocol):
+    """A backend that counts its attention calls per path (``varlen_cascade``, ``masked_sdpa``, ...)
+    over its lifetime; adapters log the difference between two reads."""
+
+    attention_calls: Counter[str]
+
+
+@runtime_checkable
+class RankAgreeing(Protocol):
+    """A backend whose ranks must make the same number of model calls (FSDP / ZeRO / DDP run
+    collectives in every forward): ``rank_group`` is the process group that agrees (None: all ranks,
+    or one process). Adapters set it to their data-parallel group and read it to agree likewise."""
+
+    rank_group: Any
+
+
+@runtime_checkable
+class ChoosesLayout(Protocol):
+    """A backend that lays a batch out in one of several ways (``layout``: the configured one, or
+    ``"auto"``) and can say beforehand which it would run, so adapters plan their calls alike."""
+
+    layout: str
+
+    def layout_for(
+        self, model: torch.nn.Module, batch: LogprobBatch, kernel: str | None = None
+    ) -> tuple[str, str, list[torch.Tensor], dict[str, Any]]:
+        """``(layout, why, chunks, plan info)`` that ``completion_logprobs`` would run for ``batch``:
+        ``chunks`` the row indices ``[n_i]`` of each grid, ``plan info`` as :attr:`ReportsPlan.last_plan`."""
         ...

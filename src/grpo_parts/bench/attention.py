@@ -126,8 +126,53 @@ def _dense_logprobs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return token_logprobs(logits, batch.completion_ids[:, : logits.shape[1]])
 
 
-def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Namespace) -> dict[str, Any]:
+def _point_batch(g: int, p: int, s: int, args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
+    """One prompt of ``p`` tokens repeated ``g`` times with random ``s``-token completions, and the
+    per-token weights of the loss (drawn in this order from one generator seeded by the point)."""
     from ..attention.protocol import LogprobBatch
+
+    gen = torch.Generator().manual_seed(args.seed + g * 7 + p * 13 + s)
+    vocab = args.vocab
+    prompt = torch.randint(1, vocab, (1, p), generator=gen).repeat(g, 1)
+    batch = LogprobBatch(
+        prompt,
+        torch.ones(g, p, dtype=torch.long),
+        torch.randint(1, vocab, (g, s), generator=gen),
+        torch.ones(g, s, dtype=torch.long),
+        torch.zeros(g, dtype=torch.long),
+    )
+    w = torch.rand(g, s, generator=gen)
+    return batch, w
+
+
+def _train_step(
+    model: torch.nn.Module, w: torch.Tensor, lp_fn: Callable[[], torch.Tensor]
+) -> Callable[[], torch.Tensor]:
+    """One forward+backward of ``sum(w * logprobs)`` with ``lp_fn``'s logprobs; returns them."""
+
+    def f() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        lp = lp_fn()
+        (lp * w).sum().backward()
+        return lp.detach()
+
+    return f
+
+
+def _dense_columns(
+    times: dict[str, float], peaks: dict[str, int], lps: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """The dense-mask variant's columns, relative to ``shared`` (speed, memory) and ``ref`` (logprobs)."""
+    return dict(
+        speedup_vs_dense=round(times["dense"] / times["shared"], 4),
+        memory_ratio_vs_dense=round(peaks["dense"] / max(peaks["shared"], 1), 4),
+        time_dense_s=round(times["dense"], 4),
+        peak_dense_mb=round(peaks["dense"] / 2**20, 1),
+        max_abs_logprob_diff_dense=float((lps["dense"] - lps["ref"]).abs().max()),
+    )
+
+
+def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Namespace) -> dict[str, Any]:
     from ..attention.reference import RepeatedPrefixAttention
     from ..attention.shared_prefix.backend import SharedPrefixAttention
 
@@ -140,34 +185,14 @@ def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Nam
             skipped=f"reference batch {g * (p + s)} tokens > --max-ref-tokens {args.max_ref_tokens}",
         )
         return row
-    gen = torch.Generator().manual_seed(args.seed + g * 7 + p * 13 + s)
-    vocab = args.vocab
-    prompt = torch.randint(1, vocab, (1, p), generator=gen).repeat(g, 1)
-    batch = LogprobBatch(
-        prompt,
-        torch.ones(g, p, dtype=torch.long),
-        torch.randint(1, vocab, (g, s), generator=gen),
-        torch.ones(g, s, dtype=torch.long),
-        torch.zeros(g, dtype=torch.long),
-    )
-    w = torch.rand(g, s, generator=gen)
+    batch, w = _point_batch(g, p, s, args)
     ref, shared = RepeatedPrefixAttention(), SharedPrefixAttention("auto")
-
-    def step(lp_fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        def f() -> torch.Tensor:
-            model.zero_grad(set_to_none=True)
-            lp = lp_fn()
-            (lp * w).sum().backward()
-            return lp.detach()
-
-        return f
-
     variants = {
-        "ref": step(lambda: ref.completion_logprobs(model, batch).logprobs),
-        "shared": step(lambda: shared.completion_logprobs(model, batch).logprobs),
+        "ref": _train_step(model, w, lambda: ref.completion_logprobs(model, batch).logprobs),
+        "shared": _train_step(model, w, lambda: shared.completion_logprobs(model, batch).logprobs),
     }
     if p + g * s <= args.max_dense_tokens:
-        variants["dense"] = step(lambda: _dense_logprobs(model, batch))
+        variants["dense"] = _train_step(model, w, lambda: _dense_logprobs(model, batch))
     lps = {k: f() for k, f in variants.items()}
     times = {k: _time(f, args.repeats, args.clock) for k, f in variants.items()}
     peaks = {k: _peak_bytes(f) for k, f in variants.items()}
@@ -183,13 +208,7 @@ def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Nam
         kernel=shared.last_choice.splitlines()[0] if shared.last_choice else "",
     )
     if "dense" in variants:
-        row.update(
-            speedup_vs_dense=round(times["dense"] / times["shared"], 4),
-            memory_ratio_vs_dense=round(peaks["dense"] / max(peaks["shared"], 1), 4),
-            time_dense_s=round(times["dense"], 4),
-            peak_dense_mb=round(peaks["dense"] / 2**20, 1),
-            max_abs_logprob_diff_dense=float((lps["dense"] - lps["ref"]).abs().max()),
-        )
+        row.update(_dense_columns(times, peaks, lps))
     return row
 
 

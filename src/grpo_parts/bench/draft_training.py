@@ -25,6 +25,7 @@ import torch
 from ..decoding import SamplingParams
 from ..draft.protocol import DraftModel, DraftTrainingBatch
 from ..errors import GRPOPartsError
+from ..sampler.stats import ACCEPTED_PER_VERIFY, DRAFT_ACCEPT_RATE
 from ..types import PromptBatch
 
 
@@ -84,7 +85,7 @@ def warm_up(
     for r in range(rounds):
         batch = prompts(r) if callable(prompts) else prompts
         ro = spec.generate(batch, params, torch.Generator().manual_seed(seed + r))
-        out.append(ro.stats["accepted_per_verify"])
+        out.append(ro.stats[ACCEPTED_PER_VERIFY])
     return out
 
 
@@ -168,6 +169,100 @@ def _text_batch(
     return DraftTrainingBatch(ids, loss_mask, out.hidden_states[-1], out.logits, attn)
 
 
+def _drift_policy(
+    seed: int, pretrain_steps: int, progress: Callable[[str], None]
+) -> tuple[str, Callable[[int], tuple[list[int], list[int]]], int, int, torch.nn.Module, Any, int]:
+    """The drift experiment's policy, pre-trained ``pretrain_steps`` SFT steps on the task: returns
+    ``(task name, problem, eos, pad, policy, optimizer, next problem index)`` (the optimizer and
+    index carry on into the drift rounds)."""
+    from ..tiny import tiny_causal_lm
+
+    torch.manual_seed(seed)
+    task_name, problem, vocab, eos, pad = _task_data(0, seed)
+    policy = tiny_causal_lm(
+        "qwen2", vocab_size=vocab, hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
+        seed=seed, eos_token_id=eos, pad_token_id=pad,
+    )  # fmt: skip
+    opt = torch.optim.AdamW(policy.parameters(), lr=2e-3)
+    t0 = time.perf_counter()
+    pos = _sft_steps(policy, opt, problem, 0, pretrain_steps, 32, pad)
+    progress(
+        f"drift: policy pre-trained {pretrain_steps} steps on {task_name} ({time.perf_counter() - t0:.0f}s)"
+    )
+    return task_name, problem, eos, pad, policy, opt, pos
+
+
+def _drift_heads(
+    policy: torch.nn.Module,
+    problem: Callable[[int], tuple[list[int], list[int]]],
+    pad: int,
+    prompts: Callable[[int], PromptBatch],
+    params: SamplingParams,
+    text_batches: int,
+    warmup_rollouts: int,
+    seed: int,
+    progress: Callable[[str], None],
+) -> tuple[Any, Any]:
+    """``(online, frozen)`` EAGLE heads, both distilled offline on task text first (as EAGLE heads
+    are trained before deployment), then on ``warmup_rollouts`` rollouts; ``frozen`` is a copy."""
+    from ..draft.eagle import EagleConfig, EagleDraft
+
+    online = EagleDraft(policy, EagleConfig(lr=3e-3, ce_weight=1.0, seed=seed))
+    t0 = time.perf_counter()
+    for i in range(text_batches):
+        online.update(_text_batch(policy, problem, 5_000_000 + 32 * i, 32, pad))
+    progress(
+        f"drift: eagle head distilled on {text_batches} batches of task text ({time.perf_counter() - t0:.0f}s)"
+    )
+    hist = warm_up(online, policy, lambda i: prompts(-1 - i), params, warmup_rollouts, seed)
+    progress(
+        f"drift: eagle head distilled on {warmup_rollouts} rollouts, accepted/verify {[round(h, 2) for h in hist]}"
+    )
+    frozen = copy.deepcopy(online)
+    frozen.bind_policy(policy)  # deepcopy copied the policy's embedding; share the live one
+    return online, frozen
+
+
+def _drift_samplers(policy: torch.nn.Module, online: Any, frozen: Any, draft_tokens: int) -> dict[str, Any]:
+    """The three drafts under comparison, each in its own speculative sampler: the weight-free
+    n-gram draft (reference), the frozen head and the online head (distils from its rollouts)."""
+    from ..draft.ngram import NGramDraft
+    from ..sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
+
+    return {
+        "ngram": SpeculativeSampler(policy, NGramDraft(), SpeculativeConfig(draft_tokens=draft_tokens)),
+        "eagle_frozen": SpeculativeSampler(policy, frozen, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=False)),
+        "eagle_online": SpeculativeSampler(policy, online, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=True)),
+    }  # fmt: skip
+
+
+def _drift_round(
+    r: int,
+    policy: torch.nn.Module,
+    samplers: dict[str, Any],
+    prompts: Callable[[int], PromptBatch],
+    params: SamplingParams,
+    seed: int,
+    policy_steps: int,
+) -> list[dict[str, Any]]:
+    """Every draft rolls out round ``r``'s prompts with the same generator seed after taking the
+    policy's current weights: one point per draft."""
+    points = []
+    for name, spec in samplers.items():
+        spec.sync_weights(policy)
+        ro = spec.generate(prompts(r), params, torch.Generator().manual_seed(seed + r))
+        points.append(
+            dict(
+                round=r,
+                policy_steps=policy_steps,
+                draft=name,
+                accepted_per_verify=ro.stats[ACCEPTED_PER_VERIFY],
+                draft_accept_rate=ro.stats[DRAFT_ACCEPT_RATE],
+            )
+        )
+    return points
+
+
 def measure_drift(
     rounds: int = 4,
     drift_steps: int = 25,
@@ -184,23 +279,7 @@ def measure_drift(
     """Run the drift experiment (CPU, a few minutes). Returns ``{"task", "setup", "points"}``; each
     point has ``round``, ``draft`` (``ngram`` / ``eagle_frozen`` / ``eagle_online``), ``accepted_per_verify``,
     ``draft_accept_rate``."""
-    from ..draft.eagle import EagleConfig, EagleDraft
-    from ..draft.ngram import NGramDraft
-    from ..sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
-    from ..tiny import tiny_causal_lm
-
-    torch.manual_seed(seed)
-    task_name, problem, vocab, eos, pad = _task_data(0, seed)
-    policy = tiny_causal_lm(
-        "qwen2", vocab_size=vocab, hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
-        seed=seed, eos_token_id=eos, pad_token_id=pad,
-    )  # fmt: skip
-    opt = torch.optim.AdamW(policy.parameters(), lr=2e-3)
-    t0 = time.perf_counter()
-    pos = _sft_steps(policy, opt, problem, 0, pretrain_steps, 32, pad)
-    progress(
-        f"drift: policy pre-trained {pretrain_steps} steps on {task_name} ({time.perf_counter() - t0:.0f}s)"
-    )
+    task_name, problem, eos, pad, policy, opt, pos = _drift_policy(seed, pretrain_steps, progress)
     params = SamplingParams(
         group_size=group_size,
         max_new_tokens=48,
@@ -215,41 +294,15 @@ def measure_drift(
             [problem(eval_offset + r * 1000 + i)[0] for i in range(prompts_per_round)], pad
         )
 
-    online = EagleDraft(policy, EagleConfig(lr=3e-3, ce_weight=1.0, seed=seed))
-    # offline distillation on task text first (as EAGLE heads are trained before deployment), then online
-    t0 = time.perf_counter()
-    for i in range(text_batches):
-        online.update(_text_batch(policy, problem, 5_000_000 + 32 * i, 32, pad))
-    progress(
-        f"drift: eagle head distilled on {text_batches} batches of task text ({time.perf_counter() - t0:.0f}s)"
+    online, frozen = _drift_heads(
+        policy, problem, pad, prompts, params, text_batches, warmup_rollouts, seed, progress
     )
-    hist = warm_up(online, policy, lambda i: prompts(-1 - i), params, warmup_rollouts, seed)
-    progress(
-        f"drift: eagle head distilled on {warmup_rollouts} rollouts, accepted/verify {[round(h, 2) for h in hist]}"
-    )
-    frozen = copy.deepcopy(online)
-    frozen.bind_policy(policy)  # deepcopy copied the policy's embedding; share the live one
-    samplers = {
-        "ngram": SpeculativeSampler(policy, NGramDraft(), SpeculativeConfig(draft_tokens=draft_tokens)),
-        "eagle_frozen": SpeculativeSampler(policy, frozen, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=False)),
-        "eagle_online": SpeculativeSampler(policy, online, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=True)),
-    }  # fmt: skip
+    samplers = _drift_samplers(policy, online, frozen, draft_tokens)
     points: list[dict[str, Any]] = []
     for r in range(rounds + 1):
         if r > 0:
             pos = _sft_steps(policy, opt, problem, pos, drift_steps, 32, pad)
-        for name, spec in samplers.items():
-            spec.sync_weights(policy)
-            ro = spec.generate(prompts(r), params, torch.Generator().manual_seed(seed + r))
-            points.append(
-                dict(
-                    round=r,
-                    policy_steps=pretrain_steps + r * drift_steps,
-                    draft=name,
-                    accepted_per_verify=ro.stats["accepted_per_verify"],
-                    draft_accept_rate=ro.stats["draft_accept_rate"],
-                )
-            )
+        points += _drift_round(r, policy, samplers, prompts, params, seed, pretrain_steps + r * drift_steps)
         progress(
             f"drift round {r}: "
             + ", ".join(f"{p['draft']} {p['accepted_per_verify']:.2f}" for p in points[-len(samplers) :])

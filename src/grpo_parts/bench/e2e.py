@@ -33,7 +33,7 @@ per_seed (each seed's single-seed JSON). Both also: speedup_to_target, step_spee
 accuracy_diff, rollout_share, amdahl_bound, phases (per seed and as medians over seeds).
 --preset h200|tiny: model, parameters, context_length, group_size, arms.{reference,optimized,vllm}
 (tokens_per_s_per_gpu, step_s, phase_shares, ...), step_speedup.
-Details: docs/training.md (--compare) and docs/benchmarks.md"""
+Details: docs/training.md (--compare) and docs/results.md"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -141,13 +141,8 @@ def amdahl(train_speedup: float, rollout_fraction: float) -> float:
     return 1.0 / (rollout_fraction + (1.0 - rollout_fraction) / train_speedup)
 
 
-def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from grpo_parts.filter.cppo import TopKAbsAdvantage
-    from grpo_parts.filter.reference import KeepAll
-    from grpo_parts.tiny import tiny_causal_lm
-
+def _resolve_options(args: argparse.Namespace) -> None:
+    """``--quick`` sizes, the P = 0 baseline added to ``--rates`` (checked), ``--threads``."""
     if args.quick:
         args.prompts, args.group_size, args.prompt_len, args.completion_len = 8, 8, 48, 64
         args.hidden, args.layers, args.vocab, args.repeats = 128, 2, 1024, 1
@@ -157,7 +152,12 @@ def run(args: argparse.Namespace) -> int:
         raise GRPOPartsError(f"--rates: expected values in [0, 1), got {args.rates}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
+
+
+def _policy_and_ref(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny qwen2 policy (training mode) and a frozen copy as the reference model."""
+    from grpo_parts.tiny import tiny_causal_lm
+
     heads = max(1, args.hidden // 64)
     policy = tiny_causal_lm(
         "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
@@ -165,8 +165,24 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     policy.train()
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    rollout, rewards, adv = _batch(args, torch.Generator().manual_seed(args.seed))
-    n = rollout.num_completions
+    return policy, ref
+
+
+def _time_rates(
+    args: argparse.Namespace,
+    rollout: Any,
+    rewards: torch.Tensor,
+    adv: torch.Tensor,
+    policy: torch.nn.Module,
+    ref: torch.nn.Module,
+) -> tuple[dict[float, list[float]], dict[float, list[float]], dict[float, int], dict[float, float]]:
+    """``(wall seconds, cpu seconds, kept rows, kept completion tokens)`` per pruning rate, the
+    times one per repeat, after one warm-up."""
+    from tqdm import tqdm
+
+    from grpo_parts.filter.cppo import TopKAbsAdvantage
+    from grpo_parts.filter.reference import KeepAll
+
     filters = {
         p: KeepAll() if p == 0.0 else TopKAbsAdvantage(pruning_rate=p, scope=args.scope) for p in args.rates
     }
@@ -182,6 +198,18 @@ def run(args: argparse.Namespace) -> int:
             times[p].append(t)
             cpu[p].append(c)
             kept[p], kept_tokens[p] = k, tok
+    return times, cpu, kept, kept_tokens
+
+
+def _points(
+    args: argparse.Namespace,
+    n: int,
+    times: dict[float, list[float]],
+    cpu: dict[float, list[float]],
+    kept: dict[float, int],
+    kept_tokens: dict[float, float],
+) -> list[dict[str, Any]]:
+    """One result per pruning rate: medians, speedup over P = 0 on ``--clock``, and the ideals."""
     clock = times if args.clock == "wall" else cpu
     base = statistics.median(clock[0.0])
     points = []
@@ -204,6 +232,10 @@ def run(args: argparse.Namespace) -> int:
                 "step_speedup_rollout_90pct": amdahl(base / t, 0.90),
             }
         )
+    return points
+
+
+def _print_points(args: argparse.Namespace, points: list[dict[str, Any]]) -> None:
     meta = (
         f"qwen2 tiny: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; B={args.prompts} x "
         f"G={args.group_size}; prompt <= {args.prompt_len}, completion <= {args.completion_len} tokens; "
@@ -220,6 +252,16 @@ def run(args: argparse.Namespace) -> int:
             f"{pt['speedup']:>8.2f} "
             f"{pt['ideal']:>6.2f} {pt['fraction_of_ideal']:>8.2f} {pt['step_speedup_rollout_65pct']:>8.2f}"
         )
+
+
+def run(args: argparse.Namespace) -> int:
+    _resolve_options(args)
+    torch.manual_seed(args.seed)
+    policy, ref = _policy_and_ref(args)
+    rollout, rewards, adv = _batch(args, torch.Generator().manual_seed(args.seed))
+    times, cpu, kept, kept_tokens = _time_rates(args, rollout, rewards, adv, policy, ref)
+    points = _points(args, rollout.num_completions, times, cpu, kept, kept_tokens)
+    _print_points(args, points)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(points, fh, indent=2)

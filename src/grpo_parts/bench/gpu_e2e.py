@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import GRPOPartsError
+from ..sampler.stats import ACCEPTED_PER_VERIFY
 
 #: preset -> model shape (Qwen2 family), SFT steps and batch, GRPO steps, prompts per step, G, dtype
 PRESETS: dict[str, dict[str, Any]] = {
@@ -172,7 +173,7 @@ def run_arm(arm: str, model_dir: Path, preset: dict[str, Any], device: str, out:
         "mean_completion_len": sum(r["completion_len"] for r in steady) / len(steady),
         "phase_shares": {k: v / step_s if step_s > 0 else None for k, v in phases.items()},
         "phase_s": phases,
-        "accepted_per_verify": rows[-1].get("accepted_per_verify"),
+        ACCEPTED_PER_VERIFY: rows[-1].get(ACCEPTED_PER_VERIFY),
         "rows": rows,
     }
 
@@ -197,7 +198,7 @@ def run_preset(name: str, device: str, json_path: Path | None = None) -> dict[st
 
     max_new = preset.get("max_new_tokens", 320)
     task = ReasoningTask()  # the longest prompt (one token per character) + the new tokens
-    ctx = len(task._problem([9] * task.config.long_max_terms).prompt) + max_new
+    ctx = len(task.problem([9] * task.config.long_max_terms).prompt) + max_new
     ref = results["reference"]["step_s"]
     out = {
         "preset": name, "model": preset["label"], "parameters": params, "device": str(dev),

@@ -37,6 +37,7 @@ import torch
 from ..draft import IMPLEMENTATIONS as DRAFTS
 from ..errors import GRPOPartsError
 from ..sampler.protocol import PromptBatch, Rollout, SamplingParams
+from ..sampler.stats import ACCEPTED_PER_VERIFY, SAMPLED_TREE_STEPS, TREE_STEPS, VERIFY_STEPS
 from ._args import ints, names
 from ._sampler_models import GenerateSampler, cache_load, cache_save, make_policy, policy_key, task_draft
 
@@ -91,9 +92,15 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
                         f"{losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)"
                     )
                 if args.spec_warmup > 0:
-                    params = SamplingParams(group_size=4, max_new_tokens=args.max_new_tokens, **_eos_kw(args))
+                    params = SamplingParams(
+                        group_size=4, max_new_tokens=args.max_new_tokens, **eos_kwargs(args)
+                    )
                     hist = warm_up(
-                        draft, policy, lambda i: _prompts(args, 16, 4, 1000 + i), params, args.spec_warmup
+                        draft,
+                        policy,
+                        lambda i: bench_prompts(args, 16, 4, 1000 + i),
+                        params,
+                        args.spec_warmup,
                     )
                     print(
                         f"{name}: distilled on {args.spec_warmup} rollouts, accepted/verify "
@@ -138,7 +145,8 @@ FACTORIES: dict[str, SamplerFactory] = {
 }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What is generated and how it is timed: samplers, batches, modes, lengths, repeats, clock."""
     p.add_argument("--json", metavar="PATH", help="write all points as JSON")
     p.add_argument(
         "--quick", action="store_true", help="small run (smoke test): batch 1 and 4, 16 new tokens"
@@ -165,6 +173,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="wall: tokens per wall second; cpu: per second of process CPU time (steadier on a shared CPU box)",
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+
+
+def _add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """The policy every sampler runs: size, device, dtype, seed, random or task-trained."""
     p.add_argument("--hidden", type=int, default=384, help="policy hidden size (default: %(default)s)")
     p.add_argument("--layers", type=int, default=6, help="policy decoder layers (default: %(default)s)")
     p.add_argument(
@@ -186,6 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prompts from the task, rows stop at EOS)",
     )  # fmt: skip
     p.add_argument("--task-steps", type=int, default=300, help="SFT steps for --policy task")
+
+
+def _add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """The speculative rows: drafts, draft lengths and trees, draft training, the cache."""
     p.add_argument(
         "--spec-drafts", default="ngram,eagle,small_lm,frozen_lm", type=names(DRAFTS),
         help="drafts of the speculative rows, comma-separated (default: %(default)s)",
@@ -214,6 +230,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cache-dir", default="~/.cache/grpo_parts/bench",
         help="--policy task: keep the trained policy and drafts here for re-runs ('' = no cache)",
     )  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    # in this order (``--help`` lists them so)
+    _add_workload_arguments(p)
+    _add_policy_arguments(p)
+    _add_speculative_arguments(p)
     p.add_argument(
         "--prompt-batches", type=int, default=1,
         help="prompt batches per point (times and tokens summed; more = steadier points)",
@@ -239,13 +262,17 @@ def make_prompts(batch: int, group_size: int, prompt_len: int, vocab: int, seed:
     return PromptBatch.from_lists(prompts, pad_token_id=0)
 
 
-def _eos_kw(args: argparse.Namespace) -> dict[str, Any]:
+def eos_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``SamplingParams`` keywords for the bench's policy: the task's EOS and pad ids (``--policy
+    task``, set on ``args`` by ``make_policy``), none for a random policy."""
     if args.policy != "task":
         return {}
     return dict(eos_token_ids=(args._eos,), pad_token_id=args._pad)
 
 
-def _prompts(args: argparse.Namespace, batch: int, group_size: int, seed: int) -> PromptBatch:
+def bench_prompts(args: argparse.Namespace, batch: int, group_size: int, seed: int) -> PromptBatch:
+    """The bench's ``batch // group_size`` prompts for ``seed``: task prompts (``--policy task``) or
+    random token prompts."""
     if args.policy != "task":
         return make_prompts(batch, group_size, args.prompt_len, args.vocab, seed)
     if batch % group_size:
@@ -301,14 +328,8 @@ def time_samplers(
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.quick:
-        args.batches, args.max_new_tokens, args.repeats, args.prompt_len = "1,4", 16, 1, 16
-    batches = [int(b) for b in args.batches.split(",")]
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    policy = make_policy(args)
-    device = next(policy.parameters()).device
+def _bench_rows(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
+    """The rows of ``--samplers``, in order; a factory that cannot run here is skipped with a note."""
     rows: list[BenchSampler] = []
     for name in args.samplers.split(","):
         if name not in FACTORIES:
@@ -317,7 +338,12 @@ def run(args: argparse.Namespace) -> int:
             rows += FACTORIES[name](policy, args)
         except (ImportError, GRPOPartsError) as e:  # NotSupportedError is a GRPOPartsError
             print(f"skipping {name}: {e}")
-    setup = {
+    return rows
+
+
+def _setup(args: argparse.Namespace, policy: torch.nn.Module) -> dict[str, Any]:
+    """The JSON ``setup``: the command that reproduces the run, the policy, machine and clock."""
+    return {
         "command": "grpo-parts bench sampler "
         + ("--quick" if args.quick else f"--batches {args.batches}")
         + f" --policy {args.policy} --hidden {args.hidden} --layers {args.layers} --samplers {args.samplers}"
@@ -344,66 +370,103 @@ def run(args: argparse.Namespace) -> int:
         if args.policy == "random"
         else f"task ({args._task}, {args.task_steps} SFT steps)",
     }
+
+
+def _mode_params(args: argparse.Namespace, mode: str) -> SamplingParams:
+    """Sampling settings of ``mode`` (greedy: temperature 0; sample: temperature 1)."""
+    if mode not in ("greedy", "sample"):
+        raise GRPOPartsError(f"--modes: expected 'greedy' and/or 'sample', got {mode!r}")
+    return SamplingParams(
+        group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0 if mode == "greedy" else 1.0,
+        **(eos_kwargs(args) if args.policy == "task" else {"pad_token_id": 0}),
+    )
+
+
+def _row_point(
+    bs: BenchSampler, results: list[tuple[float, int, Rollout]], batch: int, mode: str
+) -> dict[str, Any]:
+    """One row's point: times and tokens summed over the prompt batches, speculative stats."""
+    secs, toks = sum(x[0] for x in results), sum(x[1] for x in results)
+    apv = [x[2].stats[ACCEPTED_PER_VERIFY] for x in results if ACCEPTED_PER_VERIFY in x[2].stats]
+    return dict(
+        sampler=bs.name,
+        draft=bs.draft,
+        shape=bs.shape,
+        tree_steps=sum(x[2].stats.get(TREE_STEPS, 0.0) for x in results),
+        sampled_tree_steps=sum(x[2].stats.get(SAMPLED_TREE_STEPS, 0.0) for x in results),
+        verify_steps=sum(x[2].stats.get(VERIFY_STEPS, 0.0) for x in results),
+        batch=batch,
+        mode=mode,
+        tokens_per_s=toks / secs,
+        seconds=secs,
+        tokens=toks,
+        accepted_per_verify=sum(apv) / len(apv) if apv else None,
+    )
+
+
+def _measure_point(
+    rows: list[BenchSampler],
+    args: argparse.Namespace,
+    mode: str,
+    params: SamplingParams,
+    batch: int,
+    device: torch.device,
+) -> list[dict[str, Any]]:
+    """Every row at one (mode, batch), over ``--prompt-batches`` prompt batches, with its speedup
+    against the reference sampler and ``generate`` (printed as it goes)."""
+    per_row: list[list[tuple[float, int, Rollout]]] = [[] for _ in rows]
+    for r in range(args.prompt_batches):
+        prompts = bench_prompts(args, batch, args.group_size, args.seed + r)
+        for i, res in enumerate(time_samplers(rows, prompts, params, args, device)):
+            per_row[i].append(res)
+    found = [_row_point(bs, results, batch, mode) for bs, results in zip(rows, per_row)]
+    ref = next((p["tokens_per_s"] for p in found if p["sampler"] == "reference"), None)
+    gen = next((p["tokens_per_s"] for p in found if p["sampler"] == "generate"), None)
+    for p in found:
+        p["speedup"] = p["tokens_per_s"] / ref if ref else None
+        p["ratio_vs_generate"] = p["tokens_per_s"] / gen if gen else None
+        print(
+            f"{mode:6s} batch={batch:3d} {p['sampler']:>12s} draft={p['draft']!s:10s} {p['shape'] or '':6s} "
+            f"{p['tokens_per_s']:9.1f} tok/s  vs reference {_fmt(p['speedup'])}  "
+            f"vs generate {_fmt(p['ratio_vs_generate'])}"
+        )
+    return found
+
+
+def _drift(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--drift``: the acceptance-under-policy-drift experiment (printed), else None."""
+    if not args.drift:
+        return None
+    from .draft_training import measure_drift
+
+    drift = measure_drift(rounds=args.drift_rounds, seed=args.seed)
+    print(f"\nacceptance under policy drift ({drift['task']}):")
+    for p in drift["points"]:
+        print(f"round {p['round']} {p['draft']:>13s} accepted/verify {p['accepted_per_verify']:.2f}")
+    return drift
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.batches, args.max_new_tokens, args.repeats, args.prompt_len = "1,4", 16, 1, 16
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    policy = make_policy(args)
+    device = next(policy.parameters()).device
+    rows = _bench_rows(policy, args)
+    setup = _setup(args, policy)
     print(json.dumps(setup, indent=1))
     points: list[dict[str, Any]] = []
     for mode in args.modes.split(","):
-        if mode not in ("greedy", "sample"):
-            raise GRPOPartsError(f"--modes: expected 'greedy' and/or 'sample', got {mode!r}")
-        params = SamplingParams(
-            group_size=args.group_size,
-            max_new_tokens=args.max_new_tokens,
-            temperature=0.0 if mode == "greedy" else 1.0,
-            **(_eos_kw(args) if args.policy == "task" else {"pad_token_id": 0}),
-        )
+        params = _mode_params(args, mode)
         for batch in batches:
-            found: list[dict[str, Any]] = []
-            per_row: list[list[tuple[float, int, Rollout]]] = [[] for _ in rows]
-            for r in range(args.prompt_batches):
-                prompts = _prompts(args, batch, args.group_size, args.seed + r)
-                for i, res in enumerate(time_samplers(rows, prompts, params, args, device)):
-                    per_row[i].append(res)
-            for bs, results in zip(rows, per_row):
-                secs, toks = sum(x[0] for x in results), sum(x[1] for x in results)
-                apv = [
-                    x[2].stats["accepted_per_verify"] for x in results if "accepted_per_verify" in x[2].stats
-                ]
-                found.append(
-                    dict(
-                        sampler=bs.name,
-                        draft=bs.draft,
-                        shape=bs.shape,
-                        tree_steps=sum(x[2].stats.get("tree_steps", 0.0) for x in results),
-                        sampled_tree_steps=sum(x[2].stats.get("sampled_tree_steps", 0.0) for x in results),
-                        verify_steps=sum(x[2].stats.get("verify_steps", 0.0) for x in results),
-                        batch=batch,
-                        mode=mode,
-                        tokens_per_s=toks / secs,
-                        seconds=secs,
-                        tokens=toks,
-                        accepted_per_verify=sum(apv) / len(apv) if apv else None,
-                    )
-                )
-            ref = next((p["tokens_per_s"] for p in found if p["sampler"] == "reference"), None)
-            gen = next((p["tokens_per_s"] for p in found if p["sampler"] == "generate"), None)
-            for p in found:
-                p["speedup"] = p["tokens_per_s"] / ref if ref else None
-                p["ratio_vs_generate"] = p["tokens_per_s"] / gen if gen else None
-                print(
-                    f"{mode:6s} batch={batch:3d} {p['sampler']:>12s} draft={p['draft']!s:10s} {p['shape'] or '':6s} "
-                    f"{p['tokens_per_s']:9.1f} tok/s  vs reference {_fmt(p['speedup'])}  "
-                    f"vs generate {_fmt(p['ratio_vs_generate'])}"
-                )
-            points += found
+            points += _measure_point(rows, args, mode, params, batch, device)
     print()
     print(markdown_table(points))
-    drift = None
-    if args.drift:
-        from .draft_training import measure_drift
-
-        drift = measure_drift(rounds=args.drift_rounds, seed=args.seed)
-        print(f"\nacceptance under policy drift ({drift['task']}):")
-        for p in drift["points"]:
-            print(f"round {p['round']} {p['draft']:>13s} accepted/verify {p['accepted_per_verify']:.2f}")
+    drift = _drift(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"setup": setup, "points": points, "drift": drift}, f, indent=1)

@@ -40,7 +40,7 @@ from .config import (
 from .correction import correction_weights
 from .kl import kl_estimate
 from .logprobs import token_logprobs
-from .losses import LossOutput, aggregate, grpo_loss
+from .losses import LossOutput, aggregate, grpo_loss, weighted_loss_reasons
 
 __all__ = [
     "AdvantageConfig",
@@ -62,4 +62,5 @@ __all__ = [
     "kl_reward_penalty",
     "kl_shaped_rewards",
     "token_logprobs",
+    "weighted_loss_reasons",
 ]

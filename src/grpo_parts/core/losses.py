@@ -23,6 +23,7 @@ def aggregate(
     num_seqs: float | None = None,
     count_empty: bool = False,
     seq_len_eps: float = 0.0,
+    seq_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce ``loss_mat: [N, T]`` under ``mask: [N, T]`` to a scalar.
 
@@ -32,12 +33,19 @@ def aggregate(
     do not count as sequences unless ``count_empty`` (TRL's ``grpo``/``dr_grpo`` average over all
     rows). ``seq_len_eps`` is added to each row's token count in seq-mean-token-mean (verl and
     OpenRLHF add 1e-8). An all-masked batch gives 0, not NaN.
+
+    ``seq_weights: [N]`` multiplies each row's contribution (importance weights of a randomly pruned
+    batch, ``FilterResult.weights``); the denominators are left alone, so pass the full batch's
+    ``num_tokens`` / ``num_seqs`` to make the weighted sum an unbiased estimate of the full loss.
     """
     check_tensor("loss_mat", loss_mat, ndim=2, dtype="float", allow_empty=True)
     check_tensor("mask", mask, allow_empty=True)
     check_same_shape(["loss_mat", "mask"], [loss_mat, mask])
     m = mask.to(loss_mat.dtype)
     loss_mat = torch.where(m > 0, loss_mat, torch.zeros_like(loss_mat))  # NaN/inf at padding must not leak
+    if seq_weights is not None:
+        check_tensor("seq_weights", seq_weights, shape=[loss_mat.shape[0]], dtype="float", allow_empty=True)
+        loss_mat = loss_mat * seq_weights.to(loss_mat.dtype)[:, None]
     if mode == "token-mean":
         denom = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=loss_mat.dtype)
         return (loss_mat * m).sum() / denom.clamp(min=1.0)
@@ -98,11 +106,84 @@ def _masked_mean(t: torch.Tensor, m: torch.Tensor) -> float:
     return float((t.detach().to(m.dtype).expand_as(m) * m).sum() / m.sum().clamp(min=1.0))
 
 
+def weighted_loss_reasons(cfg: LossConfig) -> list[str]:
+    """Why ``cfg``'s aggregation cannot give an unbiased loss from a randomly pruned batch with
+    ``seq_weights`` (empty list = it can, given the full batch's ``num_tokens`` / ``num_seqs``).
+
+    Every aggregation is a sum over rows of a per-row term divided by a denominator; the estimate
+    is unbiased when the denominator is fixed before pruning. Token-mean and the seq-means take it
+    from ``num_tokens`` / ``num_seqs``; seq-mean-token-mean divides each row by its own length,
+    which pruning does not change. Only seq-mean-token-sum-norm's default constant, the padded
+    width T of the tensor the loss sees, can change with which rows were kept (re-padding,
+    micro-batches).
+    """
+    if cfg.agg == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
+        return [
+            "agg='seq-mean-token-sum-norm' without norm_constant: its default constant is the padded "
+            "width T of the kept rows' tensor, which depends on which rows were kept; set "
+            "LossConfig.norm_constant (Dr. GRPO: the max completion length)"
+        ]
+    return []
+
+
+def _check_seq_weights(
+    w: torch.Tensor | None, n: int, cfg: LossConfig, num_tokens: float | None, num_seqs: float | None
+) -> None:
+    """``seq_weights`` need fixed denominators: every aggregation the loss runs must get the full
+    batch's count, not the kept rows' own (which depends on which rows were kept: biased)."""
+    if w is None:
+        return
+    check_tensor("seq_weights", w, shape=[n], dtype="float", allow_empty=True)
+    if w.numel() and not bool((torch.isfinite(w) & (w >= 0)).all()):
+        raise GRPOPartsError("seq_weights: expected finite values >= 0, got one that is not")
+    reasons = weighted_loss_reasons(cfg)
+    if reasons:
+        raise GRPOPartsError(f"seq_weights: {reasons[0]}")
+    token_means = [
+        name
+        for name, on in (
+            ("agg='token-mean'", cfg.agg == "token-mean"),
+            ("kl_agg='token-mean'", cfg.kl_coef > 0 and cfg.kl_agg == "token-mean"),
+            ("entropy_agg='token-mean'", cfg.entropy_coef > 0 and cfg.entropy_agg == "token-mean"),
+        )
+        if on
+    ]
+    why = "the kept rows' own count depends on which rows were kept, which biases the weighted loss"
+    if token_means and num_tokens is None:
+        raise GRPOPartsError(
+            f"seq_weights: {token_means[0]} needs num_tokens= (the full batch's token count); {why}"
+        )
+    if cfg.agg != "token-mean" and num_seqs is None:
+        raise GRPOPartsError(
+            f"seq_weights: agg={cfg.agg!r} needs num_seqs= (the full batch's sequence count); {why}"
+        )
+
+
 def _kl_term(
     logps: torch.Tensor, ref_logps: torch.Tensor, ratio: torch.Tensor, cfg: LossConfig
 ) -> torch.Tensor:
     kl = kl_estimate(logps, ref_logps, cfg.kl_estimator, cfg.kl_clamp)
     return kl * ratio if cfg.kl_ratio_weight else kl  # TRL: the unbiased reverse-KL gradient off-policy
+
+
+def _aggregate_terms(
+    per_token: torch.Tensor,
+    kl: torch.Tensor | None,
+    ent: torch.Tensor | None,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+    agg_kw: dict,
+) -> torch.Tensor:
+    """``per_token`` aggregated by ``cfg.agg``, plus a KL kept apart (``kl_agg="token-mean"``), minus
+    the entropy bonus (aggregated like the loss, or as a token mean)."""
+    loss = aggregate(per_token, mask, cfg.agg, **agg_kw)
+    if kl is not None:  # OpenRLHF: its own token mean, whatever the policy term's aggregation
+        kl_kw = {k: agg_kw[k] for k in ("num_tokens", "seq_weights")}
+        loss = loss + cfg.kl_coef * aggregate(kl, mask, "token-mean", **kl_kw)
+    if ent is not None:
+        mode = cfg.agg if cfg.entropy_agg == "loss" else "token-mean"
+        loss = loss - cfg.entropy_coef * aggregate(ent, mask, mode, **agg_kw)
+    return loss
 
 
 def grpo_loss(
@@ -117,6 +198,7 @@ def grpo_loss(
     rollout_logps: torch.Tensor | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    seq_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """The GRPO-family loss. ``advantages`` is ``[N]`` (one per completion) or ``[N, T]``.
 
@@ -124,9 +206,13 @@ def grpo_loss(
     weight (``rollout_logps``: the sampler's log-probs), plus ``kl_coef * KL(logp, ref_logp)``
     (``ref_logps``); aggregated by ``config.agg``; minus ``entropy_coef`` times the aggregated
     ``entropy: [N, T]`` (differentiable, from the same forward as ``logps``).
+
+    ``seq_weights: [N]`` (``FilterResult.weights``) multiply every term of their row and require the
+    full batch's ``num_tokens`` / ``num_seqs``: E[loss] is the full batch's (:func:`weighted_loss_reasons`).
     """
     cfg = config or LossConfig()
     adv = _check_inputs(logps, old_logps, advantages, mask, ref_logps, entropy, rollout_logps)
+    _check_seq_weights(seq_weights, logps.shape[0], cfg, num_tokens, num_seqs)
     # Padding positions may hold anything (-inf, NaN): zero them first so that neither the loss,
     # the diagnostics nor the gradient can see them (torch.where passes no gradient to them).
     keep = mask != 0
@@ -146,7 +232,7 @@ def grpo_loss(
         assert weights is not None
         per_token, out["correction_mean"] = per_token * weights, _masked_mean(weights, m)
     agg_kw: dict = dict(norm_constant=cfg.norm_constant, num_tokens=num_tokens, num_seqs=num_seqs)
-    agg_kw.update(count_empty=cfg.seq_count == "all", seq_len_eps=cfg.seq_len_eps)
+    agg_kw.update(count_empty=cfg.seq_count == "all", seq_len_eps=cfg.seq_len_eps, seq_weights=seq_weights)
     kl: torch.Tensor | None = None
     if cfg.kl_coef > 0.0:
         ref = clean(_require("ref_logps", ref_logps, "kl_coef > 0"))
@@ -154,14 +240,9 @@ def grpo_loss(
         kl = _kl_term(logps, ref, ratio, cfg)
         if cfg.kl_agg == "loss":  # verl, TRL: per token, aggregated with the policy term
             per_token, kl = per_token + cfg.kl_coef * kl, None
-    loss = aggregate(per_token, mask, cfg.agg, **agg_kw)
-    if kl is not None:  # OpenRLHF: its own token mean, whatever the policy term's aggregation
-        loss = loss + cfg.kl_coef * aggregate(kl, mask, "token-mean", num_tokens=num_tokens)
+    ent: torch.Tensor | None = None
     if cfg.entropy_coef > 0.0:
         ent = clean(_require("entropy", entropy, "entropy_coef > 0"))
-        mode = cfg.agg if cfg.entropy_agg == "loss" else "token-mean"
-        loss, out["entropy"] = (
-            loss - cfg.entropy_coef * aggregate(ent, mask, mode, **agg_kw),
-            _masked_mean(ent, m),
-        )
+        out["entropy"] = _masked_mean(ent, m)
+    loss = _aggregate_terms(per_token, kl, ent, mask, cfg, agg_kw)
     return LossOutput(loss, per_token.detach().masked_fill(~keep, 0.0), **out)

@@ -65,82 +65,96 @@ def reserve_cache_room(cache: Any, slack: int) -> int:
     return done
 
 
+# The methods a converted cache layer gets (:func:`_room_class`). They are put in the class dict of a
+# direct subclass of the layer's class, not mixed in from a class of their own: a mixin base changes
+# the instance layout CPython compares when ``reserve_cache_room`` swaps ``__class__`` in place.
+# ``self._room_base`` is the layer's own class: whatever these do not handle goes to it.
+
+
+def _room_update(
+    self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    keys: Any = getattr(self, "keys", None)
+    values: Any = getattr(self, "values", None)
+    if (
+        not getattr(self, "is_initialized", True)
+        or keys is None
+        or keys.dim() != 4
+        or key_states.dtype != keys.dtype
+        or key_states.device != keys.device
+    ):  # cat's type promotion / device rules: the base class
+        return self._room_base.update(self, key_states, value_states, *args, **kwargs)
+    n, t = keys.shape[-2], key_states.shape[-2]
+    kb: Any = getattr(self, "_kbuf", None)
+    vb: Any = getattr(self, "_vbuf", None)
+    if not (_is_prefix_view(keys, kb, n + t) and _is_prefix_view(values, vb, n + t)):
+        kb, vb = _grow(keys, t, self._room), _grow(values, t, self._room)
+    kb[:, :, n : n + t] = key_states
+    vb[:, :, n : n + t] = value_states
+    self._use(kb, vb, n + t)
+    return self.keys, self.values
+
+
+def _room_use(self: Any, kb: torch.Tensor, vb: torch.Tensor, n: int) -> None:
+    """Hold ``kb``/``vb`` as the buffers, their first ``n`` columns as keys/values."""
+    self._kbuf, self._vbuf = kb, vb
+    self.keys, self.values = kb[:, :, :n], vb[:, :, :n]
+
+
+def _room_buffers(self: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``(key buffer, value buffer, columns in use)`` when the layer's keys/values are prefix
+    views of its in-place buffers, else None."""
+    kb: Any = getattr(self, "_kbuf", None)
+    vb: Any = getattr(self, "_vbuf", None)
+    keys: Any = getattr(self, "keys", None)
+    values: Any = getattr(self, "values", None)
+    if (
+        keys is None
+        or keys.dim() != 4
+        or not (_is_prefix_view(keys, kb, keys.shape[2]) and _is_prefix_view(values, vb, values.shape[2]))
+    ):
+        return None
+    return kb, vb, keys.shape[2]
+
+
+def _room_batch_select_indices(self: Any, indices: torch.Tensor) -> None:
+    bufs = self._buffers()
+    if bufs is None:
+        return self._room_base.batch_select_indices(self, indices)  # type: ignore[no-any-return]
+    # one gather of the buffers (the room included) instead of a gather now and a copy at the
+    # next append
+    kb, vb, n = bufs
+    self._use(kb[indices], vb[indices], n)
+
+
+def _room_move_rows(self: Any, dst: torch.Tensor, src: torch.Tensor, rows: int) -> bool:
+    """Copy rows ``src`` into rows ``dst`` and keep the first ``rows``, in the buffers (False:
+    the layer holds no in-place buffers; nothing done)."""
+    bufs = self._buffers()
+    if bufs is None:
+        return False
+    kb, vb, n = bufs
+    if dst.numel():
+        kb[dst], vb[dst] = kb[src], vb[src]
+    self._use(kb[:rows], vb[:rows], n)  # views of the first rows: no copy
+    return True
+
+
 @functools.cache
 def _room_class(base: Any) -> Any:
-    def update(
-        self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> Any:
-        keys: Any = getattr(self, "keys", None)
-        values: Any = getattr(self, "values", None)
-        if (
-            not getattr(self, "is_initialized", True)
-            or keys is None
-            or keys.dim() != 4
-            or key_states.dtype != keys.dtype
-            or key_states.device != keys.device
-        ):  # cat's type promotion / device rules: the base class
-            return base.update(self, key_states, value_states, *args, **kwargs)
-        n, t = keys.shape[-2], key_states.shape[-2]
-        kb: Any = getattr(self, "_kbuf", None)
-        vb: Any = getattr(self, "_vbuf", None)
-        if not (_is_prefix_view(keys, kb, n + t) and _is_prefix_view(values, vb, n + t)):
-            kb, vb = _grow(keys, t, self._room), _grow(values, t, self._room)
-        kb[:, :, n : n + t] = key_states
-        vb[:, :, n : n + t] = value_states
-        self._use(kb, vb, n + t)
-        return self.keys, self.values
-
-    def _use(self: Any, kb: torch.Tensor, vb: torch.Tensor, n: int) -> None:
-        """Hold ``kb``/``vb`` as the buffers, their first ``n`` columns as keys/values."""
-        self._kbuf, self._vbuf = kb, vb
-        self.keys, self.values = kb[:, :, :n], vb[:, :, :n]
-
-    def _buffers(self: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """``(key buffer, value buffer, columns in use)`` when the layer's keys/values are prefix
-        views of its in-place buffers, else None."""
-        kb: Any = getattr(self, "_kbuf", None)
-        vb: Any = getattr(self, "_vbuf", None)
-        keys: Any = getattr(self, "keys", None)
-        values: Any = getattr(self, "values", None)
-        if (
-            keys is None
-            or keys.dim() != 4
-            or not (_is_prefix_view(keys, kb, keys.shape[2]) and _is_prefix_view(values, vb, values.shape[2]))
-        ):
-            return None
-        return kb, vb, keys.shape[2]
-
-    def batch_select_indices(self: Any, indices: torch.Tensor) -> None:
-        bufs = self._buffers()
-        if bufs is None:
-            return base.batch_select_indices(self, indices)
-        # one gather of the buffers (the room included) instead of a gather now and a copy at the
-        # next append
-        kb, vb, n = bufs
-        self._use(kb[indices], vb[indices], n)
-
-    def move_rows(self: Any, dst: torch.Tensor, src: torch.Tensor, rows: int) -> bool:
-        """Copy rows ``src`` into rows ``dst`` and keep the first ``rows``, in the buffers (False:
-        the layer holds no in-place buffers; nothing done)."""
-        bufs = self._buffers()
-        if bufs is None:
-            return False
-        kb, vb, n = bufs
-        if dst.numel():
-            kb[dst], vb[dst] = kb[src], vb[src]
-        self._use(kb[:rows], vb[:rows], n)  # views of the first rows: no copy
-        return True
-
+    """``base`` (a cache layer class) with the in-place methods above, under its own name; one
+    class per base."""
     return type(
         base.__name__,
         (base,),
         {
-            "update": update,
-            "batch_select_indices": batch_select_indices,
-            "move_rows": move_rows,
-            "_buffers": _buffers,
-            "_use": _use,
+            "update": _room_update,
+            "batch_select_indices": _room_batch_select_indices,
+            "move_rows": _room_move_rows,
+            "_buffers": _room_buffers,
+            "_use": _room_use,
             "_grpo_parts_room": True,
+            "_room_base": base,
         },
     )
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..registry import load
+from ..registry import PartClass, load_class
 from .protocol import DraftContext, DraftModel, DraftProposal, DraftTrainingBatch, TreeBudget, TreeDraftModel
 
 IMPLEMENTATIONS: dict[str, str] = {
@@ -16,8 +14,9 @@ IMPLEMENTATIONS: dict[str, str] = {
 AUTO_PRIORITY: tuple[str, ...] = ("ngram", "eagle", "small_lm", "frozen_lm")
 
 
-def get_draft_class(name: str) -> Any:
-    return load(IMPLEMENTATIONS, name, "draft")
+def get_draft_class(name: str) -> PartClass[DraftModel]:
+    """The class registered as ``name`` (imported on first use); build it with :mod:`grpo_parts.build`."""
+    return load_class(IMPLEMENTATIONS, name, "draft")
 
 
 __all__ = [

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..registry import load
+from ..registry import PartClass, load_class
 from .protocol import CompletionFilter, FilterResult, ScoredBatch
 
 IMPLEMENTATIONS: dict[str, str] = {
@@ -12,12 +10,14 @@ IMPLEMENTATIONS: dict[str, str] = {
     "cppo": "grpo_parts.filter.cppo:TopKAbsAdvantage",
     "zero_variance": "grpo_parts.filter.group:ZeroVarianceGroups",
     "pods": "grpo_parts.filter.pods:MaxVarianceDownsample",
+    "dppo": "grpo_parts.filter.dppo:DPPOFilter",
 }
 AUTO_PRIORITY: tuple[str, ...] = ("keep_all",)
 
 
-def get_filter_class(name: str) -> Any:
-    return load(IMPLEMENTATIONS, name, "filter")
+def get_filter_class(name: str) -> PartClass[CompletionFilter]:
+    """The class registered as ``name`` (imported on first use); build it with :mod:`grpo_parts.build`."""
+    return load_class(IMPLEMENTATIONS, name, "filter")
 
 
 __all__ = [

@@ -35,7 +35,7 @@ from ..core import AdvantageConfig, group_advantages, kl_shaped_rewards
 from ..errors import GRPOPartsError, check_tensor
 from ..types import Rollout
 from ._common import extra_prompts, num_groups_present, priority_order
-from .protocol import CompletionFilter, ScoredBatch
+from .protocol import KEPT_FRACTION, CompletionFilter, ScoredBatch
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -120,7 +120,7 @@ class Refiller(BaseModel):
                 chunk.scored.size / max(1, chunk.num_prompts),
             )
         info = {"rounds": float(rounds), "prompts_used": float(prompts_used), "rows_generated": float(rows)}
-        info["kept_fraction"] = kept_total / rows if rows else 0.0
+        info[KEPT_FRACTION] = kept_total / rows if rows else 0.0
         return RefillOutcome(selections, kept_total, self.target_size, rounds, prompts_used, rows, info)
 
 
@@ -166,6 +166,69 @@ class FilledBatch(Generic[P]):
         return self.rollout is None
 
 
+def _take(prompts: Iterator[P], n: int) -> list[P]:
+    """Up to ``n`` prompts from the stream (fewer when it runs out)."""
+    batch: list[P] = []
+    for _ in range(n):
+        try:
+            batch.append(next(prompts))
+        except StopIteration:
+            break
+    return batch
+
+
+def _score_chunk(
+    batch: list[P],
+    rollout: Rollout,
+    reward: Callable[[list[P], Rollout], torch.Tensor],
+    cfg: AdvantageConfig,
+    kl_logprobs: Callable[[Rollout], tuple[torch.Tensor, torch.Tensor | None]] | None,
+) -> Chunk[tuple[list[P], Rollout, torch.Tensor, torch.Tensor]]:
+    """One round's rollout of ``batch``, scored: rewards (KL-shaped when ``cfg.kl_coef > 0``) and
+    group advantages; the payload keeps the raw rewards and the advantages for the kept rows."""
+    if rollout.num_prompts != len(batch):
+        raise GRPOPartsError(
+            f"sample: expected a Rollout of {len(batch)} prompts, got num_prompts={rollout.num_prompts}"
+        )
+    r = check_tensor("reward(...)", reward(batch, rollout), shape=[rollout.num_completions], dtype="float")
+    old, ref = kl_logprobs(rollout) if cfg.kl_coef > 0 and kl_logprobs is not None else (None, None)
+    shaped = kl_shaped_rewards(r, rollout.completion_mask, cfg, old, ref)
+    lengths = rollout.completion_lengths()
+    adv = group_advantages(shaped, rollout.group_index, cfg, num_groups=rollout.num_prompts, lengths=lengths)
+    scored = ScoredBatch(shaped, adv, rollout.group_index, lengths)
+    return Chunk((batch, rollout, r, adv), scored, len(batch))
+
+
+def _merge_selections(outcome: RefillOutcome[Any], pad_token_id: int) -> FilledBatch[Any]:
+    """The kept rows of every round in one :class:`FilledBatch` (``outcome`` not empty)."""
+    subs: list[Rollout] = []
+    rewards: list[torch.Tensor] = []
+    advs: list[torch.Tensor] = []
+    kept_prompts: list[Any] = []
+    for sel in outcome.selections:
+        batch, rollout, r, adv = sel.chunk.payload
+        sub = rollout.select(sel.kept)
+        # compact group ids to the prompts that kept rows, in stream order
+        used, new_gi = torch.unique(sub.group_index, sorted=True, return_inverse=True)
+        kept_prompts.extend(batch[i] for i in used.tolist())
+        subs.append(
+            Rollout(
+                sub.prompt_ids,
+                sub.prompt_mask,
+                sub.completion_ids,
+                sub.completion_mask,
+                sub.logprobs,
+                new_gi.to(torch.long),
+                int(used.numel()),
+                dict(rollout.stats),
+            )
+        )
+        rewards.append(r[sel.kept])
+        advs.append(adv[sel.kept])
+    merged = concat_rollouts(subs, pad_token_id)
+    return FilledBatch(merged, torch.cat(rewards), torch.cat(advs), kept_prompts, outcome)
+
+
 def fill_rollouts(
     filt: CompletionFilter,
     refiller: Refiller,
@@ -193,58 +256,13 @@ def fill_rollouts(
         )
 
     def produce(n: int) -> Chunk[tuple[list[P], Rollout, torch.Tensor, torch.Tensor]] | None:
-        batch: list[P] = []
-        for _ in range(n):
-            try:
-                batch.append(next(prompts))
-            except StopIteration:
-                break
+        batch = _take(prompts, n)
         if not batch:
             return None
-        rollout = sample(batch)
-        if rollout.num_prompts != len(batch):
-            raise GRPOPartsError(
-                f"sample: expected a Rollout of {len(batch)} prompts, got num_prompts={rollout.num_prompts}"
-            )
-        r = check_tensor(
-            "reward(...)", reward(batch, rollout), shape=[rollout.num_completions], dtype="float"
-        )
-        old, ref = kl_logprobs(rollout) if cfg.kl_coef > 0 and kl_logprobs is not None else (None, None)
-        shaped = kl_shaped_rewards(r, rollout.completion_mask, cfg, old, ref)
-        lengths = rollout.completion_lengths()
-        adv = group_advantages(
-            shaped, rollout.group_index, cfg, num_groups=rollout.num_prompts, lengths=lengths
-        )
-        scored = ScoredBatch(shaped, adv, rollout.group_index, lengths)
-        return Chunk((batch, rollout, r, adv), scored, len(batch))
+        return _score_chunk(batch, sample(batch), reward, cfg, kl_logprobs)
 
     outcome = refiller.fill(filt, produce)
     if outcome.is_empty:
         empty = torch.zeros(0)
         return FilledBatch(None, empty, empty, [], outcome)
-    subs: list[Rollout] = []
-    rewards: list[torch.Tensor] = []
-    advs: list[torch.Tensor] = []
-    kept_prompts: list[P] = []
-    for sel in outcome.selections:
-        batch, rollout, r, adv = sel.chunk.payload
-        sub = rollout.select(sel.kept)
-        # compact group ids to the prompts that kept rows, in stream order
-        used, new_gi = torch.unique(sub.group_index, sorted=True, return_inverse=True)
-        kept_prompts.extend(batch[i] for i in used.tolist())
-        subs.append(
-            Rollout(
-                sub.prompt_ids,
-                sub.prompt_mask,
-                sub.completion_ids,
-                sub.completion_mask,
-                sub.logprobs,
-                new_gi.to(torch.long),
-                int(used.numel()),
-                dict(rollout.stats),
-            )
-        )
-        rewards.append(r[sel.kept])
-        advs.append(adv[sel.kept])
-    merged = concat_rollouts(subs, pad_token_id)
-    return FilledBatch(merged, torch.cat(rewards), torch.cat(advs), kept_prompts, outcome)
+    return _merge_selections(outcome, pad_token_id)

@@ -8,6 +8,12 @@ them to ``grpo_loss(..., num_tokens=, num_seqs=)`` when the kept set is split in
 (TRL's ``num_items_in_batch``). Consequently the gradient of the pruned loss is the full batch's
 per-completion gradients restricted to the kept rows, times ``D_full / D_kept``.
 
+A random filter with importance weights (``FilterResult.weights``, the ``dppo`` filter) needs the
+opposite: ``num_tokens`` / ``num_seqs`` are then the *whole* batch's denominators, fixed before
+pruning, and ``KeptBatch.weights`` the kept rows' weights; pass all three to ``grpo_loss(...,
+seq_weights=kb.weights)`` and the expected loss and gradient are the full batch's
+(tests/filter/test_filter_unbiased.py enumerates every outcome to check it).
+
 An empty kept set (every advantage zero) gives ``KeptBatch.is_empty``: the loop skips the update
 (no forward, no optimizer step, no NaN).
 
@@ -20,7 +26,7 @@ Typical use in a loop (the built-in trainer and the adapters do this)::
     old = backend.completion_logprobs(old_model, LogprobBatch.from_rollout(kb.rollout)).logprobs
     ...
     out = grpo_loss(logps, old, kb.advantages, kb.rollout.completion_mask, cfg,
-                    num_tokens=kb.num_tokens, num_seqs=kb.num_seqs)
+                    num_tokens=kb.num_tokens, num_seqs=kb.num_seqs, seq_weights=kb.weights)
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ def _check_kept(kept: torch.Tensor, n: int) -> None:
 @dataclass(frozen=True)
 class KeptBatch:
     """The kept rows. ``rollout`` is None when nothing was kept (then every tensor has 0 rows).
-    ``num_tokens`` / ``num_seqs``: the kept set's loss denominators (see module docstring)."""
+    ``num_tokens`` / ``num_seqs``: the loss denominators to use -- the kept set's own, or the whole
+    batch's when the filter gave ``weights`` (``[K]``, None = all 1; see module docstring)."""
 
     rollout: Rollout | None
     advantages: torch.Tensor  # [K]
@@ -64,6 +71,7 @@ class KeptBatch:
     old_logps: torch.Tensor | None = None  # [K, T]
     ref_logps: torch.Tensor | None = None  # [K, T]
     rewards: torch.Tensor | None = None  # [K]
+    weights: torch.Tensor | None = None  # [K] importance weights (FilterResult.weights)
 
     @property
     def is_empty(self) -> bool:
@@ -84,7 +92,8 @@ def apply_filter(
 ) -> KeptBatch:
     """Slice ``rollout`` and the per-row tensors (``advantages: [N]`` or ``[N, T]``, ``old_logps``,
     ``ref_logps: [N, T]``, ``rewards: [N]``) to ``result.kept``. ``group_index`` keeps the original
-    prompt numbering, so a shared-prefix backend still sees which rows share a prompt."""
+    prompt numbering, so a shared-prefix backend still sees which rows share a prompt. With
+    ``result.weights`` the denominators are the whole batch's and the weights come along."""
     n, t = rollout.num_completions, rollout.completion_ids.shape[1]
     check_tensor("advantages", advantages, shape=[n] if advantages.ndim == 1 else [n, t], dtype="float")
     for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
@@ -98,15 +107,16 @@ def apply_filter(
     def take(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x[kept]
 
+    weights = None if result.weights is None else result.weights.to(kept.device)
+    rows = (take(old_logps), take(ref_logps), take(rewards))
     if result.is_empty:
-        return KeptBatch(
-            None, advantages[kept], kept, 0.0, 0.0, take(old_logps), take(ref_logps), take(rewards)
-        )
+        return KeptBatch(None, advantages[kept], kept, 0.0, 0.0, *rows, weights=weights)
     sub = rollout.select(kept)
-    num_tokens, num_seqs = loss_denominators(sub.completion_mask)
-    return KeptBatch(
-        sub, advantages[kept], kept, num_tokens, num_seqs, take(old_logps), take(ref_logps), take(rewards)
+    # weighted (unbiased) estimate: the full batch's denominators, fixed before pruning
+    num_tokens, num_seqs = loss_denominators(
+        sub.completion_mask if weights is None else rollout.completion_mask
     )
+    return KeptBatch(sub, advantages[kept], kept, num_tokens, num_seqs, *rows, weights=weights)
 
 
 def select_rows(batch: Mapping[str, Any], kept: torch.Tensor, num_rows: int) -> dict[str, Any]:

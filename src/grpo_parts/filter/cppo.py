@@ -33,7 +33,7 @@ from ._common import (
     rank_in_group,
     zero_variance_rows,
 )
-from .protocol import FilterResult, ScoredBatch
+from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
 
 
 class TopKAbsAdvantage(BaseModel):
@@ -77,7 +77,7 @@ class TopKAbsAdvantage(BaseModel):
         n = batch.size
         n_prompts = num_groups_present(batch)
         if n == 0:
-            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {"kept_fraction": 0.0, "num_kept": 0.0})
+            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {KEPT_FRACTION: 0.0, NUM_KEPT: 0.0})
         zv = zero_variance_rows(batch)
         eligible = torch.ones(n, dtype=torch.bool, device=zv.device)
         if self.drop_zero_advantage:
@@ -112,8 +112,8 @@ class TopKAbsAdvantage(BaseModel):
         k_n = int(kept.numel())
         extra = extra_prompts(k_n, target_size, n_prompts, self._nominal_per_prompt(n, n_prompts))
         info = {
-            "kept_fraction": k_n / n,
-            "num_kept": float(k_n),
+            KEPT_FRACTION: k_n / n,
+            NUM_KEPT: float(k_n),
             "num_rows": float(n),
             "zero_variance_rows": float(zv.sum()),
             "num_groups": float(n_prompts),

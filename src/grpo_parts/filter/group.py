@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from ._common import extra_prompts, kept_mask_to_rows, num_groups_present, zero_variance_rows
-from .protocol import FilterResult, ScoredBatch
+from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
 
 
 class ZeroVarianceGroups(BaseModel):
@@ -33,7 +33,7 @@ class ZeroVarianceGroups(BaseModel):
     def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
         n = batch.size
         if n == 0:
-            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {"kept_fraction": 0.0, "num_kept": 0.0})
+            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {KEPT_FRACTION: 0.0, NUM_KEPT: 0.0})
         zv = zero_variance_rows(batch)
         kept = kept_mask_to_rows(~zv)
         n_prompts = num_groups_present(batch)
@@ -43,8 +43,8 @@ class ZeroVarianceGroups(BaseModel):
         extra = extra_prompts(k_n, target_size, n_prompts, n / n_prompts)
         kept_groups = int(torch.unique(batch.group_index[kept]).numel()) if k_n else 0
         info = {
-            "kept_fraction": k_n / n,
-            "num_kept": float(k_n),
+            KEPT_FRACTION: k_n / n,
+            NUM_KEPT: float(k_n),
             "num_rows": float(n),
             "num_groups": float(n_prompts),
             "dropped_groups": float(n_prompts - kept_groups),

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._common import extra_prompts, kept_mask_to_rows, num_groups_present, num_kept, zero_variance_rows
-from .protocol import FilterResult, ScoredBatch
+from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
 
 
 def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
@@ -70,7 +70,7 @@ class MaxVarianceDownsample(BaseModel):
     def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
         n = batch.size
         if n == 0:
-            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {"kept_fraction": 0.0, "num_kept": 0.0})
+            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {KEPT_FRACTION: 0.0, NUM_KEPT: 0.0})
         zv = zero_variance_rows(batch)
         keep = torch.zeros(n, dtype=torch.bool)
         gi = batch.group_index.long().cpu()
@@ -85,6 +85,4 @@ class MaxVarianceDownsample(BaseModel):
         k_n = int(kept.numel())
         nominal = float(self._m_for(round(n / n_prompts)))
         extra = extra_prompts(k_n, target_size, n_prompts, nominal)
-        return FilterResult(
-            kept, extra, {"kept_fraction": k_n / n, "num_kept": float(k_n), "num_rows": float(n)}
-        )
+        return FilterResult(kept, extra, {KEPT_FRACTION: k_n / n, NUM_KEPT: float(k_n), "num_rows": float(n)})

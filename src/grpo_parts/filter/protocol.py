@@ -12,7 +12,14 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 from ..types import FilterResult, ScoredBatch
 
-__all__ = ["CompletionFilter", "FilterResult", "ScoredBatch"]
+__all__ = ["KEPT_FRACTION", "NUM_KEPT", "CompletionFilter", "FilterResult", "ScoredBatch"]
+
+#: ``FilterResult.info`` keys that several filters write (the refill loop's outcome and the
+#: trainer's metric of the same name too; adapters log them as ``parts/filter/<key>``): the share of
+#: the batch's rows kept ...
+KEPT_FRACTION = "kept_fraction"
+#: ... and how many rows were kept
+NUM_KEPT = "num_kept"
 
 
 @runtime_checkable

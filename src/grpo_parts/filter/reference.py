@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from .protocol import FilterResult, ScoredBatch
+from .protocol import KEPT_FRACTION, FilterResult, ScoredBatch
 
 
 class KeepAll:
@@ -18,5 +18,5 @@ class KeepAll:
     def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
         kept = torch.arange(batch.size, dtype=torch.long, device=batch.rewards.device)
         return FilterResult(
-            kept=kept, extra_prompts_wanted=0, info={"kept_fraction": 1.0 if batch.size else 0.0}
+            kept=kept, extra_prompts_wanted=0, info={KEPT_FRACTION: 1.0 if batch.size else 0.0}
         )

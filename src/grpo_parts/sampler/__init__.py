@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..registry import load
+from ..registry import PartClass, load_class
 from .protocol import PromptBatch, Rollout, Sampler, SamplingParams
 
 #: name -> "module:Class", imported lazily.
@@ -16,8 +14,9 @@ IMPLEMENTATIONS: dict[str, str] = {
 AUTO_PRIORITY: tuple[str, ...] = ("reference",)
 
 
-def get_sampler_class(name: str) -> Any:
-    return load(IMPLEMENTATIONS, name, "sampler")
+def get_sampler_class(name: str) -> PartClass[Sampler]:
+    """The class registered as ``name`` (imported on first use); build it with :mod:`grpo_parts.build`."""
+    return load_class(IMPLEMENTATIONS, name, "sampler")
 
 
 __all__ = [

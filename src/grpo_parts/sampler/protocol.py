@@ -2,18 +2,32 @@
 
 Implementations: ``reference.ReferenceSampler`` (plain batched KV-cache sampling). Optimized
 samplers (speculative, vLLM) add files here without changing these signatures.
+
+Optional abilities a sampler *declares* by having the members (checked with ``isinstance``):
+:class:`TrainsDraft` (builds a learnable draft's training batch from a rollout) and
+:class:`TracesDecode` (keeps a per-decode-step trace of its last rollout). ``Rollout.stats`` keys
+shared between samplers and readers are in :mod:`grpo_parts.sampler.stats`.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from ..decoding import SamplingParams
+from ..draft.protocol import DraftTrainingBatch
 from ..types import PromptBatch, Rollout
 
-__all__ = ["PromptBatch", "Rollout", "Sampler", "SamplingParams"]
+__all__ = [
+    "DecodeTraceView",
+    "PromptBatch",
+    "Rollout",
+    "Sampler",
+    "SamplingParams",
+    "TracesDecode",
+    "TrainsDraft",
+]
 
 
 @runtime_checkable
@@ -39,4 +53,38 @@ class Sampler(Protocol):
 
     def not_supported_reasons(self, params: SamplingParams) -> list[str]:
         """Why this sampler cannot serve ``params`` on its model (empty list = supported)."""
+        ...
+
+
+@runtime_checkable
+class TrainsDraft(Protocol):
+    """A sampler that can feed a learnable draft: the trainer calls it on each rollout of a step and
+    passes the batch to ``DraftModel.update`` (the speculative sampler)."""
+
+    def draft_training_batch(self, rollout: Rollout) -> DraftTrainingBatch:
+        """The policy's view of ``rollout`` (``N`` rows, ``L = P + T`` positions):
+        ``input_ids``/``attention_mask``/``loss_mask: [N, L]``, ``hidden: [N, L, H]`` its last hidden
+        states, ``target_logits: [N, L, V]`` its logits; ``loss_mask`` marks positions whose next
+        token the policy emitted."""
+        ...
+
+
+class DecodeTraceView(Protocol):
+    """One rollout's per-decode-step trace (:class:`~grpo_parts.sampler.speculative.trace.DecodeTrace`)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able lists, one entry per decode step: ``active`` rows, ``k`` draft nodes per row (0 =
+        plain), ``tokens`` emitted per row, ``acceptance``, ``depth``, ``width``, and the cost model's
+        ``break_even``, ``t_plain_ms``, ``t_spec_ms`` (None on speculative steps)."""
+        ...
+
+
+@runtime_checkable
+class TracesDecode(Protocol):
+    """A sampler that records what it did at each decode step of its last ``generate`` (the
+    speculative sampler); the trainer writes it to ``decode_trace.json``."""
+
+    @property
+    def last_trace(self) -> DecodeTraceView:
+        """The last rollout's trace (replaced by each ``generate``)."""
         ...

@@ -2,7 +2,7 @@
 
 One policy forward per emitted token for all rows still generating. This is the baseline every
 speedup is measured against, so it is deliberately lean (no logits-processor stack, prefill computes
-only the last position's logits, finished rows leave the batch) -- docs/benchmarks.md shows it is at
+only the last position's logits, finished rows leave the batch) -- docs/results.md shows it is at
 least as fast as ``generate``.
 """
 
@@ -86,65 +86,77 @@ class ReferenceSampler:
         device = next(model.parameters()).device
         ids, mask, group = expand_prompts(prompts, params.group_size)
         ids, mask, group = ids.to(device), mask.to(device), group.to(device)
-        n = ids.shape[0]
         vocab = getattr(model.config, "vocab_size", None)
         if vocab is not None and int(ids.max()) >= vocab:
             raise GRPOPartsError(
                 f"PromptBatch.input_ids: expected token ids < vocab_size={vocab}, got {int(ids.max())}"
             )
-        eos = torch.tensor(params.eos_token_ids or (-1,), device=device)
-        # Left padding: positions count real tokens only, so every row's first token has position 0.
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        prompt_mask = mask
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache, logits = output_cache(out), out.logits[:, -1]
-        cache_kw = cache_kwarg(model)
-        next_pos = pos[:, -1:] + 1
-
-        # Finished rows leave the batch (and the KV cache) at once, as vLLM's scheduler does; they
-        # cost nothing more. (``generate`` keeps them until the last row finishes.)
-        tmax = params.max_new_tokens
-        completion = torch.full((n, tmax), params.pad_token_id, dtype=ids.dtype, device=device)
-        lp = torch.zeros(n, tmax, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
-        lp = lp.to(device)
-        act = torch.arange(n, device=device)  # rollout rows still generating, in cache order
-        steps = 0
-        for step in range(tmax):
-            tok = sample_tokens(logits, params, generator)
-            completion[act, step] = tok
-            lp[act, step] = token_logprobs(logits, tok, params.logprob_temperature).to(lp.dtype)
-            steps = step + 1
-            if step == tmax - 1:
-                break
-            fin = torch.isin(tok, eos)
-            if bool(fin.any()):
-                keep = (~fin).nonzero().squeeze(1)
-                if keep.numel() == 0:
-                    break
-                act, tok, mask, next_pos = act[keep], tok[keep], mask[keep], next_pos[keep]
-                select_cache_rows(cache, keep)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=next_pos,
-                use_cache=True,
-                **{cache_kw: cache},
-            )
-            cache, logits = output_cache(out), out.logits[:, -1]
-            next_pos = next_pos + 1
-
-        completion, lp = completion[:, :steps], lp[:, :steps]
+        completion, lp = _sample(model, ids, mask, params, generator)
         cmask = completion_mask_from_eos(completion, params.eos_token_ids)
         return Rollout(
             prompt_ids=ids,
-            prompt_mask=prompt_mask,
+            prompt_mask=mask,
             completion_ids=completion.masked_fill(cmask == 0, params.pad_token_id),
             completion_mask=cmask,
             logprobs=lp.masked_fill(cmask == 0, 0.0),
             group_index=group,
             num_prompts=prompts.num_prompts,
         )
+
+
+def _sample(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill the (left-padded) prompts, then one forward per token for the rows still generating:
+    ``(completion [N, T], logprobs [N, T])``, ``T`` the steps taken (<= ``max_new_tokens``), the
+    tokens after a row's EOS left as ``pad_token_id`` / 0."""
+    device = ids.device
+    n = ids.shape[0]
+    eos = torch.tensor(params.eos_token_ids or (-1,), device=device)
+    # Left padding: positions count real tokens only, so every row's first token has position 0.
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache, logits = output_cache(out), out.logits[:, -1]
+    cache_kw = cache_kwarg(model)
+    next_pos = pos[:, -1:] + 1
+
+    # Finished rows leave the batch (and the KV cache) at once, as vLLM's scheduler does; they
+    # cost nothing more. (``generate`` keeps them until the last row finishes.)
+    tmax = params.max_new_tokens
+    completion = torch.full((n, tmax), params.pad_token_id, dtype=ids.dtype, device=device)
+    lp = torch.zeros(n, tmax, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    lp = lp.to(device)
+    act = torch.arange(n, device=device)  # rollout rows still generating, in cache order
+    steps = 0
+    for step in range(tmax):
+        tok = sample_tokens(logits, params, generator)
+        completion[act, step] = tok
+        lp[act, step] = token_logprobs(logits, tok, params.logprob_temperature).to(lp.dtype)
+        steps = step + 1
+        if step == tmax - 1:
+            break
+        fin = torch.isin(tok, eos)
+        if bool(fin.any()):
+            keep = (~fin).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            act, tok, mask, next_pos = act[keep], tok[keep], mask[keep], next_pos[keep]
+            select_cache_rows(cache, keep)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=mask,
+            position_ids=next_pos,
+            use_cache=True,
+            **{cache_kw: cache},
+        )
+        cache, logits = output_cache(out), out.logits[:, -1]
+        next_pos = next_pos + 1
+    return completion[:, :steps], lp[:, :steps]
 
 
 def completion_mask_from_eos(completion: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:

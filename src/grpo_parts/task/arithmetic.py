@@ -115,14 +115,15 @@ class ArithmeticTask:
     def is_held_out(self, prompt: str) -> bool:
         return zlib.crc32(prompt.encode()) % 100 < self.config.eval_percent
 
-    def _problem(self, ops: list[int]) -> Problem:
+    def problem(self, ops: list[int]) -> Problem:
+        """The problem that adds ``ops`` (``"3+4="``, answer ``"7"``)."""
         return Problem("+".join(str(x) for x in ops) + "=", str(sum(ops)))
 
     def train_problem(self, index: int) -> Problem:
         # A counter-based stream: problem i depends only on (seed, i), so resuming is O(1).
         rng = random.Random(f"train:{self.seed}:{index}")
         while True:
-            p = self._problem(self._draw(rng))
+            p = self.problem(self._draw(rng))
             if not self.is_held_out(p.prompt):
                 return p
 
@@ -130,7 +131,7 @@ class ArithmeticTask:
         """The held-out set: the same problems for every seed, so runs compare on equal terms."""
         rng = random.Random("eval")
         return collect_held_out(
-            lambda i: self._problem(self._draw(rng)), self.is_held_out, self.config.num_eval
+            lambda i: self.problem(self._draw(rng)), self.is_held_out, self.config.num_eval
         )
 
     def sft_target(self, problem: Problem) -> str:

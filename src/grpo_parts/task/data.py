@@ -6,7 +6,7 @@ Works with any transformers tokenizer (the built-in character tokenizer is one).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -25,6 +25,29 @@ class Task(Protocol):
     def eval_problems(self) -> list[Problem]: ...
 
     def reward(self, completion: str, problem: Problem) -> float: ...
+
+
+@runtime_checkable
+class BatchRewards(Protocol):
+    """A task whose training reward is computed for a whole batch at once (``--reward`` functions,
+    TRL's signature: :class:`~grpo_parts.task.rewards.RewardedTask`); ``Task.reward`` then stays the
+    grader (held-out accuracy, the ``accuracy`` metric)."""
+
+    def batch_rewards(
+        self, completions: list[str], problems: list[Problem], completion_ids: list[list[int]], step: int
+    ) -> list[float]:
+        """One reward per completion: ``completions[i]`` answers ``problems[i]``; ``completion_ids[i]``
+        its token ids (padding dropped); ``step`` the training step (0-based)."""
+        ...
+
+
+@runtime_checkable
+class ReportsRewardTerms(Protocol):
+    """A task that reports the mean of each reward function over its last batch (logged as
+    ``reward_<name>``)."""
+
+    #: reward function name -> its mean over the last ``batch_rewards`` call (NaN: no value)
+    last_per_function: dict[str, float]
 
 
 def completion_ids(rollout: Rollout) -> list[list[int]]:

@@ -16,7 +16,8 @@ math           ``problem``, ``solution`` the content of the last ``\\boxed{...}`
 
 ``task.format: auto`` picks the format from the first row's columns; ``task.prompt_key`` /
 ``task.answer_key`` rename the columns. parquet and ``save_to_disk`` folders need pyarrow /
-datasets (``pip install -e ".[data]"``), imported only when such data is read.
+datasets (``pip install -e '.[data]'`` in a checkout, ``pip install 'grpo-parts[data]'`` by name),
+imported only when such data is read.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import GRPOPartsError
+from ..errors import GRPOPartsError, install_hint
 from .graders import after_delimiter, final_answer, last_boxed
 
 #: how to install what parquet / datasets folders need, from a checkout of this repository
-DATA_INSTALL = 'pip install -e ".[data]"'
+DATA_INSTALL = install_hint("data")
 
 #: format -> (prompt column, answer column)
 FORMAT_KEYS = {
@@ -60,7 +61,7 @@ def _need(module: str, what: str) -> Any:
     except ImportError:
         raise GRPOPartsError(
             f"data: reading {what} needs the {module.split('.')[0]} package; expected it installed "
-            f"({DATA_INSTALL} in the grpo_parts checkout)"
+            f"({DATA_INSTALL})"
         ) from None
 
 

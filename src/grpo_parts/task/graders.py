@@ -7,7 +7,8 @@
 - ``boxed``: the content of the last ``\\boxed{...}`` equals the answer; no box is wrong;
 - ``last_number``: the last number in the completion equals the answer's number (``1,000`` = ``1000``,
   ``2.50`` = ``2.5``);
-- ``math_verify``: math-verify's symbolic comparison (``pip install -e ".[math]"``).
+- ``math_verify``: math-verify's symbolic comparison (``pip install -e '.[math]'`` in a checkout,
+  ``pip install 'grpo-parts[math]'`` by name).
 
 A gold answer is compared as given; the data loader has already reduced GSM8K/MATH solutions to their
 final answers (:mod:`.formats`).
@@ -19,10 +20,10 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
-from ..errors import GRPOPartsError
+from ..errors import GRPOPartsError, install_hint
 
 #: how to install the optional answer checker, from a checkout of this repository
-MATH_INSTALL = 'pip install -e ".[math]"'
+MATH_INSTALL = install_hint("math")
 
 GRADERS = ("exact", "after_delimiter", "boxed", "last_number", "math_verify")
 
@@ -115,8 +116,8 @@ def _math_verify() -> Grade:
         from math_verify import parse, verify
     except ImportError:
         raise GRPOPartsError(
-            f"task.grader: 'math_verify' needs the math-verify package ({MATH_INSTALL} in the grpo_parts "
-            "checkout); expected it installed, or another grader (exact, after_delimiter, boxed, last_number)"
+            f"task.grader: 'math_verify' needs the math-verify package ({MATH_INSTALL}); expected it "
+            "installed, or another grader (exact, after_delimiter, boxed, last_number)"
         ) from None
 
     def check(completion: str, answer: str) -> bool:

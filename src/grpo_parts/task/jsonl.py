@@ -93,7 +93,7 @@ def choose_grader(cfg: DataConfig, fmt: str, builtin: str | None) -> tuple[str, 
     fallback = "boxed" if fmt == "math" else "exact"
     if not mv:
         log.warning(
-            "math-verify is not installed (%s in the grpo_parts checkout); grading %s data by %s",
+            "math-verify is not installed (%s); grading %s data by %s",
             MATH_INSTALL, fmt, fallback,
         )  # fmt: skip
     why = f"the default for {fmt} data" + ("" if mv else f" without math-verify ({MATH_INSTALL})")

@@ -93,7 +93,8 @@ class ReasoningTask:
         lo, hi = (c.long_min_terms, c.long_max_terms) if long else (c.min_terms, c.max_terms)
         return [rng.randint(1, c.max_digit) for _ in range(rng.randint(lo, hi))]
 
-    def _problem(self, terms: list[int]) -> Problem:
+    def problem(self, terms: list[int]) -> Problem:
+        """The problem that adds ``terms`` (the prompt as the task writes it)."""
         body = "+".join(_term(i, x, self.config.labeled) for i, x in enumerate(terms))
         return Problem(self.instruction + body + "=", str(sum(terms)))
 
@@ -106,7 +107,7 @@ class ReasoningTask:
     def train_problem(self, index: int) -> Problem:
         rng = random.Random(f"reasoning:{self.seed}:{index}")
         while True:
-            p = self._problem(self._draw(rng, self._is_long(index)))
+            p = self.problem(self._draw(rng, self._is_long(index)))
             if not self.is_held_out(p.prompt):
                 return p
 
@@ -114,7 +115,7 @@ class ReasoningTask:
         """The held-out set (the same for every seed), with the stream's share of long problems."""
         rng = random.Random("reasoning:eval")
         return collect_held_out(
-            lambda i: self._problem(self._draw(rng, self._is_long(i))), self.is_held_out, self.config.num_eval
+            lambda i: self.problem(self._draw(rng, self._is_long(i))), self.is_held_out, self.config.num_eval
         )
 
     def terms(self, problem: Problem) -> list[int]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from .config import REFERENCE_PARTS, TrainConfig
 from .phases import PHASES, mean_of, median_of
+from .report_format import fmt
 
 #: ablation arm -> the PartsConfig fields it takes from the optimized config
 PART_FIELDS: dict[str, tuple[str, ...]] = {
@@ -84,8 +85,6 @@ def isolated_bound(sums: dict[str, dict[str, Any]], step_speedup: float | None) 
 
 def ablation_lines(result: dict[str, Any]) -> list[str]:
     """Markdown: each part alone (phase ratios, step speedup, accuracy) and the composed prediction."""
-    from .report import _fmt
-
     ab = result.get("ablation")
     if not ab:
         return []
@@ -96,17 +95,17 @@ def ablation_lines(result: dict[str, Any]) -> list[str]:
         "|---|" + "---:|" * (len(PHASES) + 3),
     ]
     for name, a in ab["arms"].items():
-        cells = " | ".join(f"{_fmt(a['phase_ratios'][p], '.2f')}x" for p in PHASES)
+        cells = " | ".join(f"{fmt(a['phase_ratios'][p], '.2f')}x" for p in PHASES)
         lines.append(
-            f"| {name} | {cells} | {_fmt(a['step_speedup'], '.2f')}x | {_fmt(a['final_accuracy'], '.3f')} "
-            f"| {_fmt(a['accuracy_diff'], '+.3f')} |"
+            f"| {name} | {cells} | {fmt(a['step_speedup'], '.2f')}x | {fmt(a['final_accuracy'], '.3f')} "
+            f"| {fmt(a['accuracy_diff'], '+.3f')} |"
         )
     return [
         *lines,
         "",
-        f"Composed from the isolated ratios, Amdahl predicts {_fmt(result['amdahl_isolated'], '.2f')}x; "
-        f"measured {_fmt(result['step_speedup'], '.2f')}x; composition (measured / predicted) "
-        f"{_fmt(result['composition'], '.2f')}.",
+        f"Composed from the isolated ratios, Amdahl predicts {fmt(result['amdahl_isolated'], '.2f')}x; "
+        f"measured {fmt(result['step_speedup'], '.2f')}x; composition (measured / predicted) "
+        f"{fmt(result['composition'], '.2f')}.",
         "",
     ]
 

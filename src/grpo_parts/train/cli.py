@@ -110,14 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "") -> None:
-    """The options a training run and ``grpo-parts bench e2e`` share."""
-    from .config import DEFAULT_TASK, TASK_DEFAULTS, PartsConfig, TrainConfig
+def _run_default(field: str) -> Any:
+    """What a run without --config/--set gets: the default task's defaults win over the field's."""
+    from .config import DEFAULT_TASK, TASK_DEFAULTS, TrainConfig
 
-    def default(field: str) -> Any:
-        # what a run without --config/--set gets: the default task's defaults win over the field's
-        return TASK_DEFAULTS[DEFAULT_TASK].get(field, TrainConfig.model_fields[field].default)
+    return TASK_DEFAULTS[DEFAULT_TASK].get(field, TrainConfig.model_fields[field].default)
 
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the config comes from: a YAML file, then dotted overrides."""
     parser.add_argument(
         "--config", type=Path, metavar="FILE", help="YAML file with TrainConfig fields (see docs/training.md)"
     )
@@ -129,19 +130,31 @@ def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "")
         metavar="KEY=VALUE",
         help="override any TrainConfig field, dotted, YAML value (repeatable; e.g. loss.kl_coef=0.01)",
     )
+
+
+def _add_hyperparameter_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run's length, seed, group size and learning rate."""
+    from .config import TrainConfig
+
     parser.add_argument(
         "--steps",
         type=int,
-        help=f"GRPO steps (default: {default('steps')}; {TrainConfig.model_fields['steps'].default} with "
+        help=f"GRPO steps (default: {_run_default('steps')}; {TrainConfig.model_fields['steps'].default} with "
         "task.name=arithmetic)",
     )
     parser.add_argument(
-        "--seed", type=int, help=f"seed of the data stream, sampling and init (default: {default('seed')})"
+        "--seed",
+        type=int,
+        help=f"seed of the data stream, sampling and init (default: {_run_default('seed')})",
     )
     parser.add_argument(
-        "--group-size", type=int, help=f"completions per prompt, G (default: {default('group_size')})"
+        "--group-size", type=int, help=f"completions per prompt, G (default: {_run_default('group_size')})"
     )
-    parser.add_argument("--lr", type=float, help=f"learning rate (default: {default('lr')})")
+    parser.add_argument("--lr", type=float, help=f"learning rate (default: {_run_default('lr')})")
+
+
+def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the run reads and writes: run folder, model, data, rewards, device."""
     parser.add_argument("--name", help="run folder name (default: a timestamp)")
     parser.add_argument("--out-dir", type=Path, help="parent folder of runs (default: runs)")
     parser.add_argument(
@@ -166,8 +179,14 @@ def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "")
     parser.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
-        help=f"where the policy runs; auto = cuda when available (default: {default('device')})",
+        help=f"where the policy runs; auto = cuda when available (default: {_run_default('device')})",
     )
+
+
+def _add_part_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per swappable part (:data:`PART_FLAGS`), its choices the part's registry."""
+    from .config import PartsConfig
+
     for part, what in PART_FLAGS.items():
         names = part_names(part)
         fallback = PartsConfig.model_fields[part].default
@@ -177,10 +196,14 @@ def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "")
             metavar="NAME",
             help=f"{what}: one of {', '.join(names)} (default: {fallback or NO_DRAFT})",
         )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser, compare_prefix: str) -> None:
+    """What the run reports and where: target accuracy, trackers, comparison JSON, seeds, verbosity."""
     parser.add_argument(
         "--target",
         type=float,
-        help=f"held-out accuracy for time-to-target (default: {default('target_accuracy')})",
+        help=f"held-out accuracy for time-to-target (default: {_run_default('target_accuracy')})",
     )
     parser.add_argument(
         "--report-to",
@@ -197,6 +220,16 @@ def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "")
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the result")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "") -> None:
+    """The options a training run and ``grpo-parts bench e2e`` share (``--help`` lists them in this
+    order)."""
+    _add_config_arguments(parser)
+    _add_hyperparameter_arguments(parser)
+    _add_input_arguments(parser)
+    _add_part_arguments(parser)
+    _add_output_arguments(parser, compare_prefix)
 
 
 def config_from_args(args: argparse.Namespace) -> Any:

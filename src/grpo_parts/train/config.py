@@ -154,7 +154,8 @@ class TrainConfig(BaseModel):
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
         default_factory=list,
         description="experiment trackers that get every metrics row and the config (none by default); "
-        "'none', a list, or a comma-separated string; each needs its extra: pip install 'grpo-parts[wandb]'",
+        "'none', a list, or a comma-separated string; each needs its extra: pip install -e '.[wandb]' in a "
+        "checkout, or pip install 'grpo-parts[wandb]'",
     )
     project: str = Field(
         "grpo-parts",

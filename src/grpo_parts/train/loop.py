@@ -22,23 +22,34 @@ import math
 import random
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
 
-from ..attention.protocol import LogprobBatch
+from ..attention.protocol import PLAN_CHUNKS, LogprobBatch, ReportsPlan
 from ..core import grpo_loss
-from ..filter.allocation import Refiller, fill_rollouts
-from ..sampler.protocol import SamplingParams
+from ..filter.allocation import FilledBatch, Refiller, RefillOutcome, fill_rollouts
+from ..filter.protocol import KEPT_FRACTION
+from ..sampler.protocol import SamplingParams, TracesDecode, TrainsDraft
 from ..sampler.reference import ReferenceSampler
 from ..task.arithmetic import Problem
-from ..task.data import Task, completion_ids, decode_completions, encode_prompts, eval_accuracy
-from ..types import PromptBatch, Rollout
+from ..task.data import (
+    BatchRewards,
+    ReportsRewardTerms,
+    Task,
+    completion_ids,
+    decode_completions,
+    encode_prompts,
+    eval_accuracy,
+)
+from ..types import PromptBatch, Rollout, Stateful
 from .config import TrainConfig
 from .parts import Parts
+from .step_record import StepRecord, rollout_metrics
 
 
-class _Stream(Iterator[Problem]):
+class ProblemStream(Iterator[Problem]):
     """The task's training problems from the trainer's data position on (advances it)."""
 
     def __init__(self, trainer: GRPOTrainer):
@@ -107,115 +118,131 @@ class GRPOTrainer:
             raise NotSupportedError(f"sampler {parts.names.get('sampler')!r}", reasons)
 
     # ------------------------------------------------------------------------------------ steps
-    def _prompts(self, problems: list[Problem]) -> PromptBatch:
+    def prompt_batch(self, problems: list[Problem]) -> PromptBatch:
+        """The problems' prompts, tokenized and left-padded, on the policy's device."""
         pb = encode_prompts(self.tokenizer, [p.prompt for p in problems])
         return PromptBatch(pb.input_ids.to(self.device), pb.attention_mask.to(self.device))
 
     def step(self) -> dict[str, Any]:
-        cfg, parts = self.config, self.parts
+        """One GRPO step (see the module docstring); returns its row of ``metrics.jsonl``."""
         t_step = time.perf_counter()
-        acc: dict[str, Any] = {
-            "rollout": 0.0, "tokens": 0, "rewards": [], "stats": [], "rollouts": [], "correct": [], "samples": [],
-        }  # fmt: skip
-
-        def sample(problems: list[Problem]) -> Rollout:
-            pb = self._prompts(problems)
-            t0 = time.perf_counter()
-            ro = parts.sampler.generate(pb, self.params, self.generator)
-            acc["rollout"] += time.perf_counter() - t0
-            acc["tokens"] += int(ro.completion_mask.sum())
-            acc["stats"].append(dict(ro.stats))
-            acc["rollouts"].append(ro)
-            return ro
-
-        def reward(problems: list[Problem], ro: Rollout) -> torch.Tensor:
-            texts = decode_completions(self.tokenizer, ro)
-            rows = [problems[g] for g in ro.group_index.tolist()]
-            correct = [self.task.reward(t, p) for t, p in zip(texts, rows)]
-            batch_rewards = getattr(self.task, "batch_rewards", None)  # --reward functions (TRL's signature)
-            values = (
-                correct
-                if batch_rewards is None
-                else batch_rewards(texts, rows, completion_ids(ro), self.step_idx)
-            )
-            r = torch.tensor(values, dtype=torch.float32)
-            acc["rewards"].append(r)
-            acc["correct"].extend(correct)
-            acc["samples"].extend(zip(texts, rows, values))
-            return r.to(self.device)
-
-        target = cfg.prompts_per_step * cfg.group_size
-        rounds = 1 + (cfg.parts.max_refill_rounds if cfg.parts.refill else 0)
-        refiller = Refiller(target_size=target, initial_prompts=cfg.prompts_per_step, max_rounds=rounds)
-        filled = fill_rollouts(
-            parts.filter,
-            refiller,
-            _Stream(self),
-            sample,
-            reward,
-            cfg.advantage,
-            pad_token_id=self.pad_token_id,
-            kl_logprobs=self._old_and_ref if cfg.advantage.kl_coef > 0 else None,
-        )
+        acc = StepRecord()
+        filled = self._fill(acc)
         t_train = time.perf_counter()
-        train_info: dict[str, float] = {}
-        time_draft = 0.0
-        if (
-            parts.draft is not None
-            and getattr(parts.draft, "learnable", False)
-            and hasattr(parts.sampler, "draft_training_batch")
-        ):
-            t0 = time.perf_counter()
-            for ro in acc["rollouts"]:
-                for k, v in parts.draft.update(parts.sampler.draft_training_batch(ro)).items():
-                    train_info[f"draft_{k}"] = float(v)
-            time_draft = time.perf_counter() - t0
+        train_info, time_draft = self._update_draft(acc.rollouts)
         if filled.rollout is not None:
             train_info["lr"] = self._set_lr()
             train_info.update(self._update(filled.rollout, filled.advantages.to(self.device)))
-            parts.sampler.sync_weights(self.policy)
+            self.parts.sampler.sync_weights(self.policy)
         t_end = time.perf_counter()
         time_logprobs = train_info.pop("time_logprobs", 0.0)
-        trace = getattr(parts.sampler, "last_trace", None)
-        self.last_trace = None if trace is None else trace.as_dict()
+        self.last_trace = self._decode_trace()
         self.step_idx += 1
-        rewards = torch.cat(acc["rewards"])
         time_step = t_end - t_step
         self.wall_time += time_step
-        m: dict[str, Any] = {
-            "step": self.step_idx,
-            "reward": float(rewards.mean()),
-            "accuracy": sum(acc["correct"])
-            / max(1, len(acc["correct"])),  # the grader's, whatever the reward
-            "kept_fraction": filled.outcome.num_kept / max(1, filled.outcome.rows_generated),
-            "kept": filled.outcome.num_kept,
-            "prompts": filled.outcome.prompts_used,
-            "rounds": filled.outcome.rounds,
-            "completion_len": acc["tokens"] / max(1, filled.outcome.rows_generated),
-            "time_rollout": acc["rollout"],
+        times = {
+            "time_rollout": acc.rollout_s,
             "time_training": t_end - t_train,
             "time_draft": time_draft,
             # the phases of the step: rollout, old/reference log-probs, policy update, draft update
             "time_logprobs": time_logprobs,
             "time_update": max(0.0, t_end - t_train - time_draft - time_logprobs),
-            "time_other": max(0.0, time_step - acc["rollout"] - (t_end - t_train)),
+            "time_other": max(0.0, time_step - acc.rollout_s - (t_end - t_train)),
             "time_step": time_step,
-            "tokens_per_s": acc["tokens"] / max(acc["rollout"], 1e-9),
+        }
+        m = self._step_metrics(acc, filled.outcome, times)
+        m.update(train_info)
+        if isinstance(self.task, ReportsRewardTerms):
+            for name, value in self.task.last_per_function.items():
+                m[f"reward_{name}"] = value
+        self.last_samples = acc.samples  # (completion, problem, reward) of this step, for samples.jsonl
+        return m
+
+    def _fill(self, acc: StepRecord) -> FilledBatch[Problem]:
+        """Roll out, reward and filter (refilling as the config allows) into ``acc``."""
+        cfg = self.config
+        target = cfg.prompts_per_step * cfg.group_size
+        rounds = 1 + (cfg.parts.max_refill_rounds if cfg.parts.refill else 0)
+        refiller = Refiller(target_size=target, initial_prompts=cfg.prompts_per_step, max_rounds=rounds)
+        return fill_rollouts(
+            self.parts.filter,
+            refiller,
+            ProblemStream(self),
+            partial(self._sample, acc),
+            partial(self._reward, acc),
+            cfg.advantage,
+            pad_token_id=self.pad_token_id,
+            kl_logprobs=self._old_and_ref if cfg.advantage.kl_coef > 0 else None,
+        )
+
+    def _sample(self, acc: StepRecord, problems: list[Problem]) -> Rollout:
+        """One sampler call on ``problems`` (timed, counted into ``acc``)."""
+        pb = self.prompt_batch(problems)
+        t0 = time.perf_counter()
+        ro = self.parts.sampler.generate(pb, self.params, self.generator)
+        acc.rollout_s += time.perf_counter() - t0
+        acc.tokens += int(ro.completion_mask.sum())
+        acc.stats.append(dict(ro.stats))
+        acc.rollouts.append(ro)
+        return ro
+
+    def _reward(self, acc: StepRecord, problems: list[Problem], ro: Rollout) -> torch.Tensor:
+        """``[N]`` training rewards of ``ro``'s rows: the task's grader, or its batch reward
+        (``--reward`` functions, TRL's signature) when it declares one."""
+        texts = decode_completions(self.tokenizer, ro)
+        rows = [problems[g] for g in ro.group_index.tolist()]
+        correct = [self.task.reward(t, p) for t, p in zip(texts, rows)]
+        values = (
+            self.task.batch_rewards(texts, rows, completion_ids(ro), self.step_idx)
+            if isinstance(self.task, BatchRewards)
+            else correct
+        )
+        r = torch.tensor(values, dtype=torch.float32)
+        acc.rewards.append(r)
+        acc.correct.extend(correct)
+        acc.samples.extend(zip(texts, rows, values))
+        return r.to(self.device)
+
+    def _update_draft(self, rollouts: list[Rollout]) -> tuple[dict[str, float], float]:
+        """A learnable draft distils from each rollout of the step, when the sampler can build its
+        batches: ``({"draft_<metric>": value}, seconds)``."""
+        sampler, draft = self.parts.sampler, self.parts.draft
+        info: dict[str, float] = {}
+        if draft is None or not isinstance(sampler, TrainsDraft) or not draft.learnable:
+            return info, 0.0
+        t0 = time.perf_counter()
+        for ro in rollouts:
+            for k, v in draft.update(sampler.draft_training_batch(ro)).items():
+                info[f"draft_{k}"] = float(v)
+        return info, time.perf_counter() - t0
+
+    def _decode_trace(self) -> dict[str, Any] | None:
+        """The sampler's per-decode-step trace of its last rollout, when it keeps one."""
+        sampler = self.parts.sampler
+        trace = sampler.last_trace if isinstance(sampler, TracesDecode) else None
+        return None if trace is None else trace.as_dict()
+
+    def _step_metrics(
+        self, acc: StepRecord, outcome: RefillOutcome[Any], times: dict[str, float]
+    ) -> dict[str, Any]:
+        """The step's row before the training info: rewards, filter outcome, times, sampler stats."""
+        rewards = torch.cat(acc.rewards)
+        rows = max(1, outcome.rows_generated)
+        m: dict[str, Any] = {
+            "step": self.step_idx,
+            "reward": float(rewards.mean()),
+            "accuracy": sum(acc.correct) / max(1, len(acc.correct)),  # the grader's, whatever the reward
+            KEPT_FRACTION: outcome.num_kept / rows,
+            "kept": outcome.num_kept,
+            "prompts": outcome.prompts_used,
+            "rounds": outcome.rounds,
+            "completion_len": acc.tokens / rows,
+            **times,
+            "tokens_per_s": acc.tokens / max(acc.rollout_s, 1e-9),
             "wall_time": self.wall_time,
             "data_pos": self.data_pos,
         }
-        apv = [s["accepted_per_verify"] for s in acc["stats"] if "accepted_per_verify" in s]
-        m["accepted_per_verify"] = sum(apv) / len(apv) if apv else None
-        # the speculative decode loop's attention calls and forwards per path
-        for key in ("decode_attention_shared_prefix_calls", "decode_attention_plain_calls",
-                    "lean_forward_calls", "model_forward_calls"):  # fmt: skip
-            calls = [s[key] for s in acc["stats"] if key in s]
-            m[key] = sum(calls) if calls else None
-        m.update(train_info)
-        for name, value in getattr(self.task, "last_per_function", {}).items():
-            m[f"reward_{name}"] = value
-        self.last_samples = acc["samples"]  # (completion, problem, reward) of this step, for samples.jsonl
-        return m
+        return {**m, **rollout_metrics(acc.stats)}
 
     def _set_lr(self) -> float:
         """This step's learning rate (from ``step_idx``, so a resumed run continues the schedule)."""
@@ -252,8 +279,8 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         old, ref = self._old_and_ref(ro)
         t_logprobs = time.perf_counter() - t0
-        plan = getattr(attn, "last_plan", None)  # shared-prefix: how the groups were split into grids
-        grid_info = {"attention_grids": float(plan["chunks"])} if plan else {}
+        plan = attn.last_plan if isinstance(attn, ReportsPlan) else None  # shared-prefix: the grids
+        grid_info = {"attention_grids": float(plan[PLAN_CHUNKS])} if plan else {}
         # the sampler's own log-probs feed rollout correction (pi_train_old / pi_sampler)
         sampler_lp = ro.logprobs if cfg.loss.correction.level != "off" else None
         entropy = cfg.loss.entropy_coef > 0
@@ -319,11 +346,7 @@ class GRPOTrainer:
             ("sampler", self.parts.sampler),
             ("filter", self.parts.filter),
         ):
-            if (
-                part is not None
-                and callable(getattr(part, "state_dict", None))
-                and not hasattr(part, "model_fields")
-            ):
+            if isinstance(part, Stateful) and not hasattr(part, "model_fields"):
                 state[key] = part.state_dict()
         return state
 

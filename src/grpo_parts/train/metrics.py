@@ -7,6 +7,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..filter.protocol import KEPT_FRACTION
+from ..sampler.stats import (
+    ACCEPTED_PER_VERIFY,
+    DECODE_ATTENTION_PLAIN_CALLS,
+    DECODE_ATTENTION_SHARED_PREFIX_CALLS,
+    LEAN_FORWARD_CALLS,
+    MODEL_FORWARD_CALLS,
+)
 from .checkpoint import atomic_write_text
 
 
@@ -107,10 +115,10 @@ def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "mean_update_s": mean("time_update"),
         "mean_draft_s": mean("time_draft"),
         "tokens_per_s": mean("tokens_per_s"),
-        "accepted_per_verify": mean("accepted_per_verify"),
-        "kept_fraction": mean("kept_fraction"),
+        ACCEPTED_PER_VERIFY: mean(ACCEPTED_PER_VERIFY),
+        KEPT_FRACTION: mean(KEPT_FRACTION),
         "decode_attention_shared_fraction": _shared_fraction(steps),
-        "lean_forward_fraction": _fraction(steps, "lean_forward_calls", "model_forward_calls"),
+        "lean_forward_fraction": _fraction(steps, LEAN_FORWARD_CALLS, MODEL_FORWARD_CALLS),
         "train_reward_last10": (
             sum(float(r["reward"]) for r in steps[-10:]) / len(steps[-10:]) if steps else None
         ),
@@ -127,4 +135,4 @@ def _fraction(steps: list[dict[str, Any]], part: str, rest: str) -> float | None
 def _shared_fraction(steps: list[dict[str, Any]]) -> float | None:
     """Share of the speculative decode loop's attention calls that read the prompt once per group
     (None: no step counted any)."""
-    return _fraction(steps, "decode_attention_shared_prefix_calls", "decode_attention_plain_calls")
+    return _fraction(steps, DECODE_ATTENTION_SHARED_PREFIX_CALLS, DECODE_ATTENTION_PLAIN_CALLS)

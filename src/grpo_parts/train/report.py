@@ -6,27 +6,38 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..filter.protocol import KEPT_FRACTION
+from ..sampler.stats import ACCEPTED_PER_VERIFY
 from .ablation import ablation_lines, isolated_bound
 from .metrics import accuracy_goal_met, eval_curve, summarize
 from .phases import phase_breakdown
-
-
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
-
-    return plt
+from .report_format import fmt, pyplot
+from .trace_report import write_trace
 
 
 def plot_run(rows: list[dict[str, Any]], out_dir: Path, title: str = "") -> list[str]:
     """accuracy.png (vs step and vs wall time), step_time.png, acceptance.png; returns file names."""
-    plt = _plt()
-    curve = eval_curve(rows)
+    plt = pyplot()
     steps = [r for r in rows if "time_step" in r]
-    files = []
+    return [
+        _plot_accuracy(plt, rows, steps, out_dir, title),
+        _plot_step_time(plt, steps, out_dir),
+        _plot_acceptance(plt, steps, out_dir),
+    ]
 
+
+def _save(plt: Any, fig: Any, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def _plot_accuracy(
+    plt: Any, rows: list[dict[str, Any]], steps: list[dict[str, Any]], out_dir: Path, title: str
+) -> str:
+    """accuracy.png: train-batch and held-out accuracy vs step, held-out accuracy vs wall time."""
+    curve = eval_curve(rows)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     if steps:
         axes[0].plot(
@@ -47,24 +58,24 @@ def plot_run(rows: list[dict[str, Any]], out_dir: Path, title: str = "") -> list
     )
     axes[0].legend(loc="lower right")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out_dir / "accuracy.png", dpi=110)
-    plt.close(fig)
-    files.append("accuracy.png")
+    return _save(plt, fig, out_dir / "accuracy.png")
 
+
+def _plot_step_time(plt: Any, steps: list[dict[str, Any]], out_dir: Path) -> str:
+    """step_time.png: rollout, training and other seconds per step, stacked."""
     fig, ax = plt.subplots(figsize=(7, 3.8))
     x = [r["step"] for r in steps]
     parts = [("time_rollout", "rollout"), ("time_training", "training"), ("time_other", "other")]
     ax.stackplot(x, *[[r.get(k) or 0.0 for r in steps] for k, _ in parts], labels=[n for _, n in parts])
     ax.set(xlabel="step", ylabel="seconds", title="step time breakdown")
     ax.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(out_dir / "step_time.png", dpi=110)
-    plt.close(fig)
-    files.append("step_time.png")
+    return _save(plt, fig, out_dir / "step_time.png")
 
+
+def _plot_acceptance(plt: Any, steps: list[dict[str, Any]], out_dir: Path) -> str:
+    """acceptance.png: tokens per verification per step (a note when no speculative sampler ran)."""
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    acc = [(r["step"], r["accepted_per_verify"]) for r in steps if r.get("accepted_per_verify") is not None]
+    acc = [(r["step"], r[ACCEPTED_PER_VERIFY]) for r in steps if r.get(ACCEPTED_PER_VERIFY) is not None]
     if acc:
         ax.plot([a[0] for a in acc], [a[1] for a in acc], "o-", ms=3)
         ax.set(xlabel="step", ylabel="tokens per verification", title="speculative acceptance length")
@@ -77,25 +88,13 @@ def plot_run(rows: list[dict[str, Any]], out_dir: Path, title: str = "") -> list
             va="center",
         )
         ax.set(title="speculative acceptance length", xticks=[], yticks=[])
-    fig.tight_layout()
-    fig.savefig(out_dir / "acceptance.png", dpi=110)
-    plt.close(fig)
-    files.append("acceptance.png")
-    return files
-
-
-def _fmt(v: Any, spec: str = ".3f") -> str:
-    if v is None:
-        return "-"
-    return format(v, spec) if isinstance(v, float) else str(v)
+    return _save(plt, fig, out_dir / "acceptance.png")
 
 
 def write_report(
     run_dir: Path, rows: list[dict[str, Any]], info: dict[str, Any], target: float
 ) -> dict[str, Any]:
     """Plots + report.md; returns the summary dict (also written to summary.json)."""
-    from .trace_report import write_trace
-
     s = summarize(rows, target)
     files = plot_run(rows, run_dir, info.get("title", run_dir.name))
     trace_files, trace_lines = write_trace(run_dir, info.get("traces") or {})
@@ -108,16 +107,16 @@ def write_report(
         "",
         "| held-out accuracy: start | final (mean of last 3 evals) | last | best | steps | training wall time (s) | mean step (s) |",
         "|---|---|---|---|---|---|---|",
-        f"| {_fmt(s['initial_accuracy'])} | {_fmt(s['final_accuracy'])} | {_fmt(s['last_accuracy'])} | {_fmt(s['best_accuracy'])} | {s['steps']} "
-        f"| {_fmt(s['wall_time_s'], '.1f')} | {_fmt(s['mean_step_s'])} |",
+        f"| {fmt(s['initial_accuracy'])} | {fmt(s['final_accuracy'])} | {fmt(s['last_accuracy'])} | {fmt(s['best_accuracy'])} | {s['steps']} "
+        f"| {fmt(s['wall_time_s'], '.1f')} | {fmt(s['mean_step_s'])} |",
         "",
-        f"Time to {target:.0%} held-out accuracy: {_fmt(s['time_to_target_s'], '.1f')} s of training "
-        f"(interpolated between evaluations; first evaluation above it: step {_fmt(s['steps_to_target'])}).",
+        f"Time to {target:.0%} held-out accuracy: {fmt(s['time_to_target_s'], '.1f')} s of training "
+        f"(interpolated between evaluations; first evaluation above it: step {fmt(s['steps_to_target'])}).",
         "",
         "| mean rollout (s) | training (s) | other (s) | tokens/s | accepted per verify | kept fraction |",
         "|---|---|---|---|---|---|",
-        f"| {_fmt(s['mean_rollout_s'])} | {_fmt(s['mean_training_s'])} | {_fmt(s['mean_other_s'])} "
-        f"| {_fmt(s['tokens_per_s'], '.0f')} | {_fmt(s['accepted_per_verify'], '.2f')} | {_fmt(s['kept_fraction'], '.2f')} |",
+        f"| {fmt(s['mean_rollout_s'])} | {fmt(s['mean_training_s'])} | {fmt(s['mean_other_s'])} "
+        f"| {fmt(s['tokens_per_s'], '.0f')} | {fmt(s[ACCEPTED_PER_VERIFY], '.2f')} | {fmt(s[KEPT_FRACTION], '.2f')} |",
         "",
         *(
             [
@@ -170,15 +169,19 @@ def write_compare(
 ) -> dict[str, Any]:
     """compare.json, compare.md and compare.png for ``{"reference": rows, "optimized": rows}``."""
     sums = {k: summarize(v, target) for k, v in runs.items()}
+    result = compare_result(sums, target, info)
+    (out_dir / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot_compare(runs, target, info, out_dir)
+    (out_dir / "compare.md").write_text("\n".join(compare_lines(result, sums, target, info)) + "\n")
+    return result
+
+
+def compare_result(sums: dict[str, dict[str, Any]], target: float, info: dict[str, Any]) -> dict[str, Any]:
+    """compare.json: speedups, accuracy difference, phase breakdown (and ablation) from the arms'
+    summaries (``reference``, ``optimized``, any ``only_*``), with ``info`` and the summaries."""
     ref, opt = sums["reference"], sums["optimized"]
-    speedup = None
-    if ref["time_to_target_s"] and opt["time_to_target_s"]:
-        speedup = ref["time_to_target_s"] / opt["time_to_target_s"]
-    diff = None
-    if ref["final_accuracy"] is not None and opt["final_accuracy"] is not None:
-        diff = opt["final_accuracy"] - ref["final_accuracy"]
-    step_speedup = ref["mean_step_s"] / opt["mean_step_s"] if opt["mean_step_s"] else None
-    result = {
+    speedup, step_speedup, diff = _headline(ref, opt)
+    return {
         "target_accuracy": target,
         "speedup_to_target": speedup,
         "step_speedup": step_speedup,
@@ -191,9 +194,26 @@ def write_compare(
         **info,
         "runs": sums,
     }
-    (out_dir / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
 
-    plt = _plt()
+
+def _headline(ref: dict[str, Any], opt: dict[str, Any]) -> tuple[float | None, float | None, float | None]:
+    """``(speedup to target, mean step speedup, final accuracy difference)`` of optimized over
+    reference (None where a side has no value)."""
+    speedup = None
+    if ref["time_to_target_s"] and opt["time_to_target_s"]:
+        speedup = ref["time_to_target_s"] / opt["time_to_target_s"]
+    diff = None
+    if ref["final_accuracy"] is not None and opt["final_accuracy"] is not None:
+        diff = opt["final_accuracy"] - ref["final_accuracy"]
+    step_speedup = ref["mean_step_s"] / opt["mean_step_s"] if opt["mean_step_s"] else None
+    return speedup, step_speedup, diff
+
+
+def _plot_compare(
+    runs: dict[str, list[dict[str, Any]]], target: float, info: dict[str, Any], out_dir: Path
+) -> None:
+    """compare.png: held-out accuracy vs training wall time of every arm, and the target."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rows in runs.items():
         c = eval_curve(rows)
@@ -212,10 +232,13 @@ def write_compare(
         title="reference vs optimized parts",
     )
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "compare.png", dpi=110)
-    plt.close(fig)
+    _save(plt, fig, out_dir / "compare.png")
 
+
+def compare_lines(
+    result: dict[str, Any], sums: dict[str, dict[str, Any]], target: float, info: dict[str, Any]
+) -> list[str]:
+    """compare.md: the arms' table, the speedup and accuracy verdict, phases and ablation."""
     lines = [
         "# Reference vs optimized parts (same seed, same data)",
         "",
@@ -226,26 +249,26 @@ def write_compare(
     ]
     for name, s in sums.items():
         lines.append(
-            f"| {name} | {_fmt(s['initial_accuracy'])} | {_fmt(s['final_accuracy'])} | {_fmt(s['time_to_target_s'], '.1f')} "
-            f"| {_fmt(s['steps_to_target'])} | {_fmt(s['mean_step_s'])} | {_fmt(s['mean_rollout_s'])} "
-            f"| {_fmt(s['mean_training_s'])} | {_fmt(s['accepted_per_verify'], '.2f')} | {_fmt(s['kept_fraction'], '.2f')} |"
+            f"| {name} | {fmt(s['initial_accuracy'])} | {fmt(s['final_accuracy'])} | {fmt(s['time_to_target_s'], '.1f')} "
+            f"| {fmt(s['steps_to_target'])} | {fmt(s['mean_step_s'])} | {fmt(s['mean_rollout_s'])} "
+            f"| {fmt(s['mean_training_s'])} | {fmt(s[ACCEPTED_PER_VERIFY], '.2f')} | {fmt(s[KEPT_FRACTION], '.2f')} |"
         )
-    lines += [
+    speedup, step_speedup, diff = _headline(sums["reference"], sums["optimized"])
+    return [
+        *lines,
         "",
         "Time to target: training wall time (evaluation excluded), interpolated between evaluations. "
         "Final accuracy: mean of the last 3 evaluations.",
         "",
-        f"Speedup to target (reference time / optimized time): **{_fmt(speedup, '.2f')}x**; "
-        f"mean step speedup {_fmt(step_speedup, '.2f')}x; final accuracy difference (optimized - reference): "
-        f"{_fmt(diff, '+.3f')}. Goal: >= 3x and within 3 points or better -> {'met' if result['passes'] else 'not met'}.",
+        f"Speedup to target (reference time / optimized time): **{fmt(speedup, '.2f')}x**; "
+        f"mean step speedup {fmt(step_speedup, '.2f')}x; final accuracy difference (optimized - reference): "
+        f"{fmt(diff, '+.3f')}. Goal: >= 3x and within 3 points or better -> {'met' if result['passes'] else 'not met'}.",
         "",
         *phase_lines(result),
         "",
         *ablation_lines(result),
         "![compare](compare.png)",
     ]
-    (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
-    return result
 
 
 def phase_lines(result: dict[str, Any]) -> list[str]:
@@ -256,13 +279,13 @@ def phase_lines(result: dict[str, Any]) -> list[str]:
     ]
     for name, p in result["phases"].items():
         lines.append(
-            f"| {name} | {_fmt(p['reference_s'])} | {_fmt(p['optimized_s'])} | {_fmt(p['ratio'], '.2f')}x "
-            f"| {_fmt(p['share'], '.0%')} |"
+            f"| {name} | {fmt(p['reference_s'])} | {fmt(p['optimized_s'])} | {fmt(p['ratio'], '.2f')}x "
+            f"| {fmt(p['share'], '.0%')} |"
         )
     return [
         *lines,
         "",
-        f"Amdahl bound from the phase ratios (other unchanged): {_fmt(result['amdahl_bound'], '.2f')}x; "
-        f"measured step speedup {_fmt(result['step_speedup'], '.2f')}x; rollout share of the reference step "
-        f"{_fmt(result['rollout_share'], '.0%')}.",
+        f"Amdahl bound from the phase ratios (other unchanged): {fmt(result['amdahl_bound'], '.2f')}x; "
+        f"measured step speedup {fmt(result['step_speedup'], '.2f')}x; rollout share of the reference step "
+        f"{fmt(result['rollout_share'], '.0%')}.",
     ]

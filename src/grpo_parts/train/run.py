@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GRPOPartsError
+from ..sampler.stats import ACCEPTED_PER_VERIFY
 from .checkpoint import (
     Checkpoint,
     atomic_write_text,
@@ -294,8 +295,8 @@ def postfix(session: RunSession, row: dict[str, Any]) -> dict[str, str]:
         "reward": f"{row['reward']:.2f}",
         "eval": "-" if session.last_eval is None else f"{session.last_eval:.2f}",
     }
-    if row.get("accepted_per_verify") is not None:
-        post["acc/verify"] = f"{row['accepted_per_verify']:.2f}"
+    if row.get(ACCEPTED_PER_VERIFY) is not None:
+        post["acc/verify"] = f"{row[ACCEPTED_PER_VERIFY]:.2f}"
     return post
 
 

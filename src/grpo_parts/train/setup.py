@@ -143,6 +143,78 @@ def with_rewards(task: Task, config: TrainConfig) -> Task:
     return RewardedTask(task, load_rewards(config.rewards, columns), config.steps)
 
 
+def _data_config(config: TrainConfig) -> DataConfig:
+    """The ``--data`` file's reading options (``task`` when it is a :class:`DataConfig`)."""
+    return config.task if isinstance(config.task, DataConfig) else DataConfig()
+
+
+def _builtin_task(config: TrainConfig, builtin: bool, notes: list[str]) -> Task | None:
+    """The built-in task of ``config.task`` (noted), or None for ``--data``, whose files are read
+    and checked here, before the model loads (fast one-line errors; chat is rendered later)."""
+    if config.data is not None:
+        data_cfg = _data_config(config)
+        for f in (config.data, config.eval_data):
+            if f is not None:
+                load_records(f, data_cfg.format, data_cfg.prompt_key, data_cfg.answer_key)
+        return None
+    if isinstance(config.task, ReasoningConfig):
+        c = config.task
+        reasoning = ReasoningTask(c, seed=config.seed)
+        terms = lambda lo, hi: f"{lo}" if lo == hi else f"{lo}-{hi}"  # noqa: E731
+        notes.append(
+            f"task: built-in reasoning (an instruction of {len(ReasoningTask.instruction)} tokens, then a sum of "
+            f"{terms(c.min_terms, c.max_terms)} digits, every {c.long_every}th problem "
+            f"{terms(c.long_min_terms, c.long_max_terms)}; worked solutions reduce it line by line)"
+        )
+        return reasoning
+    if isinstance(config.task, ArithmeticConfig):
+        task = ArithmeticTask(config.task, seed=config.seed)
+        notes.append(
+            f"task: built-in chain addition ({config.task.operands} numbers in [0, {config.task.max_value}])"
+        )
+        if not builtin:
+            notes.append("task: a custom --model on the built-in task uses its own tokenizer")
+        return task
+    return None
+
+
+def _model_path(config: TrainConfig, builtin: bool) -> Path:
+    """``--model``, or the built-in warm start of the task (for ``--data``, of the default task)."""
+    builtin_task = (
+        config.task.name if config.task.name in BUILTIN_MODELS else DEFAULT_TASK
+    )  # --data: its default
+    path = builtin_model_path(builtin_task) if builtin else Path(config.model)  # type: ignore[arg-type]
+    if builtin and not (path / "config.json").is_file():
+        raise GRPOPartsError(
+            f"model: the built-in warm start is missing at {str(path)!r}; run "
+            f"scripts/measure/warm_start.py --task {builtin_task}"
+        )
+    return path
+
+
+def _data_task(config: TrainConfig, tok: Any, path: Path, notes: list[str]) -> Task:
+    """The ``--data`` task, its prompts rendered with the model's tokenizer (noted)."""
+    assert config.data is not None
+    jt = JsonlTask.from_files(
+        config.data, config.eval_data, config.eval_fraction, config.seed, _data_config(config), tok, str(path)
+    )
+    notes.append(
+        f"task: {config.data} ({jt.format} format, {len(jt.train)} train / {len(jt.evals)} held-out)"
+    )
+    notes.extend(jt.notes)
+    return jt
+
+
+def _reference_model(config: TrainConfig, policy: torch.nn.Module) -> torch.nn.Module | None:
+    """A frozen copy of the initial policy when KL is in the loss or in the reward, else None."""
+    if not (config.loss.kl_coef > 0 or config.advantage.kl_coef > 0):
+        return None
+    ref_model = copy.deepcopy(policy).eval()
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
+    return ref_model
+
+
 def load_setup(config: TrainConfig) -> Setup:
     """Everything a run needs, validated. Raises :class:`GRPOPartsError` on bad input."""
     notes: list[str] = []
@@ -153,49 +225,12 @@ def load_setup(config: TrainConfig) -> Setup:
         torch.set_num_threads(threads)
     device = resolve_device(config.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
-    task: Task | None = None
-    if config.data is not None:
-        # read and check the file before the model loads (fast one-line errors); chat is rendered below
-        data_cfg = config.task if isinstance(config.task, DataConfig) else DataConfig()
-        for f in (config.data, config.eval_data):
-            if f is not None:
-                load_records(f, data_cfg.format, data_cfg.prompt_key, data_cfg.answer_key)
-    elif isinstance(config.task, ReasoningConfig):
-        c = config.task
-        task = ReasoningTask(c, seed=config.seed)
-        terms = lambda lo, hi: f"{lo}" if lo == hi else f"{lo}-{hi}"  # noqa: E731
-        notes.append(
-            f"task: built-in reasoning (an instruction of {len(ReasoningTask.instruction)} tokens, then a sum of "
-            f"{terms(c.min_terms, c.max_terms)} digits, every {c.long_every}th problem "
-            f"{terms(c.long_min_terms, c.long_max_terms)}; worked solutions reduce it line by line)"
-        )
-    elif isinstance(config.task, ArithmeticConfig):
-        task = ArithmeticTask(config.task, seed=config.seed)
-        notes.append(
-            f"task: built-in chain addition ({config.task.operands} numbers in [0, {config.task.max_value}])"
-        )
-        if not builtin:
-            notes.append("task: a custom --model on the built-in task uses its own tokenizer")
+    task = _builtin_task(config, builtin, notes)
     torch.manual_seed(config.seed)
-    builtin_task = (
-        config.task.name if config.task.name in BUILTIN_MODELS else DEFAULT_TASK
-    )  # --data: its default
-    path = builtin_model_path(builtin_task) if builtin else Path(config.model)  # type: ignore[arg-type]
-    if builtin and not (path / "config.json").is_file():
-        raise GRPOPartsError(
-            f"model: the built-in warm start is missing at {str(path)!r}; run "
-            f"scripts/warm_start.py --task {builtin_task}"
-        )
+    path = _model_path(config, builtin)
     policy, tok = load_model(path, dtype, device, progress=config.progress)
     if config.data is not None:
-        jt = JsonlTask.from_files(
-            config.data, config.eval_data, config.eval_fraction, config.seed, data_cfg, tok, str(path)
-        )
-        notes.append(
-            f"task: {config.data} ({jt.format} format, {len(jt.train)} train / {len(jt.evals)} held-out)"
-        )
-        notes.extend(jt.notes)
-        task = jt
+        task = _data_task(config, tok, path, notes)
     assert task is not None
     if config.rewards:
         task = with_rewards(task, config)
@@ -206,11 +241,7 @@ def load_setup(config: TrainConfig) -> Setup:
         notes.append(
             calibrate_threads(policy, config.prompts_per_step * config.group_size, config.max_new_tokens)[1]
         )
-    ref_model = None
-    if config.loss.kl_coef > 0 or config.advantage.kl_coef > 0:  # KL in the loss or in the reward
-        ref_model = copy.deepcopy(policy).eval()
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
+    ref_model = _reference_model(config, policy)
     for n in notes:
         log.info(n)
     return Setup(policy, tok, task, eos_ids(policy, tok), ref_model, device, notes)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..sampler.speculative.trace import off_reason
+from .report_format import pyplot
 
 
 def write_trace(run_dir: Path, traces: dict[int, dict[str, Any]]) -> tuple[list[str], list[str]]:
@@ -79,9 +80,7 @@ def tree_table(t: dict[str, Any], rows: int = 12) -> list[str]:
 
 
 def _plot(path: Path, traces: dict[int, dict[str, Any]]) -> None:
-    from .report import _plt
-
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
     for s in sorted(traces)[-2:]:
         t = traces[s]

@@ -4,7 +4,8 @@ Each goes through its library's own API, imported only when asked for, and logs 
 of every ``metrics.jsonl`` row at its ``step`` (nested dicts as ``a/b``; a ``None`` -- a metric the
 step did not have -- is not logged) and the run's config (the effective config as YAML, and its
 flattened fields where the tracker has parameters). A library that is not installed is a one-line
-error naming its extra (``pip install 'grpo-parts[wandb]'``) before anything runs
+error naming its extra (``pip install -e '.[wandb]'`` in a checkout, ``pip install 'grpo-parts[wandb]'``
+by name) before anything runs
 (:func:`check_trackers`). Every tracker run is named after the run folder and resumed with it:
 ``trackers.json`` in the run folder keeps the W&B / MLflow run ids and the Trackio run name.
 
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import GRPOPartsError
+from ..errors import GRPOPartsError, install_hint
 
 log = logging.getLogger("grpo_parts.train")
 #: tracker name -> the module it imports (what must be installed); the extra is ``grpo-parts[<name>]``
@@ -56,7 +57,7 @@ def check_trackers(names: Sequence[str]) -> None:
         if not found:
             raise GRPOPartsError(
                 f"report_to: {name!r} needs the {module} package, which is not installed; expected it "
-                f"installed: pip install 'grpo-parts[{name}]' (or leave {name} out of --report-to)"
+                f"installed: {install_hint(name)} (or leave {name} out of --report-to)"
             )
 
 

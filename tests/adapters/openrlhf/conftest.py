@@ -27,10 +27,10 @@ from _openrlhf_standins import install, uninstall
 
 @pytest.fixture(scope="package", autouse=True)
 def openrlhf_standins() -> Any:
-    pytest.importorskip("deepspeed", reason="OpenRLHF needs a real deepspeed (scripts/install-dev.sh)")
+    pytest.importorskip("deepspeed", reason="OpenRLHF needs a real deepspeed (scripts/ci/install-dev.sh)")
     if importlib.util.find_spec("openrlhf") is None:
         pytest.skip(
-            "openrlhf not installed (pip install --no-deps openrlhf==0.11.2; see scripts/install-dev.sh)"
+            "openrlhf not installed (pip install --no-deps openrlhf==0.11.2; see scripts/ci/install-dev.sh)"
         )
     installed = install()
     yield

@@ -14,7 +14,7 @@ resolution, 1e-6 relative; the advantage pipeline is fed the float64 KL so that 
 1e-12), and ``reinforce_baseline``'s whitening statistics (compared at 1e-6 relative).
 
 OpenRLHF's groups have one fixed size (``n_samples_per_prompt``, >= 2); its ``flash_attn``/``vllm``
-imports are stood in by this package's conftest. It is installed by scripts/install-dev.sh, so
+imports are stood in by this package's conftest. It is installed by scripts/ci/install-dev.sh, so
 these tests run (never skip) in CI.
 """
 

@@ -1,5 +1,5 @@
-"""The CPU-checkable pieces of scripts/openrlhf_gpu_smoke.sh: its syntax, its configurations, and
-scripts/openrlhf_smoke_check.py (the numbers it asserts) on OpenRLHF's own step log."""
+"""The CPU-checkable pieces of scripts/gpu/openrlhf_gpu_smoke.sh: its syntax, its configurations, and
+scripts/gpu/openrlhf_smoke_check.py (the numbers it asserts) on OpenRLHF's own step log."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "scripts" / "openrlhf_gpu_smoke.sh"
+SCRIPT = ROOT / "scripts" / "gpu" / "openrlhf_gpu_smoke.sh"
 
 
 def checker():
     spec = importlib.util.spec_from_file_location(
-        "openrlhf_smoke_check", ROOT / "scripts" / "openrlhf_smoke_check.py"
+        "openrlhf_smoke_check", ROOT / "scripts" / "gpu" / "openrlhf_smoke_check.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

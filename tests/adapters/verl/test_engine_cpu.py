@@ -298,12 +298,12 @@ def test_critic_engine_is_never_patched(env, tmp_path):
 
 
 def test_gpu_smoke_first_batch_check_runs_on_cpu(env):
-    """scripts/verl_gpu_smoke.py's first-batch check (verl's engine, parts on vs off) on CPU/FSDP2:
+    """scripts/gpu/verl_gpu_smoke.py's first-batch check (verl's engine, parts on vs off) on CPU/FSDP2:
     the GPU run uses the same function with verl's default FSDP1."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "scripts" / "verl_gpu_smoke.py"
+    path = Path(__file__).resolve().parents[3] / "scripts" / "gpu" / "verl_gpu_smoke.py"
     spec = importlib.util.spec_from_file_location("verl_gpu_smoke", path)
     smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smoke)

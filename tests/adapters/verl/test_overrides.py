@@ -1,4 +1,4 @@
-"""verl adapter: the documented override set (built by scripts/verl_gpu_smoke.py) composes against
+"""verl adapter: the documented override set (built by scripts/gpu/verl_gpu_smoke.py) composes against
 verl 0.9.1's own Hydra config, and the filter options it sets validate."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _smoke_module():
-    spec = importlib.util.spec_from_file_location("verl_gpu_smoke", ROOT / "scripts" / "verl_gpu_smoke.py")
+    spec = importlib.util.spec_from_file_location(
+        "verl_gpu_smoke", ROOT / "scripts" / "gpu" / "verl_gpu_smoke.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

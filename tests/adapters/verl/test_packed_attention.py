@@ -196,14 +196,14 @@ def test_calls_per_group_equal_one_call_and_pad_less(model):
 
 
 def test_prefix_bench_token_accounting():
-    """scripts/verl_prefix_bench.py's exact token counts (the part of the benchmark a CPU can check):
+    """scripts/measure/verl_prefix_bench.py's exact token counts (the part of the benchmark a CPU can check):
     the grouped layout runs fewer tokens than verl's packed row when prompts repeat."""
     import argparse
     import importlib.util
     from pathlib import Path
 
     pytest.importorskip("verl")
-    path = Path(__file__).resolve().parents[3] / "scripts" / "verl_prefix_bench.py"
+    path = Path(__file__).resolve().parents[3] / "scripts" / "measure" / "verl_prefix_bench.py"
     spec = importlib.util.spec_from_file_location("verl_prefix_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,5 +1,5 @@
 """verl adapter: vLLM speculative config construction and draft-weight sync against stand-ins
-(the real vLLM path needs a GPU: scripts/verl_gpu_smoke.py)."""
+(the real vLLM path needs a GPU: scripts/gpu/verl_gpu_smoke.py)."""
 
 from __future__ import annotations
 

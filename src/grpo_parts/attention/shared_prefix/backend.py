@@ -25,7 +25,7 @@ import torch
 from ...compat import accepts_logits_to_keep, select_attention
 from ...core import token_logprobs
 from ...errors import GRPOPartsError, NotSupportedError
-from ..protocol import LogprobBatch, LogprobOutput
+from ..protocol import PLAN_ATTENTION_CALLS, PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch, LogprobOutput
 from ..reference import entropy_from_logits
 from .chunking import chunk_plan, empty_call_batch, rank_consistent_plan
 from .grouped_forward import KERNEL_NAME, grouped_forward, probe_reasons, register_attention
@@ -225,8 +225,8 @@ class SharedPrefixAttention:
         """``(layout, why, grid chunks, grid plan info)``: what :meth:`completion_logprobs` runs for
         ``batch`` (before the ranks agree on the number of calls); adapters ask it to plan alike."""
         kernel = kernel or self.choose_kernel(model)
-        chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self._max_chunks(model))
-        costs = auto_costs(batch, chunks, info["grid_slots"], text_config(model), kernel, self.varlen)
+        chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self.chunk_limit(model))
+        costs = auto_costs(batch, chunks, info[PLAN_GRID_SLOTS], text_config(model), kernel, self.varlen)
         return (*choose_layout(self.layout, *costs), chunks, info)
 
     # ------------------------------------------------------------------------------------- compute
@@ -247,9 +247,9 @@ class SharedPrefixAttention:
         layout, why, chunks, info = self.layout_for(model, batch, kernel)
         free = padding_free_tokens(batch)
         if layout == "padding_free":  # one call; grid_slots stays: what the grid would have run
-            chunks, info = [torch.arange(batch.group_index.numel(), device=device)], {**info, "chunks": 1}
+            chunks, info = [torch.arange(batch.group_index.numel(), device=device)], {**info, PLAN_CHUNKS: 1}
         chunks, self.last_plan, empty = rank_consistent_plan(
-            batch, self.chunk_overhead_tokens, self._max_chunks(model), self.rank_group, device,
+            batch, self.chunk_overhead_tokens, self.chunk_limit(model), self.rank_group, device,
             planned=(chunks, info), replan=layout == "grid",
         )  # fmt: skip
         self.last_plan.update(layout=layout, layout_choice=why, padding_free_tokens=free)
@@ -278,7 +278,7 @@ class SharedPrefixAttention:
         ents = torch.cat([o.entropies for o in outs if o.entropies is not None])[back]
         return LogprobOutput(logps, ents + zero)
 
-    def _max_chunks(self, model: torch.nn.Module) -> int:
+    def chunk_limit(self, model: torch.nn.Module) -> int:
         """``max_chunks``, or 8 for ``None``. Under FSDP/ZeRO/DDP every forward runs collectives; the
         ranks agree on the number of model calls (:func:`.chunking.rank_consistent_plan`)."""
         return 8 if self.max_chunks is None else self.max_chunks
@@ -307,7 +307,7 @@ class SharedPrefixAttention:
         if layout == "padding_free":
             masks = grouped.layout.masks  # type: ignore[union-attr]
             self.attention_calls.update(masks.calls)
-            calls = self.last_plan.setdefault("attention_calls", Counter())
+            calls = self.last_plan.setdefault(PLAN_ATTENTION_CALLS, Counter())
             calls.update(masks.calls)
             if masks.why:
                 self.last_plan["masked_sdpa_why"] = "; ".join(masks.why)

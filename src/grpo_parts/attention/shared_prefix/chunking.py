@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..protocol import LogprobBatch
+from ..protocol import PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch
 
 #: above this many groups the plan is not searched (one grid): the search is O(chunks x groups^2)
 MAX_PLANNED_GROUPS = 1024
@@ -102,7 +102,7 @@ def rank_consistent_plan(
     return chunks, info, empty
 
 
-def _group_sizes(batch: LogprobBatch) -> tuple[torch.Tensor, ...]:
+def group_sizes(batch: LogprobBatch) -> tuple[torch.Tensor, ...]:
     """``(row_group [N], rows [B], prompt length [B], longest completion [B])`` on the CPU."""
     gi = batch.group_index.detach().cpu()
     _, row_group = torch.unique(gi, return_inverse=True)
@@ -135,13 +135,13 @@ def chunk_plan(
     token slots), ``single_grid_slots`` (one grid), ``repeated_slots`` (``N x (P + S)``, what the
     reference pads to). One chunk when splitting does not pay for its extra forwards."""
     device = batch.group_index.device
-    row_group, rows, p, s = _group_sizes(batch)
+    row_group, rows, p, s = group_sizes(batch)
     b, n = rows.numel(), row_group.numel()
     single = float(b * (int(p.max()) + int(rows.max()) * int(s.max()))) if b else 0.0
     info: dict[str, Any] = {
         "groups": b,
-        "chunks": 1,
-        "grid_slots": single,
+        PLAN_CHUNKS: 1,
+        PLAN_GRID_SLOTS: single,
         "single_grid_slots": single,
         "repeated_slots": float(n * (int(p.max()) + int(s.max()))) if b else 0.0,
     }
@@ -171,7 +171,7 @@ def chunk_plan(
         group_chunk[order[i : j + 1]] = c
     row_chunk = group_chunk[row_group]
     chunks = [torch.nonzero(row_chunk == c).squeeze(1).to(device) for c in range(k + 1)]
-    info.update(chunks=k + 1, grid_slots=float(best[k][-1]))
+    info.update({PLAN_CHUNKS: k + 1, PLAN_GRID_SLOTS: float(best[k][-1])})
     return chunks, info
 
 

@@ -223,6 +223,125 @@ def kernel_reasons(
     return [f"unknown kernel {kernel!r}; expected one of {KERNELS}"]
 
 
+def _fallback_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    named: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """No layout: the model's own attention if one was selected before this kernel, else
+    transformers' SDPA (refusing what SDPA would silently drop). ``named`` holds
+    ``sliding_window``, ``softcap``, ``s_aux`` and ``is_causal`` as the caller got them."""
+    own = own_attention(getattr(module, "config", None))
+    fn = None if own is None else own_attention_function(module, own)
+    if fn is not None:
+        extra = {k: v for k, v in named.items() if v is not None}
+        return fn(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs
+        )  # type: ignore[no-any-return]
+    if own is not None:
+        raise NotSupportedError(
+            "shared_prefix fallback",
+            [f"{_where(module)}: no attention function for {own!r} to fall back to"],
+        )
+    reasons = kwarg_reasons(module, kwargs, fallback=True)
+    if named["softcap"] is not None:
+        reasons.append("attention logit soft-capping (transformers' SDPA has none)")
+    if named["s_aux"] is not None:
+        reasons.append("attention sinks (s_aux; transformers' SDPA has none)")
+    if reasons:
+        raise NotSupportedError("shared_prefix fallback (sdpa)", reasons)
+    is_causal = named["is_causal"]
+    extra = {} if is_causal is None else {"is_causal": is_causal}
+    return sdpa_attention_forward()(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs
+    )  # type: ignore[return-value]
+
+
+def _autocast_qkv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As transformers' SDPA under autocast (e.g. TRL's bf16=True on a float32 model, where RoPE
+    leaves q/k in float32 and v in bf16): all three in the autocast dtype."""
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
+    return query, key, value
+
+
+def _layout_reasons(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    lay: PrefixLayout | PaddingFreeLayout,
+    dropout: float,
+    sliding_window: int | None,
+    s_aux: torch.Tensor | None,
+    is_causal: bool | None,
+) -> list[str]:
+    """Why this call cannot run on the layout, kernel aside: each is something the kernel would
+    otherwise compute differently from the model's own attention (empty = it can)."""
+    reasons = []
+    if dropout > 0.0:
+        reasons.append(
+            f"attention dropout {dropout} in training mode (randomness differs from the reference)"
+        )
+    if sliding_window is not None and lay.max_span > sliding_window:
+        reasons.append(
+            f"sliding window {sliding_window} shorter than the longest sequence ({lay.max_span} tokens) "
+            f"in layer {getattr(module, 'layer_idx', '?')}"
+        )
+    if query.shape[2] != lay.row_len:
+        reasons.append(f"query length {query.shape[2]} != layout row length {lay.row_len} (KV cache in use?)")
+    if is_causal is False and attention_mask is None:  # (with a mask, SDPA's is_causal=False means "use it")
+        reasons.append(f"{_where(module)} asks for non-causal attention (is_causal=False, no mask)")
+    if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (1, 1):
+        reasons.append(
+            f"{_where(module)} got an attention mask of shape {list(attention_mask.shape)} instead of the "
+            "placeholder: the model built its own mask (e.g. a positional bias), which the kernel would ignore"
+        )
+    if s_aux is not None and s_aux.numel() != query.shape[1]:
+        reasons.append(
+            f"attention sinks: expected one per query head ({query.shape[1]}), got {s_aux.numel()}"
+        )
+    return reasons
+
+
+def _run_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lay: PrefixLayout | PaddingFreeLayout,
+    scale: float,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> torch.Tensor:
+    """The layout's kernel on ``[B, H, L, D]`` inputs (checks passed); output ``[B, L, H, Dv]``."""
+    if isinstance(lay, PaddingFreeLayout):
+        out = padding_free_attention(query, key, value, lay, scale, softcap, s_aux)
+        return out.transpose(1, 2).contiguous()
+    if lay.kernel == "flex":
+        out = _flex(query, key, value, lay, scale, softcap)
+        return out.transpose(1, 2).contiguous()
+    if lay.kernel == "sdpa":
+        return sdpa_cascade(query, key, value, lay, scale).transpose(1, 2).contiguous()
+    n_rep = query.shape[1] // key.shape[1]
+    k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+    if lay.kernel == "eager":
+        out_p, out_s = _eager(query, k, v, lay, scale, softcap, s_aux)
+    else:  # pragma: no cover - kernel_reasons refuses unknown kernels
+        raise GRPOPartsError(f"kernel: unknown {lay.kernel!r}")
+    b, h = query.shape[:2]
+    out = torch.cat([out_p, out_s.reshape(b, h, -1, value.shape[-1])], dim=2)
+    return out.transpose(1, 2).contiguous()
+
+
 def shared_prefix_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -247,60 +366,12 @@ def shared_prefix_attention(
     sliding windows included -- or, for a model built with this kernel, transformers' SDPA."""
     lay: PrefixLayout | PaddingFreeLayout | None = kwargs.pop(LAYOUT_KWARG, None)
     if lay is None:
-        own = own_attention(getattr(module, "config", None))
-        fn = None if own is None else own_attention_function(module, own)
-        if fn is not None:
-            named = dict(sliding_window=sliding_window, softcap=softcap, s_aux=s_aux, is_causal=is_causal)
-            extra = {k: v for k, v in named.items() if v is not None}
-            return fn(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs
-            )  # type: ignore[no-any-return]
-        if own is not None:
-            raise NotSupportedError(
-                "shared_prefix fallback",
-                [f"{_where(module)}: no attention function for {own!r} to fall back to"],
-            )
-    reasons = kwarg_reasons(module, kwargs, fallback=lay is None)
-    if lay is None:
-        if softcap is not None:
-            reasons.append("attention logit soft-capping (transformers' SDPA has none)")
-        if s_aux is not None:
-            reasons.append("attention sinks (s_aux; transformers' SDPA has none)")
-        if reasons:
-            raise NotSupportedError("shared_prefix fallback (sdpa)", reasons)
-        extra = {} if is_causal is None else {"is_causal": is_causal}
-        return sdpa_attention_forward()(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs
-        )  # type: ignore[return-value]
+        named = dict(sliding_window=sliding_window, softcap=softcap, s_aux=s_aux, is_causal=is_causal)
+        return _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, named, kwargs)
+    reasons = kwarg_reasons(module, kwargs)
     lay.receipts.append(module)
-    dev = query.device.type
-    if torch.is_autocast_enabled(dev):
-        # as transformers' SDPA under autocast (e.g. TRL's bf16=True on a float32 model, where RoPE
-        # leaves q/k in float32 and v in bf16): all three in the autocast dtype
-        dt = torch.get_autocast_dtype(dev)
-        query, key, value = query.to(dt), key.to(dt), value.to(dt)
-    if dropout > 0.0:
-        reasons.append(
-            f"attention dropout {dropout} in training mode (randomness differs from the reference)"
-        )
-    if sliding_window is not None and lay.max_span > sliding_window:
-        reasons.append(
-            f"sliding window {sliding_window} shorter than the longest sequence ({lay.max_span} tokens) "
-            f"in layer {getattr(module, 'layer_idx', '?')}"
-        )
-    if query.shape[2] != lay.row_len:
-        reasons.append(f"query length {query.shape[2]} != layout row length {lay.row_len} (KV cache in use?)")
-    if is_causal is False and attention_mask is None:  # (with a mask, SDPA's is_causal=False means "use it")
-        reasons.append(f"{_where(module)} asks for non-causal attention (is_causal=False, no mask)")
-    if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (1, 1):
-        reasons.append(
-            f"{_where(module)} got an attention mask of shape {list(attention_mask.shape)} instead of the "
-            "placeholder: the model built its own mask (e.g. a positional bias), which the kernel would ignore"
-        )
-    if s_aux is not None and s_aux.numel() != query.shape[1]:
-        reasons.append(
-            f"attention sinks: expected one per query head ({query.shape[1]}), got {s_aux.numel()}"
-        )
+    query, key, value = _autocast_qkv(query, key, value)
+    reasons += _layout_reasons(module, query, attention_mask, lay, dropout, sliding_window, s_aux, is_causal)
     reasons += kernel_reasons(
         lay.kernel,
         device=query.device,
@@ -312,20 +383,4 @@ def shared_prefix_attention(
     if reasons:
         raise NotSupportedError(f"shared_prefix[{lay.kernel}]", reasons)
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    n_rep = query.shape[1] // key.shape[1]
-    if isinstance(lay, PaddingFreeLayout):
-        out = padding_free_attention(query, key, value, lay, scale, softcap, s_aux)
-        return out.transpose(1, 2).contiguous(), None
-    if lay.kernel == "flex":
-        out = _flex(query, key, value, lay, scale, softcap)
-        return out.transpose(1, 2).contiguous(), None
-    if lay.kernel == "sdpa":
-        return sdpa_cascade(query, key, value, lay, scale).transpose(1, 2).contiguous(), None
-    k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
-    if lay.kernel == "eager":
-        out_p, out_s = _eager(query, k, v, lay, scale, softcap, s_aux)
-    else:  # pragma: no cover - kernel_reasons refuses unknown kernels
-        raise GRPOPartsError(f"kernel: unknown {lay.kernel!r}")
-    b, h = query.shape[:2]
-    out = torch.cat([out_p, out_s.reshape(b, h, -1, value.shape[-1])], dim=2)
-    return out.transpose(1, 2).contiguous(), None
+    return _run_kernel(query, key, value, lay, scale, softcap, s_aux), None

@@ -95,7 +95,9 @@ class GroupedInputs:
     completion_len: torch.Tensor  # [N]
 
 
-def _check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_mask [N, P], completion_mask [N, T])`` as bool, after checking that prompts are
+    left-padded and completions right-padded (raises :class:`GRPOPartsError` otherwise)."""
     pm, cm = batch.prompt_mask.bool(), batch.completion_mask.bool()
     bad = (~pm[:, -1]).nonzero()
     if bad.numel():
@@ -135,6 +137,64 @@ def check_context(plen_row: torch.Tensor, clen: torch.Tensor, max_positions: int
         )
 
 
+def _compact_prompts(batch: LogprobBatch, pm: torch.Tensor, pp: int, pad_token_id: int) -> torch.Tensor:
+    """Each prompt's real tokens in a right-padded ``[N, Pp]`` tensor (the reference ignores masked
+    prompt tokens entirely, so dropping them is exact)."""
+    n = batch.prompt_ids.shape[0]
+    device = batch.prompt_ids.device
+    dst = (pm.long().cumsum(-1) - 1).clamp(min=0)
+    rows = torch.arange(n, device=device).unsqueeze(-1).expand_as(pm)
+    prompts = torch.full((n, pp), pad_token_id, dtype=batch.prompt_ids.dtype, device=device)
+    prompts[rows[pm], dst[pm]] = batch.prompt_ids[pm]
+    return prompts
+
+
+def _assign_slots(
+    batch: LogprobBatch, prompts: torch.Tensor, plen_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row_group, row_slot, rep, sizes)``: grid row and slot of each batch row, the first row of
+    each group (its prompt is the group's prefix) and each group's size. Groups in ascending
+    ``group_index`` order; slots in order of appearance (stable). Refuses a group whose rows carry
+    different prompts (one prefix per grid row)."""
+    n = prompts.shape[0]
+    device = prompts.device
+    uniq, row_group = torch.unique(batch.group_index, return_inverse=True)
+    b = int(uniq.numel())
+    order = torch.sort(row_group, stable=True).indices
+    sizes = torch.bincount(row_group, minlength=b)
+    starts = sizes.cumsum(0) - sizes
+    row_slot = torch.empty_like(row_group)
+    row_slot[order] = torch.arange(n, device=device) - starts[row_group[order]]
+    rep = order[starts]
+    same = (prompts == prompts[rep[row_group]]).all(-1) & (plen_row == plen_row[rep[row_group]])
+    if not bool(same.all()):
+        r = int((~same).nonzero()[0])
+        raise GRPOPartsError(
+            f"LogprobBatch.group_index: rows {int(rep[row_group[r]])} and {r} share group_index "
+            f"{int(batch.group_index[r])} but carry different prompts; expected one prompt per group"
+        )
+    return row_group, row_slot, rep, sizes
+
+
+def _kept_columns(
+    plen: torch.Tensor, row_group: torch.Tensor, row_slot: torch.Tensor, pw: int, g: int, s: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keep, row_keep)``: the grid columns whose logits are needed -- the last real prefix token
+    of each distinct prompt length, then positions 0..S-2 of every slot (the last suffix token
+    predicts nothing) -- and, per batch row and completion token, its index into ``keep``."""
+    device = plen.device
+    n = row_group.shape[0]
+    ar = torch.arange(s - 1, device=device)
+    last, last_inv = torch.unique(plen - 1, return_inverse=True)
+    k0 = int(last.numel())
+    slot_cols = (pw + torch.arange(g, device=device).unsqueeze(-1) * s + ar).reshape(-1)
+    keep = torch.cat([last, slot_cols])
+    row_keep = torch.empty(n, s, dtype=torch.long, device=device)
+    row_keep[:, 0] = last_inv[row_group]
+    row_keep[:, 1:] = k0 + row_slot.unsqueeze(-1) * (s - 1) + ar
+    return keep, row_keep
+
+
 def build_grouped_inputs(
     batch: LogprobBatch,
     *,
@@ -148,36 +208,16 @@ def build_grouped_inputs(
     """Regroup ``batch`` (rows in any order) into the grid layout; see the module docstring.
     ``max_position``: the largest position id of the reference's forward (the batch this one was
     split from); default: this batch's."""
-    pm, cm = _check_masks(batch)
+    pm, cm = check_masks(batch)
     device = batch.prompt_ids.device
     n = batch.prompt_ids.shape[0]
     plen_row = pm.sum(-1)
     clen = cm.sum(-1)
     check_context(plen_row, clen, max_positions)
-    # Compact each prompt's real tokens into a right-padded [N, Pp] tensor (the reference ignores
-    # masked prompt tokens entirely, so dropping them is exact).
     pp = int(plen_row.max())
-    dst = (pm.long().cumsum(-1) - 1).clamp(min=0)
-    rows = torch.arange(n, device=device).unsqueeze(-1).expand_as(pm)
-    prompts = torch.full((n, pp), pad_token_id, dtype=batch.prompt_ids.dtype, device=device)
-    prompts[rows[pm], dst[pm]] = batch.prompt_ids[pm]
-
-    # Groups in ascending group_index order; slots in order of appearance (stable).
-    uniq, row_group = torch.unique(batch.group_index, return_inverse=True)
-    b = int(uniq.numel())
-    order = torch.sort(row_group, stable=True).indices
-    sizes = torch.bincount(row_group, minlength=b)
-    starts = sizes.cumsum(0) - sizes
-    row_slot = torch.empty_like(row_group)
-    row_slot[order] = torch.arange(n, device=device) - starts[row_group[order]]
-    rep = order[starts]  # first row of each group: its prompt is the group's prefix
-    same = (prompts == prompts[rep[row_group]]).all(-1) & (plen_row == plen_row[rep[row_group]])
-    if not bool(same.all()):
-        r = int((~same).nonzero()[0])
-        raise GRPOPartsError(
-            f"LogprobBatch.group_index: rows {int(rep[row_group[r]])} and {r} share group_index "
-            f"{int(batch.group_index[r])} but carry different prompts; expected one prompt per group"
-        )
+    prompts = _compact_prompts(batch, pm, pp, pad_token_id)
+    row_group, row_slot, rep, sizes = _assign_slots(batch, prompts, plen_row)
+    b = int(sizes.numel())
     g, s = int(sizes.max()), int(clen.max())
     plen = plen_row[rep]  # [B]
     top = int((plen_row + clen).max()) - 1  # this batch's largest position id
@@ -200,15 +240,7 @@ def build_grouped_inputs(
     real[rows_s, cols] = cm[:, :s]
     pos = pos.masked_fill(~real, max_position)
 
-    # Logits needed: the last real prefix token of each distinct prompt length, then positions
-    # 0..S-2 of every slot (the last suffix token predicts nothing).
-    last, last_inv = torch.unique(plen - 1, return_inverse=True)
-    k0 = int(last.numel())
-    slot_cols = (pw + torch.arange(g, device=device).unsqueeze(-1) * s + ar_s[: s - 1]).reshape(-1)
-    keep = torch.cat([last, slot_cols])
-    row_keep = torch.empty(n, s, dtype=torch.long, device=device)
-    row_keep[:, 0] = last_inv[row_group]
-    row_keep[:, 1:] = k0 + row_slot.unsqueeze(-1) * (s - 1) + ar_s[: s - 1]
+    keep, row_keep = _kept_columns(plen, row_group, row_slot, pw, g, s)
     valid = None if bool((plen == pw).all()) else real[:, :pw]
     layout = PrefixLayout(pw, g, s, valid, top + 1, kernel, chunk_elems, suffix_flash_min)
     return GroupedInputs(ids, pos, layout, keep, row_group, row_keep, clen)

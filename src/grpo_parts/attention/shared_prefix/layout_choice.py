@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..protocol import LogprobBatch
-from .chunking import _group_sizes
+from .chunking import group_sizes
 from .padding_free import padding_free_tokens
 
 
@@ -41,7 +41,7 @@ def grid_cost(
     half = 1.0 if eager else 0.5
     scores = 0.0
     for c in chunks:
-        _, rows, p, s = _group_sizes(batch.select(c))
+        _, rows, p, s = group_sizes(batch.select(c))
         if rows.numel():
             pp, g, sl = float(p.max()), float(rows.max()), float(s.max())
             scores += rows.numel() * (half * pp * pp + g * sl * pp + half * g * sl * sl)
@@ -54,7 +54,7 @@ def padding_free_cost(batch: LogprobBatch, dense: bool, eager: bool = False) -> 
     SDPA), ``P^2/2 + sum_j S_j (P + S_j/2)`` (the varlen cascade, flex's block mask) or, ``eager``,
     ``P^2 + sum_j S_j (P + S_j)`` (:mod:`.varlen_eager`: whole squares; bucket padding not counted,
     as for the cascade)."""
-    row_group, _, p, _ = _group_sizes(batch)
+    row_group, _, p, _ = group_sizes(batch)
     clen = batch.completion_mask.detach().cpu().double().sum(-1)
     total = torch.zeros(p.numel(), dtype=torch.float64).index_add(0, row_group, clen)
     pf = p.double()

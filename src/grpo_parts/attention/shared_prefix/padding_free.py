@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..protocol import LogprobBatch
-from .layout import GroupedInputs, Receipts, _check_masks
+from .layout import GroupedInputs, Receipts, check_masks
 
 #: the layouts by name, in the order ``layout="auto"`` prefers them on a tie (:mod:`.layout_choice`)
 LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
@@ -84,6 +84,80 @@ def padding_free_tokens(batch: LogprobBatch) -> int:
     return int(first.sum() + batch.completion_mask.long().sum())
 
 
+def _group_rows(
+    batch: LogprobBatch, pm: torch.Tensor, plen_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row_group, order, starts, rep)``: each row's group (ascending ``group_index``), the rows
+    in group order (stable), where each group starts in that order and its first row (whose prompt
+    is the group's prefix). Refuses a group whose rows carry different prompts."""
+    uniq, row_group = torch.unique(batch.group_index, return_inverse=True)
+    b = int(uniq.numel())
+    order = torch.sort(row_group, stable=True).indices
+    sizes = torch.bincount(row_group, minlength=b)
+    starts = sizes.cumsum(0) - sizes
+    rep = order[starts]
+    plen = plen_row[rep]
+    same = (plen_row == plen[row_group]) & ((batch.prompt_ids == batch.prompt_ids[rep[row_group]]) | ~pm).all(
+        -1
+    )
+    if not bool(same.all()):
+        from ...errors import GRPOPartsError
+
+        r = int((~same).nonzero()[0])
+        raise GRPOPartsError(
+            f"LogprobBatch.group_index: rows {int(rep[row_group[r]])} and {r} share group_index "
+            f"{int(batch.group_index[r])} but carry different prompts; expected one prompt per group"
+        )
+    return row_group, order, starts, rep
+
+
+def _span_offsets(
+    plen: torch.Tensor, clen: torch.Tensor, row_group: torch.Tensor, order: torch.Tensor, starts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(gtot, gstart, row_off)``: each group's span length (prefix + its completions) and start
+    in the row, and where each batch row's completion starts (after its group's prefix and the
+    completions before it in group order)."""
+    b = plen.shape[0]
+    gtot = plen + torch.zeros(b, dtype=clen.dtype, device=clen.device).index_add(0, row_group, clen)
+    gstart = gtot.cumsum(0) - gtot
+    cs = clen[order].cumsum(0) - clen[order]  # exclusive cumsum of completions in group order
+    row_off = torch.empty_like(clen)
+    row_off[order] = gstart[row_group[order]] + plen[row_group[order]] + cs - cs[starts][row_group[order]]
+    return gtot, gstart, row_off
+
+
+def _fill_row(
+    batch: LogprobBatch,
+    pm: torch.Tensor,
+    cm: torch.Tensor,
+    plen_row: torch.Tensor,
+    rep: torch.Tensor,
+    gstart: torch.Tensor,
+    ccol: torch.Tensor,
+    length: int,
+    pad_token_id: int,
+    max_position: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, pos, suffix_id)`` of the row: each group's prefix (the real, left-padded prompt
+    tokens of its first row) at ``gstart``, each completion at its columns ``ccol: [N, T]``;
+    anything else is the padding column (``max_position``, suffix id -1)."""
+    dev = batch.prompt_ids.device
+    n, t = cm.shape
+    ids = torch.full((length,), pad_token_id, dtype=batch.prompt_ids.dtype, device=dev)
+    pos = torch.full((length,), max_position, dtype=torch.long, device=dev)
+    sid = torch.full((length,), -1, dtype=torch.long, device=dev)
+    pcol = gstart.unsqueeze(-1) + (pm[rep].long().cumsum(-1) - 1)  # [B, Pp]
+    pvalid = pm[rep]
+    ids[pcol[pvalid]] = batch.prompt_ids[rep][pvalid]
+    pos[pcol[pvalid]] = (pm[rep].long().cumsum(-1) - 1)[pvalid]
+    sid[pcol[pvalid]] = 0
+    ar = torch.arange(t, device=dev)
+    ids[ccol[cm]] = batch.completion_ids[cm]
+    pos[ccol[cm]] = (plen_row.unsqueeze(-1) + ar).expand(n, t)[cm]
+    sid[ccol[cm]] = (torch.arange(n, device=dev) + 1).unsqueeze(-1).expand(n, t)[cm]
+    return ids, pos, sid
+
+
 def build_padding_free_inputs(
     batch: LogprobBatch,
     *,
@@ -97,57 +171,21 @@ def build_padding_free_inputs(
     :func:`.layout.build_grouped_inputs` (so :func:`.layout.ungroup_logits` un-groups it)."""
     from .layout import check_context
 
-    pm, cm = _check_masks(batch)
+    pm, cm = check_masks(batch)
     dev = batch.prompt_ids.device
     n = batch.prompt_ids.shape[0]
     plen_row, clen = pm.sum(-1), cm.sum(-1)
     check_context(plen_row, clen, max_positions)
-    uniq, row_group = torch.unique(batch.group_index, return_inverse=True)
-    b = int(uniq.numel())
-    order = torch.sort(row_group, stable=True).indices
-    sizes = torch.bincount(row_group, minlength=b)
-    starts = sizes.cumsum(0) - sizes
-    rep = order[starts]  # first row of each group: its prompt is the group's prefix
+    row_group, order, starts, rep = _group_rows(batch, pm, plen_row)
+    b = int(rep.numel())
     plen = plen_row[rep]
-    same = (plen_row == plen[row_group]) & ((batch.prompt_ids == batch.prompt_ids[rep[row_group]]) | ~pm).all(
-        -1
-    )
-    if not bool(same.all()):
-        from ...errors import GRPOPartsError
-
-        r = int((~same).nonzero()[0])
-        raise GRPOPartsError(
-            f"LogprobBatch.group_index: rows {int(rep[row_group[r]])} and {r} share group_index "
-            f"{int(batch.group_index[r])} but carry different prompts; expected one prompt per group"
-        )
-    gtot = plen + torch.zeros(b, dtype=clen.dtype, device=dev).index_add(0, row_group, clen)
-    gstart = gtot.cumsum(0) - gtot
-    cs = clen[order].cumsum(0) - clen[order]  # exclusive cumsum of completions in group order
-    row_off = torch.empty_like(clen)
-    row_off[order] = gstart[row_group[order]] + plen[row_group[order]] + cs - cs[starts][row_group[order]]
+    gtot, gstart, row_off = _span_offsets(plen, clen, row_group, order, starts)
     top = int((plen_row + clen).max()) - 1
     max_position = top if max_position is None else max_position
     real_len = int(gtot.sum())
     length = real_len + int(top < max_position)  # one padding column carries max_position
-
-    ids = torch.full((length,), pad_token_id, dtype=batch.prompt_ids.dtype, device=dev)
-    pos = torch.full((length,), max_position, dtype=torch.long, device=dev)
-    sid = torch.full((length,), -1, dtype=torch.long, device=dev)
-    # prefixes: the real (left-padded) prompt tokens of each group's first row, in order
-    pp = pm.shape[1]
-    pcol = gstart.unsqueeze(-1) + (pm[rep].long().cumsum(-1) - 1)  # [B, Pp]
-    pvalid = pm[rep]
-    ids[pcol[pvalid]] = batch.prompt_ids[rep][pvalid]
-    pos[pcol[pvalid]] = (pm[rep].long().cumsum(-1) - 1)[pvalid]
-    sid[pcol[pvalid]] = 0
-    del pp
-    # completions
-    t = cm.shape[1]
-    ar = torch.arange(t, device=dev)
-    ccol = row_off.unsqueeze(-1) + ar  # [N, T]
-    ids[ccol[cm]] = batch.completion_ids[cm]
-    pos[ccol[cm]] = (plen_row.unsqueeze(-1) + ar).expand(n, t)[cm]
-    sid[ccol[cm]] = (torch.arange(n, device=dev) + 1).unsqueeze(-1).expand(n, t)[cm]
+    ccol = row_off.unsqueeze(-1) + torch.arange(cm.shape[1], device=dev)  # [N, T]
+    ids, pos, sid = _fill_row(batch, pm, cm, plen_row, rep, gstart, ccol, length, pad_token_id, max_position)
 
     # logits: each group's last prefix token, then completion tokens 0..len-2 of every row
     s = int(clen.max())

@@ -93,6 +93,58 @@ def _best_times(
     return best
 
 
+def _prefilled_cache(
+    model: torch.nn.Module, a: int, clen: int, vocab: int, gen: torch.Generator, device: torch.device
+) -> Any:
+    """An ``a x clen`` cache of random ids that appends in place: one row's prefill, repeated to
+    ``a`` rows. The timed forwards see an ``a x clen`` cache either way, and prefilling every size
+    cost ~70% of the calibration (the 128-row prefill alone is a training-sized forward)."""
+    ids = torch.randint(0, vocab, (1, clen), generator=gen).to(device)
+    cache = output_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1))
+    if a > 1:
+        repeat_cache_rows(cache, a)
+    reserve_cache_room(cache, CACHE_ROOM)
+    return cache
+
+
+def _cached_forward(
+    model: torch.nn.Module,
+    cache: Any,
+    clen: int,
+    step: torch.Tensor,
+    lay: Any,
+    lean: LeanForward | None,
+    cache_kw: str,
+    sync: Callable[[], Any],
+) -> Callable[[], None]:
+    """One timed cell: the decode loop's forward of ``step: [A, T]`` on ``cache`` (its layout chosen
+    for ``T``, the lean forward where the loop runs it), then the cache cropped back to ``clen``."""
+    a, t = step.shape
+    device = step.device
+    mask = torch.ones(a, clen + t, dtype=torch.long, device=device)
+    pos = torch.arange(clen, clen + t, device=device).expand(a, t)
+    extra = {} if lay is None else {LAYOUT_KWARG: lay}
+
+    def fwd() -> None:
+        if lay is not None:
+            lay.choose(step.shape[1])
+        if lean is not None:
+            lean(step, mask, pos, cache, extra=extra)
+        else:
+            model(
+                input_ids=step,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                **{cache_kw: cache},
+                **extra,
+            )
+        crop_cache(cache, clen)
+        sync()
+
+    return fwd
+
+
 @torch.no_grad()
 def calibrate_policy(
     model: torch.nn.Module,
@@ -124,49 +176,23 @@ def calibrate_policy(
     table: dict[int, list[float]] = {}
     cache_kw = cache_kwarg(model)
     for a in batch_sizes:
-        # one row's prefill, repeated to ``a`` rows: the timed forwards see an ``a x context_len``
-        # cache either way, and prefilling every size cost ~70% of the calibration (the 128-row
-        # prefill alone is a training-sized forward)
         clen = context_len(a) if callable(context_len) else context_len
-        ids = torch.randint(0, vocab, (1, clen), generator=gen).to(device)
-        cache = output_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1))
-        if a > 1:
-            repeat_cache_rows(cache, a)
-        reserve_cache_room(cache, CACHE_ROOM)
+        cache = _prefilled_cache(model, a, clen, vocab, gen, device)
         lay = None if layout is None else layout(a)
-        extra = {} if lay is None else {LAYOUT_KWARG: lay}
-        fwds = []
-        for t in tokens:
-            step = torch.randint(0, vocab, (a, t), generator=gen).to(device)
-            mask = torch.ones(a, clen + t, dtype=torch.long, device=device)
-            pos = torch.arange(clen, clen + t, device=device).expand(a, t)
-
-            def fwd(
-                step: torch.Tensor = step,
-                mask: torch.Tensor = mask,
-                pos: torch.Tensor = pos,
-                cache: Any = cache,
-                lay: Any = lay,
-                extra: dict[str, Any] = extra,
-                clen: int = clen,
-            ) -> None:
-                if lay is not None:
-                    lay.choose(step.shape[1])
-                if lean is not None:
-                    lean(step, mask, pos, cache, extra=extra)
-                else:
-                    model(
-                        input_ids=step,
-                        attention_mask=mask,
-                        position_ids=pos,
-                        use_cache=True,
-                        **{cache_kw: cache},
-                        **extra,
-                    )
-                crop_cache(cache, clen)
-                sync()
-
-            fwds.append(fwd)
+        # each cell's random ids drawn from the one generator, in cell order
+        fwds = [
+            _cached_forward(
+                model,
+                cache,
+                clen,
+                torch.randint(0, vocab, (a, t), generator=gen).to(device),
+                lay,
+                lean,
+                cache_kw,
+                sync,
+            )
+            for t in tokens
+        ]
         fwds[0]()  # warm-up: once per batch size (a new cache size), not per cell
         row = _best_times(fwds, repeats)
         # cost never decreases with more tokens; enforce it against timing noise

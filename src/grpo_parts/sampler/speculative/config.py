@@ -21,7 +21,7 @@ class SpeculativeConfig(BaseModel):
     # 6: a ceiling of 12 raised the main job's tail tokens per verification (3.2-3.4 -> 4.0-4.4) but
     # made its tail slower in both runs measured (the cost model drafted k ~ 9-11 at <= 16 rows);
     # docs/speculative.md, "N-gram draft in the tail". Re-measured with chains priced by measured
-    # per-depth acceptance (docs/benchmarks.md, "Chains priced by measured per-depth acceptance"):
+    # per-depth acceptance (docs/history/benchmarks-log.md, "Chains priced by measured per-depth acceptance"):
     # ceilings 8 / 10 / 12 were not faster on bench sampler (EAGLE, batch 1 and 4) nor the main job
     max_draft_tokens: int = Field(6, ge=1, le=32)
     draft_tokens: int | None = Field(None, ge=0, le=32)
@@ -58,7 +58,7 @@ class SpeculativeConfig(BaseModel):
     # 1-16). n-gram trees (point masses, sample-then-match) accept too little per level; sampled
     # EAGLE / small-LM trees (recursive rejection sampling) accept more than chains at depth 6
     # (5.4-5.7 vs 4.6 tokens per verification) but their 33-token verification costs about what the
-    # extra tokens save (docs/benchmarks.md, "Sampled EAGLE trees"). Opt in with e.g. 32 (the cost
+    # extra tokens save (docs/history/benchmarks-log.md, "Sampled EAGLE trees"). Opt in with e.g. 32 (the cost
     # model then weighs trees of 4-32 nodes against chains and plain decoding).
     max_tree_nodes: int = Field(
         0, ge=0, le=128, description="largest tree the cost model may pick per row (0: chains only)"

@@ -40,7 +40,7 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return max(y, 1e-9)
 
 
-def _nearest(sizes: Iterable[int], a: int) -> int:
+def nearest_size(sizes: Iterable[int], a: int) -> int:
     """The size closest to ``a`` on a log scale (batch sizes are calibrated on a doubling grid)."""
     return min(sizes, key=lambda x: abs(math.log(x) - math.log(max(a, 1))))
 
@@ -103,7 +103,7 @@ class CostModel:
         """Fold a measured ``draft.propose`` time into the nearest calibrated batch size."""
         if k <= 0 or not self.draft_fixed:
             return
-        b = _nearest(self.draft_fixed, a)
+        b = nearest_size(self.draft_fixed, a)
         pred = self.draft_fixed[b] + k * self.draft_per_token[b]
         scale = (seconds * b / max(a, 1) if a > b else seconds) / max(pred, 1e-9)
         scale = min(max(scale, 0.25), 4.0)
@@ -129,7 +129,7 @@ class CostModel:
         size for the rest of the run, since only rare probes measured it again (a 17-row tail then
         decoded 200 steps plain, its speculative step priced at 51 ms against 8 ms plain). Now one
         outlier moves nothing, two in a row set the new level, and two probes undo a stale one."""
-        key = (self._bucket(a), k > 0)
+        key = (self.bucket(a), k > 0)
         ratio = seconds / max(self._predict(a, k) if predicted is None else predicted, 1e-9)
         t = k + 1 if tokens is None else tokens
         resid = max(seconds - draft_seconds - self.t_verify(a, t), 0.0) / t
@@ -139,21 +139,22 @@ class CostModel:
 
     def last_ratio(self, a: int, speculative: bool) -> float | None:
         """Measured / predicted time of the last step of that kind at ``a``'s batch-size bucket."""
-        rec = self.recent.get((self._bucket(a), speculative))
+        rec = self.recent.get((self.bucket(a), speculative))
         return rec.ratios[-1] if rec is not None and rec.ratios else None
 
     def scale_at(self, a: int, speculative: bool) -> float:
         """Measured / predicted step time of that kind at the calibrated batch size nearest ``a``
         (1 where not measured yet)."""
-        return self.scale.get((self._bucket(a), speculative), 1.0)
+        return self.scale.get((self.bucket(a), speculative), 1.0)
 
     def overhead_at(self, a: int, speculative: bool, tokens: int = 1) -> float:
         """Measured per-step bookkeeping of that kind at the calibrated batch size nearest ``a``, for a
         step verifying ``tokens`` positions per row (plain: 1)."""
-        return self.overhead.get((self._bucket(a), speculative), 0.0) * tokens
+        return self.overhead.get((self.bucket(a), speculative), 0.0) * tokens
 
-    def _bucket(self, a: int) -> int:
-        return _nearest(self.batch_sizes, a)
+    def bucket(self, a: int) -> int:
+        """The calibrated batch size nearest ``a`` (the key of the per-size tables)."""
+        return nearest_size(self.batch_sizes, a)
 
     def _predict(self, a: int, k: int) -> float:
         return self.t_verify(a, k + 1) + self.t_draft(a, k) + self.overhead_at(a, k > 0, k + 1)

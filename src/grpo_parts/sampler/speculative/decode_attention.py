@@ -31,15 +31,12 @@ import contextlib
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ...compat import own_attention, own_attention_function, register_attention_function, select_attention
 from ...errors import NotSupportedError
-
-if TYPE_CHECKING:
-    from .decode_loop import DecodeState
 
 #: name under which the attention function is registered with transformers
 KERNEL_NAME = "grpo_decode_shared_prompt"
@@ -147,8 +144,26 @@ def register() -> str:
     return KERNEL_NAME
 
 
+class DecodeRows(Protocol):
+    """What :func:`shared_prompt_decoding` reads and sets on the decode loop's state
+    (:class:`~grpo_parts.sampler.speculative.decode_loop.DecodeState`)."""
+
+    #: the policy
+    model: Any
+    #: ``[N]`` the prompt (group) of every row; ``act: [A]`` the rows still generating
+    group: torch.Tensor
+    act: torch.Tensor
+    #: set for the block: the rows' :class:`DecodeLayout` (None: the policy's own attention)
+    layout: DecodeLayout | None
+
+    @property
+    def width(self) -> int:
+        """The prompt's cache columns (left-padded prompts), the same in every row of a group."""
+        ...
+
+
 @contextlib.contextmanager
-def shared_prompt_decoding(st: DecodeState, reasons: list[str], mode: str) -> Iterator[None]:
+def shared_prompt_decoding(st: DecodeRows, reasons: list[str], mode: str) -> Iterator[None]:
     """For the block (the decode loop): give ``st`` a :class:`DecodeLayout` and select the kernel on
     the policy, restoring the policy's own attention afterwards, unless ``mode == "off"`` or the
     kernel cannot reproduce the model's attention (:func:`kernel_reasons`). The shared-prompt path

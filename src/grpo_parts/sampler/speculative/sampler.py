@@ -31,6 +31,7 @@ import torch
 from ...decoding import collector_paused
 from ...draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDraftModel
 from ...errors import NotSupportedError
+from .. import stats as keys
 from ..protocol import PromptBatch, Rollout, SamplingParams
 from ..reference import check_model, completion_mask_from_eos, expand_prompts
 from .calibration import calibrate, calibration_context
@@ -140,7 +141,7 @@ class SpeculativeSampler:
             return min(self.config.draft_tokens, cap)
         assert self.cost is not None
         k = self.cost.choose(active, self.chain_rates(active, cap), cap)
-        b = self.cost._bucket(active)
+        b = self.cost.bucket(active)
         steps = self._steps[b] = self._steps.get(b, 0) + 1
         gap = self._probe_gap.get(b, self.config.probe_every)
         last = self.cost.last_ratio(active, True)
@@ -162,7 +163,7 @@ class SpeculativeSampler:
     def chain_rates(self, active: int, max_k: int) -> list[float]:
         """Measured per-depth chain acceptance at ``active`` rows' batch-size bucket (the chain
         lengths worth pricing: at most one position past the measured ones)."""
-        bucket = None if self.cost is None else self.cost._bucket(active)
+        bucket = None if self.cost is None else self.cost.bucket(active)
         return self.acceptance.depth_rates(bucket, max_k)
 
     def generate(
@@ -198,9 +199,9 @@ class SpeculativeSampler:
         draft.reset(ids, pmask, group)
         st = DecodeState.prefill(model, prompts, params, expanded, draft.needs_hidden_states, generator)  # type: ignore[arg-type]
         st.window = window
-        keys = ("verify_steps", "plain_steps", "tree_steps", "sampled_tree_steps", "drafted", "accepted", "emitted_spec", "row_verifies")  # fmt: skip
-        stats = dict.fromkeys(keys, 0.0)
-        stats["kv_in_place_layers"] = float(st.room_layers)
+        steps = (keys.VERIFY_STEPS, keys.PLAIN_STEPS, keys.TREE_STEPS, keys.SAMPLED_TREE_STEPS)
+        stats = dict.fromkeys((*steps, "drafted", "accepted", "emitted_spec", "row_verifies"), 0.0)
+        stats[keys.KV_IN_PLACE_LAYERS] = float(st.room_layers)
         self.last_trace = DecodeTrace()
         why_not = self.decode_attention_reasons(params)
         with shared_prompt_decoding(st, why_not, self.config.decode_shared_prompt):
@@ -212,11 +213,11 @@ class SpeculativeSampler:
                 )
             self.lean_forward_reasons = off
             self._loop(st, params, generator, stats)
-        stats["lean_forward_calls"] = float(st.forwards["lean"])
-        stats["model_forward_calls"] = float(st.forwards["model"])
+        stats[keys.LEAN_FORWARD_CALLS] = float(st.forwards["lean"])
+        stats[keys.MODEL_FORWARD_CALLS] = float(st.forwards["model"])
         calls = st.layout.calls if st.layout is not None else {}
-        for k in ("shared_prefix", "plain", "plain_gqa"):
-            stats[f"decode_attention_{k}_calls"] = float(calls.get(k, 0))
+        for path, key in keys.DECODE_ATTENTION_CALLS.items():
+            stats[key] = float(calls.get(path, 0))
         comp, logps, emitted = st.outputs()
         return ids, pmask, group, comp, logps, emitted, params, prompts.num_prompts, stats
 
@@ -232,7 +233,7 @@ class SpeculativeSampler:
             step += 1
             if plan == 0:  # plain decoding step, as lean as the reference sampler's
                 st.plain_step(generator)
-                stats["plain_steps"] += 1
+                stats[keys.PLAIN_STEPS] += 1
                 if self.cost is not None:
                     self.cost.observe_step(a, 0, time.perf_counter() - t_step, 0.0)
                 trace.record(a, 0, 1.0, self.acceptance.rate, self.cost)
@@ -328,12 +329,12 @@ class SpeculativeSampler:
             verifier = self.tree_verifier
             if prop.sampled:  # children drawn from the draft: recursive rejection sampling
                 verifier = partial(self.sampled_tree_verifier, probs=prop.probs)
-                stats["sampled_tree_steps"] += 1
+                stats[keys.SAMPLED_TREE_STEPS] += 1
             n_acc, take, (depth, width) = st.verify_tree(prop.tokens, parents, verifier, generator)
-            stats["tree_steps"] += 1
+            stats[keys.TREE_STEPS] += 1
             self.tree_acceptance.update(k, plan.depth, n_acc)
             if self.cost is not None:
-                self.tree_cost.observe(self.cost._bucket(a), k, t_draft)
+                self.tree_cost.observe(self.cost.bucket(a), k, t_draft)
                 predicted = tree_step_time(self.cost, self.tree_cost, a, plan) / self.cost.scale_at(a, True)
                 tokens = k + 1
         else:
@@ -341,12 +342,12 @@ class SpeculativeSampler:
             if self.cost is not None:
                 self.cost.observe_draft(a, k, t_draft)
             n_acc, take = st.verify_chain(prop.tokens, prop.probs, self.verifier, generator)
-            self.acceptance.update(n_acc, k, None if self.cost is None else self.cost._bucket(a))
+            self.acceptance.update(n_acc, k, None if self.cost is None else self.cost.bucket(a))
             depth, width = k, 1
         trace.record(
             a, k, float(take.float().mean()), self.acceptance.rate, self.cost, depth=depth, width=width
         )
-        stats["verify_steps"] += 1
+        stats[keys.VERIFY_STEPS] += 1
         stats["drafted"] += k * a
         stats["accepted"] += float(n_acc.sum())
         stats["emitted_spec"] += float(take.sum())
@@ -368,33 +369,12 @@ class SpeculativeSampler:
             completion_mask=cmask, logprobs=logps.masked_fill(cmask == 0, 0.0), group_index=group,
             num_prompts=num_prompts,
         )  # fmt: skip
-        rv = max(stats["row_verifies"], 1.0)
-        out_stats = {
-            "accepted_per_verify": stats["emitted_spec"] / rv if stats["row_verifies"] else 1.0,
-            "draft_accept_rate": stats["accepted"] / max(stats["drafted"], 1.0),
-            "mean_draft_tokens": stats["drafted"] / rv,
-            "verify_steps": stats["verify_steps"],
-            "plain_steps": stats["plain_steps"],
-            "tree_steps": stats["tree_steps"],
-            # of the tree steps, those verified by recursive rejection sampling (sampled children)
-            "sampled_tree_steps": stats["sampled_tree_steps"],
-            "acceptance_estimate": self.acceptance.rate,
-            "kv_in_place_layers": stats["kv_in_place_layers"],
-            # attention calls (layers x forwards) of the decode loop per path (both 0: not selected)
-            "decode_attention_shared_prefix_calls": stats["decode_attention_shared_prefix_calls"],
-            "decode_attention_plain_calls": stats["decode_attention_plain_calls"],
-            # of the plain calls, those served without copying K/V per query head (GQA models)
-            "decode_attention_plain_gqa_calls": stats["decode_attention_plain_gqa_calls"],
-            # decode forwards per path (lean: the policy's weights called directly; model: its own
-            # forward, for the reasons in ``lean_forward_reasons``)
-            "lean_forward_calls": stats["lean_forward_calls"],
-            "model_forward_calls": stats["model_forward_calls"],
-        }
+        out_stats = keys.speculative_stats(stats, self.acceptance.rate)
         self.draft.observe(rollout.completion_ids, rollout.completion_mask, group)
         if self.config.train_draft and self.draft.learnable:
             t0 = time.perf_counter()
             metrics = self.draft.update(self.draft_training_batch(rollout))
-            out_stats["draft_update_s"] = time.perf_counter() - t0
+            out_stats[keys.DRAFT_UPDATE_S] = time.perf_counter() - t0
             out_stats.update({f"draft_{k}": float(v) for k, v in metrics.items()})
         rollout.stats.update(out_stats)
         return rollout

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...draft.protocol import TreeBudget
-from .cost_model import CostModel, _nearest
+from .cost_model import CostModel, nearest_size
 
 
 @dataclass
@@ -83,7 +83,7 @@ class TreeCost:
     def t_draft(self, cost: CostModel, a: int, budget: TreeBudget) -> float:
         """Measured, or before the first measurement a chain of the tree's depth (one draft call
         per level) scaled by the level's width relative to one token."""
-        got = self.draft.get((_nearest(cost.batch_sizes, a), budget.nodes))
+        got = self.draft.get((nearest_size(cost.batch_sizes, a), budget.nodes))
         if got is not None:
             return got
         return cost.t_draft(a, budget.depth) * max(1.0, budget.nodes / budget.depth) ** 0.5

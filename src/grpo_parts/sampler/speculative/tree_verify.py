@@ -64,26 +64,16 @@ def verify_tree(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample-then-match down each row's tree; see the module docstring."""
     x = policy_draws(logits, params, generator)  # [A, N+1]
-    return _walk(x, tokens, parents, follow_any=False)
+    return walk_tree(x, tokens, parents, follow_any=False)
 
 
-def tree_always_accept(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A deliberately **broken** tree verifier (follows each node's first child whatever the policy
-    drew, then emits the policy's draw): emits the draft's choices. Tests use it to show that the
-    losslessness tests have teeth."""
-    x = policy_draws(logits, params, generator)
-    return _walk(x, tokens, parents, follow_any=True)
-
-
-def _walk(
+def walk_tree(
     x: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, follow_any: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk down each row's tree given the policy's draws ``x: [A, N+1]`` (one per column):
+    move to the first child whose token is the draw at the current column (``follow_any``: to the
+    first child, whatever was drawn). ``tokens``/``parents: [A, N]``. Returns ``(num_accepted [A],
+    path [A, D], next_token [A])`` as a :data:`TreeVerifier`."""
     a, n = tokens.shape
     pcol = parents + 1  # the parent's column
     cur = torch.zeros(a, dtype=torch.long, device=x.device)
@@ -127,24 +117,10 @@ def verify_sampled_tree(
     ``q`` the draws really came from, so the emitted token is distributed as ``p``; with one child
     this is :func:`~grpo_parts.sampler.speculative.verify.verify_chain`'s residual rule. Greedy: sample-then-match.
     """
-    return _rrs(logits, tokens, parents, probs, params, generator, renormalize_q=True)
+    return recursive_rejection_sampling(logits, tokens, parents, probs, params, generator, renormalize_q=True)
 
 
-def rrs_without_q_update(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None = None,
-    *,
-    probs: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A deliberately **wrong** variant (after a rejection ``q`` keeps the tried child's mass, as if
-    the children were drawn *with* replacement): tests use it to show the chi-square tests bite."""
-    return _rrs(logits, tokens, parents, probs, params, generator, renormalize_q=False)
-
-
-def _rrs(
+def recursive_rejection_sampling(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     parents: torch.Tensor,
@@ -153,6 +129,7 @@ def _rrs(
     generator: torch.Generator | None,
     renormalize_q: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`verify_sampled_tree`; ``renormalize_q=False`` keeps a rejected child's ``q`` mass (wrong)."""
     if params.greedy:  # q is a point mass at each drawn child: RRS is sample-then-match
         return verify_tree(logits, tokens, parents, params, generator)
     a, n = tokens.shape

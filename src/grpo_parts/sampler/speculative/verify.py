@@ -74,18 +74,3 @@ def verify_chain(
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def always_accept(
-    logits: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    params: SamplingParams,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deliberately **broken** verifier (accepts every draft token, bonus from ``p_k``): emits the
-    draft's distribution, not the policy's. Tests use it to prove the losslessness test has teeth."""
-    a, k = draft_tokens.shape
-    p = sampling_probs(logits[:, k], params)
-    tok = p.argmax(-1) if params.greedy else _draw(p, generator)
-    return torch.full((a,), k, dtype=torch.long, device=logits.device), tok

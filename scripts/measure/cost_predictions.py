@@ -1,7 +1,7 @@
 """Main-job rollouts of the speculative sampler: each decode forward's measured time beside the cost
 model's prediction (docs/speculative.md, "calibration"; issue 22).
 
-    python scripts/cost_predictions.py [BATCHES]
+    python scripts/measure/cost_predictions.py [BATCHES]
 
 The default ``grpo-parts train`` config's policy, prompts (16 x group) and speculative sampler; the
 first rollout calibrates (untimed here), then BATCHES rollouts are generated. Per calibrated batch
@@ -13,7 +13,7 @@ rescaling keeps and which sets the draft lengths. Timing: run alone, 1 thread.
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from collections import defaultdict
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from grpo_parts.train.config import load_config
-from grpo_parts.train.loop import _Stream
+from grpo_parts.train.loop import ProblemStream
 from grpo_parts.train.run import build_trainer
 
 
@@ -40,15 +40,15 @@ def main(batches: int) -> None:
 
     tr.policy.register_forward_pre_hook(pre, with_kwargs=True)
     tr.policy.register_forward_hook(post, with_kwargs=True)
-    stream, gen = _Stream(tr), torch.Generator().manual_seed(0)
+    stream, gen = ProblemStream(tr), torch.Generator().manual_seed(0)
     agg: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for it in range(batches + 1):
         rec.clear()
-        spec.generate(tr._prompts([next(stream) for _ in range(16)]), tr.params, gen)
+        spec.generate(tr.prompt_batch([next(stream) for _ in range(16)]), tr.params, gen)
         if it == 0:
             continue
         for (a, t), cols, t0, t1 in rec[1:]:  # [0]: the prefill
-            x = agg[(spec.cost._bucket(a), t)]
+            x = agg[(spec.cost.bucket(a), t)]
             x[0] += 1
             x[1] += t1 - t0
             x[2] += spec.cost.t_verify(a, t)
@@ -61,5 +61,17 @@ def main(batches: int) -> None:
             )
 
 
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "batches",
+        nargs="?",
+        type=int,
+        default=3,
+        help="rollouts timed after the calibrating one (default: 3)",
+    )
+    return p.parse_args()
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    main(parse_args().batches)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Compare one `grpo-parts bench ...` between two revisions, side by side on this machine.
 #
-#   scripts/bench_compare.sh [--rounds N] [--json PATH] REV_A REV_B BENCH [bench args...]
-#   scripts/bench_compare.sh 48911eb HEAD attention --quick
+#   scripts/measure/bench_compare.sh [--rounds N] [--json PATH] REV_A REV_B BENCH [bench args...]
+#   scripts/measure/bench_compare.sh 48911eb HEAD attention --quick
 #
 # Each revision's source is checked out into its own temporary worktree (`git worktree add
 # --detach`; REV "." means this checkout's files as they are, uncommitted changes included). The same
@@ -21,10 +21,13 @@
 # machine belong under `flock /tmp/bench.lock`.
 set -euo pipefail
 
-usage() {
-    echo "usage: scripts/bench_compare.sh [--rounds N] [--json PATH] REV_A REV_B BENCH [bench args...]" >&2
-    echo "  e.g. scripts/bench_compare.sh 48911eb HEAD attention --quick" >&2
-    exit 2
+usage() {  # --help: on stdout, exit 0; a wrong call: on stderr, exit 2
+    local rc=${1:-2}
+    {
+        echo "usage: scripts/measure/bench_compare.sh [--rounds N] [--json PATH] REV_A REV_B BENCH [bench args...]"
+        echo "  e.g. scripts/measure/bench_compare.sh 48911eb HEAD attention --quick"
+    } >&$(( rc == 0 ? 1 : 2 ))
+    exit "$rc"
 }
 
 rounds=3
@@ -33,7 +36,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --rounds) [[ $# -ge 2 && "$2" =~ ^[1-9][0-9]*$ ]] || { echo "bench_compare: --rounds: expected a positive integer, got '${2:-}'" >&2; exit 2; }; rounds=$2; shift 2 ;;
         --json) [[ $# -ge 2 ]] || usage; json_out=$2; shift 2 ;;
-        -h|--help) usage ;;
+        -h|--help) usage 0 ;;
         *) break ;;
     esac
 done

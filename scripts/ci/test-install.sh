@@ -6,13 +6,13 @@
 #     report.md, PNG plots and a model/ folder that transformers loads;
 #  2. the core suite (everything but the tests that need TRL/verl/OpenRLHF/vLLM, which pin older
 #     transformers) runs in that same venv, i.e. under the newest transformers;
-#  3. the core suite runs under the declared transformers floor (scripts/test-transformers-range.sh).
+#  3. the core suite runs under the declared transformers floor (scripts/ci/test-transformers-range.sh).
 # Time (CI has 2 cores): the two core suites (3 with the floor's venv install) run side by side, one
 # torch thread each (GRPO_PARTS_TEST_THREADS=1); the floor's output is printed when it ends.
 # SERIAL=1 runs them one after the other instead.
-# Usage: bash scripts/test-install.sh [extra pytest args for the core suites]
+# Usage: bash scripts/ci/test-install.sh [extra pytest args for the core suites]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV=.venvs/fresh
 CORE_SUITE=(tests -q -p no:cacheprovider -m "not slow and not gpu and not frameworks"
             --ignore=tests/adapters --ignore=tests/sampler_vllm)
@@ -81,7 +81,7 @@ if [ "${SERIAL:-0}" = 1 ]; then
     echo "== core suite under the newest transformers ($NEWEST)"
     "$VENV/bin/python" -m pytest "${CORE_SUITE[@]}" "$@"
     echo "== core suite under the declared transformers floor"
-    bash scripts/test-transformers-range.sh "$@"
+    bash scripts/ci/test-transformers-range.sh "$@"
     exit 0
 fi
 echo "== core suites under the newest transformers ($NEWEST) and the declared floor, side by side"
@@ -90,7 +90,7 @@ export GRPO_PARTS_TEST_THREADS=1
 # the floor's venv is installed (first use) inside this background job, after the main job's
 # `pip install -e .`: two editable installs at once would both write src/grpo_parts.egg-info
 # separate --basetemp: the two pytest sessions never share (or clean up) each other's tmp folders
-bash scripts/test-transformers-range.sh --basetemp="$LOGS/tmp_floor" "$@" > "$LOGS/floor.log" 2>&1 &
+bash scripts/ci/test-transformers-range.sh --basetemp="$LOGS/tmp_floor" "$@" > "$LOGS/floor.log" 2>&1 &
 floor=$!
 # Ctrl-C or a failure here must not leave the floor suite running behind the script
 trap 'kill "$floor" 2>/dev/null || true' EXIT

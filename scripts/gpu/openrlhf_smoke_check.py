@@ -1,6 +1,6 @@
-"""Check the numbers of an OpenRLHF GPU smoke run (scripts/openrlhf_gpu_smoke.sh) and write them as JSON.
+"""Check the numbers of an OpenRLHF GPU smoke run (scripts/gpu/openrlhf_gpu_smoke.sh) and write them as JSON.
 
-``python scripts/openrlhf_smoke_check.py OUT_DIR CONFIG... [--json PATH]`` reads ``OUT_DIR/<config>.log``
+``python scripts/gpu/openrlhf_smoke_check.py OUT_DIR CONFIG... [--json PATH]`` reads ``OUT_DIR/<config>.log``
 (and ``OUT_DIR/<config>.rc``, the run's exit status), takes every step dict OpenRLHF logs
 (``Global step N: {...}``) and checks, per configuration:
 
@@ -96,8 +96,8 @@ def check(config: str, log: str, rc: int | None, logprob_tol: float) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out_dir", type=Path)
-    p.add_argument("configs", nargs="+", choices=sorted(PARTS))
+    p.add_argument("out_dir", type=Path, help="the smoke run's folder (OUT_DIR/<config>.log and .rc)")
+    p.add_argument("configs", nargs="+", choices=sorted(PARTS), help="the configurations that ran")
     p.add_argument("--json", type=Path, default=None, help="where to write the results")
     p.add_argument("--logprob-tol", type=float, default=0.05, help="bf16 log-prob tolerance")
     p.add_argument("--meta", default="{}", help="JSON merged into the output (versions, GPU)")

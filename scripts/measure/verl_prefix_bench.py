@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Actor-update time and peak memory in verl 0.9.1's FSDP engine: verl's forward, verl's own Prefix
-Grouper and grpo_parts' shared prefix, on the same model and batch (docs/benchmarks.md, "verl").
+Grouper and grpo_parts' shared prefix, on the same model and batch (docs/history/benchmarks-log.md,
+"verl").
 
 Each variant runs in its own process (peak RSS is a per-process high-water mark) on verl's
 ``FSDPEngineWithLMHead`` (FSDP2, one rank; on a CPU-only host verl's device helpers are pointed at
@@ -17,7 +18,7 @@ CPU as in tests/adapters/verl/_cpu_verl.py). An update is verl's ``train_batch``
 * ``ours`` / ``ours_one_call``: ``+actor_rollout_ref.actor.grpo_parts.attention=shared_prefix``
   (``merge_slack`` 0.25 / one call per micro-batch).
 
-    python scripts/verl_prefix_bench.py --repeats 5        # prints a markdown table and JSON
+    python scripts/measure/verl_prefix_bench.py --repeats 5        # prints a markdown table and JSON
 
 Times come from one process holding every variant's engine (same weights), updates interleaved
 round-robin so a changing machine load hits all alike; peak memory from one process per variant
@@ -38,7 +39,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("verl_padded", "verl_packed", "verl_pg", "ours", "ours_one_call")
 
 
@@ -456,13 +457,34 @@ def sweep(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["all", "time", "memory"], default="all")
+    p.add_argument(
+        "--mode",
+        choices=["all", "time", "memory"],
+        default="all",
+        help="all: time and memory, each in subprocesses (default); time / memory: one measurement, JSON out",
+    )
     p.add_argument("--variant", choices=VARIANTS, default=None, help="memory mode: the variant")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=None)
-    p.add_argument("--model", type=Path, default=Path("/tmp/grpo_parts_verl_bench/model"))
-    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=None,
+        help="default: all but ours_one_call (verl_pg needs flash-attn)",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=Path("/tmp/grpo_parts_verl_bench/model"),
+        help="model folder, (re)built there (default: /tmp/grpo_parts_verl_bench/model)",
+    )
+    p.add_argument("--prompts", type=int, default=4, help="prompts (groups) per batch (default: 4)")
     p.add_argument("--n", type=int, default=8, help="completions per prompt (= micro-batch: one group each)")
-    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=256,
+        help="longest prompt; each is drawn in [len/2, len] (default: 256)",
+    )
     p.add_argument("--response-len", type=int, default=128, help="longest completion (--long-tail: median)")
     p.add_argument(
         "--long-tail", action="store_true", help="long-tailed completion lengths (see long_tail_length)"
@@ -473,23 +495,39 @@ def main() -> int:
         help="print the exact model-token table over G in {8, 16}, P in {64, 256, 1024}, median completion in "
         "{48, 128} (long-tailed) and exit: no engine, no timing",
     )
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192, help="model vocabulary size (default: 8192)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed updates per variant after one warm-up (default: 5)"
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     p.add_argument(
         "--strategy", choices=["fsdp", "fsdp2"], default=None, help="default: fsdp on GPU, fsdp2 on CPU"
     )
     p.add_argument("--attn", default=None, help="default: flash_attention_2 on GPU, sdpa on CPU")
     p.add_argument("--dtype", default=None, help="param dtype, default: bf16 on GPU, fp32 on CPU")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the batch (default: 0)")
     p.add_argument("--layout", default="auto", help="the shared-prefix layout (auto, grid, padding_free)")
     p.add_argument("--sweep", action="store_true", help="long-tailed sweep (see sweep()); --model is rebuilt")
     p.add_argument("--ranks", type=int, default=1, help="--sweep: gloo processes (each its own batch)")
     p.add_argument("--hidden", type=int, default=256, help="model hidden size (--sweep)")
     p.add_argument("--layers", type=int, default=4, help="model layers (--sweep)")
-    p.add_argument("--sweep-g", type=int, nargs="+", default=[8, 16])
-    p.add_argument("--sweep-p", type=int, nargs="+", default=[64, 256, 1024])
-    p.add_argument("--sweep-median", type=int, nargs="+", default=[48, 128])
+    p.add_argument(
+        "--sweep-g", type=int, nargs="+", default=[8, 16], help="--sweep: group sizes (default: 8 16)"
+    )
+    p.add_argument(
+        "--sweep-p",
+        type=int,
+        nargs="+",
+        default=[64, 256, 1024],
+        help="--sweep: prompt lengths (default: 64 256 1024)",
+    )
+    p.add_argument(
+        "--sweep-median",
+        type=int,
+        nargs="+",
+        default=[48, 128],
+        help="--sweep: median completion lengths (default: 48 128)",
+    )
     args = p.parse_args()
     import torch
 

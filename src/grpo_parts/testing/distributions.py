@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import GRPOPartsError
+from ..errors import GRPOPartsError
 
 
 def processed_probs(

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The core suite under the transformers floor that pyproject.toml declares ("transformers>=X,<6"):
 # X is read from pyproject.toml and installed exactly, so the declared range stays a tested one.
-# (The newest release is covered by scripts/test-install.sh; transformers APIs that changed inside
+# (The newest release is covered by scripts/ci/test-install.sh; transformers APIs that changed inside
 # the range go through src/grpo_parts/compat.py.)
-# Usage: bash scripts/test-transformers-range.sh [extra pytest args]. VENV overrides the venv path
+# Usage: bash scripts/ci/test-transformers-range.sh [extra pytest args]. VENV overrides the venv path
 # (.venvs/floor). Creates the venv on first use or when the floor changed (~2 min of installs),
 # reuses it afterwards.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV="${VENV:-.venvs/floor}"
 FLOOR=$(python3 - <<'EOF'
 import re, sys

@@ -3,26 +3,26 @@
 # lacks, in one run. Writes $OUT/gpu_check.json and $OUT/gpu_check.md (a summary), plus each step's
 # log and outputs under $OUT (default /tmp/grpo_parts_gpu_check).
 #
-#   scripts/gpu_check.sh            # on a CUDA machine
-#   scripts/gpu_check.sh --dry-run  # anywhere (CI): prints what it would run, checks the imports,
+#   scripts/gpu/gpu_check.sh            # on a CUDA machine
+#   scripts/gpu/gpu_check.sh --dry-run  # anywhere (CI): prints what it would run, checks the imports,
 #                                   # the commands' argument parsing and the summary, runs no GPU step
 #
 # Steps (each under its own time limit, seconds; a failed or timed-out step is recorded and the
 # next one runs; the exit status is 1 when any step failed):
 #   e2e          grpo-parts bench e2e --device cuda --preset h200 (tokens/s/GPU per arm)     250
-#   verl_prefix  scripts/verl_prefix_bench.py: verl padded/packed forward, verl's own Prefix
+#   verl_prefix  scripts/measure/verl_prefix_bench.py: verl padded/packed forward, verl's own Prefix
 #                Grouper (flash-attn) and grpo_parts' shared prefix, one FSDP engine           60
 #   vllm         the vLLM sampler tests (tests/sampler_vllm) on the GPU build of vLLM             40
-#   verl_smoke   scripts/verl_gpu_smoke.py: first-batch check + a 2-step verl GRPO run           70
-#   openrlhf     scripts/openrlhf_gpu_smoke.sh ... attention: OpenRLHF GRPO with the part on    55
+#   verl_smoke   scripts/gpu/verl_gpu_smoke.py: first-batch check + a 2-step verl GRPO run       70
+#   openrlhf     scripts/gpu/openrlhf_gpu_smoke.sh ... attention: OpenRLHF GRPO, the part on    55
 # Needs on the GPU machine: torch with CUDA, verl's and OpenRLHF's GPU stacks, vllm, flash-attn
 # (see docs/adapters/*.md); GPU_CHECK_PYTHON picks the interpreter. Commit the output under
-# docs/results/ (see docs/benchmarks.md).
+# docs/results/ (see docs/results.md).
 set -uo pipefail
 
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-/tmp/grpo_parts_gpu_check}"
 PY="${GPU_CHECK_PYTHON:-python}"
 mkdir -p "$OUT"
@@ -33,10 +33,10 @@ cd "$REPO"
 # name | limit (s) | command (run with bash -c, from the repository root)
 PLAN=(
   "e2e|250|grpo-parts bench e2e --device cuda --preset h200 --json $OUT/e2e.json"
-  "verl_prefix|60|$PY scripts/verl_prefix_bench.py --repeats 3 --model $OUT/verl_prefix_model"
+  "verl_prefix|60|$PY scripts/measure/verl_prefix_bench.py --repeats 3 --model $OUT/verl_prefix_model"
   "vllm|40|$PY -m pytest -q -x -p no:cacheprovider tests/sampler_vllm"
-  "verl_smoke|70|$PY scripts/verl_gpu_smoke.py --workdir $OUT/verl_smoke --attention shared_prefix --filter cppo --steps 2 --out $OUT/verl_smoke.json"
-  "openrlhf|55|SMOKE_JSON=$OUT/openrlhf_smoke.json SMOKE_TIMEOUT=50 bash scripts/openrlhf_gpu_smoke.sh $OUT/openrlhf attention"
+  "verl_smoke|70|$PY scripts/gpu/verl_gpu_smoke.py --workdir $OUT/verl_smoke --attention shared_prefix --filter cppo --steps 2 --out $OUT/verl_smoke.json"
+  "openrlhf|55|SMOKE_JSON=$OUT/openrlhf_smoke.json SMOKE_TIMEOUT=50 bash scripts/gpu/openrlhf_gpu_smoke.sh $OUT/openrlhf attention"
 )
 
 record() {  # name limit rc seconds command
@@ -58,10 +58,10 @@ if [ "$DRY" = 1 ]; then
   echo "checks (no GPU):"
   check imports "$PY -c 'import torch, grpo_parts, grpo_parts_adapters; from grpo_parts.bench import gpu_e2e; assert \"h200\" in gpu_e2e.PRESETS'"
   check e2e_args "grpo-parts bench e2e --help | grep -q -- --preset"
-  check verl_prefix_args "$PY scripts/verl_prefix_bench.py --help > /dev/null"
-  check openrlhf_script "bash -n scripts/openrlhf_gpu_smoke.sh && $PY scripts/openrlhf_smoke_check.py --help > /dev/null"
+  check verl_prefix_args "$PY scripts/measure/verl_prefix_bench.py --help > /dev/null"
+  check openrlhf_script "bash -n scripts/gpu/openrlhf_gpu_smoke.sh && $PY scripts/gpu/openrlhf_smoke_check.py --help > /dev/null"
   if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('verl') is None)"; then
-    check verl_smoke_assets "$PY scripts/verl_gpu_smoke.py --dry-run --workdir $OUT/verl_smoke_dry --prompts 4 --attention shared_prefix --filter cppo"
+    check verl_smoke_assets "$PY scripts/gpu/verl_gpu_smoke.py --dry-run --workdir $OUT/verl_smoke_dry --prompts 4 --attention shared_prefix --filter cppo"
   else
     echo "  skipped verl_smoke_assets (verl not installed here)"
   fi
@@ -71,7 +71,7 @@ for mod in ("vllm", "flash_attn", "verl", "openrlhf", "deepspeed"):
     found = importlib.util.find_spec(mod) is not None
     print(f"  {'found  ' if found else 'missing'} {mod}{'' if found else ' (needed on the GPU machine)'}")
 PYEOF
-  "$PY" scripts/gpu_check_summary.py "$OUT" --dry-run || fail=1
+  "$PY" scripts/gpu/gpu_check_summary.py "$OUT" --dry-run || fail=1
   exit $fail
 fi
 
@@ -89,5 +89,5 @@ for step in "${PLAN[@]}"; do
   echo "    rc=$rc in ${secs}s (log: $OUT/$name.log)"
   [ "$rc" = 0 ] || fail=1
 done
-"$PY" scripts/gpu_check_summary.py "$OUT" || fail=1
+"$PY" scripts/gpu/gpu_check_summary.py "$OUT" || fail=1
 exit $fail

@@ -1,7 +1,7 @@
 """Main-job rollout: reference sampler vs the speculative sampler with the shared-prompt decode
 attention off / auto (cost rule) / always, side by side in one process, per phase (forward hooks).
 
-    PYTHONPATH=src python scripts/bench_decode_attention.py [--batches 3]
+    PYTHONPATH=src python scripts/measure/bench_decode_attention.py [--batches 3]
 
 Step-0 policy of ``grpo-parts train`` (default config), 16 prompts x G, one warm-up batch, then
 ``--batches`` batches; per batch every sampler gets the same prompts and the same seed. Phases by
@@ -18,16 +18,16 @@ import torch
 
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.train.config import load_config
-from grpo_parts.train.loop import _Stream
+from grpo_parts.train.loop import ProblemStream
 from grpo_parts.train.run import build_trainer
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=3, help="timed batches after the warm-up one (default: 3)")
     args = ap.parse_args()
     tr, _ = build_trainer(load_config(None, {"progress": False}, []))
-    stream, spec = _Stream(tr), tr.parts.sampler
+    stream, spec = ProblemStream(tr), tr.parts.sampler
     rec: list[list[float]] = []
     tr.policy.register_forward_pre_hook(
         lambda m, a, kw: rec.append([kw["input_ids"].shape[0], time.perf_counter()]), with_kwargs=True
@@ -37,7 +37,7 @@ def main() -> None:
     modes = ("off", "auto", "always")
     tot: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for it in range(args.batches + 1):
-        pb = tr._prompts([next(stream) for _ in range(16)])
+        pb = tr.prompt_batch([next(stream) for _ in range(16)])
         order = ["ref", *(modes if it % 2 else modes[::-1])]
         for name in order:
             s = ref if name == "ref" else spec

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Summary of ``scripts/gpu_check.sh``: reads ``OUT/steps.jsonl`` (one record per step: name, limit_s,
+"""Summary of ``scripts/gpu/gpu_check.sh``: reads ``OUT/steps.jsonl`` (one record per step: name, limit_s,
 rc, seconds, command) and each step's outputs, writes ``OUT/gpu_check.json`` and ``OUT/gpu_check.md``.
 
 JSON keys: ``date``, ``machine`` (GPU name, torch and CUDA versions), ``dry_run``, ``passed``,
 ``total_seconds``, ``steps`` (the records, each with ``ok`` and its ``result``: the e2e JSON, the verl
 prefix benchmark's JSON line, the smoke scripts' JSON reports, the last log lines otherwise).
 
-    python scripts/gpu_check_summary.py OUT [--dry-run]
+    python scripts/gpu/gpu_check_summary.py OUT [--dry-run]
 """
 
 from __future__ import annotations
@@ -78,12 +78,14 @@ def headline(name: str, result: Any) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", type=Path)
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("out", type=Path, help="gpu_check.sh's output folder (reads OUT/steps.jsonl)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="summarize a --dry-run of gpu_check.sh (no GPU steps)"
+    )
     args = p.parse_args()
     steps_file = args.out / "steps.jsonl"
     if not steps_file.is_file():
-        print(f"steps: expected {steps_file} (written by scripts/gpu_check.sh), got nothing")
+        print(f"steps: expected {steps_file} (written by scripts/gpu/gpu_check.sh), got nothing")
         return 2
     steps = [json.loads(line) for line in steps_file.read_text().splitlines() if line.strip()]
     for s in steps:

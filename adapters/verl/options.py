@@ -1,0 +1,83 @@
+"""``actor_rollout_ref.{actor,ref}.grpo_parts.*``: the attention options one verl engine carries.
+
+:class:`EngineOptions` travel from :class:`~.config.FSDPActorConfig` (which verl builds from
+Hydra) to the FSDP engine as ``engine_config.grpo_parts``; :mod:`.engine` reads them back with
+:func:`options_of`. This module imports neither of them (nor verl), so the engine and the config
+both depend on it and not on each other's options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: attribute of verl's engine config that carries :class:`EngineOptions` to the engine
+ENGINE_ATTR = "grpo_parts"
+
+
+class EngineOptions(BaseModel):
+    """``actor_rollout_ref.{actor,ref}.grpo_parts.*``.
+
+    ``attention``: a grpo_parts attention backend (``shared_prefix``; ``reference`` re-encodes the
+    prompt per row, for checking) or None (verl's own forward). ``kernel``: the shared-prefix
+    kernel (``auto``, ``sdpa``, ``flex``, ``eager``). ``merge_slack``: a micro-batch's uid groups
+    share one model call while its grouped layout stays within ``1 + merge_slack`` times the sum of
+    their own layouts (0: a call per group; None: one call per micro-batch). ``max_padding_ratio``:
+    run verl's own packed forward for a micro-batch whose grouped layouts would hold more than this
+    many times its packed tokens (None: never). ``max_chunks`` / ``chunk_overhead_tokens``: the
+    shared-prefix backend's grid splitting inside each call (:mod:`grpo_parts.attention.shared_prefix.chunking`;
+    the data-parallel ranks agree on the number of model calls). ``layout``: the shared-prefix
+    layout (``auto``, ``grid``, ``padding_free``; docs/attention.md). ``varlen``: the padding-free
+    layout's varlen cascade kernel (False: the masked kernel, for A/B checks; counted as
+    ``calls_masked_sdpa`` / ``calls_masked_eager``). See docs/adapters/verl.md, "Memory".
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    attention: str | None = None
+    kernel: str = "auto"
+    merge_slack: float | None = Field(0.25, ge=0)
+    max_padding_ratio: float | None = Field(None, gt=0)
+    max_chunks: int | None = Field(None, ge=1)
+    chunk_overhead_tokens: int = 1024
+    layout: str = "auto"
+    varlen: bool = True
+
+    @field_validator("attention")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        from grpo_parts.attention import IMPLEMENTATIONS
+
+        if v is not None and v not in IMPLEMENTATIONS:
+            raise ValueError(f"expected one of {sorted(IMPLEMENTATIONS)} or null, got {v!r}")
+        return v
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> EngineOptions:
+        return cls(**{str(k): v for k, v in dict(raw or {}).items()})
+
+    def backend(self) -> Any:
+        """The grpo_parts ``AttentionBackend`` these options name (None when off), built by
+        :func:`grpo_parts.build.build_attention`; the shared-prefix keys go to ``shared_prefix`` only."""
+        from grpo_parts.build import build_attention
+
+        if self.attention is None:
+            return None
+        if self.attention != "shared_prefix":
+            return build_attention(self.attention, where="grpo_parts")
+        kwargs = {
+            "kernel": self.kernel,
+            "max_chunks": self.max_chunks,
+            "chunk_overhead_tokens": self.chunk_overhead_tokens,
+            "layout": self.layout,
+            "varlen": self.varlen,
+        }
+        return build_attention(self.attention, kwargs=kwargs, where="grpo_parts")
+
+
+def options_of(engine_config: Any) -> EngineOptions | None:
+    """The :class:`EngineOptions` an engine config carries when attention is on, else None."""
+    opts = getattr(engine_config, ENGINE_ATTR, None)
+    return opts if isinstance(opts, EngineOptions) and opts.attention is not None else None

@@ -1,0 +1,217 @@
+"""Unbiased completion pruning (the idea of DPPO, arXiv 2603.04135): keep each row at random and
+weight every kept row by ``1 / P(kept)``, so the expected loss and gradient are the full batch's.
+
+CPPO (:mod:`.cppo`) keeps the top-k rows by ``|advantage|`` and drops the rest without correction,
+which changes the expected gradient. Here row ``i`` is kept with probability
+
+    ``p_i = clamp(|A_i| * t, min_keep_prob, 1)``
+
+with the scale ``t`` chosen so that ``sum_i p_i`` is the target kept count (``k``, or
+``N - floor(P * N)`` for a pruning rate ``P``), and carries the weight ``w_i = 1 / p_i``
+(``FilterResult.weights``). Proportional to ``|A_i|`` because a row's share of the policy gradient
+scales with it (the variance-optimal Horvitz-Thompson design takes ``p_i`` proportional to the
+row's gradient norm, whose other factor is unknown before the forward); the floor bounds every
+weight by ``1 / min_keep_prob``. When the floor makes ``sum p`` exceed the target, the floor wins
+(the expected kept count is then ``ceil(min_keep_prob * eligible)``).
+
+Rows whose advantage is exactly 0 get ``p = 0`` when ``drop_zero_advantage`` (default): with
+per-sequence advantages every policy loss in :mod:`grpo_parts.core` is ``0 * (...)`` for them, so
+their exact contribution is 0 and dropping them is exact. It is not exact when the loss has a KL or
+entropy term (those do not vanish at ``A = 0``): :meth:`DPPOFilter.loss_not_supported_reasons`
+refuses that combination; set ``drop_zero_advantage=False`` to give those rows the floor instead.
+Zero-ness is read from the advantages, not the rewards: REINFORCE++-baseline's batch whitening gives
+a zero-variance group a non-zero advantage, and that row does carry gradient.
+
+``sampling``: ``"systematic"`` (default) keeps exactly ``sum p`` rows (systematic PPS sampling in a
+random order: a row of probability ``p_i`` covers an interval of length ``p_i`` on ``[0, K)``, and
+the points ``U, U + 1, ..., U + K - 1`` with one uniform ``U`` pick the rows; each row is picked
+with probability exactly ``p_i``); ``"bernoulli"`` keeps each row independently (the kept count
+varies around ``sum p``). Both have the same marginal probabilities, hence the same unbiasedness.
+
+Randomness comes from the filter's own ``torch.Generator`` seeded by ``seed``; :meth:`state_dict`
+/ :meth:`load_state_dict` carry it through a checkpoint. The loss must use the weights and the
+*whole* batch's denominators: :func:`grpo_parts.filter.apply.apply_filter` returns both, and
+``grpo_loss(..., seq_weights=kb.weights, num_tokens=kb.num_tokens, num_seqs=kb.num_seqs)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from ..core import LossConfig, weighted_loss_reasons
+from ._common import kept_mask_to_rows, num_kept
+from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
+
+__all__ = ["DPPOFilter", "inclusion_probabilities", "systematic_sample"]
+
+_EPS = 1e-9
+#: the pruning rate when neither ``k`` nor ``pruning_rate`` is given
+_DEFAULT_RATE = 0.5
+
+
+def _solve_scale(a: torch.Tensor, target: float, floor: float) -> float:
+    """The ``t`` with ``f(t) = sum clamp(a * t, floor, 1) = target``, exactly: ``f`` is piecewise linear
+    and non-decreasing in ``t`` with kinks at ``floor / a_i`` and ``1 / a_i``; evaluate it at every
+    kink (sorted ``a`` and prefix sums, ``O(N log N)``), find the piece holding ``target`` and solve
+    the linear equation on it. Needs ``floor * N < target < f(inf)``."""
+    n = int(a.numel())
+    srt = torch.sort(a).values
+    prefix = torch.cat([a.new_zeros(1), torch.cumsum(srt, 0)])
+    pos = srt[srt > 0]
+    kinks = torch.unique(torch.cat([floor / pos, 1.0 / pos]))  # sorted ascending
+    capped_from = torch.searchsorted(srt, 1.0 / kinks, right=False)  # rows >= this index: a * t >= 1
+    floored_to = torch.searchsorted(srt, floor / kinks, right=True)  # rows < this index: a * t <= floor
+    mid_sum = prefix[capped_from] - prefix[floored_to]
+    values = floor * floored_to.to(a.dtype) + kinks * mid_sum + (n - capped_from).to(a.dtype)
+    j = int(torch.searchsorted(values, torch.tensor([target], dtype=values.dtype)))
+    j = min(j, int(kinks.numel()) - 1)
+    t_lo, f_lo = (0.0, floor * n) if j == 0 else (float(kinks[j - 1]), float(values[j - 1]))
+    t_hi, f_hi = float(kinks[j]), float(values[j])
+    return t_hi if f_hi <= f_lo else t_lo + (target - f_lo) * (t_hi - t_lo) / (f_hi - f_lo)
+
+
+def inclusion_probabilities(scores: torch.Tensor, target: float, floor: float) -> torch.Tensor:
+    """``p = clamp(scores * t, floor, 1)`` with ``sum p = target`` (float64, ``[n]``).
+
+    ``scores >= 0``; ``floor * n <= target <= n`` is reachable (a target below ``floor * n`` gives
+    ``floor`` everywhere). When even ``t -> inf`` falls short (rows of score 0 stuck at the floor),
+    the score-0 rows share what is left equally.
+    """
+    a = scores.detach().to(torch.float64).cpu()
+    n = int(a.numel())
+    if n == 0 or target >= n:
+        return torch.ones(n, dtype=torch.float64)
+    if target <= floor * n:
+        return torch.full((n,), floor, dtype=torch.float64)
+    pos = a > 0
+    n_pos = int(pos.sum())
+    if target >= n_pos + floor * (n - n_pos):  # every positive row capped; zeros take the rest
+        p = torch.ones(n, dtype=torch.float64)
+        p[~pos] = min(1.0, (target - n_pos) / (n - n_pos))
+        return p
+    return (a * _solve_scale(a, target, floor)).clamp(floor, 1.0)
+
+
+def systematic_sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``[n]`` bool: systematic PPS sampling of ``p`` (``0 <= p <= 1``) in a random order. Rows with
+    ``p = 1`` are always kept, ``p = 0`` never; the others cover intervals of length ``p_i`` laid end
+    to end on ``[0, K)`` (``K = round(their sum)``), and one uniform ``U`` picks the rows under
+    ``U, U + 1, ..., U + K - 1``: row ``i`` is kept with probability exactly ``p_i``."""
+    keep = p >= 1.0
+    frac = ((p > 0) & ~keep).nonzero().flatten()
+    k = round(float(p[frac].sum()))
+    if k == 0:
+        return keep
+    order = frac[torch.randperm(int(frac.numel()), generator=generator)]
+    edges = torch.cumsum(p[order], 0)
+    points = torch.rand((), generator=generator, dtype=torch.float64) + torch.arange(k, dtype=torch.float64)
+    hit = torch.searchsorted(edges, points, right=True).clamp(max=int(order.numel()) - 1)
+    keep[order[hit]] = True
+    return keep
+
+
+class DPPOFilter(BaseModel):
+    """Keep each row with probability ``clamp(|A| * t, min_keep_prob, 1)``, expected count ``k`` (or
+    ``N - floor(P * N)``), weight ``1 / p``. Give at most one of ``k`` or ``pruning_rate`` (neither:
+    ``pruning_rate = 0.5``).
+    See the module docstring for the rule, the zero-advantage choice and the sampling designs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: ClassVar[str] = "dppo"
+
+    k: int | None = Field(None, ge=1, description="expected rows kept")
+    pruning_rate: float | None = Field(None, ge=0.0, lt=1.0, description="fraction P of rows pruned")
+    min_keep_prob: float = Field(0.1, gt=0.0, le=1.0, description="floor on a row's keep probability")
+    drop_zero_advantage: bool = True
+    sampling: Literal["systematic", "bernoulli"] = "systematic"
+    seed: int = Field(0, ge=0)
+    _generator: torch.Generator = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _one_of(self) -> DPPOFilter:
+        if self.k is not None and self.pruning_rate is not None:
+            raise ValueError(
+                f"k / pruning_rate: expected at most one of them, got k={self.k}, pruning_rate={self.pruning_rate}"
+            )
+        return self
+
+    def model_post_init(self, context: Any, /) -> None:
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._generator.set_state(state["generator"])
+
+    # ------------------------------------------------------------------ support
+    def not_supported_reasons(self, batch: ScoredBatch) -> list[str]:
+        if batch.size and not bool(torch.isfinite(batch.advantages).all()):
+            return ["advantages: expected finite values (dppo's keep probabilities scale with |A|), got inf"]
+        return []
+
+    def loss_not_supported_reasons(self, config: LossConfig) -> list[str]:
+        """Why the weighted loss under ``config`` would not be unbiased (empty list = it is)."""
+        reasons = [f"dppo: {r}" for r in weighted_loss_reasons(config)]
+        if self.drop_zero_advantage and (config.kl_coef > 0 or config.entropy_coef > 0):
+            term = "kl_coef > 0" if config.kl_coef > 0 else "entropy_coef > 0"
+            reasons.append(
+                f"dppo: drop_zero_advantage=True with {term}: rows with A = 0 still carry the KL/entropy "
+                "gradient, so never keeping them biases it; set drop_zero_advantage=False"
+            )
+        return reasons
+
+    # ------------------------------------------------------------------ the rule
+    def target_kept(self, num_rows: int) -> int:
+        """The kept count aimed for before the floor: ``k``, or ``N - floor(P * N)``."""
+        if self.k is not None:
+            return self.k
+        return num_kept(num_rows, _DEFAULT_RATE if self.pruning_rate is None else self.pruning_rate)
+
+    def inclusion_probs(self, batch: ScoredBatch) -> torch.Tensor:
+        """``[N]`` float64 (CPU): each row's probability of being kept by :meth:`select` (no randomness)."""
+        a = batch.advantages.detach().abs().to(torch.float64).cpu()
+        eligible = a > 0 if self.drop_zero_advantage else torch.ones_like(a, dtype=torch.bool)
+        p = torch.zeros_like(a)
+        n_e = int(eligible.sum())
+        if n_e == 0:
+            return p
+        target = min(n_e, max(self.target_kept(batch.size), math.ceil(self.min_keep_prob * n_e - _EPS)))
+        p[eligible] = inclusion_probabilities(a[eligible], float(target), self.min_keep_prob)
+        return p
+
+    def _draw(self, p: torch.Tensor) -> torch.Tensor:
+        if self.sampling == "systematic":
+            return systematic_sample(p, self._generator)
+        return torch.rand(p.shape, generator=self._generator, dtype=torch.float64) < p
+
+    def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
+        """Draw the kept rows; ``weights = 1 / p`` of each. ``extra_prompts_wanted`` is always 0:
+        refill trims by priority and its round count depends on the draw, which would bias the
+        estimate; size the batch up front instead (``N = target / (1 - P)``)."""
+        n = batch.size
+        device = batch.advantages.device
+        if n == 0:
+            empty = torch.zeros(0, dtype=torch.long)
+            info = {KEPT_FRACTION: 0.0, NUM_KEPT: 0.0}
+            return FilterResult(empty, 0, info, torch.zeros(0, dtype=torch.float64))
+        p = self.inclusion_probs(batch)
+        kept = kept_mask_to_rows(self._draw(p))
+        weights = 1.0 / p[kept]
+        positive = p[p > 0]
+        info = {
+            KEPT_FRACTION: kept.numel() / n,
+            NUM_KEPT: float(kept.numel()),
+            "num_rows": float(n),
+            "eligible_rows": float(positive.numel()),
+            "expected_kept": float(p.sum()),
+            "min_keep_prob": float(positive.min()) if positive.numel() else 0.0,
+            "max_weight": float(weights.max()) if kept.numel() else 0.0,
+        }
+        return FilterResult(kept.to(device), 0, info, weights.to(device))
