@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["PartCounters"]
+__all__ = ["PartCounters", "attention_calls"]
 
 
 class PartCounters:
@@ -80,3 +81,12 @@ class PartCounters:
             out[f"{self.prefix}/{part}/{self.units[part]}"] = float(self._ran.pop((mode, part), 0))
             out[f"{self.prefix}/{part}/fallbacks"] = float(self._fell.pop((mode, part), 0))
         return out
+
+
+def attention_calls(backend: Any) -> Counter[str]:
+    """A copy of an attention backend's attention calls per path so far (``varlen_cascade``,
+    ``masked_sdpa``, ...: ``SharedPrefixAttention.attention_calls``, its padding-free layout's
+    kernels); empty for a backend that counts none. Adapters log the difference of two reads as
+    ``parts/attention/calls_<path>``."""
+    calls = getattr(backend, "attention_calls", None)
+    return Counter(calls) if isinstance(calls, Mapping) else Counter()

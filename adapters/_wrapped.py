@@ -1,13 +1,13 @@
-"""The model a grpo_parts backend inspects vs the module every model call goes through.
+"""The model a grpo_parts backend inspects vs the module every model call goes through, for the
+adapters: :mod:`grpo_parts.wrappers` (the one place that knows DeepSpeed's engine, DDP, FSDP1 and
+PEFT), under the names the adapters use.
 
-Frameworks hand the forward a *wrapped* model: DeepSpeed's engine, DDP, FSDP1, a PEFT model. Backends
-read the transformers model's config, modules and forward signature, so they need the model inside.
-But the wrapper's ``forward`` is not a pass-through: ``DeepSpeedEngine.forward`` registers the hooks
-that start DeepSpeed's backward and, under ZeRO-3, advances the optimizer's ``micro_step_id`` (stuck
-at 0, each accumulated micro-batch's gradient partition *replaced* the previous one); DDP's
-``forward`` prepares the reducer for backward (gradient all-reduce, ``no_sync`` under gradient
-accumulation); FSDP's unshards the parameters. :func:`backend_model` gives a backend the inner model
-whose calls run through the wrapper.
+* :func:`hf_model` -- the transformers model under DeepSpeed / DDP / FSDP1 (and PEFT's
+  ``get_base_model()``): backends call it with keyword arguments its ``forward`` declares
+  (``logits_to_keep``); :func:`grpo_parts.wrappers.transformers_model`.
+* :func:`backend_model` -- what a backend gets as ``model``: that inner model, called through the
+  wrapper (its forward prepares DDP's reducer, unshards FSDP's parameters, registers DeepSpeed's
+  backward hooks); :func:`grpo_parts.wrappers.calls_through`.
 
 Framework-free (no TRL/verl/OpenRLHF import), so every adapter can use it.
 """
@@ -18,47 +18,15 @@ from typing import Any
 
 import torch
 
+from grpo_parts.wrappers import calls_through, transformers_model
+
 
 def hf_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under DeepSpeed / DDP (``.module``) and PEFT (``get_base_model()``)
-    wrappers: backends call it with keyword arguments its ``forward`` declares (``logits_to_keep``)."""
-    from transformers import PreTrainedModel
-
-    m = module
-    for _ in range(4):
-        if isinstance(m, PreTrainedModel):
-            return m
-        if hasattr(m, "get_base_model"):
-            m = m.get_base_model()  # type: ignore[operator]  # PEFT
-            continue
-        inner = getattr(m, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            break
-        m = inner
-    return m
-
-
-class _CallsThrough:
-    """``model`` as a backend inspects it (config, modules, parameters, ``forward``'s signature),
-    whose *calls* run through ``wrapper`` -- the engine / DDP / FSDP module around it -- as the
-    framework's own forward calls the module it holds (see the module docstring for why)."""
-
-    def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module) -> None:
-        object.__setattr__(self, "_wrapper", wrapper)
-        object.__setattr__(self, "_model", model)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._wrapper(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._model, name, value)
+    """The transformers model under the wrappers and PEFT (:func:`grpo_parts.wrappers.transformers_model`)."""
+    return transformers_model(module)  # type: ignore[no-any-return]
 
 
 def backend_model(module: torch.nn.Module, inner: torch.nn.Module | None = None) -> Any:
     """What a backend gets as ``model``: ``inner`` (default :func:`hf_model` of ``module``), called
-    through ``module`` (see :class:`_CallsThrough`) when ``module`` wraps it."""
-    inner = hf_model(module) if inner is None else inner
-    return inner if inner is module else _CallsThrough(module, inner)
+    through ``module`` when ``module`` wraps it (:class:`grpo_parts.wrappers.CallsThrough`)."""
+    return calls_through(module, hf_model(module) if inner is None else inner)

@@ -193,7 +193,9 @@ def test_train_builds_through_the_builder(policy: torch.nn.Module, counted: list
 
     parts = build_parts(PartsConfig(sampler="speculative", draft="ngram", filter="cppo"), policy)
     assert parts.filter.pruning_rate == 0.75 and parts.sampler.draft is parts.draft
-    assert sorted(counted) == ["attention:shared_prefix", "draft:ngram", "filter:cppo", "sampler:speculative"]
+    assert sorted(counted) == [
+        "attention:shared_prefix", "draft:ngram", "filter:cppo", "prompt_skip:none", "sampler:speculative"
+    ]  # fmt: skip
 
 
 def test_trl_build_part_is_the_builder(policy: torch.nn.Module, counted: list[str]) -> None:

@@ -27,9 +27,15 @@ from openrlhf.utils.agent import AgentExecutorBase
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.types import Rollout
 
+from .._grouping import identical_prompt_groups
+
 #: ``extra_logs`` key marking a response as sampled by grpo_parts (OpenRLHF copies it into
 #: ``Experience.info``; :class:`~.samples.GRPOPartsSamplesGenerator` counts and removes it).
 SAMPLER_MARK = "grpo_parts_sampler"
+#: ``extra_logs`` prefix of the rollout's ``Rollout.stats`` (e.g. ``parts/sampler/lean_forward_calls``)
+STATS_PREFIX = "parts/sampler/"
+#: one request's answer: completion ids, their log-probs, truncated, the rollout's stats
+_Result = tuple[list[int], list[float], bool, dict[str, float]]
 
 
 def sampling_params_from_vllm(
@@ -104,7 +110,10 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
         self._pending.append((key, ids, fut))
         if self._flush is None:
             self._flush = asyncio.get_running_loop().create_task(self._run_pending())
-        completion, logps, truncated = await fut
+        completion, logps, truncated, stats = await fut
+        # the rollout's Rollout.stats (lean_forward_calls, ...): OpenRLHF copies extra_logs into
+        # Experience.info, which it logs; the mark counts the rollout (parts/sampler/rollouts)
+        logs = {**{f"{STATS_PREFIX}{k}": float(v) for k, v in stats.items()}, SAMPLER_MARK: 1.0}
         out: dict[str, Any] = {
             "prompt": prompt,
             "label": label,
@@ -118,7 +127,7 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
             "truncated": truncated,
             "reward": None,
             "scores": None,
-            "extra_logs": {SAMPLER_MARK: 1.0},
+            "extra_logs": dict(logs),
         }
         if self.reward_fn is not None:
             query = hf_tokenizer.decode(out["observation_tokens"], skip_special_tokens=False)
@@ -128,7 +137,7 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
             out.update(
                 reward=float(torch.as_tensor(rewards).flatten()[0]),
                 scores=float(torch.as_tensor(scores).flatten()[0]),
-                extra_logs={**(info.get("extra_logs") or {}), SAMPLER_MARK: 1.0},
+                extra_logs={**(info.get("extra_logs") or {}), **logs},
             )
         return out
 
@@ -148,29 +157,20 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
             for (_, fut), res in zip(reqs, results):
                 fut.set_result(res)
 
-    def _generate(
-        self, params: SamplingParams, prompts: list[list[int]]
-    ) -> list[tuple[list[int], list[float], bool]]:
-        """One ``Sampler.generate`` for all queued prompts: identical prompts become one group."""
-        uniq: dict[tuple[int, ...], list[int]] = {}
-        for i, p in enumerate(prompts):
-            uniq.setdefault(tuple(p), []).append(i)
-        counts = {len(v) for v in uniq.values()}
-        if len(counts) == 1:  # every prompt has the same multiplicity G: one group each
-            g, rows = counts.pop(), [i for v in uniq.values() for i in v]
-            batch = PromptBatch.from_lists([list(k) for k in uniq], params.pad_token_id)
-        else:
-            g, rows = 1, list(range(len(prompts)))
-            batch = PromptBatch.from_lists(prompts, params.pad_token_id)
+    def _generate(self, params: SamplingParams, prompts: list[list[int]]) -> list[_Result]:
+        """One ``Sampler.generate`` for all queued prompts: identical prompts become one group
+        (when every prompt has the same multiplicity ``G``)."""
+        unique, g, rows = identical_prompt_groups(prompts)
+        batch = PromptBatch.from_lists(unique, params.pad_token_id)
         self.generate_calls += 1
         rollout: Rollout = self.sampler.generate(
             batch, params.model_copy(update={"group_size": g}), self.generator
         )
-        out: list[tuple[list[int], list[float], bool]] = [([], [], False)] * len(prompts)
+        out: list[_Result] = [([], [], False, {})] * len(prompts)
         eos = set(params.eos_token_ids)
         for r, i in enumerate(rows):
             n = int(rollout.completion_mask[r].sum())
             toks = rollout.completion_ids[r, :n].tolist()
             truncated = not (toks and toks[-1] in eos) and n >= params.max_new_tokens
-            out[i] = (toks, rollout.logprobs[r, :n].double().tolist(), truncated)
+            out[i] = (toks, rollout.logprobs[r, :n].double().tolist(), truncated, dict(rollout.stats))
         return out

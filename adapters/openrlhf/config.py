@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from grpo_parts.core import LossConfig
 from grpo_parts.errors import GRPOPartsError
+from grpo_parts.filter.protocol import WeighsLoss
 
 #: flag name (after ``--grpo_parts.``) -> (type for argparse, default, help)
 FLAGS: dict[str, tuple[type, Any, str]] = {
@@ -145,3 +147,42 @@ class PartsConfig(BaseModel):
         return build_attention(
             self.attention, model, kwargs=self.attention_kwargs, where="grpo_parts.attention_kwargs"
         )
+
+
+def weighted_filter_reasons(filt: Any, args: Any, refill_rounds: int) -> list[str]:
+    """Why OpenRLHF cannot train the weighted filter ``filt`` (``dppo``: kept rows weighted ``1 / p``)
+    unbiased under ``args`` (empty for a plain filter). The experience maker multiplies each kept
+    row's per-token advantage by its weight times ``kept rows / rolled-out rows`` -- exact for
+    OpenRLHF's PPO / GSPO / dual-clip losses (positively homogeneous in the advantage) and its
+    per-step sequence count (whole ``--train.batch_size`` steps); what cannot stay so is refused."""
+    if not isinstance(filt, WeighsLoss):
+        return []
+    reasons = []
+    if refill_rounds > 0:
+        reasons.append(
+            "--grpo_parts.refill_rounds > 0: a weighted filter keeps rows at random, and a refill round would "
+            "depend on that draw, which biases the estimate; use 0"
+        )
+    if args.actor.loss_agg_mode != "seq-mean-token-mean":
+        reasons.append(
+            f"--actor.loss_agg_mode {args.actor.loss_agg_mode}: OpenRLHF divides each optimizer step by its "
+            "own kept tokens, which depend on the draw; use seq-mean-token-mean"
+        )
+    if args.train.dynamic_batch_enable:
+        reasons.append(
+            "--train.dynamic_batch_enable: steps of varying row counts, normalised by their own rows"
+        )
+    kl = float(args.algo.kl.init_coef or 0.0)
+    if kl > 0 and args.algo.kl.use_loss:
+        reasons.append(
+            "--algo.kl.use_loss: the KL loss term is not scaled by the weight the advantage carries"
+        )
+    elif kl > 0:  # KL in the reward: scaled with the advantage, but rows with A = 0 still carry it
+        reasons += filt.loss_not_supported_reasons(LossConfig(kl_coef=kl))
+    if args.actor.entropy_coef:
+        reasons.append(
+            f"--actor.entropy_coef {args.actor.entropy_coef}: the entropy term is not scaled by the weight"
+        )
+    if float(getattr(args.actor, "aux_loss_coef", 0.0) or 0.0) > 1e-8:
+        reasons.append("--actor.aux_loss_coef: the MoE aux loss is not scaled by the weight")
+    return reasons

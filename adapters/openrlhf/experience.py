@@ -13,6 +13,13 @@ Advantages are computed once per group on the full group (pruning never changes 
 advantage) and placed per token with OpenRLHF's own ``compute_reward`` / ``get_cumulative_returns``,
 so with the ``keep_all`` filter the output equals OpenRLHF's ``group_norm`` (or ``dr_grpo``, ``rloo``);
 the filter ranks the advantage after ``reward.clip_range``, the one the loss sees.
+
+A weighted filter (``dppo``: each kept row weighted ``1 / p``) is drawn once (no refill), rounded up
+only (re-added rows train with weight 0), and each kept row's per-token advantage is multiplied by
+its weight times ``kept rows / rolled-out rows``: OpenRLHF divides each optimizer step by its row
+count (``seq-mean-token-mean``, whole ``--train.batch_size`` steps), so every step's expected
+gradient is the full batch's mean. Settings that cannot stay unbiased are refused at construction
+(:func:`~.config.weighted_filter_reasons`); ``grpo_parts/weighted_rows`` counts the weighted rows.
 """
 
 from __future__ import annotations
@@ -30,12 +37,13 @@ from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from grpo_parts.build import build_filter
 from grpo_parts.core import AdvantageConfig, group_advantages, group_stats
-from grpo_parts.errors import GRPOPartsError
+from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.data_parallel import batch_multiple, rank_shares, round_rounds
 from grpo_parts.filter.protocol import KEPT_FRACTION
 from grpo_parts.types import ScoredBatch
 
 from .._counters import PartCounters
+from .config import weighted_filter_reasons
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +57,9 @@ ADVANTAGE_CONFIGS: dict[str, AdvantageConfig] = {
     "rloo": AdvantageConfig(estimator="rloo"),
 }
 _ADV_KEY = "grpo_parts_advantage"
+_W_KEY = (
+    "grpo_parts_weight"  # per-sample weight x kept / rolled-out rows (a weighted filter), in Experience.info
+)
 
 
 class NothingKept(GRPOPartsError):
@@ -116,6 +127,9 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             {**base, "reward_clip": tuple(clip) if clip else None}
         )
         self.completion_filter = build_filter("keep_all" if completion_filter is None else completion_filter)
+        reasons = weighted_filter_reasons(self.completion_filter, self.args, refill_rounds)
+        if reasons:
+            raise NotSupportedError(f"--grpo_parts.filter {self.completion_filter.name}", reasons)
         self.samples_generator = samples_generator
         self.generate_kwargs = dict(generate_kwargs or {})
         self.refill_rounds = refill_rounds
@@ -171,12 +185,14 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         if not can_refill:
             res = self.completion_filter.select(scored, target_size=None)
             self.counters.ran("filter")
-            (kept,) = self._round([scored], [res.kept])
+            (kept,) = self._round([scored], [res.kept], weighted=res.weights is not None)
             self.last_info = {
                 KEPT_FRACTION: kept.numel() / max(target, 1),
                 "refill_prompts": 0.0,
                 "rounded_rows": float(self.rounded_rows),
             }
+            if res.weights is not None:
+                self.last_info["weighted_rows"] = float(_weigh(samples, res.kept, res.weights, kept))
             return [samples[i] for i in kept.tolist()]
         from grpo_parts.filter.allocation import Chunk, Refiller
 
@@ -204,16 +220,24 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         }
         return [sel.chunk.payload[i] for sel, k in zip(out.selections, rounded) for i in k.tolist()]
 
-    def _round(self, scored: list[ScoredBatch], kept: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _round(
+        self, scored: list[ScoredBatch], kept: list[torch.Tensor], weighted: bool = False
+    ) -> list[torch.Tensor]:
         """Round the kept rows of all rounds to :attr:`batch_multiple` (``--grpo_parts.filter_rounding``),
-        unless the filter kept every row it saw (then the batch is what plain OpenRLHF trains on)."""
+        unless the filter kept every row it saw (then the batch is what plain OpenRLHF trains on).
+        A weighted draw rounds up only: dropping drawn rows would bias it."""
         total = sum(int(k.numel()) for k in kept)
         self.rounded_rows = 0
         if total == sum(s.size for s in scored):
             return kept
-        mode: Literal["up", "down"] = "up" if self.rounding == "up" else "down"
+        mode: Literal["up", "down"] = "up" if self.rounding == "up" or weighted else "down"
         rounded = round_rounds(scored, kept, self.batch_multiple, mode, field="train.batch_size")
         self.rounded_rows = sum(int(k.numel()) for k in rounded) - total
+        if weighted and self.rounded_rows < 0:
+            raise GRPOPartsError(
+                f"train.batch_size: a weighted draw of {total} rows cannot be rounded up to a multiple of "
+                f"{self.batch_multiple} from {sum(s.size for s in scored)} rolled-out rows"
+            )
         return rounded
 
     def _generate_more(self, num_prompts: int) -> list[Experience]:
@@ -298,6 +322,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
                 for key in (_ADV_KEY, "group_reward_std"):
                     e.info[key] = torch.cat([by_index[i].info[key] for i in e.index])
         for e in experiences:
+            weight = e.info.pop(_W_KEY, None)  # a weighted filter: x w x kept / rolled-out rows
             adv = e.info.pop(_ADV_KEY).to(e.rewards.dtype)
             reward = compute_reward(
                 adv,
@@ -308,9 +333,21 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             )
             e.returns = self.get_cumulative_returns(reward, e.action_mask, 1.0)
             e.advantages = e.returns.clone()
+            if weight is not None:  # the whole per-token advantage (KL in the reward too) scales
+                e.advantages = e.advantages * weight.to(e.advantages)[:, None]
             e.info["return"] = reward.sum(dim=-1)
             e.kl = None
         return experiences
+
+
+def _weigh(samples: list[Experience], drawn: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor) -> int:
+    """Put each kept sample's weight times ``kept / rolled-out rows`` in its info (``_W_KEY``; rows the
+    rounding re-added: 0); returns how many rows carry a weight."""
+    w = torch.zeros(len(samples), dtype=torch.float64)
+    w[drawn.cpu()] = weights.detach().cpu().double() * (kept.numel() / len(samples))
+    for i in kept.tolist():
+        samples[i].info[_W_KEY] = w[i : i + 1].clone()
+    return int((w[kept.cpu()] > 0).sum())
 
 
 def _wait(refs: list[Any]) -> None:

@@ -19,10 +19,10 @@ import types
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from grpo_parts.errors import GRPOPartsError
+from grpo_parts.errors import GRPOPartsError, NotSupportedError
 
 from ._scoped import run_entry_script
-from .config import FLAGS, PartsConfig
+from .config import FLAGS, PartsConfig, weighted_filter_reasons
 
 OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
 PROG = "python -m grpo_parts_adapters.openrlhf.launch"
@@ -52,6 +52,13 @@ def check_supported(ns: argparse.Namespace, parts: PartsConfig) -> None:
         raise GRPOPartsError(
             f"--grpo_parts.filter needs --algo.advantage.estimator group_norm, dr_grpo or rloo, got {est!r}"
         )
+    if parts.filter != "keep_all":  # a weighted filter (dppo): refused here in one line, not in a Ray actor
+        from openrlhf.utils.config import hierarchize
+
+        filt = parts.build_filter()
+        reasons = weighted_filter_reasons(filt, hierarchize(ns), parts.refill_rounds)
+        if reasons:
+            raise NotSupportedError(f"--grpo_parts.filter {filt.name}", reasons)
 
 
 class _Run:

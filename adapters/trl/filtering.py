@@ -7,6 +7,16 @@ from the kept loss tokens, and the kept count is made a multiple of ``steps_per_
 no-grad old-policy / reference forwards TRL runs while scoring are postponed and run on the kept rows
 only. The completions table TRL logs gets a ``kept`` column.
 
+A weighted filter (``dppo``, :class:`~grpo_parts.filter.protocol.WeighsLoss`) keeps rows at random:
+each kept row's advantage is multiplied by its ``1 / p`` weight (TRL's policy losses are positively
+homogeneous in the advantage, so this scales the row's whole loss term), rows the rounding re-adds
+get weight 0, and the normaliser stays the full batch's: ``num_items_in_batch`` = the loss tokens of
+every scored row (``dapo``, ``cispo``, ``vespo``), or -- for the losses TRL normalises by the
+micro-batch's row count (``grpo``, ``sapo``, ``dr_grpo``, ``luspo``) -- the weights times
+``kept rows / scored rows``. What cannot stay unbiased is refused at construction
+(:func:`~.options.weighted_filter_reasons`). ``parts/filter/weighted_rows`` counts the rows trained
+with a weight.
+
 Rows with no loss token (``mask_truncated_completions=True`` masks a truncated completion entirely)
 carry no gradient: the filter sees them with advantage 0, so they count in the batch a pruning rate
 applies to, like any zero-advantage row, and are never kept while a row with loss tokens is pruned.
@@ -28,7 +38,7 @@ from grpo_parts.filter.apply import select_rows
 from grpo_parts.types import ScoredBatch
 
 from .._counters import PartCounters
-from .options import TRLPartsOptions
+from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions
 from .rows import concat_batches, drop_no_loss_rows, round_kept
 
 logger = logging.getLogger(__name__)
@@ -151,7 +161,7 @@ class FilterSeam(GRPOTrainer):
 
     def _gp_refill(
         self, chunks: list[Chunk[Any]], n: int, g: int
-    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    ) -> tuple[list[torch.Tensor], dict[str, Any], list[torch.Tensor | None]]:
         """Kept rows per chunk and the refill's info: round 1 is the batch TRL's dataloader gave us
         (``chunks[0]``), later rounds score more prompts from the stream (appended to ``chunks``)."""
         opts = self.parts_options
@@ -173,17 +183,21 @@ class FilterSeam(GRPOTrainer):
             max_prompts=opts.max_refill_prompts,
         )
         outcome = refiller.fill(self.gp_filter, produce)
-        kept_by_chunk = {id(sel.chunk): sel.kept for sel in outcome.selections}
-        kept = [kept_by_chunk.get(id(c), torch.zeros(0, dtype=torch.long)) for c in chunks]
+        by_chunk = {id(sel.chunk): sel for sel in outcome.selections}
+        kept = [
+            by_chunk[id(c)].kept if id(c) in by_chunk else torch.zeros(0, dtype=torch.long) for c in chunks
+        ]
+        weights = [by_chunk[id(c)].weights if id(c) in by_chunk else None for c in chunks]
         for _ in chunks:
             self._gp_count("filter", served=True)
-        return kept, dict(outcome.info)
+        return kept, dict(outcome.info), weights
 
     def _gp_select(
         self, chunks: list[Chunk[Any]], g: int, mode: str
-    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        """Kept rows per chunk and the filter's info: every row when the filter refuses the batch
-        (unless strict), else the filter's choice, refilled when ``refill`` is on."""
+    ) -> tuple[list[torch.Tensor], dict[str, Any], list[torch.Tensor | None]]:
+        """Kept rows per chunk, the filter's info and its importance weights of the kept rows per
+        chunk (None: unweighted): every row when the filter refuses the batch (unless strict), else
+        the filter's choice, refilled when ``refill`` is on."""
         scored = chunks[0].scored
         n = scored.size
         reasons = list(self.gp_filter.not_supported_reasons(scored))
@@ -191,12 +205,12 @@ class FilterSeam(GRPOTrainer):
             if self.parts_options.strict:
                 raise NotSupportedError(f"completion_filter {self.gp_filter.name!r}", reasons)
             self._gp_counters.fell_back("filter", "; ".join(reasons), mode=mode)
-            return [torch.arange(n, device=scored.rewards.device)], {}
+            return [torch.arange(n, device=scored.rewards.device)], {}, [None]
         if self.parts_options.refill:
             return self._gp_refill(chunks, n, g)
         res = self.gp_filter.select(scored, None)
         self._gp_count("filter", served=True)
-        return [res.kept], dict(res.info)
+        return [res.kept], dict(res.info), [res.weights]
 
     def _gp_kept_parts(
         self, chunks: list[Chunk[Any]], kept: list[torch.Tensor]
@@ -221,6 +235,18 @@ class FilterSeam(GRPOTrainer):
             parts.append(sub)
         return parts, flags
 
+    def _gp_weigh(self, batch: dict[str, Any], weights: list[torch.Tensor], total: int) -> float:
+        """Multiply the kept rows' advantages by their weights (``weights``: per chunk, in the kept
+        batch's row order), times ``kept / scored rows`` for the losses TRL normalises by the
+        micro-batch's row count; returns how many rows carry a weight (> 0)."""
+        w = torch.cat(weights).to(torch.float64)
+        if self.loss_type in ROW_NORMALISED_LOSSES:
+            w = w * (w.numel() / total)
+        adv = batch["advantages"]
+        shape = (-1,) + (1,) * (adv.ndim - 1)  # [K] or per-token [K, T]
+        batch["advantages"] = (adv.to(torch.float64) * w.to(adv.device).reshape(shape)).to(adv.dtype)
+        return float((w > 0).sum())
+
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         mode = self._gp_mode()
         if self.gp_filter is None or mode != "train":
@@ -228,23 +254,43 @@ class FilterSeam(GRPOTrainer):
         g = int(self.num_generations or 1)
         out, deferred, scored = self._gp_score(inputs)
         chunks: list[Chunk[Any]] = [Chunk((out, deferred), scored, max(1, scored.size // g))]
-        kept, info = self._gp_select(chunks, g, mode)
+        kept, info, drawn = self._gp_select(chunks, g, mode)
+        weighted = any(w is not None for w in drawn)
+        # every row's weight, 0 for rows not drawn: rows the rounding re-adds train with weight 0
+        row_w = (
+            [_row_weights(c.scored.size, k, w) for c, k, w in zip(chunks, kept, drawn)] if weighted else []
+        )
         no_loss: list[torch.Tensor] = [self._gp_loss_mask(c.payload[0]).sum(-1) == 0 for c in chunks]
         kept = drop_no_loss_rows(kept, no_loss)
         kept, changed = round_kept(
             [c.scored for c in chunks],
             kept,
             self.args.steps_per_generation,  # type: ignore[attr-defined]
-            self.parts_options.filter_remainder,
+            "restore" if weighted else self.parts_options.filter_remainder,  # dropping drawn rows: biased
             no_loss,
         )
         parts, flags = self._gp_kept_parts(chunks, kept)
         self._gp_log_kept(flags)
         batch = concat_batches(parts, int(self._tokenizer.pad_token_id))
-        batch["num_items_in_batch"] = self.accelerator.gather(self._gp_loss_mask(batch).sum()).sum()
         total = sum(c.scored.size for c in chunks)
         num_kept = int(batch["completion_ids"].shape[0])
+        # the loss tokens TRL normalises by: the kept rows' (plain filters), every scored row's (weighted)
+        tokens = sum(self._gp_loss_mask(c.payload[0]).sum() for c in chunks) if weighted else None
+        batch["num_items_in_batch"] = self.accelerator.gather(
+            self._gp_loss_mask(batch).sum() if tokens is None else tokens
+        ).sum()
+        if weighted:
+            info["weighted_rows"] = self._gp_weigh(
+                batch, [w[k.cpu()] for w, k in zip(row_w, kept) if k.numel()], total
+            )
         info.update(kept_fraction=num_kept / total, num_kept=num_kept, rows_scored=total, rounding=changed)
         info["no_loss_rows"] = float(sum(int(d.sum()) for d in no_loss))
         self._gp_log("filter", info)
         return batch
+
+
+def _row_weights(n: int, kept: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``[n]`` float64 on the CPU: the filter's weight of each kept row (1 when unweighted), 0 elsewhere."""
+    out = torch.zeros(n, dtype=torch.float64)
+    out[kept.cpu()] = 1.0 if weights is None else weights.detach().cpu().to(torch.float64)
+    return out

@@ -205,3 +205,50 @@ def filter_config_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
                 "refill=True needs a map-style train_dataset (an IterableDataset cannot be re-drawn)"
             )
     return reasons
+
+
+#: TRL loss types whose normaliser is each micro-batch's row count (equal micro-batches): a weighted
+#: filter folds ``kept rows / rolled-out rows`` into its weights to make it the full batch's
+ROW_NORMALISED_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
+#: TRL loss types normalised by ``num_items_in_batch``, which the adapter sets to the full batch's tokens
+TOKEN_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
+
+
+def weighted_filter_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
+    """Why a weighted filter (``dppo``: kept rows weighted ``1 / p``) cannot train this trainer's
+    loss unbiased. The adapter multiplies each kept row's advantage by its weight -- exact for every
+    TRL policy loss, which is positively homogeneous in the advantage -- and keeps the full batch's
+    normaliser; terms that do not scale with the advantage, or normalisers that depend on which
+    rows were kept, are refused."""
+    reasons = []
+    if options.refill:
+        reasons.append(
+            "refill=True: a weighted filter keeps rows at random, and a refill round (how many, which rows "
+            "trimmed) would depend on that draw, which biases the estimate; set refill=False"
+        )
+    beta = _get(trainer, "beta", 0.0)
+    if beta:
+        reasons.append(
+            f"beta={beta}: TRL adds beta * KL per token, a term the weight (carried by the advantage) does "
+            "not scale; set beta=0.0"
+        )
+    coef, adaptive = _get(trainer, "entropy_coef", 0.0), _get(trainer, "use_adaptive_entropy", False)
+    if coef or adaptive:
+        reasons.append(
+            f"entropy bonus (entropy_coef={coef}, use_adaptive_entropy={adaptive}): not scaled by the weight "
+            "and averaged over each micro-batch"
+        )
+    q = _get(trainer, "top_entropy_quantile", 1.0)
+    if q is not None and q < 1.0:
+        reasons.append(
+            f"top_entropy_quantile={q}: the quantile is taken over the kept rows of each micro-batch"
+        )
+    loss = _get(trainer, "loss_type")
+    if loss is not None and loss not in ROW_NORMALISED_LOSSES + TOKEN_NORMALISED_LOSSES:
+        reasons.append(
+            f"loss_type={loss!r}: normalised by each micro-batch's own token count, which depends on the draw; "
+            f"use one of {list(ROW_NORMALISED_LOSSES + TOKEN_NORMALISED_LOSSES)}"
+        )
+    if _get(trainer, "aux_loss_enabled", False):
+        reasons.append("MoE router aux loss: a per-forward term the weights cannot scale")
+    return reasons

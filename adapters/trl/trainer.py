@@ -35,9 +35,10 @@ from grpo_parts.attention.protocol import RankAgreeing
 from grpo_parts.attention.shared_prefix.backend import select_attention
 from grpo_parts.build import build_attention, build_part, choose_attention
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
+from grpo_parts.filter.protocol import WeighsLoss
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 
-from .._counters import PartCounters
+from .._counters import PartCounters, attention_calls
 from .._wrapped import backend_model
 from .filtering import FilterSeam
 from .options import (
@@ -47,6 +48,7 @@ from .options import (
     group_rows_reasons,
     sampler_config_reasons,
     trl_version_reasons,
+    weighted_filter_reasons,
 )
 from .rows import prompt_runs, regroup_chunks, regrouped_logprobs
 
@@ -137,9 +139,10 @@ class GRPOPartsTrainer(FilterSeam):
         self.gp_attention = self._gp_accept("attention", a, a_reasons)
 
         f = build_part("filter", completion_filter, policy, kwargs=filter_kwargs, where="filter_kwargs")
-        self.gp_filter = self._gp_accept(
-            "completion_filter", f, filter_config_reasons(self, self.parts_options)
-        )
+        f_reasons = filter_config_reasons(self, self.parts_options)
+        if isinstance(f, WeighsLoss):  # dppo: its weights ride on the advantages (.filtering)
+            f_reasons += weighted_filter_reasons(self, self.parts_options)
+        self.gp_filter = self._gp_accept("completion_filter", f, f_reasons)
         self._gp_group_rows = self._gp_resolve_group_rows()
 
     # ------------------------------------------------------------------------------------- helpers
@@ -310,6 +313,7 @@ class GRPOPartsTrainer(FilterSeam):
             self._gp_counters.fell_back("attention", reason, mode=self._gp_mode())
             return super()._get_per_token_logps_and_entropies(*args, compute_aux_loss, **multimodal)
         self._gp_count("attention", served=True)
+        before = attention_calls(self.gp_attention)  # padding-free kernels: parts/attention/calls_<path>
         with self.accelerator.autocast():
             logps, ents = regrouped_logprobs(
                 self.gp_attention,
@@ -322,6 +326,8 @@ class GRPOPartsTrainer(FilterSeam):
                 compute_entropy,
                 batch_size,
             )
+        ran = attention_calls(self.gp_attention) - before
+        self._gp_log("attention", {f"calls_{k}": v for k, v in ran.items()})
         return logps, ents, None
 
     def _gp_all_masked(self, completion_mask: torch.Tensor) -> str | None:

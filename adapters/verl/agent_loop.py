@@ -10,8 +10,9 @@ given to ``actor_rollout_ref.rollout.agent.agent_loop_config_path``):
 * ``sampler: <grpo_parts sampler name>`` (``reference``, ``speculative``, ...) -- a grpo_parts
   ``Sampler`` run in the agent-loop worker process through :class:`SamplerServer`, on the model
   built by ``model_factory`` (``"module:function"``; default: ``AutoModelForCausalLM`` from
-  ``actor_rollout_ref.model.path``). One model per worker process; concurrent requests are
-  generated in batches (:class:`SamplerServer`). Its weights are *not* synced
+  ``actor_rollout_ref.model.path``), with ``sampler_kwargs`` (e.g. the speculative sampler's
+  ``decode_shared_prompt``). One model per worker process; concurrent requests are generated in
+  batches, identical prompts as one group (:class:`SamplerServer`). Its weights are *not* synced
   by verl's checkpoint engine: this path is for small models and debugging, or for a trainer that
   calls ``SamplerServer.sync_weights`` itself.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+from collections import Counter
 from typing import Any
 from uuid import uuid4
 
@@ -33,6 +35,8 @@ from verl.workers.rollout.replica import TokenOutput
 from grpo_parts import build as parts_build
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
+
+from .._grouping import identical_prompt_groups
 
 NAME = "grpo_parts_agent"
 
@@ -58,9 +62,10 @@ class SamplerServer:
     grpo_parts ``Sampler``.
 
     verl calls agent loops once per completion, concurrently; requests that are waiting when the
-    sampler becomes free (and share sampling parameters) are generated as *one* batch of up to
-    ``max_batch`` rows, so the sampler sees the real concurrency (which FastGRPO's draft sizing is
-    about). Generation runs in a thread so the event loop keeps accepting requests meanwhile.
+    sampler becomes free (and share sampling parameters; gathered for ``gather_s`` without a new
+    one) are generated as *one* batch of up to ``max_batch`` rows, identical prompts as one group,
+    so the sampler sees the real concurrency (which FastGRPO's draft sizing is about) and the
+    groups. Generation runs in a thread so the event loop keeps accepting requests meanwhile.
     """
 
     def __init__(
@@ -70,13 +75,17 @@ class SamplerServer:
         pad_token_id: int,
         max_new_tokens: int,
         max_batch: int = 256,
+        gather_s: float = 0.005,
     ):
         self.sampler = sampler
+        self.gather_s = gather_s
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_new_tokens = max_new_tokens
         self.max_batch = max_batch
         self.stats: dict[str, float] = {}
+        #: every rollout's ``Rollout.stats`` summed (``lean_forward_calls``, ...) and ``rollouts``
+        self.totals: Counter[str] = Counter()
         self.batch_sizes: list[int] = []
         self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
         self._draining = False
@@ -92,26 +101,30 @@ class SamplerServer:
     def generate_batch(
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
     ) -> list[TokenOutput]:
-        """One sampler call for several prompts (one completion each)."""
+        """One sampler call for several prompts (one completion each). Requests with identical
+        prompts (verl repeats each prompt ``rollout.n`` times) become one group of the sampler's
+        batch (``group_size`` = their count, when every prompt has the same count), so group-aware
+        paths (the speculative sampler's shared-prompt decode attention, sibling drafts) run."""
         if any(len(p) == 0 for p in prompts):
             raise GRPOPartsError("prompt_ids: expected at least one token per request, got an empty list")
-        batch = PromptBatch.from_lists([list(p) for p in prompts], self.pad_token_id)
+        unique, g, rows = identical_prompt_groups(prompts)
+        batch = PromptBatch.from_lists(unique, self.pad_token_id)
         gen = None if seed is None else torch.Generator().manual_seed(seed)
-        rollout = self.sampler.generate(batch, params, gen)
+        rollout = self.sampler.generate(batch, params.model_copy(update={"group_size": g}), gen)
         self.stats = dict(rollout.stats)
+        self.totals.update(rollout.stats)
+        self.totals["rollouts"] += 1
         self.batch_sizes.append(len(prompts))
-        outs = []
-        for i in range(len(prompts)):
-            n = int(rollout.completion_mask[i].sum())
-            outs.append(
-                TokenOutput(
-                    token_ids=rollout.completion_ids[i, :n].tolist(),
-                    log_probs=rollout.logprobs[i, :n].double().tolist(),
-                    stop_reason="completed",
-                    extra_fields={"grpo_parts_stats": dict(rollout.stats)},
-                )
+        outs: list[TokenOutput | None] = [None] * len(prompts)
+        for r, i in enumerate(rows):
+            n = int(rollout.completion_mask[r].sum())
+            outs[i] = TokenOutput(
+                token_ids=rollout.completion_ids[r, :n].tolist(),
+                log_probs=rollout.logprobs[r, :n].double().tolist(),
+                stop_reason="completed",
+                extra_fields={"grpo_parts_stats": dict(rollout.stats)},
             )
-        return outs
+        return [o for o in outs if o is not None]
 
     async def generate(
         self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
@@ -124,11 +137,22 @@ class SamplerServer:
             loop.create_task(self._drain())
         return await fut
 
+    async def _gather(self) -> None:
+        """Let the requests of one verl batch join: each agent loop tokenizes its prompt in an
+        executor first, so they arrive over a few milliseconds; wait until ``gather_s`` passes with
+        no new request (or ``max_batch`` are waiting). Far below a rollout's time, and it keeps a
+        prompt's ``rollout.n`` requests in one sampler call, as one group."""
+        await asyncio.sleep(0)  # requests scheduled in the same tick
+        n = -1
+        while len(self._pending) != n and len(self._pending) < self.max_batch:
+            n = len(self._pending)
+            await asyncio.sleep(self.gather_s)
+
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             while self._pending:
-                await asyncio.sleep(0)  # let requests scheduled in the same tick join this batch
+                await self._gather()
                 params = self._pending[0][1]
                 take = [r for r in self._pending if r[1] == params][: self.max_batch]
                 self._pending = [r for r in self._pending if all(r is not t for t in take)]
@@ -156,18 +180,30 @@ def _load(spec: str) -> Any:
 _LOCAL_SERVERS: dict[tuple[str, str, str], SamplerServer] = {}  # one model per worker process
 
 
+def _plain(kwargs: Any) -> dict[str, Any]:
+    """``sampler_kwargs`` as verl's hydra hands them (a ``DictConfig``) or a dict, as a plain dict."""
+    if kwargs is None:
+        return {}
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(kwargs, resolve=True) if OmegaConf.is_config(kwargs) else dict(kwargs)
+    return {str(k): v for k, v in dict(raw).items()}  # type: ignore[arg-type]
+
+
 def build_sampler(
-    name: str, model: torch.nn.Module, draft: str | None = None, draft_factory: str | None = None
-) -> Sampler:
-    """A grpo_parts sampler by name (:func:`grpo_parts.build.build_sampler`). Samplers that take a
-    draft get ``draft_factory(policy)`` (``"module:function"``) or, without a factory, the draft
-    ``draft`` by name (:func:`grpo_parts.build.build_draft`: on the policy when its constructor
-    takes a model, e.g. ``frozen_lm``, with no arguments otherwise)."""
+    name: str, model: torch.nn.Module, draft: str | None = None, draft_factory: str | None = None,
+    sampler_kwargs: dict[str, Any] | None = None,
+) -> Sampler:  # fmt: skip
+    """A grpo_parts sampler by name (:func:`grpo_parts.build.build_sampler`, with ``sampler_kwargs``).
+    Samplers that take a draft get ``draft_factory(policy)`` (``"module:function"``) or, without a
+    factory, the draft ``draft`` by name (:func:`grpo_parts.build.build_draft`: on the policy when its
+    constructor takes a model, e.g. ``frozen_lm``, with no arguments otherwise)."""
     if draft_factory is not None:
         made = _load(draft_factory)(model)
     else:
         made = parts_build.build_draft(draft, model, where="draft")
-    return parts_build.build_sampler(name, model, draft=made, where="sampler")
+    kw = dict(sampler_kwargs or {})
+    return parts_build.build_sampler(name, model, kwargs=kw, draft=made, where="sampler_kwargs")
 
 
 class GrpoPartsAgentLoop(AgentLoopBase):
@@ -180,6 +216,7 @@ class GrpoPartsAgentLoop(AgentLoopBase):
         draft: str | None = None,
         draft_factory: str | None = None,
         model_factory: str | None = None,
+        sampler_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -187,10 +224,14 @@ class GrpoPartsAgentLoop(AgentLoopBase):
         self.response_length = self.rollout_config.response_length
         self.sampler_name, self.draft_name, self.draft_factory = sampler, draft, draft_factory
         self.model_factory = model_factory
+        self.sampler_kwargs = _plain(sampler_kwargs)
 
     def _local_server(self) -> SamplerServer:
         path = str(self.config.actor_rollout_ref.model.path)
-        key = (self.model_factory or path, self.sampler_name, f"{self.draft_name}|{self.draft_factory}")
+        key = (
+            self.model_factory or path, self.sampler_name,
+            f"{self.draft_name}|{self.draft_factory}|{sorted(self.sampler_kwargs.items())}",
+        )  # fmt: skip
         if key not in _LOCAL_SERVERS:
             if self.model_factory:
                 model = _load(self.model_factory)()
@@ -202,7 +243,9 @@ class GrpoPartsAgentLoop(AgentLoopBase):
             eos = tok.eos_token_id
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-            sampler = build_sampler(self.sampler_name, model, self.draft_name, self.draft_factory)
+            sampler = build_sampler(
+                self.sampler_name, model, self.draft_name, self.draft_factory, self.sampler_kwargs
+            )
             _LOCAL_SERVERS[key] = SamplerServer(sampler, eos_ids, pad, self.response_length)
         return _LOCAL_SERVERS[key]
 

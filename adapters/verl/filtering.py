@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpo_parts import build as parts_build
 from grpo_parts.core import AdvantageConfig, group_advantages
-from grpo_parts.errors import GRPOPartsError, check_tensor
+from grpo_parts.errors import GRPOPartsError, NotSupportedError, check_tensor
 from grpo_parts.filter.data_parallel import batch_multiple, round_rounds
-from grpo_parts.filter.protocol import CompletionFilter
+from grpo_parts.filter.protocol import CompletionFilter, WeighsLoss
 from grpo_parts.types import ScoredBatch
 
 from .advantage import uid_to_group_index
@@ -45,6 +45,10 @@ class FilterOptions(BaseModel):
     least common multiple the kept count is rounded to (``hydra_overrides`` interpolates all four
     from verl's config), so verl's ``_balance_batch`` cuts it into equal per-rank shares of whole
     mini-batches and adds no padding rows. ``target_rows`` must be a multiple of it.
+
+    ``loss_agg_mode``, ``loss_scale_factor``, ``use_kl_loss``, ``entropy_coeff``, ``policy_loss_mode``:
+    the actor's loss settings (verl's defaults; ``hydra_overrides`` and the trainer mode read verl's
+    own), which a weighted filter (``dppo``) checks: :func:`weighted_filter_reasons`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -63,6 +67,11 @@ class FilterOptions(BaseModel):
     rollout_n: int | None = Field(None, ge=1)
     n_gpus_per_node: int | None = Field(None, ge=1)
     nnodes: int = Field(1, ge=1)
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
+    use_kl_loss: bool = False
+    entropy_coeff: float = 0.0
+    policy_loss_mode: str = "vanilla"
 
     @property
     def batch_multiple(self) -> int:
@@ -91,6 +100,73 @@ class FilterOptions(BaseModel):
     @property
     def advantage_config(self) -> AdvantageConfig:
         return AdvantageConfig(norm="group" if self.norm_adv_by_std else "none", eps=1e-6)
+
+
+#: verl policy losses that are positively homogeneous in the advantage (a weight carried by the
+#: advantage scales the row's whole loss term): ``vanilla`` (PPO clip, dual clip), ``gspo``, ``gpg``
+HOMOGENEOUS_POLICY_LOSSES = ("vanilla", "gspo", "gpg")
+#: verl aggregations whose per-mini-batch normaliser is fixed (``global_batch_size`` = ppo mini-batch
+#: rows, or none), so that folding ``padded kept rows / rolled-out rows`` into the weights restores the
+#: full batch's normaliser; ``token-mean`` divides by the kept rows' own tokens (``batch_num_tokens``)
+FIXED_NORMALISER_AGGS = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+
+
+def weighted_filter_reasons(filt: Any, options: FilterOptions, needs_step: bool = True) -> list[str]:
+    """Why verl cannot train the weighted filter ``filt`` (``dppo``) unbiased under ``options``
+    (empty for a plain filter). The adapter multiplies each kept row's advantage by its ``1 / p``
+    weight times ``padded kept rows / rolled-out rows`` (see :func:`weighted_advantages`);
+    ``needs_step``: the padding is verl's, so the mini-batch rows must be known."""
+    if not isinstance(filt, WeighsLoss):
+        return []
+    o, reasons = options, []
+    if o.refill:
+        reasons.append(
+            "refill=True: a weighted filter keeps rows at random, and a refill round would depend on that "
+            "draw, which biases the estimate; set grpo_parts_filter.refill=False"
+        )
+    if o.loss_agg_mode not in FIXED_NORMALISER_AGGS:
+        reasons.append(
+            f"actor.loss_agg_mode={o.loss_agg_mode!r}: verl's engine divides each mini-batch by its own kept "
+            "token count (batch_num_tokens), which depends on the draw; use seq-mean-token-mean (set it in "
+            "actor_rollout_ref.actor and in grpo_parts_filter.loss_agg_mode)"
+        )
+    if o.loss_agg_mode == "seq-mean-token-sum-norm" and o.loss_scale_factor is None:
+        reasons.append(
+            "seq-mean-token-sum-norm without actor.loss_scale_factor: the default is the padded width of "
+            "each micro-batch, which depends on the kept rows; set loss_scale_factor"
+        )
+    if o.use_kl_loss:
+        reasons.append(
+            "actor.use_kl_loss=True: the KL loss term is not scaled by the weight the advantage carries"
+        )
+    if o.entropy_coeff:
+        reasons.append(f"actor.entropy_coeff={o.entropy_coeff}: the entropy term is not scaled by the weight")
+    if o.policy_loss_mode not in HOMOGENEOUS_POLICY_LOSSES:
+        reasons.append(
+            f"actor.policy_loss.loss_mode={o.policy_loss_mode!r}: a weight on the advantage scales the row's loss "
+            f"only for {list(HOMOGENEOUS_POLICY_LOSSES)}"
+        )
+    if needs_step and o.ppo_mini_batch_size is None:
+        reasons.append(
+            "ppo_mini_batch_size / rollout_n not given: the weights fold in the padded kept rows verl "
+            "normalises by; hydra_overrides interpolates them"
+        )
+    return reasons
+
+
+def weighted_advantages(
+    scored: ScoredBatch, kept: torch.Tensor, weights: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, float]:
+    """``[N]``: the advantage of each kept row times its weight times ``c = K' / N`` (``K'``: the
+    kept count padded up to ``multiple`` by verl's no-op rows, ``N``: rows rolled out), 0 for the
+    others; and ``c``. verl normalises each mini-batch by its fixed row count, so over the batch the
+    weighted loss is the full batch's divided by ``N`` in expectation, step for step."""
+    n, k = scored.size, int(kept.numel())
+    c = (-(-k // multiple) * multiple) / n if n else 0.0
+    out = torch.zeros(n, dtype=torch.float64)
+    idx = kept.cpu()
+    out[idx] = scored.advantages.detach().cpu().double()[idx] * weights.detach().cpu().double() * c
+    return out, c
 
 
 def build_filter(name: str, kwargs: Mapping[str, Any] | None = None) -> CompletionFilter:
@@ -130,11 +206,14 @@ def round_kept(
 
 @dataclass(frozen=True)
 class Selection:
-    """Rows kept (ascending, int64) and diagnostics for verl's metrics dict."""
+    """Rows kept (ascending, int64) and diagnostics for verl's metrics dict. ``advantages``: with a
+    weighted filter, every row's advantage to train on (:func:`weighted_advantages`; rows the
+    rounding re-added: 0), else None (the GRPO advantages as they are)."""
 
     kept: torch.Tensor
     extra_prompts_wanted: int
     metrics: dict[str, float] = field(default_factory=dict)
+    advantages: torch.Tensor | None = None
 
 
 def select(
@@ -144,17 +223,30 @@ def select(
     multiple_of: int = 1,
     rounding: Literal["up", "down"] = "up",
 ) -> Selection:
-    """Run ``filt`` and round the kept count; metrics are prefixed ``grpo_parts/filter/``."""
+    """Run ``filt`` and round the kept count; metrics are prefixed ``grpo_parts/filter/``. A weighted
+    draw is rounded up only (the re-added rows train with weight 0; dropping drawn rows would bias it)."""
     res = filt.select(scored, target_size=target_rows)
-    kept = round_kept(res.kept, scored, multiple_of, rounding)
+    kept = round_kept(res.kept, scored, multiple_of, "up" if res.weights is not None else rounding)
     n = scored.size
+    adv = None
+    if res.weights is not None:
+        if not bool(torch.isin(res.kept.cpu(), kept.cpu()).all()):
+            raise GRPOPartsError(
+                f"multiple_of={multiple_of}: rounding would drop rows of a weighted draw ({n} rows rolled out); "
+                "expected a batch of at least one multiple"
+            )
+        w = torch.zeros(n, dtype=torch.float64)
+        w[res.kept.cpu()] = res.weights.detach().cpu().double()
+        adv, _ = weighted_advantages(scored, kept, w[kept.cpu()], 1)
     metrics = {
         "grpo_parts/filter/rows_in": float(n),
         "grpo_parts/filter/rows_kept": float(kept.numel()),
         "grpo_parts/filter/kept_fraction": float(kept.numel()) / n if n else 0.0,
         "grpo_parts/filter/extra_prompts_wanted": float(res.extra_prompts_wanted),
     }
-    return Selection(kept, res.extra_prompts_wanted, metrics)
+    if res.weights is not None:
+        metrics["grpo_parts/filter/weighted_rows"] = float(res.kept.numel())
+    return Selection(kept, res.extra_prompts_wanted, metrics, adv)
 
 
 def filter_data_proto(
@@ -166,6 +258,7 @@ def filter_data_proto(
     rounding: Literal["up", "down"] = "up",
     reward_key: str = "token_level_rewards",
     adv_config: AdvantageConfig | None = None,
+    options: FilterOptions | None = None,
 ) -> tuple[Any, Selection]:
     """Legacy loop (``main_ppo_v0``): filter a ``DataProto`` right after rewards, before the
     old-policy / reference forwards, with ``DataProto.select_idxs``. Every tensor and non-tensor
@@ -174,7 +267,14 @@ def filter_data_proto(
     The kept rows get ``advantages`` and ``returns`` ([B, T], the GRPO advantage of the *full*
     group times ``response_mask``), as CPPO prescribes: do not call verl's ``compute_advantage``
     afterwards -- it would re-normalise inside the kept rows of each group (a group with one kept
-    row would get advantage 0, or ``r / (1 + eps)`` in verl)."""
+    row would get advantage 0, or ``r / (1 + eps)`` in verl).
+
+    A weighted filter (``dppo``) is checked against ``options`` (the actor's loss settings, default
+    verl's: refused with ``token-mean``) and its kept rows get ``A * w * K / N``
+    (:func:`weighted_advantages`; ``multiple_of`` should be verl's mini-batch rows)."""
+    reasons = weighted_filter_reasons(filt, options or FilterOptions(), needs_step=False)
+    if reasons:
+        raise NotSupportedError(f"grpo_parts filter {getattr(filt, 'name', type(filt).__name__)!r}", reasons)
     if data.batch is None or reward_key not in data.batch.keys():
         got = [] if data.batch is None else sorted(data.batch.keys())
         raise GRPOPartsError(f"data.batch[{reward_key!r}]: expected per-token rewards [B, T], got keys {got}")
@@ -191,7 +291,8 @@ def filter_data_proto(
             "filter: kept 0 rows (every group has all-equal rewards?); skip this step or refill before updating"
         )
     kept = data.select_idxs(sel.kept.cpu().numpy())
-    seq_adv = scored.advantages[sel.kept.to(scored.advantages.device)]
+    train_adv = scored.advantages if sel.advantages is None else sel.advantages.to(scored.advantages.device)
+    seq_adv = train_adv[sel.kept.to(train_adv.device)]
     tok_mask = kept.batch["response_mask"] if mask is not None else torch.ones_like(kept.batch[reward_key])
     adv = seq_adv.to(kept.batch[reward_key].dtype).unsqueeze(-1) * tok_mask.to(kept.batch[reward_key].dtype)
     kept.batch["advantages"] = adv

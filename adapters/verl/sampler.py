@@ -34,7 +34,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
 from .advantage import remember_full_groups
 from .filtering import FilterOptions
-from .trainer import filter_kv_batch
+from .trainer import ACTOR_KEYS, check_weighted, filter_kv_batch
 
 #: ``trainer.v1.sampler.sampler_kwargs`` key holding :class:`~.filtering.FilterOptions`
 KWARGS_KEY = "grpo_parts_filter"
@@ -61,6 +61,8 @@ class FilteringReplayBuffer(ReplayBuffer):
         self.grpo_parts_filter = None if opts is None else opts.build()
         if opts is not None and opts.refill and self.refill_fn is None:
             raise ValueError("grpo_parts_filter.refill=True: verl gave this sampler no refill_fn")
+        if self.grpo_parts_filter is not None:
+            check_weighted(self.grpo_parts_filter, opts)  # dppo: a loss verl keeps unbiased, no refill
         self._store = store
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
@@ -97,7 +99,7 @@ def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **
     further :class:`~.filtering.FilterOptions` keys. ``refill_multiple`` / ``train_batch_size``
     default to verl's ``data.gen_batch_size`` / ``data.train_batch_size``, and the data-parallel
     rounding keys (``ppo_mini_batch_size``, ``rollout_n``, ``n_gpus_per_node``, ``nnodes``) to
-    verl's own (Hydra interpolations)."""
+    verl's own (Hydra interpolations), as are the actor's loss settings a weighted filter checks."""
     options.setdefault("refill_multiple", "${data.gen_batch_size}")
     options.setdefault("train_batch_size", "${data.train_batch_size}")
     # what the kept count is rounded to under data parallelism (FilterOptions.batch_multiple)
@@ -105,6 +107,9 @@ def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **
     options.setdefault("rollout_n", "${actor_rollout_ref.rollout.n}")
     options.setdefault("n_gpus_per_node", "${trainer.n_gpus_per_node}")
     options.setdefault("nnodes", "${trainer.nnodes}")
+    # the actor's loss settings a weighted filter (dppo) checks (FilterOptions.weighted_filter_reasons)
+    for key, path in ACTOR_KEYS.items():
+        options.setdefault(key, "${" + path + "}")
     FilterOptions(
         name=name, kwargs=dict(kwargs or {}), **{k: v for k, v in options.items() if "$" not in str(v)}
     )

@@ -37,9 +37,29 @@ from grpo_parts.filter.allocation import Chunk, Refiller
 from grpo_parts.filter.data_parallel import round_rounds
 from grpo_parts.filter.protocol import CompletionFilter
 
-from .filtering import KV_FIELDS, SEQ_ADV_FIELD, FilterOptions, rewards_from_fields, scored_batch
+from .filtering import (
+    KV_FIELDS,
+    SEQ_ADV_FIELD,
+    FilterOptions,
+    rewards_from_fields,
+    scored_batch,
+    weighted_advantages,
+    weighted_filter_reasons,
+)
 
 NAME = "grpo_parts_sync"
+#: FilterOptions keys read from verl's config (the trainer mode; ``sampler.hydra_overrides`` interpolates them)
+ACTOR_KEYS = {
+    "ppo_mini_batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "rollout_n": "actor_rollout_ref.rollout.n",
+    "n_gpus_per_node": "trainer.n_gpus_per_node",
+    "nnodes": "trainer.nnodes",
+    "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
+    "loss_scale_factor": "actor_rollout_ref.actor.loss_scale_factor",
+    "use_kl_loss": "actor_rollout_ref.actor.use_kl_loss",
+    "entropy_coeff": "actor_rollout_ref.actor.entropy_coeff",
+    "policy_loss_mode": "actor_rollout_ref.actor.policy_loss.loss_mode",
+}
 
 
 def filter_options_from(config: Any) -> FilterOptions | None:
@@ -56,16 +76,12 @@ def filter_options_from(config: Any) -> FilterOptions | None:
         return None
     norm = OmegaConf.select(config, "algorithm.norm_adv_by_std_in_grpo", default=True)
     opts.setdefault("norm_adv_by_std", bool(norm))  # follow verl's setting unless given
-    # whole mini-batches on every rank (FilterOptions.batch_multiple), from verl's own keys
-    for key, path in (
-        ("ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
-        ("rollout_n", "actor_rollout_ref.rollout.n"),
-        ("n_gpus_per_node", "trainer.n_gpus_per_node"),
-        ("nnodes", "trainer.nnodes"),
-    ):
+    # whole mini-batches on every rank (FilterOptions.batch_multiple), and the actor's loss settings
+    # a weighted filter checks, from verl's own keys
+    for key, path in ACTOR_KEYS.items():
         value = OmegaConf.select(config, path, default=None)
         if value is not None:
-            opts.setdefault(key, int(value))
+            opts.setdefault(key, value)
     return FilterOptions(**opts)
 
 
@@ -84,9 +100,23 @@ def check_algorithm(config: Any) -> None:
         raise NotSupportedError("grpo_parts filter", reasons)
 
 
+def check_weighted(filt: CompletionFilter, options: FilterOptions | None) -> None:
+    """Refuse, in one line, a weighted filter (``dppo``) under settings verl cannot keep unbiased."""
+    from grpo_parts.errors import NotSupportedError
+
+    reasons = weighted_filter_reasons(filt, options) if options is not None else []
+    if reasons:
+        raise NotSupportedError(
+            f"grpo_parts filter {options.name!r}" if options else "grpo_parts filter", reasons
+        )
+
+
 def _kept_by_chunk(outcome: Any, options: FilterOptions) -> dict[int, set[int]]:
     """Kept row indices per chunk payload (by ``id``), rounded so that the total over all rounds
-    fills whole mini-batches on every rank (no padding rows)."""
+    fills whole mini-batches on every rank (no padding rows). A weighted draw is not rounded (that
+    would re-rank its rows): verl pads it with no-op rows, which :func:`weighted_advantages` counts."""
+    if any(sel.weights is not None for sel in outcome.selections):
+        return {id(sel.chunk.payload): set(sel.kept.tolist()) for sel in outcome.selections}
     rounded = round_rounds(
         [sel.chunk.scored for sel in outcome.selections],
         [sel.kept for sel in outcome.selections],
@@ -113,14 +143,25 @@ def _store_kept(b: KVBatchMeta, kept: set[int], advantages: torch.Tensor | None,
 
 
 def _full_groups(
-    scored: Any, uid: list[Any], kept_rows: list[int]
+    scored: Any, uid: list[Any], kept_rows: list[int], advantages: torch.Tensor, weighted: bool
 ) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
-    """``{uid: (rewards, advantages)}`` of the full group of every uid with a kept row."""
+    """``{uid: (rewards, advantages)}`` of the full group of every uid with a kept row; with a
+    weighted draw (``advantages`` weighted, 0 off the draw) of its kept rows only -- rows of one
+    group with equal rewards have equal weights, so the estimator's lookup by reward is exact."""
     groups = {}
     for g in dict.fromkeys(uid[i] for i in kept_rows):
-        rows = torch.tensor([j for j, x in enumerate(uid) if x == g])
-        groups[g] = (scored.rewards[rows].detach().cpu(), scored.advantages[rows].detach().cpu())
+        rows = torch.tensor([j for j in (kept_rows if weighted else range(len(uid))) if uid[j] == g])
+        groups[g] = (scored.rewards[rows].detach().cpu(), advantages[rows].detach().cpu())
     return groups
+
+
+def _train_advantages(sel: Any, options: FilterOptions) -> tuple[torch.Tensor, Any]:
+    """``(advantages to train on [N], scored)`` of one selection: the GRPO advantages, or for a
+    weighted draw each kept row's advantage x weight x padded kept / rolled-out rows."""
+    scored = sel.chunk.scored
+    if sel.weights is None:
+        return scored.advantages, scored
+    return weighted_advantages(scored, sel.kept, sel.weights, options.batch_multiple)[0], scored
 
 
 def filter_kv_batch(
@@ -160,19 +201,21 @@ def filter_kv_batch(
     keys: list[str] = []
     tags: list[dict] = []
     kept_by_chunk = _kept_by_chunk(outcome, options)
-    scored_by_chunk = {id(sel.chunk.payload): sel.chunk.scored for sel in outcome.selections}
+    train_adv = {id(sel.chunk.payload): _train_advantages(sel, options) for sel in outcome.selections}
+    weighted = [sel for sel in outcome.selections if sel.weights is not None]
     groups: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
     for b in chunks:
-        sc = scored_by_chunk.get(id(b))
-        kept_rows = _store_kept(
-            b, kept_by_chunk.get(id(b), set()), None if sc is None else sc.advantages, store
-        )
+        adv, sc = train_adv.get(id(b), (None, None))
+        kept_rows = _store_kept(b, kept_by_chunk.get(id(b), set()), adv, store)
         for i in kept_rows:
             keys.append(b.keys[i])
             tags.append(b.tags[i])
         if kept_rows and return_groups:
-            groups.update(_full_groups(sc, uids[id(b)], kept_rows))
+            assert adv is not None
+            groups.update(_full_groups(sc, uids[id(b)], kept_rows, adv, bool(weighted)))
     metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
+    if weighted:  # the rows trained with a weight (dppo)
+        metrics["grpo_parts/filter/weighted_rows"] = float(sum(sel.kept.numel() for sel in weighted))
     metrics["grpo_parts/filter/rows_kept"] = float(len(keys))
     metrics["grpo_parts/filter/target_rows"] = float(target)
     out = KVBatchMeta(
@@ -250,6 +293,7 @@ class GrpoPartsSyncTrainer(PPOTrainerSync):
         )
         if self.grpo_parts_filter is not None:
             check_algorithm(config)
+            check_weighted(self.grpo_parts_filter, self.grpo_parts_filter_options)
         super().__init__(config)
 
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:

@@ -122,7 +122,8 @@ rounds = int(rounds)
 def points(name, r):
     with open(f"{tmp}/{name}.{r}.json") as f:
         data = json.load(f)
-    return data["points"] if isinstance(data, dict) else data
+    # a list of points, {"points": [...]}, or one summary object (bench e2e: one point)
+    return (data["points"] if "points" in data else [data]) if isinstance(data, dict) else data
 
 
 runs = {n: [points(n, r) for r in range(1, rounds + 1)] for n in "AB"}

@@ -38,7 +38,7 @@ from .attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from .attention import AttentionBackend, get_attention_class
 from .draft import DraftModel, get_draft_class
 from .errors import GRPOPartsError, NotSupportedError
-from .filter import CompletionFilter, get_filter_class
+from .filter import CompletionFilter, PromptSkipper, get_filter_class, get_skipper_class
 from .registry import Choice, PartClass, choose
 from .sampler import Sampler, get_sampler_class
 
@@ -319,6 +319,21 @@ def build_filter(
         _no_kwargs("filter", kwargs, where)
         return spec
     return _named("filter", spec, get_filter_class(spec), None, kwargs, where)  # type: ignore[no-any-return]
+
+
+def build_prompt_skipper(
+    spec: str | PromptSkipper,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    where: str = "prompt_skip_kwargs",
+) -> PromptSkipper:
+    """The prompt skipper ``spec`` names in ``grpo_parts.filter.SKIPPERS`` (an instance as is):
+    ``none`` (roll out every prompt) or ``history`` (skip zero-variance streaks, weights ``1 / p``)."""
+    if not isinstance(spec, str):
+        _no_kwargs("prompt_skip", kwargs, where)
+        return spec
+    cls = get_skipper_class(spec)
+    return _named("prompt_skip", spec, cls, None, kwargs, where)  # type: ignore[no-any-return]
 
 
 def build_part(

@@ -120,6 +120,61 @@ def output_cache(out: Any) -> Any:
     )
 
 
+# ------------------------------------------------------------------------------------------- config
+
+
+def per_layer_configs(config: Any) -> list[Any] | None:
+    """The per-layer configs of a heterogeneous config (``config.per_layer_config``, transformers
+    5.15+: one config per decoder layer, with that layer's ``head_dim``, ``num_key_value_heads``,
+    ``intermediate_size``...; Gemma 4 from 5.16), or None for a homogeneous config or an older release."""
+    try:
+        view = getattr(config, "per_layer_config", None)
+        return None if view is None else list(view)
+    except Exception:  # noqa: BLE001 - a config class of its own: treat as homogeneous
+        return None
+
+
+def config_values(config: Any, key: str, default: Any = None) -> list[Any]:
+    """Every value ``key`` takes on ``config``'s decoder layers: one per layer where the config is
+    heterogeneous in ``key`` (:func:`per_layer_configs`), else ``[config.key]`` (``[default]`` when
+    absent). Never raises: from 5.15 a global read of a per-layer attribute raises
+    ``AmbiguousGlobalPerLayerAttributeError`` (a ``RuntimeError``, which ``getattr``'s default does
+    not catch). A list-valued field (Gemma 3n's per-layer ``intermediate_size``) is returned as it is:
+    the caller knows what it means."""
+    layers = per_layer_configs(config)
+    try:
+        per_layer = key in (getattr(config, "per_layer_attributes", None) or ())
+    except Exception:  # noqa: BLE001
+        per_layer = layers is not None
+    if not per_layer:
+        try:
+            return [getattr(config, key, default)]
+        except Exception:  # noqa: BLE001 - ambiguous global read: fall back to the layers below
+            pass
+    if not layers:
+        return [default]
+    out = []
+    for c in layers:
+        try:
+            out.append(getattr(c, key, default))
+        except Exception:  # noqa: BLE001
+            out.append(default)
+    return out
+
+
+def kv_shared_through_cache(model: torch.nn.Module) -> list[str]:
+    """Attention modules that reuse an earlier layer's keys and values (KV sharing: Gemma 3n) and
+    read them *from the KV cache*: transformers 4.x (``past_key_values.shared_layers``, so without a
+    cache such a layer computes its own keys and values -- another function). From 5.0 the model
+    passes them in ``shared_kv_states``, with or without a cache, which the forward declares."""
+    out = []
+    for name, mod in model.named_modules():
+        if getattr(mod, "is_kv_shared_layer", False) is True:
+            if "shared_kv_states" not in inspect.signature(mod.forward).parameters:
+                out.append(name)
+    return out
+
+
 # ----------------------------------------------------------------------------------------- attention
 
 
@@ -218,6 +273,21 @@ def select_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
             c._attn_implementation_internal = s
         for i in outermost:
             _OWN_ATTENTION.pop(i, None)
+
+
+@contextlib.contextmanager
+def own_attention_selected(model: torch.nn.Module) -> Iterator[None]:
+    """For the block, ``model``'s own attention implementation where a :func:`select_attention` is
+    in effect on it (e.g. a training kernel an adapter keeps selected for a whole training step,
+    inside which the trainer also generates), so that a sampler decodes with the model's own
+    attention and selects its own kernels over it; nothing changes otherwise."""
+    cfg = getattr(model, "config", None)
+    own = own_attention(cfg)
+    if own is None or own == getattr(cfg, "_attn_implementation", None):
+        yield
+        return
+    with select_attention(model, own):
+        yield
 
 
 def causal_lm_class(config: Any) -> type:

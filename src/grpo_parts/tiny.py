@@ -21,6 +21,9 @@ _MLA = {
     "moe_intermediate_size": 16,
 }
 
+#: Gemma 3n / Gemma 4 per-layer input embeddings: a table of this many tokens x layers x 8
+_PER_LAYER_INPUT = {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}
+
 #: family -> (config class path, extra config kwargs). Not every family is supported by every
 #: backend or transformers release: see docs/attention.md for the shared-prefix backend's table.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -69,6 +72,22 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "gpt_bigcode": ("transformers:GPTBigCodeConfig", {}),  # learned absolute positions, multi-query
     "phimoe": ("transformers:PhimoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # layers that differ (heterogeneous): per-layer MLP widths, per-layer-type head sizes, KV sharing,
+    # per-layer input embeddings (small tables here; the real ones hold 262144 rows)
+    "gemma3n": (
+        "transformers:Gemma3nTextConfig",
+        {
+            **_PER_LAYER_INPUT,
+            "altup_num_inputs": 2,
+            "laurel_rank": 4,
+            "num_kv_shared_layers": 0,
+            "sliding_window": 4096,
+        },
+    ),
+    "gemma4": (
+        "transformers:Gemma4TextConfig",
+        {**_PER_LAYER_INPUT, "head_dim": 8, "global_head_dim": 16, "sliding_window": 4096},
+    ),
     # refused by the shared-prefix backend (docs/attention.md)
     "stablelm": ("transformers:StableLmConfig", {}),
     "falcon": ("transformers:FalconConfig", {}),

@@ -19,6 +19,15 @@ def _gemma_norm(self, x):  # type: ignore[no-untyped-def]
     return self._norm(x) * (1.0 + self.weight)
 
 
+def _scaled_norm(self, x):  # type: ignore[no-untyped-def]
+    out = self._norm(x)
+    return out * self.weight if self.with_scale else out
+
+
+def _altup_router(self, x):  # type: ignore[no-untyped-def]
+    return torch.tanh(self.modality_router(self.router_norm(x) * self.router_input_scale))
+
+
 def _cohere_norm(self, x):  # type: ignore[no-untyped-def]
     x = x - x.mean(-1, keepdim=True)
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
@@ -29,13 +38,18 @@ def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
     model *downcasts*: the shared prefix then sums its gradient over G suffixes in float64 before
     the norm's float32 backward while the reference sums after it, and the two differ at ~1e-7.
     Replace the forward of each RMSNorm *instance* of this model by the same formula without the
-    cast, so both paths are float64 end to end (the model object is local to the test)."""
+    cast, so both paths are float64 end to end (the model object is local to the test). Gemma 3n's
+    AltUp router takes its ``tanh`` in float32 likewise: computed in float64 here."""
     for mod in model.modules():
+        if hasattr(mod, "compute_router_modalities"):  # Gemma 3n's AltUp router: tanh in float32
+            mod.compute_router_modalities = types.MethodType(_altup_router, mod)
         if type(mod).__name__ == "CohereLayerNorm":  # a LayerNorm computed in float32, the same way
             mod.forward = types.MethodType(_cohere_norm, mod)
         elif type(mod).__name__.endswith("RMSNorm"):
             if hasattr(mod, "variance_epsilon"):
                 mod.forward = types.MethodType(_llama_norm, mod)
+            elif hasattr(mod, "with_scale"):  # Gemma 3n / Gemma 4: weight (no 1 +), optional
+                mod.forward = types.MethodType(_scaled_norm, mod)
             elif hasattr(mod, "_norm"):
                 mod.forward = types.MethodType(_gemma_norm, mod)
             else:  # pragma: no cover - a new norm class: fail loudly rather than compare at 1e-7
@@ -95,6 +109,55 @@ VARIANTS = {
     ),
     "gpt2_context": ("gpt2", lambda d: {"max_position_embeddings": 8}, 8),
     "gpt_bigcode_context": ("gpt_bigcode", lambda d: {"max_position_embeddings": 8}, 8),
+    # heterogeneous layers (their own layer counts: do not pass num_layers): Gemma 3n's per-layer MLP
+    # widths, activation sparsity on layer 0, AltUp / LAuReL / per-layer inputs, KV sharing ...
+    "gemma3n_layers": (
+        "gemma3n",
+        lambda d: {
+            "num_layers": 4,
+            "intermediate_size": [64, 48, 80, 32],
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+            "num_kv_shared_layers": 2,
+        },
+        64,
+    ),
+    # ... Gemma 4's full-attention layers with their own head size (per_layer_config from
+    # transformers 5.16), KV sharing and a double-wide MLP on the sharing layers ...
+    "gemma4_layers": (
+        "gemma4",
+        lambda d: {
+            "num_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True,
+        },
+        64,
+    ),
+    # ... keys that are the values on full-attention layers, which have their own KV heads too ...
+    "gemma4_k_eq_v": (
+        "gemma4",
+        lambda d: {
+            "num_layers": 3,
+            "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+        },
+        64,
+    ),
+    # ... and a mixture-of-experts block beside every MLP (Gemma 4's MoE variants)
+    "gemma4_moe": (
+        "gemma4",
+        lambda d: {
+            "num_layers": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 16,
+        },
+        64,
+    ),
     # MiniCPM3's attention: DeepSeek-V2's MLA with a low-rank query, dense MLPs, v head = nope head
     "minicpm3_like": (
         "deepseek_v2",

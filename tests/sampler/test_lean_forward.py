@@ -181,8 +181,11 @@ def test_refusals_name_the_reason() -> None:
     handle.remove()
     assert lean_forward_reasons(m) == []
 
-    m.forward = torch.autocast("cpu")(m.forward)  # as accelerate wraps a prepared model
+    own = m.forward
+    m.forward = lambda *a, **k: own(*a, **k)  # a wrapper the lean path does not know
     assert "LlamaForCausalLM.forward is replaced" in " ".join(lean_forward_reasons(m))
+    m.forward = torch.autocast("cpu")(own)  # autocast (accelerate's wrapper): reproduced, served
+    assert lean_forward_reasons(m) == []
     del m.forward
     assert lean_forward_reasons(m) == []
 

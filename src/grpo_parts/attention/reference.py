@@ -3,6 +3,9 @@
 Each row is ``[left-padded prompt | right-padded completion]``, run through the model as-is with
 its own attention implementation. Positions count real tokens only, as during sampling, so the
 log-probs equal the sampler's. The logit predicting completion token t sits at position P + t - 1.
+
+``model`` may be wrapped (DDP, FSDP1, DeepSpeed's engine): the inner model's config is checked and
+the forward runs through the wrapper (:mod:`grpo_parts.wrappers`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from ..core import token_logprobs
 from ..errors import GRPOPartsError
+from ..wrappers import calls_through, model_name
 from .protocol import LogprobBatch, LogprobOutput
 
 
@@ -26,9 +30,9 @@ class RepeatedPrefixAttention:
     name: ClassVar[str] = "reference"
 
     def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
-        cfg = getattr(model, "config", None)
+        cfg = getattr(calls_through(model), "config", None)
         if cfg is None:
-            return [f"model: expected a transformers causal LM with .config, got {type(model).__name__}"]
+            return [f"model: expected a transformers causal LM with .config, got {model_name(model)}"]
         if getattr(cfg, "is_encoder_decoder", False):
             return [f"model: encoder-decoder models ({cfg.model_type}) are not supported"]
         return []
@@ -43,6 +47,7 @@ class RepeatedPrefixAttention:
         temperature: float = 1.0,
         compute_entropy: bool = False,
     ) -> LogprobOutput:
+        model = calls_through(model)
         reasons = self.not_supported_reasons(model, batch)
         if reasons:
             raise GRPOPartsError("; ".join(reasons))

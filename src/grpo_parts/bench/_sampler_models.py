@@ -7,6 +7,8 @@ Trained weights are cached (``--cache-dir``) as plain state dicts, read back wit
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,6 +54,17 @@ class GenerateSampler:
         )
 
 
+@dataclass(frozen=True)
+class BenchTask:
+    """What ``--policy task`` brings besides the model: the task's name, its prompt for a seed, and its
+    EOS and pad ids (``make_policy`` sets it as ``args.bench_task``)."""
+
+    name: str
+    prompt: Callable[[int], list[int]]
+    eos: int
+    pad: int
+
+
 def make_policy(args: argparse.Namespace) -> torch.nn.Module:
     from ..tiny import tiny_causal_lm
 
@@ -60,9 +73,10 @@ def make_policy(args: argparse.Namespace) -> torch.nn.Module:
 
         key = f"policy_{policy_key(args)}"
         state = cache_load(args, key)
-        policy, args._task_prompt, args._eos, args._pad, args._task = task_policy(
+        policy, prompt, eos, pad, task = task_policy(
             args.hidden, args.layers, 0 if state is not None else args.task_steps, args.seed
         )
+        args.bench_task = BenchTask(task, prompt, eos, pad)
         if state is not None:
             policy.load_state_dict(state)
             print(f"policy: loaded from the bench cache ({key})")

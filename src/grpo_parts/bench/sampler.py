@@ -39,7 +39,15 @@ from ..errors import GRPOPartsError
 from ..sampler.protocol import PromptBatch, Rollout, SamplingParams
 from ..sampler.stats import ACCEPTED_PER_VERIFY, SAMPLED_TREE_STEPS, TREE_STEPS, VERIFY_STEPS
 from ._args import ints, names
-from ._sampler_models import GenerateSampler, cache_load, cache_save, make_policy, policy_key, task_draft
+from ._sampler_models import (
+    BenchTask,
+    GenerateSampler,
+    cache_load,
+    cache_save,
+    make_policy,
+    policy_key,
+    task_draft,
+)
 
 
 @dataclass
@@ -267,7 +275,8 @@ def eos_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     task``, set on ``args`` by ``make_policy``), none for a random policy."""
     if args.policy != "task":
         return {}
-    return dict(eos_token_ids=(args._eos,), pad_token_id=args._pad)
+    task: BenchTask = args.bench_task
+    return dict(eos_token_ids=(task.eos,), pad_token_id=task.pad)
 
 
 def bench_prompts(args: argparse.Namespace, batch: int, group_size: int, seed: int) -> PromptBatch:
@@ -277,8 +286,9 @@ def bench_prompts(args: argparse.Namespace, batch: int, group_size: int, seed: i
         return make_prompts(batch, group_size, args.prompt_len, args.vocab, seed)
     if batch % group_size:
         raise GRPOPartsError(f"--batches: expected multiples of --group-size={group_size}, got {batch}")
+    task: BenchTask = args.bench_task
     return PromptBatch.from_lists(
-        [args._task_prompt(seed * 100_000 + i) for i in range(batch // group_size)], args._pad
+        [task.prompt(seed * 100_000 + i) for i in range(batch // group_size)], task.pad
     )
 
 
@@ -368,7 +378,7 @@ def _setup(args: argparse.Namespace, policy: torch.nn.Module) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "policy_kind": args.policy
         if args.policy == "random"
-        else f"task ({args._task}, {args.task_steps} SFT steps)",
+        else f"task ({args.bench_task.name}, {args.task_steps} SFT steps)",
     }
 
 

@@ -33,6 +33,7 @@ from ..compat import attn_implementation, cache_kwarg, causal_lm_class, own_atte
 from ..decoding import SamplingParams, sampling_probs
 from ..decoding.lean_layer import ARCHITECTURES, layer_reasons, lean_layer, rope_tables
 from ..errors import GRPOPartsError
+from ..wrappers import inner_model, model_name, sharding
 from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
 from .tree import Frontier, topk_tree
@@ -157,17 +158,23 @@ class EagleHead(torch.nn.Module):
 
 
 class EagleDraft:
-    """``EagleDraft(policy, config)``: a learnable head sharing ``policy``'s embedding and lm_head."""
+    """``EagleDraft(policy, config)``: a learnable head sharing ``policy``'s embedding and lm_head.
+    A wrapped policy (DDP, ZeRO-0/1/2: whole weights on every rank) is read through its inner model
+    (:func:`~grpo_parts.wrappers.inner_model`); sharded weights (FSDP1/FSDP2/ZeRO-3) are refused:
+    the head reads the embedding and lm_head outside any forward, where they are shards."""
 
     name: ClassVar[str] = "eagle"
     learnable: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = True
 
     def __init__(self, policy: torch.nn.Module, config: EagleConfig | None = None):
-        if getattr(policy, "config", None) is None:
+        if getattr(inner_model(policy), "config", None) is None:
             raise GRPOPartsError(
-                f"policy: expected a transformers causal LM with .config, got {type(policy).__name__}"
+                f"policy: expected a transformers causal LM with .config, got {model_name(policy)}"
             )
+        if sharding(policy) is not None:
+            raise GRPOPartsError(f"policy: {self._sharded(policy)}")
+        policy = inner_model(policy)
         self.config = config or EagleConfig()
         torch.manual_seed(self.config.seed)
         self.head = EagleHead(policy)
@@ -179,12 +186,21 @@ class EagleDraft:
         self._kv: DraftKVState | None = None
 
     def bind_policy(self, policy: torch.nn.Module) -> None:
-        model: Any = policy
+        model: Any = inner_model(policy)
         self.embed: Any = model.get_input_embeddings()
         self.lm_head: Any = model.get_output_embeddings()
 
+    @staticmethod
+    def _sharded(policy: torch.nn.Module) -> str:
+        return (
+            f"weights sharded by {sharding(policy)}: the draft reads the policy's embedding and lm_head "
+            "outside its forward, where they are shards"
+        )
+
     def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
-        h = int(getattr(policy, "config").hidden_size)  # noqa: B009
+        if sharding(policy) is not None:
+            return [f"policy: {self._sharded(policy)}"]
+        h = int(getattr(inner_model(policy), "config").hidden_size)  # noqa: B009
         if h != self.head.fc.out_features:
             return [f"hidden size: head built for {self.head.fc.out_features}, policy has {h}"]
         return []

@@ -13,6 +13,7 @@ import torch
 
 from ..decoding import SamplingParams, sampling_probs
 from ..errors import GRPOPartsError
+from ..wrappers import inner_model
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
 from .tree import Frontier, topk_tree
 
@@ -33,7 +34,8 @@ class FrozenLMDraft:
 
     def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
         reasons = []
-        pv = policy.get_output_embeddings().weight.shape[0]  # type: ignore[operator, union-attr]
+        head: Any = inner_model(policy).get_output_embeddings()  # (a wrapped policy: its inner model)
+        pv = getattr(head, "out_features", None) or head.weight.shape[0]  # (a sharded weight: out_features)
         dv = self.model.get_output_embeddings().weight.shape[0]  # type: ignore[operator, union-attr]
         if pv != dv:
             reasons.append(f"vocab size: draft has {dv} logits, policy has {pv}; they must share a tokenizer")

@@ -12,6 +12,10 @@ integers. Here a :class:`Refiller` works for any pruning rate and any filter:
    the priority order of :mod:`grpo_parts.filter._common` (zero-variance last, larger ``|A|``
    first, lower row first) and the first ``deficit`` are kept.
 
+A weighted result (``FilterResult.weights``: a random filter such as ``dppo``) ends the fill after
+its round, untrimmed: a trim by priority, or a refill round whose number depends on the draw, would
+bias the importance-weighted estimate. The weights ride on the :class:`Selection`.
+
 The kept count is then exactly ``target_size`` unless the stream ran out or ``max_rounds`` /
 ``max_prompts`` was reached (``RefillOutcome.filled`` is False; the loop trains on what it has, or
 skips when it is empty). Advantages are per group, so filtering each round on its own is the same
@@ -25,7 +29,7 @@ which rows of each chunk's payload (a :class:`Rollout`, a TRL dict, a verl ``Dat
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -36,6 +40,7 @@ from ..errors import GRPOPartsError, check_tensor
 from ..types import Rollout
 from ._common import extra_prompts, num_groups_present, priority_order
 from .protocol import KEPT_FRACTION, CompletionFilter, ScoredBatch
+from .skip_protocol import DrawsPrompts
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -52,10 +57,12 @@ class Chunk(Generic[T]):
 
 @dataclass(frozen=True)
 class Selection(Generic[T]):
-    """Rows ``kept`` (ascending) of ``chunk.payload`` to train on."""
+    """Rows ``kept`` (ascending) of ``chunk.payload`` to train on, with the filter's importance
+    ``weights`` of those rows (``[len(kept)]``; None = all 1)."""
 
     chunk: Chunk[T]
     kept: torch.Tensor
+    weights: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -105,14 +112,16 @@ class Refiller(BaseModel):
             deficit = self.target_size - kept_total
             res = filt.select(chunk.scored, target_size=deficit)
             kept = res.kept
-            if kept.numel() > deficit:  # trim overshoot by priority, deterministically
+            if res.weights is None and kept.numel() > deficit:  # trim overshoot by priority
                 order = priority_order(chunk.scored)
                 is_kept = torch.zeros(chunk.scored.size, dtype=torch.bool, device=order.device)
                 is_kept[kept.to(order.device)] = True
                 kept = torch.sort(order[is_kept[order]][:deficit]).values
             if kept.numel():
-                selections.append(Selection(chunk, kept))
+                selections.append(Selection(chunk, kept, res.weights))
             kept_total += int(kept.numel())
+            if res.weights is not None:
+                break  # a weighted draw: no trim and no refill (both would bias it)
             want = res.extra_prompts_wanted or extra_prompts(
                 int(res.kept.numel()),
                 deficit,
@@ -153,21 +162,60 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> Rollo
 @dataclass(frozen=True)
 class FilledBatch(Generic[P]):
     """The kept rows of every round, concatenated. ``rollout.group_index`` numbers the prompts that
-    kept at least one row, ``0 .. len(prompts) - 1``; ``rollout`` is None when nothing was kept."""
+    kept at least one row, ``0 .. len(prompts) - 1``; ``rollout`` is None when nothing was kept.
+
+    ``weights``: the kept rows' importance weights (a weighted filter, ``dppo``; None = all 1).
+    ``full_group``: each kept row's prompt among *every* rolled-out prompt (all rounds, stream
+    order), and ``group_rows`` / ``group_seqs`` / ``group_tokens`` (``[P_all]``) count each
+    rolled-out prompt's rows, rows with a completion token, and completion tokens, pruned or not:
+    the whole batch's loss denominators, known before the draw (:attr:`num_tokens`, :attr:`num_seqs`).
+    """
 
     rollout: Rollout | None
     rewards: torch.Tensor  # [K]
     advantages: torch.Tensor  # [K]
     prompts: list[P]
     outcome: RefillOutcome[Any]
+    weights: torch.Tensor | None = None  # [K]
+    full_group: torch.Tensor | None = None  # [K]
+    group_rows: torch.Tensor | None = None  # [P_all]
+    group_seqs: torch.Tensor | None = None  # [P_all]
+    group_tokens: torch.Tensor | None = None  # [P_all]
 
     @property
     def is_empty(self) -> bool:
         return self.rollout is None
 
+    @property
+    def num_tokens(self) -> float:
+        """Completion tokens of every rolled-out row (the token-mean denominator before pruning)."""
+        return 0.0 if self.group_tokens is None else float(self.group_tokens.sum())
+
+    @property
+    def num_seqs(self) -> float:
+        """Rolled-out rows with at least one completion token (the seq-mean denominator)."""
+        return 0.0 if self.group_seqs is None else float(self.group_seqs.sum())
+
+
+def group_counts(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows, rows with a token, tokens)`` of each prompt of ``rollouts`` (numbered across them in
+    order, as :func:`concat_rollouts` does), each ``[sum of num_prompts]`` float64 on the CPU."""
+    out: list[list[torch.Tensor]] = [[], [], []]
+    for r in rollouts:
+        gi = r.group_index.cpu()
+        tokens = r.completion_mask.cpu().to(torch.float64).sum(-1)
+        for acc, per_row in zip(out, (torch.ones_like(tokens), (tokens > 0).to(torch.float64), tokens)):
+            acc.append(torch.zeros(r.num_prompts, dtype=torch.float64).index_add_(0, gi, per_row))
+    empty = torch.zeros(0, dtype=torch.float64)
+    rows, seqs, toks = (torch.cat(x) if x else empty for x in out)
+    return rows, seqs, toks
+
 
 def _take(prompts: Iterator[P], n: int) -> list[P]:
-    """Up to ``n`` prompts from the stream (fewer when it runs out)."""
+    """Up to ``n`` prompts from the stream (fewer when it runs out); a stream that draws a round at
+    once (a prompt skipper's :class:`~.skip_draw.PromptDraw`) hands out its round."""
+    if isinstance(prompts, DrawsPrompts):
+        return list(prompts.take(n))
     batch: list[P] = []
     for _ in range(n):
         try:
@@ -199,12 +247,20 @@ def _score_chunk(
     return Chunk((batch, rollout, r, adv), scored, len(batch))
 
 
-def _merge_selections(outcome: RefillOutcome[Any], pad_token_id: int) -> FilledBatch[Any]:
-    """The kept rows of every round in one :class:`FilledBatch` (``outcome`` not empty)."""
+def _merge_selections(
+    outcome: RefillOutcome[Any], pad_token_id: int, rolled: Sequence[Rollout]
+) -> FilledBatch[Any]:
+    """The kept rows of every round in one :class:`FilledBatch` (``outcome`` not empty);
+    ``rolled``: every round's rollout, in order (for the whole batch's counts)."""
     subs: list[Rollout] = []
     rewards: list[torch.Tensor] = []
     advs: list[torch.Tensor] = []
+    weights: list[torch.Tensor] = []
+    full: list[torch.Tensor] = []
     kept_prompts: list[Any] = []
+    offsets, start = {}, 0
+    for r in rolled:
+        offsets[id(r)], start = start, start + r.num_prompts
     for sel in outcome.selections:
         batch, rollout, r, adv = sel.chunk.payload
         sub = rollout.select(sel.kept)
@@ -212,21 +268,26 @@ def _merge_selections(outcome: RefillOutcome[Any], pad_token_id: int) -> FilledB
         used, new_gi = torch.unique(sub.group_index, sorted=True, return_inverse=True)
         kept_prompts.extend(batch[i] for i in used.tolist())
         subs.append(
-            Rollout(
-                sub.prompt_ids,
-                sub.prompt_mask,
-                sub.completion_ids,
-                sub.completion_mask,
-                sub.logprobs,
-                new_gi.to(torch.long),
-                int(used.numel()),
-                dict(rollout.stats),
+            replace(
+                sub,
+                group_index=new_gi.to(torch.long),
+                num_prompts=int(used.numel()),
+                stats=dict(rollout.stats),
             )
         )
         rewards.append(r[sel.kept])
         advs.append(adv[sel.kept])
+        w = sel.weights
+        weights.append(torch.ones(sel.kept.numel(), dtype=torch.float64) if w is None else w.cpu().double())
+        full.append(sub.group_index + offsets[id(rollout)])
     merged = concat_rollouts(subs, pad_token_id)
-    return FilledBatch(merged, torch.cat(rewards), torch.cat(advs), kept_prompts, outcome)
+    weighted = any(sel.weights is not None for sel in outcome.selections)
+    rows, seqs, toks = group_counts(rolled)
+    return FilledBatch(
+        merged, torch.cat(rewards), torch.cat(advs), kept_prompts, outcome,
+        torch.cat(weights).to(merged.completion_ids.device) if weighted else None,
+        torch.cat(full), rows, seqs, toks,
+    )  # fmt: skip
 
 
 def fill_rollouts(
@@ -255,14 +316,18 @@ def fill_rollouts(
             "kl_logprobs: expected a callable because advantage_config.kl_coef > 0, got None"
         )
 
+    rolled: list[Rollout] = []  # every round's rollout, pruned rows included
+
     def produce(n: int) -> Chunk[tuple[list[P], Rollout, torch.Tensor, torch.Tensor]] | None:
         batch = _take(prompts, n)
         if not batch:
             return None
-        return _score_chunk(batch, sample(batch), reward, cfg, kl_logprobs)
+        rolled.append(sample(batch))
+        return _score_chunk(batch, rolled[-1], reward, cfg, kl_logprobs)
 
     outcome = refiller.fill(filt, produce)
     if outcome.is_empty:
         empty = torch.zeros(0)
-        return FilledBatch(None, empty, empty, [], outcome)
-    return _merge_selections(outcome, pad_token_id)
+        rows, seqs, toks = group_counts(rolled)
+        return FilledBatch(None, empty, empty, [], outcome, None, None, rows, seqs, toks)
+    return _merge_selections(outcome, pad_token_id, rolled)

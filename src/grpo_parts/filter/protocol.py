@@ -8,11 +8,14 @@ The loop recomputes loss normalisation (token counts) for the kept set.
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from ..types import FilterResult, ScoredBatch
 
-__all__ = ["KEPT_FRACTION", "NUM_KEPT", "CompletionFilter", "FilterResult", "ScoredBatch"]
+if TYPE_CHECKING:
+    from ..core import LossConfig
+
+__all__ = ["KEPT_FRACTION", "NUM_KEPT", "CompletionFilter", "FilterResult", "ScoredBatch", "WeighsLoss"]
 
 #: ``FilterResult.info`` keys that several filters write (the refill loop's outcome and the
 #: trainer's metric of the same name too; adapters log them as ``parts/filter/<key>``): the share of
@@ -33,4 +36,17 @@ class CompletionFilter(Protocol):
 
     def not_supported_reasons(self, batch: ScoredBatch) -> list[str]:
         """Why this filter cannot handle ``batch`` (empty list = supported)."""
+        ...
+
+
+@runtime_checkable
+class WeighsLoss(Protocol):
+    """A filter whose results carry importance weights (``FilterResult.weights``, e.g. ``dppo``): the
+    loss must multiply each kept row by its weight and keep the *whole* batch's denominators, fixed
+    before the draw. Every loop that trains on its rows asks :meth:`loss_not_supported_reasons`
+    before the first step and refuses a loss it cannot keep unbiased; it never refills or trims such
+    a draw by priority (both depend on the draw)."""
+
+    def loss_not_supported_reasons(self, config: LossConfig) -> list[str]:
+        """Why the weighted loss under ``config`` would not be unbiased (empty list = it is)."""
         ...

@@ -4,6 +4,12 @@ One policy forward per emitted token for all rows still generating. This is the 
 speedup is measured against, so it is deliberately lean (no logits-processor stack, prefill computes
 only the last position's logits, finished rows leave the batch) -- docs/results.md shows it is at
 least as fast as ``generate``.
+
+The policy may be wrapped (DDP, FSDP1, DeepSpeed's engine) or sharded (FSDP2, ZeRO-3):
+:func:`grpo_parts.wrappers.generation_model` says what each generates with. Sharded across ranks,
+the ranks run their forwards together -- a rank whose rows have all finished keeps running one-token
+forwards, one all-reduce per step deciding when every rank is done -- so that each forward's
+all-gather meets its peers on every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from ..compat import cache_kwarg, output_cache, select_cache_rows
 from ..core import token_logprobs
 from ..decoding import collector_paused, sample_tokens
 from ..errors import GRPOPartsError
+from ..wrappers import agree_max, generation_model, inner_model, model_name, sharding
 from .protocol import PromptBatch, Rollout, SamplingParams
 
 
@@ -29,12 +36,13 @@ def expand_prompts(prompts: PromptBatch, group_size: int) -> tuple[torch.Tensor,
 
 
 def check_model(model: torch.nn.Module) -> list[str]:
-    """Reasons a module cannot be sampled from like a transformers causal LM (empty = fine)."""
+    """Reasons a module cannot be sampled from like a transformers causal LM (empty = fine); a
+    wrapped model is checked by its inner model (:func:`~grpo_parts.wrappers.inner_model`)."""
     reasons = []
-    cfg = getattr(model, "config", None)
+    cfg = getattr(inner_model(model), "config", None)
     if cfg is None:
         reasons.append(
-            f"model: expected a transformers PreTrainedModel with .config, got {type(model).__name__}"
+            f"model: expected a transformers PreTrainedModel with .config, got {model_name(model)}"
         )
     elif getattr(cfg, "is_encoder_decoder", False):
         reasons.append(
@@ -44,7 +52,8 @@ def check_model(model: torch.nn.Module) -> list[str]:
 
 
 class ReferenceSampler:
-    """Batched sampling from any transformers causal LM (``AutoModelForCausalLM``)."""
+    """Batched sampling from any transformers causal LM (``AutoModelForCausalLM``), bare or wrapped
+    (see the module docstring)."""
 
     name: ClassVar[str] = "reference"
 
@@ -68,8 +77,12 @@ class ReferenceSampler:
     ) -> Rollout:
         # inference_mode skips autograd bookkeeping (~4% of a CPU decode step); its tensors cannot
         # enter autograd later (the rollout feeds the training forward), so clone them out of it.
-        with torch.inference_mode(), collector_paused():
-            ro = self._generate(prompts, params, generator)
+        # Not for a wrapped or sharded policy: FSDP / ZeRO-3 write the gathered weights into the
+        # parameters, which must not become inference tensors (the training forward saves them).
+        model, lockstep = generation_model(self.model)
+        plain = model is self.model and sharding(model) is None
+        with torch.inference_mode() if plain else torch.no_grad(), collector_paused():
+            ro = self._generate(model, lockstep, prompts, params, generator)
         return replace(
             ro,
             **{
@@ -80,9 +93,13 @@ class ReferenceSampler:
         )
 
     def _generate(
-        self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None
+        self,
+        model: torch.nn.Module,
+        lockstep: bool,
+        prompts: PromptBatch,
+        params: SamplingParams,
+        generator: torch.Generator | None,
     ) -> Rollout:
-        model = self.model
         device = next(model.parameters()).device
         ids, mask, group = expand_prompts(prompts, params.group_size)
         ids, mask, group = ids.to(device), mask.to(device), group.to(device)
@@ -91,7 +108,7 @@ class ReferenceSampler:
             raise GRPOPartsError(
                 f"PromptBatch.input_ids: expected token ids < vocab_size={vocab}, got {int(ids.max())}"
             )
-        completion, lp = _sample(model, ids, mask, params, generator)
+        completion, lp = _sample(model, ids, mask, params, generator, lockstep)
         cmask = completion_mask_from_eos(completion, params.eos_token_ids)
         return Rollout(
             prompt_ids=ids,
@@ -110,10 +127,12 @@ def _sample(
     mask: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
+    lockstep: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill the (left-padded) prompts, then one forward per token for the rows still generating:
     ``(completion [N, T], logprobs [N, T])``, ``T`` the steps taken (<= ``max_new_tokens``), the
-    tokens after a row's EOS left as ``pad_token_id`` / 0."""
+    tokens after a row's EOS left as ``pad_token_id`` / 0. ``lockstep``: the ranks agree before each
+    decode forward whether any of them still decodes (:func:`idle_steps`)."""
     device = ids.device
     n = ids.shape[0]
     eos = torch.tensor(params.eos_token_ids or (-1,), device=device)
@@ -143,10 +162,14 @@ def _sample(
         if bool(fin.any()):
             keep = (~fin).nonzero().squeeze(1)
             if keep.numel() == 0:
+                if lockstep:
+                    idle_steps(model, ids[:1, -1:], tmax - 1 - step)
                 break
             act, tok, mask, next_pos = act[keep], tok[keep], mask[keep], next_pos[keep]
             select_cache_rows(cache, keep)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if lockstep:
+            agree_max([1], device=device)  # this rank decodes on: see idle_steps
         out = model(
             input_ids=tok[:, None],
             attention_mask=mask,
@@ -157,6 +180,17 @@ def _sample(
         cache, logits = output_cache(out), out.logits[:, -1]
         next_pos = next_pos + 1
     return completion[:, :steps], lp[:, :steps]
+
+
+def idle_steps(model: torch.nn.Module, token: torch.Tensor, steps: int) -> None:
+    """A rank whose rows have all finished, while its weights are sharded across ranks: before each
+    of the (at most ``steps``) decode forwards left, agree with the others (an all-reduce of "still
+    decoding", which each decoding rank joins with 1 before its forward) and, while any rank still
+    decodes, run a one-token forward (``token: [1, 1]``) so that its all-gathers meet theirs."""
+    for _ in range(steps):
+        if agree_max([0], device=token.device)[0] == 0:
+            return
+        model(input_ids=token, use_cache=False)
 
 
 def completion_mask_from_eos(completion: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:

@@ -43,13 +43,21 @@ DECODE_ATTENTION_CALLS = {
 #: decode forwards that called the policy's weights directly / ran the model's own forward
 LEAN_FORWARD_CALLS = "lean_forward_calls"
 MODEL_FORWARD_CALLS = "model_forward_calls"
+#: rollouts whose decode loop could not run the lean forward / the shared-prompt decode attention
+#: for a reason other than the config turning it off (the sampler logs the reasons; 0 or 1 each)
+LEAN_FORWARD_REFUSED = "lean_forward_refused"
+DECODE_ATTENTION_REFUSED = "decode_attention_refused"
 
 #: the call counts a training step sums over its rollouts (None in the metrics when none reported)
 STEP_CALL_COUNTS = (
+    VERIFY_STEPS,
+    TREE_STEPS,
     DECODE_ATTENTION_SHARED_PREFIX_CALLS,
     DECODE_ATTENTION_PLAIN_CALLS,
     LEAN_FORWARD_CALLS,
     MODEL_FORWARD_CALLS,
+    LEAN_FORWARD_REFUSED,
+    DECODE_ATTENTION_REFUSED,
 )
 
 
@@ -76,4 +84,7 @@ def speculative_stats(counts: dict[str, float], acceptance_estimate: float) -> d
         # forward, for the sampler's ``lean_forward_reasons``)
         LEAN_FORWARD_CALLS: counts[LEAN_FORWARD_CALLS],
         MODEL_FORWARD_CALLS: counts[MODEL_FORWARD_CALLS],
+        # a path the loop could not take (the sampler logged why): never silently off
+        LEAN_FORWARD_REFUSED: counts.get(LEAN_FORWARD_REFUSED, 0.0),
+        DECODE_ATTENTION_REFUSED: counts.get(DECODE_ATTENTION_REFUSED, 0.0),
     }

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..core import AdvantageConfig, LossConfig
 from ..errors import GRPOPartsError
+from ..filter import SKIPPERS
+from ..filter.skip_protocol import prompt_skip_reasons
 from ..task.arithmetic import ArithmeticConfig
 from ..task.jsonl import DataConfig
 from ..task.reasoning import ReasoningConfig
@@ -37,6 +39,7 @@ REFERENCE_PARTS: dict[str, Any] = {
     "draft": None,
     "attention": "reference",
     "filter": "keep_all",
+    "prompt_skip": "none",
 }
 
 
@@ -47,7 +50,9 @@ class PartsConfig(BaseModel):
     note; a name you set explicitly must exist. ``draft`` is only used by samplers that take one
     (``None`` = no draft). ``refill``: when the filter keeps fewer completions than a full batch,
     roll out the extra prompts it asks for, up to ``max_refill_rounds`` extra rounds per step.
-    ``*_kwargs`` go to the part's constructor.
+    ``*_kwargs`` go to the part's constructor. ``prompt_skip``: the stage before rollout that skips
+    prompts whose recent groups had zero reward variance (``history``, weights ``1 / p``: unbiased;
+    ``none``: roll out every prompt), from ``grpo_parts.filter.SKIPPERS``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -62,6 +67,15 @@ class PartsConfig(BaseModel):
     draft_kwargs: dict[str, Any] = Field(default_factory=dict)
     attention_kwargs: dict[str, Any] = Field(default_factory=lambda: {})
     filter_kwargs: dict[str, Any] = Field(default_factory=dict)
+    prompt_skip: str = "none"
+    prompt_skip_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("prompt_skip")
+    @classmethod
+    def _prompt_skip(cls, name: str) -> str:
+        if name not in SKIPPERS:
+            raise ValueError(f"expected one of {sorted(SKIPPERS)} (a prompt skipper)")
+        return name
 
 
 class TrainConfig(BaseModel):
@@ -219,6 +233,10 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "loss.correction.level: needs old_logprobs='recompute', got old_logprobs='sampler'"
             )
+        if self.parts.prompt_skip != "none":
+            reasons = prompt_skip_reasons(self.advantage, self.loss)
+            if reasons:
+                raise ValueError(f"parts.prompt_skip: {self.parts.prompt_skip!r} with {reasons[0]}")
         if self.minibatches > self.prompts_per_step:
             raise ValueError(
                 f"minibatches: expected <= prompts_per_step={self.prompts_per_step} (whole groups per minibatch), "

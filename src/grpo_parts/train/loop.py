@@ -2,7 +2,8 @@
 
 One :meth:`GRPOTrainer.step`:
 
-1. **rollout** -- the ``Sampler`` generates G completions for each prompt pulled from the task's stream;
+1. **rollout** -- the ``Sampler`` generates G completions for each prompt pulled from the task's stream
+   (with ``parts.prompt_skip``, drawn past a prompt skipper first, the kept ones weighted 1/p: :mod:`.prompt_skip`);
 2. **reward** -> **advantages** (:func:`grpo_parts.core.group_advantages`, per group);
 3. **filter** -- the ``CompletionFilter`` picks the rows to train on; with refill on, the
    :class:`~grpo_parts.filter.allocation.Refiller` rolls out the extra prompts it asks for;
@@ -21,13 +22,14 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
 import torch
 
-from ..attention.protocol import PLAN_CHUNKS, LogprobBatch, ReportsPlan
+from ..attention.protocol import PLAN_CHUNKS, CountsAttentionCalls, LogprobBatch, ReportsPlan
 from ..core import grpo_loss
 from ..filter.allocation import FilledBatch, Refiller, RefillOutcome, fill_rollouts
 from ..filter.protocol import KEPT_FRACTION
@@ -45,7 +47,9 @@ from ..task.data import (
 )
 from ..types import PromptBatch, Rollout, Stateful
 from .config import TrainConfig
+from .minibatches import LossChunk, loss_chunks, weighted_filter_reasons
 from .parts import Parts
+from .prompt_skip import observe_step, skip_chunks, skipping_stream
 from .step_record import StepRecord, rollout_metrics
 
 
@@ -60,12 +64,8 @@ class ProblemStream(Iterator[Problem]):
         self.trainer.data_pos += 1
         return p
 
-
-def split_groups(group_index: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """Row indices split into ``parts`` chunks of whole groups (shared-prefix needs whole groups)."""
-    groups = torch.unique(group_index)
-    chunks = torch.tensor_split(groups, min(parts, groups.numel()))
-    return [torch.isin(group_index, c).nonzero().squeeze(-1) for c in chunks if c.numel()]
+    def peek(self) -> Problem:  # the next problem, not consumed (a prompt skipper's round reads ahead)
+        return self.trainer.task.train_problem(self.trainer.data_pos)
 
 
 class GRPOTrainer:
@@ -111,11 +111,14 @@ class GRPOTrainer:
         self.data_pos = 0
         self.wall_time = 0.0
         self.eval_set = task.eval_problems()
+        from ..errors import NotSupportedError
+
         reasons = parts.sampler.not_supported_reasons(self.params)
         if reasons:
-            from ..errors import NotSupportedError
-
             raise NotSupportedError(f"sampler {parts.names.get('sampler')!r}", reasons)
+        reasons = weighted_filter_reasons(parts.filter, config)  # dppo: an unbiased loss, no refill
+        if reasons:
+            raise NotSupportedError(f"filter {parts.names.get('filter')!r}", reasons)
 
     # ------------------------------------------------------------------------------------ steps
     def prompt_batch(self, problems: list[Problem]) -> PromptBatch:
@@ -132,7 +135,10 @@ class GRPOTrainer:
         train_info, time_draft = self._update_draft(acc.rollouts)
         if filled.rollout is not None:
             train_info["lr"] = self._set_lr()
-            train_info.update(self._update(filled.rollout, filled.advantages.to(self.device)))
+            chunks = loss_chunks(filled, self.config.minibatches, self.config.loss.seq_count == "all")
+            if self._draw is not None:  # prompt skipping: x 1/p of each prompt, normalised by the drawn
+                chunks = skip_chunks(chunks, filled, self._draw, self.config.loss.seq_count == "all")
+            train_info.update(self._update(filled.rollout, filled.advantages.to(self.device), chunks))
             self.parts.sampler.sync_weights(self.policy)
         t_end = time.perf_counter()
         time_logprobs = train_info.pop("time_logprobs", 0.0)
@@ -152,6 +158,9 @@ class GRPOTrainer:
         }
         m = self._step_metrics(acc, filled.outcome, times)
         m.update(train_info)
+        if self._draw is not None:
+            observe_step(self._draw, acc.rollouts, acc.rewards)  # then the metrics: the history after it
+            m.update(self._draw.metrics(self.config.group_size, m["completion_len"]))
         if isinstance(self.task, ReportsRewardTerms):
             for name, value in self.task.last_per_function.items():
                 m[f"reward_{name}"] = value
@@ -164,10 +173,11 @@ class GRPOTrainer:
         target = cfg.prompts_per_step * cfg.group_size
         rounds = 1 + (cfg.parts.max_refill_rounds if cfg.parts.refill else 0)
         refiller = Refiller(target_size=target, initial_prompts=cfg.prompts_per_step, max_rounds=rounds)
+        stream, self._draw = skipping_stream(self.parts.prompt_skip, ProblemStream(self))
         return fill_rollouts(
             self.parts.filter,
             refiller,
-            ProblemStream(self),
+            stream,
             partial(self._sample, acc),
             partial(self._reward, acc),
             cfg.advantage,
@@ -237,6 +247,7 @@ class GRPOTrainer:
             "prompts": outcome.prompts_used,
             "rounds": outcome.rounds,
             "completion_len": acc.tokens / rows,
+            "rollout_tokens": acc.tokens,  # completion tokens generated this step, every round
             **times,
             "tokens_per_s": acc.tokens / max(acc.rollout_s, 1e-9),
             "wall_time": self.wall_time,
@@ -272,10 +283,13 @@ class GRPOTrainer:
             )
         return old, ref
 
-    def _update(self, ro: Rollout, advantages: torch.Tensor) -> dict[str, float]:
+    def _update(self, ro: Rollout, advantages: torch.Tensor, chunks: list[LossChunk]) -> dict[str, float]:
+        """The policy update: one optimizer step per chunk; a weighted chunk (``dppo``) multiplies its
+        rows by their weights over the chunk's share of the whole rolled-out batch."""
         cfg, attn = self.config, self.parts.attention
         temp = self.params.logprob_temperature
         batch = LogprobBatch.from_rollout(ro)
+        calls = Counter(attn.attention_calls) if isinstance(attn, CountsAttentionCalls) else Counter()
         t0 = time.perf_counter()
         old, ref = self._old_and_ref(ro)
         t_logprobs = time.perf_counter() - t0
@@ -285,9 +299,9 @@ class GRPOTrainer:
         sampler_lp = ro.logprobs if cfg.loss.correction.level != "off" else None
         entropy = cfg.loss.entropy_coef > 0
         self.policy.train()
-        info: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
-        chunks = split_groups(ro.group_index, cfg.minibatches)
-        for rows in chunks:
+        info: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "filter_weighted_rows": 0.0}
+        for chunk in chunks:
+            rows, w = chunk.rows, chunk.weights
             sub = batch.select(rows)
             lp = attn.completion_logprobs(self.policy, sub, temp, compute_entropy=entropy)
             logps = lp.logprobs
@@ -295,7 +309,10 @@ class GRPOTrainer:
                 logps, old[rows].to(logps.dtype), advantages[rows].to(logps.dtype), sub.completion_mask, cfg.loss,
                 None if ref is None else ref[rows].to(logps.dtype), entropy=lp.entropies,
                 rollout_logps=None if sampler_lp is None else sampler_lp[rows].to(logps.dtype),
+                num_tokens=chunk.num_tokens, num_seqs=chunk.num_seqs,
+                seq_weights=None if w is None else w.to(logps.dtype),
             )  # fmt: skip
+            info["filter_weighted_rows"] += 0 if w is None else int(rows.numel())
             self.optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             if cfg.grad_clip is not None:
@@ -310,6 +327,8 @@ class GRPOTrainer:
                 info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / len(chunks)
         self.policy.eval()
         info["time_logprobs"] = t_logprobs
+        if isinstance(attn, CountsAttentionCalls):  # the padding-free kernels' calls, per path
+            info.update({f"attention_calls_{k}": float(v) for k, v in (attn.attention_calls - calls).items()})
         return {**info, **grid_info}
 
     def evaluate(self) -> tuple[float, float]:
@@ -345,8 +364,9 @@ class GRPOTrainer:
             ("draft", self.parts.draft),
             ("sampler", self.parts.sampler),
             ("filter", self.parts.filter),
+            ("prompt_skip", self.parts.prompt_skip),
         ):
-            if isinstance(part, Stateful) and not hasattr(part, "model_fields"):
+            if isinstance(part, Stateful):  # e.g. dppo's generator: a resume draws the same rows
                 state[key] = part.state_dict()
         return state
 
@@ -368,6 +388,7 @@ class GRPOTrainer:
             ("draft", self.parts.draft),
             ("sampler", self.parts.sampler),
             ("filter", self.parts.filter),
+            ("prompt_skip", self.parts.prompt_skip),
         ):
             if key in state and part is not None:
                 part.load_state_dict(state[key])

@@ -1,4 +1,4 @@
-"""Build the four parts from :class:`~.config.PartsConfig` by name, through :mod:`grpo_parts.build`.
+"""Build the four parts (and the prompt skipper) from :class:`~.config.PartsConfig` by name, through :mod:`grpo_parts.build`.
 
 :func:`build_parts` stays here, a thin function over the one builder (:mod:`grpo_parts.build`:
 policy passing, kwargs checks, pydantic configs, default kwargs) with the rules of ``grpo_parts
@@ -22,11 +22,14 @@ from ..build import (
     build_attention,
     build_draft,
     build_filter,
+    build_prompt_skipper,
     build_sampler,
     implementations,
     takes_draft,
 )
 from ..errors import GRPOPartsError, NotSupportedError
+from ..filter.reference import KeepEveryPrompt
+from ..filter.skip_protocol import PromptSkipper
 from ..sampler import get_sampler_class
 from .config import REFERENCE_PARTS, PartsConfig
 
@@ -43,6 +46,7 @@ class Parts:
     draft: Any | None = None
     names: dict[str, str | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    prompt_skip: PromptSkipper = field(default_factory=KeepEveryPrompt)  # before rollout: none = keep all
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.names.items())
@@ -102,4 +106,9 @@ def build_parts(cfg: PartsConfig, policy: torch.nn.Module) -> Parts:
     reasons = attention.not_supported_reasons(policy)
     if reasons:
         raise NotSupportedError(f"attention {names['attention']!r}", reasons)
-    return Parts(sampler, attention, filt, draft, names, notes)
+    skipper = build_prompt_skipper(
+        cfg.prompt_skip, kwargs=cfg.prompt_skip_kwargs, where="parts.prompt_skip_kwargs"
+    )
+    if cfg.prompt_skip != "none":
+        names["prompt_skip"] = cfg.prompt_skip
+    return Parts(sampler, attention, filt, draft, names, notes, skipper)

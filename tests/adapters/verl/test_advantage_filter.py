@@ -178,3 +178,39 @@ def test_filter_data_proto_errors_name_the_field():
         filtering.filter_data_proto(data, filtering.build_filter("cppo", {"k": 1}))
     with pytest.raises(ValueError, match="unknown implementation"):
         filtering.build_filter("nope")
+
+
+@given(verl_batches(), st.integers(1, 4))
+def test_legacy_dppo_kept_rows_train_on_weighted_full_group_advantages(data, multiple):
+    """``filter_data_proto`` with the weighted ``dppo`` filter: rounded up only (re-added rows train
+    with weight 0), every drawn row's advantage times ``1 / p`` times ``kept / rolled-out rows``."""
+    from grpo_parts.filter.dppo import DPPOFilter
+
+    kw = {"pruning_rate": 0.5, "seed": 1}
+    opts = filtering.FilterOptions(name="dppo", loss_agg_mode="seq-mean-token-mean")
+    scored = filtering.scored_batch(
+        data.batch["token_level_rewards"].sum(-1), data.non_tensor_batch["uid"], data.batch["response_mask"]
+    )
+    res = DPPOFilter(**kw).select(scored)
+    if res.kept.numel() == 0 or len(data) < multiple:
+        return
+    kept_data, sel = filtering.filter_data_proto(
+        data, filtering.build_filter("dppo", kw), multiple_of=multiple, options=opts
+    )
+    k, n = len(kept_data), len(data)
+    assert k % multiple == 0 and set(res.kept.tolist()) <= set(sel.kept.tolist())
+    w = dict(zip(res.kept.tolist(), res.weights.tolist()))
+    for j, row in enumerate(sel.kept.tolist()):
+        want = float(scored.advantages[row]) * w.get(row, 0.0) * k / n
+        adv = kept_data.batch["advantages"][j]
+        torch.testing.assert_close(adv, want * kept_data.batch["response_mask"][j].to(adv.dtype))
+    assert sel.metrics["grpo_parts/filter/weighted_rows"] == res.kept.numel()
+
+
+def test_legacy_dppo_refuses_verls_default_token_mean():
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": torch.tensor([[1.0], [0.0]]), "response_mask": torch.ones(2, 1)},
+        non_tensors={"uid": np.array(["a", "a"], dtype=object)},
+    )
+    with pytest.raises(ValueError, match="loss_agg_mode='token-mean'"):
+        filtering.filter_data_proto(data, filtering.build_filter("dppo"))

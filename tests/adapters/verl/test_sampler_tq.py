@@ -199,3 +199,82 @@ def test_kept_rows_fill_whole_mini_batches_on_two_ranks(store):
     refused = dp_config("+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.target_rows=6")
     with pytest.raises(ValueError, match="target_rows: expected a multiple of 4"):
         PPOTrainer._build_replay_buffer(trainer_stub(refused, rollout))
+
+
+class SpreadRollouts(Rollouts):
+    """Rewards that spread within groups, so that a weighted filter (dppo) has rows to drop."""
+
+    REWARDS = ([1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.0] * N, [1.0, 1.0, 0.0, 1.0])
+
+
+DPPO_KW = {"pruning_rate": 0.5, "min_keep_prob": 0.2, "seed": 2}
+
+
+def test_dppo_trains_each_kept_row_times_its_weight_over_the_rolled_out_rows(store):
+    """The weighted ``dppo`` filter through the custom-sampler seam: no rounding (verl pads the draw
+    with no-op rows itself), and every kept row trains on ``A x 1/p x K'/N`` -- ``K'`` the padded kept
+    rows, ``N`` the rolled-out rows -- since verl divides each mini-batch by its fixed row count."""
+    from grpo_parts_adapters.verl.filtering import SEQ_ADV_FIELD
+
+    from grpo_parts.core import AdvantageConfig, group_advantages
+    from grpo_parts.filter.dppo import DPPOFilter
+    from grpo_parts.types import ScoredBatch
+
+    cfg = dp_config("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "trainer.n_gpus_per_node=1",
+                    name="dppo", kwargs=DPPO_KW)  # fmt: skip
+    rollout = SpreadRollouts("w")
+    stub = trainer_stub(cfg, rollout)
+    buffer = PPOTrainer._build_replay_buffer(stub)
+    rollout.submit(4)
+    batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=4)
+    k = len(batch.keys)
+    assert metrics["grpo_parts/filter/weighted_rows"] == k and 0 < k < 4 * N
+    stored = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=[SEQ_ADV_FIELD])
+    batch = PPOTrainer._balance_batch(stub, batch, metrics)  # verl pads to ppo_mini_batch_size x n = 4
+    padded = len(batch.keys)
+    assert padded % 4 == 0 and padded - k == sum(t.get("is_padding", False) for t in batch.tags)
+    batch = PPOTrainer._compute_advantage(stub, batch, metrics)
+    data = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["advantages", "rm_scores"])
+    # the filter's own probabilities on the same scored batch
+    r = torch.tensor([x for i in range(4) for x in SpreadRollouts.REWARDS[i]])
+    gi = torch.arange(4).repeat_interleave(N)
+    a = group_advantages(r, gi, AdvantageConfig(norm="group", unbiased_std=True, eps=1e-6))
+    p = DPPOFilter(**DPPO_KW).inclusion_probs(ScoredBatch(r, a, gi))
+    c = padded / (4 * N)
+    for key, tag, adv, score in zip(
+        batch.keys, batch.tags, data["advantages"].unbind(), data["rm_scores"].unbind()
+    ):
+        if tag.get("is_padding"):
+            assert torch.all(adv == 0)
+            continue
+        prompt = int(key.split("x")[0][1:])
+        row = prompt * N + SpreadRollouts.REWARDS[prompt].index(float(score.sum()))  # same reward: same A, p
+        want = float(a[row] / p[row] * c)
+        torch.testing.assert_close(adv, torch.full_like(adv, want), rtol=1e-5, atol=1e-6)
+    want_stored = sorted(
+        float(v) for v in stored[SEQ_ADV_FIELD].reshape(-1)
+    )  # what the trainer mode restores
+    got = sorted(
+        float(d[0]) for t, d in zip(batch.tags, data["advantages"].unbind()) if not t.get("is_padding")
+    )
+    assert want_stored == pytest.approx(got, rel=1e-5, abs=1e-6)
+    assert not advantage._FULL_GROUPS
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ((), "actor.loss_agg_mode='token-mean'"),  # verl's default
+        (("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.use_kl_loss=True"),
+         "actor.use_kl_loss=True"),
+        (("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+          "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill=True"), "refill=True: a weighted filter"),
+    ],
+)  # fmt: skip
+def test_dppo_is_refused_where_verl_cannot_keep_it_unbiased(store, extra, needle):
+    from grpo_parts.errors import NotSupportedError
+
+    cfg = dp_config(*extra, "trainer.n_gpus_per_node=1", name="dppo", kwargs=DPPO_KW)
+    with pytest.raises(NotSupportedError) as e:
+        PPOTrainer._build_replay_buffer(trainer_stub(cfg, SpreadRollouts("r")))
+    assert needle in str(e.value) and "\n" not in str(e.value)

@@ -22,14 +22,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...compat import accepts_logits_to_keep, select_attention
+from ...compat import accepts_logits_to_keep, config_values, select_attention
 from ...core import token_logprobs
 from ...errors import GRPOPartsError, NotSupportedError
+from ...wrappers import calls_through, inner_model, model_name
 from ..protocol import PLAN_ATTENTION_CALLS, PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch, LogprobOutput
 from ..reference import entropy_from_logits
 from .chunking import chunk_plan, empty_call_batch, rank_consistent_plan
 from .grouped_forward import KERNEL_NAME, grouped_forward, probe_reasons, register_attention
-from .guard import architecture_reasons, position_tables, text_config
+from .guard import any_value, architecture_reasons, model_kind, position_tables, refusing, text_config
 from .layout import build_grouped_inputs, ungroup_logits
 from .layout_choice import auto_costs, choose_layout
 from .padding_free import LAYOUTS, build_padding_free_inputs, padding_free_tokens
@@ -52,9 +53,10 @@ def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
     """``(the model whose forward gets our keyword arguments, reasons)``. A PEFT model with a weight
     adapter (LoRA and the like) passes ``logits_to_keep``, ``position_ids`` and the layout keyword
     unchanged to its base model; prompt-learning adapters add virtual tokens and activated LoRA looks
-    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout. FSDP1's
-    wrapper passes every keyword argument on to the module it wraps (verl's ``strategy=fsdp``)."""
-    model = getattr(model, "_fsdp_wrapped_module", model)
+    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout. DDP,
+    FSDP1 and DeepSpeed's engine pass every keyword argument on to the module they wrap
+    (:func:`~grpo_parts.wrappers.inner_model`)."""
+    model = inner_model(model)
     get_base = getattr(model, "get_base_model", None)
     cfg = getattr(model, "active_peft_config", None)
     if not callable(get_base) or cfg is None:
@@ -120,24 +122,35 @@ class SharedPrefixAttention:
     # ------------------------------------------------------------------------------ capabilities
 
     def _model_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None) -> list[str]:
+        """:meth:`_static_reasons`; a check that itself fails (a config this code cannot read) is a
+        reason, never an exception."""
+        try:
+            return self._static_reasons(model, batch)
+        except (GRPOPartsError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            return [f"model: {model_kind(model)}: the capability check failed: {type(e).__name__}: {e}"]
+
+    def _static_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None) -> list[str]:
         cfg = getattr(model, "config", None)
         if cfg is None:
-            return [f"model: expected a transformers causal LM with .config, got {type(model).__name__}"]
-        if getattr(cfg, "is_encoder_decoder", False):
+            return [f"model: expected a transformers causal LM with .config, got {model_name(model)}"]
+        if any_value(cfg, "is_encoder_decoder"):
             return [f"model: encoder-decoder models ({cfg.model_type}) are not supported"]
         tc = text_config(model)
         out = []
-        if not getattr(tc, "is_causal", True) or getattr(tc, "use_bidirectional_attention", False):
+        if not all(config_values(tc, "is_causal", True)) or any_value(tc, "use_bidirectional_attention"):
             out.append(f"model: {tc.model_type} uses bidirectional attention")
         base, peft_reasons = _through_peft(model)
         out += peft_reasons
         if not accepts_logits_to_keep(base):
-            out.append(f"model: {type(base).__name__}.forward has no logits_to_keep argument")
+            out.append(f"model: {model_name(base)}.forward has no logits_to_keep argument")
         out += architecture_reasons(model, base)
-        window = getattr(tc, "sliding_window", None)
+        windows = [w for w in config_values(tc, "sliding_window") if isinstance(w, int)]
+        window = min(windows) if windows else None  # (per layer in a heterogeneous config)
         uses_window = window is not None and (
-            getattr(tc, "use_sliding_window", True)
-            or "sliding_attention" in (getattr(tc, "layer_types", None) or [])
+            any_value(tc, "use_sliding_window", True)
+            or "sliding_attention" in (config_values(tc, "layer_types")[0] or [])
         )
         tables = position_tables(base)
         if batch is not None and (tables or uses_window):  # (a host sync: only where it can matter)
@@ -151,14 +164,14 @@ class SharedPrefixAttention:
                 out.append(
                     f"model: sliding window {window} < longest sequence ({span} tokens) is not implemented"
                 )
-        if model.training and float(getattr(tc, "attention_dropout", 0.0) or 0.0) > 0.0:
+        if model.training and any(float(v or 0.0) > 0.0 for v in config_values(tc, "attention_dropout", 0.0)):
             out.append(
                 "model: attention dropout > 0 in training mode (randomness cannot match the reference)"
             )
         return out
 
     def _softcap(self, model: torch.nn.Module) -> bool:
-        return getattr(text_config(model), "attn_logit_softcapping", None) is not None
+        return any(v is not None for v in config_values(text_config(model), "attn_logit_softcapping"))
 
     def _sinks(self, model: torch.nn.Module) -> bool:
         """Attention sinks (gpt-oss and others: a ``sinks`` tensor on the attention modules)."""
@@ -202,7 +215,8 @@ class SharedPrefixAttention:
         """Why this backend cannot run ``model`` (and ``batch``); empty = supported. With ``probe``
         (the constructor's, default True) a model that passes the static checks is run once on a
         one-token probe (cached per model, :func:`probe_reasons`) to prove that the layout reaches
-        every decoder layer."""
+        every decoder layer. ``model`` may be wrapped (DDP, FSDP1, DeepSpeed: :mod:`grpo_parts.wrappers`)."""
+        model = calls_through(model)
         out = self._model_reasons(model, batch)
         if out:
             return out
@@ -224,10 +238,13 @@ class SharedPrefixAttention:
     ) -> tuple[str, str, list[torch.Tensor], dict[str, Any]]:
         """``(layout, why, grid chunks, grid plan info)``: what :meth:`completion_logprobs` runs for
         ``batch`` (before the ranks agree on the number of calls); adapters ask it to plan alike."""
+        model = calls_through(model)
         kernel = kernel or self.choose_kernel(model)
-        chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self.chunk_limit(model))
-        costs = auto_costs(batch, chunks, info[PLAN_GRID_SLOTS], text_config(model), kernel, self.varlen)
-        return (*choose_layout(self.layout, *costs), chunks, info)
+        with refusing("planning the grids", model):
+            chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self.chunk_limit(model))
+        with refusing("choosing the layout", model):
+            costs = auto_costs(batch, chunks, info[PLAN_GRID_SLOTS], text_config(model), kernel, self.varlen)
+            return (*choose_layout(self.layout, *costs), chunks, info)
 
     # ------------------------------------------------------------------------------------- compute
 
@@ -238,22 +255,18 @@ class SharedPrefixAttention:
         temperature: float = 1.0,
         compute_entropy: bool = False,
     ) -> LogprobOutput:
+        """Log-probs (and entropies) of ``batch``'s completions, equal to the reference's. ``model``
+        may be wrapped (DDP, FSDP1, DeepSpeed's engine): the inner model is inspected, every forward
+        runs through the wrapper (:mod:`grpo_parts.wrappers`). A model the capability check accepts
+        either computes or raises :class:`NotSupportedError` naming the stage that failed
+        (:func:`.guard.refusing`), never a raw exception."""
+        model = calls_through(model)
         reasons = self._model_reasons(model, batch)
         if reasons:
             raise NotSupportedError("shared_prefix", reasons)
         kernel = self.choose_kernel(model)
         register_attention()
-        device = batch.group_index.device
-        layout, why, chunks, info = self.layout_for(model, batch, kernel)
-        free = padding_free_tokens(batch)
-        if layout == "padding_free":  # one call; grid_slots stays: what the grid would have run
-            chunks, info = [torch.arange(batch.group_index.numel(), device=device)], {**info, PLAN_CHUNKS: 1}
-        chunks, self.last_plan, empty = rank_consistent_plan(
-            batch, self.chunk_overhead_tokens, self.chunk_limit(model), self.rank_group, device,
-            planned=(chunks, info), replan=layout == "grid",
-        )  # fmt: skip
-        self.last_plan.update(layout=layout, layout_choice=why, padding_free_tokens=free)
-        self.layout_counts[layout] += 1
+        layout, chunks, empty = self._plan(model, batch, kernel)
         if len(chunks) == 1 and not empty:
             return self._one_grid(model, batch, temperature, compute_entropy, kernel, None, layout)
         # rows of different groups never attend to each other: one grid per chunk, then un-permute;
@@ -271,12 +284,33 @@ class SharedPrefixAttention:
             )
             for _ in range(empty)
         )
-        back = torch.argsort(torch.cat(chunks))
-        logps = torch.cat([o.logprobs for o in outs])[back] + zero
-        if not compute_entropy:
-            return LogprobOutput(logps, None)
-        ents = torch.cat([o.entropies for o in outs if o.entropies is not None])[back]
-        return LogprobOutput(logps, ents + zero)
+        with refusing("un-grouping the grids", model):
+            back = torch.argsort(torch.cat(chunks))
+            logps = torch.cat([o.logprobs for o in outs])[back] + zero
+            if not compute_entropy:
+                return LogprobOutput(logps, None)
+            ents = torch.cat([o.entropies for o in outs if o.entropies is not None])[back]
+            return LogprobOutput(logps, ents + zero)
+
+    def _plan(self, model: Any, batch: LogprobBatch, kernel: str) -> tuple[str, list[torch.Tensor], int]:
+        """``(layout, row indices of each grid, empty calls)`` on which the ranks agree; sets
+        :attr:`last_plan` and counts the layout."""
+        device = batch.group_index.device
+        layout, why, chunks, info = self.layout_for(model, batch, kernel)
+        with refusing("planning the grids", model):
+            free = padding_free_tokens(batch)
+            if layout == "padding_free":  # one call; grid_slots stays: what the grid would have run
+                chunks, info = (
+                    [torch.arange(batch.group_index.numel(), device=device)],
+                    {**info, PLAN_CHUNKS: 1},
+                )
+            chunks, self.last_plan, empty = rank_consistent_plan(
+                batch, self.chunk_overhead_tokens, self.chunk_limit(model), self.rank_group, device,
+                planned=(chunks, info), replan=layout == "grid",
+            )  # fmt: skip
+        self.last_plan.update(layout=layout, layout_choice=why, padding_free_tokens=free)
+        self.layout_counts[layout] += 1
+        return layout, chunks, empty
 
     def chunk_limit(self, model: torch.nn.Module) -> int:
         """``max_chunks``, or 8 for ``None``. Under FSDP/ZeRO/DDP every forward runs collectives; the
@@ -293,19 +327,35 @@ class SharedPrefixAttention:
         max_position: int | None,
         layout: str = "grid",
     ) -> LogprobOutput:
-        ctx = getattr(text_config(model), "max_position_embeddings", None)
+        ctxs = [c for c in config_values(text_config(model), "max_position_embeddings") if isinstance(c, int)]
+        ctx = min(ctxs) if ctxs else None
+        with refusing("building the layout", model):
+            if layout == "padding_free":
+                grouped = build_padding_free_inputs(
+                    batch, max_positions=ctx, kernel=kernel, max_position=max_position, varlen=self.varlen
+                )
+            else:
+                grouped = build_grouped_inputs(
+                    batch, max_positions=ctx, kernel=kernel, chunk_elems=self.chunk_elems,
+                    suffix_flash_min=self.suffix_flash_min, max_position=max_position,
+                )  # fmt: skip
+        kept = grouped_forward(model, grouped)  # raises NotSupportedError for what the model breaks
+        with refusing("un-grouping the logits", model):
+            logits = ungroup_logits(kept, grouped)  # [N, S, V]
+            return self._grid_output(batch, logits, grouped, layout, temperature, compute_entropy)
+
+    def _grid_output(
+        self,
+        batch: LogprobBatch,
+        logits: torch.Tensor,
+        grouped: Any,
+        layout: str,
+        temperature: float,
+        compute_entropy: bool,
+    ) -> LogprobOutput:
+        """One grid's log-probs (and entropies) from its un-grouped ``logits: [N, S, V]``."""
         if layout == "padding_free":
-            grouped = build_padding_free_inputs(
-                batch, max_positions=ctx, kernel=kernel, max_position=max_position, varlen=self.varlen
-            )
-        else:
-            grouped = build_grouped_inputs(
-                batch, max_positions=ctx, kernel=kernel, chunk_elems=self.chunk_elems,
-                suffix_flash_min=self.suffix_flash_min, max_position=max_position,
-            )  # fmt: skip
-        logits = ungroup_logits(grouped_forward(model, grouped), grouped)  # [N, S, V]
-        if layout == "padding_free":
-            masks = grouped.layout.masks  # type: ignore[union-attr]
+            masks = grouped.layout.masks
             self.attention_calls.update(masks.calls)
             calls = self.last_plan.setdefault(PLAN_ATTENTION_CALLS, Counter())
             calls.update(masks.calls)

@@ -27,35 +27,25 @@ from typing import Any
 
 import torch
 
+from ...wrappers import agree_max, ranks_of
 from ..protocol import PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch
+
+# ranks_of and agree_max live in grpo_parts.wrappers (the samplers use them too); re-exported here
+__all__ = [
+    "MAX_PLANNED_GROUPS",
+    "MAX_SPLIT_ROWS",
+    "agree_max",
+    "agree_on_calls",
+    "chunk_plan",
+    "empty_call_batch",
+    "group_sizes",
+    "rank_consistent_plan",
+    "ranks_of",
+    "split_long_tails",
+]
 
 #: above this many groups the plan is not searched (one grid): the search is O(chunks x groups^2)
 MAX_PLANNED_GROUPS = 1024
-
-
-def ranks_of(group: Any = None) -> int:
-    """Processes in ``group`` (default: every process) that must agree on the number of model calls;
-    1 when torch.distributed is not initialised."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return int(dist.get_world_size(group))
-
-
-def agree_max(values: list[int], group: Any = None, device: torch.device | None = None) -> list[int]:
-    """The element-wise largest ``values`` over the ranks of ``group`` (one all-reduce; ``values``
-    itself on one process). The tensor lives on the CPU for gloo/MPI groups, on ``device`` otherwise
-    (NCCL)."""
-    if ranks_of(group) <= 1:
-        return list(values)
-    dist = torch.distributed
-    name = str(dist.get_backend(group))
-    on = torch.device("cpu") if ("gloo" in name or "mpi" in name or device is None) else device
-    if on.type == "cuda" and on.index is None:
-        on = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor(values, dtype=torch.long, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [int(v) for v in t.tolist()]
 
 
 def agree_on_calls(count: int, group: Any = None, device: torch.device | None = None) -> int:

@@ -14,8 +14,9 @@ import torch
 
 from ...compat import register_attention_function, select_attention
 from ...errors import GRPOPartsError, NotSupportedError
+from ...wrappers import inner_model, ranks_of, sharding
 from ..protocol import LogprobBatch
-from .guard import layout_shortfall, text_config
+from .guard import layout_shortfall, model_kind
 from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs
 
 #: name under which the attention function is registered with transformers
@@ -59,10 +60,9 @@ def grouped_forward(model: torch.nn.Module, grouped: GroupedInputs) -> torch.Ten
     except (GRPOPartsError, torch.OutOfMemoryError):
         raise  # our own refusals name their cause already; running out of memory is not the architecture
     except Exception as e:  # noqa: BLE001 - whatever the layout breaks inside a model is a refusal
-        kind = f"{type(model).__name__} ({getattr(text_config(model), 'model_type', '?')})"
         raise NotSupportedError(
             "shared_prefix",
-            [f"model: {kind} failed under the shared-prefix layout: {type(e).__name__}: {e}"],
+            [f"model: {model_kind(model)} failed under the shared-prefix layout: {type(e).__name__}: {e}"],
         ) from e
     shortfall = layout_shortfall(model, grouped.layout.receipts)
     if shortfall:
@@ -71,15 +71,11 @@ def grouped_forward(model: torch.nn.Module, grouped: GroupedInputs) -> torch.Ten
 
 
 def _sharded(model: torch.nn.Module) -> bool:
-    """Whether a forward needs other processes (ZeRO-3 / FSDP / a process group): then the probe is
-    left to the first real forward, which every rank runs."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    """Whether a forward needs other processes (ZeRO-3 / FSDP / a process group) or has no weights
+    here (meta): then the probe is left to the first real forward, which every rank runs."""
+    if ranks_of() > 1 or sharding(model) is not None:
         return True
-    return any(
-        p.device.type == "meta" or hasattr(p, "ds_id") or type(p).__name__ == "DTensor"
-        for p in model.parameters()
-    )
+    return any(p.device.type == "meta" for p in model.parameters())
 
 
 def probe_reasons(model: torch.nn.Module) -> list[str]:
@@ -87,8 +83,9 @@ def probe_reasons(model: torch.nn.Module) -> list[str]:
     kernel (``eager``, no grad, eval mode; the modules' training flags are restored) and return why
     the layout did not reach every decoder layer (empty: it did). Cached per model; skipped (``[]``)
     for a model sharded across processes, where the first real forward checks the same."""
-    if model in _PROBED:
-        return _PROBED[model]
+    key = inner_model(model)  # (``model`` may be a fresh CallsThrough view of it)
+    if key in _PROBED:
+        return _PROBED[key]
     if _sharded(model):
         return []
     register_attention()
@@ -103,9 +100,9 @@ def probe_reasons(model: torch.nn.Module) -> list[str]:
             grouped_forward(model, grouped)
         reasons: list[str] = []
     except GRPOPartsError as e:  # NotSupportedError included: _grouped_forward names the cause
-        reasons = getattr(e, "reasons", None) or [f"model: {type(model).__name__}: {e}"]
+        reasons = getattr(e, "reasons", None) or [f"model: {model_kind(model)}: {e}"]
     finally:
         for m, t in flags:
             m.training = t
-    _PROBED[model] = reasons
+    _PROBED[key] = reasons
     return reasons

@@ -22,12 +22,18 @@ attention layer that receives the layout. Three checks, from cheapest to stronge
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from ...compat import config_values, kv_shared_through_cache
+from ...errors import GRPOPartsError, NotSupportedError
+from ...wrappers import inner_model, model_name
 
 #: ``layout_types`` entries the layout is exact for (``sparse``/``dense`` are MLP layer types)
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "sparse", "dense"})
@@ -41,14 +47,20 @@ def text_config(model: torch.nn.Module) -> Any:
     return get() if callable(get) else cfg
 
 
+def any_value(config: Any, key: str, default: Any = None) -> bool:
+    """Whether ``key`` is truthy on any decoder layer of ``config`` (a per-layer config's values,
+    or the global one: :func:`~grpo_parts.compat.config_values`)."""
+    return any(bool(v) for v in config_values(config, key, default))
+
+
 def _alibi(tc: Any) -> bool:
-    attn_cfg = getattr(tc, "attn_config", None)  # mpt
+    attn_cfg = config_values(tc, "attn_config")[0]  # mpt
     mpt_alibi = attn_cfg.get("alibi") if isinstance(attn_cfg, dict) else getattr(attn_cfg, "alibi", False)
     return bool(
-        getattr(tc, "model_type", None) == "bloom"
-        or getattr(tc, "alibi", False)
+        "bloom" in config_values(tc, "model_type")
+        or any_value(tc, "alibi")
         or mpt_alibi
-        or getattr(tc, "position_embedding_type", None) == "alibi"
+        or "alibi" in config_values(tc, "position_embedding_type")
     )
 
 
@@ -78,8 +90,9 @@ def rotary_reasons(model: torch.nn.Module, kind: str) -> list[str]:
     """Rotary embeddings whose cos/sin could differ between the grid and the reference: one that takes
     no ``position_ids`` (its tables follow the sequence length, which the grid changes) or has a rope
     type outside :data:`KNOWN_ROPE_TYPES`. Cached per model."""
-    if model in _ROTARY:
-        return _ROTARY[model]
+    key = inner_model(model)
+    if key in _ROTARY:
+        return _ROTARY[key]
     out = []
     for name, mod in model.named_modules():
         if "Rotary" not in type(mod).__name__:
@@ -97,7 +110,7 @@ def rotary_reasons(model: torch.nn.Module, kind: str) -> list[str]:
                 f"{where} has rope_type {unknown}, not known to depend only on the position ids and the "
                 "forward's largest position id"
             )
-    _ROTARY[model] = out
+    _ROTARY[key] = out
     return out
 
 
@@ -110,8 +123,9 @@ def position_tables(model: torch.nn.Module) -> list[tuple[str, int]]:
     other than the token embeddings: GPT-2's ``wpe``, OPT's ``embed_positions`` less its ``offset``).
     The layout never gives a position beyond the batch's longest row, so a batch fits when its
     longest row fits every table. Cached per model."""
-    if model in _TABLES:
-        return _TABLES[model]
+    key = inner_model(model)
+    if key in _TABLES:
+        return _TABLES[key]
     get = getattr(model, "get_input_embeddings", None)
     tokens = get() if callable(get) else None
     out = []
@@ -123,7 +137,7 @@ def position_tables(model: torch.nn.Module) -> list[tuple[str, int]]:
             and (last == "wpe" or "position" in last)
         ):
             out.append((name, mod.num_embeddings - int(getattr(mod, "offset", 0) or 0)))
-    _TABLES[model] = out
+    _TABLES[key] = out
     return out
 
 
@@ -131,14 +145,14 @@ def architecture_reasons(model: torch.nn.Module, base: torch.nn.Module) -> list[
     """Model features the grid layout cannot compute exactly, from config and modules (no forward).
     ``base``: the model whose ``forward`` gets the backend's keyword arguments (below a PEFT wrapper)."""
     tc = text_config(model)
-    kind = f"{type(base).__name__} ({getattr(tc, 'model_type', '?')})"
+    kind = f"{model_name(base)} ({config_values(tc, 'model_type', '?')[0]})"
     out = []
     if _alibi(tc):
         out.append(
             f"model: {kind} uses ALiBi positional bias, which transformers builds from the row's token "
             "indices and attention mask, not each sequence's positions: not implemented"
         )
-    other = sorted(set(getattr(tc, "layer_types", None) or []) - SUPPORTED_LAYER_TYPES)
+    other = sorted(set(config_values(tc, "layer_types")[0] or []) - SUPPORTED_LAYER_TYPES)
     if other:
         out.append(
             f"model: {kind} has layer types {other}; only full and sliding-window attention layers are "
@@ -151,20 +165,27 @@ def architecture_reasons(model: torch.nn.Module, base: torch.nn.Module) -> list[
             f"model: {kind} mixes tokens outside attention ({', '.join(mixers[:2])}{more}): that state "
             "would carry one completion into the next"
         )
-    if getattr(tc, "attn_temperature_tuning", False):
+    if any_value(tc, "attn_temperature_tuning"):
         out.append(
             f"model: {kind} scales attention by the token's row index (attn_temperature_tuning), not "
             "its position in its own sequence: not implemented"
         )
+    shared = kv_shared_through_cache(model)
+    if shared:
+        out.append(
+            f"model: {kind}: layers reuse earlier layers' keys and values through the KV cache "
+            f"({', '.join(shared[:2])}{' and more' if len(shared) > 2 else ''}; transformers 4.x), and "
+            "the shared-prefix forward runs without a cache: they would compute their own"
+        )
     out += rotary_reasons(model, kind)
     if "position_ids" not in inspect.signature(base.forward).parameters:
-        out.append(f"model: {type(base).__name__}.forward has no position_ids argument")
+        out.append(f"model: {model_name(base)}.forward has no position_ids argument")
     return out
 
 
 def decoder_layer_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
     """Every ``ModuleList`` with ``num_hidden_layers`` entries (the decoder layers are one of them)."""
-    n = getattr(text_config(model), "num_hidden_layers", None)
+    n = config_values(text_config(model), "num_hidden_layers")[0]
     if not n:
         return []
     return [
@@ -180,9 +201,9 @@ def layout_shortfall(model: torch.nn.Module, receipts: Any) -> list[str]:
     otherwise why not, naming the model class and the first layer without it."""
     lists = decoder_layer_lists(model)
     if not lists:
-        n = getattr(text_config(model), "num_hidden_layers", None)
+        n = config_values(text_config(model), "num_hidden_layers")[0]
         return [
-            f"model: {type(model).__name__} has no ModuleList of num_hidden_layers={n} decoder layers, so "
+            f"model: {model_name(model)} has no ModuleList of num_hidden_layers={n} decoder layers, so "
             "the shared-prefix layout's arrival in every attention layer cannot be checked"
         ]
     got = {id(m) for m in receipts}
@@ -197,9 +218,43 @@ def layout_shortfall(model: torch.nn.Module, receipts: Any) -> list[str]:
     name, layers, missing = best
     i = missing[0]
     return [
-        f"model: {type(model).__name__}: layer {i} ({name}.{i}, {type(layers[i]).__name__}) ran without "
+        f"model: {model_name(model)}: layer {i} ({name}.{i}, {type(layers[i]).__name__}) ran without "
         f"the shared-prefix layout ({len(missing)} of {len(layers)} layers without it, "
         f"{len(receipts)} attention calls with it): its decoder layer does not pass keyword arguments to "
         "its attention, or its attention does not dispatch through transformers' AttentionInterface, "
         "so it would attend across the whole grouped row"
     ]
+
+
+def model_kind(model: Any) -> str:
+    """``"Qwen2ForCausalLM (qwen2)"``: the inner model's class and ``model_type``, for reasons."""
+    try:
+        kind = config_values(text_config(model), "model_type", "?")[0]
+    except Exception:  # noqa: BLE001 - no config at all
+        kind = "?"
+    return f"{model_name(model)} ({kind})"
+
+
+#: exceptions :func:`refusing` lets through: our own, running out of memory, a failed collective
+PASSING_ERRORS: tuple[type[BaseException], ...] = (
+    GRPOPartsError,
+    torch.OutOfMemoryError,
+    *((torch.distributed.DistError,) if hasattr(torch.distributed, "DistError") else ()),
+)
+
+
+@contextlib.contextmanager
+def refusing(stage: str, model: Any) -> Iterator[None]:
+    """Turn an unexpected exception of a ``stage`` of the shared-prefix call (the capability
+    check, the layout choice, the plan, building the layout, the forward, un-grouping) into a
+    :class:`~grpo_parts.errors.NotSupportedError` that names the model, the stage and the cause: a
+    model the capability check accepted must never crash the backend with a raw ``TypeError``.
+    Our own errors, running out of memory and failed collectives (not the architecture) pass."""
+    try:
+        yield
+    except PASSING_ERRORS:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a model's layout or config breaks is a refusal
+        raise NotSupportedError(
+            "shared_prefix", [f"model: {model_kind(model)}: {stage} failed: {type(e).__name__}: {e}"]
+        ) from e

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ...compat import config_values
 from ..protocol import LogprobBatch
 from .chunking import group_sizes
 from .padding_free import padding_free_tokens
@@ -66,21 +67,68 @@ def padding_free_cost(batch: LogprobBatch, dense: bool, eager: bool = False) -> 
     return LayoutCost(float(padding_free_tokens(batch)), scores)
 
 
+def _ints(config: Any, key: str, layers: int) -> list[int | None]:
+    """``key`` per decoder layer: a per-layer config's values, a list field's (Gemma 3n's
+    ``intermediate_size``), or the global value repeated; None where it is not a positive int."""
+    vals = config_values(config, key)
+    if len(vals) == 1 and isinstance(vals[0], (list, tuple)) and len(vals[0]) == layers:
+        vals = list(vals[0])
+    if len(vals) != layers:
+        vals = [vals[0]] * layers
+    return [v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None for v in vals]
+
+
+#: per-layer-type fields of configs that predate ``per_layer_config`` (Gemma 4 up to transformers
+#: 5.15): field -> (its value on full-attention layers, the flag that must be set for it to apply)
+FULL_ATTENTION_FIELDS = {
+    "head_dim": ("global_head_dim", None),
+    "num_key_value_heads": ("num_global_key_value_heads", "attention_k_eq_v"),
+}
+
+
+def layer_sizes(config: Any) -> list[tuple[int, int, int, int]] | None:
+    """``(query heads, head size, key/value heads, MLP width a token runs)`` of each decoder layer,
+    from a homogeneous or heterogeneous config (:func:`~grpo_parts.compat.config_values`); None
+    when the config lacks the sizes."""
+    hidden = _ints(config, "hidden_size", 1)[0]
+    n = _ints(config, "num_hidden_layers", 1)[0] or 1
+    if hidden is None:
+        return None
+    types = config_values(config, "layer_types")[0]
+    types = list(types) if isinstance(types, (list, tuple)) and len(types) == n else [None] * n
+    cols = {k: _ints(config, k, n) for k in ("num_attention_heads", "head_dim", "num_key_value_heads")}
+    for field, (alias, gate) in FULL_ATTENTION_FIELDS.items():
+        if gate is not None and not any(config_values(config, gate)):
+            continue
+        alt = _ints(config, alias, n)
+        cols[field] = [a if t == "full_attention" and a else v for t, a, v in zip(types, alt, cols[field])]
+    ffn = [
+        m or i or 4 * hidden
+        for m, i in zip(_ints(config, "moe_intermediate_size", n), _ints(config, "intermediate_size", n))
+    ]
+    per_tok = [k or 1 for k in _ints(config, "num_experts_per_tok", n)]
+    out = []
+    for h, d, kv, f, k in zip(
+        cols["num_attention_heads"], cols["head_dim"], cols["num_key_value_heads"], ffn, per_tok
+    ):
+        if h is None:
+            return None
+        out.append((h, d or hidden // h, kv or h, f * k))
+    return out
+
+
 def score_weight(config: Any) -> float:
     """Token-equivalents of one attention score (per head and layer): a score costs ``4 H d``
     FLOPs (``q.k`` and ``p.v``, ``H`` query heads of size ``d``), a token ``2x`` a decoder layer's
-    weights (attention projections + a gated MLP; MoE: the experts a token runs). 0 (tokens only)
-    when the config lacks the sizes."""
-    hidden = getattr(config, "hidden_size", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+    weights (attention projections + a gated MLP; MoE: the experts a token runs), summed over the
+    layers (which may differ: :func:`layer_sizes`). 0 (tokens only) when the config lacks the sizes."""
+    sizes = layer_sizes(config)
+    hidden = _ints(config, "hidden_size", 1)[0]
+    if not sizes or hidden is None:
         return 0.0
-    d = getattr(config, "head_dim", None) or hidden // heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    ffn = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None)
-    ffn = (ffn or 4 * hidden) * (getattr(config, "num_experts_per_tok", None) or 1)
-    weights = hidden * d * (2 * heads + 2 * kv) + 3 * hidden * ffn
-    return 4.0 * heads * d / (2.0 * weights)
+    scores = sum(4.0 * h * d for h, d, _, _ in sizes)
+    weights = sum(hidden * d * (2 * h + 2 * kv) + 3 * hidden * f for h, d, kv, f in sizes)
+    return scores / (2.0 * weights) if weights else 0.0
 
 
 def choose_layout(

@@ -49,6 +49,8 @@ OWN_IMPLEMENTATIONS = ("sdpa", "eager")
 MIN_ROWS_PER_GROUP = 4.0
 #: ... and at least this many rows are active (below, SDPA's per-row cost is small enough)
 MIN_ROWS = 64
+#: the reason a rollout of one row per prompt gives (nothing to share)
+GROUP_SIZE_ONE = "group_size 1: no prompt is shared"
 
 
 @dataclass
@@ -191,7 +193,7 @@ def decode_kernel(model: torch.nn.Module, mode: str) -> Iterator[bool]:
 
 def decode_attention_reasons(model: torch.nn.Module, group_size: int) -> list[str]:
     """Why the shared-prompt decode attention is not used for ``model`` (empty: it is)."""
-    out = ["group_size 1: no prompt is shared"] if group_size < 2 else []
+    out = [GROUP_SIZE_ONE] if group_size < 2 else []
     return out + kernel_reasons(model)
 
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ...compat import own_attention, own_attention_function
 from ...decoding.lean_layer import ARCHITECTURES, RMS_NORMS, layer_reasons, lean_layer, rms_norm, rope_tables
 from ...errors import NotSupportedError
+from .forward_chain import ForwardChain, forward_chain
 from .model_support import sliding_window
 
 #: attention implementations the path calls (the decode kernel falls back to SDPA itself)
@@ -83,21 +84,33 @@ def _has_window(inner: Any) -> bool:
     return any(getattr(getattr(ly, "self_attn", None), "sliding_window", None) for ly in inner.layers)
 
 
+#: submodules the lean path calls as modules (their hooks and forwards run as in the model's own
+#: forward; e.g. the embedding hook transformers adds for gradient checkpointing)
+CALLED_MODULES = ("model.embed_tokens", "model.rotary_emb")
+
+
 def _module_reasons(model: Any) -> list[str]:
     """Hooks, wrapped (LoRA, quantised, sharded) projections and unexpected norms: the path reads
-    weights directly, so anything that changes a module's call would be skipped silently."""
+    weights directly, so anything that changes a module's call would be skipped silently. The
+    model's own forward may be replaced by wrappers :func:`.forward_chain.forward_chain` knows (the
+    lean path reproduces them)."""
     from torch.nn.modules import module as nn_module
 
     out: list[str] = []
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         out.append("torch: global module forward hooks are registered")
+    why = top_forward_chain(model)[1]
+    if why:  # e.g. a wrapper of the forward the lean path does not know
+        out.append(why)
     patched, hooked = [], []  # one walk over the modules (checked once per rollout)
     for n, m in model.named_modules():
-        if _replaced_forward(m):
-            patched.append(n or type(model).__name__)
+        if n in CALLED_MODULES:
+            continue
+        if n and _replaced_forward(m):  # the model's own: top_forward_chain
+            patched.append(n)
         if any(not _capturing(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())):
             hooked.append(n)
-    if patched:  # e.g. accelerate's autocast wrapper: the model's own forward must run
+    if patched:
         out.append(f"model: {patched[0]}.forward is replaced on the instance")
     if hooked:
         out.append(
@@ -108,6 +121,14 @@ def _module_reasons(model: Any) -> list[str]:
     if type(model.model.norm).__name__ not in RMS_NORMS:
         out.append("model: final norm is not an RMSNorm of the table")
     return out
+
+
+def top_forward_chain(model: Any) -> tuple[ForwardChain | None, str | None]:
+    """What the model's own (possibly instance-replaced) forward does around its class's forward
+    (:func:`.forward_chain.forward_chain`); transformers' capture wrapper counts as none."""
+    if _capturing(model.__dict__.get("forward")):
+        return ForwardChain(), None
+    return forward_chain(model)
 
 
 def _replaced_forward(m: torch.nn.Module) -> bool:
@@ -141,6 +162,9 @@ class LeanForward:
         self.model: Any = model
         self.qk_norm = ARCHITECTURES[model.config.model_type]
         self.calls = 0
+        #: what the model's own forward runs under (accelerate's autocast and float32 outputs)
+        chain = top_forward_chain(model)[0]
+        self.chain = None if chain is None or chain.plain else chain
 
     def attention_reasons(self) -> list[str]:
         """Why the current attention implementation is not served (checked per rollout: the decode
@@ -157,6 +181,17 @@ class LeanForward:
     def __call__(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
         cache: Any, need_h: bool = False, extra: dict[str, Any] | None = None,
+    ) -> LeanOutput:  # fmt: skip
+        if self.chain is None:
+            return self._forward(input_ids, attention_mask, position_ids, cache, need_h, extra)
+        with self.chain.scope():  # the autocast the model's own forward runs under
+            out = self._forward(input_ids, attention_mask, position_ids, cache, need_h, extra)
+        h = None if out.hidden_states is None else tuple(self.chain.output(x) for x in out.hidden_states)
+        return LeanOutput(self.chain.output(out.logits), h)
+
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+        cache: Any, need_h: bool, extra: dict[str, Any] | None,
     ) -> LeanOutput:  # fmt: skip
         m = self.model
         inner, cfg = m.model, m.config

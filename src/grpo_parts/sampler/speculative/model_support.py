@@ -12,6 +12,8 @@
   prompt width + ``max_new_tokens`` fits in ``W - 1`` columns: it compacts the cache (gathering
   each row's live entries to the right) before a forward would pass ``W - 1`` columns, so the
   window never drops or hides a real entry. Longer rollouts are refused with the numbers.
+* **Weights sharded across processes** (FSDP1, FSDP2, DeepSpeed ZeRO-3): refused
+  (:func:`sharded_reasons`). Whole weights under a wrapper (DDP, ZeRO-0/1/2) are served.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ...wrappers import sharding
 
 #: layer kinds whose cache holds one key/value entry per token (everything else is recurrent)
 ATTENTION_KINDS = frozenset(
@@ -96,3 +100,18 @@ def window_reason(window: int, width: int, max_new_tokens: int) -> str | None:
         f"{max_new_tokens} = {width + max_new_tokens} exceeds the {window - 1} cache columns served exactly "
         "(transformers applies the window by cache column, so draft holes would count against it past that)"
     )
+
+
+def sharded_reasons(policy: torch.nn.Module) -> list[str]:
+    """Why a policy whose weights are sharded across processes cannot be decoded speculatively: the
+    decode loop runs the policy's layers and KV caches itself, and rows finish at different steps on
+    different ranks, so the wrapper's per-forward all-gathers would not meet their peers."""
+    kind = sharding(policy)
+    if kind is None:
+        return []
+    return [
+        f"model: weights sharded by {kind}: the speculative decode loop runs the policy's layers "
+        "outside the all-gathers every sharded forward needs; decode a gathered copy (FSDP1 "
+        "summon_full_params, ZeRO-3 GatheredParameters) or use the reference sampler, whose ranks step "
+        "together"
+    ]

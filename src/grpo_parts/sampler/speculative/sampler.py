@@ -28,9 +28,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from ...compat import own_attention_selected
 from ...decoding import collector_paused
 from ...draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDraftModel
 from ...errors import NotSupportedError
+from ...wrappers import inner_model
 from .. import stats as keys
 from ..protocol import PromptBatch, Rollout, SamplingParams
 from ..reference import check_model, completion_mask_from_eos, expand_prompts
@@ -40,7 +42,8 @@ from .cost_model import AcceptanceEstimate, CostModel
 from .decode_attention import decode_attention_reasons, shared_prompt_decoding
 from .decode_loop import DecodeState
 from .lean_forward import lean_forward_for, lean_forward_reasons
-from .model_support import recurrent_reasons, sliding_window, window_reason
+from .model_support import recurrent_reasons, sharded_reasons, sliding_window, window_reason
+from .refusals import PathRefusals
 from .trace import DecodeTrace
 from .tree_cost import TreeAcceptance, TreeCost, best_tree, choose_plan, tree_step_time
 from .tree_verify import SampledTreeVerifier, TreeVerifier, verify_sampled_tree, verify_tree
@@ -51,7 +54,9 @@ __all__ = ["SpeculativeConfig", "SpeculativeSampler"]  # the config lives in spe
 
 
 class SpeculativeSampler:
-    """``SpeculativeSampler(policy, draft)``; ``generate`` follows the ``Sampler`` Protocol."""
+    """``SpeculativeSampler(policy, draft)``; ``generate`` follows the ``Sampler`` Protocol. A policy
+    wrapped by DDP or ZeRO-0/1/2 decodes with its inner model, each rank on its own; sharded weights
+    are refused (:func:`.model_support.sharded_reasons`)."""
 
     name: ClassVar[str] = "speculative"
 
@@ -64,13 +69,14 @@ class SpeculativeSampler:
         tree_verifier: TreeVerifier = verify_tree,
         sampled_tree_verifier: SampledTreeVerifier = verify_sampled_tree,
     ):
-        reasons = check_model(model) or recurrent_reasons(model)
+        reasons = check_model(model) or sharded_reasons(model) or recurrent_reasons(inner_model(model))
         if not reasons and config is not None and config.lean_forward == "on":
-            reasons = lean_forward_reasons(model)
+            reasons = lean_forward_reasons(inner_model(model))
         if reasons:
             raise NotSupportedError(self.name, reasons)
+        self.policy = model  # as given (maybe wrapped); self.model: what the decode loop runs
         self.model, self.draft, self.config, self.verifier = (
-            model,
+            inner_model(model),
             draft,
             config or SpeculativeConfig(),
             verifier,
@@ -85,6 +91,7 @@ class SpeculativeSampler:
         self.last_draft_metrics: dict[str, float] = {}
         #: why the last rollout's decode forwards ran the model's own forward (empty: the lean one)
         self.lean_forward_reasons: list[str] = []
+        self.refusals = PathRefusals()  # what the last rollout could not run, and why (logged, counted)
         self.last_trace = DecodeTrace()  # per decode step of the last rollout: rows, k, tokens, why
         #: per calibrated batch size: decisions so far, the last probe, the gap to the next one (a
         #: tail that drafts at 1 row must not reset the back-off of the 64-row steps, where one k=1
@@ -100,7 +107,7 @@ class SpeculativeSampler:
 
     # ------------------------------------------------------------------ Sampler protocol
     def not_supported_reasons(self, params: SamplingParams) -> list[str]:
-        reasons = check_model(self.model) or recurrent_reasons(self.model)
+        reasons = check_model(self.model) or sharded_reasons(self.policy) or recurrent_reasons(self.model)
         if reasons:
             return reasons
         window = sliding_window(self.model)
@@ -108,10 +115,10 @@ class SpeculativeSampler:
         return reasons + ([why] if why else []) + self.draft.not_supported_reasons(self.model, params)
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        if policy is not self.model:
-            self.model = policy
+        if policy is not self.policy:
+            self.policy, self.model = policy, inner_model(policy)
             self.cost = None  # a different module may cost differently
-        self.draft.bind_policy(policy)
+        self.draft.bind_policy(self.model)
 
     def calibrate(
         self,
@@ -172,7 +179,9 @@ class SpeculativeSampler:
         # inference_mode skips autograd bookkeeping in every decode step (as the reference sampler
         # does); its tensors cannot enter autograd, so the outputs are cloned out of it before the
         # rollout is assembled and the draft trains on it.
-        with torch.inference_mode(), collector_paused():  # (both samplers: a fair comparison)
+        # the model's own attention under a training kernel an adapter left selected (TRL generates
+        # inside its training step): the decode kernels and the lean forward select over it
+        with torch.inference_mode(), collector_paused(), own_attention_selected(self.model):
             parts = self._decode(prompts, params, generator)
         parts = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in parts)
         with torch.no_grad():
@@ -207,10 +216,8 @@ class SpeculativeSampler:
         with shared_prompt_decoding(st, why_not, self.config.decode_shared_prompt):
             # inside the kernel's block: the lean forward calls the attention selected there
             st.lean, off = lean_forward_for(model, self.config.lean_forward)
-            if off and off != self.lean_forward_reasons and self.config.lean_forward == "auto":
-                log.warning(
-                    "speculative sampler: decode forwards run the model's own forward: %s", "; ".join(off)
-                )
+            cfg = self.config
+            self.refusals.record(stats, off, cfg.lean_forward, why_not, cfg.decode_shared_prompt)
             self.lean_forward_reasons = off
             self._loop(st, params, generator, stats)
         stats[keys.LEAN_FORWARD_CALLS] = float(st.forwards["lean"])

@@ -1,0 +1,134 @@
+"""What a policy's instance-replaced ``forward`` does around its class's own forward.
+
+Trainers replace ``model.forward`` on the instance with wrappers that, for a decode forward, change
+nothing but the numeric context:
+
+* accelerate's ``Accelerator.prepare`` with mixed precision (``bf16`` / ``fp16``; TRL's default on
+  every device): ``convert_outputs_to_fp32(autocast(forward))`` -- the forward runs under a
+  ``torch.autocast`` instance and its half-precision output tensors come back as float32
+  (``accelerate.utils.operations.ConvertOutputsToFp32``);
+* TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, installed by every ``GRPOTrainer``):
+  ``_fused_forward(*args, fused_lm_head=False, ...)`` calls the forward it replaced unchanged unless
+  the caller passes ``fused_lm_head=True`` (the decode loop never does).
+
+The lean decode forward (:mod:`.lean_forward`) calls the policy's weights instead of its forward, so
+it must reproduce what such a chain does: :func:`forward_chain` walks the chain down to the class's
+forward and returns the :class:`ForwardChain` to apply (the same autocast instances entered, outputs
+converted to float32), or why it cannot (a layer it does not recognise). The layers are recognised by
+their module and qualified name, so neither accelerate nor TRL is imported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+import torch
+
+#: the wrappers' code: (file path ending, function name); matched on the code object, because
+#: ``functools.wraps`` gives the autocast decorator and TRL's head the wrapped forward's names
+_ACCELERATE_FP32 = (("accelerate", "utils", "operations.py"), "forward")
+_TORCH_AUTOCAST = (("torch", "amp", "autocast_mode.py"), "decorate_autocast")
+_TRL_FUSED_HEAD = (("trl", "trainer", "utils.py"), "_fused_forward")
+#: accelerate's output-converting class, by module and name (its instances copy the wrapped names)
+_ACCELERATE_FP32_CLASS = ("accelerate.utils.operations", "ConvertOutputsToFp32")
+#: half-precision dtypes accelerate's ``convert_to_fp32`` converts
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ForwardChain:
+    """The numeric context of a model's forward: ``autocasts`` (``torch.autocast`` instances,
+    outermost first) entered around it and whether half-precision outputs come back as float32."""
+
+    autocasts: tuple[Any, ...] = ()
+    to_fp32: bool = False
+    #: the wrappers walked through, outermost first (for messages and tests)
+    layers: tuple[str, ...] = ()
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to apply: the class's forward as it is."""
+        return not self.autocasts and not self.to_fp32
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """The autocast instances the wrappers enter, entered in the same order. The instances
+        themselves, as the wrappers re-enter them on every call (their settings, exactly)."""
+        with contextlib.ExitStack() as stack:
+            for ac in self.autocasts:
+                stack.enter_context(ac)
+            yield
+
+    def output(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the wrapped forward returns it (half precision converted to float32)."""
+        return t.float() if self.to_fp32 and t.dtype in _HALF else t
+
+
+def _code_is(fn: Any, what: tuple[tuple[str, ...], str]) -> bool:
+    """``fn`` is a plain function whose code is ``what`` (file path ending, function name)."""
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or code is None:
+        return False
+    return code.co_name == what[1] and PurePath(code.co_filename).parts[-len(what[0]) :] == what[0]
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    """A function's free variables by name (empty when it has none)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return {}
+    out = {}
+    for name, cell in zip(code.co_freevars, cells):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return out
+
+
+def _step(fn: Any) -> tuple[str, Any, Any, bool] | None:
+    """One recognised layer: ``(name, next callable, autocast or None, converts to fp32)``."""
+    free = _closure(fn)
+    if _code_is(fn, _ACCELERATE_FP32) and "model_forward" in free:
+        return "accelerate convert_outputs_to_fp32", free["model_forward"], None, True
+    cls = type(fn)
+    if (cls.__module__, cls.__qualname__) == _ACCELERATE_FP32_CLASS:
+        return "accelerate ConvertOutputsToFp32", getattr(fn, "model_forward", None), None, True
+    if _code_is(fn, _TORCH_AUTOCAST) and isinstance(free.get("autocast_instance"), torch.autocast):
+        return "torch.autocast", free.get("func"), free["autocast_instance"], False
+    if _code_is(fn, _TRL_FUSED_HEAD) and "original_forward" in free:
+        # a pass-through unless called with fused_lm_head=True (the decode loop never is)
+        return "TRL fused LM head", free["original_forward"], None, False
+    return None
+
+
+def forward_chain(model: torch.nn.Module) -> tuple[ForwardChain | None, str | None]:
+    """``(chain, None)`` when ``model``'s forward is its class's own forward, possibly under the
+    wrappers this module recognises; ``(None, why)`` otherwise."""
+    fn: Any = model.__dict__.get("forward")
+    cls_forward = type(model).forward
+    autocasts: list[Any] = []
+    to_fp32, layers = False, list[str]()
+    for _ in range(16):
+        if fn is None or fn is cls_forward:
+            return ForwardChain(tuple(autocasts), to_fp32, tuple(layers)), None
+        if isinstance(fn, types.MethodType):
+            if fn.__self__ is not model:
+                break
+            fn = fn.__func__
+            continue
+        step = _step(fn)
+        if step is None:
+            break
+        name, fn, ac, fp32 = step
+        layers.append(name)
+        if ac is not None:
+            autocasts.append(ac)
+        to_fp32 = to_fp32 or fp32
+    what = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return None, f"model: {type(model).__name__}.forward is replaced on the instance ({what})"

@@ -1,0 +1,88 @@
+"""Which kept rows each optimizer step of a rollout batch trains on, and with which loss denominators.
+
+``minibatches`` optimizer steps per rollout batch, each on whole groups (shared-prefix attention
+needs a prompt's rows together):
+
+* a plain filter: the kept groups are split into ``minibatches`` chunks, each normalised by its own
+  rows (``grpo_loss``'s defaults) -- as before;
+* a weighted filter (:class:`~grpo_parts.filter.protocol.WeighsLoss`, ``dppo``): the split is made
+  on *every rolled-out* prompt, before the draw (it does not depend on which rows were kept), and
+  each chunk's loss takes its kept rows times their weights over the chunk's full share of the
+  batch -- tokens / sequences of all its rolled-out rows, pruned ones and fully pruned groups
+  included. With one minibatch that is the whole batch's counts. A chunk whose rows were all pruned
+  has gradient 0 and is skipped (no forward, no optimizer step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..filter.allocation import FilledBatch
+from ..filter.protocol import WeighsLoss
+from .config import TrainConfig
+
+__all__ = ["LossChunk", "loss_chunks", "split_groups", "weighted_filter_reasons"]
+
+
+def split_groups(group_index: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Row indices split into ``parts`` chunks of whole groups (shared-prefix needs whole groups)."""
+    groups = torch.unique(group_index)
+    chunks = torch.tensor_split(groups, min(parts, groups.numel()))
+    return [torch.isin(group_index, c).nonzero().squeeze(-1) for c in chunks if c.numel()]
+
+
+@dataclass(frozen=True)
+class LossChunk:
+    """One optimizer step: ``rows`` of the kept batch, their importance ``weights`` and the loss
+    denominators (None: ``grpo_parts.core.grpo_loss`` counts the chunk's own rows)."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor | None = None
+    num_tokens: float | None = None
+    num_seqs: float | None = None
+
+
+def loss_chunks(filled: FilledBatch[Any], minibatches: int, count_empty: bool = False) -> list[LossChunk]:
+    """The optimizer steps of ``filled`` (not empty), see the module docstring. ``count_empty``:
+    the loss counts rows without a completion token as sequences (``LossConfig.seq_count="all"``)."""
+    ro = filled.rollout
+    assert ro is not None
+    if filled.weights is None:
+        return [LossChunk(rows) for rows in split_groups(ro.group_index, minibatches)]
+    assert filled.full_group is not None and filled.group_tokens is not None
+    seqs = filled.group_rows if count_empty else filled.group_seqs
+    assert seqs is not None
+    full_group = filled.full_group.cpu()
+    n_groups = int(filled.group_tokens.numel())
+    out = []
+    for groups in torch.tensor_split(torch.arange(n_groups), min(minibatches, n_groups)):
+        rows = torch.isin(full_group, groups).nonzero().squeeze(-1)
+        if rows.numel():
+            out.append(
+                LossChunk(
+                    rows.to(ro.group_index.device),
+                    filled.weights[rows.to(filled.weights.device)],
+                    float(filled.group_tokens[groups].sum()),
+                    float(seqs[groups].sum()),
+                )
+            )
+    return out
+
+
+def weighted_filter_reasons(filt: Any, config: TrainConfig) -> list[str]:
+    """Why ``grpo-parts train`` cannot train ``config`` unbiased with the weighted filter ``filt``
+    (empty for a plain filter): the filter's own loss check, and refill (refused: a refill round
+    and its trim depend on the random draw)."""
+    if not isinstance(filt, WeighsLoss):
+        return []
+    reasons = list(filt.loss_not_supported_reasons(config.loss))
+    if config.parts.refill:
+        reasons.append(
+            "parts.refill=true: a weighted filter keeps rows at random and weights them 1/p, and a refill "
+            "round (how many, which rows trimmed) would depend on that draw, which biases the estimate; "
+            "set parts.refill=false and size prompts_per_step for the kept rows you want"
+        )
+    return reasons

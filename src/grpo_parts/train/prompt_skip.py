@@ -1,0 +1,79 @@
+"""The trainer's side of prompt skipping (``parts.prompt_skip``): prompts drawn through a
+:class:`~grpo_parts.filter.skip_draw.PromptDraw`, and the loss chunks re-weighted for them.
+
+With a skipper that can skip (:func:`~grpo_parts.filter.skip_protocol.skips`), each refill round of
+the step draws prompts until their inclusion probabilities fill the round, rolls out only the kept
+ones, and the loss of every optimizer step takes
+
+* ``seq_weights``: each kept row's completion-filter weight (``dppo``; 1 otherwise) times its
+  prompt's ``1 / p``;
+* ``num_seqs``: the sequence count that step would use without skipping, times ``drawn / rolled
+  out`` prompts: with every rolled-out row kept (``keep_all``, or ``dppo``'s whole-batch counts)
+  that is the drawn prompts' ``drawn x G``, fixed before the draw, which makes the estimate unbiased
+  (tests/filter/test_prompt_skip.py). Token-mean losses are refused by the config (the drawn batch's
+  token count is unknown: skipped prompts are never generated).
+
+After the fill the skipper observes every rolled-out group of the step at once (one adaptation per
+step), and the step's row gets ``prompts_drawn``, ``prompts_skipped``, ``skip_rollout_tokens_saved``
+and the skipper's ``skip_*`` diagnostics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..filter.allocation import FilledBatch
+from ..filter.skip_draw import PromptDraw
+from ..filter.skip_protocol import PromptId, PromptSkipper, prompt_key, skips
+from ..task.arithmetic import Problem
+from ..types import Rollout
+from .minibatches import LossChunk
+
+__all__ = ["observe_step", "problem_key", "skip_chunks", "skipping_stream"]
+
+
+def problem_key(problem: Problem) -> PromptId:
+    """A problem's stable id: :func:`~grpo_parts.filter.skip_protocol.prompt_key` of its prompt text."""
+    return prompt_key(problem.prompt)
+
+
+def skipping_stream(
+    skipper: PromptSkipper, stream: Iterator[Problem]
+) -> tuple[Iterator[Problem], PromptDraw[Problem] | None]:
+    """``stream`` drawn through ``skipper`` (and the draw, to read after the fill), or ``stream``
+    itself when the skipper never skips (``none``)."""
+    if not skips(skipper):
+        return stream, None
+    draw = PromptDraw(skipper, stream, problem_key)
+    return draw, draw
+
+
+def skip_chunks(
+    chunks: list[LossChunk], filled: FilledBatch[Any], draw: PromptDraw[Any], count_empty: bool
+) -> list[LossChunk]:
+    """``chunks`` with each row's prompt weight multiplied in and ``num_seqs`` scaled to the drawn
+    prompts (module docstring). ``count_empty``: ``LossConfig.seq_count == "all"``."""
+    ro = filled.rollout
+    assert ro is not None and filled.full_group is not None
+    prompt_w = draw.prompt_weights()[filled.full_group.cpu()]
+    scale = draw.normaliser_scale()
+    out = []
+    for chunk in chunks:
+        rows = chunk.rows.cpu()
+        w = prompt_w[rows] if chunk.weights is None else prompt_w[rows] * chunk.weights.cpu().double()
+        seqs = chunk.num_seqs
+        if seqs is None:  # a plain filter: the chunk's own rows, as grpo_loss would count them
+            tokens = ro.completion_mask[chunk.rows].long().sum(-1)
+            seqs = float(tokens.numel() if count_empty else (tokens > 0).sum())
+        out.append(replace(chunk, weights=w.to(chunk.rows.device), num_seqs=seqs * scale))
+    return out
+
+
+def observe_step(draw: PromptDraw[Any], rollouts: list[Rollout], rewards: list[torch.Tensor]) -> None:
+    """The skipper learns from every rollout of the step (``rollouts`` and their raw ``rewards``, one
+    per round that rolled something out, in order)."""
+    draw.observe(rewards, [r.group_index for r in rollouts], [r.completion_lengths() for r in rollouts])

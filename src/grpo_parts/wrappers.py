@@ -1,0 +1,228 @@
+"""A policy under a training wrapper: the model every part *inspects* vs the module every call of it
+*goes through*.
+
+Frameworks hand the parts a wrapped policy: DDP (``DistributedDataParallel``), FSDP1
+(``FullyShardedDataParallel``), DeepSpeed's engine (ZeRO-0..3), ``DataParallel``, ``torch.compile``'s
+``OptimizedModule``; accelerate's ``prepare`` returns one of these (or, on one process, the model
+itself with an autocast-wrapped ``forward``, which needs nothing here). FSDP2 (``fully_shard``)
+changes the model's class in place and is no wrapper: the model is its own inner model.
+
+The parts read the *inner* transformers model (its config, decoder layers, attention registration,
+``forward``'s signature): :func:`inner_model`. But the wrapper's ``forward`` is not a pass-through,
+so a forward that feeds a backward must run *through* it: DDP's prepares the reducer (the gradient
+all-reduce, skipped under ``no_sync``) and broadcasts buffers; FSDP1's unshards the parameters (and
+reshards them, and reduce-scatters the gradients in backward); ``DeepSpeedEngine.forward``
+registers the hooks that start DeepSpeed's backward and, under ZeRO-3, advances the optimizer's
+``micro_step_id`` (stuck at 0, each accumulated micro-batch's gradient partition *replaced* the
+previous one). :class:`CallsThrough` is the inner model whose calls run through the wrapper; the
+attention backends run every forward through it (:func:`calls_through`).
+
+Generation (no grad) needs no gradient machinery, only the weights: :func:`generation_model`.
+
+Every forward of a model whose weights are *sharded* across processes (FSDP1 with a sharding
+strategy, FSDP2, ZeRO-3) all-gathers them: the ranks must run equally many forwards, or one waits
+forever (:func:`sharding`, :func:`agree_max`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CallsThrough",
+    "agree_max",
+    "calls_through",
+    "generation_model",
+    "inner_model",
+    "is_wrapper",
+    "model_name",
+    "ranks_of",
+    "sharding",
+    "transformers_model",
+    "wrapper_chain",
+    "wrapper_kind",
+]
+
+#: class name (anywhere in the wrapper's MRO) -> the name this module reports. Matched by name so
+#: that DeepSpeed (and its subclasses: the hybrid and pipeline engines) is never imported here.
+WRAPPERS = {
+    "DistributedDataParallel": "DDP",
+    "DataParallel": "DataParallel",
+    "FullyShardedDataParallel": "FSDP1",
+    "DeepSpeedEngine": "DeepSpeed",
+    "OptimizedModule": "torch.compile",
+}
+
+
+class CallsThrough:
+    """``model`` as a part inspects it (config, modules, ``forward``'s signature; attributes read and
+    written on it), whose *calls* run through ``wrapper`` -- the DDP / FSDP1 / DeepSpeed module
+    around it -- as the framework's own forward calls the module it holds. ``parameters()`` are the
+    wrapper's where the inner model has none of its own (FSDP1 keeps them in flat parameters)."""
+
+    def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module) -> None:
+        object.__setattr__(self, "wrapper", wrapper)
+        object.__setattr__(self, "model", model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapper(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.model, name, value)
+
+    def parameters(self, recurse: bool = True) -> Any:
+        return (p for _, p in self.named_parameters(recurse=recurse))
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        own = list(self.model.named_parameters(*args, **kwargs))
+        return iter(own) if own else self.wrapper.named_parameters(*args, **kwargs)
+
+
+def wrapper_kind(module: Any) -> str | None:
+    """What wraps ``module``'s inner model (a :data:`WRAPPERS` value; ``"calls-through"`` for a
+    :class:`CallsThrough`), or None when ``module`` is no wrapper."""
+    if isinstance(module, CallsThrough):
+        return "calls-through"
+    for cls in type(module).__mro__:
+        if cls.__name__ in WRAPPERS:
+            return WRAPPERS[cls.__name__]
+    return None
+
+
+def is_wrapper(module: Any) -> bool:
+    return wrapper_kind(module) is not None
+
+
+def _unwrap_once(module: Any) -> Any:
+    kind = wrapper_kind(module)
+    if kind == "calls-through":
+        return module.model
+    if kind == "FSDP1":
+        return module._fsdp_wrapped_module
+    if kind == "torch.compile":
+        return module._orig_mod
+    return module.module  # DDP, DataParallel, DeepSpeed's engine
+
+
+def wrapper_chain(module: Any) -> list[Any]:
+    """``module`` and every wrapper below it, outermost first; the last entry is the inner model."""
+    chain = [module]
+    while is_wrapper(chain[-1]) and len(chain) < 16:
+        chain.append(_unwrap_once(chain[-1]))
+    return chain
+
+
+def inner_model(module: Any) -> Any:
+    """The model under every wrapper of :data:`WRAPPERS` (``module`` itself when it is none). A PEFT
+    model stays a PEFT model: the parts inspect its adapter (see :func:`transformers_model`)."""
+    return wrapper_chain(module)[-1]
+
+
+def transformers_model(module: Any) -> Any:
+    """The transformers model under the wrappers and under PEFT (``get_base_model()``) -- what the
+    adapters hand the backends to inspect (``forward``'s keyword arguments: ``logits_to_keep``) --
+    or, for a module that is neither, the module a ``.module`` attribute holds."""
+    from transformers import PreTrainedModel
+
+    m = module
+    for _ in range(8):
+        if isinstance(m, PreTrainedModel):
+            return m
+        if is_wrapper(m):
+            m = _unwrap_once(m)
+        elif callable(getattr(m, "get_base_model", None)):
+            m = m.get_base_model()  # PEFT
+        elif isinstance(getattr(m, "module", None), torch.nn.Module):
+            m = m.module
+        else:
+            break
+    return m
+
+
+def calls_through(module: Any, inner: Any = None) -> Any:
+    """What a part gets as ``model``: ``inner`` (default :func:`inner_model`) called through
+    ``module`` when ``module`` wraps it (:class:`CallsThrough`), else ``module`` itself."""
+    if isinstance(module, CallsThrough) and inner is None:
+        return module
+    inner = inner_model(module) if inner is None else inner
+    return inner if inner is module else CallsThrough(module, inner)
+
+
+def model_name(module: Any) -> str:
+    """The inner model's class name (for messages: never ``CallsThrough`` or ``DistributedDataParallel``)."""
+    return type(inner_model(module)).__name__
+
+
+def sharding(module: Any) -> str | None:
+    """How ``module``'s weights are sharded across processes (``"FSDP1 FULL_SHARD"``, ``"FSDP2"``,
+    ``"DeepSpeed ZeRO-3"``), or None when every rank holds them whole (DDP, ZeRO-0/1/2, FSDP1
+    ``NO_SHARD``, one process)."""
+    for m in wrapper_chain(module)[:-1]:
+        kind = wrapper_kind(m)
+        strategy = getattr(m, "sharding_strategy", None)
+        if kind == "FSDP1" and strategy is not None and getattr(strategy, "name", "") != "NO_SHARD":
+            return f"FSDP1 {strategy.name}"
+        stage = getattr(m, "zero_optimization_stage", None)
+        if kind == "DeepSpeed" and callable(stage) and int(stage()) >= 3:
+            return "DeepSpeed ZeRO-3"
+    for p in inner_model(module).parameters():
+        if hasattr(p, "ds_id"):
+            return "DeepSpeed ZeRO-3"
+        if type(p).__name__ == "DTensor":
+            return "FSDP2"
+    return None
+
+
+def generation_model(module: Any) -> tuple[Any, bool]:
+    """``(what a sampler calls, whether the ranks must run their forwards together)``.
+
+    * weights whole on every rank (DDP, DataParallel, ZeRO-0/1/2, torch.compile, one process): the
+      inner model. Generation runs no backward, so DDP's reducer has nothing to do, and skipping
+      DDP's forward also skips its buffer broadcast -- a collective per forward that ranks decoding
+      different numbers of steps could not match. No collectives: each rank decodes on its own.
+    * FSDP1: through the wrapper, whose forward unshards the parameters (the inner modules hold
+      only flat-parameter views); sharded, the ranks step together.
+    * FSDP2 / ZeRO-3: the inner model, whose per-module hooks all-gather each module's weights; the
+      ranks step together.
+
+    "Together": a rank whose rows have all finished keeps running one-token forwards, one
+    all-reduce per step deciding when every rank is done (what ``generate(synced_gpus=True)`` does).
+    """
+    kinds = [wrapper_kind(m) for m in wrapper_chain(module)[:-1]]
+    sharded = sharding(module) is not None and ranks_of() > 1
+    if "FSDP1" in kinds:
+        return calls_through(module), sharded
+    return inner_model(module), sharded
+
+
+# ------------------------------------------------------------------------------------------ ranks
+
+
+def ranks_of(group: Any = None) -> int:
+    """Processes in ``group`` (default: every process) that must agree on the number of model calls;
+    1 when torch.distributed is not initialised."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size(group))
+
+
+def agree_max(values: list[int], group: Any = None, device: torch.device | None = None) -> list[int]:
+    """The element-wise largest ``values`` over the ranks of ``group`` (one all-reduce; ``values``
+    itself on one process). The tensor lives on the CPU for gloo/MPI groups, on ``device`` otherwise
+    (NCCL)."""
+    if ranks_of(group) <= 1:
+        return list(values)
+    dist = torch.distributed
+    name = str(dist.get_backend(group))
+    on = torch.device("cpu") if ("gloo" in name or "mpi" in name or device is None) else device
+    if on.type == "cuda" and on.index is None:
+        on = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(values, dtype=torch.long, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]

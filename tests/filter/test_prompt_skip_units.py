@@ -1,0 +1,261 @@
+"""The ``history`` prompt skipper and its draw, unit by unit: the floor, adaptivity, history across
+epochs, the round a draw hands out, the state round trip, the reference, and one-line errors."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from grpo_parts.build import build_prompt_skipper
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.filter import SKIPPERS, get_skipper_class
+from grpo_parts.filter.allocation import Refiller, fill_rollouts
+from grpo_parts.filter.reference import KeepAll, KeepEveryPrompt
+from grpo_parts.filter.skip_draw import PromptDraw
+from grpo_parts.filter.skip_history import HistorySkipper
+from grpo_parts.filter.skip_protocol import PromptSkipper, ReportsHistory, SkipDecision, prompt_key, skips
+from grpo_parts.types import Rollout
+
+ZERO = torch.tensor([1.0, 1.0])
+MIXED = torch.tensor([1.0, 0.0])
+TWO = torch.zeros(2, dtype=torch.long)
+
+
+def see(skipper: HistorySkipper, pid: int, rewards: torch.Tensor, times: int = 1) -> None:
+    for _ in range(times):
+        skipper.observe([pid], rewards, TWO, torch.tensor([4, 6]))
+
+
+def test_both_names_build_and_satisfy_the_protocol() -> None:
+    assert set(SKIPPERS) == {"none", "history"}
+    for name in SKIPPERS:
+        s = build_prompt_skipper(name)
+        assert isinstance(s, PromptSkipper) and get_skipper_class(name).name == name
+    assert isinstance(build_prompt_skipper("history"), ReportsHistory)
+    assert not skips(KeepEveryPrompt()) and skips(HistorySkipper()) and not skips(None)
+    d = KeepEveryPrompt().decide([5, 6, 7])
+    assert d.kept.tolist() == [0, 1, 2] and d.weights is None and d.skipped.numel() == 0
+
+
+def test_probability_rule_floor_and_streaks() -> None:
+    s = HistorySkipper(min_keep_prob=0.1, keep_base=0.5, base_step=0.0, min_streak=2, window=3)
+    assert s.inclusion_probability(1) == 1.0  # never seen
+    see(s, 1, ZERO)
+    assert s.inclusion_probability(1) == 1.0  # a streak of 1 < min_streak
+    see(s, 1, ZERO)
+    assert s.inclusion_probability(1) == 0.25  # 0.5 ** 2
+    see(s, 1, ZERO, times=5)
+    assert s.record(1).streak == 3 and s.inclusion_probability(1) == 0.125  # the window caps z at 3
+    s2 = HistorySkipper(min_keep_prob=0.2, keep_base=0.5, base_step=0.0)
+    see(s2, 1, ZERO, times=8)
+    assert s2.inclusion_probability(1) == 0.2  # the floor: never skipped for sure
+    see(s2, 1, MIXED)
+    assert s2.inclusion_probability(1) == 1.0  # one informative group resets it
+
+
+def test_a_draw_never_goes_below_the_floor_and_draws_at_most_n_over_it() -> None:
+    s = HistorySkipper(min_keep_prob=0.25, keep_base=0.5, base_step=0.0)
+    for pid in range(40):
+        see(s, pid, ZERO, times=6)  # every prompt at the floor
+    draw = PromptDraw(s, iter(range(40)), key=lambda x: x)
+    got = draw.take(3)
+    (r,) = draw.rounds
+    assert (
+        r.drawn == 12
+        and len(got) == 3
+        and torch.allclose(r.weights, torch.full((3,), 4.0, dtype=torch.float64))
+    )
+    assert draw.normaliser_scale() == 4.0
+
+
+def test_a_round_is_topped_up_to_n_and_the_prompt_that_does_not_fit_stays() -> None:
+    s = HistorySkipper(min_keep_prob=0.1, keep_base=0.5, base_step=0.0)
+    see(s, 0, ZERO)  # p = 0.5
+    see(s, 1, ZERO)
+    stream = iter(range(100))
+    draw = PromptDraw(s, stream, key=lambda x: x)
+    first = draw.take(3)  # 0.5 + 0.5 + 1 = 2 fits, + prompt 3 (p = 1) = 3: exactly 3
+    assert len(first) == 3 and draw.rounds[0].drawn == 4
+    second = draw.take(2)
+    assert second == [4, 5]  # nothing lost, nothing repeated
+    see(s, 6, ZERO)  # 0.5
+    third = draw.take(1)  # 0.5 fits, the next (p = 1) does not: 0.5 raised to 1
+    assert third == [6] and draw.rounds[-1].weights.tolist() == [1.0]
+    assert next(stream) == 8 and draw.take(1) == [7]  # a plain iterator: the draw holds the one read ahead
+
+
+class Peekable(Iterator[int]):
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def __next__(self) -> int:
+        self.pos += 1
+        return self.pos - 1
+
+    def peek(self) -> int:
+        return self.pos
+
+
+def test_a_stream_with_peek_keeps_its_position_exact() -> None:
+    s = HistorySkipper(min_keep_prob=0.1, base_step=0.0)
+    see(s, 2, ZERO)
+    stream = Peekable()
+    PromptDraw(s, stream, key=lambda x: x).take(2)  # 0 (1) + 1 (1) = 2: prompt 2 is peeked, not taken
+    assert stream.pos == 2
+
+
+def test_adaptivity_both_targets() -> None:
+    s = HistorySkipper(keep_base=0.5, base_step=0.1, min_base=0.2, max_base=0.8, target_share=0.5)
+    s.observe([1, 2], torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]))  # share 0.5 >= 0.5
+    assert s.base == pytest.approx(0.4)
+    s.observe([3, 4], torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]))  # share 0
+    assert s.base == pytest.approx(0.5)
+    for _ in range(10):
+        s.observe([5], ZERO, TWO)
+    assert s.base == pytest.approx(0.2)  # clamped at min_base
+    k = HistorySkipper(target="skip", target_share=0.3, keep_base=0.5, base_step=0.1)
+    k.decide([1, 2, 3])  # nothing to skip yet: skip share 0 < 0.3 -> skip more
+    k.observe([1], MIXED, TWO)
+    assert k.base == pytest.approx(0.4) and k.history_stats()["skip_share"] == 0.0
+
+
+def test_history_carries_across_epochs_of_a_cycling_stream() -> None:
+    data = [f"{i}+{i}=" for i in range(4)]
+    s = HistorySkipper(min_keep_prob=0.2, keep_base=0.5, base_step=0.0)
+    epoch = PromptDraw(s, iter(data), key=prompt_key)
+    assert epoch.take(4) == data  # epoch 1: no history, all kept
+    s.observe(
+        [prompt_key(x) for x in data],
+        torch.tensor([1.0, 0, 0, 1, 0, 0, 1, 1]),
+        torch.arange(4).repeat_interleave(2),
+        torch.tensor([3, 3, 5, 5, 7, 7, 9, 9]),
+    )
+    assert [s.inclusion_probability(prompt_key(x)) for x in data] == [1.0, 1.0, 0.5, 0.5]
+    epoch2 = PromptDraw(s, iter(data * 2), key=prompt_key)
+    got = epoch2.take(3)  # 1 + 1 + 0.5 + 0.5 = 3: all four drawn, two of them zero-variance
+    assert len(got) == 3 and epoch2.rounds[0].drawn == 4 and data[0] in got and data[1] in got
+    m = epoch2.metrics(group_size=2, fallback_length=100.0)
+    skipped = epoch2.rounds[0].skipped_ids
+    assert m["prompts_skipped"] == 1.0 and m["prompts_drawn"] == 4.0 and m["skip_history_size"] == 4.0
+    assert m["skip_rollout_tokens_saved"] == 2 * s.mean_completion_length(skipped[0])
+
+
+def test_capacity_forgets_the_least_recently_observed() -> None:
+    s = HistorySkipper(capacity=2, base_step=0.0)
+    for pid in (1, 2, 1, 3):
+        see(s, pid, ZERO)
+    assert s.record(2) is None and s.record(1) is not None and s.record(3) is not None
+
+
+def test_state_round_trips_under_weights_only() -> None:
+    s = HistorySkipper(min_keep_prob=0.1, seed=5, window=4)
+    for pid, rewards in ((1, ZERO), (2, MIXED), (3, ZERO), (1, ZERO)):
+        see(s, pid, rewards)
+    s.decide([1, 2, 3, 4], target=2)
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    buf.seek(0)
+    t = HistorySkipper(min_keep_prob=0.1, seed=99, window=4)
+    t.load_state_dict(torch.load(buf, weights_only=True))
+    assert t.base == s.base and t.history_stats() == s.history_stats()
+    assert [t.inclusion_probability(i) for i in range(5)] == [s.inclusion_probability(i) for i in range(5)]
+    assert t.record(1) == s.record(1) and t.mean_completion_length(2) == 5.0
+    a, b = s.decide([1, 2, 3, 4], target=2), t.decide([1, 2, 3, 4], target=2)
+    assert torch.equal(a.kept, b.kept) and torch.equal(a.probabilities, b.probabilities)
+    with pytest.raises(GRPOPartsError, match=r"^prompt_skip state: expected the key 'ids'"):
+        t.load_state_dict({})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"min_keep_prob": 0.0},
+            r"^prompt_skip_kwargs\.min_keep_prob: Input should be greater than 0, got 0\.0",
+        ),
+        (
+            {"min_keep_prob": 1.5},
+            r"^prompt_skip_kwargs\.min_keep_prob: Input should be less than or equal to 1",
+        ),
+        (
+            {"keep_base": 0.99},
+            r"keep_base: expected a value in \[min_base, max_base\] = \[0\.05, 0\.95\], got 0\.99",
+        ),
+        ({"min_streak": 9}, r"min_streak: expected <= window=8 \(groups remembered\), got 9"),
+        (
+            {"target": "both"},
+            r"^prompt_skip_kwargs\.target: Input should be 'zero_variance' or 'skip', got 'both'",
+        ),
+        (
+            {"windw": 3},
+            r"^prompt_skip_kwargs\.windw: prompt_skip 'history' has no argument 'windw' \(got 3\)",
+        ),
+    ],
+)
+def test_bad_kwargs_are_one_line_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(GRPOPartsError, match=message) as e:
+        build_prompt_skipper("history", kwargs=kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_inputs_are_one_line_errors() -> None:
+    with pytest.raises(
+        GRPOPartsError,
+        match=r"^prompt_skip: unknown implementation 'greso'; expected one of \['history', 'none'\]",
+    ):
+        build_prompt_skipper("greso")
+    with pytest.raises(
+        GRPOPartsError,
+        match=r"^group_index: expected values in \[0, 1\) \(positions in prompt_ids\), got range \[0, 1\]",
+    ):
+        HistorySkipper().observe([1], MIXED, torch.tensor([0, 1]))
+    with pytest.raises(GRPOPartsError, match=r"^SkipDecision.kept: expected strictly ascending positions"):
+        SkipDecision(torch.tensor([1, 0]), None, torch.ones(2, dtype=torch.float64))
+
+
+def test_fill_rollouts_draws_its_rounds_through_the_skipper() -> None:
+    """The refill hands out rounds of kept prompts; the rolled-out prompts' weights line up with
+    ``FilledBatch.full_group``."""
+    s = HistorySkipper(min_keep_prob=0.1, keep_base=0.5, base_step=0.0, seed=1)
+    for pid in (1, 2, 3):
+        see(s, pid, ZERO)
+    draw = PromptDraw(s, iter(range(1, 50)), key=lambda x: x)
+
+    def sample(batch: list[int]) -> Rollout:
+        n, g = len(batch), 2
+        ones = torch.ones(n * g, 2, dtype=torch.long)
+        return Rollout(ones, ones, ones, ones, torch.zeros(n * g, 2), torch.arange(n).repeat_interleave(g), n)
+
+    def reward(batch: list[int], ro: Rollout) -> torch.Tensor:
+        return torch.tensor([float(batch[int(g)] % 2) + 0.1 * i for i, g in enumerate(ro.group_index)])
+
+    filled = fill_rollouts(
+        KeepAll(), Refiller(target_size=8, initial_prompts=4, max_rounds=1), draw, sample, reward
+    )
+    (r,) = draw.rounds
+    assert len(filled.prompts) == 4 and r.drawn == 5  # 0.5 x 3 + 1 + 1 = 3.5, + prompt 5 = 4.5 > 4
+    assert filled.full_group is not None
+    w = draw.prompt_weights()[filled.full_group]
+    assert w.numel() == 8 and torch.equal(w, r.weights.repeat_interleave(2))
+    # 0.5 x 3 + 1 + 1 = 3.5 raised to 4: the three to 2/3 (weight 1.5), the fresh two stay at 1
+    assert r.kept_ids[2:] == [4, 5] and torch.allclose(
+        r.weights, torch.tensor([1.5, 1.5, 1.0, 1.0], dtype=torch.float64)
+    )
+
+
+def test_the_docs_example_runs() -> None:
+    import contextlib
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "filter.md").read_text()
+    section = text[text.index("## Skipping prompts before rollout") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(code.group(1), "docs/filter.md", "exec"), {})
+    assert buf.getvalue().split("\n")[:2] == ["0.5 1.0", "2 3 [2.0, 1.0] 1.5"]

@@ -1,0 +1,149 @@
+"""``parts.prompt_skip: history`` in ``grpo-parts train``: the config refuses what the skip cannot keep
+unbiased (one line each), a run skips prompts with a zero-variance streak and says so in its
+metrics, its checkpoint carries the history, and a resumed run matches an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.filter.allocation import FilledBatch
+from grpo_parts.filter.skip_draw import PromptDraw
+from grpo_parts.filter.skip_history import HistorySkipper
+from grpo_parts.train.checkpoint import load_checkpoint
+from grpo_parts.train.config import load_config
+from grpo_parts.train.minibatches import LossChunk
+from grpo_parts.train.prompt_skip import skip_chunks
+from grpo_parts.train.run import resume_config, train
+from grpo_parts.types import Rollout
+
+SKIP = {
+    "parts.prompt_skip": "history",
+    "parts.prompt_skip_kwargs": {"min_keep_prob": 0.2, "keep_base": 0.3},
+    "loss.agg": "seq-mean-token-mean",
+}
+COMPARED = ("reward", "kept", "prompts", "data_pos", "loss", "prompts_drawn", "prompts_skipped",
+            "skip_rollout_tokens_saved", "skip_history_size", "skip_keep_base", "skip_max_weight")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            [],
+            r"parts\.prompt_skip: 'history' with loss\.agg='token-mean' divides by the drawn batch's token count",
+        ),
+        (
+            ["loss.agg=seq-mean-token-mean", "advantage.norm=batch"],
+            r"parts\.prompt_skip: 'history' with advantage\.norm='batch'",
+        ),
+        (
+            ["loss.agg=seq-mean-token-mean", "advantage.estimator=reinforce_plus_plus_baseline"],
+            r"parts\.prompt_skip: 'history' with estimator 'reinforce_plus_plus_baseline' scales every group",
+        ),
+        (
+            ["loss.agg=seq-mean-token-sum-norm"],
+            r"without loss\.norm_constant: its default is the padded width",
+        ),
+    ],
+)
+def test_config_refuses_what_skipping_cannot_keep_unbiased(sets: list[str], message: str) -> None:
+    with pytest.raises(GRPOPartsError, match=message) as e:
+        load_config(sets=["parts.prompt_skip=history", *sets])
+    assert "\n" not in str(e.value) and str(e.value).startswith("invalid training config: parts.prompt_skip:")
+
+
+def test_config_names_and_defaults() -> None:
+    assert load_config().parts.prompt_skip == "none"
+    with pytest.raises(
+        GRPOPartsError,
+        match=r"^invalid training config: parts\.prompt_skip: expected one of \['history', 'none'\] \(a prompt skipper\), got 'greso'$",
+    ):
+        load_config(sets=["parts.prompt_skip=greso"])
+    cfg = load_config(
+        sets=[
+            "parts.prompt_skip=history",
+            "loss.agg=seq-mean-token-mean",
+            "parts.prompt_skip_kwargs={min_keep_prob: 0.05}",
+        ]
+    )
+    assert cfg.parts.prompt_skip_kwargs == {"min_keep_prob": 0.05}
+    assert cfg.with_reference_parts().parts.prompt_skip == "none"
+
+
+def test_skip_chunks_weigh_rows_by_their_prompt_and_normalise_by_the_drawn() -> None:
+    """2 rolled-out prompts (of 5 drawn) x 2 rows; one chunk per prompt."""
+    draw = PromptDraw(HistorySkipper(), iter([]), key=lambda x: x)
+    from grpo_parts.filter.skip_draw import SkipRound
+
+    draw.rounds.append(SkipRound([7, 9], torch.tensor([2.0, 4.0], dtype=torch.float64), 5, [6, 8, 10]))
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])
+    ones = torch.ones(4, 2, dtype=torch.long)
+    ro = Rollout(ones, ones, ones, mask, torch.zeros(4, 2), torch.tensor([0, 0, 1, 1]), 2)
+    filled = FilledBatch(
+        ro, torch.zeros(4), torch.zeros(4), [7, 9], None, full_group=torch.tensor([0, 0, 1, 1])
+    )  # type: ignore[arg-type]
+    chunks = [LossChunk(torch.tensor([0, 1])), LossChunk(torch.tensor([2, 3]))]
+    out = skip_chunks(chunks, filled, draw, count_empty=False)
+    assert [c.weights.tolist() for c in out] == [[2.0, 2.0], [4.0, 4.0]]  # type: ignore[union-attr]
+    assert [c.num_seqs for c in out] == [2 * 2.5, 1 * 2.5]  # own non-empty rows x drawn / rolled out
+    weighted = [LossChunk(torch.tensor([0, 1]), torch.tensor([1.0, 3.0]), 3.0, 2.0)]
+    (w,) = skip_chunks(weighted, filled, draw, count_empty=True)
+    assert w.weights.tolist() == [2.0, 6.0] and w.num_seqs == 5.0 and w.num_tokens == 3.0  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def skip_run(
+    tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any, monkeypatch: pytest.MonkeyPatch
+) -> Any:
+    """``skip_run(name, steps) -> TrainResult`` on 10 problems (8 train) with the reference parts and
+    ``history`` skipping; prompts not starting with 1 always get reward 0 (zero variance)."""
+    from grpo_parts.task.jsonl import JsonlTask
+
+    def reward(self: Any, text: str, problem: Any) -> float:
+        return float(len(text) % 3 == 0) if problem.prompt.startswith("1") else 0.0
+
+    monkeypatch.setattr(JsonlTask, "reward", reward)
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(10))
+    )
+    base = tiny_overrides(
+        tiny_model_dir, tmp_path, data=str(data), eval_fraction=0.2, eval_every=50, max_new_tokens=4
+    )
+    base.pop("task.name")
+    base.pop("task.num_eval")
+    cfg = load_config(overrides=base).with_reference_parts()
+    cfg = load_config(
+        overrides={**cfg.model_dump(mode="json", exclude_unset=True), **SKIP, "parts.filter": "keep_all"}
+    )
+
+    def run(name: str, steps: int) -> Any:
+        return train(cfg.model_copy(update={"name": name, "steps": steps}))
+
+    return run
+
+
+def test_a_run_skips_streaks_reports_them_and_resumes_exactly(skip_run: Any) -> None:
+    full = skip_run("full", 5)
+    rows = [r for r in full.rows if r["step"] > 0]
+    for r in rows:
+        assert r["prompts"] == 3 and r["prompts_drawn"] >= 3 and r["skip_history_size"] > 0
+        assert r["prompts_skipped"] == r["prompts_drawn"] - r["prompts"]
+    assert sum(r["prompts_skipped"] for r in rows) > 0  # the second epoch skips some zero-variance prompts
+    assert any(r["skip_rollout_tokens_saved"] > 0 and r["skip_max_weight"] > 1 for r in rows)
+    _, ckpt = load_checkpoint(full.run_dir)
+    assert (
+        ckpt.state is not None and ckpt.state["prompt_skip"]["ids"].numel() == rows[-1]["skip_history_size"]
+    )
+    part = skip_run("part", 3)
+    resumed = train(resume_config(part.run_dir, {"steps": 5}), run_dir=part.run_dir, resume=True)
+    a = [r for r in full.rows if r["step"] == 5][0]
+    b = [r for r in resumed.rows if r["step"] == 5][0]
+    for k in COMPARED:
+        assert a.get(k) == pytest.approx(b.get(k), rel=1e-6, abs=1e-9), k
