@@ -134,10 +134,19 @@ def test_accelerate_autocast_forward(one_rank):  # type: ignore[no-untyped-def]
     """accelerate's prepared model on one process is the model itself with an autocast-wrapped
     ``forward`` (bf16, outputs cast to float32): inspected and called as it is."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from grpo_parts.tiny import tiny_causal_lm
 
-    prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(tiny_causal_lm("llama", vocab_size=48))
+    # accelerate's state is a process-wide singleton: an earlier test (TRL's trainer) may have set
+    # it up without mixed precision, and Accelerator() refuses to change it. Reset it around this test.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(
+            tiny_causal_lm("llama", vocab_size=48)
+        )
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     batch = random_batch(
         torch.Generator().manual_seed(1), [3, 1, 2], vocab=48, max_prompt=6, max_completion=5
     )
