@@ -46,10 +46,12 @@ def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
         if type(mod).__name__ == "CohereLayerNorm":  # a LayerNorm computed in float32, the same way
             mod.forward = types.MethodType(_cohere_norm, mod)
         elif type(mod).__name__.endswith("RMSNorm"):
-            if hasattr(mod, "variance_epsilon"):
-                mod.forward = types.MethodType(_llama_norm, mod)
-            elif hasattr(mod, "with_scale"):  # Gemma 3n / Gemma 4: weight (no 1 +), optional
+            # Gemma 3n / Gemma 4 first: weight (no 1 +), absent when ``with_scale=False``; from
+            # transformers 5.25 these classes also carry ``variance_epsilon``
+            if hasattr(mod, "with_scale"):
                 mod.forward = types.MethodType(_scaled_norm, mod)
+            elif hasattr(mod, "variance_epsilon"):
+                mod.forward = types.MethodType(_llama_norm, mod)
             elif hasattr(mod, "_norm"):
                 mod.forward = types.MethodType(_gemma_norm, mod)
             else:  # pragma: no cover - a new norm class: fail loudly rather than compare at 1e-7
