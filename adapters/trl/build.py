@@ -51,6 +51,8 @@ def make_trainer(
     draft_kwargs: dict[str, Any] | None = None,
     attention_kwargs: dict[str, Any] | None = None,
     filter_kwargs: dict[str, Any] | None = None,
+    prompt_skip: Any = None,
+    prompt_skip_kwargs: dict[str, Any] | None = None,
     parts_options: TRLPartsOptions | None = None,
     trainer_kwargs: dict[str, Any] | None = None,
     **config: Any,
@@ -79,6 +81,8 @@ def make_trainer(
         draft_kwargs=draft_kwargs,
         attention_kwargs=attention_kwargs,
         filter_kwargs=filter_kwargs,
+        prompt_skip=prompt_skip,
+        prompt_skip_kwargs=prompt_skip_kwargs,
         parts_options=parts_options,
         **(trainer_kwargs or {}),
     )

@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from trl import GRPOTrainer
 
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.allocation import Chunk, Refiller
@@ -40,6 +39,7 @@ from grpo_parts.types import ScoredBatch
 from .._counters import PartCounters
 from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions
 from .rows import concat_batches, drop_no_loss_rows, round_kept
+from .skipping import SkipSeam
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ logger = logging.getLogger(__name__)
 KEPT_COLUMN = "kept"
 
 
-class FilterSeam(GRPOTrainer):
-    """``GRPOTrainer`` with the filter seam and the helpers the other seams share; the parts are
-    set up by :class:`~.trainer.GRPOPartsTrainer`."""
+class FilterSeam(SkipSeam):
+    """``GRPOTrainer`` with the filter seam (after the prompt-skipping stage of :class:`~.skipping.SkipSeam`)
+    and the helpers the other seams share; the parts are set up by :class:`~.trainer.GRPOPartsTrainer`."""
 
     gp_filter: Any
     parts_options: TRLPartsOptions
@@ -108,17 +108,22 @@ class FilterSeam(GRPOTrainer):
             deferred[keys[0]] = call
         self._gp_deferred = []
         n = out["completion_ids"].shape[0]
-        rpf = self._gp_rewards_per_func
-        if rpf is None:
-            raise GRPOPartsError("rewards: TRL did not call _calculate_rewards during scoring")
-        start = self.accelerator.process_index * n
-        rewards = (rpf * self.reward_weights.to(rpf.device)).nansum(dim=1)[start : start + n]
+        rewards, start = self._gp_rewards(n)
         rows = torch.arange(n, device=rewards.device) + start
         lengths = self._gp_loss_mask(out).sum(-1).long()
         # a row with no loss token carries no gradient: rank it as a zero-advantage row
         advantages = out["advantages"].reshape(n, -1)[:, 0].float().masked_fill(lengths == 0, 0.0)
-        scored = ScoredBatch(rewards, advantages, rows // self.num_generations, lengths)
+        scored = ScoredBatch(rewards, advantages, rows // int(self.num_generations or 1), lengths)
         return out, deferred, scored
+
+    def _gp_rewards(self, n: int) -> tuple[torch.Tensor, int]:
+        """This process's ``n`` rows' rewards (weighted sum over the reward functions, as TRL's) from
+        the batch TRL just scored, and the first row's index in the gathered batch."""
+        rpf = self._gp_rewards_per_func
+        if rpf is None:
+            raise GRPOPartsError("rewards: TRL did not call _calculate_rewards during scoring")
+        start = self.accelerator.process_index * n
+        return (rpf * self.reward_weights.to(rpf.device)).nansum(dim=1)[start : start + n], start
 
     @staticmethod
     def _gp_loss_mask(batch: dict[str, Any]) -> torch.Tensor:
@@ -130,13 +135,6 @@ class FilterSeam(GRPOTrainer):
             seed = self.parts_options.refill_seed
             self._gp_stream = self._gp_prompt_stream(self.args.seed + 1 if seed is None else seed)
         return [next(self._gp_stream) for _ in range(n)]
-
-    def _gp_prompt_stream(self, seed: int) -> Iterator[dict[str, Any]]:
-        gen = torch.Generator().manual_seed(seed)
-        ds = self.train_dataset
-        while True:
-            for i in torch.randperm(len(ds), generator=gen).tolist():  # type: ignore[arg-type]
-                yield ds[i]  # type: ignore[index]
 
     def _gp_log_kept(self, flags: list[torch.Tensor]) -> None:
         """Add the ``kept`` column to TRL's completions table (``self._logs``): one flag per row TRL
@@ -151,8 +149,15 @@ class FilterSeam(GRPOTrainer):
         col.extend(values)
 
     def _gp_unfiltered(self, inputs: Any, mode: str) -> Any:
-        """TRL's batch as is: no filter, or an eval batch (every row logged as kept)."""
+        """TRL's batch as is: no filter, or an eval batch (every row logged as kept); with prompt
+        skipping every row's advantage carries its prompt's weight."""
+        self._gp_rewards_per_func = None
         out = super()._generate_and_score_completions(inputs)
+        if self._gp_skip is not None:
+            n = out["completion_ids"].shape[0]
+            lengths = self._gp_loss_mask(out).sum(-1).long()
+            self._gp_log("prompt_skip", self._gp_skip_observe(self._gp_rewards(n)[0], lengths))
+            out["advantages"] = _times_rows(out["advantages"], self._gp_skip.row_weights)
         if mode == "train":
             self._gp_count("filter", served=False)
         elif self.gp_filter is not None:  # eval batches are not filtered: every row counts
@@ -235,31 +240,56 @@ class FilterSeam(GRPOTrainer):
             parts.append(sub)
         return parts, flags
 
-    def _gp_weigh(self, batch: dict[str, Any], weights: list[torch.Tensor], total: int) -> float:
+    def _gp_weigh(
+        self, batch: dict[str, Any], weights: list[torch.Tensor], total: int, rescale: bool
+    ) -> float:
         """Multiply the kept rows' advantages by their weights (``weights``: per chunk, in the kept
-        batch's row order), times ``kept / scored rows`` for the losses TRL normalises by the
-        micro-batch's row count; returns how many rows carry a weight (> 0)."""
+        batch's row order), times ``kept / scored rows`` (``rescale``: a weighted filter) for the losses
+        TRL normalises by the micro-batch's row count; returns how many rows carry a weight (> 0)."""
         w = torch.cat(weights).to(torch.float64)
-        if self.loss_type in ROW_NORMALISED_LOSSES:
+        if rescale and self.loss_type in ROW_NORMALISED_LOSSES:
             w = w * (w.numel() / total)
-        adv = batch["advantages"]
-        shape = (-1,) + (1,) * (adv.ndim - 1)  # [K] or per-token [K, T]
-        batch["advantages"] = (adv.to(torch.float64) * w.to(adv.device).reshape(shape)).to(adv.dtype)
+        batch["advantages"] = _times_rows(batch["advantages"], w)
         return float((w > 0).sum())
 
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         mode = self._gp_mode()
-        if self.gp_filter is None or mode != "train":
-            return self._gp_unfiltered(inputs, mode)
+        if self.gp_skipper is not None and mode == "train":
+            inputs = self._gp_skip_prompts(inputs)
+        try:
+            if self.gp_filter is None or mode != "train":
+                return self._gp_unfiltered(inputs, mode)
+            return self._gp_filtered(inputs, mode)
+        finally:
+            self._gp_skip = None
+
+    def _gp_row_weights(
+        self, chunks: list[Chunk[Any]], kept: list[torch.Tensor], drawn: list[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        """Every scored row's weight per chunk (empty: none): a weighted filter's ``1 / p`` (0 for
+        rows not drawn: rows the rounding re-adds train with weight 0), times the prompt skipper's."""
+        weighted = any(w is not None for w in drawn)
+        if not weighted and self._gp_skip is None:
+            return []
+        row_w = [
+            _row_weights(c.scored.size, k, w) if weighted else torch.ones(c.scored.size, dtype=torch.float64)
+            for c, k, w in zip(chunks, kept, drawn)
+        ]
+        if self._gp_skip is not None:  # one chunk: refill is refused with skipping
+            row_w[0] = row_w[0] * self._gp_skip.row_weights
+        return row_w
+
+    def _gp_filtered(self, inputs: Any, mode: str) -> Any:
+        """TRL's batch scored, filtered (and refilled), sliced to the kept rows and weighted."""
         g = int(self.num_generations or 1)
         out, deferred, scored = self._gp_score(inputs)
+        if self._gp_skip is not None:
+            lengths = self._gp_loss_mask(out).sum(-1).long()
+            self._gp_log("prompt_skip", self._gp_skip_observe(scored.rewards, lengths))
         chunks: list[Chunk[Any]] = [Chunk((out, deferred), scored, max(1, scored.size // g))]
         kept, info, drawn = self._gp_select(chunks, g, mode)
         weighted = any(w is not None for w in drawn)
-        # every row's weight, 0 for rows not drawn: rows the rounding re-adds train with weight 0
-        row_w = (
-            [_row_weights(c.scored.size, k, w) for c, k, w in zip(chunks, kept, drawn)] if weighted else []
-        )
+        row_w = self._gp_row_weights(chunks, kept, drawn)
         no_loss: list[torch.Tensor] = [self._gp_loss_mask(c.payload[0]).sum(-1) == 0 for c in chunks]
         kept = drop_no_loss_rows(kept, no_loss)
         kept, changed = round_kept(
@@ -279,14 +309,22 @@ class FilterSeam(GRPOTrainer):
         batch["num_items_in_batch"] = self.accelerator.gather(
             self._gp_loss_mask(batch).sum() if tokens is None else tokens
         ).sum()
-        if weighted:
-            info["weighted_rows"] = self._gp_weigh(
-                batch, [w[k.cpu()] for w, k in zip(row_w, kept) if k.numel()], total
+        if row_w:
+            n_weighted = self._gp_weigh(
+                batch, [w[k.cpu()] for w, k in zip(row_w, kept) if k.numel()], total, weighted
             )
+            if weighted:
+                info["weighted_rows"] = n_weighted
         info.update(kept_fraction=num_kept / total, num_kept=num_kept, rows_scored=total, rounding=changed)
         info["no_loss_rows"] = float(sum(int(d.sum()) for d in no_loss))
         self._gp_log("filter", info)
         return batch
+
+
+def _times_rows(values: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``values: [K]`` or per-token ``[K, T]`` times the row weights ``w: [K]`` (in float64)."""
+    shape = (-1,) + (1,) * (values.ndim - 1)
+    return (values.to(torch.float64) * w.to(values.device).reshape(shape)).to(values.dtype)
 
 
 def _row_weights(n: int, kept: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:

@@ -7,6 +7,7 @@ so they run on a real trainer as well as on a stand-in object in tests.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -99,6 +100,22 @@ def trl_version_reasons(version: str) -> list[str]:
         f"methods ({', '.join(TRL_SEAMS)}) whose behaviour may have changed; install trl{TESTED_TRL} or pass "
         "parts_options=TRLPartsOptions(allow_untested_trl=True) to try anyway"
     ]
+
+
+def check_trl_version(options: TRLPartsOptions, version: str | None = None) -> None:
+    """Refuse a TRL outside the tested range (or warn, with ``allow_untested_trl``)."""
+    import trl  # here, not at the top: this module stays importable without TRL
+
+    reasons = trl_version_reasons(trl.__version__ if version is None else version)
+    if not reasons:
+        return
+    if not options.allow_untested_trl:
+        from grpo_parts.errors import NotSupportedError
+
+        raise NotSupportedError("grpo_parts_adapters.trl", reasons)
+    logging.getLogger("grpo_parts_adapters.trl.trainer").warning(
+        "grpo_parts: allow_untested_trl=True: %s", reasons[0]
+    )
 
 
 def group_rows_reasons(trainer: Any) -> tuple[list[str], list[str]]:

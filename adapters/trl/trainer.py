@@ -12,6 +12,8 @@ Each part is optional and independent (``None`` = TRL's own code path, untouched
   advantages, every per-row entry of the batch is sliced to the kept rows, ``num_items_in_batch`` is
   recomputed from the kept tokens, and the kept count is made a multiple of ``steps_per_generation``
   (see :class:`~.options.TRLPartsOptions`). Training batches only; eval batches are not filtered.
+* ``prompt_skip`` -> the same seam, before TRL generates (:mod:`.skipping`): prompts whose recent
+  groups had equal rewards are skipped with an adaptive probability, the rest weighted ``1 / p``.
 
 Every optimizer step (every eval batch in evaluation) the adapter adds to TRL's metrics how many
 rollouts / forwards / filter calls went through each part and how many fell back to TRL's own path
@@ -29,7 +31,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import trl
 
 from grpo_parts.attention.protocol import RankAgreeing
 from grpo_parts.attention.shared_prefix.backend import select_attention
@@ -44,29 +45,20 @@ from .filtering import FilterSeam
 from .options import (
     TRLPartsOptions,
     attention_config_reasons,
+    check_trl_version,
     filter_config_reasons,
     group_rows_reasons,
     sampler_config_reasons,
-    trl_version_reasons,
     weighted_filter_reasons,
 )
 from .rows import prompt_runs, regroup_chunks, regrouped_logprobs
+from .skipping import accept_skipper
 
 logger = logging.getLogger(__name__)
 
 #: metric name of each part and what one call of it is
 COUNTED = {"sampler": "rollouts", "attention": "forwards", "filter": "calls"}
 _METRIC = {"sampler": "sampler", "attention": "attention", "completion_filter": "filter"}
-
-
-def check_trl_version(options: TRLPartsOptions, version: str | None = None) -> None:
-    """Refuse a TRL outside the tested range (or warn, with ``allow_untested_trl``)."""
-    reasons = trl_version_reasons(trl.__version__ if version is None else version)
-    if not reasons:
-        return
-    if not options.allow_untested_trl:
-        raise NotSupportedError("grpo_parts_adapters.trl", reasons)
-    logger.warning("grpo_parts: allow_untested_trl=True: %s", reasons[0])
 
 
 @contextmanager
@@ -82,8 +74,8 @@ def _training(model: torch.nn.Module) -> Iterator[None]:
 
 class GRPOPartsTrainer(FilterSeam):
     """``GRPOTrainer(*args, **kwargs)`` plus ``sampler``, ``draft``, ``attention``,
-    ``completion_filter`` (each ``None``, a registered name, or an instance), their ``*_kwargs``
-    for construction by name, and ``parts_options``."""
+    ``completion_filter``, ``prompt_skip`` (each ``None``, a registered name, or an instance), their
+    ``*_kwargs`` for construction by name, and ``parts_options``."""
 
     def __init__(
         self,
@@ -96,6 +88,8 @@ class GRPOPartsTrainer(FilterSeam):
         draft_kwargs: dict[str, Any] | None = None,
         attention_kwargs: dict[str, Any] | None = None,
         filter_kwargs: dict[str, Any] | None = None,
+        prompt_skip: Any = None,
+        prompt_skip_kwargs: dict[str, Any] | None = None,
         parts_options: TRLPartsOptions | None = None,
         **kwargs: Any,
     ) -> None:
@@ -114,20 +108,7 @@ class GRPOPartsTrainer(FilterSeam):
         policy = self.accelerator.unwrap_model(self.model)
 
         # every part by grpo_parts.build (the same builder as grpo_parts_adapters.trl.build.build_part)
-        if draft is not None and not isinstance(sampler, str):
-            raise GRPOPartsError("draft: only used with a sampler given by name (e.g. sampler='speculative')")
-        d = build_part("draft", draft, policy, kwargs=draft_kwargs, where="draft_kwargs")
-        skw = dict(sampler_kwargs or {})
-        if isinstance(sampler, str) and "draft" in skw:
-            d = skw.pop("draft")  # a draft instance in sampler_kwargs, as before
-        s = build_part("sampler", sampler, policy, kwargs=skw, draft=d, where="sampler_kwargs")
-        s_reasons = sampler_config_reasons(self)
-        if s is not None and not s_reasons:
-            s_reasons = list(
-                s.not_supported_reasons(self._gp_sampling_params(int(self.num_generations or 1)))
-            )
-        self.gp_sampler = self._gp_accept("sampler", s, s_reasons)
-
+        self.gp_sampler = self._gp_build_sampler(policy, sampler, draft, sampler_kwargs, draft_kwargs)
         if attention == "auto":
             a = self._gp_auto_attention(policy, attention_kwargs)
         else:
@@ -143,9 +124,33 @@ class GRPOPartsTrainer(FilterSeam):
         if isinstance(f, WeighsLoss):  # dppo: its weights ride on the advantages (.filtering)
             f_reasons += weighted_filter_reasons(self, self.parts_options)
         self.gp_filter = self._gp_accept("completion_filter", f, f_reasons)
+        self.gp_skipper = accept_skipper(self, prompt_skip, prompt_skip_kwargs)
         self._gp_group_rows = self._gp_resolve_group_rows()
 
     # ------------------------------------------------------------------------------------- helpers
+
+    def _gp_build_sampler(
+        self,
+        policy: torch.nn.Module,
+        sampler: Any,
+        draft: Any,
+        sampler_kwargs: dict[str, Any] | None,
+        draft_kwargs: dict[str, Any] | None,
+    ) -> Any:
+        """The sampler (with its draft) built and checked against this trainer, or None."""
+        if draft is not None and not isinstance(sampler, str):
+            raise GRPOPartsError("draft: only used with a sampler given by name (e.g. sampler='speculative')")
+        d = build_part("draft", draft, policy, kwargs=draft_kwargs, where="draft_kwargs")
+        skw = dict(sampler_kwargs or {})
+        if isinstance(sampler, str) and "draft" in skw:
+            d = skw.pop("draft")  # a draft instance in sampler_kwargs, as before
+        s = build_part("sampler", sampler, policy, kwargs=skw, draft=d, where="sampler_kwargs")
+        s_reasons = sampler_config_reasons(self)
+        if s is not None and not s_reasons:
+            s_reasons = list(
+                s.not_supported_reasons(self._gp_sampling_params(int(self.num_generations or 1)))
+            )
+        return self._gp_accept("sampler", s, s_reasons)
 
     def _gp_auto_attention(self, policy: torch.nn.Module, kwargs: dict[str, Any] | None) -> Any:
         """``attention="auto"``: the backend :func:`grpo_parts.build.choose_attention` chooses for
