@@ -231,18 +231,11 @@ ROW_NORMALISED_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 TOKEN_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
 
 
-def weighted_filter_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
-    """Why a weighted filter (``dppo``: kept rows weighted ``1 / p``) cannot train this trainer's
-    loss unbiased. The adapter multiplies each kept row's advantage by its weight -- exact for every
-    TRL policy loss, which is positively homogeneous in the advantage -- and keeps the full batch's
-    normaliser; terms that do not scale with the advantage, or normalisers that depend on which
-    rows were kept, are refused."""
+def unscaled_term_reasons(trainer: Any) -> list[str]:
+    """The loss terms of this trainer that a row weight carried by the advantage does not scale
+    (for :func:`weighted_filter_reasons` and the prompt skipper's checks): the KL penalty, an entropy
+    bonus, the entropy quantile mask, the MoE aux loss."""
     reasons = []
-    if options.refill:
-        reasons.append(
-            "refill=True: a weighted filter keeps rows at random, and a refill round (how many, which rows "
-            "trimmed) would depend on that draw, which biases the estimate; set refill=False"
-        )
     beta = _get(trainer, "beta", 0.0)
     if beta:
         reasons.append(
@@ -258,14 +251,30 @@ def weighted_filter_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]
     q = _get(trainer, "top_entropy_quantile", 1.0)
     if q is not None and q < 1.0:
         reasons.append(
-            f"top_entropy_quantile={q}: the quantile is taken over the kept rows of each micro-batch"
+            f"top_entropy_quantile={q}: the quantile is taken over the trained rows of each micro-batch"
         )
+    if _get(trainer, "aux_loss_enabled", False):
+        reasons.append("MoE router aux loss: a per-forward term the weights cannot scale")
+    return reasons
+
+
+def weighted_filter_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
+    """Why a weighted filter (``dppo``: kept rows weighted ``1 / p``) cannot train this trainer's
+    loss unbiased. The adapter multiplies each kept row's advantage by its weight -- exact for every
+    TRL policy loss, which is positively homogeneous in the advantage -- and keeps the full batch's
+    normaliser; terms that do not scale with the advantage, or normalisers that depend on which
+    rows were kept, are refused."""
+    reasons = []
+    if options.refill:
+        reasons.append(
+            "refill=True: a weighted filter keeps rows at random, and a refill round (how many, which rows "
+            "trimmed) would depend on that draw, which biases the estimate; set refill=False"
+        )
+    reasons += unscaled_term_reasons(trainer)
     loss = _get(trainer, "loss_type")
     if loss is not None and loss not in ROW_NORMALISED_LOSSES + TOKEN_NORMALISED_LOSSES:
         reasons.append(
             f"loss_type={loss!r}: normalised by each micro-batch's own token count, which depends on the draw; "
             f"use one of {list(ROW_NORMALISED_LOSSES + TOKEN_NORMALISED_LOSSES)}"
         )
-    if _get(trainer, "aux_loss_enabled", False):
-        reasons.append("MoE router aux loss: a per-forward term the weights cannot scale")
     return reasons

@@ -45,7 +45,7 @@ from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.skip_draw import PromptDraw
 from grpo_parts.filter.skip_protocol import PromptId, PromptSkipper, prompt_key, skips
 
-from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions
+from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions, unscaled_term_reasons
 
 logger = logging.getLogger(__name__)
 
@@ -62,22 +62,12 @@ def skip_config_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
             f"loss_type={loss!r}: normalised by a token count of the batch, which for the drawn batch is unknown "
             f"(skipped prompts are never generated); use one of {list(ROW_NORMALISED_LOSSES)}"
         )
-    if get("beta", 0.0):
-        reasons.append(
-            f"beta={get('beta')}: the KL term is not scaled by the weight (carried by the advantage); set beta=0.0"
-        )
-    if get("entropy_coef", 0.0) or get("use_adaptive_entropy", False):
-        reasons.append("an entropy bonus (entropy_coef / use_adaptive_entropy): not scaled by the weight")
-    q = get("top_entropy_quantile", 1.0)
-    if q is not None and q < 1.0:
-        reasons.append(f"top_entropy_quantile={q}: the quantile is taken over the rolled-out rows only")
+    reasons += unscaled_term_reasons(trainer)
     if get("scale_rewards") == "batch" or get("multi_objective_aggregation") == "normalize_then_sum":
         reasons.append(
             "scale_rewards='batch' / multi_objective_aggregation='normalize_then_sum': every group is scaled by "
             "statistics of the whole batch, which skipping changes (biased); use scale_rewards='group' or 'none'"
         )
-    if get("aux_loss_enabled", False):
-        reasons.append("MoE router aux loss: a per-forward term the weights cannot scale")
     if options.refill:
         reasons.append("refill=True: refill rounds are not drawn through the skipper; set refill=False")
     acc = get("accelerator")

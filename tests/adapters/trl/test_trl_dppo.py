@@ -5,8 +5,6 @@ refusals of what cannot stay unbiased (CPU, tiny float64 model)."""
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,13 +106,10 @@ def test_trl_trains_each_drawn_row_times_its_weight_over_the_full_batch(
     ],
 )
 def test_trl_refuses_dppo_where_it_cannot_stay_unbiased(
-    base: torch.nn.Module, config: dict[str, Any], options: dict[str, Any], needle: str, tmp_path: Path
+    base: torch.nn.Module, config: dict[str, Any], options: dict[str, Any], needle: str
 ) -> None:
     args = _tiny.config(**config)
-    model = copy.deepcopy(base)
-    if args.beta:  # TRL loads the reference model from config._name_or_path: a local copy
-        model.save_pretrained(tmp_path)
-        model.config._name_or_path = str(tmp_path)
+    model = _tiny.policy_for(base, args)
     with pytest.raises(NotSupportedError) as e:
         GRPOPartsTrainer(
             model=model, reward_funcs=_tiny.reward, args=args, train_dataset=_tiny.dataset(),

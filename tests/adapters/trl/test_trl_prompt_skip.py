@@ -159,13 +159,10 @@ def test_a_completion_filter_multiplies_its_own_selection_in(
     ],
 )
 def test_refused_where_it_cannot_stay_unbiased(
-    base: torch.nn.Module, config: dict[str, Any], options: dict[str, Any], needle: str, tmp_path: Any
+    base: torch.nn.Module, config: dict[str, Any], options: dict[str, Any], needle: str
 ) -> None:
     args = _tiny.config(**config)
-    model = copy.deepcopy(base)
-    if args.beta:  # TRL loads the reference model from config._name_or_path: a local copy
-        model.save_pretrained(tmp_path)
-        model.config._name_or_path = str(tmp_path)
+    model = _tiny.policy_for(base, args)
     kw = dict(model=model, reward_funcs=_tiny.reward, args=args, train_dataset=_tiny.dataset(),
               processing_class=_tiny.tokenizer(), prompt_skip="history")  # fmt: skip
     with pytest.raises(NotSupportedError) as e:

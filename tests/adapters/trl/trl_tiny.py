@@ -85,6 +85,19 @@ class GradCapture:
         return _Capture()
 
 
+def policy_for(base: torch.nn.Module, args: Any) -> torch.nn.Module:
+    """``copy.deepcopy(base)``; with ``args.beta != 0`` saved to a temporary folder first, since TRL
+    loads the reference model from ``config._name_or_path``."""
+    policy = copy.deepcopy(base)
+    if args.beta != 0.0:
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="grpo_parts_trl_ref_")
+        policy.save_pretrained(path)
+        policy.config._name_or_path = path  # type: ignore[union-attr]
+    return policy
+
+
 def build(trainer_cls: Any, base: torch.nn.Module, args: Any, **parts: Any) -> Any:
     """A trainer on ``copy.deepcopy(base)``, not trained."""
     return trainer_cls(
@@ -103,13 +116,7 @@ def run(
     """Train ``copy.deepcopy(base)`` with ``trainer_cls``; returns ``(trainer, grad_capture)``.
     ``make_parts(policy) -> dict`` builds parts that need the policy instance (e.g. a sampler)."""
     cap = GradCapture()
-    policy = copy.deepcopy(base)
-    if args.beta != 0.0:  # TRL loads the reference model from config._name_or_path: point it at a local copy
-        import tempfile
-
-        path = tempfile.mkdtemp(prefix="grpo_parts_trl_ref_")
-        policy.save_pretrained(path)
-        policy.config._name_or_path = path
+    policy = policy_for(base, args)
     trainer = trainer_cls(
         model=policy,
         reward_funcs=reward,
