@@ -15,6 +15,8 @@ imports OpenRLHF only when it is itself imported):
 * :mod:`.samples` -- ``GRPOPartsSamplesGenerator``: refill prompts from the same stream, vLLM woken
   after DeepSpeed is offloaded; counts sampler rollouts.
 * :mod:`.agent` -- Sampler: ``GRPOPartsAgentExecutor`` for ``--train.agent_func_path``.
+* :mod:`.rollout` -- the rollout actor for an agent file: OpenRLHF's weight broadcast reaches the
+  executor's sampler (no vLLM behind a grpo_parts executor).
 * :mod:`.vllm_spec` -- speculative config for OpenRLHF's vLLM engines and draft weight sync.
 * :mod:`.ray_actors` -- the Ray actor / trainer subclasses the entry script uses; per-step part
   counters into the trainer's status dict.

@@ -10,24 +10,33 @@ the dict OpenRLHF's ``SamplesGenerator._process_response_into_experience`` reads
 
 OpenRLHF instantiates ``AgentExecutor()`` without arguments, so an agent file subclasses
 :class:`GRPOPartsAgentExecutor` (docs/adapters/openrlhf.md has the file). The sampler runs on its
-own transformers copy of the policy inside the rollout actor; OpenRLHF's weight broadcast goes to the
-vLLM workers, not to that copy: call :meth:`GRPOPartsAgentExecutor.sync_weights` (or use the vLLM
-speculative path in :mod:`.vllm_spec`) to follow the policy.
+own transformers copy of the policy inside the rollout actor. That copy is a
+:class:`~grpo_parts_adapters._policy_copy.PolicyCopy`: under the launcher, the rollout actor
+(:mod:`.rollout`) receives OpenRLHF's weight broadcast in vLLM's place and hands it to
+:meth:`GRPOPartsAgentExecutor.load_weights`. A rollout from a copy that has not received the actor's
+weights since its last update is refused in one line (``StaleWeightsError``) unless the executor
+was built with ``allow_frozen=True``; ``parts/sampler/weight_syncs`` and
+``parts/sampler/frozen_rollouts`` go to ``extra_logs`` with the rollout's other stats.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from openrlhf.utils.agent import AgentExecutorBase
 
+from grpo_parts.errors import GRPOPartsError
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.types import Rollout
 
 from .._grouping import identical_prompt_groups
+from .._policy_copy import PolicyCopy
+from .._wrapped import hf_model
 
 #: ``extra_logs`` key marking a response as sampled by grpo_parts (OpenRLHF copies it into
 #: ``Experience.info``; :class:`~.samples.GRPOPartsSamplesGenerator` counts and removes it).
@@ -36,6 +45,13 @@ SAMPLER_MARK = "grpo_parts_sampler"
 STATS_PREFIX = "parts/sampler/"
 #: one request's answer: completion ids, their log-probs, truncated, the rollout's stats
 _Result = tuple[list[int], list[float], bool, dict[str, float]]
+#: named in refusals
+DOOR = "OpenRLHF GRPOPartsAgentExecutor"
+#: why a fresh executor's copy is stale: only the launcher's rollout actor delivers the broadcast
+NEVER_SYNCED = (
+    "it has not received the actor's weights (OpenRLHF broadcasts them to this executor only when "
+    "the run is started with python -m grpo_parts_adapters.openrlhf.launch, synchronous trainer)"
+)
 
 
 def sampling_params_from_vllm(
@@ -61,28 +77,122 @@ def sampling_params_from_vllm(
     )
 
 
+def sampler_policy(sampler: Any) -> torch.nn.Module:
+    """The transformers model a grpo_parts sampler decodes with: where the actor's weights go."""
+    module = getattr(sampler, "policy", None)
+    module = getattr(sampler, "model", None) if module is None else module
+    if not isinstance(module, torch.nn.Module):
+        raise GRPOPartsError(
+            f"{DOOR}: sampler {type(sampler).__name__} has no policy module (.policy or .model) to load the "
+            "actor's weights into; expected a grpo_parts sampler over a transformers model"
+        )
+    return hf_model(module)
+
+
+class RolloutGate:
+    """Rollouts share the weights; a weight load (or a pause, OpenRLHF's async trainer brackets its
+    broadcast with one) waits for running rollouts and holds new ones, so no rollout ever samples
+    from a half-loaded copy. Holds are counted (a load inside a pause nests)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._holds = 0
+
+    @contextmanager
+    def rollout(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._holds == 0)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def hold(self) -> None:
+        with self._cond:
+            self._holds += 1
+            self._cond.wait_for(lambda: self._running == 0)
+
+    def release(self) -> None:
+        with self._cond:
+            self._holds = max(0, self._holds - 1)
+            self._cond.notify_all()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
+
+
 class GRPOPartsAgentExecutor(AgentExecutorBase):
     """``sampler``: a grpo_parts Sampler (or a zero-argument factory, called on first use inside the
     rollout actor). ``reward_fn(queries, prompts, labels)``: OpenRLHF's reward-function signature,
     returning ``{"rewards": tensor, "scores": tensor, "extra_logs": dict}``; None = no reward.
-    ``seed``: sampling is reproducible per executor."""
+    ``seed``: sampling is reproducible per executor. ``allow_frozen``: serve rollouts from weights
+    that do not follow the trained policy (debugging, evaluating a fixed checkpoint; counted as
+    ``parts/sampler/frozen_rollouts``); by default such a rollout is refused."""
 
-    def __init__(self, sampler: Any, reward_fn: Callable[..., Any] | None = None, seed: int | None = None):
+    def __init__(
+        self,
+        sampler: Any,
+        reward_fn: Callable[..., Any] | None = None,
+        seed: int | None = None,
+        *,
+        allow_frozen: bool = False,
+    ):
         self._sampler = sampler
         self.reward_fn = reward_fn
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.allow_frozen = allow_frozen
+        self.gate = RolloutGate()
+        # the factory may be reached from a load and a rollout at once; concurrent rollouts count
+        self._lock = threading.Lock()
+        self._copy: PolicyCopy | None = None
         self._pending: list[tuple[tuple, list[int], asyncio.Future]] = []
         self._flush: asyncio.Task | None = None
         self.generate_calls = 0
 
     @property
     def sampler(self) -> Any:
-        if callable(self._sampler) and not hasattr(self._sampler, "generate"):
-            self._sampler = self._sampler()
+        with self._lock:
+            if callable(self._sampler) and not hasattr(self._sampler, "generate"):
+                self._sampler = self._sampler()
         return self._sampler
 
+    @property
+    def policy_copy(self) -> PolicyCopy:
+        """The sampler's model as a :class:`PolicyCopy` (built with the sampler, on first use)."""
+        sampler = self.sampler
+        with self._lock:
+            if self._copy is None:
+                self._copy = PolicyCopy(sampler_policy(sampler), door=DOOR, allow_frozen=self.allow_frozen)
+                self._copy.mark_stale(NEVER_SYNCED)
+        return self._copy
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load the actor's whole ``(name, tensor)`` stream into the sampler's model (between
+        rollouts); returns how many tensors were loaded. The copy is fresh afterwards."""
+        copy = self.policy_copy
+        with self.gate.held():
+            return copy.load(weights)
+
+    def mark_stale(self, why: str) -> None:
+        """The actor is being updated: rollouts are refused until the next :meth:`load_weights`."""
+        self.policy_copy.mark_stale(why)
+
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        self.sampler.sync_weights(policy)
+        """Copy ``policy``'s parameters in (outside OpenRLHF's broadcast, e.g. in a test)."""
+        self.load_weights(policy.named_parameters())
+
+    def weight_counters(self) -> dict[str, float]:
+        """``weight_syncs`` / ``frozen_rollouts`` so far (reported as ``parts/sampler/<key>``)."""
+        return self.policy_copy.counters()
 
     async def execute(
         self,
@@ -162,15 +272,21 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
         (when every prompt has the same multiplicity ``G``)."""
         unique, g, rows = identical_prompt_groups(prompts)
         batch = PromptBatch.from_lists(unique, params.pad_token_id)
-        self.generate_calls += 1
-        rollout: Rollout = self.sampler.generate(
-            batch, params.model_copy(update={"group_size": g}), self.generator
-        )
+        copy = self.policy_copy
+        with self.gate.rollout():  # no weight load while this rollout samples
+            with self._lock:
+                copy.check_fresh()  # refuses (one line) unless fresh or allow_frozen (then counted)
+                stats = copy.counters()
+            self.generate_calls += 1
+            rollout: Rollout = self.sampler.generate(
+                batch, params.model_copy(update={"group_size": g}), self.generator
+            )
+        stats.update(rollout.stats)
         out: list[_Result] = [([], [], False, {})] * len(prompts)
         eos = set(params.eos_token_ids)
         for r, i in enumerate(rows):
             n = int(rollout.completion_mask[r].sum())
             toks = rollout.completion_ids[r, :n].tolist()
             truncated = not (toks and toks[-1] in eos) and n >= params.max_new_tokens
-            out[i] = (toks, rollout.logprobs[r, :n].double().tolist(), truncated, dict(rollout.stats))
+            out[i] = (toks, rollout.logprobs[r, :n].double().tolist(), truncated, dict(stats))
         return out

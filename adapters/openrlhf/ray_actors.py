@@ -13,7 +13,10 @@ Each subclasses OpenRLHF's class (the original behind its ``@ray.remote`` wrappe
   :class:`~.experience.GRPOPartsExperienceMaker` (filter + refill) in place of OpenRLHF's; skips
   steps where the filter kept nothing; adds ``grpo_parts/*`` and the per-step part counters
   (``parts/<part>/<calls>``, ``parts/<part>/fallbacks``, summed over the model actors) to the step's
-  status dict, the one OpenRLHF logs and sends to wandb / TensorBoard.
+  status dict, the one OpenRLHF logs and sends to wandb / TensorBoard. When the engines are
+  grpo_parts rollout actors (:mod:`.rollout`), it broadcasts the actor's weights once before the
+  first rollout (OpenRLHF does only after updates) and marks their policy copies stale before each
+  actor update, so a rollout the broadcast did not follow is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ._scoped import with_globals
 from .actor import GRPOPartsActor
 from .config import PartsConfig
 from .experience import GRPOPartsExperienceMaker, NothingKept
+from .rollout import engines_receiving_weights
 from .samples import GRPOPartsSamplesGenerator
 
 logger = logging.getLogger(__name__)
@@ -142,6 +146,21 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
         )
         self.model_groups_count = parts.attention != "reference"
         self.skipped_steps = 0
+        self.sampler_engines: list[Any] = []  # engines whose grpo_parts sampler takes the broadcast
+
+    def fit(self, global_step: int = 0) -> None:
+        self.sampler_engines = engines_receiving_weights(self.vllm_engines)
+        if self.sampler_engines:
+            # a sampler's copy was loaded from disk: it samples only once it holds the actor's weights
+            self.broadcast_to_vllm()
+        super().fit(global_step)
+
+    def ppo_train(self, global_steps: int) -> Any:
+        """OpenRLHF's, with the sampler engines told first: the actor is about to change, and
+        until the broadcast after it their copies are not the trained policy."""
+        why = f"the actor is being updated (step {global_steps + 1}) and its weights were not broadcast since"
+        ray.get([e.grpo_parts_mark_stale.remote(why) for e in self.sampler_engines])
+        return super().ppo_train(global_steps)
 
     def part_counts(self) -> dict[str, float]:
         """This step's ``parts/*`` counts: the trainer's (sampler, filter) plus the model actors'

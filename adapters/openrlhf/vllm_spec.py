@@ -13,6 +13,9 @@ shares with the policy (token embedding, LM head) into the drafter, so the draft
 embeddings. n-gram drafts need no sync. Pushing separately trained draft weights (online draft
 learning) is not wired here. Everything in this module except the kwargs plumbing needs a GPU and
 vLLM; the CPU tests check the plumbing only (docs/adapters/openrlhf.md, scripts/gpu/openrlhf_gpu_smoke.sh).
+
+With an agent file (``--train.agent_func_path``) :func:`create_vllm_engines_with` also builds the
+launcher's rollout actor class (:mod:`.rollout`) in place of ``RolloutRayActor``.
 """
 
 from __future__ import annotations
@@ -58,18 +61,27 @@ class _ActorClassWithKwargs:
         return _Bound()
 
 
-def create_vllm_engines_with(parts: PartsConfig) -> Callable[..., Any]:
-    """``create_vllm_engines`` (same signature) that adds :func:`engine_kwargs` to every engine.
-    OpenRLHF's function runs as shipped, reading ``RolloutRayActor`` from a private copy of its
-    module namespace (:func:`._scoped.with_globals`); the module itself is not changed."""
+def create_vllm_engines_with(parts: PartsConfig, rollout_class: Any = None) -> Callable[..., Any]:
+    """``create_vllm_engines`` (same signature) that adds :func:`engine_kwargs` to every engine and,
+    when an agent file is given (``agent_func_path``), builds ``rollout_class`` (default
+    :data:`.rollout.GRPOPartsRolloutActor`: OpenRLHF's engine, or for a grpo_parts executor a
+    rollout actor that takes OpenRLHF's weight broadcast). OpenRLHF's function runs as shipped,
+    reading ``RolloutRayActor`` from a private copy of its module namespace
+    (:func:`._scoped.with_globals`); the module itself is not changed."""
     from openrlhf.trainer.ray import vllm_engine
 
     extra = engine_kwargs(parts)
 
     def create(*args: Any, **kwargs: Any) -> Any:
-        if not extra:
+        actor_cls = vllm_engine.RolloutRayActor
+        if kwargs.get("agent_func_path"):
+            from .rollout import GRPOPartsRolloutActor
+
+            actor_cls = rollout_class or GRPOPartsRolloutActor
+        if extra:
+            actor_cls = _ActorClassWithKwargs(actor_cls, extra)
+        if actor_cls is vllm_engine.RolloutRayActor:
             return vllm_engine.create_vllm_engines(*args, **kwargs)
-        actor_cls = _ActorClassWithKwargs(vllm_engine.RolloutRayActor, extra)
         return with_globals(vllm_engine.create_vllm_engines, RolloutRayActor=actor_cls)(*args, **kwargs)
 
     return create

@@ -12,9 +12,12 @@ given to ``actor_rollout_ref.rollout.agent.agent_loop_config_path``):
   built by ``model_factory`` (``"module:function"``; default: ``AutoModelForCausalLM`` from
   ``actor_rollout_ref.model.path``), with ``sampler_kwargs`` (e.g. the speculative sampler's
   ``decode_shared_prompt``). One model per worker process; concurrent requests are generated in
-  batches, identical prompts as one group (:class:`SamplerServer`). Its weights are *not* synced
-  by verl's checkpoint engine: this path is for small models and debugging, or for a trainer that
-  calls ``SamplerServer.sync_weights`` itself.
+  batches, identical prompts as one group (:class:`SamplerServer`). verl's weight sync never
+  reaches that copy, so this path refuses every rollout (one line, naming the reason) unless the
+  agent-loop YAML sets ``allow_frozen: true`` (sampling from a fixed checkpoint on purpose:
+  debugging, evaluation; counted as ``frozen_rollouts``). To train with grpo_parts' sampler, make
+  it verl's rollout backend instead: ``actor_rollout_ref.rollout.name=grpo_parts``
+  (:mod:`.rollout`), which receives the actor's weights after every update.
 
 Either way the output is verl's ``AgentLoopOutput`` with ``response_logprobs`` (the policy's
 log-probs of the sampled tokens), which verl's manager pads and batches.
@@ -37,6 +40,7 @@ from grpo_parts.errors import GRPOPartsError
 from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
 
 from .._grouping import identical_prompt_groups
+from .._policy_copy import PolicyCopy
 
 NAME = "grpo_parts_agent"
 
@@ -178,6 +182,7 @@ def _load(spec: str) -> Any:
 
 
 _LOCAL_SERVERS: dict[tuple[str, str, str], SamplerServer] = {}  # one model per worker process
+_COPIES: dict[tuple[str, str, str], PolicyCopy] = {}  # their policy copies (never synced by verl)
 
 
 def _plain(kwargs: Any) -> dict[str, Any]:
@@ -217,9 +222,11 @@ class GrpoPartsAgentLoop(AgentLoopBase):
         draft_factory: str | None = None,
         model_factory: str | None = None,
         sampler_kwargs: dict[str, Any] | None = None,
+        allow_frozen: bool = False,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        self.allow_frozen = bool(allow_frozen)
         self.prompt_length = self.rollout_config.prompt_length
         self.response_length = self.rollout_config.response_length
         self.sampler_name, self.draft_name, self.draft_factory = sampler, draft, draft_factory
@@ -247,6 +254,16 @@ class GrpoPartsAgentLoop(AgentLoopBase):
                 self.sampler_name, model, self.draft_name, self.draft_factory, self.sampler_kwargs
             )
             _LOCAL_SERVERS[key] = SamplerServer(sampler, eos_ids, pad, self.response_length)
+            _COPIES[key] = PolicyCopy(model, door=f"verl agent loop {NAME!r} (sampler: {self.sampler_name})")
+        # the copy is never synced by verl: every rollout is refused unless frozen on purpose
+        copy = _COPIES[key]
+        copy.allow_frozen = self.allow_frozen
+        copy.mark_stale(
+            "verl syncs the actor's weights to its rollout servers, never to this agent loop's own copy "
+            "(train with actor_rollout_ref.rollout.name=grpo_parts)"
+        )
+        copy.check_fresh()
+        _LOCAL_SERVERS[key].totals["frozen_rollouts"] = copy.frozen_rollouts
         return _LOCAL_SERVERS[key]
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:

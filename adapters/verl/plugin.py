@@ -44,6 +44,12 @@ def _agent_loop() -> None:
     register_agent_loop()
 
 
+def _rollout() -> None:
+    from .rollout import register_rollout
+
+    register_rollout()
+
+
 def _attention() -> None:
     # the attention part is switched on per engine by config keys (``.config.FSDPActorConfig``),
     # which install the engine hook when verl builds them; here: only check that it can be built
@@ -54,6 +60,7 @@ PARTS: dict[str, Callable[[], None]] = {
     "advantage_estimator": _advantage,
     "trainer": _trainer,
     "agent_loop": _agent_loop,
+    "rollout": _rollout,
     "attention_config": _attention,
 }
 

@@ -21,18 +21,27 @@ What stands in, and why:
 * Ray actors: OpenRLHF's model actors need a GPU to start (``init_device_mesh("cuda")``, NCCL), and
   Ray 2.60 removed local mode, so :class:`LocalGroup` hosts the model actors in this process and
   answers ``RayActorGroup``'s two calls with real ``ray.put`` references.
-* vLLM: :class:`LocalEngine` answers the engine calls ``SamplesGenerator`` makes, running
-  OpenRLHF's ``RolloutRayActor.generate_responses`` with the agent executor from
-  ``--train.agent_func_path`` (as the engine does) and no vLLM behind it.
-  ``broadcast_to_vllm`` is not run (NCCL / CUDA IPC); the executor samples from its own model copy.
+* vLLM engines: :class:`LocalEngine` hosts the launcher's rollout actor class
+  (:class:`~grpo_parts_adapters.openrlhf.rollout.RolloutParts`, which for a grpo_parts agent
+  executor has no vLLM behind it) on its own event-loop thread, as Ray hosts an async actor.
+* Weight sync: OpenRLHF's ``ActorPPOTrainer._init_vllm_sync_group`` and ``broadcast_to_vllm`` run
+  as shipped (:func:`init_sync_group`, :func:`broadcast`) with two names of theirs bound in a
+  private scope: vLLM's ``stateless_init_process_group`` (PyNccl, CUDA) -> :class:`GlooGroup`, the
+  same ``broadcast(tensor, src, stream)`` over gloo, and ``ray`` -> :data:`RAY_SHIM`, whose ``get``
+  waits for the futures the hosted engine returns (the engine receives while the actor sends, so
+  those calls cannot be answered with finished ``ray.put`` references).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -52,6 +61,7 @@ def setup_process(port: int | None) -> None:
     install()
     torch.cuda.current_device = lambda: _CURRENT_DEVICE[0]  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *a, **k: None  # type: ignore[assignment]  # PyNccl's stream argument
     import deepspeed
     import deepspeed.ops
 
@@ -121,6 +131,59 @@ def make_strategy(args: Any) -> Any:
     return strategy
 
 
+class GlooGroup:
+    """vLLM's PyNccl communicator as OpenRLHF's weight sync uses it (``broadcast(tensor, src,
+    stream)``), over a gloo group of its own (``host:port`` store, served by rank 0)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device: Any = None):
+        timeout = datetime.timedelta(seconds=120)
+        store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        self.pg = torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        self.pg.broadcast(tensor, src).wait()  # type: ignore[attr-defined]  # (the C++ class has it)
+
+
+class _RayShim:
+    """``ray`` for OpenRLHF's weight-sync code talking to engines hosted here."""
+
+    _private = SimpleNamespace(services=SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1"))
+
+    @staticmethod
+    def get(refs: Any) -> Any:
+        import ray
+
+        one = not isinstance(refs, list)
+        out = [
+            r.result(timeout=300) if isinstance(r, Future) else ray.get(r) for r in ([refs] if one else refs)
+        ]
+        return out[0] if one else out
+
+
+RAY_SHIM = _RayShim()
+
+
+def init_sync_group(trainer: Any, engines: list[Any]) -> None:
+    """OpenRLHF's ``_init_vllm_sync_group`` between ``trainer`` (an ``ActorPPOTrainer``, rank 0)
+    and ``engines``, as ``ActorPPOTrainer.__init__`` runs it when given engines."""
+    from grpo_parts_adapters.openrlhf._scoped import with_globals
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    trainer.vllm_engines, trainer.use_cuda_ipc = engines, False
+    init = with_globals(
+        ActorPPOTrainer._init_vllm_sync_group, ray=RAY_SHIM, stateless_init_process_group=GlooGroup
+    )
+    init(trainer, "gloo")
+
+
+def broadcast(trainer: Any) -> None:
+    """OpenRLHF's ``ActorPPOTrainer.broadcast_to_vllm``, as shipped."""
+    from grpo_parts_adapters.openrlhf._scoped import with_globals
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    with_globals(ActorPPOTrainer.broadcast_to_vllm, ray=RAY_SHIM)(trainer)
+
+
 class LocalGroup:
     """``RayActorGroup``'s interface over model actors living in this process (one rank)."""
 
@@ -132,7 +195,9 @@ class LocalGroup:
         import ray
 
         self.calls.append(method_name)
-        if method_name == "broadcast_to_vllm":  # NCCL / CUDA IPC to vLLM workers: nothing to sync here
+        if method_name == "broadcast_to_vllm":  # OpenRLHF's, over gloo (see the module docstring)
+            for a in self.actors:
+                broadcast(a.trainer)
             return [ray.put(None) for _ in self.actors]
         return [ray.put(getattr(a, method_name)(*args, **kwargs)) for a in self.actors]
 
@@ -144,34 +209,63 @@ class LocalGroup:
         return [ray.put(a.execute_batch(method_name, kwargs, 0, n)) for a in self.actors]
 
 
+def cpu_rollout_class() -> Any:
+    """The launcher's rollout actor class, its weight receiver on :class:`GlooGroup`."""
+    from grpo_parts_adapters.openrlhf.rollout import RolloutParts, WeightReceiver
+
+    class GlooReceiver(WeightReceiver):
+        def stateless_group(self, master_address: str, master_port: int, rank: int, world_size: int) -> Any:
+            return GlooGroup(master_address, master_port, rank, world_size)
+
+    class CPURolloutParts(RolloutParts):
+        receiver_class = GlooReceiver
+
+    return CPURolloutParts
+
+
+#: engine calls OpenRLHF's ActorPPOTrainer makes around its broadcast: answered with futures
+SYNC_CALLS = frozenset(
+    {"init_process_group", "update_weight", "update_weight_cuda_ipc", "reset_prefix_cache"}
+)
+
+
+class LocalEngine:
+    """A rollout actor (:func:`cpu_rollout_class`) on its own event-loop thread, as Ray runs an
+    async actor: ``engine.<method>.remote(...)`` runs the method there and returns a ``ray.put``
+    reference of its result, or (:data:`SYNC_CALLS`) a future :data:`RAY_SHIM` waits for."""
+
+    def __init__(self, agent_func_path: str):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        cls = cpu_rollout_class()
+        self.actor = cls.__new__(cls)
+        self.run(self.actor.__init__(agent_func_path=agent_func_path, tensor_parallel_size=1)).result()
+        self.executor = self.actor.executor
+        self.calls: list[str] = []
+
+    def run(self, coro: Any) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def __getattr__(self, name: str) -> Any:
+        actor = self.__dict__.get("actor")
+        if name.startswith("_") or actor is None or not callable(getattr(actor, name, None)):
+            raise AttributeError(name)
+        return _Remote(self, name)
+
+
 class _Remote:
-    def __init__(self, fn: Any):
-        self.fn = fn
+    def __init__(self, engine: LocalEngine, name: str):
+        self.engine, self.name = engine, name
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         import ray
 
-        return ray.put(self.fn(*args, **kwargs))
+        self.engine.calls.append(self.name)
+        method = getattr(self.engine.actor, self.name)
 
+        async def call() -> Any:
+            out = method(*args, **kwargs)
+            return await out if asyncio.iscoroutine(out) else out
 
-class LocalEngine:
-    """The calls ``SamplesGenerator`` makes on a vLLM engine (``RolloutRayActor``), answered by
-    OpenRLHF's ``generate_responses`` with the agent executor, without vLLM."""
-
-    def __init__(self, agent_func_path: str):
-        from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, _load_agent_executor
-
-        self.executor = _load_agent_executor(agent_func_path)
-        rollout_cls = RolloutRayActor.__ray_metadata__.modified_class.__ray_actor_class__
-        self.calls: list[str] = []
-
-        def generate(**kwargs: Any) -> Any:
-            self.calls.append("generate_responses")
-            return asyncio.run(rollout_cls.generate_responses(self, **kwargs))
-
-        def record(name: str) -> Any:
-            return lambda *a, **k: self.calls.append(name)
-
-        self.generate_responses = _Remote(generate)
-        self.get_num_unfinished_requests = _Remote(lambda: 0)
-        self.wake_up, self.sleep = _Remote(record("wake_up")), _Remote(record("sleep"))
+        fut = self.engine.run(call())
+        return fut if self.name in SYNC_CALLS else ray.put(fut.result(timeout=600))

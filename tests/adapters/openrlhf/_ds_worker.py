@@ -8,7 +8,8 @@
   log-probs, the step's status, the objective DeepSpeed optimised, parameters after the update.
 * ``default``: OpenRLHF's ``PPOTrainer.fit`` in its default configuration (the launcher's parser and
   OpenRLHF's validation; CPU changes listed in DEFAULT_ARGV) with every part on: each step's
-  status dict as OpenRLHF logs it.
+  status dict as OpenRLHF logs it, and the agent executor's weights against the actor's after
+  ``fit`` (OpenRLHF's own weight sync, over gloo, into the launcher's rollout actor).
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _cpu_openrlhf import LocalEngine, LocalGroup, cuda_index_zero, make_strategy, setup_process  # noqa: E402
+from _cpu_openrlhf import (  # noqa: E402
+    LocalEngine,
+    LocalGroup,
+    cuda_index_zero,
+    init_sync_group,
+    make_strategy,
+    setup_process,
+)
 
 G, PROMPTS = 4, 3
 REWARDS = [0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.9, 0.4, 0.0]  # prompt 1: zero variance
@@ -176,6 +184,7 @@ class AgentExecutor(GRPOPartsAgentExecutor):
 
 
 def default_run(tmp: Path) -> dict[str, Any]:
+    from grpo_parts_adapters.openrlhf.actor import hf_model
     from grpo_parts_adapters.openrlhf.ray_actors import PolicyActorParts, ReferenceActorParts, TrainerParts
 
     args = parse(write_default_run(tmp))
@@ -200,10 +209,17 @@ def default_run(tmp: Path) -> dict[str, Any]:
     with cuda_index_zero():  # OpenRLHF's init_model_from_pretrained, as train() calls them
         policy.init_model_from_pretrained(make_strategy(args), pretrain, trainer.get_max_steps(), None)
         ref.init_model_from_pretrained(make_strategy(args), pretrain)
+    # what init_model_from_pretrained(..., vllm_engines) does for one engine, over gloo
+    policy.vllm_engines = [engine]
+    init_sync_group(policy.trainer, [engine])
     trainer.fit()
+    mine = dict(engine.executor.policy_copy.model.named_parameters())
+    sampler_diff = max((mine[n].float() - p.float()).abs().max().item()
+                       for n, p in hf_model(policy.actor.model).named_parameters())  # fmt: skip
     return {"logged": logged, "engine_calls": engine.calls, "actor_calls": actor_group.calls,
             "ref_calls": ref_group.calls, "actor_class": type(policy.actor).__name__,
-            "buffer_class": type(policy.trainer.replay_buffer).__name__}  # fmt: skip
+            "buffer_class": type(policy.trainer.replay_buffer).__name__,
+            "sampler_max_diff": sampler_diff, "weight_state": engine.actor.grpo_parts_weight_state()}  # fmt: skip
 
 
 def main() -> None:

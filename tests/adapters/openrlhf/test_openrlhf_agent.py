@@ -43,7 +43,10 @@ def test_agent_executor_returns_openrlhf_response_dict(logprobs):
             "extra_logs": {"len": len(queries[0])},
         }
 
-    ex = GRPOPartsAgentExecutor(lambda: get_sampler_class("reference")(model), reward_fn=reward_fn, seed=0)
+    # a fixed policy on purpose (no trainer here): allow_frozen (tests/.../test_openrlhf_weight_sync.py)
+    ex = GRPOPartsAgentExecutor(
+        lambda: get_sampler_class("reference")(model), reward_fn=reward_fn, seed=0, allow_frozen=True
+    )
     sp = vllm.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=6, logprobs=logprobs)
     outs = run_group(ex, "12+3=", 4, sp, tok)
 
@@ -86,7 +89,7 @@ def test_agent_executor_logprobs_are_the_samplers():
     tok = char_tokenizer()
     model = tiny_model("qwen2", dtype=torch.float64)
     sampler = get_sampler_class("reference")(model)
-    ex = GRPOPartsAgentExecutor(sampler)
+    ex = GRPOPartsAgentExecutor(sampler, allow_frozen=True)
     out = run_group(ex, "4+4=", 2, vllm.SamplingParams(temperature=0.0, max_tokens=5, logprobs=1), tok)
     ids = tok(text="4+4=", add_special_tokens=False)["input_ids"]
     direct = sampler.generate(
@@ -119,7 +122,7 @@ def test_agent_executor_with_speculative_sampler_matches_reference_under_greedy(
         get_sampler_class("reference")(model),
         get_sampler_class("speculative")(model, get_draft_class("ngram")()),
     ):
-        outs.append(run_group(GRPOPartsAgentExecutor(sampler), "11+11=", 3, sp, tok))
+        outs.append(run_group(GRPOPartsAgentExecutor(sampler, allow_frozen=True), "11+11=", 3, sp, tok))
     for ref, spec in zip(*outs):
         assert spec["observation_tokens"] == ref["observation_tokens"]
         torch.testing.assert_close(

@@ -71,5 +71,12 @@ def test_default_configuration_runs_every_part(cpu_run):
     assert len(first) == 1  # checked on the first forward, reported once
     assert first[0]["parts/attention/first_batch_logprob_max_abs_diff"] < 0.05  # bf16 (OpenRLHF's default)
     assert "generate_responses" in run["engine_calls"]
+    # the sampler followed OpenRLHF's own broadcast: once before the first rollout, once per step
+    syncs = [s["parts/sampler/weight_syncs"] for s in run["logged"]]
+    assert syncs == [float(k) for k in range(1, len(syncs) + 1)], syncs
+    assert all(s["parts/sampler/frozen_rollouts"] == 0 for s in run["logged"])
+    assert run["weight_state"]["syncs"] == len(syncs) + 1 and run["weight_state"]["stale"] is None
+    assert run["sampler_max_diff"] == 0.0  # the executor's model is the trained actor's (bf16 values)
+    assert {"init_process_group", "update_weight", "grpo_parts_mark_stale"} <= set(run["engine_calls"])
     assert {"forward", "append", "fit", "grpo_parts_counters"} <= set(run["actor_calls"])
     assert {"forward", "grpo_parts_counters"} <= set(run["ref_calls"])

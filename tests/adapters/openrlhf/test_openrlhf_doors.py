@@ -41,7 +41,7 @@ def _experiences(draft: str, trees: bool) -> list[Any]:
     sampler = build_sampler(
         "speculative", model, draft=build_draft(draft, model), kwargs=sampler_kwargs(trees)
     )
-    ex = GRPOPartsAgentExecutor(sampler, seed=0)
+    ex = GRPOPartsAgentExecutor(sampler, seed=0, allow_frozen=True)  # a fixed policy: no trainer here
     sp = vllm.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=COMPLETION_TOKENS, logprobs=1)
     prompts, answers = reasoning_problems(4)
 

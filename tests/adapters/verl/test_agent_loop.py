@@ -65,6 +65,10 @@ class StandInServerManager:
 
 
 def make_loop(tokenizer, server_manager, **kw):
+    """The agent loop; an in-process sampler samples a fixed policy on purpose here (these tests
+    compare it with a reference), so it is built with ``allow_frozen`` unless a test says otherwise."""
+    if kw.get("sampler", "server") != "server":
+        kw.setdefault("allow_frozen", True)
     ours.register_agent_loop()
     cfg = verl_agent_loop._agent_loop_registry[ours.NAME]
     assert cfg["_target_"] == "grpo_parts_adapters.verl.agent_loop.GrpoPartsAgentLoop"
@@ -307,6 +311,7 @@ def test_documented_agent_loop_yaml_instantiates_as_verl_does(tmp_path):
         "  _target_: grpo_parts_adapters.verl.agent_loop.GrpoPartsAgentLoop\n"
         "  sampler: reference\n"
         f"  model_factory: {__name__}:tiny_model\n"
+        "  allow_frozen: true\n"
     )
     (entry,) = OmegaConf.load(path)
     tok = tiny_tokenizer()
@@ -335,3 +340,31 @@ def test_sampling_params_translation():
     assert (p.temperature, p.top_k, p.top_p, p.max_new_tokens, p.group_size) == (0.7, 0, 0.9, 5, 1)
     with pytest.raises(ValueError, match="model_factory"):
         ours._load("no_colon")
+
+
+def test_in_process_sampler_refuses_a_rollout_verl_never_syncs():
+    """verl's weight sync never reaches the agent loop's own policy copy: without the explicit
+    opt-in every rollout is refused in one line that names the reason and the backend to use."""
+    from grpo_parts_adapters._policy_copy import StaleWeightsError
+
+    tok = tiny_tokenizer()
+    kwargs = {"raw_prompt": [{"role": "user", "content": "abc"}]}
+    factory = f"{__name__}:tiny_model"
+
+    async def refused():
+        loop = make_loop(
+            tok, StandInServerManager(tok), sampler="reference", model_factory=factory, allow_frozen=False
+        )
+        return await loop.run({"temperature": 0.0}, **kwargs)
+
+    async def frozen():
+        loop = make_loop(tok, StandInServerManager(tok), sampler="reference", model_factory=factory)
+        return await loop.run({"temperature": 0.0}, **kwargs)
+
+    with pytest.raises(StaleWeightsError) as e:
+        asyncio.run(refused())
+    msg = str(e.value)
+    assert "\n" not in msg and "rollout.name=grpo_parts" in msg and "allow_frozen" in msg
+    asyncio.run(frozen())
+    (server,) = [v for k, v in ours._LOCAL_SERVERS.items() if k[0] == factory and k[1] == "reference"]
+    assert server.totals["frozen_rollouts"] >= 1

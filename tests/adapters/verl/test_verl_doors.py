@@ -80,6 +80,7 @@ def _generate(name: str, draft: str, trees: bool) -> tuple[DataProto, ours.Sampl
     entry = {
         "_target_": "grpo_parts_adapters.verl.agent_loop.GrpoPartsAgentLoop", "sampler": "speculative",
         "draft": draft, "model_factory": f"{__name__}:policy", "sampler_kwargs": sampler_kwargs(trees),
+        "allow_frozen": True,  # a fixed policy on purpose: the door's decode counters, no trainer
     }  # fmt: skip
     verl_agent_loop._agent_loop_registry[name] = OmegaConf.create(entry)
     texts = [p for p in reasoning_problems(4)[0] for _ in range(N)]
