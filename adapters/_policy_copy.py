@@ -34,8 +34,9 @@ __all__ = ["PolicyCopy", "StaleWeightsError", "WEIGHT_SYNCS", "FROZEN_ROLLOUTS",
 WEIGHT_SYNCS = "weight_syncs"
 FROZEN_ROLLOUTS = "frozen_rollouts"
 
-#: name prefixes wrappers add in front of a transformers parameter name
-_WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+#: path segments wrappers insert into a transformers parameter name (DDP/DeepSpeed add a leading
+#: ``module``, FSDP1, torch.compile and activation checkpointing theirs anywhere)
+_WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"}
 
 
 class StaleWeightsError(GRPOPartsError):
@@ -45,9 +46,10 @@ class StaleWeightsError(GRPOPartsError):
 def canonical_name(name: str) -> str:
     """``name`` without the prefixes FSDP, DDP, DeepSpeed, torch.compile and activation
     checkpointing insert (anywhere in the dotted path)."""
-    for p in _WRAPPER_PREFIXES:
-        name = name.replace(p, "")
-    return name
+    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
+    while parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 class PolicyCopy:

@@ -44,10 +44,23 @@ def _agent_loop() -> None:
     register_agent_loop()
 
 
-def _rollout() -> None:
-    from .rollout import register_rollout
+#: ``actor_rollout_ref.rollout.name`` of grpo_parts' rollout backend (:mod:`.rollout`)
+ROLLOUT = "grpo_parts"
 
-    register_rollout()
+
+def _rollout_replica() -> type:
+    from .rollout import GRPOPartsReplica
+
+    return GRPOPartsReplica
+
+
+def _rollout() -> None:
+    # by name, imported when verl asks for them: .rollout imports verl, whose import loads this plugin
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    RolloutReplicaRegistry.register(ROLLOUT, _rollout_replica)
+    base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = f"{__package__}.rollout.GRPOPartsRollout"
 
 
 def _attention() -> None:

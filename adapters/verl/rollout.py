@@ -21,8 +21,9 @@ and a completed sync makes it fresh; a ``generate`` on a stale copy is refused i
 (``allow_frozen: true`` opts out, counted). Options (``actor_rollout_ref.rollout.engine_kwargs.grpo_parts``,
 :class:`RolloutOptions`): ``sampler``, ``draft``, ``sampler_kwargs``, ``allow_frozen``, ``max_batch``.
 
-Registered by :mod:`.plugin` in every process that imports verl (the trainer, Ray workers). Both
-registries are verl's own extension tables; nothing of verl is replaced.
+Registered by name by :mod:`.plugin` in every process that imports verl (the trainer, Ray workers);
+both tables are verl's own extension points (``RolloutReplicaRegistry.register`` and the
+``get_rollout_class`` table, which gains a key); nothing of verl is replaced.
 """
 
 from __future__ import annotations
@@ -37,21 +38,20 @@ from typing import Any
 import ray
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from grpo_parts.errors import GRPOPartsError
 
 from .._policy_copy import PolicyCopy, canonical_name
 from .agent_loop import SamplerServer, build_sampler
+from .plugin import ROLLOUT
 
 logger = logging.getLogger(__name__)
 
-NAME = "grpo_parts"
+NAME = ROLLOUT
 #: ``actor_rollout_ref.rollout.engine_kwargs`` key holding :class:`RolloutOptions`
 OPTIONS_KEY = "grpo_parts"
-ADAPTER = "grpo_parts_adapters.verl.rollout.GRPOPartsRollout"
 
 
 class RolloutOptions(BaseModel):
@@ -92,6 +92,33 @@ class RolloutOptions(BaseModel):
             return cls(**{str(k): v for k, v in dict(raw).items()})
         except Exception as e:  # pydantic names the field and the value
             raise GRPOPartsError(f"actor_rollout_ref.rollout.engine_kwargs.{OPTIONS_KEY}: {e}") from None
+
+
+#: ``extra_fields`` key of each sample: its server's cumulative totals (:func:`sampler_metrics`)
+TOTALS_FIELD = "grpo_parts_totals"
+TOTALS_REPLICA = "replica"
+#: verl metric prefix of the rollout backend's counters
+METRIC_PREFIX = "grpo_parts/sampler/"
+
+
+def sampler_metrics(extra_fields: Iterable[Any]) -> dict[str, float]:
+    """verl metrics from a batch's samples: every replica's cumulative counters (the largest value
+    any of its samples carries: ``weight_syncs``, ``verify_steps``, ``lean_forward_calls``, ...), summed
+    over replicas, as ``grpo_parts/sampler/<counter>``."""
+    latest: dict[float, dict[str, float]] = {}
+    for extra in extra_fields:
+        totals = (extra or {}).get(TOTALS_FIELD) if isinstance(extra, dict) else None
+        if not totals:
+            continue
+        mine = latest.setdefault(float(totals.get(TOTALS_REPLICA, 0.0)), {})
+        for k, v in totals.items():
+            if k != TOTALS_REPLICA:
+                mine[k] = max(mine.get(k, 0.0), float(v))
+    out: dict[str, float] = {}
+    for totals in latest.values():
+        for k, v in totals.items():
+            out[METRIC_PREFIX + k] = out.get(METRIC_PREFIX + k, 0.0) + v
+    return out
 
 
 def server_name(replica_rank: int, node_rank: int) -> str:
@@ -141,6 +168,7 @@ class GRPOPartsServer:
         self.server = SamplerServer(sampler, eos, pad, int(config.response_length), self.options.max_batch)
         self.global_steps: int | None = None
         self.ignored_syncs = 0
+        self.replica_rank = replica_rank
 
     async def generate(
         self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
@@ -149,7 +177,8 @@ class GRPOPartsServer:
         out = await self.server.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
         extra = dict(out.extra_fields)
         stats = {**extra.get("grpo_parts_stats", {}), **self.copy.counters()}
-        extra.update(grpo_parts_stats=stats, global_steps=self.global_steps)
+        totals = {TOTALS_REPLICA: float(self.replica_rank), **self.totals()}
+        extra.update(grpo_parts_stats=stats, grpo_parts_totals=totals, global_steps=self.global_steps)
         return out.model_copy(update={"extra_fields": extra})
 
     # ---- weight sync (called by GRPOPartsRollout in the actor worker)
@@ -352,16 +381,6 @@ class GRPOPartsRollout(BaseRollout):
             if global_steps is not None:
                 await h.set_global_steps.remote(global_steps)
         self.syncs += 1
-
-
-def _replica() -> type[RolloutReplica]:
-    return GRPOPartsReplica
-
-
-def register_rollout() -> None:
-    """``rollout.name=grpo_parts`` in verl's two rollout tables (idempotent)."""
-    RolloutReplicaRegistry.register(NAME, _replica)
-    rollout_base._ROLLOUT_REGISTRY[(NAME, "async")] = ADAPTER
 
 
 def _hydra_value(v: Any) -> str:

@@ -13,6 +13,10 @@
   only) and clears the pruned ones from TransferQueue; with ``refill`` it asks verl's ``refill_fn``
   for more prompts and samples again until ``target_rows`` rows are kept
   (:class:`grpo_parts.filter.allocation.Refiller`).
+* **Sampler counters**: with grpo_parts' rollout backend (``rollout.name=grpo_parts``), the buffer
+  logs the servers' cumulative counters carried by the samples (``grpo_parts/sampler/weight_syncs``,
+  ``verify_steps``, ``lean_forward_calls``, ...; :func:`.rollout.sampler_metrics`), with or without
+  a filter.
 * **Advantages of the full group** (CPPO trains the kept rows on their advantage within the whole
   group; verl's estimator sees only the kept rows): ``algorithm.adv_estimator=grpo_parts_grpo``. The
   sampler records each kept group's full-group advantages in this process
@@ -34,6 +38,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
 from .advantage import remember_full_groups
 from .filtering import FilterOptions
+from .rollout import sampler_metrics
 from .trainer import ACTOR_KEYS, check_weighted, filter_kv_batch
 
 #: ``trainer.v1.sampler.sampler_kwargs`` key holding :class:`~.filtering.FilterOptions`
@@ -65,12 +70,23 @@ class FilteringReplayBuffer(ReplayBuffer):
             check_weighted(self.grpo_parts_filter, opts)  # dppo: a loss verl keeps unbiased, no refill
         self._store = store
 
+    def _sampler_metrics(self, batch: KVBatchMeta) -> dict[str, float]:
+        """The rollout backend's counters (``rollout.name=grpo_parts``) carried by the samples."""
+        try:
+            extras = _read_extra_fields(self._store, batch)
+        except Exception:  # another rollout backend stores no such field: nothing to count
+            return {}
+        return sampler_metrics(extras)
+
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
         batch, metrics = super().sample(
             global_steps=global_steps, partition_id=partition_id, batch_size=batch_size
         )
         opts, filt = self.grpo_parts_filter_options, self.grpo_parts_filter
-        if partition_id == "val" or opts is None or filt is None:
+        if partition_id == "val":
+            return batch, metrics
+        metrics.update(self._sampler_metrics(batch))
+        if opts is None or filt is None:
             return batch, metrics
 
         def more(n_prompts: int) -> KVBatchMeta | None:
@@ -91,6 +107,15 @@ class FilteringReplayBuffer(ReplayBuffer):
         remember_full_groups(full, norm_adv_by_std=opts.norm_adv_by_std)
         metrics.update(fmetrics)
         return kept, metrics
+
+
+def _read_extra_fields(store: Any, batch: KVBatchMeta) -> list[Any]:
+    if not batch.keys:
+        return []
+    data = store.kv_batch_get(
+        keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"]
+    )
+    return list(data["extra_fields"]) if "extra_fields" in data.keys() else []
 
 
 def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **options: Any) -> list[str]:

@@ -23,6 +23,7 @@ v1 trainer is importable.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ from .filtering import (
     weighted_advantages,
     weighted_filter_reasons,
 )
+
+logger = logging.getLogger(__name__)
 
 NAME = "grpo_parts_sync"
 #: FilterOptions keys read from verl's config (the trainer mode; ``sampler.hydra_overrides`` interpolates them)
@@ -127,6 +130,20 @@ def _kept_by_chunk(outcome: Any, options: FilterOptions) -> dict[int, set[int]]:
     return {id(sel.chunk.payload): set(rows.tolist()) for sel, rows in zip(outcome.selections, rounded)}
 
 
+def _keep_something(
+    kept: dict[int, set[int]], chunks: list[KVBatchMeta], outcome: Any, options: FilterOptions
+) -> bool:
+    """verl cannot train an empty batch (its balancer asserts): when the filter keeps nothing --
+    every group zero-variance, so every advantage is 0 -- keep the first whole mini-batch of rows
+    (zero advantage: the update moves nothing a full batch would not). Returns whether it did."""
+    if any(kept.values()) or not chunks or any(sel.weights is not None for sel in outcome.selections):
+        return False
+    n = min(len(chunks[0].keys), max(1, options.batch_multiple))
+    kept[id(chunks[0])] = set(range(n))
+    logger.warning("grpo_parts filter kept no row (all advantages 0); training %d zero-advantage rows", n)
+    return True
+
+
 def _store_kept(b: KVBatchMeta, kept: set[int], advantages: torch.Tensor | None, store: Any) -> list[int]:
     """Clear ``b``'s dropped rows from ``store`` and put the full-group advantages of its kept rows
     (restored after verl's ``_compute_advantage``, see the trainer); returns the kept rows, sorted."""
@@ -201,22 +218,26 @@ def filter_kv_batch(
     keys: list[str] = []
     tags: list[dict] = []
     kept_by_chunk = _kept_by_chunk(outcome, options)
+    empty = _keep_something(kept_by_chunk, chunks, outcome, options)
     train_adv = {id(sel.chunk.payload): _train_advantages(sel, options) for sel in outcome.selections}
     weighted = [sel for sel in outcome.selections if sel.weights is not None]
     groups: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
     for b in chunks:
         adv, sc = train_adv.get(id(b), (None, None))
+        if adv is None and empty:  # the kept-nothing fallback: zero-advantage rows
+            adv = torch.zeros(len(b.keys))
         kept_rows = _store_kept(b, kept_by_chunk.get(id(b), set()), adv, store)
         for i in kept_rows:
             keys.append(b.keys[i])
             tags.append(b.tags[i])
-        if kept_rows and return_groups:
+        if kept_rows and return_groups and sc is not None:
             assert adv is not None
             groups.update(_full_groups(sc, uids[id(b)], kept_rows, adv, bool(weighted)))
     metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
     if weighted:  # the rows trained with a weight (dppo)
         metrics["grpo_parts/filter/weighted_rows"] = float(sum(sel.kept.numel() for sel in weighted))
     metrics["grpo_parts/filter/rows_kept"] = float(len(keys))
+    metrics["grpo_parts/filter/empty_batch_steps"] = float(empty)
     metrics["grpo_parts/filter/target_rows"] = float(target)
     out = KVBatchMeta(
         partition_id=batch.partition_id, keys=keys, tags=tags, extra_info=dict(batch.extra_info or {})

@@ -214,3 +214,43 @@ def test_legacy_dppo_refuses_verls_default_token_mean():
     )
     with pytest.raises(ValueError, match="loss_agg_mode='token-mean'"):
         filtering.filter_data_proto(data, filtering.build_filter("dppo"))
+
+
+class _DictStore:
+    """TransferQueue's three calls the v1 filter makes, on a dict (no Ray)."""
+
+    def __init__(self, rows: dict[str, dict]) -> None:
+        self.rows, self.cleared = rows, []
+
+    def kv_batch_get(self, keys, partition_id, select_fields):  # type: ignore[no-untyped-def]
+        return {f: [self.rows[k][f] for k in keys] if f == "uid" else torch.stack([self.rows[k][f] for k in keys])
+                for f in select_fields}  # fmt: skip
+
+    def kv_batch_put(self, keys, partition_id, fields):  # type: ignore[no-untyped-def]
+        for i, k in enumerate(keys):
+            self.rows[k].update({f: fields[f][i] for f in fields.keys()})
+
+    def kv_clear(self, keys, partition_id):  # type: ignore[no-untyped-def]
+        self.cleared += list(keys)
+
+
+def test_v1_filter_never_hands_verl_an_empty_batch():
+    """Every group zero-variance: CPPO keeps nothing, and verl's balancer asserts on an empty batch
+    (seen in verl's own trainer). The filter keeps one whole mini-batch of zero-advantage rows (an
+    update that moves nothing, as the full batch's would) and counts the step."""
+    from transfer_queue import KVBatchMeta
+
+    from grpo_parts_adapters.verl.filtering import FilterOptions
+    from grpo_parts_adapters.verl.trainer import filter_kv_batch
+
+    keys = [f"u{g}_{i}" for g in range(4) for i in range(4)]
+    rows = {k: {"uid": k.split("_")[0], "rm_scores": torch.tensor([0.0, 1.0]), "response_mask": torch.ones(2)}
+            for k in keys}  # fmt: skip
+    batch = KVBatchMeta(
+        partition_id="train", keys=keys, tags=[{"uid": k.split("_")[0]} for k in keys], extra_info={}
+    )
+    opts = FilterOptions(name="cppo", kwargs={"k": 8}, ppo_mini_batch_size=2, rollout_n=4, n_gpus_per_node=1)
+    store = _DictStore(rows)
+    kept, metrics = filter_kv_batch(batch, opts.build(), opts, store=store)
+    assert len(kept.keys) == opts.batch_multiple > 0 and metrics["grpo_parts/filter/empty_batch_steps"] == 1.0
+    assert all(float(rows[k]["grpo_parts_seq_advantage"]) == 0.0 for k in kept.keys)

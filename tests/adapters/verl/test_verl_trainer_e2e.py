@@ -48,8 +48,11 @@ def test_verl_trainer_every_part_on_follows_the_actor(tmp_path: Path) -> None:
     ]
     rows = run(tmp_path, extra, steps=3)
     assert len(rows) == 3
-    for row in rows:  # the rollout's log-probs are the actor's old log-probs, every step
+    for step, row in enumerate(rows, start=1):  # the rollout's log-probs are the actor's, every step
         assert _metric(row, "training/rollout_probs_diff_max") < SYNCED_TOL
+        # verl's metrics carry the backend's counters: a sync before every step's rollout
+        assert _metric(row, "grpo_parts/sampler/weight_syncs") >= step
+        assert _metric(row, "grpo_parts/sampler/lean_forward_calls") > 0
         assert _metric(row, "actor/parts/attention/calls_varlen_cascade") > 0  # shared-prefix engine hook
         assert _metric(row, "grpo_parts/filter/rows_kept") > 0  # CPPO kept rows
     syncs = _syncs(log)

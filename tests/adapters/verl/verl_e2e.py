@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,20 +122,44 @@ def env(workdir: Path) -> dict[str, str]:
     return e
 
 
-def run(workdir: Path, extra: list[str], *, steps: int = 2, batch: int = 4, n: int = 4, response: int = 8,
-        timeout: float = 900) -> list[dict[str, Any]]:  # fmt: skip
-    assets = build_assets(workdir, n_prompts=max(8, batch * (steps + 1)))
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(assets, workdir, steps=steps, batch=batch,
-           n=n, response=response), *extra]  # fmt: skip
+def _finished(log: Path) -> bool:
+    return log.exists() and "Final validation metrics" in log.read_text(errors="replace")
+
+
+def main_ppo(
+    workdir: Path, args: list[str], *, timeout: float = 900, grace: float = 60
+) -> list[dict[str, Any]]:
+    """``python -m verl.trainer.main_ppo *args`` on CPU in ``workdir``; verl's per-step metrics.
+
+    Once verl has printed its final metrics, the run gets ``grace`` seconds to shut Ray down; a
+    shutdown that hangs past that (seen now and then on a 2-core box) is ended with the process group."""
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *args]
     log = workdir / "run.log"
+    deadline, done_at = time.monotonic() + timeout, None
     with open(log, "w") as f:
-        proc = subprocess.run(
-            cmd, env=env(workdir), stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=workdir
-        )
-    if proc.returncode != 0:
+        proc = subprocess.Popen(cmd, env=env(workdir), stdout=f, stderr=subprocess.STDOUT, cwd=workdir,
+                                start_new_session=True)  # fmt: skip
+        while proc.poll() is None:
+            time.sleep(2)
+            now = time.monotonic()
+            if done_at is None and _finished(log):
+                done_at = now
+            if now > deadline or (done_at is not None and now - done_at > grace):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+    if not _finished(log):
         raise RuntimeError(f"verl main_ppo exited {proc.returncode}; log: {log}\n" + log.read_text()[-6000:])
     path = workdir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(workdir: Path, extra: list[str], *, steps: int = 2, batch: int = 4, n: int = 4, response: int = 8,
+        timeout: float = 900) -> list[dict[str, Any]]:  # fmt: skip
+    """The tiny-Llama run: ``steps`` GRPO steps of ``batch`` prompts x ``n``, plus ``extra`` overrides."""
+    assets = build_assets(workdir, n_prompts=max(8, batch * (steps + 1)))
+    args = overrides(assets, workdir, steps=steps, batch=batch, n=n, response=response)
+    return main_ppo(workdir, [*args, *extra], timeout=timeout)
 
 
 if __name__ == "__main__":
