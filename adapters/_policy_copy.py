@@ -56,6 +56,9 @@ class PolicyCopy:
     """``model``: the sampler's module. ``door``: named in refusals (``"verl rollout 'grpo_parts'"``).
     ``allow_frozen``: serve rollouts without any sync (explicit opt-in, counted)."""
 
+    #: the counters :meth:`counters` reports
+    COUNTERS = (WEIGHT_SYNCS, FROZEN_ROLLOUTS)
+
     def __init__(self, model: torch.nn.Module, *, door: str, allow_frozen: bool = False) -> None:
         self.model = model
         self.door = door

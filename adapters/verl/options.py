@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: attribute of verl's engine config that carries :class:`EngineOptions` to the engine
 ENGINE_ATTR = "grpo_parts"
+#: ``actor_rollout_ref.rollout.name`` of grpo_parts' rollout backend (:mod:`.rollout`; registered by
+#: :mod:`.plugin`, which must not import the backend's module: that module imports verl)
+ROLLOUT_NAME = "grpo_parts"
 
 
 class EngineOptions(BaseModel):

@@ -44,10 +44,6 @@ def _agent_loop() -> None:
     register_agent_loop()
 
 
-#: ``actor_rollout_ref.rollout.name`` of grpo_parts' rollout backend (:mod:`.rollout`)
-ROLLOUT = "grpo_parts"
-
-
 def _rollout_replica() -> type:
     from .rollout import GRPOPartsReplica
 
@@ -59,8 +55,10 @@ def _rollout() -> None:
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    RolloutReplicaRegistry.register(ROLLOUT, _rollout_replica)
-    base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = f"{__package__}.rollout.GRPOPartsRollout"
+    from .options import ROLLOUT_NAME
+
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, _rollout_replica)
+    base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__package__}.rollout.GRPOPartsRollout"
 
 
 def _attention() -> None:

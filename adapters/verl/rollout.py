@@ -42,14 +42,15 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from grpo_parts.errors import GRPOPartsError
+from grpo_parts.sampler.stats import DRAFT_UPDATES, PLAIN_STEPS, SAMPLED_TREE_STEPS, STEP_CALL_COUNTS
 
 from .._policy_copy import PolicyCopy, canonical_name
 from .agent_loop import SamplerServer, build_sampler
-from .plugin import ROLLOUT
+from .options import ROLLOUT_NAME
 
 logger = logging.getLogger(__name__)
 
-NAME = ROLLOUT
+NAME = ROLLOUT_NAME
 #: ``actor_rollout_ref.rollout.engine_kwargs`` key holding :class:`RolloutOptions`
 OPTIONS_KEY = "grpo_parts"
 
@@ -97,6 +98,18 @@ class RolloutOptions(BaseModel):
 #: ``extra_fields`` key of each sample: its server's cumulative totals (:func:`sampler_metrics`)
 TOTALS_FIELD = "grpo_parts_totals"
 TOTALS_REPLICA = "replica"
+#: what a sample carries to verl's metrics: the sampler's call counts and the weight-sync counters
+COUNTERS = frozenset(
+    (
+        *STEP_CALL_COUNTS,
+        PLAIN_STEPS,
+        SAMPLED_TREE_STEPS,
+        DRAFT_UPDATES,
+        "rollouts",
+        *PolicyCopy.COUNTERS,
+        "ignored_syncs",
+    )
+)
 #: verl metric prefix of the rollout backend's counters
 METRIC_PREFIX = "grpo_parts/sampler/"
 
@@ -177,7 +190,7 @@ class GRPOPartsServer:
         out = await self.server.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
         extra = dict(out.extra_fields)
         stats = {**extra.get("grpo_parts_stats", {}), **self.copy.counters()}
-        totals = {TOTALS_REPLICA: float(self.replica_rank), **self.totals()}
+        totals = {TOTALS_REPLICA: float(self.replica_rank), **self.counters()}
         extra.update(grpo_parts_stats=stats, grpo_parts_totals=totals, global_steps=self.global_steps)
         return out.model_copy(update={"extra_fields": extra})
 
@@ -250,6 +263,10 @@ class GRPOPartsServer:
         """Every rollout's stats summed, plus the weight-sync counters."""
         out = {**{k: float(v) for k, v in self.server.totals.items()}, **self.copy.counters()}
         return {**out, "ignored_syncs": float(self.ignored_syncs)}
+
+    def counters(self) -> dict[str, float]:
+        """:meth:`totals` restricted to counts (rates and seconds do not add up across rollouts)."""
+        return {k: v for k, v in self.totals().items() if k in COUNTERS}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The copy's weights (tests compare them with the actor's)."""

@@ -130,6 +130,18 @@ def _kept_by_chunk(outcome: Any, options: FilterOptions) -> dict[int, set[int]]:
     return {id(sel.chunk.payload): set(rows.tolist()) for sel, rows in zip(outcome.selections, rounded)}
 
 
+def _filter_metrics(
+    outcome: Any, weighted: list[Any], kept: int, target: int, empty: bool
+) -> dict[str, float]:
+    metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
+    if weighted:  # the rows trained with a weight (dppo)
+        metrics["grpo_parts/filter/weighted_rows"] = float(sum(sel.kept.numel() for sel in weighted))
+    metrics["grpo_parts/filter/rows_kept"] = float(kept)
+    metrics["grpo_parts/filter/empty_batch_steps"] = float(empty)
+    metrics["grpo_parts/filter/target_rows"] = float(target)
+    return metrics
+
+
 def _keep_something(
     kept: dict[int, set[int]], chunks: list[KVBatchMeta], outcome: Any, options: FilterOptions
 ) -> bool:
@@ -233,12 +245,7 @@ def filter_kv_batch(
         if kept_rows and return_groups and sc is not None:
             assert adv is not None
             groups.update(_full_groups(sc, uids[id(b)], kept_rows, adv, bool(weighted)))
-    metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
-    if weighted:  # the rows trained with a weight (dppo)
-        metrics["grpo_parts/filter/weighted_rows"] = float(sum(sel.kept.numel() for sel in weighted))
-    metrics["grpo_parts/filter/rows_kept"] = float(len(keys))
-    metrics["grpo_parts/filter/empty_batch_steps"] = float(empty)
-    metrics["grpo_parts/filter/target_rows"] = float(target)
+    metrics = _filter_metrics(outcome, weighted, len(keys), target, empty)
     out = KVBatchMeta(
         partition_id=batch.partition_id, keys=keys, tags=tags, extra_info=dict(batch.extra_info or {})
     )

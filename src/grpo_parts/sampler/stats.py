@@ -26,6 +26,8 @@ ACCEPTANCE_ESTIMATE = "acceptance_estimate"
 KV_IN_PLACE_LAYERS = "kv_in_place_layers"
 #: seconds of the draft's own update after the rollout (``train_draft``)
 DRAFT_UPDATE_S = "draft_update_s"
+#: draft updates so far (the speculative sampler's own online training, ``train_draft``)
+DRAFT_UPDATES = "draft_updates"
 
 # ------------------------------------------------------- decode-loop calls per path, per rollout
 #: attention calls (layers x forwards) that read each group's prompt once

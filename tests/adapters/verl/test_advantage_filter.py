@@ -238,10 +238,9 @@ def test_v1_filter_never_hands_verl_an_empty_batch():
     """Every group zero-variance: CPPO keeps nothing, and verl's balancer asserts on an empty batch
     (seen in verl's own trainer). The filter keeps one whole mini-batch of zero-advantage rows (an
     update that moves nothing, as the full batch's would) and counts the step."""
-    from transfer_queue import KVBatchMeta
-
     from grpo_parts_adapters.verl.filtering import FilterOptions
     from grpo_parts_adapters.verl.trainer import filter_kv_batch
+    from transfer_queue import KVBatchMeta
 
     keys = [f"u{g}_{i}" for g in range(4) for i in range(4)]
     rows = {k: {"uid": k.split("_")[0], "rm_scores": torch.tensor([0.0, 1.0]), "response_mask": torch.ones(2)}

@@ -76,7 +76,8 @@ def test_verl_trainer_eagle_draft_trains_on_the_current_policy(tmp_path: Path) -
     rows = run(tmp_path, extra, steps=2)
     for row in rows:
         assert _metric(row, "training/rollout_probs_diff_max") < SYNCED_TOL
-        assert _metric(row, "grpo_parts/filter/weighted_rows") > 0  # dppo's 1/p weights
+    # dppo's 1/p weights (a step whose groups are all zero-variance keeps no weighted row)
+    assert sum(float(r["data"].get("grpo_parts/filter/weighted_rows", 0.0)) for r in rows) > 0
     totals = _syncs(log)[-1]["totals"]
     assert totals["draft_updates"] > 0 and totals["weight_syncs"] >= 2
 
@@ -88,4 +89,5 @@ def test_verl_trainer_without_syncs_drifts_off_policy(tmp_path: Path) -> None:
     rows = run(tmp_path, extra, steps=2)
     diffs = [_metric(r, "training/rollout_probs_diff_max") for r in rows]
     assert diffs[0] < SYNCED_TOL  # step 1: the actor has not moved yet
-    assert diffs[-1] > 4 * SYNCED_TOL and diffs[-1] > diffs[0]  # then the frozen copy falls behind
+    # one update later the frozen copy is far behind (synced runs stay ~5e-5 at every step)
+    assert diffs[-1] > SYNCED_TOL and diffs[-1] > 20 * diffs[0]
