@@ -5,7 +5,8 @@ v1 sync trainer) with grpo_parts' reference parts against every optimized part, 
 * ``reference``: the reference sampler (plain batched KV-cache sampling), verl's own packed forward
   for old/ref log-probs and the update, no filter;
 * ``parts``: the speculative sampler with the n-gram draft (lean decode forward, online sizing),
-  shared-prefix log-probs in verl's FSDP engines (engine hook), CPPO keeping k = half the rows.
+  shared-prefix log-probs in verl's FSDP engines (engine hook), CPPO keeping k = half the rows
+  (``ppo_mini_batch_size`` = half the prompts in both arms, so the kept half is one whole mini-batch).
 
 Workload (flags change it): the committed ``tiny_reasoner`` (what ``grpo-parts train`` loads), the
 built-in reasoning task, 16 prompts x 8 completions per step, 320 new tokens at most, learning rate
@@ -36,13 +37,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "adapters" / "verl"))  # verl_e2e, verl_cpu_plugin, _cpu_verl
 
 ARMS = ("reference", "parts")
-REWARD_FN = '''
+REWARD_FN = """
 from grpo_parts.task.arithmetic import extract_answer
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return 1.0 if extract_answer(solution_str) == str(ground_truth) else 0.0
-'''
+"""
+SAMPLER_PREFIX = "grpo_parts/sampler/"
 KEYS = ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor")
 
 
@@ -95,15 +97,41 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"verl_{arm}_{seed}_") as tmp:
         work = Path(tmp)
         assets = reasoning_assets(work, args.prompts * (args.steps + 1), seed)
-        base = overrides(assets, work, steps=args.steps, batch=args.prompts, n=args.group, response=args.max_new_tokens)
-        base = [o for o in base if not o.startswith(("data.max_prompt_length", "actor_rollout_ref.actor.optim.lr"))]
-        base += ["data.max_prompt_length=192", f"actor_rollout_ref.actor.optim.lr={args.lr}", f"data.seed={seed}"]
+        base = overrides(
+            assets, work, steps=args.steps, batch=args.prompts, n=args.group, response=args.max_new_tokens
+        )
+        drop = (
+            "data.max_prompt_length",
+            "actor_rollout_ref.actor.optim.lr",
+            "actor_rollout_ref.actor.ppo_mini",
+        )
+        base = [o for o in base if not o.startswith(drop)]
+        base += [
+            "data.max_prompt_length=192",
+            f"actor_rollout_ref.actor.optim.lr={args.lr}",
+            f"data.seed={seed}",
+        ]
+        # two mini-batches per step: CPPO's kept half is one whole mini-batch (verl trains whole ones)
+        mini = max(1, args.prompts // 2)
+        base += [
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini * args.group}",
+            # the kept half must divide into the log-prob micro-batches too (verl asserts it)
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={mini * args.group}",
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={mini * args.group}",
+        ]
         rows = main_ppo(work, [*base, *arm_overrides(arm, args)], timeout=args.timeout)
     data = [r.get("data", r) for r in rows]
     out: dict[str, Any] = {k.split("/")[-1]: [float(d.get(k, float("nan"))) for d in data] for k in KEYS}
     out["score"] = [float(d.get("critic/score/mean", float("nan"))) for d in data]
     out["response_length"] = [float(d.get("response_length/mean", float("nan"))) for d in data]
-    out["parts_counters"] = {k: sum(float(d.get(k, 0.0)) for d in data) for k in data[0] if "parts/" in k}
+    # the rollout backend's counters are cumulative (its last step holds the run's total); the
+    # engine's and the filter's are per step (summed)
+    keys = [k for k in data[-1] if "parts/" in k]
+    out["parts_counters"] = {
+        k: float(data[-1][k]) if k.startswith(SAMPLER_PREFIX) else sum(float(d.get(k, 0.0)) for d in data)
+        for k in keys
+    }
     return out
 
 
@@ -114,7 +142,9 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]], skip: int) -> dict[
     }
     out: dict[str, Any] = {"step_s_mean": {a: statistics.fmean(m.values()) for a, m in means.items()}}
     if set(ARMS) <= set(means):
-        per = {s: means["reference"][s] / means["parts"][s] for s in means["parts"] if s in means["reference"]}
+        per = {
+            s: means["reference"][s] / means["parts"][s] for s in means["parts"] if s in means["reference"]
+        }
         out["step_speedup_per_seed"] = per
         out["step_speedup"] = statistics.fmean(per.values()) if per else None
     return out
@@ -162,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         for arm in args.arms:  # alternating: drift of the machine falls on both arms
             results[arm][seed] = run_arm(arm, seed, args)
             r = results[arm][seed]
-            print(f"{arm:>9} seed {seed}: step s {[round(x, 1) for x in r['step']]} score {r['score']}", flush=True)
+            print(
+                f"{arm:>9} seed {seed}: step s {[round(x, 1) for x in r['step']]} score {r['score']}",
+                flush=True,
+            )
     summary = summarize(results, args.skip_first)
     report = {
         "workload": {k: getattr(args, k) for k in ("steps", "prompts", "group", "max_new_tokens", "lr")},
