@@ -118,6 +118,15 @@ def _read_extra_fields(store: Any, batch: KVBatchMeta) -> list[Any]:
     return list(data["extra_fields"]) if "extra_fields" in data.keys() else []
 
 
+def buffer_overrides() -> list[str]:
+    """verl's custom-sampler keys naming :class:`FilteringReplayBuffer`; alone (no filter) it only
+    logs the rollout backend's counters (``grpo_parts/sampler/*``)."""
+    return [
+        f"trainer.v1.sampler.custom_sampler.path={PATH}",
+        "trainer.v1.sampler.custom_sampler.name=FilteringReplayBuffer",
+    ]
+
+
 def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **options: Any) -> list[str]:
     """The Hydra overrides of ``python -m verl.trainer.main_ppo`` that switch the filter on under
     verl's default trainer (with ``algorithm.adv_estimator=grpo_parts_grpo``); ``options`` are
@@ -139,12 +148,7 @@ def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **
         name=name, kwargs=dict(kwargs or {}), **{k: v for k, v in options.items() if "$" not in str(v)}
     )
     node = f"+trainer.v1.sampler.sampler_kwargs.{KWARGS_KEY}"
-    out = [
-        "algorithm.adv_estimator=grpo_parts_grpo",
-        f"trainer.v1.sampler.custom_sampler.path={PATH}",
-        "trainer.v1.sampler.custom_sampler.name=FilteringReplayBuffer",
-        f"{node}.name={name}",
-    ]
+    out = ["algorithm.adv_estimator=grpo_parts_grpo", *buffer_overrides(), f"{node}.name={name}"]
     out += [f"{node}.kwargs.{k}={v}" for k, v in (kwargs or {}).items()]
     out += [f"{node}.{k}={v}" for k, v in options.items()]
     return out

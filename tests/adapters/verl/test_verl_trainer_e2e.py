@@ -21,6 +21,7 @@ pytest.importorskip("transfer_queue")
 
 from grpo_parts_adapters.verl.config import hydra_overrides as attention_overrides  # noqa: E402
 from grpo_parts_adapters.verl.rollout import hydra_overrides as rollout_overrides  # noqa: E402
+from grpo_parts_adapters.verl.sampler import buffer_overrides  # noqa: E402
 from grpo_parts_adapters.verl.sampler import hydra_overrides as filter_overrides  # noqa: E402
 from verl_e2e import run  # noqa: E402
 
@@ -85,9 +86,13 @@ def test_verl_trainer_eagle_draft_trains_on_the_current_policy(tmp_path: Path) -
 def test_verl_trainer_without_syncs_drifts_off_policy(tmp_path: Path) -> None:
     """Control: the same run with the sampler frozen at the checkpoint (explicit opt-in, counted)."""
     log = tmp_path / "syncs.jsonl"
-    extra = rollout_overrides(follow_actor=False, allow_frozen=True, sync_log=str(log))
-    rows = run(tmp_path, extra, steps=2)
+    extra = [
+        *rollout_overrides(follow_actor=False, allow_frozen=True, sync_log=str(log)),
+        *buffer_overrides(),
+    ]
+    rows = run(tmp_path, extra, steps=3)
     diffs = [_metric(r, "training/rollout_probs_diff_max") for r in rows]
     assert diffs[0] < SYNCED_TOL  # step 1: the actor has not moved yet
-    # one update later the frozen copy is far behind (synced runs stay ~5e-5 at every step)
+    # two updates later the frozen copy is far behind (synced runs stay ~5e-5 at every step)
     assert diffs[-1] > SYNCED_TOL and diffs[-1] > 20 * diffs[0]
+    assert _metric(rows[-1], "grpo_parts/sampler/frozen_rollouts") > 0  # counted, never silent

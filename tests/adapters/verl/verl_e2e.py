@@ -20,10 +20,10 @@ ROOT = HERE.parents[2]
 
 REWARD_FN = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    """The share of the completion's characters that are the ground-truth digit (varies within a
-    group from the first step, so the policy moves)."""
+    """Longer completions score higher, plus the share of the ground-truth digit: completion lengths
+    differ within almost every group of a random tiny model, so the policy moves at every step."""
     text = solution_str.strip()
-    return sum(c == str(ground_truth) for c in text) / max(1, len(text))
+    return min(len(text), 8) / 8 + sum(c == str(ground_truth) for c in text) / max(1, len(text))
 '''
 
 
@@ -75,7 +75,7 @@ def overrides(
         "actor_rollout_ref.ref.strategy=fsdp2",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch * n}",
-        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.actor.optim.lr=5e-2",
         "actor_rollout_ref.actor.use_kl_loss=False",
         "actor_rollout_ref.actor.fsdp_config.param_offload=False",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
