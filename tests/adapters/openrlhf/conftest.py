@@ -46,28 +46,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="package")
-def cpu_run(tmp_path_factory: Any) -> dict[str, Any]:
-    """OpenRLHF's step and default-configuration run on CPU (``_ds_worker.py``), once per test session."""
-    pytest.importorskip("ray")
-    out = tmp_path_factory.mktemp("openrlhf_ds")
-    env = {
+def run_worker(script: str, out: Path, env: dict[str, str] | None = None) -> tuple[dict[str, Any], Any]:
+    """Run ``script`` (in this folder) as ``python script OUT PORT`` offline; it writes
+    ``OUT/results.pt``. Returns the results and the finished process; fails the test otherwise."""
+    full = {
         **os.environ,
         "HF_DATASETS_CACHE": str(out / "hf_datasets"),
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "RAY_DEDUP_LOGS": "0",
+        **(env or {}),
     }
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_ds_worker.py"), str(out), str(free_port())],
-        env=env,
+        [sys.executable, str(HERE / script), str(out), str(free_port())],
+        env=full,
         capture_output=True,
         text=True,
         timeout=600,
     )
     if proc.returncode != 0 or not (out / "results.pt").exists():
         pytest.fail(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    res = torch.load(out / "results.pt", weights_only=False)
+    return torch.load(out / "results.pt", weights_only=False), proc
+
+
+@pytest.fixture(scope="package")
+def cpu_run(tmp_path_factory: Any) -> dict[str, Any]:
+    """OpenRLHF's step and default-configuration run on CPU (``_ds_worker.py``), once per test session."""
+    pytest.importorskip("ray")
+    out = tmp_path_factory.mktemp("openrlhf_ds")
+    res, proc = run_worker("_ds_worker.py", out, {"RAY_DEDUP_LOGS": "0"})
     res["log"] = proc.stdout + proc.stderr
     if res["errors"]:
         pytest.fail("\n\n".join(f"{k}:\n{v}" for k, v in res["errors"].items()))

@@ -11,41 +11,21 @@ test_openrlhf_deepspeed.py. The others are in-process.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from _openrlhf_helpers import char_tokenizer, tiny_model
-from conftest import free_port
+from conftest import run_worker
 
 from grpo_parts.errors import GRPOPartsError
-
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory: Any) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("openrlhf_weight_sync")
-    env = {
-        **os.environ,
-        "HF_DATASETS_CACHE": str(out / "hf"),
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_weight_sync_worker.py"), str(out), str(free_port())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0 or not (out / "results.pt").exists():
-        pytest.fail(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    res = torch.load(out / "results.pt", weights_only=False)
+    res, _ = run_worker("_weight_sync_worker.py", out)
     if res["error"]:
         pytest.fail(res["error"])
     return dict(res["run"])
