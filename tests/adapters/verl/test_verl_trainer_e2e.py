@@ -54,7 +54,11 @@ def test_verl_trainer_every_part_on_follows_the_actor(tmp_path: Path) -> None:
         # verl's metrics carry the backend's counters: a sync before every step's rollout
         assert _metric(row, "grpo_parts/sampler/weight_syncs") >= step
         assert _metric(row, "grpo_parts/sampler/lean_forward_calls") > 0
-        assert _metric(row, "actor/parts/attention/calls_varlen_cascade") > 0  # shared-prefix engine hook
+        # the shared-prefix engine hook ran every micro-batch; which layout (grid or padding-free) is
+        # the planner's cost model's choice for the rollout's lengths, so it is not pinned here
+        parts = {k: v for k, v in row["data"].items() if k.startswith("actor/parts/")}
+        assert _metric(row, "actor/parts/attention/forwards") > 0, parts
+        assert _metric(row, "actor/parts/attention/fallbacks") == 0, parts
         assert _metric(row, "grpo_parts/filter/rows_kept") > 0  # CPPO kept rows
     syncs = _syncs(log)
     assert len(syncs) >= 3  # before the first rollout (on_init_end) and after each update
