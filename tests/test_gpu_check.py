@@ -21,7 +21,7 @@ def test_dry_run_lists_every_step_and_passes_its_checks(tmp_path: Path) -> None:
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for step in ("e2e", "verl_prefix", "vllm", "verl_smoke", "openrlhf"):
+    for step in ("e2e", "verl_prefix", "vllm", "vllm_online", "verl_smoke", "openrlhf"):
         assert f"[{step}" in proc.stdout
     assert "--device cuda --preset h200" in proc.stdout
     assert (
@@ -30,7 +30,12 @@ def test_dry_run_lists_every_step_and_passes_its_checks(tmp_path: Path) -> None:
     )
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] and report["passed"]
-    assert {s["name"] for s in report["steps"]} >= {"dry_imports", "dry_e2e_args", "dry_openrlhf_script"}
+    assert {s["name"] for s in report["steps"]} >= {
+        "dry_imports",
+        "dry_e2e_args",
+        "dry_openrlhf_script",
+        "dry_vllm_online_configs",
+    }
     assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check (dry run)")
 
 

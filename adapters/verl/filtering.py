@@ -44,7 +44,10 @@ class FilterOptions(BaseModel):
     ``n_gpus_per_node`` x ``nnodes`` (the ranks) join ``multiple_of`` in :attr:`batch_multiple`, the
     least common multiple the kept count is rounded to (``hydra_overrides`` interpolates all four
     from verl's config), so verl's ``_balance_batch`` cuts it into equal per-rank shares of whole
-    mini-batches and adds no padding rows. ``target_rows`` must be a multiple of it.
+    mini-batches and adds no padding rows. Without token balancing (``*_use_dynamic_bsz``), each rank's
+    old-policy and reference log-prob passes cut its rows into ``*_log_prob_micro_batch_size_per_gpu``
+    micro-batches, which verl asserts divide them: those x the ranks join the multiple too. ``target_rows``
+    must be a multiple of it.
 
     ``loss_agg_mode``, ``loss_scale_factor``, ``use_kl_loss``, ``entropy_coeff``, ``policy_loss_mode``:
     the actor's loss settings (verl's defaults; ``hydra_overrides`` and the trainer mode read verl's
@@ -67,6 +70,12 @@ class FilterOptions(BaseModel):
     rollout_n: int | None = Field(None, ge=1)
     n_gpus_per_node: int | None = Field(None, ge=1)
     nnodes: int = Field(1, ge=1)
+    #: the old-policy / reference log-prob passes split each rank's kept rows into micro-batches of
+    #: this size (verl asserts they divide) unless they balance by tokens (``*_use_dynamic_bsz``)
+    log_prob_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    log_prob_use_dynamic_bsz: bool = False
+    ref_log_prob_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    ref_log_prob_use_dynamic_bsz: bool = False
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
     use_kl_loss: bool = False
@@ -78,7 +87,14 @@ class FilterOptions(BaseModel):
         """What the kept count is rounded to (see the class docstring)."""
         step = None if self.ppo_mini_batch_size is None else self.ppo_mini_batch_size * (self.rollout_n or 1)
         world = None if self.n_gpus_per_node is None else self.n_gpus_per_node * self.nnodes
-        return batch_multiple(self.multiple_of, step, world)
+        micro = [
+            None if dynamic or size is None else size * (world or 1)
+            for size, dynamic in (
+                (self.log_prob_micro_batch_size_per_gpu, self.log_prob_use_dynamic_bsz),
+                (self.ref_log_prob_micro_batch_size_per_gpu, self.ref_log_prob_use_dynamic_bsz),
+            )
+        ]
+        return batch_multiple(self.multiple_of, step, world, *micro)
 
     @model_validator(mode="after")
     def _target_fits(self) -> FilterOptions:
@@ -86,7 +102,7 @@ class FilterOptions(BaseModel):
         if self.target_rows is not None and self.target_rows % m:
             raise ValueError(
                 f"target_rows: expected a multiple of {m} (lcm of multiple_of, ppo_mini_batch_size x "
-                f"rollout_n and the ranks), got {self.target_rows}"
+                f"rollout_n, the ranks, and the log-prob micro-batches x the ranks), got {self.target_rows}"
             )
         return self
 

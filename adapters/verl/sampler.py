@@ -132,16 +132,12 @@ def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **
     verl's default trainer (with ``algorithm.adv_estimator=grpo_parts_grpo``); ``options`` are
     further :class:`~.filtering.FilterOptions` keys. ``refill_multiple`` / ``train_batch_size``
     default to verl's ``data.gen_batch_size`` / ``data.train_batch_size``, and the data-parallel
-    rounding keys (``ppo_mini_batch_size``, ``rollout_n``, ``n_gpus_per_node``, ``nnodes``) to
+    rounding keys (``trainer.ACTOR_KEYS``: mini-batch, ranks, log-prob micro-batches) to
     verl's own (Hydra interpolations), as are the actor's loss settings a weighted filter checks."""
     options.setdefault("refill_multiple", "${data.gen_batch_size}")
     options.setdefault("train_batch_size", "${data.train_batch_size}")
-    # what the kept count is rounded to under data parallelism (FilterOptions.batch_multiple)
-    options.setdefault("ppo_mini_batch_size", "${actor_rollout_ref.actor.ppo_mini_batch_size}")
-    options.setdefault("rollout_n", "${actor_rollout_ref.rollout.n}")
-    options.setdefault("n_gpus_per_node", "${trainer.n_gpus_per_node}")
-    options.setdefault("nnodes", "${trainer.nnodes}")
-    # the actor's loss settings a weighted filter (dppo) checks (FilterOptions.weighted_filter_reasons)
+    # what the kept count is rounded to (FilterOptions.batch_multiple: mini-batches, ranks, log-prob
+    # micro-batches) and the actor's loss settings a weighted filter checks, from verl's own keys
     for key, path in ACTOR_KEYS.items():
         options.setdefault(key, "${" + path + "}")
     FilterOptions(

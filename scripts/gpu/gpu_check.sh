@@ -9,10 +9,12 @@
 #
 # Steps (each under its own time limit, seconds; a failed or timed-out step is recorded and the
 # next one runs; the exit status is 1 when any step failed):
-#   e2e          grpo-parts bench e2e --device cuda --preset h200 (tokens/s/GPU per arm)     250
+#   e2e          grpo-parts bench e2e --device cuda --preset h200 (tokens/s/GPU per arm)     215
 #   verl_prefix  scripts/measure/verl_prefix_bench.py: verl padded/packed forward, verl's own Prefix
 #                Grouper (flash-attn) and grpo_parts' shared prefix, one FSDP engine           60
 #   vllm         the vLLM sampler tests (tests/sampler_vllm) on the GPU build of vLLM             40
+#   vllm_online  scripts/gpu/vllm_online_draft.py: vLLM draft_model speculation, static k vs the
+#                cost model's k per batch size vs that plus the draft trained online             35
 #   verl_smoke   scripts/gpu/verl_gpu_smoke.py: first-batch check + a 2-step verl GRPO run       70
 #   openrlhf     scripts/gpu/openrlhf_gpu_smoke.sh ... attention: OpenRLHF GRPO, the part on    55
 # Needs on the GPU machine: torch with CUDA, verl's and OpenRLHF's GPU stacks, vllm, flash-attn
@@ -32,9 +34,10 @@ cd "$REPO"
 
 # name | limit (s) | command (run with bash -c, from the repository root)
 PLAN=(
-  "e2e|250|grpo-parts bench e2e --device cuda --preset h200 --json $OUT/e2e.json"
+  "e2e|215|grpo-parts bench e2e --device cuda --preset h200 --json $OUT/e2e.json"
   "verl_prefix|60|$PY scripts/measure/verl_prefix_bench.py --repeats 3 --model $OUT/verl_prefix_model"
   "vllm|40|$PY -m pytest -q -x -p no:cacheprovider tests/sampler_vllm"
+  "vllm_online|35|$PY scripts/gpu/vllm_online_draft.py --rollouts 6 --json $OUT/vllm_online.json"
   "verl_smoke|70|$PY scripts/gpu/verl_gpu_smoke.py --workdir $OUT/verl_smoke --attention shared_prefix --filter cppo --steps 2 --out $OUT/verl_smoke.json"
   "openrlhf|55|SMOKE_JSON=$OUT/openrlhf_smoke.json SMOKE_TIMEOUT=50 bash scripts/gpu/openrlhf_gpu_smoke.sh $OUT/openrlhf attention"
 )
@@ -59,6 +62,7 @@ if [ "$DRY" = 1 ]; then
   check imports "$PY -c 'import torch, grpo_parts, grpo_parts_adapters; from grpo_parts.bench import gpu_e2e; assert \"h200\" in gpu_e2e.PRESETS'"
   check e2e_args "grpo-parts bench e2e --help | grep -q -- --preset"
   check verl_prefix_args "$PY scripts/measure/verl_prefix_bench.py --help > /dev/null"
+  check vllm_online_configs "$PY scripts/gpu/vllm_online_draft.py --dry-run"
   check openrlhf_script "bash -n scripts/gpu/openrlhf_gpu_smoke.sh && $PY scripts/gpu/openrlhf_smoke_check.py --help > /dev/null"
   if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('verl') is None)"; then
     check verl_smoke_assets "$PY scripts/gpu/verl_gpu_smoke.py --dry-run --workdir $OUT/verl_smoke_dry --prompts 4 --attention shared_prefix --filter cppo"

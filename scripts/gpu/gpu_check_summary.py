@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Any
 
 #: step -> the file its result is read from (relative to OUT); others: the last JSON line of its log
-RESULT_FILES = {"e2e": "e2e.json", "verl_smoke": "verl_smoke.json", "openrlhf": "openrlhf_smoke.json"}
+RESULT_FILES = {
+    "e2e": "e2e.json",
+    "vllm_online": "vllm_online.json",
+    "verl_smoke": "verl_smoke.json",
+    "openrlhf": "openrlhf_smoke.json",
+}
 
 
 def machine() -> dict[str, Any]:
@@ -64,6 +69,17 @@ def headline(name: str, result: Any) -> str:
             for a, v in arms.items()
             if isinstance(v, dict)
         ) + (f"; step speedup {result['step_speedup']:.2f}x" if "step_speedup" in result else "")
+    if name == "vllm_online" and "arms" in result:
+        return "; ".join(
+            f"{a}: {v.get('tokens_per_s', float('nan')):.0f} tok/s (x{v.get('speedup_vs_static') or float('nan'):.2f})"
+            + (
+                f", acceptance {v['acceptance_first_last'][0]:.2f} -> {v['acceptance_first_last'][1]:.2f}"
+                if "acceptance_first_last" in v
+                else ""
+            )
+            for a, v in result["arms"].items()
+            if isinstance(v, dict)
+        )
     if name == "verl_prefix" and "results" in result:
         return "; ".join(
             f"{v}: {r['update_s_median']:.2f} s, {r['model_tokens']} tokens"

@@ -131,9 +131,9 @@ def overrides(
             "actor_rollout_ref.rollout.agent.default_agent_loop=grpo_parts_agent",
         ]
     if args.speculative == "ngram":
-        from grpo_parts_adapters.verl.speculative import VllmSpeculativeOptions
+        from grpo_parts_adapters.verl.speculative import VllmSpeculativeOptions, hydra_overrides
 
-        o += VllmSpeculativeOptions(method="ngram", num_speculative_tokens=3).hydra_overrides()
+        o += hydra_overrides(VllmSpeculativeOptions(method="ngram", num_speculative_tokens=3))
     if args.attention:
         from grpo_parts_adapters.verl.config import hydra_overrides
 

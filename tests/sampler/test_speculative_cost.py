@@ -291,3 +291,20 @@ def test_chains_and_trees_probe_each_other() -> None:
         for _ in range(50):
             sampler.tree_acceptance.update(b.nodes, b.depth, torch.zeros(10, dtype=torch.long))
     assert set(run(sampler, 48)) == {"chain"}
+
+
+def test_k_schedule_is_choose_at_every_batch_size_as_ranges() -> None:
+    """The table vLLM's dynamic schedule takes: ranges from 1, contiguous, equal to ``choose``."""
+    from grpo_parts.sampler.vllm import check_k_table
+
+    cost = gpu_like()
+    table = cost.k_schedule(0.8, 6, 100)
+    assert check_k_table(table, 6) == [] and table[-1][1] == 100
+    for lo, hi, k in table:
+        assert all(cost.choose(a, 0.8, 6) == k for a in range(lo, hi + 1))
+    assert table[0][2] == 6 and table[-1][2] == 0  # long drafts at few rows, none when busy
+    assert all(a[2] != b[2] for a, b in zip(table, table[1:]))  # merged: neighbours differ
+    # a better draft speculates at more batch sizes
+    assert sum(hi - lo + 1 for lo, hi, k in cost.k_schedule(0.95, 6, 100) if k > 0) >= sum(
+        hi - lo + 1 for lo, hi, k in table if k > 0
+    )

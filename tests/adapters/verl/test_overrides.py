@@ -159,3 +159,34 @@ def test_smoke_checks_read_verl_metrics(tmp_path):
     assert not smoke.check_first_batch(dict(fb, max_abs_diff_log_probs=1e-2), 1e-4)[
         "first_batch_logprobs_equal"
     ]
+
+
+def test_kept_rows_divide_into_verls_log_prob_micro_batches():
+    """The kept count is rounded so each rank's rows split into whole old-policy / reference log-prob
+    micro-batches (verl asserts it without token balancing); the sizes come from verl's own keys."""
+    from grpo_parts_adapters.verl.filtering import FilterOptions
+    from grpo_parts_adapters.verl.sampler import hydra_overrides, options_from_sampler_kwargs
+
+    base = dict(ppo_mini_batch_size=2, rollout_n=4, n_gpus_per_node=2)
+    assert FilterOptions(**base).batch_multiple == 8
+    assert FilterOptions(**base, log_prob_micro_batch_size_per_gpu=3).batch_multiple == 24  # lcm(8, 3 x 2)
+    assert (
+        FilterOptions(
+            **base, log_prob_micro_batch_size_per_gpu=3, log_prob_use_dynamic_bsz=True
+        ).batch_multiple
+        == 8
+    )
+    assert FilterOptions(**base, ref_log_prob_micro_batch_size_per_gpu=5).batch_multiple == 40
+    with pytest.raises(ValueError, match="target_rows: expected a multiple of 24"):
+        FilterOptions(**base, log_prob_micro_batch_size_per_gpu=3, target_rows=16)
+    cfg = _compose(
+        hydra_overrides("cppo", {"k": 2})
+        + [
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.rollout.n=4",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
+        ]
+    )
+    opts = options_from_sampler_kwargs(cfg.trainer.v1.sampler.sampler_kwargs)
+    assert opts.log_prob_micro_batch_size_per_gpu == 3 and opts.batch_multiple == 24

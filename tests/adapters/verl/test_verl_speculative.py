@@ -7,25 +7,60 @@ import pytest
 import torch
 from grpo_parts_adapters.verl import speculative as spec
 
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.sampler.vllm import check_k_table
+
 
 def test_config_and_overrides():
     ng = spec.VllmSpeculativeOptions(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3)
-    assert ng.to_vllm() == {
+    assert ng.to_vllm(1024) == {
         "method": "ngram",
         "num_speculative_tokens": 4,
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
     }
     ea = spec.VllmSpeculativeOptions(method="eagle", model="/ckpt/draft", num_speculative_tokens=5)
-    assert ea.hydra_overrides() == [
+    assert spec.hydra_overrides(ea) == [
         f"+{spec.OVERRIDE_PREFIX}.method=eagle",
         f"+{spec.OVERRIDE_PREFIX}.num_speculative_tokens=5",
-        f"+{spec.OVERRIDE_PREFIX}.model=/ckpt/draft",
+        f"+{spec.OVERRIDE_PREFIX}.model='/ckpt/draft'",
     ]
-    with pytest.raises(ValueError, match="model: expected a draft path"):
+    with pytest.raises(ValueError, match="model: method 'eagle' needs a draft"):
         spec.VllmSpeculativeOptions(method="eagle")
     with pytest.raises(ValueError, match="prompt_lookup_min"):
-        spec.VllmSpeculativeOptions(prompt_lookup_min=5, prompt_lookup_max=2)
+        spec.VllmSpeculativeOptions(method="ngram", prompt_lookup_min=5, prompt_lookup_max=2)
+
+
+def test_draft_length_table_reaches_verls_vllm_config():
+    """FastGRPO's draft length per batch size, in verl's composed config as vLLM takes it: an
+    explicit table, and the cost model's timed on the policy (k_schedule='cost_model')."""
+    pytest.importorskip("verl")
+    from grpo_parts.tiny import tiny_causal_lm
+
+    table = [(1, 16, 3), (17, 1024, 0)]
+    explicit = spec.VllmSpeculativeOptions(method="ngram", num_speculative_tokens=3, k_per_batch_size=table)
+    cfg = _compose(
+        spec.hydra_overrides(explicit)
+    ).actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config
+    assert [tuple(r) for r in cfg.num_speculative_tokens_per_batch_size] == table
+    planned = spec.VllmSpeculativeOptions(method="ngram", num_speculative_tokens=3, k_schedule="cost_model")
+    with pytest.raises(GRPOPartsError, match="policy: k_schedule='cost_model'"):
+        spec.hydra_overrides(planned, 8)
+    policy = tiny_causal_lm("llama", vocab_size=32, hidden_size=32, num_layers=1, seed=0)
+    cfg = _compose(spec.hydra_overrides(planned, 8, policy)).actor_rollout_ref.rollout.engine_kwargs.vllm
+    got = [tuple(r) for r in cfg.speculative_config.num_speculative_tokens_per_batch_size]
+    assert check_k_table(got, 3) == [] and got[-1][1] == 8
+
+
+def _compose(overrides):
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
 
 
 class _Drafter(torch.nn.Linear):

