@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from grpo_parts.core import LossConfig
+from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.protocol import WeighsLoss
 
@@ -157,32 +158,28 @@ def weighted_filter_reasons(filt: Any, args: Any, refill_rounds: int) -> list[st
     per-step sequence count (whole ``--train.batch_size`` steps); what cannot stay so is refused."""
     if not isinstance(filt, WeighsLoss):
         return []
-    reasons = []
-    if refill_rounds > 0:
-        reasons.append(
-            "--grpo_parts.refill_rounds > 0: a weighted filter keeps rows at random, and a refill round would "
-            "depend on that draw, which biases the estimate; use 0"
-        )
+    normaliser: list[Fact] = []
     if args.actor.loss_agg_mode != "seq-mean-token-mean":
-        reasons.append(
-            f"--actor.loss_agg_mode {args.actor.loss_agg_mode}: OpenRLHF divides each optimizer step by its "
-            "own kept tokens, which depend on the draw; use seq-mean-token-mean"
-        )
+        normaliser.append((f"--actor.loss_agg_mode {args.actor.loss_agg_mode}", "OpenRLHF divides each optimizer step by its own kept tokens; use seq-mean-token-mean"))  # fmt: skip
     if args.train.dynamic_batch_enable:
-        reasons.append(
-            "--train.dynamic_batch_enable: steps of varying row counts, normalised by their own rows"
-        )
+        normaliser.append(("--train.dynamic_batch_enable", "steps of varying row counts, normalised by their own rows; turn it off"))  # fmt: skip
+    unscaled: list[Fact] = []
     kl = float(args.algo.kl.init_coef or 0.0)
     if kl > 0 and args.algo.kl.use_loss:
-        reasons.append(
-            "--algo.kl.use_loss: the KL loss term is not scaled by the weight the advantage carries"
-        )
-    elif kl > 0:  # KL in the reward: scaled with the advantage, but rows with A = 0 still carry it
-        reasons += filt.loss_not_supported_reasons(LossConfig(kl_coef=kl))
+        unscaled.append(("--algo.kl.use_loss", "put the KL in the reward (drop --algo.kl.use_loss)"))
     if args.actor.entropy_coef:
-        reasons.append(
-            f"--actor.entropy_coef {args.actor.entropy_coef}: the entropy term is not scaled by the weight"
-        )
+        unscaled.append((f"--actor.entropy_coef {args.actor.entropy_coef}", "use 0"))
     if float(getattr(args.actor, "aux_loss_coef", 0.0) or 0.0) > 1e-8:
-        reasons.append("--actor.aux_loss_coef: the MoE aux loss is not scaled by the weight")
+        unscaled.append(("--actor.aux_loss_coef", "the MoE aux loss; use 0"))
+    facts = WeightedLossFacts(
+        source="dppo",
+        refill=("--grpo_parts.refill_rounds > 0", "use 0") if refill_rounds > 0 else None,
+        unscaled=tuple(unscaled),
+        normaliser_from_draw=tuple(normaliser),
+    )
+    reasons = refusal_reasons(facts)
+    if (
+        kl > 0 and not args.algo.kl.use_loss
+    ):  # KL in the reward: scaled with the advantage, but rows with A = 0 still carry it
+        reasons += filt.loss_not_supported_reasons(LossConfig(kl_coef=kl))
     return reasons

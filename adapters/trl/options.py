@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
+
 PARTS = ("sampler", "attention", "completion_filter")
 
 
@@ -231,50 +233,49 @@ ROW_NORMALISED_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 TOKEN_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
 
 
-def unscaled_term_reasons(trainer: Any) -> list[str]:
+def unscaled_terms(trainer: Any) -> tuple[Fact, ...]:
     """The loss terms of this trainer that a row weight carried by the advantage does not scale
     (for :func:`weighted_filter_reasons` and the prompt skipper's checks): the KL penalty, an entropy
-    bonus, the entropy quantile mask, the MoE aux loss."""
-    reasons = []
+    bonus, the MoE aux loss (facts of :mod:`grpo_parts.core.unbiased`)."""
+    out: list[Fact] = []
     beta = _get(trainer, "beta", 0.0)
     if beta:
-        reasons.append(
-            f"beta={beta}: TRL adds beta * KL per token, a term the weight (carried by the advantage) does "
-            "not scale; set beta=0.0"
-        )
+        out.append((f"beta={beta}", "TRL adds beta * KL per token; set beta=0.0"))
     coef, adaptive = _get(trainer, "entropy_coef", 0.0), _get(trainer, "use_adaptive_entropy", False)
     if coef or adaptive:
-        reasons.append(
-            f"entropy bonus (entropy_coef={coef}, use_adaptive_entropy={adaptive}): not scaled by the weight "
-            "and averaged over each micro-batch"
-        )
-    q = _get(trainer, "top_entropy_quantile", 1.0)
-    if q is not None and q < 1.0:
-        reasons.append(
-            f"top_entropy_quantile={q}: the quantile is taken over the trained rows of each micro-batch"
+        out.append(
+            (f"entropy bonus (entropy_coef={coef}, use_adaptive_entropy={adaptive})", "set entropy_coef=0.0")
         )
     if _get(trainer, "aux_loss_enabled", False):
-        reasons.append("MoE router aux loss: a per-forward term the weights cannot scale")
-    return reasons
+        out.append(("MoE router aux loss", "disable the router aux loss"))
+    return tuple(out)
+
+
+def draw_dependent(trainer: Any) -> tuple[Fact, ...]:
+    """Settings under which a row's loss depends on which rows were kept: the entropy quantile mask,
+    taken over the trained rows of each micro-batch."""
+    q = _get(trainer, "top_entropy_quantile", 1.0)
+    if q is not None and q < 1.0:
+        return (
+            (f"top_entropy_quantile={q}", "the quantile is over each micro-batch's trained rows; set 1.0"),
+        )
+    return ()
 
 
 def weighted_filter_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
     """Why a weighted filter (``dppo``: kept rows weighted ``1 / p``) cannot train this trainer's
-    loss unbiased. The adapter multiplies each kept row's advantage by its weight -- exact for every
-    TRL policy loss, which is positively homogeneous in the advantage -- and keeps the full batch's
-    normaliser; terms that do not scale with the advantage, or normalisers that depend on which
-    rows were kept, are refused."""
-    reasons = []
-    if options.refill:
-        reasons.append(
-            "refill=True: a weighted filter keeps rows at random, and a refill round (how many, which rows "
-            "trimmed) would depend on that draw, which biases the estimate; set refill=False"
-        )
-    reasons += unscaled_term_reasons(trainer)
+    loss unbiased: the rule of :mod:`grpo_parts.core.unbiased` on TRL's facts. The adapter multiplies
+    each kept row's advantage by its weight -- exact for every TRL policy loss, which is positively
+    homogeneous in the advantage -- and keeps the full batch's normaliser."""
     loss = _get(trainer, "loss_type")
+    normaliser = draw_dependent(trainer)
     if loss is not None and loss not in ROW_NORMALISED_LOSSES + TOKEN_NORMALISED_LOSSES:
-        reasons.append(
-            f"loss_type={loss!r}: normalised by each micro-batch's own token count, which depends on the draw; "
-            f"use one of {list(ROW_NORMALISED_LOSSES + TOKEN_NORMALISED_LOSSES)}"
-        )
-    return reasons
+        fix = f"TRL normalises it by each micro-batch's own token count; use one of {list(ROW_NORMALISED_LOSSES + TOKEN_NORMALISED_LOSSES)}"
+        normaliser += ((f"loss_type={loss!r}", fix),)
+    facts = WeightedLossFacts(
+        source="dppo",
+        refill=("refill=True", "set refill=False") if options.refill else None,
+        unscaled=unscaled_terms(trainer),
+        normaliser_from_draw=normaliser,
+    )
+    return refusal_reasons(facts)

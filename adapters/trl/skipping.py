@@ -41,11 +41,12 @@ import torch
 from trl import GRPOTrainer
 
 from grpo_parts.build import build_prompt_skipper
+from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.skip_draw import PromptDraw
 from grpo_parts.filter.skip_protocol import PromptId, PromptSkipper, prompt_key, skips
 
-from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions, unscaled_term_reasons
+from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions, draw_dependent, unscaled_terms
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +56,28 @@ def skip_config_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
     expected gradient (empty: it does). The estimate is exact when each row's loss term depends on
     its own group only, scales with its advantage, and the normaliser is fixed before the draw."""
     get = lambda name, default=None: getattr(trainer, name, default)  # noqa: E731
-    reasons = []
     loss = get("loss_type")
-    if loss not in ROW_NORMALISED_LOSSES:
-        reasons.append(
-            f"loss_type={loss!r}: normalised by a token count of the batch, which for the drawn batch is unknown "
-            f"(skipped prompts are never generated); use one of {list(ROW_NORMALISED_LOSSES)}"
-        )
-    reasons += unscaled_term_reasons(trainer)
+    tokens: tuple[Fact, ...] = ()
+    if loss not in ROW_NORMALISED_LOSSES:  # TRL's row-normalised losses count every row, empty ones too
+        tokens = ((f"loss_type={loss!r}", f"use one of {list(ROW_NORMALISED_LOSSES)}"),)
+    stats: tuple[Fact, ...] = ()
     if get("scale_rewards") == "batch" or get("multi_objective_aggregation") == "normalize_then_sum":
-        reasons.append(
-            "scale_rewards='batch' / multi_objective_aggregation='normalize_then_sum': every group is scaled by "
-            "statistics of the whole batch, which skipping changes (biased); use scale_rewards='group' or 'none'"
+        stats = (
+            (
+                "scale_rewards='batch' / multi_objective_aggregation='normalize_then_sum'",
+                "use scale_rewards='group' or 'none'",
+            ),
         )
-    if options.refill:
-        reasons.append("refill=True: refill rounds are not drawn through the skipper; set refill=False")
+    facts = WeightedLossFacts(
+        source="prompt skipping",
+        normaliser="drawn",
+        refill=("refill=True", "set refill=False") if options.refill else None,
+        unscaled=unscaled_terms(trainer),
+        batch_statistics=stats,
+        normaliser_from_draw=draw_dependent(trainer),
+        token_normalised=tokens,
+    )
+    reasons = refusal_reasons(facts)
     acc = get("accelerator")
     if acc is not None and getattr(acc, "num_processes", 1) > 1:
         reasons.append(

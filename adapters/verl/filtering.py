@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpo_parts import build as parts_build
 from grpo_parts.core import AdvantageConfig, group_advantages
+from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError, NotSupportedError, check_tensor
 from grpo_parts.filter.data_parallel import batch_multiple, round_rounds
 from grpo_parts.filter.protocol import CompletionFilter, WeighsLoss
@@ -134,34 +135,29 @@ def weighted_filter_reasons(filt: Any, options: FilterOptions, needs_step: bool 
     ``needs_step``: the padding is verl's, so the mini-batch rows must be known."""
     if not isinstance(filt, WeighsLoss):
         return []
-    o, reasons = options, []
-    if o.refill:
-        reasons.append(
-            "refill=True: a weighted filter keeps rows at random, and a refill round would depend on that "
-            "draw, which biases the estimate; set grpo_parts_filter.refill=False"
-        )
+    o = options
+    use = "use seq-mean-token-mean (set it in actor_rollout_ref.actor and in grpo_parts_filter.loss_agg_mode)"
+    normaliser: list[Fact] = []
     if o.loss_agg_mode not in FIXED_NORMALISER_AGGS:
-        reasons.append(
-            f"actor.loss_agg_mode={o.loss_agg_mode!r}: verl's engine divides each mini-batch by its own kept "
-            "token count (batch_num_tokens), which depends on the draw; use seq-mean-token-mean (set it in "
-            "actor_rollout_ref.actor and in grpo_parts_filter.loss_agg_mode)"
-        )
+        normaliser.append((f"actor.loss_agg_mode={o.loss_agg_mode!r}", f"verl divides each mini-batch by its own kept tokens; {use}"))  # fmt: skip
     if o.loss_agg_mode == "seq-mean-token-sum-norm" and o.loss_scale_factor is None:
-        reasons.append(
-            "seq-mean-token-sum-norm without actor.loss_scale_factor: the default is the padded width of "
-            "each micro-batch, which depends on the kept rows; set loss_scale_factor"
-        )
+        normaliser.append(("seq-mean-token-sum-norm without actor.loss_scale_factor", "its default is each micro-batch's padded width; set loss_scale_factor"))  # fmt: skip
+    unscaled: list[Fact] = []
     if o.use_kl_loss:
-        reasons.append(
-            "actor.use_kl_loss=True: the KL loss term is not scaled by the weight the advantage carries"
+        unscaled.append(
+            ("actor.use_kl_loss=True", "put the KL in the reward (algorithm.use_kl_in_reward) or drop it")
         )
     if o.entropy_coeff:
-        reasons.append(f"actor.entropy_coeff={o.entropy_coeff}: the entropy term is not scaled by the weight")
+        unscaled.append((f"actor.entropy_coeff={o.entropy_coeff}", "set it to 0"))
     if o.policy_loss_mode not in HOMOGENEOUS_POLICY_LOSSES:
-        reasons.append(
-            f"actor.policy_loss.loss_mode={o.policy_loss_mode!r}: a weight on the advantage scales the row's loss "
-            f"only for {list(HOMOGENEOUS_POLICY_LOSSES)}"
-        )
+        unscaled.append((f"actor.policy_loss.loss_mode={o.policy_loss_mode!r}", f"a weight on the advantage scales the row's loss only for {list(HOMOGENEOUS_POLICY_LOSSES)}"))  # fmt: skip
+    facts = WeightedLossFacts(
+        source="dppo",
+        refill=("refill=True", "set grpo_parts_filter.refill=False") if o.refill else None,
+        unscaled=tuple(unscaled),
+        normaliser_from_draw=tuple(normaliser),
+    )
+    reasons = refusal_reasons(facts)
     if needs_step and o.ppo_mini_batch_size is None:
         reasons.append(
             "ppo_mini_batch_size / rollout_n not given: the weights fold in the padded kept rows verl "

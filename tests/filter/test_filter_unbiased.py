@@ -57,11 +57,13 @@ class Case:
         return self.rollout.completion_mask
 
 
-def make_case(sizes: list[int], t: int, seed: int, discrete: bool) -> Case:
+def make_case(sizes: list[int], t: int, seed: int, discrete: bool, empty_rows: bool = False) -> Case:
+    """``empty_rows``: rows may have length 0, a completion the loss masks out entirely (TRL's
+    ``mask_truncated_completions``)."""
     gen = torch.Generator().manual_seed(seed)
     gi = torch.cat([torch.full((s,), g, dtype=torch.long) for g, s in enumerate(sizes)])
     n = int(gi.numel())
-    lengths = torch.randint(1, t + 1, (n,), generator=gen)
+    lengths = torch.randint(0 if empty_rows else 1, t + 1, (n,), generator=gen)
     mask = (torch.arange(t) < lengths[:, None]).long()
     ones = torch.ones(n, 2, dtype=torch.long)
     rand = lambda: torch.rand(n, t, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -76,6 +78,14 @@ def make_case(sizes: list[int], t: int, seed: int, discrete: bool) -> Case:
 
 
 cases = st.builds(
+    make_case,
+    st.lists(st.integers(2, 3), min_size=2, max_size=2),
+    st.integers(1, 3),
+    st.integers(0, 2**16),
+    st.booleans(),
+    st.booleans(),
+)
+nonempty_cases = st.builds(
     make_case,
     st.lists(st.integers(2, 3), min_size=2, max_size=2),
     st.integers(1, 3),
@@ -142,7 +152,7 @@ def outcome_path(case: Case, cfg: LossConfig, adv: torch.Tensor, denominators: s
 
     def run(kept: torch.Tensor, weights: torch.Tensor | None):
         zero = [torch.zeros_like(case.logps), torch.zeros_like(case.ent)]
-        kb = apply_filter(FilterResult(kept, 0, {}, weights), case.rollout, adv, case.old, case.ref)
+        kb = apply_filter(FilterResult(kept, 0, {}, weights), case.rollout, adv, case.old, case.ref, loss=cfg)
         if kb.is_empty:  # the loop skips the step: nothing learnt
             return torch.zeros((), dtype=torch.float64), zero
         assert kb.rollout is not None
@@ -206,7 +216,7 @@ def test_dppo_expected_gradient_is_the_full_gradient(agg: str, estimator: str, d
 def test_cppo_fails_the_same_check(agg: str, data: st.DataObject) -> None:
     """The broken control: a deterministic top-k (one outcome, probability 1, kept-set normaliser,
     no weights) is biased whenever the full gradient is not zero."""
-    case = data.draw(cases, "case")
+    case = data.draw(nonempty_cases, "case")  # (a pruned empty row changes nothing: no bias to show)
     cfg = data.draw(loss_configs(agg), "loss")
     adv, batch = scored(case, ESTIMATORS[data.draw(st.sampled_from(sorted(ESTIMATORS)), "estimator")])
     _, f_grads = full_batch(case, cfg, adv)
@@ -280,3 +290,65 @@ def test_sum_norm_without_constant_is_refused() -> None:
             num_seqs=6.0,
             seq_weights=w,
         )
+
+
+def _with_empty_row(case: Case, row: int) -> Case:
+    """``case`` with ``row``'s completion masked out entirely (TRL's ``mask_truncated_completions``)."""
+    mask = case.rollout.completion_mask.clone()
+    mask[row] = 0
+    r = case.rollout
+    rollout = Rollout(
+        r.prompt_ids, r.prompt_mask, r.completion_ids, mask, r.logprobs, r.group_index, r.num_prompts
+    )
+    return Case(rollout, case.rewards, case.old, case.ref, case.roll, case.logps, case.ent)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("seq_count", ["all", "nonempty"])
+def test_the_documented_recipe_is_unbiased_with_an_empty_row(agg: str, seq_count: str) -> None:
+    """``select`` -> ``apply_filter(..., loss=cfg)`` -> ``grpo_loss(seq_weights=)`` with a row that has
+    no completion token: the full batch's sequence count is the loss's (every row under
+    ``seq_count='all'``). Counting the non-empty rows there (what apply_filter did before) scales the
+    expected loss by all / non-empty rows; without ``loss=`` such a batch is refused in one line."""
+    base, _, _ = fixed_case()
+    case = _with_empty_row(base, 2)
+    adv, batch = scored(case, AdvantageConfig())
+    cfg = LossConfig(
+        agg=agg, seq_count=seq_count, norm_constant=3.0 if agg == "seq-mean-token-sum-norm" else None
+    )
+    filt = DPPOFilter(k=2, min_keep_prob=0.2)
+    assert filt.loss_not_supported_reasons(cfg) == []
+    p = filt.inclusion_probs(batch)
+    outcomes = outcomes_for("systematic", p)
+    assert deviation(outcomes, lambda kept: 1.0 / p[kept], case, cfg, adv) < EXACT
+    if seq_count == "all":  # the old denominators (non-empty rows) are 6 / 5 times too small: biased
+        old = LossConfig(agg=agg, seq_count="nonempty", norm_constant=cfg.norm_constant)
+        e_loss, _ = expected(outcomes, lambda kept: 1.0 / p[kept], _with_loss(case, cfg, old, adv))
+        f_loss, _ = full_batch(case, cfg, adv)
+        assert float(e_loss) == pytest.approx(float(f_loss) * 6 / 5, rel=1e-9)
+    with pytest.raises(
+        GRPOPartsError, match=r"^apply_filter\(loss=\.\.\.\): a weighted result's batch has 1 row"
+    ):
+        apply_filter(
+            FilterResult(torch.tensor([0, 1]), 0, {}, torch.ones(2, dtype=torch.float64)), case.rollout, adv
+        )
+
+
+def _with_loss(case: Case, cfg: LossConfig, counted: LossConfig, adv: torch.Tensor):
+    """An outcome path whose denominators are counted under ``counted`` but whose loss runs ``cfg``."""
+
+    def run(kept: torch.Tensor, weights: torch.Tensor | None):
+        kb = apply_filter(
+            FilterResult(kept, 0, {}, weights), case.rollout, adv, case.old, case.ref, loss=counted
+        )
+        zero = [torch.zeros_like(case.logps), torch.zeros_like(case.ent)]
+        if kb.is_empty:
+            return torch.zeros((), dtype=torch.float64), zero
+        assert kb.rollout is not None
+        out = grpo_loss(
+            case.logps[kb.kept], kb.old_logps, kb.advantages, kb.rollout.completion_mask, cfg, kb.ref_logps,
+            rollout_logps=case.roll[kb.kept], num_tokens=kb.num_tokens, num_seqs=kb.num_seqs, seq_weights=kb.weights,
+        )  # fmt: skip
+        return out.loss.detach(), zero
+
+    return run

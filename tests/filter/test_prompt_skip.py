@@ -70,7 +70,8 @@ def make_case(n: int, g: int, t: int, seed: int, zero: list[bool]) -> Case:
     """Rewards in {0, 0.5, 1}; the prompts flagged in ``zero`` get a zero-variance group."""
     gen = torch.Generator().manual_seed(seed)
     rows = n * g
-    mask = (torch.arange(t) < torch.randint(1, t + 1, (rows,), generator=gen)[:, None]).long()
+    # length 0: a completion the loss masks out entirely (TRL's mask_truncated_completions)
+    mask = (torch.arange(t) < torch.randint(0, t + 1, (rows,), generator=gen)[:, None]).long()
     rand = lambda: torch.rand(rows, t, generator=gen, dtype=torch.float64)  # noqa: E731
     rewards = torch.randint(0, 3, (rows,), generator=gen).double() / 2
     for i, z in enumerate(zero):
@@ -90,15 +91,14 @@ def cases(draw) -> Case:  # type: ignore[no-untyped-def]
 
 @st.composite
 def loss_configs(draw, agg: str) -> LossConfig:  # type: ignore[no-untyped-def]
-    """The losses prompt skipping allows: no token-mean term, a fixed sum-norm constant."""
+    """The losses prompt skipping allows where rows may be empty: no token-mean term, a fixed sum-norm
+    constant, every row counted (``seq_count="all"``: the drawn prompts' rows)."""
     policy = draw(st.sampled_from(["clip", "gspo", "gspo_token", "cispo", "sapo"]))
-    kw: dict = {"agg": agg, "policy": policy}
+    kw: dict = {"agg": agg, "policy": policy, "seq_count": "all"}
     if agg == "seq-mean-token-sum-norm":
         kw["norm_constant"] = draw(st.sampled_from([1.0, 3.0]))
     if agg == "seq-mean-token-mean" and draw(st.booleans()):
         kw["seq_len_eps"] = 1e-8
-    if draw(st.booleans()):
-        kw["seq_count"] = "all"
     if draw(st.booleans()):
         kw["kl_coef"] = 0.05
     if draw(st.booleans()):
@@ -244,7 +244,7 @@ def fixed_case() -> Case:
 @pytest.mark.parametrize("estimator", sorted(REFUSED))
 def test_batch_whitened_estimators_are_biased_and_refused(estimator: str) -> None:
     """Their advantages depend on which other prompts were kept: no weights repair that."""
-    cfg = LossConfig(agg="seq-mean-token-mean")
+    cfg = LossConfig(agg="seq-mean-token-mean", seq_count="all")
     reasons = prompt_skip_reasons(REFUSED[estimator], cfg)
     assert len(reasons) == 1 and "statistics of the whole batch" in reasons[0]
     p = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
@@ -257,9 +257,12 @@ def test_token_mean_is_refused_and_would_be_biased() -> None:
     rows' own count, the only one there is, depends on the draw."""
     for cfg, field in (
         (LossConfig(), "loss.agg='token-mean'"),
-        (LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, kl_agg="token-mean"), "loss.kl_agg='token-mean'"),
         (
-            LossConfig(agg="seq-mean-token-sum-norm"),
+            LossConfig(agg="seq-mean-token-mean", seq_count="all", kl_coef=0.1, kl_agg="token-mean"),
+            "loss.kl_agg='token-mean'",
+        ),
+        (
+            LossConfig(agg="seq-mean-token-sum-norm", seq_count="all"),
             "loss.agg='seq-mean-token-sum-norm' without loss.norm_constant",
         ),
     ):
@@ -278,6 +281,39 @@ def test_token_mean_is_refused_and_would_be_biased() -> None:
         e_grad = e_grad + prob * torch.autograd.grad(out.loss, case.logps)[0]
     _, full = loss_and_grads(case, cfg, est, [0, 1, 2], None, None)
     assert float((e_grad - full[0]).abs().max()) > 1e-6
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_nonempty_seq_count_with_an_empty_row_is_refused_and_would_be_biased(agg: str) -> None:
+    """The fixed normaliser is the drawn prompts' rows (drawn x G), empty rows included; a loss that
+    counts only non-empty rows divides the drawn batch by a count unknown for skipped prompts, so the
+    estimate is (non-empty / all) of the full value. Refused where empty rows can occur; a trainer
+    whose sampler always emits a token says so (``empty_rows=False``) and is accepted."""
+    base = fixed_case()
+    mask = base.mask.clone()
+    mask[4] = 0  # one completion without a token
+    case = Case(base.g, base.rewards, mask, base.old, base.ref, base.roll, base.logps, base.ent)
+    nonempty = LossConfig(agg=agg, norm_constant=3.0 if agg == "seq-mean-token-sum-norm" else None)
+    reasons = prompt_skip_reasons(ALLOWED["grpo"], nonempty)
+    assert len(reasons) == 1 and reasons[0].startswith("loss.seq_count='nonempty': the loss counts only rows")
+    assert prompt_skip_reasons(ALLOWED["grpo"], nonempty, empty_rows=False) == []
+    p = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
+    e_loss = torch.zeros((), dtype=torch.float64)
+    for s, prob in lattice_outcomes(p.tolist()).items():
+        loss, _ = loss_and_grads(
+            case, nonempty, ALLOWED["grpo"], sorted(s), 1.0 / p[sorted(s)], float(case.n * case.g)
+        )
+        e_loss = e_loss + prob * loss
+    f_loss, _ = loss_and_grads(case, nonempty, ALLOWED["grpo"], [0, 1, 2], None, None)
+    share = float((mask.sum(-1) > 0).sum()) / mask.shape[0]  # non-empty / all rows
+    assert (
+        share < 1 and float(f_loss) != 0.0 and float(e_loss) == pytest.approx(float(f_loss) * share, rel=1e-9)
+    )
+    every = LossConfig(agg=agg, seq_count="all", norm_constant=nonempty.norm_constant)
+    assert (
+        prompt_skip_reasons(ALLOWED["grpo"], every) == []
+        and deviation(case, every, ALLOWED["grpo"], p) < EXACT
+    )
 
 
 def test_stopping_at_the_nth_kept_prompt_is_biased() -> None:

@@ -36,7 +36,7 @@ COMPARED = ("reward", "kept", "prompts", "data_pos", "loss", "prompts_drawn", "p
     [
         (
             [],
-            r"parts\.prompt_skip: 'history' with loss\.agg='token-mean' divides by the drawn batch's token count",
+            r"parts\.prompt_skip: 'history' with loss\.agg='token-mean': divides by the drawn batch's token count",
         ),
         (
             ["loss.agg=seq-mean-token-mean", "advantage.norm=batch"],
@@ -44,11 +44,11 @@ COMPARED = ("reward", "kept", "prompts", "data_pos", "loss", "prompts_drawn", "p
         ),
         (
             ["loss.agg=seq-mean-token-mean", "advantage.estimator=reinforce_plus_plus_baseline"],
-            r"parts\.prompt_skip: 'history' with estimator 'reinforce_plus_plus_baseline' scales every group",
+            r"parts\.prompt_skip: 'history' with estimator 'reinforce_plus_plus_baseline': every group is scaled",
         ),
         (
             ["loss.agg=seq-mean-token-sum-norm"],
-            r"without loss\.norm_constant: its default is the padded width",
+            r"without loss\.norm_constant: the normaliser depends on which rows were kept",
         ),
     ],
 )
@@ -89,9 +89,12 @@ def test_skip_chunks_weigh_rows_by_their_prompt_and_normalise_by_the_drawn() -> 
         ro, torch.zeros(4), torch.zeros(4), [7, 9], None, full_group=torch.tensor([0, 0, 1, 1])
     )  # type: ignore[arg-type]
     chunks = [LossChunk(torch.tensor([0, 1])), LossChunk(torch.tensor([2, 3]))]
-    out = skip_chunks(chunks, filled, draw, count_empty=False)
+    out = skip_chunks(chunks, filled, draw, count_empty=True)
     assert [c.weights.tolist() for c in out] == [[2.0, 2.0], [4.0, 4.0]]  # type: ignore[union-attr]
-    assert [c.num_seqs for c in out] == [2 * 2.5, 1 * 2.5]  # own non-empty rows x drawn / rolled out
+    assert [c.num_seqs for c in out] == [2 * 2.5, 2 * 2.5]  # own rows x drawn / rolled out
+    # counting only non-empty rows, a row without a token is refused (the drawn count is unknown)
+    with pytest.raises(GRPOPartsError, match=r"^prompt skipping: a completion without a token"):
+        skip_chunks(chunks, filled, draw, count_empty=False)
     weighted = [LossChunk(torch.tensor([0, 1]), torch.tensor([1.0, 3.0]), 3.0, 2.0)]
     (w,) = skip_chunks(weighted, filled, draw, count_empty=True)
     assert w.weights.tolist() == [2.0, 6.0] and w.num_seqs == 5.0 and w.num_tokens == 3.0  # type: ignore[union-attr]

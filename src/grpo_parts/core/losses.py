@@ -11,6 +11,7 @@ from .config import AggMode, LossConfig
 from .correction import correction_weights
 from .kl import kl_estimate
 from .policy import policy_terms
+from .unbiased import loss_facts, refusal_reasons
 
 
 def aggregate(
@@ -108,22 +109,9 @@ def _masked_mean(t: torch.Tensor, m: torch.Tensor) -> float:
 
 def weighted_loss_reasons(cfg: LossConfig) -> list[str]:
     """Why ``cfg``'s aggregation cannot give an unbiased loss from a randomly pruned batch with
-    ``seq_weights`` (empty list = it can, given the full batch's ``num_tokens`` / ``num_seqs``).
-
-    Every aggregation is a sum over rows of a per-row term divided by a denominator; the estimate
-    is unbiased when the denominator is fixed before pruning. Token-mean and the seq-means take it
-    from ``num_tokens`` / ``num_seqs``; seq-mean-token-mean divides each row by its own length,
-    which pruning does not change. Only seq-mean-token-sum-norm's default constant, the padded
-    width T of the tensor the loss sees, can change with which rows were kept (re-padding,
-    micro-batches).
-    """
-    if cfg.agg == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
-        return [
-            "agg='seq-mean-token-sum-norm' without norm_constant: its default constant is the padded "
-            "width T of the kept rows' tensor, which depends on which rows were kept; set "
-            "LossConfig.norm_constant (Dr. GRPO: the max completion length)"
-        ]
-    return []
+    ``seq_weights`` (empty list = it can, given the full batch's ``num_tokens`` / ``num_seqs``): the
+    rule of :mod:`.unbiased` on ``cfg``'s facts."""
+    return refusal_reasons(loss_facts(cfg, "seq_weights"))
 
 
 def _check_seq_weights(

@@ -10,9 +10,11 @@ per-completion gradients restricted to the kept rows, times ``D_full / D_kept``.
 
 A random filter with importance weights (``FilterResult.weights``, the ``dppo`` filter) needs the
 opposite: ``num_tokens`` / ``num_seqs`` are then the *whole* batch's denominators, fixed before
-pruning, and ``KeptBatch.weights`` the kept rows' weights; pass all three to ``grpo_loss(...,
-seq_weights=kb.weights)`` and the expected loss and gradient are the full batch's
-(tests/filter/test_filter_unbiased.py enumerates every outcome to check it).
+pruning and counted as the loss counts them (``apply_filter(..., loss=cfg)``: rows without a
+completion token are sequences only under ``seq_count="all"``; the rule is
+:mod:`grpo_parts.core.unbiased`), and ``KeptBatch.weights`` the kept rows' weights; pass all three to
+``grpo_loss(..., seq_weights=kb.weights)`` and the expected loss and gradient are the full batch's
+(tests/filter/test_filter_unbiased.py enumerates every outcome, empty rows included, to check it).
 
 An empty kept set (every advantage zero) gives ``KeptBatch.is_empty``: the loop skips the update
 (no forward, no optimizer step, no NaN).
@@ -20,7 +22,7 @@ An empty kept set (every advantage zero) gives ``KeptBatch.is_empty``: the loop 
 Typical use in a loop (the built-in trainer and the adapters do this)::
 
     res = filt.select(ScoredBatch(rewards, advantages, rollout.group_index))
-    kb = apply_filter(res, rollout, advantages)
+    kb = apply_filter(res, rollout, advantages, loss=cfg)
     if kb.is_empty:
         continue  # nothing to learn from this batch
     old = backend.completion_logprobs(old_model, LogprobBatch.from_rollout(kb.rollout)).logprobs
@@ -37,17 +39,19 @@ from typing import Any
 
 import torch
 
+from ..core import LossConfig
+from ..core.unbiased import full_batch_denominators
 from ..errors import GRPOPartsError, check_tensor
 from ..types import FilterResult, Rollout
 
 __all__ = ["KeptBatch", "apply_filter", "loss_denominators", "select_rows"]
 
 
-def loss_denominators(completion_mask: torch.Tensor) -> tuple[float, float]:
+def loss_denominators(completion_mask: torch.Tensor, count_empty: bool = False) -> tuple[float, float]:
     """``(num_tokens, num_seqs)`` of a batch, as :func:`grpo_parts.core.aggregate` counts them:
-    masked-in tokens, and rows with at least one masked-in token."""
-    m = completion_mask.long()
-    return float(m.sum()), float((m.sum(-1) > 0).sum())
+    masked-in tokens, and rows with at least one masked-in token (every row with ``count_empty``,
+    ``LossConfig.seq_count="all"``)."""
+    return full_batch_denominators(completion_mask, count_empty)
 
 
 def _check_kept(kept: torch.Tensor, n: int) -> None:
@@ -89,11 +93,14 @@ def apply_filter(
     old_logps: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
     rewards: torch.Tensor | None = None,
+    loss: LossConfig | None = None,
 ) -> KeptBatch:
     """Slice ``rollout`` and the per-row tensors (``advantages: [N]`` or ``[N, T]``, ``old_logps``,
     ``ref_logps: [N, T]``, ``rewards: [N]``) to ``result.kept``. ``group_index`` keeps the original
     prompt numbering, so a shared-prefix backend still sees which rows share a prompt. With
-    ``result.weights`` the denominators are the whole batch's and the weights come along."""
+    ``result.weights`` the denominators are the whole batch's and the weights come along.
+    ``loss``: the config ``grpo_loss`` runs with, so ``num_seqs`` counts rows as it does (needed
+    when a weighted result's batch holds a row without a completion token)."""
     n, t = rollout.num_completions, rollout.completion_ids.shape[1]
     check_tensor("advantages", advantages, shape=[n] if advantages.ndim == 1 else [n, t], dtype="float")
     for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
@@ -112,10 +119,19 @@ def apply_filter(
     if result.is_empty:
         return KeptBatch(None, advantages[kept], kept, 0.0, 0.0, *rows, weights=weights)
     sub = rollout.select(kept)
+    count_empty = loss is not None and loss.seq_count == "all"
+    if weights is None:
+        num_tokens, num_seqs = loss_denominators(sub.completion_mask, count_empty)
+        return KeptBatch(sub, advantages[kept], kept, num_tokens, num_seqs, *rows, weights=weights)
+    empty = int((rollout.completion_mask.sum(-1) == 0).sum())
+    if loss is None and empty:
+        raise GRPOPartsError(
+            f"apply_filter(loss=...): a weighted result's batch has {empty} row(s) without a completion token, "
+            "which the full batch's sequence count includes only under LossConfig.seq_count='all'; expected "
+            "the LossConfig grpo_loss runs with, got None"
+        )
     # weighted (unbiased) estimate: the full batch's denominators, fixed before pruning
-    num_tokens, num_seqs = loss_denominators(
-        sub.completion_mask if weights is None else rollout.completion_mask
-    )
+    num_tokens, num_seqs = loss_denominators(rollout.completion_mask, count_empty)
     return KeptBatch(sub, advantages[kept], kept, num_tokens, num_seqs, *rows, weights=weights)
 
 

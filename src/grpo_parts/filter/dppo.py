@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from ..core import LossConfig, weighted_loss_reasons
+from ..core import LossConfig
+from ..core.unbiased import loss_facts, refusal_reasons
 from ._common import kept_mask_to_rows, num_kept
 from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
 
@@ -157,15 +159,14 @@ class DPPOFilter(BaseModel):
         return []
 
     def loss_not_supported_reasons(self, config: LossConfig) -> list[str]:
-        """Why the weighted loss under ``config`` would not be unbiased (empty list = it is)."""
-        reasons = [f"dppo: {r}" for r in weighted_loss_reasons(config)]
+        """Why the weighted loss under ``config`` would not be unbiased (empty list = it is): the rule
+        of :mod:`grpo_parts.core.unbiased` on ``config``'s facts and this filter's."""
+        facts = loss_facts(config, "dppo")
         if self.drop_zero_advantage and (config.kl_coef > 0 or config.entropy_coef > 0):
             term = "kl_coef > 0" if config.kl_coef > 0 else "entropy_coef > 0"
-            reasons.append(
-                f"dppo: drop_zero_advantage=True with {term}: rows with A = 0 still carry the KL/entropy "
-                "gradient, so never keeping them biases it; set drop_zero_advantage=False"
-            )
-        return reasons
+            fix = "set drop_zero_advantage=False (rows with A = 0 still carry the KL/entropy gradient)"
+            facts = replace(facts, unkept=((f"drop_zero_advantage=True with {term}", fix),))
+        return [f"dppo: {r}" for r in refusal_reasons(facts)]
 
     # ------------------------------------------------------------------ the rule
     def target_kept(self, num_rows: int) -> int:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from ..core import AdvantageConfig, LossConfig
+from ..core.unbiased import loss_facts, refusal_reasons
 from ..errors import GRPOPartsError, check_tensor
 
 __all__ = [
@@ -170,40 +171,16 @@ def skips(skipper: PromptSkipper | None) -> bool:
     return skipper is not None and skipper.min_keep_prob < 1.0
 
 
-def prompt_skip_reasons(advantage: AdvantageConfig, loss: LossConfig) -> list[str]:
+def prompt_skip_reasons(advantage: AdvantageConfig, loss: LossConfig, empty_rows: bool = True) -> list[str]:
     """Why skipping with ``1 / p`` weights would not give the drawn batch's expected gradient under
-    these configs (empty list = it does). The weighted estimate is exact when every kept row's loss
-    term depends on its own group only and the normaliser is fixed before the draw (the drawn
-    prompts' sequence count)."""
-    reasons: list[str] = []
-    if advantage.estimator == "reinforce_plus_plus_baseline" or advantage.norm == "batch":
-        which = (
-            "advantage.norm='batch'"
-            if advantage.norm == "batch"
-            else "estimator 'reinforce_plus_plus_baseline'"
-        )
-        reasons.append(
-            f"{which} scales every group by statistics of the whole batch, which skipping changes (biased); "
-            "expected a per-group estimator (grpo with norm 'group' or 'none', rloo)"
-        )
-    token_means = [
-        name
-        for name, on in (
-            ("loss.agg='token-mean'", loss.agg == "token-mean"),
-            ("loss.kl_agg='token-mean'", loss.kl_coef > 0 and loss.kl_agg == "token-mean"),
-            ("loss.entropy_agg='token-mean'", loss.entropy_coef > 0 and loss.entropy_agg == "token-mean"),
-        )
-        if on
-    ]
-    if token_means:
-        reasons.append(
-            f"{token_means[0]} divides by the drawn batch's token count, unknown for skipped prompts (never "
-            "generated); expected loss.agg 'seq-mean-token-mean', or 'seq-mean-token-sum-norm' with "
-            "loss.norm_constant (Dr. GRPO)"
-        )
-    if loss.agg == "seq-mean-token-sum-norm" and loss.norm_constant is None:
-        reasons.append(
-            "loss.agg='seq-mean-token-sum-norm' without loss.norm_constant: its default is the padded width "
-            "of the kept rows, which depends on the draw; expected loss.norm_constant (e.g. max_new_tokens)"
-        )
-    return reasons
+    these configs (empty list = it does): the rule of :mod:`grpo_parts.core.unbiased` with the
+    normaliser fixed before the draw, the drawn prompts' rows. ``empty_rows``: rows without a
+    completion token can occur (the trainer's sampler always emits one: False there)."""
+    facts = loss_facts(loss, "prompt skipping", "drawn", empty_rows, prefix="loss.")
+    per_group = "expected a per-group estimator (grpo with norm 'group' or 'none', rloo)"
+    stats = []
+    if advantage.norm == "batch":
+        stats.append(("advantage.norm='batch'", per_group))
+    elif advantage.estimator == "reinforce_plus_plus_baseline":
+        stats.append(("estimator 'reinforce_plus_plus_baseline'", per_group))
+    return refusal_reasons(replace(facts, batch_statistics=tuple(stats)))

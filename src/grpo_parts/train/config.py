@@ -234,7 +234,8 @@ class TrainConfig(BaseModel):
                 "loss.correction.level: needs old_logprobs='recompute', got old_logprobs='sampler'"
             )
         if self.parts.prompt_skip != "none":
-            reasons = prompt_skip_reasons(self.advantage, self.loss)
+            # the trainer's sampler emits >= 1 token per completion: no row is empty (skip_chunks checks)
+            reasons = prompt_skip_reasons(self.advantage, self.loss, empty_rows=False)
             if reasons:
                 raise ValueError(f"parts.prompt_skip: {self.parts.prompt_skip!r} with {reasons[0]}")
         if self.minibatches > self.prompts_per_step:

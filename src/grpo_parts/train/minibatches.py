@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..core.unbiased import WeightedLossFacts, refusal_reasons
 from ..filter.allocation import FilledBatch
 from ..filter.protocol import WeighsLoss
 from .config import TrainConfig
@@ -80,9 +81,10 @@ def weighted_filter_reasons(filt: Any, config: TrainConfig) -> list[str]:
         return []
     reasons = list(filt.loss_not_supported_reasons(config.loss))
     if config.parts.refill:
-        reasons.append(
-            "parts.refill=true: a weighted filter keeps rows at random and weights them 1/p, and a refill "
-            "round (how many, which rows trimmed) would depend on that draw, which biases the estimate; "
-            "set parts.refill=false and size prompts_per_step for the kept rows you want"
+        fix = "set parts.refill=false and size prompts_per_step for the kept rows you want"
+        reasons += refusal_reasons(
+            WeightedLossFacts(
+                source=getattr(filt, "name", "a weighted filter"), refill=("parts.refill=true", fix)
+            )
         )
     return reasons

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..errors import GRPOPartsError
 from ..filter.allocation import FilledBatch
 from ..filter.skip_draw import PromptDraw
 from ..filter.skip_protocol import PromptId, PromptSkipper, prompt_key, skips
@@ -59,6 +60,12 @@ def skip_chunks(
     prompts (module docstring). ``count_empty``: ``LossConfig.seq_count == "all"``."""
     ro = filled.rollout
     assert ro is not None and filled.full_group is not None
+    if not count_empty and bool((ro.completion_mask.sum(-1) == 0).any()):
+        # the config accepted seq_count='nonempty' because no row can be empty (prompt_skip_reasons)
+        raise GRPOPartsError(
+            "prompt skipping: a completion without a token under loss.seq_count='nonempty' makes the drawn "
+            "batch's sequence count unknown (biased); set loss.seq_count='all'"
+        )
     prompt_w = draw.prompt_weights()[filled.full_group.cpu()]
     scale = draw.normaliser_scale()
     out = []

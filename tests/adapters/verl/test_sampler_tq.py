@@ -268,7 +268,7 @@ def test_dppo_trains_each_kept_row_times_its_weight_over_the_rolled_out_rows(sto
         (("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.use_kl_loss=True"),
          "actor.use_kl_loss=True"),
         (("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-          "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill=True"), "refill=True: a weighted filter"),
+          "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill=True"), "refill=True: dppo keeps rows at random"),
     ],
 )  # fmt: skip
 def test_dppo_is_refused_where_verl_cannot_keep_it_unbiased(store, extra, needle):
