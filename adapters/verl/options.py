@@ -20,6 +20,20 @@ ENGINE_ATTR = "grpo_parts"
 ROLLOUT_NAME = "grpo_parts"
 
 
+def hydra_value(value: Any) -> str:
+    """A value as a Hydra command-line override writes it: ``null``/``true``/``false``, lists (a
+    draft-length table) as nested lists, strings with Hydra's special characters quoted."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, str) and any(c in value for c in ":,=[]{} "):
+        return "'" + value + "'"
+    return str(value)
+
+
 class EngineOptions(BaseModel):
     """``actor_rollout_ref.{actor,ref}.grpo_parts.*``.
 

@@ -46,7 +46,7 @@ from grpo_parts.sampler.stats import DRAFT_UPDATES, PLAIN_STEPS, SAMPLED_TREE_ST
 
 from .._policy_copy import PolicyCopy, canonical_name
 from .agent_loop import SamplerServer, build_sampler
-from .options import ROLLOUT_NAME
+from .options import ROLLOUT_NAME, hydra_value
 
 logger = logging.getLogger(__name__)
 
@@ -400,10 +400,6 @@ class GRPOPartsRollout(BaseRollout):
         self.syncs += 1
 
 
-def _hydra_value(v: Any) -> str:
-    return "null" if v is None else ("true" if v is True else "false" if v is False else str(v))
-
-
 def hydra_overrides(**options: Any) -> list[str]:
     """The Hydra overrides of ``python -m verl.trainer.main_ppo`` that make grpo_parts' sampler the
     rollout, with :class:`RolloutOptions` keys (validated here, before verl starts)."""
@@ -412,7 +408,7 @@ def hydra_overrides(**options: Any) -> list[str]:
     out = [f"actor_rollout_ref.rollout.name={NAME}"]
     for key, value in options.items():
         if isinstance(value, dict):
-            out += [f"{node}.{key}.{k}={_hydra_value(v)}" for k, v in value.items()]
+            out += [f"{node}.{key}.{k}={hydra_value(v)}" for k, v in value.items()]
         else:
-            out.append(f"{node}.{key}={_hydra_value(value)}")
+            out.append(f"{node}.{key}={hydra_value(value)}")
     return out

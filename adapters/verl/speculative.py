@@ -31,6 +31,8 @@ from grpo_parts.errors import GRPOPartsError
 from grpo_parts.sampler.vllm import VLLMSpeculative
 from grpo_parts.sampler.vllm.online_draft import cost_model_table
 
+from .options import hydra_value
+
 OVERRIDE_PREFIX = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config"
 #: verl 0.9.1's ``actor_rollout_ref.rollout.max_num_seqs`` default
 DEFAULT_MAX_NUM_SEQS = 1024
@@ -38,15 +40,6 @@ DEFAULT_MAX_NUM_SEQS = 1024
 
 #: one vLLM speculative config for every door: grpo_parts' own (:mod:`grpo_parts.sampler.vllm`)
 VllmSpeculativeOptions = VLLMSpeculative
-
-
-def _hydra_value(value: Any) -> str:
-    """A Hydra override value: lists (the draft-length table) as nested lists, paths quoted."""
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
-    if isinstance(value, str) and any(c in value for c in "/:,=[]{} "):
-        return "'" + value + "'"
-    return str(value)
 
 
 def hydra_overrides(
@@ -74,7 +67,7 @@ def hydra_overrides(
         cfg["num_speculative_tokens_per_batch_size"] = cost_model_table(
             policy, draft, spec, max_num_seqs, model_len, spec.accept_prior
         )[0]
-    return [f"+{OVERRIDE_PREFIX}.{k}={_hydra_value(v)}" for k, v in cfg.items()]
+    return [f"+{OVERRIDE_PREFIX}.{k}={hydra_value(v)}" for k, v in cfg.items()]
 
 
 def draft_weight_loader(worker: Any, weights: Sequence[tuple[str, torch.Tensor]]) -> int:

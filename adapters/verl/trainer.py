@@ -212,6 +212,7 @@ def filter_kv_batch(
     full group of every uid with a kept row."""
     chunks: list[KVBatchMeta] = []
     uids: dict[int, list[Any]] = {}
+    scores: list[torch.Tensor] = []  # every rolled-out row's reward (verl's own metrics see the kept rows)
 
     def produce(n_prompts: int) -> Chunk[KVBatchMeta] | None:
         b = batch if not chunks else (more(n_prompts) if more is not None else None)
@@ -222,6 +223,7 @@ def filter_kv_batch(
         rewards, uid, mask = rewards_from_fields(fields)
         uids[id(b)] = uid
         scored = scored_batch(rewards, uid, mask, options.advantage_config)
+        scores.append(scored.rewards.detach().double().cpu())
         return Chunk(payload=b, scored=scored, num_prompts=len(set(uid)))
 
     target = options.target_rows or len(batch.keys)
@@ -250,6 +252,8 @@ def filter_kv_batch(
             assert adv is not None
             groups.update(_full_groups(sc, uids[id(b)], kept_rows, adv, bool(weighted)))
     metrics = _filter_metrics(outcome, weighted, len(keys), target, empty)
+    if scores:
+        metrics["grpo_parts/filter/score_mean_rolled_out"] = float(torch.cat(scores).mean())
     out = KVBatchMeta(
         partition_id=batch.partition_id, keys=keys, tags=tags, extra_info=dict(batch.extra_info or {})
     )

@@ -13,8 +13,10 @@ built-in reasoning task, 16 prompts x 8 completions per step, 320 new tokens at 
 1e-4, reward = the task's grader. verl runs on this CPU through the tests' CPU platform plugin
 (tests/adapters/verl/verl_cpu_plugin.py: verl 0.9.1 registers no CPU platform); each (arm, seed)
 is its own ``main_ppo`` process, the arms alternating. Reported per step from verl's own metrics:
-``timing_s/step`` (and gen / old_log_prob / update_actor), the mean score, the mean response
-length. ``step_speedup`` is the mean over seeds of reference / parts mean step time, the first step
+``timing_s/step`` (and gen / old_log_prob / update_actor), the mean score of every rolled-out row
+(``grpo_parts/filter/score_mean_rolled_out`` in the parts arm: verl's ``critic/score/mean`` and
+``response_length/mean`` are over the rows trained, CPPO's kept half there), the mean response
+length of the rows trained. ``step_speedup`` is the mean over seeds of reference / parts mean step time, the first step
 left out (``--skip-first``: Ray and FSDP warm-up).
 
     python scripts/measure/verl_trainer_bench.py --steps 6 --seeds 0 1 --json /tmp/verl.json --png /tmp/verl.png
@@ -45,6 +47,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     return 1.0 if extract_answer(solution_str) == str(ground_truth) else 0.0
 """
 SAMPLER_PREFIX = "grpo_parts/sampler/"
+ROLLED_OUT_SCORE = "grpo_parts/filter/score_mean_rolled_out"
 KEYS = ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor")
 
 
@@ -123,7 +126,10 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         rows = main_ppo(work, [*base, *arm_overrides(arm, args)], timeout=args.timeout)
     data = [r.get("data", r) for r in rows]
     out: dict[str, Any] = {k.split("/")[-1]: [float(d.get(k, float("nan"))) for d in data] for k in KEYS}
-    out["score"] = [float(d.get("critic/score/mean", float("nan"))) for d in data]
+    # verl's critic/score and response_length are over the rows trained (a filter's kept rows): the
+    # score both arms compare is every rolled-out row's (the filter's metric; no filter: verl's)
+    out["score"] = [float(d.get(ROLLED_OUT_SCORE, d.get("critic/score/mean", float("nan")))) for d in data]
+    out["score_trained_rows"] = [float(d.get("critic/score/mean", float("nan"))) for d in data]
     out["response_length"] = [float(d.get("response_length/mean", float("nan"))) for d in data]
     # the rollout backend's counters are cumulative (its last step holds the run's total); the
     # engine's and the filter's are per step (summed)

@@ -1,4 +1,5 @@
-"""Samplers. Select by name with :func:`get_sampler`; ``"auto"`` walks ``AUTO_PRIORITY``."""
+"""Samplers. Select by name with :func:`get_sampler_class` (build with :mod:`grpo_parts.build`);
+``"auto"`` walks ``AUTO_PRIORITY``."""
 
 from __future__ import annotations
 

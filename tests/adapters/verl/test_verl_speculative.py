@@ -23,7 +23,7 @@ def test_config_and_overrides():
     assert spec.hydra_overrides(ea) == [
         f"+{spec.OVERRIDE_PREFIX}.method=eagle",
         f"+{spec.OVERRIDE_PREFIX}.num_speculative_tokens=5",
-        f"+{spec.OVERRIDE_PREFIX}.model='/ckpt/draft'",
+        f"+{spec.OVERRIDE_PREFIX}.model=/ckpt/draft",
     ]
     with pytest.raises(ValueError, match="model: method 'eagle' needs a draft"):
         spec.VllmSpeculativeOptions(method="eagle")

@@ -5,7 +5,8 @@ Each run is a subprocess (:mod:`verl_e2e`: tiny Llama, character tokenizer, a te
 plugin). Asserted per step: the copy the sampler rolls out from holds exactly the weights the actor
 sent (checksums in the server's ``sync_log``), verl's own rollout-vs-actor probability difference
 stays at numerical noise, and the parts ran (speculation, lean forward, the shared-prefix engine
-hook, the filter). The control run drops the syncs (``follow_actor: false``): the difference grows.
+hook, the filter); a checkpointed run resumed by a second ``main_ppo`` rolls out from the
+checkpointed actor. The control run drops the syncs (``follow_actor: false``): the difference grows.
 """
 
 from __future__ import annotations
@@ -40,14 +41,26 @@ def _syncs(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_verl_trainer_every_part_on_follows_the_actor(tmp_path: Path) -> None:
-    log = tmp_path / "syncs.jsonl"
-    extra = [
-        *rollout_overrides(sampler="speculative", draft="ngram", sync_log=str(log)),
-        *attention_overrides("shared_prefix"),
-        *filter_overrides("cppo", {"k": 8}),
-    ]
-    rows = run(tmp_path, extra, steps=3)
+def test_verl_trainer_every_part_on_follows_the_actor_and_resumes(tmp_path: Path) -> None:
+    """Every part on for 3 steps, checkpointed at the end; then verl's resume (a second ``main_ppo``,
+    ``trainer.resume_mode=auto``, same checkpoint folder) continues at step 4, and before its first
+    rollout the sampler's copy receives the checkpointed actor -- what the first run's last sync
+    sent -- not the model path's initial weights."""
+    from verl_e2e import build_assets, main_ppo, overrides
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    assets = build_assets(tmp_path, n_prompts=20)
+    parts = [*attention_overrides("shared_prefix"), *filter_overrides("cppo", {"k": 8})]
+
+    def args(workdir: Path, steps: int) -> list[str]:
+        base = overrides(assets, workdir, steps=steps, batch=4, n=4, response=8)
+        base = [a for a in base if not a.startswith(("trainer.save_freq=", "trainer.default_local_dir="))]
+        log = str(workdir / "syncs.jsonl")
+        return [*base, *rollout_overrides(sampler="speculative", draft="ngram", sync_log=log), *parts,
+                "trainer.save_freq=3", "trainer.resume_mode=auto", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]  # fmt: skip
+
+    rows = main_ppo(first, args(first, 3))
     assert len(rows) == 3
     for step, row in enumerate(rows, start=1):  # the rollout's log-probs are the actor's, every step
         assert _metric(row, "training/rollout_probs_diff_max") < SYNCED_TOL
@@ -56,11 +69,11 @@ def test_verl_trainer_every_part_on_follows_the_actor(tmp_path: Path) -> None:
         assert _metric(row, "grpo_parts/sampler/lean_forward_calls") > 0
         # the shared-prefix engine hook ran every micro-batch; which layout (grid or padding-free) is
         # the planner's cost model's choice for the rollout's lengths, so it is not pinned here
-        parts = {k: v for k, v in row["data"].items() if k.startswith("actor/parts/")}
-        assert _metric(row, "actor/parts/attention/forwards") > 0, parts
-        assert _metric(row, "actor/parts/attention/fallbacks") == 0, parts
+        hook = {k: v for k, v in row["data"].items() if k.startswith("actor/parts/")}
+        assert _metric(row, "actor/parts/attention/forwards") > 0, hook
+        assert _metric(row, "actor/parts/attention/fallbacks") == 0, hook
         assert _metric(row, "grpo_parts/filter/rows_kept") > 0  # CPPO kept rows
-    syncs = _syncs(log)
+    syncs = _syncs(first / "syncs.jsonl")
     assert len(syncs) >= 3  # before the first rollout (on_init_end) and after each update
     for s in syncs:  # the copy holds exactly what the actor sent
         assert s["copy_checksum"] == pytest.approx(s["sent_checksum"], rel=1e-12, abs=1e-9)
@@ -68,6 +81,15 @@ def test_verl_trainer_every_part_on_follows_the_actor(tmp_path: Path) -> None:
     last = syncs[-1]["totals"]
     assert last["weight_syncs"] == len(syncs) and last["frozen_rollouts"] == 0
     assert last["verify_steps"] > 0 and last["lean_forward_calls"] > 0  # speculation, lean decode
+    assert (tmp_path / "ckpt" / "global_step_3").is_dir()
+
+    resumed_rows = main_ppo(second, args(second, 4))
+    assert [r["step"] for r in resumed_rows] == [4]  # resumed, not restarted
+    assert _metric(resumed_rows[0], "training/rollout_probs_diff_max") < SYNCED_TOL
+    resumed = _syncs(second / "syncs.jsonl")[0]
+    assert resumed["copy_checksum"] == pytest.approx(resumed["sent_checksum"], rel=1e-12, abs=1e-9)
+    assert resumed["sent_checksum"] == pytest.approx(syncs[-1]["sent_checksum"], rel=1e-6)
+    assert resumed["sent_checksum"] != pytest.approx(syncs[0]["sent_checksum"], rel=1e-9)
 
 
 def test_verl_trainer_eagle_draft_trains_on_the_current_policy(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@
 * :mod:`.guard` -- which architectures are served, and the check that every layer saw the layout;
 * :mod:`.packed` -- the backend over packed (remove-padding) inputs, as verl hands them.
 
-``grpo_parts.attention.shared_prefix`` was one module before 0.2; the names users imported from it
-are re-exported here.
+``grpo_parts.attention.shared_prefix`` was one module in earlier 0.1 commits; the names users
+imported from it are re-exported here.
 """
 
 from __future__ import annotations

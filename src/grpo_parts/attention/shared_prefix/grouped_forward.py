@@ -1,8 +1,8 @@
 """The shared-prefix forward and its one-token probe: the model run on the grouped grid with this
 package's attention function selected, and the check that every decoder layer received the layout.
 
-Split from :mod:`.shared_prefix` (the backend) so that the backend reads as its decisions; the
-calls below are what it runs.
+Split from :mod:`.backend` (``SharedPrefixAttention``) so that the backend reads as its decisions;
+the calls below are what it runs.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def probe_reasons(model: torch.nn.Module) -> list[str]:
         with torch.no_grad():
             grouped_forward(model, grouped)
         reasons: list[str] = []
-    except GRPOPartsError as e:  # NotSupportedError included: _grouped_forward names the cause
+    except GRPOPartsError as e:  # NotSupportedError included: grouped_forward names the cause
         reasons = getattr(e, "reasons", None) or [f"model: {model_kind(model)}: {e}"]
     finally:
         for m, t in flags:
