@@ -19,7 +19,7 @@ only (re-added rows train with weight 0), and each kept row's per-token advantag
 its weight times ``kept rows / rolled-out rows``: OpenRLHF divides each optimizer step by its row
 count (``seq-mean-token-mean``, whole ``--train.batch_size`` steps), so every step's expected
 gradient is the full batch's mean. Settings that cannot stay unbiased are refused at construction
-(:func:`~.config.weighted_filter_reasons`); ``grpo_parts/weighted_rows`` counts the weighted rows.
+(:func:`~.config.weighted_filter_reasons`); ``grpo_parts/filter/weighted_rows`` counts the weighted rows.
 """
 
 from __future__ import annotations

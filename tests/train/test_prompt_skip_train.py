@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.allocation import FilledBatch
 from grpo_parts.filter.skip_draw import PromptDraw
 from grpo_parts.filter.skip_history import HistorySkipper
 from grpo_parts.train.checkpoint import load_checkpoint
-from grpo_parts.train.config import load_config
+from grpo_parts.train.config import SKIP_DEFAULT_AGG, load_config
 from grpo_parts.train.minibatches import LossChunk
 from grpo_parts.train.prompt_skip import skip_chunks
 from grpo_parts.train.run import resume_config, train
@@ -35,7 +36,7 @@ COMPARED = ("reward", "kept", "prompts", "data_pos", "loss", "prompts_drawn", "p
     ("sets", "message"),
     [
         (
-            [],
+            ["loss.agg=token-mean"],  # chosen explicitly: refused with the reason
             r"parts\.prompt_skip: 'history' with loss\.agg='token-mean': divides by the drawn batch's token count",
         ),
         (
@@ -122,12 +123,12 @@ def skip_run(
     base.pop("task.name")
     base.pop("task.num_eval")
     cfg = load_config(overrides=base).with_reference_parts()
-    cfg = load_config(
-        overrides={**cfg.model_dump(mode="json", exclude_unset=True), **SKIP, "parts.filter": "keep_all"}
-    )
+    given = cfg.model_dump(mode="json", exclude_unset=True)
 
-    def run(name: str, steps: int) -> Any:
-        return train(cfg.model_copy(update={"name": name, "steps": steps}))
+    def run(name: str, steps: int, default_loss: bool = False) -> Any:
+        skip = {k: v for k, v in SKIP.items() if not (default_loss and k == "loss.agg")}
+        c = load_config(overrides={**given, **skip, "parts.filter": "keep_all"})
+        return train(c.model_copy(update={"name": name, "steps": steps}))
 
     return run
 
@@ -150,3 +151,23 @@ def test_a_run_skips_streaks_reports_them_and_resumes_exactly(skip_run: Any) -> 
     b = [r for r in resumed.rows if r["step"] == 5][0]
     for k in COMPARED:
         assert a.get(k) == pytest.approx(b.get(k), rel=1e-6, abs=1e-9), k
+
+
+def test_one_flag_on_the_default_loss_trains_unbiased_and_says_how(skip_run: Any) -> None:
+    """``--set parts.prompt_skip=history`` alone: the default token-mean (whose drawn-batch token count
+    is unknown for skipped prompts) becomes a token sum over a constant fixed before the draw
+    (``max_new_tokens`` per row), written to config.yaml and said in one line; prompts are skipped."""
+    run = skip_run("default_loss", 4, default_loss=True)
+    saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())
+    assert saved["loss"]["agg"] == SKIP_DEFAULT_AGG and saved["loss"]["norm_constant"] == 4
+    (note,) = [n for n in (run.run_dir / "report.md").read_text().splitlines() if "parts.prompt_skip=" in n]
+    assert "norm_constant=4 (a normaliser fixed before the draw" in note
+    assert sum(r["prompts_skipped"] for r in run.rows if r["step"] > 0) > 0
+
+
+def test_the_default_loss_under_skipping_is_the_dr_grpo_constant() -> None:
+    cfg = load_config(sets=["parts.prompt_skip=history"])
+    assert cfg.loss.agg == SKIP_DEFAULT_AGG and cfg.loss.norm_constant == cfg.max_new_tokens
+    assert load_config().loss.agg == "token-mean"  # skipping off: the default stays
+    kept = load_config(sets=["parts.prompt_skip=history", "loss.agg=seq-mean-token-mean"])
+    assert kept.loss.agg == "seq-mean-token-mean" and kept.loss.norm_constant is None

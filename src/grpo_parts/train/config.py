@@ -78,6 +78,36 @@ class PartsConfig(BaseModel):
         return name
 
 
+#: what ``grpo-parts train`` trains when prompt skipping is on and ``loss.agg`` is left at its
+#: default (token-mean, whose normaliser -- the drawn batch's token count -- is unknown for skipped
+#: prompts): Dr. GRPO's token sum over a constant fixed before the draw, ``max_new_tokens`` per row.
+#: Its gradient is token-mean's full-batch gradient times a positive per-step scale (total tokens /
+#: (rows x max_new_tokens)), and with ``1 / p`` weights its estimate is unbiased (core/unbiased.py).
+SKIP_DEFAULT_AGG = "seq-mean-token-sum-norm"
+
+
+def _skip_loss_default(data: dict[str, Any]) -> dict[str, Any]:
+    """With ``parts.prompt_skip`` on and no ``loss.agg`` given, the loss :data:`SKIP_DEFAULT_AGG`
+    with ``norm_constant = max_new_tokens`` (written to the run's config.yaml; the run logs it)."""
+    parts, loss = data.get("parts"), data.get("loss")
+    skip = parts.get("prompt_skip") if isinstance(parts, dict) else getattr(parts, "prompt_skip", None)
+    if skip in (None, "none"):
+        return data
+    if isinstance(loss, LossConfig):
+        given = loss.model_fields_set
+        loss = loss.model_dump(exclude_unset=True)
+    elif loss is None or isinstance(loss, dict):
+        loss = dict(loss or {})
+        given = set(loss)
+    else:
+        return data  # not a loss config: the field's own validation reports it
+    if "agg" in given:
+        return data  # chosen: validated as given (refused with the reason if skipping cannot keep it)
+    tokens = data.get("max_new_tokens", TrainConfig.model_fields["max_new_tokens"].default)
+    loss.update(agg=SKIP_DEFAULT_AGG, norm_constant=loss.get("norm_constant", tokens))
+    return {**data, "loss": loss}
+
+
 class TrainConfig(BaseModel):
     """A GRPO run. ``model``/``data`` = None means the built-in task and its committed warm start."""
 
@@ -206,7 +236,7 @@ class TrainConfig(BaseModel):
             data = {**data, "task": task}
             for key, value in TASK_DEFAULTS.get(str(task["name"]), {}).items():
                 data.setdefault(key, value)
-        return data
+        return _skip_loss_default(data)
 
     @field_validator("rewards")
     @classmethod

@@ -34,7 +34,7 @@ from .checkpoint import (
     save_checkpoint,
     step_name,
 )
-from .config import TrainConfig, dump_config, load_config
+from .config import SKIP_DEFAULT_AGG, TrainConfig, dump_config, load_config
 from .interrupt import Interrupted, StopRequest, signal_name
 from .loop import GRPOTrainer
 from .metrics import MetricsWriter, read_metrics
@@ -67,7 +67,22 @@ def build_trainer(config: TrainConfig) -> tuple[GRPOTrainer, list[str]]:
     trainer = GRPOTrainer(
         config, setup.policy, setup.tokenizer, setup.task, parts, setup.eos_token_ids, setup.ref_model
     )
-    return trainer, setup.notes + parts.notes
+    return trainer, setup.notes + parts.notes + skip_notes(config)
+
+
+def skip_notes(config: TrainConfig) -> list[str]:
+    """The loss prompt skipping trains (one line; config.yaml holds the same settings)."""
+    if config.parts.prompt_skip == "none":
+        return []
+    loss = config.loss
+    line = f"parts.prompt_skip={config.parts.prompt_skip!r}: loss.agg={loss.agg!r}"
+    if loss.agg == SKIP_DEFAULT_AGG and loss.norm_constant is not None:
+        line += (
+            f", norm_constant={loss.norm_constant:g} (a normaliser fixed before the draw: token-mean's "
+            "drawn-batch token count is unknown for skipped prompts; same gradient direction per step)"
+        )
+    log.info(line)
+    return [line]
 
 
 def check_new_run_dir(run_dir: Path) -> None:

@@ -29,6 +29,9 @@ _CPU_MODULE = SimpleNamespace(
     device_count=lambda: 1,
     manual_seed=torch.manual_seed,
     manual_seed_all=torch.manual_seed,
+    # verl's checkpoint restores the "device" RNG under the platform's device name ("cpu" here)
+    get_rng_state=torch.get_rng_state,
+    set_rng_state=torch.set_rng_state,
     mem_get_info=lambda *a, **k: (0, 0),
     get_device_name=lambda *a, **k: "cpu",
 )
