@@ -180,7 +180,10 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
         except NothingKept as e:
             self.skipped_steps += 1
             logger.warning("grpo_parts: step %d skipped: %s", global_step, e)
-            return {"grpo_parts/filter/skipped_steps": float(self.skipped_steps), **self.part_counts()}, global_step
+            return {
+                "grpo_parts/filter/skipped_steps": float(self.skipped_steps),
+                **self.part_counts(),
+            }, global_step
         # the filter's diagnostics under the name verl logs them by (grpo_parts/filter/<counter>)
         status.update({f"grpo_parts/filter/{k}": v for k, v in self.experience_maker.last_info.items()})
         status.update(self.part_counts())

@@ -135,9 +135,11 @@ def _kept_by_chunk(outcome: Any, options: FilterOptions) -> dict[int, set[int]]:
 
 
 def _filter_metrics(
-    outcome: Any, weighted: list[Any], kept: int, target: int, empty: bool
+    outcome: Any, weighted: list[Any], kept: int, target: int, empty: bool, scores: list[torch.Tensor]
 ) -> dict[str, float]:
     metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
+    if scores:  # every rolled-out row's reward: verl's own critic/score is over the kept rows
+        metrics["grpo_parts/filter/score_mean_rolled_out"] = float(torch.cat(scores).mean())
     if weighted:  # the rows trained with a weight (dppo)
         metrics["grpo_parts/filter/weighted_rows"] = float(sum(sel.kept.numel() for sel in weighted))
     metrics["grpo_parts/filter/rows_kept"] = float(kept)
@@ -212,7 +214,7 @@ def filter_kv_batch(
     full group of every uid with a kept row."""
     chunks: list[KVBatchMeta] = []
     uids: dict[int, list[Any]] = {}
-    scores: list[torch.Tensor] = []  # every rolled-out row's reward (verl's own metrics see the kept rows)
+    scores: list[torch.Tensor] = []
 
     def produce(n_prompts: int) -> Chunk[KVBatchMeta] | None:
         b = batch if not chunks else (more(n_prompts) if more is not None else None)
@@ -251,9 +253,7 @@ def filter_kv_batch(
         if kept_rows and return_groups and sc is not None:
             assert adv is not None
             groups.update(_full_groups(sc, uids[id(b)], kept_rows, adv, bool(weighted)))
-    metrics = _filter_metrics(outcome, weighted, len(keys), target, empty)
-    if scores:
-        metrics["grpo_parts/filter/score_mean_rolled_out"] = float(torch.cat(scores).mean())
+    metrics = _filter_metrics(outcome, weighted, len(keys), target, empty, scores)
     out = KVBatchMeta(
         partition_id=batch.partition_id, keys=keys, tags=tags, extra_info=dict(batch.extra_info or {})
     )

@@ -131,7 +131,7 @@ def test_trainer_gradient_is_grpo_loss_with_the_filters_weights_and_full_counts(
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ({"parts.refill": True}, "parts.refill=true: a weighted filter"),
+        ({"parts.refill": True}, "parts.refill=true: dppo keeps rows at random"),
         ({"loss.kl_coef": 0.01}, "drop_zero_advantage=True with kl_coef > 0"),
         ({"loss.agg": "seq-mean-token-sum-norm"}, "without norm_constant"),
     ],

@@ -116,6 +116,8 @@ def test_filter_kv_batch_keeps_top_k_and_clears_the_rest():
     assert [t["uid"] for t in kept.tags] == [k.split("_")[0] for k in kept.keys]
     assert kept.partition_id == "train" and kept.extra_info == {"temperature": 1.0}
     assert metrics["grpo_parts/filter/rows_kept"] == 3
+    # every rolled-out row's mean reward (verl's own critic/score sees only the kept rows)
+    assert metrics["grpo_parts/filter/score_mean_rolled_out"] == pytest.approx((1 + 4 + 2.5) / 12)
     # the full-group advantages of the kept rows travel with them ...
     seq = torch.stack([store.rows[k][SEQ_ADV_FIELD] for k in kept.keys])
     c = torch.tensor([0.0, 1.0, 0.5, 1.0])
