@@ -24,8 +24,8 @@ drawn batch's loss: the normaliser is the drawn prompts' ``drawn x G`` rows, fix
 sum, before advantages), one adaptation per generation batch. TRL's metrics get
 ``parts/prompt_skip/{prompts_drawn, prompts_skipped, skip_rollout_tokens_saved, skip_max_weight, ...}``.
 
-Not done here: the skipper's history is not in TRL's checkpoints (a resumed run starts with an empty
-history: every prompt kept with ``p = 1`` until it is seen again, which is unbiased, only slower).
+**Checkpoints.** The skipper's history (and a ``dppo`` filter's generator) is saved into every TRL
+checkpoint folder and read back by ``train(resume_from_checkpoint=...)`` (:mod:`.checkpoint`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from trl import GRPOTrainer
 
 from grpo_parts.build import build_prompt_skipper
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
@@ -46,6 +45,7 @@ from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.skip_draw import PromptDraw
 from grpo_parts.filter.skip_protocol import PromptId, PromptSkipper, prompt_key, skips
 
+from .checkpoint import StateSeam
 from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions, draw_dependent, unscaled_terms
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class SkipBatch:
     row_weights: torch.Tensor
 
 
-class SkipSeam(GRPOTrainer):
+class SkipSeam(StateSeam):
     """``GRPOTrainer`` with the prompt-skipping stage; set up by :class:`~.trainer.GRPOPartsTrainer`."""
 
     gp_skipper: PromptSkipper | None

@@ -186,3 +186,44 @@ def test_make_trainer_passes_the_skipper_through(base: torch.nn.Module) -> None:
         prompt_skip="history", prompt_skip_kwargs={"min_keep_prob": 0.2},
     )  # fmt: skip
     assert isinstance(tr.gp_skipper, HistorySkipper) and tr.gp_skipper.min_keep_prob == 0.2
+
+
+def test_the_skippers_history_and_dppos_generator_survive_trls_checkpoint(
+    base: torch.nn.Module, tmp_path: Any
+) -> None:
+    """Two steps saved at each (TRL's ``save_steps``); a new trainer resumed from checkpoint-1 with
+    ``train(resume_from_checkpoint=...)`` starts from the skipper's history and dppo's generator as
+    they were at step 1 (adapters/trl/checkpoint.py), not empty."""
+    from grpo_parts_adapters.trl.checkpoint import STATE_FILE
+
+    args = _tiny.config(
+        per_device_train_batch_size=16, loss_type="grpo", max_steps=2, output_dir=str(tmp_path),
+        save_strategy="steps", save_steps=1, save_only_model=False,
+    )  # fmt: skip
+    parts: dict[str, Any] = dict(
+        prompt_skip="history", completion_filter="dppo", filter_kwargs={"pruning_rate": 0.5}
+    )
+    set_seed(0)
+    first, _ = _tiny.run(GRPOPartsTrainer, base, args, **parts)
+    saved = torch.load(tmp_path / "checkpoint-1" / STATE_FILE, weights_only=True)
+    assert saved["prompt_skip"]["ids"].numel() > 0 and "generator" in saved["completion_filter"]
+    assert (tmp_path / "checkpoint-2" / STATE_FILE).is_file()
+
+    resumed = GRPOPartsTrainer(
+        model=_tiny.policy_for(base, args), reward_funcs=_tiny.reward, args=args, train_dataset=_tiny.dataset(),
+        processing_class=_tiny.tokenizer(), **parts,
+    )  # fmt: skip
+    seen: dict[str, Any] = {}
+    original = resumed.gp_skipper.state_dict
+
+    def at_first_generation(inputs):  # type: ignore[no-untyped-def]
+        seen.setdefault("history", original())  # the history the resumed run starts step 2 with
+        seen.setdefault("filter", resumed.gp_filter.state_dict())
+        return skip_prompts(inputs)
+
+    skip_prompts = resumed._gp_skip_prompts
+    resumed._gp_skip_prompts = at_first_generation  # type: ignore[method-assign]
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert torch.equal(seen["history"]["ids"], saved["prompt_skip"]["ids"])
+    assert torch.equal(seen["history"]["seen"], saved["prompt_skip"]["seen"])
+    assert torch.equal(seen["filter"]["generator"], saved["completion_filter"]["generator"])
