@@ -51,6 +51,13 @@ class ReasoningConfig(BaseModel):
     labeled: bool = Field(True, description="each term carries a letter (a3+b5+...), copied with it")
     eval_percent: int = Field(10, ge=1, le=50)
     num_eval: int = Field(200, ge=1, le=100_000)
+    train_size: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="a finite training set of this many problems, drawn epoch by epoch (each epoch a new "
+        "order), as real GRPO data is (GSM8K 7.5k, MATH 7.5k); None: a fresh problem every draw",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ReasoningConfig:
@@ -87,6 +94,7 @@ class ReasoningTask:
     def __init__(self, config: ReasoningConfig | None = None, seed: int = 0):
         self.config = config or ReasoningConfig()
         self.seed = seed
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its order) with train_size
 
     def _draw(self, rng: random.Random, long: bool) -> list[int]:
         c = self.config
@@ -105,11 +113,25 @@ class ReasoningTask:
         return index % self.config.long_every == self.config.long_every - 1
 
     def train_problem(self, index: int) -> Problem:
+        """The ``index``-th problem of the training stream; with ``train_size``, the stream goes over
+        the same ``train_size`` problems epoch after epoch, in a new order each epoch."""
+        n = self.config.train_size
+        if n is not None:
+            epoch, pos = divmod(index, n)
+            index = self._epoch_order(epoch)[pos]
         rng = random.Random(f"reasoning:{self.seed}:{index}")
         while True:
             p = self.problem(self._draw(rng, self._is_long(index)))
             if not self.is_held_out(p.prompt):
                 return p
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """The problems' order in ``epoch`` (the last one kept: the stream reads epochs in turn)."""
+        if self._order[0] != epoch:
+            order = list(range(self.config.train_size or 0))
+            random.Random(f"reasoning-epoch:{self.seed}:{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
 
     def eval_problems(self) -> list[Problem]:
         """The held-out set (the same for every seed), with the stream's share of long problems."""

@@ -91,6 +91,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "composed (amdahl_isolated) and measured / predicted (composition); about 2.5x the time",
     )
     parser.add_argument(
+        "--arms",
+        nargs="+",
+        metavar="ARM",
+        default=None,
+        help="--compare: the arms to run side by side, from reference, optimized, keep_all, cppo, dppo, "
+        "cppo+skip, dppo+skip (default: reference optimized); filter arms keep the configured sampler and "
+        "attention; report arms.{json,md,png}: time/steps/rollout tokens to target, zero-variance share, "
+        "prompts skipped, final accuracy",
+    )
+    parser.add_argument(
         "--resume",
         type=Path,
         metavar="RUN_DIR",
@@ -264,16 +274,19 @@ def _run(args: argparse.Namespace) -> int:
         raise GRPOPartsError("--rewind: only used with --resume, got it without")
     if getattr(args, "print_config", False):
         return _print_config(args)
+    if getattr(args, "arms", None) is not None and not args.compare:
+        raise GRPOPartsError("--arms: only used with --compare, got it without")
     if args.compare:
         from .compare import compare, compare_seeds
 
         cfg = config_from_args(args)
         seeds = getattr(args, "seeds", 1)
         ablate = getattr(args, "ablate", False)
+        arms = getattr(args, "arms", None)
         res = (
-            compare_seeds(cfg, seeds, json_path=args.json, ablate=ablate)
+            compare_seeds(cfg, seeds, json_path=args.json, ablate=ablate, arms=arms)
             if seeds > 1
-            else compare(cfg, json_path=args.json, ablate=ablate)
+            else compare(cfg, json_path=args.json, ablate=ablate, arms=arms)
         )
         print(res["markdown"])
         return 0

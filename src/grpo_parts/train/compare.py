@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import GRPOPartsError
 from .ablation import ablation_configs
+from .arms import DEFAULT_ARMS, aggregate_arms, arm_configs, arms_markdown, write_arms
 from .config import TrainConfig
 from .parts import resolve_name
 from .report import write_compare
@@ -23,27 +24,27 @@ from .seeds import aggregate_seeds, seeds_markdown
 
 
 def compare(
-    config: TrainConfig, out_dir: Path | None = None, json_path: Path | None = None, ablate: bool = False
+    config: TrainConfig,
+    out_dir: Path | None = None,
+    json_path: Path | None = None,
+    ablate: bool = False,
+    arms: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Reference vs optimized parts; with ``ablate``, also one arm per optimized part (see ``ablation``)."""
+    """Reference vs optimized parts; with ``ablate``, also one arm per optimized part (see ``ablation``);
+    with ``arms`` other than the default pair, those arms side by side (:mod:`.arms`: arms.{json,md,png})."""
     out_dir = out_dir or Path(config.out_dir) / (config.name or f"compare-{default_name()}")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise GRPOPartsError(f"name: folder {str(out_dir)!r} already exists; choose another --name")
+    if arms is not None and tuple(arms) != DEFAULT_ARMS:
+        if ablate:
+            raise GRPOPartsError(
+                "--ablate: compares the default arms only (reference, optimized), got --arms"
+            )
+        return _compare_arms(arm_configs(config, arms), out_dir, json_path, config.target_accuracy)
     configs = {"reference": config.with_reference_parts(), "optimized": config}
     if ablate:
         configs.update(ablation_configs(config))
-    for cfg in configs.values():  # an unknown part name fails before any folder exists
-        for part in ("sampler", "draft", "attention", "filter"):
-            resolve_name(part, cfg.parts, [])
-    sessions: dict[str, RunSession] = {}
-    try:
-        for arm, cfg in configs.items():  # both validated and set up before either trains
-            sessions[arm] = RunSession(cfg, run_dir=out_dir / arm, title=f"{arm} parts")
-        results = _alternate(sessions, config.steps, config.progress)
-    except BaseException as e:
-        for s in sessions.values():
-            s.fail(e)
-        raise
+    sessions, results = _run_alternating(configs, out_dir)
     rows = {arm: r.rows for arm, r in results.items()}
     described = {arm: s.trainer.parts.describe() for arm, s in sessions.items()}
     result = write_compare(out_dir, rows, config.target_accuracy, {"parts": described, "seed": config.seed})
@@ -51,6 +52,38 @@ def compare(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
     result["markdown"] = (out_dir / "compare.md").read_text() + f"\nFolder: {out_dir}\n"
+    return result
+
+
+def _run_alternating(
+    configs: dict[str, TrainConfig], out_dir: Path
+) -> tuple[dict[str, RunSession], dict[str, RunResult]]:
+    """Set every arm up (all validated before any trains), then step them in turn."""
+    for cfg in configs.values():  # an unknown part name fails before any folder exists
+        for part in ("sampler", "draft", "attention", "filter"):
+            resolve_name(part, cfg.parts, [])
+    sessions: dict[str, RunSession] = {}
+    try:
+        for arm, cfg in configs.items():
+            sessions[arm] = RunSession(cfg, run_dir=out_dir / arm, title=f"{arm} parts")
+        first = next(iter(configs.values()))
+        return sessions, _alternate(sessions, first.steps, first.progress)
+    except BaseException as e:
+        for s in sessions.values():
+            s.fail(e)
+        raise
+
+
+def _compare_arms(
+    configs: dict[str, TrainConfig], out_dir: Path, json_path: Path | None, target: float
+) -> dict[str, Any]:
+    _, results = _run_alternating(configs, out_dir)
+    seed = next(iter(configs.values())).seed
+    result = write_arms(out_dir, {a: r.rows for a, r in results.items()}, target, {"seed": seed})
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    result["markdown"] = (out_dir / "arms.md").read_text() + f"\nFolder: {out_dir}\n"
     return result
 
 
@@ -76,6 +109,7 @@ def compare_seeds(
     out_dir: Path | None = None,
     json_path: Path | None = None,
     ablate: bool = False,
+    arms: list[str] | None = None,
 ) -> dict[str, Any]:
     """:func:`compare` for ``seeds`` consecutive seeds (``config.seed``, ``config.seed + 1``, ...),
     each in ``<run>/seed<S>``, plus ``<run>/compare_seeds.{json,md}``.
@@ -92,10 +126,13 @@ def compare_seeds(
         raise GRPOPartsError(f"name: folder {str(out_dir)!r} already exists; choose another --name")
     per_seed = []
     for s in range(config.seed, config.seed + seeds):
-        res = compare(config.model_copy(update={"seed": s}), out_dir / f"seed{s}", ablate=ablate)
+        res = compare(config.model_copy(update={"seed": s}), out_dir / f"seed{s}", ablate=ablate, arms=arms)
         res.pop("markdown", None)
         per_seed.append(res)
-    result = aggregate_seeds(per_seed, config.target_accuracy, list(range(config.seed, config.seed + seeds)))
+    seed_list = list(range(config.seed, config.seed + seeds))
+    if arms is not None and tuple(arms) != DEFAULT_ARMS:
+        return _write_arms_seeds(aggregate_arms(per_seed, seed_list), out_dir, json_path)
+    result = aggregate_seeds(per_seed, config.target_accuracy, seed_list)
     (out_dir / "compare_seeds.json").write_text(json.dumps(result, indent=2) + "\n")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,5 +140,18 @@ def compare_seeds(
 
     lines = seeds_markdown(result)
     (out_dir / "compare_seeds.md").write_text("\n".join(lines) + "\n")
+    result["markdown"] = "\n".join(lines) + f"\n\nFolder: {out_dir}\n"
+    return result
+
+
+def _write_arms_seeds(result: dict[str, Any], out_dir: Path, json_path: Path | None) -> dict[str, Any]:
+    """``<run>/arms_seeds.{json,md}``: every arm's medians over the seeds."""
+    text = json.dumps(result, indent=2) + "\n"
+    (out_dir / "arms_seeds.json").write_text(text)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(text)
+    lines = arms_markdown(result)
+    (out_dir / "arms_seeds.md").write_text("\n".join(lines) + "\n")
     result["markdown"] = "\n".join(lines) + f"\n\nFolder: {out_dir}\n"
     return result

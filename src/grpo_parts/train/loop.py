@@ -50,7 +50,7 @@ from .config import TrainConfig
 from .minibatches import LossChunk, loss_chunks, weighted_filter_reasons
 from .parts import Parts
 from .prompt_skip import observe_step, skip_chunks, skipping_stream
-from .step_record import StepRecord, rollout_metrics
+from .step_record import StepRecord, rollout_metrics, zero_variance_share
 
 
 class ProblemStream(Iterator[Problem]):
@@ -248,6 +248,7 @@ class GRPOTrainer:
             "rounds": outcome.rounds,
             "completion_len": acc.tokens / rows,
             "rollout_tokens": acc.tokens,  # completion tokens generated this step, every round
+            "zero_variance_share": zero_variance_share(acc),
             **times,
             "tokens_per_s": acc.tokens / max(acc.rollout_s, 1e-9),
             "wall_time": self.wall_time,

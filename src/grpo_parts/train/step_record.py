@@ -37,3 +37,16 @@ def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float | None]:
         calls = [s[key] for s in stats if key in s]
         out[key] = sum(calls) if calls else None
     return out
+
+
+def zero_variance_share(record: StepRecord) -> float | None:
+    """Share of the step's rolled-out groups whose rewards are all equal (zero advantage, no policy
+    gradient: the rollouts prompt skipping tries to avoid); None when nothing was rolled out."""
+    from ..core import group_stats
+
+    groups = zero = 0
+    for ro, r in zip(record.rollouts, record.rewards):
+        present = torch.unique(ro.group_index)
+        z = group_stats(r.double().cpu(), ro.group_index.cpu(), int(ro.group_index.max()) + 1)[3]
+        groups, zero = groups + int(present.numel()), zero + int(z[present.cpu()].sum())
+    return zero / groups if groups else None

@@ -1,0 +1,169 @@
+"""``grpo-parts train --compare --arms ...``: the arms of a comparison, by name, from one table, and
+what they are compared on.
+
+``reference`` and ``optimized`` are today's default pair (every reference part vs the configured
+parts). The filter arms keep the configured sampler and attention and change only what is trained
+and rolled out: no filter, CPPO, ``dppo`` (unbiased pruning), and each of the last two behind
+history prompt skipping. When an arm skips prompts and ``loss.agg`` was left at its default, every
+arm trains the loss skipping trains (:data:`~.config.SKIP_DEFAULT_AGG` with ``norm_constant =
+max_new_tokens``), so the arms differ in their parts only.
+
+Per arm (:func:`arm_summary`): time and steps to the target held-out accuracy, rollout tokens (the
+run's sum and the sum until the target), the mean share of zero-variance groups among the rolled-out
+ones, the share of drawn prompts skipped, and the final accuracy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import GRPOPartsError
+from .config import REFERENCE_PARTS, SKIP_DEFAULT_AGG, TrainConfig
+from .metrics import summarize
+
+#: arm -> the ``parts`` settings it overrides (None: the configured parts as given)
+ARMS: dict[str, dict[str, Any] | None] = {
+    "reference": {**REFERENCE_PARTS, "refill": False},
+    "optimized": None,
+    "keep_all": {"filter": "keep_all", "prompt_skip": "none"},
+    "cppo": {"filter": "cppo", "prompt_skip": "none"},
+    "dppo": {"filter": "dppo", "refill": False, "prompt_skip": "none"},
+    "cppo+skip": {"filter": "cppo", "prompt_skip": "history"},
+    "dppo+skip": {"filter": "dppo", "refill": False, "prompt_skip": "history"},
+}
+DEFAULT_ARMS = ("reference", "optimized")
+
+
+def arm_configs(config: TrainConfig, arms: list[str] | tuple[str, ...]) -> dict[str, TrainConfig]:
+    """One validated config per arm (an unknown arm, or one the loss cannot serve, is refused here,
+    before any run folder exists)."""
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise GRPOPartsError(f"--arms: expected names from {list(ARMS)}, got {list(arms)}")
+    base = config.model_dump(mode="json", exclude_unset=True)
+    skipping = any((ARMS[a] or {}).get("prompt_skip") == "history" for a in arms)
+    if skipping and "agg" not in config.loss.model_fields_set:  # one loss for every arm
+        norm = config.loss.norm_constant or config.max_new_tokens
+        base["loss"] = {**base.get("loss", {}), "agg": SKIP_DEFAULT_AGG, "norm_constant": norm}
+    out = {}
+    for arm in arms:
+        data = dict(base)
+        if ARMS[arm] is not None:
+            data["parts"] = {**base.get("parts", {}), **ARMS[arm]}  # type: ignore[dict-item]
+        out[arm] = TrainConfig.model_validate(data)
+    return out
+
+
+def _tokens_until(rows: list[dict[str, Any]], step: int | None) -> float | None:
+    if step is None:
+        return None
+    return float(sum(r.get("rollout_tokens", 0) for r in rows if 0 < r.get("step", 0) <= step))
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if r.get("step", 0) > 0 and r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def arm_summary(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """The run's :func:`~.metrics.summarize` plus what the filter arms are compared on."""
+    out = summarize(rows, target)
+    steps = [r for r in rows if r.get("step", 0) > 0]
+    drawn = sum(float(r.get("prompts_drawn", r.get("prompts", 0))) for r in steps)
+    skipped = sum(float(r.get("prompts_skipped", 0)) for r in steps)
+    out.update(
+        rollout_tokens=float(sum(r.get("rollout_tokens", 0) for r in steps)),
+        rollout_tokens_to_target=_tokens_until(rows, out["steps_to_target"]),
+        rollout_tokens_per_step=_mean(rows, "rollout_tokens"),
+        zero_variance_share=_mean(rows, "zero_variance_share"),
+        prompts_skipped_share=skipped / drawn if drawn else 0.0,
+    )
+    return out
+
+
+#: per-arm fields the report's table shows (JSON keys: a contract)
+TABLE = (
+    ("time_to_target_s", "time to target (s)", ".1f"),
+    ("steps_to_target", "steps to target", ".0f"),
+    ("rollout_tokens_to_target", "rollout tokens to target", ".0f"),
+    ("rollout_tokens", "rollout tokens (run)", ".0f"),
+    ("rollout_tokens_per_step", "rollout tokens / step", ".0f"),
+    ("zero_variance_share", "zero-variance groups", ".2f"),
+    ("prompts_skipped_share", "prompts skipped", ".2f"),
+    ("mean_step_s", "s / step", ".2f"),
+    ("final_accuracy", "final accuracy", ".3f"),
+)
+
+
+def _cell(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def arms_markdown(result: dict[str, Any]) -> list[str]:
+    """The arms side by side (one column per arm)."""
+    arms = list(result["arms"])
+    lines = [
+        f"# Arms compared (target held-out accuracy {result['target_accuracy']:.2f}"
+        + (f", medians over seeds {result['seeds']})" if "seeds" in result else ")"),
+        "",
+        "| | " + " | ".join(arms) + " |",
+        "|---|" + "---:|" * len(arms),
+    ]
+    for key, label, spec in TABLE:
+        lines.append(
+            f"| {label} | " + " | ".join(_cell(result["arms"][a].get(key), spec) for a in arms) + " |"
+        )
+    return lines
+
+
+def plot_arms(runs: dict[str, list[dict[str, Any]]], target: float, path: Any) -> None:
+    """Held-out accuracy against training wall time and against rollout tokens, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(10, 4))
+    for arm, rows in runs.items():
+        tokens, points = 0.0, []
+        for r in rows:
+            tokens += float(r.get("rollout_tokens", 0)) if r.get("step", 0) > 0 else 0.0
+            if r.get("eval_accuracy") is not None:
+                points.append((float(r.get("wall_time", 0.0)), tokens, float(r["eval_accuracy"])))
+        by_time.plot([p[0] for p in points], [p[2] for p in points], marker="o", label=arm)
+        by_tokens.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=arm)
+    for ax, xlabel in ((by_time, "training wall time (s)"), (by_tokens, "rollout tokens")):
+        ax.axhline(target, color="grey", linestyle=":")
+        ax.set(xlabel=xlabel, ylabel="held-out accuracy")
+    by_time.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_arms(
+    out_dir: Any, runs: dict[str, list[dict[str, Any]]], target: float, info: dict[str, Any]
+) -> dict[str, Any]:
+    """arms.json, arms.md and arms.png in ``out_dir``."""
+    import json
+
+    result = {"target_accuracy": target, **info, "arms": {a: arm_summary(r, target) for a, r in runs.items()}}
+    (out_dir / "arms.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "arms.md").write_text("\n".join(arms_markdown(result)) + "\n")
+    plot_arms(runs, target, out_dir / "arms.png")
+    return result
+
+
+def aggregate_arms(per_seed: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """Per arm, the median over seeds of every numeric field (None where a seed has none)."""
+    from .phases import median_of
+
+    arms = list(per_seed[0]["arms"])
+    keys = [k for k, _, _ in TABLE]
+    med = {a: {k: median_of([r["arms"][a].get(k) for r in per_seed]) for k in keys} for a in arms}
+    return {
+        "target_accuracy": per_seed[0]["target_accuracy"],
+        "seeds": seeds,
+        "arms": med,
+        "per_seed": per_seed,
+    }

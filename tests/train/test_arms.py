@@ -1,0 +1,91 @@
+"""``--compare --arms``: the filter and prompt-skipping arms side by side (train/arms.py), and the
+finite multi-epoch variant of the reasoning task (``task.train_size``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grpo_parts.errors import GRPOPartsError
+from grpo_parts.task.reasoning import ReasoningConfig, ReasoningTask
+from grpo_parts.train.arms import ARMS, arm_configs, arm_summary
+from grpo_parts.train.config import SKIP_DEFAULT_AGG, TrainConfig, load_config
+
+EVERY = ["keep_all", "cppo", "dppo", "cppo+skip", "dppo+skip"]
+
+
+def test_arms_change_only_the_filter_and_skipping_and_share_one_loss() -> None:
+    cfg = load_config()
+    arms = arm_configs(cfg, EVERY)
+    p = {a: c.parts for a, c in arms.items()}
+    assert [p[a].filter for a in EVERY] == ["keep_all", "cppo", "dppo", "cppo", "dppo"]
+    assert [p[a].prompt_skip for a in EVERY] == ["none", "none", "none", "history", "history"]
+    assert not p["dppo"].refill and not p["dppo+skip"].refill  # a weighted filter never refills
+    for c in arms.values():  # sampler and attention as configured; one loss (skipping's) for every arm
+        assert (c.parts.sampler, c.parts.attention) == (cfg.parts.sampler, cfg.parts.attention)
+        assert c.loss.agg == SKIP_DEFAULT_AGG and c.loss.norm_constant == cfg.max_new_tokens
+    no_skip = arm_configs(cfg, ["keep_all", "cppo"])
+    assert all(c.loss == cfg.loss for c in no_skip.values())  # no skipping arm: the loss as configured
+    assert set(ARMS) >= {"reference", "optimized", *EVERY}
+    with pytest.raises(GRPOPartsError, match=r"^--arms: expected names from \["):
+        arm_configs(cfg, ["greso"])
+
+
+def test_an_explicit_token_mean_loss_with_a_skipping_arm_is_refused_before_any_run() -> None:
+    cfg = load_config(sets=["loss.agg=token-mean"])
+    with pytest.raises(Exception, match="parts.prompt_skip: 'history' with loss.agg='token-mean'"):
+        arm_configs(cfg, ["cppo", "cppo+skip"])
+
+
+def test_finite_reasoning_task_goes_over_the_same_problems_each_epoch_in_a_new_order() -> None:
+    task = ReasoningTask(ReasoningConfig(train_size=6), seed=1)
+    epochs = [[task.train_problem(e * 6 + i).prompt for i in range(6)] for e in range(3)]
+    assert all(sorted(e) == sorted(epochs[0]) for e in epochs) and len(set(epochs[0])) == 6
+    assert epochs[0] != epochs[1] or epochs[1] != epochs[2]  # reshuffled
+    infinite = ReasoningTask(ReasoningConfig(), seed=1)
+    assert len({infinite.train_problem(i).prompt for i in range(18)}) > 6
+    assert TrainConfig(task={"name": "reasoning", "train_size": 6}).task.train_size == 6  # type: ignore[union-attr]
+
+
+def test_arm_summary_counts_tokens_to_target_and_shares() -> None:
+    rows: list[dict[str, Any]] = [
+        {"step": 0, "eval_accuracy": 0.1, "wall_time": 0.0},
+        {"step": 1, "time_step": 1.0, "wall_time": 1.0, "rollout_tokens": 100, "zero_variance_share": 0.5, "reward": 0.2,
+         "prompts": 4, "prompts_drawn": 6, "prompts_skipped": 2},
+        {"step": 2, "time_step": 1.0, "wall_time": 2.0, "rollout_tokens": 80, "zero_variance_share": 0.25, "reward": 0.3,
+         "prompts": 4, "prompts_drawn": 4, "prompts_skipped": 0, "eval_accuracy": 0.7},
+        {"step": 3, "time_step": 1.0, "wall_time": 3.0, "rollout_tokens": 50, "zero_variance_share": 0.0, "reward": 0.4,
+         "prompts": 4, "prompts_drawn": 5, "prompts_skipped": 1},
+    ]  # fmt: skip
+    s = arm_summary(rows, target=0.6)
+    assert s["steps_to_target"] == 2 and s["rollout_tokens_to_target"] == 180 and s["rollout_tokens"] == 230
+    assert s["zero_variance_share"] == pytest.approx(0.25) and s["prompts_skipped_share"] == pytest.approx(
+        3 / 15
+    )
+
+
+def test_compare_arms_runs_them_alternating_and_reports(tmp_path: Path, tiny_compare: Any) -> None:
+    rc, res = tiny_compare("--arms", "keep_all", "dppo", "dppo+skip", "--seeds", "2")
+    assert rc == 0 and list(res["arms"]) == ["keep_all", "dppo", "dppo+skip"] and res["seeds"] == [0, 1]
+    for arm in res["arms"].values():
+        assert arm["rollout_tokens"] > 0 and arm["zero_variance_share"] is not None
+    folder = tmp_path / "cmp"
+    assert (folder / "arms_seeds.md").read_text().startswith("# Arms compared")
+    for seed in (0, 1):
+        assert {p.name for p in (folder / f"seed{seed}").iterdir()} >= {
+            "keep_all",
+            "dppo",
+            "dppo+skip",
+            "arms.png",
+        }
+    rows = (folder / "seed0" / "dppo+skip" / "metrics.jsonl").read_text()
+    assert '"prompts_drawn"' in rows and '"zero_variance_share"' in rows
+
+
+def test_arms_flag_needs_compare(capsys: pytest.CaptureFixture[str]) -> None:
+    from grpo_parts.cli import main
+
+    assert main(["train", "--arms", "cppo", "--steps", "1"]) != 0
+    assert "--arms: only used with --compare, got it without" in capsys.readouterr().err
