@@ -57,15 +57,9 @@ def hydra_overrides(
                 "policy: k_schedule='cost_model' times the policy's forward for the draft-length table; "
                 "expected the torch policy, got None"
             )
-        draft = None
-        if spec.method == "draft_model":
-            from transformers import AutoModelForCausalLM
-
-            loaded: Any = AutoModelForCausalLM.from_pretrained(str(spec.model))
-            draft = loaded.to(next(policy.parameters()).device)
         model_len = int(getattr(policy.config, "max_position_embeddings", 2048))
         cfg["num_speculative_tokens_per_batch_size"] = cost_model_table(
-            policy, draft, spec, max_num_seqs, model_len, spec.accept_prior
+            policy, None, spec, max_num_seqs, model_len, spec.accept_prior
         )[0]
     return [f"+{OVERRIDE_PREFIX}.{k}={hydra_value(v)}" for k, v in cfg.items()]
 

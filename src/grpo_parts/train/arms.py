@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import GRPOPartsError
-from .config import REFERENCE_PARTS, SKIP_DEFAULT_AGG, TrainConfig
+from .config import REFERENCE_PARTS, TrainConfig, skip_default_loss
 from .metrics import summarize
 
 #: arm -> the ``parts`` settings it overrides (None: the configured parts as given)
@@ -43,8 +43,7 @@ def arm_configs(config: TrainConfig, arms: list[str] | tuple[str, ...]) -> dict[
     base = config.model_dump(mode="json", exclude_unset=True)
     skipping = any((ARMS[a] or {}).get("prompt_skip") == "history" for a in arms)
     if skipping and "agg" not in config.loss.model_fields_set:  # one loss for every arm
-        norm = config.loss.norm_constant or config.max_new_tokens
-        base["loss"] = {**base.get("loss", {}), "agg": SKIP_DEFAULT_AGG, "norm_constant": norm}
+        base["loss"] = skip_default_loss(base.get("loss", {}), config.max_new_tokens)
     out = {}
     for arm in arms:
         data = dict(base)

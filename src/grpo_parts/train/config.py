@@ -104,8 +104,13 @@ def _skip_loss_default(data: dict[str, Any]) -> dict[str, Any]:
     if "agg" in given:
         return data  # chosen: validated as given (refused with the reason if skipping cannot keep it)
     tokens = data.get("max_new_tokens", TrainConfig.model_fields["max_new_tokens"].default)
-    loss.update(agg=SKIP_DEFAULT_AGG, norm_constant=loss.get("norm_constant", tokens))
-    return {**data, "loss": loss}
+    return {**data, "loss": skip_default_loss(loss, tokens)}
+
+
+def skip_default_loss(loss: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
+    """``loss`` (its fields as given) with :data:`SKIP_DEFAULT_AGG`; ``norm_constant`` as given, else
+    ``max_new_tokens``."""
+    return {**loss, "agg": SKIP_DEFAULT_AGG, "norm_constant": loss.get("norm_constant", max_new_tokens)}
 
 
 class TrainConfig(BaseModel):

@@ -107,8 +107,9 @@ def cost_model_table(
     max_model_len: int, accept: float,
 ) -> tuple[list[KRange], Any]:  # fmt: skip
     """``(table, cost model)``: the draft length per batch size ``1 .. max_rows`` that maximises
-    expected tokens per second, from the policy's and ``draft``'s forward times on their device
-    (``draft=None``: n-gram, whose proposals cost no forward)."""
+    expected tokens per second, from the policy's and the draft's forward times on the policy's
+    device. ``draft``: the draft LM (None: ``spec.model`` is loaded for method ``draft_model``;
+    n-gram proposals cost no forward)."""
     from ...draft.ngram import NGramDraft
     from ...draft.small_lm import CachedLMDraft
     from ..speculative.calibration import calibrate, calibration_context
@@ -118,6 +119,12 @@ def cost_model_table(
             f"speculative.k_schedule='cost_model': expected method 'draft_model' or 'ngram' (drafts whose cost "
             f"grpo_parts can time), got {spec.method!r}; give k_per_batch_size instead"
         )
+    if draft is None and spec.method == "draft_model":
+        from transformers import AutoModelForCausalLM
+
+        p = next(policy.parameters())
+        loaded: Any = AutoModelForCausalLM.from_pretrained(str(spec.model), dtype=p.dtype)
+        draft = loaded.to(p.device)
     k = spec.num_speculative_tokens
     prompt_len = max(1, min(64, max_model_len // 4))
     new = max(1, min(256, max_model_len - prompt_len - k - 2))

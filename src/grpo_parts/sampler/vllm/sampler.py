@@ -147,10 +147,6 @@ class VLLMSampler:
         policy = self._needs_policy("speculative.k_schedule='cost_model'")
         if self.cost is None:
             draft = self.draft.model if self.draft is not None else None
-            if draft is None and spec.method == "draft_model":
-                from transformers import AutoModelForCausalLM
-
-                draft = AutoModelForCausalLM.from_pretrained(str(spec.model), dtype=torch.float32)
             table, self.cost = cost_model_table(
                 policy, draft, spec, self.config.max_num_seqs, self.config.max_model_len, accept
             )
