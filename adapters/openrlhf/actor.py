@@ -15,16 +15,14 @@ OpenRLHF's own forward. :attr:`GRPOPartsActor.counters` counts both kinds per st
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from openrlhf.models import Actor
 
-from grpo_parts.attention.protocol import PLAN_GRID_SLOTS, CountsAttentionCalls
+from grpo_parts.attention.protocol import CountsAttentionCalls, Plans
 from grpo_parts.errors import NotSupportedError
 
 from .._counters import PartCounters
@@ -34,28 +32,16 @@ from .layout import scatter_to_openrlhf, to_logprob_batch
 logger = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def _overhead(backend: Any, overhead: int | None) -> Iterator[None]:
-    """The backend's ``chunk_overhead_tokens`` set to ``overhead`` for one call (None: unchanged)."""
-    if overhead is None:
-        yield
-        return
-    saved, backend.chunk_overhead_tokens = backend.chunk_overhead_tokens, overhead
-    try:
-        yield
-    finally:
-        backend.chunk_overhead_tokens = saved
-
-
-def _another_rank_falls_back(device: torch.device, here: bool = False) -> bool:
+def _agree(device: torch.device, falls_back: bool, calls: int) -> tuple[bool, int]:
     """With several processes (ZeRO-3 gathers parameters in every forward, so every rank must make
-    the same number of model calls), whether any rank runs OpenRLHF's forward for this call: then all
-    do. One all-reduce; False on one process."""
+    the same number of model calls): ``(whether any rank runs OpenRLHF's forward for this call --
+    then all do --, the most model calls of any rank)``, in one all-reduce. One process: as given."""
     from grpo_parts.attention.shared_prefix.chunking import agree_max, ranks_of
 
     if ranks_of() <= 1:
-        return False
-    return bool(agree_max([int(here)], None, device)[0])
+        return falls_back, calls
+    any_fallback, most = agree_max([int(falls_back), calls], None, device)
+    return bool(any_fallback), most
 
 
 class GRPOPartsActor(Actor):
@@ -69,7 +55,7 @@ class GRPOPartsActor(Actor):
         #: compare the next backend forward with OpenRLHF's own (``first_batch_diff``, once)
         self.check_first_batch = False
         self.first_batch_diff: float | None = None
-        #: tokens of the shared-prefix calls since the last flush (:meth:`_bound`)
+        #: tokens of the shared-prefix calls since the last flush (:meth:`_plan`)
         self.tokens: Counter[str] = Counter()
 
     def use_backend(self, backend: Any) -> GRPOPartsActor:
@@ -85,47 +71,28 @@ class GRPOPartsActor(Actor):
         self.counters.track("attention")
         return self
 
-    def _bound(self, layout: Any) -> tuple[Any, int | None, str | None]:
-        """Bound the shared-prefix layout by the packed tokens. Unless the backend's ``layout`` is
-        ``grid``, a call the backend lays out padding-free (each prompt once plus every action token,
-        never more than the packed rows; ``SharedPrefixAttention.layout_for``: with ``auto``, of
-        smaller estimated cost than its grids) keeps its prompt groups. Otherwise each prompt group is cut into
-        sub-groups of similar completion length (:func:`grpo_parts.attention.shared_prefix.chunking.split_long_tails`,
-        each at most its packed rows); when the backend's grid plan would still run more tokens than
-        the packed rows, the plan splits into more grids (no per-forward overhead for this call), and
-        when even that does not fit with ``--ds.packing_samples``, the call runs OpenRLHF's packed
-        forward (counted). Returns ``(layout, chunk overhead for this call or None, fallback reason)``
-        and adds to :attr:`tokens`."""
-        from dataclasses import replace
-
-        from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
-        from grpo_parts.attention.shared_prefix.chunking import chunk_plan, split_long_tails
-
+    def _plan(self, layout: Any) -> tuple[Any, str | None]:
+        """``(the backend's plan or None, fallback reason)`` for a call regrouped by prompt. A backend
+        that plans (the shared-prefix one) plans it as packed rows (``packed=True``: sub-groups of
+        similar completion length, grids split until they hold no more than the packed tokens where
+        a split can do it; the ranks agree afterwards, :meth:`_plan_call`); with
+        ``--ds.packing_samples`` a plan that still runs more tokens than the packed rows runs
+        OpenRLHF's packed forward instead (counted). Adds to :attr:`tokens`."""
         backend = self.grpo_backend
-        if not isinstance(backend, SharedPrefixAttention):
-            return layout, None, None
-        b = layout.batch
-        plen, clen = b.prompt_mask.long().sum(-1), b.completion_mask.long().sum(-1)
-        packed = int(plen.sum() + clen.sum())
-        first = torch.zeros_like(b.group_index).scatter_reduce(
-            0, b.group_index, plen, "amax", include_self=False
+        if not isinstance(backend, Plans):
+            return None, None
+        plan = backend.plan(hf_model(self.model), layout.batch, packed=True, agree=False)
+        self.tokens.update(
+            grid_tokens=int(plan.tokens),
+            packed_tokens=plan.packed_tokens,
+            padding_free_tokens=plan.padding_free_tokens,
         )
-        free = int(first[torch.unique(b.group_index)].sum() + clen.sum())
-        most = backend.chunk_limit(hf_model(self.model))
-        # the prompt groups as they are, where the backend lays them out padding-free (auto: of smaller
-        # estimated cost than its grids, tokens and attention scores)
-        if backend.layout != "grid" and backend.layout_for(hf_model(self.model), b)[0] == "padding_free":
-            self.tokens.update(grid_tokens=free, packed_tokens=packed, padding_free_tokens=free)
-            return layout, None, None
-        batch = replace(b, group_index=split_long_tails(b.group_index, plen, clen))
-        layout = replace(layout, batch=batch)
-        overhead, grid = None, chunk_plan(batch, backend.chunk_overhead_tokens, most)[1][PLAN_GRID_SLOTS]
-        if grid > packed:
-            overhead, grid = 0, chunk_plan(batch, 0, most)[1][PLAN_GRID_SLOTS]
-        self.tokens.update(grid_tokens=int(grid), packed_tokens=packed, padding_free_tokens=free)
-        if self.packing_samples and grid > packed:
-            return layout, None, f"grouped layout ({int(grid)} tokens) > packed micro-batch ({packed})"
-        return layout, overhead, None
+        if self.packing_samples and plan.tokens > plan.packed_tokens:
+            return (
+                plan,
+                f"grouped layout ({int(plan.tokens)} tokens) > packed micro-batch ({plan.packed_tokens})",
+            )
+        return plan, None
 
     def flush_tokens(self) -> dict[str, float]:
         """``parts/attention/{grid,packed,padding_free}_tokens`` since the last flush (then reset), and
@@ -161,35 +128,39 @@ class GRPOPartsActor(Actor):
 
     def _plan_call(
         self, sequences: torch.Tensor, action_mask: Any, attention_mask: Any, reasons: list[str]
-    ) -> tuple[Any, int | None, list[str]]:
-        """``(layout, chunk overhead, reasons)``: the call regrouped by prompt and bounded
-        (:meth:`_bound`), or layout None and why OpenRLHF's forward runs it instead. ``reasons``: the
-        caller's refusals so far. Every rank falls back together (:func:`_another_rank_falls_back`)."""
+    ) -> tuple[Any, Any, list[str]]:
+        """``(layout, plan, reasons)``: the call regrouped by prompt and planned (:meth:`_plan`), or
+        layout None and why OpenRLHF's forward runs it instead. ``reasons``: the caller's refusals so
+        far. The ranks agree in one all-reduce (:func:`_agree`): all fall back together, or all make
+        as many model calls as the rank that makes the most (the plan padded with empty calls)."""
         if attention_mask is None:
             reasons.append("no attention_mask")
         layout = None if reasons else to_logprob_batch(sequences, attention_mask, action_mask)  # type: ignore[arg-type]
-        overhead = None
+        plan = None
         if layout is not None:
-            layout, overhead, reason = self._bound(layout)
+            plan, reason = self._plan(layout)
             reasons += [reason] if reason else []
         here = layout is None or bool(reasons)
-        if _another_rank_falls_back(sequences.device, here=here) and not here:
+        calls = plan.model_calls if plan is not None and not here else 1
+        anyone, calls = _agree(sequences.device, here, calls)
+        if anyone and not here:
             reasons = ["another data-parallel rank runs OpenRLHF's forward for this call"]
         if reasons:
-            layout = None
-        return layout, overhead, reasons
+            return None, None, reasons
+        return layout, None if plan is None else plan.agreed(calls), reasons
 
     def _backend_logprobs(
-        self, layout: Any, overhead: int | None, action_mask: torch.Tensor, return_entropy: bool
+        self, layout: Any, plan: Any, action_mask: torch.Tensor, return_entropy: bool
     ) -> tuple[torch.Tensor, Any]:
         """``(action_log_probs [B, A], the backend's output)``: the backend's log-probs (float32, or
-        float64 as computed) scattered back to OpenRLHF's action positions."""
-        with _overhead(self.grpo_backend, overhead):
-            out = self.grpo_backend.completion_logprobs(
-                backend_model(self.model),
-                layout.batch,
-                temperature=self.temperature,
-                compute_entropy=return_entropy,
+        float64 as computed) scattered back to OpenRLHF's action positions; ``plan``: the agreed one
+        of a backend that plans (None: its ``completion_logprobs``)."""
+        model, backend = backend_model(self.model), self.grpo_backend
+        if plan is not None:
+            out = backend.run(model, layout.batch, plan, self.temperature, return_entropy)
+        else:
+            out = backend.completion_logprobs(
+                model, layout.batch, temperature=self.temperature, compute_entropy=return_entropy
             )
         lp = out.logprobs if out.logprobs.dtype == torch.float64 else out.logprobs.float()
         return scatter_to_openrlhf(lp, layout, action_mask.shape[1]) * action_mask.to(lp.dtype), out
@@ -232,13 +203,13 @@ class GRPOPartsActor(Actor):
         reasons = self._call_reasons(
             action_mask, return_logprobs, allgather_logits, ring_attn_group, mm_inputs
         )
-        layout, overhead, reasons = self._plan_call(sequences, action_mask, attention_mask, reasons)
+        layout, plan, reasons = self._plan_call(sequences, action_mask, attention_mask, reasons)
         if layout is None:
             self.counters.fell_back("attention", "; ".join(reasons or ["no row has an action token"]))
             return super().forward(sequences, action_mask, attention_mask, **plain_call)
         assert action_mask is not None
         self.counters.ran("attention")
-        action_log_probs, out = self._backend_logprobs(layout, overhead, action_mask, return_entropy)
+        action_log_probs, out = self._backend_logprobs(layout, plan, action_mask, return_entropy)
         if self.check_first_batch and self.first_batch_diff is None:
             self.first_batch_diff = self._diff_to_openrlhf(
                 action_log_probs, sequences, action_mask, attention_mask, plain_call

@@ -7,8 +7,9 @@ dispatcher runs grpo_parts only for an engine whose ``engine_config`` carries
 :class:`~.config.FSDPActorConfig` -- and only for language-model engines: a value-head (critic)
 engine, or any engine without the options, runs verl's own ``forward_step`` unchanged.
 
-Each micro-batch is either computed by :func:`.attention.packed_logprobs` (uid-grouped, in verl's
-rolled layout, then verl's own loss function) or handed to verl's forward when the data needs it
+Each micro-batch is either computed by one backend call (:func:`.attention.run_packed`: uid-grouped,
+planned by the backend and agreed across the data-parallel ranks, in verl's rolled layout, then
+verl's own loss function) or handed to verl's forward when the data needs it
 (non-empty multi-modal inputs, 3-D position ids, top-k distillation, ``calculate_sum_pi_squared``,
 per-sample temperatures, a layout above ``max_padding_ratio``). What ran is counted
 (:class:`~grpo_parts_adapters._counters.PartCounters`, each fallback reason logged once) and
@@ -38,14 +39,15 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from grpo_parts.attention.protocol import ChoosesLayout, CountsAttentionCalls, RankAgreeing
+from grpo_parts.attention.protocol import CountsAttentionCalls, Plans, RankAgreeing
 
 from .._counters import PartCounters
-from .attention import call_batch, packed_logprobs, plan_calls
+from .attention import PackedCall, packed_call, run_packed, scalar_temperature
 from .options import EngineOptions, options_of
 
 logger = logging.getLogger(__name__)
@@ -165,7 +167,7 @@ def _max(value: float) -> Any:
     return Metric(aggregation=AggregationType.MAX, value=float(value))
 
 
-def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[int, int, int] | None) -> dict:
+def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[float, int, int] | None) -> dict:
     global _pending_logprob
     out = dict(metrics)
     out["parts/attention/forwards"] = _sum(ran)
@@ -186,29 +188,48 @@ def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[int, int
     return out
 
 
-def _plan(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[Any, str | None]:
-    """``((ids, cu, resp, keys, plan), reason)``: the micro-batch's backend calls, and why it must run
-    verl's forward instead (``None``: it need not)."""
+@dataclass(frozen=True)
+class _Prepared:
+    """A micro-batch ready to run: its backend call and, for a backend that plans, its plan."""
+
+    call: PackedCall
+    plan: Any
+    cu: torch.Tensor
+
+    def tokens(self) -> tuple[float, int, int]:
+        """``(tokens the layout runs, packed tokens, padding-free tokens)``."""
+        if self.plan is not None:
+            return self.plan.tokens, self.call.nnz, self.plan.padding_free_tokens
+        b = self.call.batch  # a backend without a plan pads [prompt | completion] rows
+        return float(b.prompt_ids.numel() + b.completion_ids.numel()), self.call.nnz, self.call.nnz
+
+
+def _prepare(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[_Prepared | None, str | None]:
+    """``(the micro-batch's call and plan, reason)``: why it must run verl's forward instead
+    (``None``: it need not). The plan is this rank's own; :func:`_agree` makes the ranks agree."""
     ids, cu, resp, keys = _parts(micro_batch)
+    call = packed_call(ids, cu, resp, keys)
+    if call is None:
+        return None, "no sequence of the micro-batch has a response token"
     backend = _engine_state(engine, opts)
-    layout = backend.layout if isinstance(backend, ChoosesLayout) else "grid"
-    plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack, layout)
-    if plan.layout == "padding_free" and layout == "auto":  # fewer tokens; the backend weighs attention too
-        batch = call_batch(ids, cu, plan, plan.calls[0])
-        if backend.layout_for(engine.module, batch)[0] != "padding_free":
-            plan = plan_calls(ids, cu, resp, keys, opts.attention or "", opts.merge_slack, "grid")
-    reason = None
-    if opts.max_padding_ratio is not None and plan.grid_tokens > opts.max_padding_ratio * ids.numel():
-        reason = f"grouped layout > max_padding_ratio={opts.max_padding_ratio} x packed tokens"
-    return (ids, cu, resp, keys, plan), reason
+    plan = (
+        backend.plan(engine.module, call.batch, packed=True, agree=False)
+        if isinstance(backend, Plans)
+        else None
+    )
+    prepared = _Prepared(call, plan, cu)
+    grid, packed, _ = prepared.tokens()
+    if opts.max_padding_ratio is not None and grid > opts.max_padding_ratio * packed:
+        return prepared, f"grouped layout > max_padding_ratio={opts.max_padding_ratio} x packed tokens"
+    return prepared, None
 
 
 def _agree(engine: Any, reason: str | None, calls: int, device: torch.device) -> tuple[str | None, int]:
     """With several data-parallel ranks (one model sharded over them: FSDP gathers parameters in every
     forward), they must make the same number of model calls per micro-batch: one all-reduce of
-    ``(falls back, backend calls)``. If any rank runs verl's forward for this micro-batch, all do
-    (one call each); otherwise each makes the largest number of backend calls (padding with empty
-    calls). One process: unchanged."""
+    ``(falls back, model calls)``. If any rank runs verl's forward for this micro-batch, all do
+    (one call each); otherwise each makes the largest number of model calls (its plan padded with
+    empty calls, :meth:`~grpo_parts.attention.shared_prefix.plan.Plan.agreed`). One process: unchanged."""
     from grpo_parts.attention.shared_prefix.chunking import agree_max, ranks_of
 
     group = engine.get_data_parallel_group() if hasattr(engine, "get_data_parallel_group") else None
@@ -226,14 +247,14 @@ def _attention_calls(backend: Any) -> Counter[str]:
 
 
 def _forward_step(
-    engine: Any, micro_batch: Any, loss_function: Any, planned: Any, calls: int, opts: EngineOptions
+    engine: Any, micro_batch: Any, loss_function: Any, prepared: _Prepared, opts: EngineOptions
 ) -> Any:
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_name
     from verl.workers.engine.utils import detach_tree
 
-    ids, cu, resp, keys, plan = planned
     backend = _engine_state(engine, opts)
+    cu = prepared.cu
     entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
     dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
     ctx = (
@@ -244,7 +265,8 @@ def _forward_step(
     with ctx:
         temperature = micro_batch["temperature"]
         before = _attention_calls(backend)
-        out = packed_logprobs(engine.module, ids, cu, resp, keys, temperature, backend, entropy, plan, calls)
+        temp = scalar_temperature(temperature)
+        out = run_packed(engine.module, prepared.call, backend, temp, bool(entropy), prepared.plan)
         ran = _attention_calls(backend) - before
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.log_probs, cu)}
         if out.entropy is not None:
@@ -254,7 +276,7 @@ def _forward_step(
                 model_output=model_output, data=micro_batch, dp_group=engine.get_data_parallel_group()
             )
         else:
-            loss, metrics = torch.tensor(1.0, device=ids.device), {}
+            loss, metrics = torch.tensor(1.0, device=cu.device), {}
         metrics = {**metrics, **{f"parts/attention/calls_{k}": _sum(v) for k, v in ran.items()}}
     return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
@@ -276,19 +298,21 @@ def install_engine_hook() -> bool:
             return original(self, micro_batch, loss_function, forward_only)
         mode = "logprob" if forward_only else "train"
         reason = fallback_reason(micro_batch, opts)
-        planned, tokens = None, None
+        prepared, tokens = None, None
         if reason is None:
             micro_batch = micro_batch.to(get_device_id())  # as verl's forward_step
-            planned, reason = _plan(self, micro_batch, opts)
-            tokens = (planned[4].grid_tokens, int(planned[0].numel()), planned[4].padding_free_tokens)
-        calls = len(planned[4].calls) if planned is not None else 0
+            prepared, reason = _prepare(self, micro_batch, opts)
+            tokens = prepared.tokens() if prepared is not None else None
+        calls = 0 if prepared is None else (prepared.plan.model_calls if prepared.plan is not None else 1)
         reason, calls = _agree(self, reason, calls, torch.device(get_device_name()))
-        if reason is not None:
-            COUNTERS.fell_back("attention", reason, mode=mode)
+        if reason is not None or prepared is None:
+            COUNTERS.fell_back("attention", reason or "no backend call", mode=mode)
             result = original(self, micro_batch, loss_function, forward_only)
         else:
             COUNTERS.ran("attention", mode=mode)
-            result = _forward_step(self, micro_batch, loss_function, planned, calls, opts)
+            if prepared.plan is not None:
+                prepared = replace(prepared, plan=prepared.plan.agreed(calls))
+            result = _forward_step(self, micro_batch, loss_function, prepared, opts)
         loss, output = result
         output["metrics"] = _report(output.get("metrics") or {}, reason is None, forward_only, tokens)
         return loss, output

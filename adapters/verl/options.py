@@ -39,9 +39,7 @@ class EngineOptions(BaseModel):
 
     ``attention``: a grpo_parts attention backend (``shared_prefix``; ``reference`` re-encodes the
     prompt per row, for checking) or None (verl's own forward). ``kernel``: the shared-prefix
-    kernel (``auto``, ``sdpa``, ``flex``, ``eager``). ``merge_slack``: a micro-batch's uid groups
-    share one model call while its grouped layout stays within ``1 + merge_slack`` times the sum of
-    their own layouts (0: a call per group; None: one call per micro-batch). ``max_padding_ratio``:
+    kernel (``auto``, ``sdpa``, ``flex``, ``eager``). ``max_padding_ratio``:
     run verl's own packed forward for a micro-batch whose grouped layouts would hold more than this
     many times its packed tokens (None: never). ``max_chunks`` / ``chunk_overhead_tokens``: the
     shared-prefix backend's grid splitting inside each call (:mod:`grpo_parts.attention.shared_prefix.chunking`;
@@ -49,18 +47,30 @@ class EngineOptions(BaseModel):
     layout (``auto``, ``grid``, ``padding_free``; docs/attention.md). ``varlen``: the padding-free
     layout's varlen cascade kernel (False: the masked kernel, for A/B checks; counted as
     ``calls_masked_sdpa`` / ``calls_masked_eager``). See docs/adapters/verl.md, "Memory".
+    ``merge_slack`` (earlier 0.1 commits: a planner of the adapter's own) is refused when set: the
+    backend plans each micro-batch (``max_chunks``, ``chunk_overhead_tokens``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     attention: str | None = None
     kernel: str = "auto"
-    merge_slack: float | None = Field(0.25, ge=0)
+    merge_slack: float | None = None
     max_padding_ratio: float | None = Field(None, gt=0)
     max_chunks: int | None = Field(None, ge=1)
     chunk_overhead_tokens: int = 1024
     layout: str = "auto"
     varlen: bool = True
+
+    @field_validator("merge_slack")
+    @classmethod
+    def _gone(cls, v: float | None) -> None:
+        if v is not None:
+            raise ValueError(
+                f"got {v!r}; expected null: the shared-prefix backend now plans each micro-batch's model "
+                "calls (set max_chunks / chunk_overhead_tokens instead)"
+            )
+        return None
 
     @field_validator("attention")
     @classmethod

@@ -16,7 +16,7 @@ CPU as in tests/adapters/verl/_cpu_verl.py). An update is verl's ``train_batch``
   with ``apply_prefix_grouper_patch()`` as ``apply_monkey_patch(use_prefix_grouper=True)`` would;
   padded micro-batches of whole groups, as it requires;
 * ``ours`` / ``ours_one_call``: ``+actor_rollout_ref.actor.grpo_parts.attention=shared_prefix``
-  (``merge_slack`` 0.25 / one call per micro-batch).
+  (the backend's plan of each micro-batch / ``max_chunks=1``: one grid per micro-batch).
 
     python scripts/measure/verl_prefix_bench.py --repeats 5        # prints a markdown table and JSON
 
@@ -166,8 +166,17 @@ def token_stats(args: argparse.Namespace, variant: str) -> dict[str, int]:
     verl's padded forward pads each micro-batch's rows to the longest; its packed forward runs the
     packed tokens; both compute a logit row per token. Ours runs the grouped layout and computes logit
     rows for completion positions only (padded to the longest completion of the call)."""
-    from grpo_parts_adapters.verl.attention import plan_calls
+    from grpo_parts_adapters.verl.attention import packed_call
 
+    from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+    from grpo_parts.tiny import tiny_causal_lm
+
+    # the plan reads the model's sizes (score weights) only; a tiny one of the same vocabulary serves
+    model = tiny_causal_lm("llama", vocab_size=args.vocab, hidden_size=16, num_layers=1, num_heads=2)
+    one_call = variant == "ours_one_call"
+    backend = SharedPrefixAttention(
+        layout=getattr(args, "layout", "auto"), max_chunks=1 if one_call else None
+    )
     data = make_batch(args)
     ids, cu = data["input_ids"].values(), data["input_ids"].offsets()
     resp = data["responses"].offsets().diff()
@@ -189,21 +198,15 @@ def token_stats(args: argparse.Namespace, variant: str) -> dict[str, int]:
         else:
             sub_ids = ids[int(cu[s]) : int(cu[min(s + args.n, len(uids))])]
             sub_cu = cu[s : s + args.n + 1] - cu[s]
-            slack = None if variant == "ours_one_call" else 0.25
-            plan = plan_calls(
-                sub_ids,
-                sub_cu,
-                resp[rows],
-                uids[rows],
-                "shared_prefix",
-                slack,
-                getattr(args, "layout", "auto"),
-            )
-            tokens += plan.grid_tokens
-            if plan.grid_tokens == plan.padding_free_tokens:  # padding-free: a logit per response token
+            call = packed_call(sub_ids, sub_cu, resp[rows], uids[rows])
+            assert call is not None
+            plan = backend.plan(model, call.batch, packed=True)
+            tokens += int(plan.tokens)
+            clen = call.batch.completion_mask.sum(-1)
+            if plan.layout == "padding_free":  # a logit per response token
                 logits += int(resp[rows].sum()) - len(plan.calls[0]) + len(set(uids[rows]))
             else:
-                logits += sum(len(c) * int(resp[rows][c].max()) for c in plan.calls)
+                logits += sum(len(c) * int(clen[c].max()) for c in plan.calls)
     return {"model_tokens": tokens, "logit_rows": logits}
 
 
@@ -253,7 +256,7 @@ def build_engine(args: argparse.Namespace, variant: str) -> tuple[Any, Any, bool
 
     grpo_parts = {
         "attention": "shared_prefix",
-        "merge_slack": None if variant == "ours_one_call" else 0.25,
+        "max_chunks": 1 if variant == "ours_one_call" else None,
         "layout": getattr(args, "layout", "auto"),
     }
     mp = {"param_dtype": args.dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}

@@ -66,7 +66,6 @@ def test_a_model_sharded_on_one_process_splits_as_usual() -> None:
     nobody to agree with (no empty calls); several processes agree on the number of model calls
     (test_chunking_ranks.py)."""
     from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
-    from grpo_parts.attention.shared_prefix.chunking import rank_consistent_plan
     from grpo_parts.tiny import tiny_causal_lm
 
     model = tiny_causal_lm("llama", vocab_size=16, hidden_size=16, num_layers=1, num_heads=2)
@@ -81,8 +80,11 @@ def test_a_model_sharded_on_one_process_splits_as_usual() -> None:
     )  # the user's choice wins
     explicit.completion_logprobs(model, batch)
     assert explicit.last_plan["chunks"] == 2
-    chunks, info, empty = rank_consistent_plan(batch, -1, 8)
-    assert len(chunks) == info["model_calls"] == 3 and empty == 0
+    plan = sharded.plan(model, batch)
+    assert len(plan.calls) == plan.model_calls == 3 and plan.empty_calls == 0
+    more = plan.agreed(5)  # what another rank's five grids make this one run
+    assert len(more.calls) == 3 and more.empty_calls == 2  # three groups: at most three grids
+    assert more.agreed(2).model_calls == 3  # never fewer calls than the plan's own
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)

@@ -198,23 +198,27 @@ def test_a_per_layer_config_is_read_per_layer():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(
-    ("target", "stage"),
+    ("module", "target", "stage"),
     [
-        ("auto_costs", "choosing the layout failed: TypeError"),
-        ("chunk_plan", "planning the grids failed: TypeError"),
-        ("build_grouped_inputs", "building the layout failed: TypeError"),
-        ("ungroup_logits", "un-grouping the logits failed: TypeError"),
-        ("rank_consistent_plan", "planning the grids failed: TypeError"),
+        ("plan", "auto_costs", "planning the call failed: TypeError"),
+        ("plan", "chunk_plan", "planning the call failed: TypeError"),
+        ("backend", "make_plan", "planning the call failed: TypeError"),
+        ("run", "build_grouped_inputs", "building the layout failed: TypeError"),
+        ("run", "ungroup_logits", "un-grouping the logits failed: TypeError"),
     ],
 )
-def test_no_stage_lets_a_raw_exception_escape(monkeypatch, target, stage):  # type: ignore[no-untyped-def]
+def test_no_stage_lets_a_raw_exception_escape(monkeypatch, module, target, stage):  # type: ignore[no-untyped-def]
     """An unexpected exception in any stage is a NotSupportedError naming the model and the stage."""
+    import importlib
+
     model, batch = exact_model("qwen2", vocab_size=48), _batch("qwen2")
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise TypeError("unsupported operand type(s) for +: 'int' and 'list'")
 
-    monkeypatch.setattr(backend_module, target, broken)
+    monkeypatch.setattr(
+        importlib.import_module(f"grpo_parts.attention.shared_prefix.{module}"), target, broken
+    )
     with pytest.raises(NotSupportedError, match=rf"Qwen2ForCausalLM \(qwen2\): {stage}"):
         SharedPrefixAttention(layout="grid").completion_logprobs(model, batch)
 

@@ -12,7 +12,7 @@
 Optional abilities a backend *declares* by having the members (checked with ``isinstance``):
 :class:`ReportsPlan` (how its last call split the batch; keys ``PLAN_*``), :class:`CountsAttentionCalls`
 (attention calls per path), :class:`RankAgreeing` (the ranks that must agree on its model calls) and
-:class:`ChoosesLayout` (lays batches out in one of several ways, and says which beforehand).
+:class:`Plans` (plans each call before running it, so adapters can agree on the plan across ranks).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ __all__ = [
     "PLAN_CHUNKS",
     "PLAN_GRID_SLOTS",
     "AttentionBackend",
-    "ChoosesLayout",
     "CountsAttentionCalls",
     "LogprobBatch",
     "LogprobOutput",
+    "Plans",
     "RankAgreeing",
     "ReportsPlan",
 ]
@@ -168,15 +168,27 @@ class RankAgreeing(Protocol):
 
 
 @runtime_checkable
-class ChoosesLayout(Protocol):
-    """A backend that lays a batch out in one of several ways (``layout``: the configured one, or
-    ``"auto"``) and can say beforehand which it would run, so adapters plan their calls alike."""
+class Plans(Protocol):
+    """A backend that plans each call before running it (the shared-prefix backend's
+    :mod:`~grpo_parts.attention.shared_prefix.plan`): adapters that must agree with other ranks on
+    more than its model calls ask for the plan without agreement, agree, and run it."""
 
     layout: str
 
-    def layout_for(
-        self, model: torch.nn.Module, batch: LogprobBatch, kernel: str | None = None
-    ) -> tuple[str, str, list[torch.Tensor], dict[str, Any]]:
-        """``(layout, why, chunks, plan info)`` that ``completion_logprobs`` would run for ``batch``:
-        ``chunks`` the row indices ``[n_i]`` of each grid, ``plan info`` as :attr:`ReportsPlan.last_plan`."""
+    def plan(
+        self, model: torch.nn.Module, batch: LogprobBatch, *, packed: bool = False, agree: bool = True
+    ) -> Any:
+        """The call's plan: ``.layout``, ``.tokens``, ``.packed_tokens``, ``.model_calls``,
+        ``.agreed(calls)`` (the plan making ``calls`` model calls) and ``.info()``."""
+        ...
+
+    def run(
+        self,
+        model: torch.nn.Module,
+        batch: LogprobBatch,
+        plan: Any,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+    ) -> LogprobOutput:
+        """Run ``plan`` on ``batch`` (what ``completion_logprobs`` does after planning)."""
         ...

@@ -85,14 +85,14 @@ def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]
     if parts_on:
         backend = policy.actor.grpo_backend
         backend.chunk_overhead_tokens = -1  # as many grids as a call has groups
-        original = backend.completion_logprobs
+        original = backend.run
 
         def recording(*a: Any, **k: Any) -> Any:
             out = original(*a, **k)
             plans.append(dict(backend.last_plan))
             return out
 
-        backend.completion_logprobs = recording
+        backend.run = recording
         assert isinstance(backend, SharedPrefixAttention)
     losses: list[torch.Tensor] = []
     policy.trainer.actor_loss_fn.register_forward_hook(lambda m, i, out: losses.append(out[0].detach()))

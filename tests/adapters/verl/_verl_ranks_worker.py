@@ -30,9 +30,9 @@ from _cpu_verl import put_rollouts, save_tiny_model, verl_on_cpu  # noqa: E402
 
 N = 4
 #: (strategy, dynamic micro-batch sizes, remove padding, grpo_parts options): the default options
-#: split a micro-batch into calls by group (merge_slack); the forced ones make one call per
-#: micro-batch and split it into as many grids as it has groups
-FORCED = (("merge_slack", None), ("chunk_overhead_tokens", -1))
+#: let the backend plan each micro-batch; the forced ones split it into as many grids as it has
+#: (sub-)groups
+FORCED = (("chunk_overhead_tokens", -1),)
 #: the padding-free layout forced, on its varlen cascade kernel and (``varlen=False``, the A/B
 #: option) on the masked kernel
 PADDING_FREE = (("layout", "padding_free"),)
@@ -200,14 +200,14 @@ def run_case(
 
     rows = rank_rows(rank)
     plans: list[dict[str, Any]] = []
-    original = SharedPrefixAttention.completion_logprobs
+    original = SharedPrefixAttention.run
 
     def recording(self: Any, *a: Any, **k: Any) -> Any:
         out = original(self, *a, **k)
         plans.append(dict(self.last_plan))
         return out
 
-    SharedPrefixAttention.completion_logprobs = recording  # type: ignore[method-assign]
+    SharedPrefixAttention.run = recording  # type: ignore[method-assign]
     try:
         res: dict[str, Any] = {}
         on = {"attention": "shared_prefix", **dict(options)}
@@ -237,7 +237,7 @@ def run_case(
         res["plans"] = plans
         return res
     finally:
-        SharedPrefixAttention.completion_logprobs = original  # type: ignore[method-assign]
+        SharedPrefixAttention.run = original  # type: ignore[method-assign]
 
 
 def run_worker(cases: Any, run_case: Callable[..., dict[str, Any]]) -> None:

@@ -137,27 +137,8 @@ def test_empty_responses_get_zeros_and_the_rest_is_unchanged(model):
     assert torch.all(full.log_probs[others] == 0)
 
 
-def test_grid_tokens_follow_the_layouts():
-    plen, resp, gi = torch.tensor([3, 3, 5]), torch.tensor([2, 4, 1]), torch.tensor([0, 0, 1])
-    # shared_prefix: 2 groups x (longest prompt 5 + largest group 2 x longest completion 4)
-    assert attention.grid_tokens("shared_prefix", plen, resp, gi) == 2 * (5 + 2 * 4)
-    assert attention.grid_tokens("reference", plen, resp, gi) == 3 * (5 + 4)
-    # and what grpo_parts.attention really builds (catches a layout change)
-    from grpo_parts.attention.protocol import LogprobBatch
-    from grpo_parts.attention.shared_prefix.layout import build_grouped_inputs
-
-    p, t = int(plen.max()), int(resp.max())
-    pm = (torch.arange(p) >= p - plen[:, None]).long()
-    cm = (torch.arange(t) < resp[:, None]).long()
-    lb = LogprobBatch(pm * 7, pm, cm * 9, cm, gi)
-    assert build_grouped_inputs(lb).input_ids.numel() == attention.grid_tokens(
-        "shared_prefix", plen, resp, gi
-    )
-
-
-def test_calls_per_group_equal_one_call_and_pad_less(model):
-    """``merge_slack`` splits a micro-batch into calls by uid group: the same log-probs and
-    gradients, fewer padded tokens when completion lengths differ between groups."""
+def _uneven_micro_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    """Three uid groups of different prompt and completion lengths, rows interleaved."""
     g = torch.Generator().manual_seed(7)
     rows = []
     for i, (plen, rlens) in enumerate([(3, [1, 2, 1]), (6, [9, 8]), (2, [2, 1, 2, 1])]):
@@ -169,30 +150,42 @@ def test_calls_per_group_equal_one_call_and_pad_less(model):
     cu = torch.cat(
         [torch.zeros(1, dtype=torch.long), torch.tensor([len(p) + len(r) for _, p, r in rows]).cumsum(0)]
     )
-    resp = torch.tensor([len(r) for _, _, r in rows])
-    uids = [u for u, _, _ in rows]
-    bounded = attention.plan_calls(ids, cu, resp, uids, "shared_prefix", None)
-    per_group = attention.plan_calls(ids, cu, resp, uids, "shared_prefix", 0.0)
-    packed = int(cu[-1])  # 56 tokens; one call would pad to 3 x (6 + 4 x 9) = 126
-    assert len(per_group.calls) == 3 and len(bounded.calls) == 3  # the bound split the one call
-    assert bounded.grid_tokens == per_group.grid_tokens == (3 + 3 * 2) + (6 + 2 * 9) + (2 + 4 * 2) <= packed
-    assert bounded.padding_free_tokens == (3 + 6 + 2) + int(resp.sum())
-    one = attention.CallPlan(bounded.group_index, bounded.prompt_lens, [torch.arange(len(rows))], 126)
-    assert (
-        len(attention.plan_calls(ids, cu, resp, uids, "shared_prefix", 0.25).calls) == 2
-    )  # the short two merge
+    return ids, cu, torch.tensor([len(r) for _, _, r in rows]), [u for u, _, _ in rows]
+
+
+def test_the_backend_plans_a_packed_micro_batch_within_its_packed_tokens(model):
+    """The engine hook's call: the backend's plan with ``packed=True`` splits the uid groups into
+    grids holding no more than the packed tokens (one grid would pad to 3 x (6 + 4 x 9) = 126 of 56),
+    with the same log-probs and gradients as one grid."""
+    from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+
+    ids, cu, resp, uids = _uneven_micro_batch()
+    call = attention.packed_call(ids, cu, resp, uids)
+    bounded = SharedPrefixAttention(layout="grid")
+    plan = bounded.plan(model, call.batch, packed=True)
+    assert plan.packed_tokens == int(cu[-1]) == 56 and plan.tokens <= 56 < plan.single_grid_slots == 126
+    assert len(plan.calls) == 3 and plan.padding_free_tokens == (3 + 6 + 2) + int(resp.sum())
+    one = SharedPrefixAttention(layout="grid", max_chunks=1)
+    assert len(one.plan(model, call.batch).calls) == 1
     where = _response_positions(cu, resp)
     outs = []
-    for plan in (one, per_group):
+    for backend, p in ((one, None), (bounded, plan)):
         model.zero_grad()
-        out = attention.packed_logprobs(model, ids, cu, resp, uids, 0.9, "shared_prefix", True, plan)
+        out = attention.run_packed(model, call, backend, 0.9, True, p)
         (out.log_probs[where] * torch.linspace(-1, 1, where.numel(), dtype=torch.float64)).sum().backward()
-        outs.append((out, [p.grad.clone() for p in model.parameters()]))
+        outs.append((out, [q.grad.clone() for q in model.parameters()]))
     (a, ga), (b, gb) = outs
     torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=TOL)
     torch.testing.assert_close(a.entropy, b.entropy, rtol=0, atol=TOL)
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, rtol=0, atol=TOL)
+
+
+def test_merge_slack_is_refused_not_ignored():
+    from grpo_parts_adapters.verl.options import EngineOptions
+
+    with pytest.raises(ValueError, match="merge_slack"):
+        EngineOptions(attention="shared_prefix", merge_slack=0.25)
 
 
 def test_prefix_bench_token_accounting():

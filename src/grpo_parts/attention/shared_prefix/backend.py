@@ -2,10 +2,12 @@
 once per group instead of once per completion, with the same log-probs and gradients as
 :class:`~grpo_parts.attention.reference.RepeatedPrefixAttention`.
 
-``completion_logprobs`` regroups the rows by ``group_index`` (:mod:`.layout`), runs the model on
-one row per group with this module's attention function (:mod:`.kernels`) selected for the
-duration of the call, computes logits only where they predict a completion token (the last
-prefix token's logit is shared by every completion of the group), and un-groups them.
+``completion_logprobs`` reads check -> plan -> run: the capability check (here and
+:mod:`.guard`), one :class:`~.plan.Plan` of the call (:mod:`.plan`: kernel, layout, model calls),
+and its run (:mod:`.run`): the rows regrouped by ``group_index`` (:mod:`.layout`,
+:mod:`.padding_free`), the model run with this package's attention function (:mod:`.kernels`)
+selected for the duration of the call, logits only where they predict a completion token (the last
+prefix token's logit is shared by every completion of the group), un-grouped and merged.
 
 The layout reaches the attention function as an extra keyword argument of ``model(...)``, which
 transformers forwards to every ``AttentionInterface`` function. A 4-D placeholder
@@ -23,17 +25,14 @@ from typing import Any, ClassVar
 import torch
 
 from ...compat import accepts_logits_to_keep, config_values, select_attention
-from ...core import token_logprobs
 from ...errors import GRPOPartsError, NotSupportedError
 from ...wrappers import calls_through, inner_model, model_name
-from ..protocol import PLAN_ATTENTION_CALLS, PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch, LogprobOutput
-from ..reference import entropy_from_logits
-from .chunking import chunk_plan, empty_call_batch, rank_consistent_plan
-from .grouped_forward import KERNEL_NAME, grouped_forward, probe_reasons, register_attention
+from ..protocol import PLAN_ATTENTION_CALLS, LogprobBatch, LogprobOutput
+from .grouped_forward import KERNEL_NAME, probe_reasons, register_attention
 from .guard import any_value, architecture_reasons, model_kind, position_tables, refusing, text_config
-from .layout import build_grouped_inputs, ungroup_logits
-from .layout_choice import auto_costs, choose_layout
-from .padding_free import LAYOUTS, build_padding_free_inputs, padding_free_tokens
+from .padding_free import LAYOUTS
+from .plan import Plan, PlanSettings, make_plan
+from .run import PlanRun
 
 # KERNEL_NAME, register_attention and select_attention are re-exported for the adapters and tests
 __all__ = [
@@ -233,20 +232,45 @@ class SharedPrefixAttention:
     def register_kernel(self) -> str | None:
         return register_attention()
 
-    def layout_for(
-        self, model: torch.nn.Module, batch: LogprobBatch, kernel: str | None = None
-    ) -> tuple[str, str, list[torch.Tensor], dict[str, Any]]:
-        """``(layout, why, grid chunks, grid plan info)``: what :meth:`completion_logprobs` runs for
-        ``batch`` (before the ranks agree on the number of calls); adapters ask it to plan alike."""
-        model = calls_through(model)
-        kernel = kernel or self.choose_kernel(model)
-        with refusing("planning the grids", model):
-            chunks, info = chunk_plan(batch, self.chunk_overhead_tokens, self.chunk_limit(model))
-        with refusing("choosing the layout", model):
-            costs = auto_costs(batch, chunks, info[PLAN_GRID_SLOTS], text_config(model), kernel, self.varlen)
-            return (*choose_layout(self.layout, *costs), chunks, info)
+    # ------------------------------------------------------------------------------- plan, run
 
-    # ------------------------------------------------------------------------------------- compute
+    def plan(
+        self, model: torch.nn.Module, batch: LogprobBatch, *, packed: bool = False, agree: bool = True
+    ) -> Plan:
+        """What :meth:`completion_logprobs` runs for ``batch``: kernel, layout, model calls, tokens
+        (:mod:`.plan`). ``packed``: bound the grid by the packed rows (adapters fed packed rows);
+        ``agree=False``: no all-reduce of the call count -- the caller agrees with the other ranks
+        and calls :meth:`.plan.Plan.agreed`."""
+        model = calls_through(model)
+        kernel = self.choose_kernel(model)
+        ctxs = [c for c in config_values(text_config(model), "max_position_embeddings") if isinstance(c, int)]
+        settings = PlanSettings(
+            kernel, self.last_choice, self.layout, self.varlen, self.chunk_limit(), self.chunk_overhead_tokens,
+            self.chunk_elems, self.suffix_flash_min, min(ctxs) if ctxs else None, text_config(model),
+        )  # fmt: skip
+        with refusing("planning the call", model):
+            return make_plan(batch, settings, packed=packed, agree=agree, rank_group=self.rank_group)
+
+    def run(
+        self,
+        model: torch.nn.Module,
+        batch: LogprobBatch,
+        plan: Plan,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+    ) -> LogprobOutput:
+        """Run ``plan`` (from :meth:`plan` on this ``batch``) and record it in :attr:`last_plan`,
+        :attr:`layout_counts` and :attr:`attention_calls`."""
+        model = calls_through(model)
+        register_attention()
+        run = PlanRun(model, plan, temperature, compute_entropy)
+        out = run(batch)
+        self.last_plan = {**plan.info(), PLAN_ATTENTION_CALLS: run.attention_calls}
+        if run.masked_why:
+            self.last_plan["masked_sdpa_why"] = "; ".join(run.masked_why)
+        self.layout_counts[plan.layout] += 1
+        self.attention_calls.update(run.attention_calls)
+        return out
 
     def completion_logprobs(
         self,
@@ -255,122 +279,18 @@ class SharedPrefixAttention:
         temperature: float = 1.0,
         compute_entropy: bool = False,
     ) -> LogprobOutput:
-        """Log-probs (and entropies) of ``batch``'s completions, equal to the reference's. ``model``
-        may be wrapped (DDP, FSDP1, DeepSpeed's engine): the inner model is inspected, every forward
-        runs through the wrapper (:mod:`grpo_parts.wrappers`). A model the capability check accepts
-        either computes or raises :class:`NotSupportedError` naming the stage that failed
-        (:func:`.guard.refusing`), never a raw exception."""
+        """Log-probs (and entropies) of ``batch``'s completions, equal to the reference's: check,
+        :meth:`plan`, :meth:`run`. ``model`` may be wrapped (DDP, FSDP1, DeepSpeed's engine): the
+        inner model is inspected, every forward runs through the wrapper (:mod:`grpo_parts.wrappers`).
+        A model the capability check accepts either computes or raises :class:`NotSupportedError`
+        naming the stage that failed (:func:`.guard.refusing`), never a raw exception."""
         model = calls_through(model)
         reasons = self._model_reasons(model, batch)
         if reasons:
             raise NotSupportedError("shared_prefix", reasons)
-        kernel = self.choose_kernel(model)
-        register_attention()
-        layout, chunks, empty = self._plan(model, batch, kernel)
-        if len(chunks) == 1 and not empty:
-            return self._one_grid(model, batch, temperature, compute_entropy, kernel, None, layout)
-        # rows of different groups never attend to each other: one grid per chunk, then un-permute;
-        # every grid's largest position id is the whole batch's, as in the reference's one forward
-        top = int((batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).max()) - 1
-        outs = [
-            self._one_grid(model, batch.select(c), temperature, compute_entropy, kernel, top, layout)
-            for c in chunks
-        ]
-        # empty calls (other ranks run more grids): in the graph times zero, so their backward runs
-        zero = sum(
-            (
-                self._one_grid(model, empty_call_batch(batch), temperature, False, kernel, top).logprobs.sum()
-                * 0.0
-            )
-            for _ in range(empty)
-        )
-        with refusing("un-grouping the grids", model):
-            back = torch.argsort(torch.cat(chunks))
-            logps = torch.cat([o.logprobs for o in outs])[back] + zero
-            if not compute_entropy:
-                return LogprobOutput(logps, None)
-            ents = torch.cat([o.entropies for o in outs if o.entropies is not None])[back]
-            return LogprobOutput(logps, ents + zero)
+        return self.run(model, batch, self.plan(model, batch), temperature, compute_entropy)
 
-    def _plan(self, model: Any, batch: LogprobBatch, kernel: str) -> tuple[str, list[torch.Tensor], int]:
-        """``(layout, row indices of each grid, empty calls)`` on which the ranks agree; sets
-        :attr:`last_plan` and counts the layout."""
-        device = batch.group_index.device
-        layout, why, chunks, info = self.layout_for(model, batch, kernel)
-        with refusing("planning the grids", model):
-            free = padding_free_tokens(batch)
-            if layout == "padding_free":  # one call; grid_slots stays: what the grid would have run
-                chunks, info = (
-                    [torch.arange(batch.group_index.numel(), device=device)],
-                    {**info, PLAN_CHUNKS: 1},
-                )
-            chunks, self.last_plan, empty = rank_consistent_plan(
-                batch, self.chunk_overhead_tokens, self.chunk_limit(model), self.rank_group, device,
-                planned=(chunks, info), replan=layout == "grid",
-            )  # fmt: skip
-        self.last_plan.update(layout=layout, layout_choice=why, padding_free_tokens=free)
-        self.layout_counts[layout] += 1
-        return layout, chunks, empty
-
-    def chunk_limit(self, model: torch.nn.Module) -> int:
+    def chunk_limit(self, model: torch.nn.Module | None = None) -> int:
         """``max_chunks``, or 8 for ``None``. Under FSDP/ZeRO/DDP every forward runs collectives; the
-        ranks agree on the number of model calls (:func:`.chunking.rank_consistent_plan`)."""
+        ranks agree on the number of model calls (:meth:`.plan.Plan.agreed`)."""
         return 8 if self.max_chunks is None else self.max_chunks
-
-    def _one_grid(
-        self,
-        model: torch.nn.Module,
-        batch: LogprobBatch,
-        temperature: float,
-        compute_entropy: bool,
-        kernel: str,
-        max_position: int | None,
-        layout: str = "grid",
-    ) -> LogprobOutput:
-        ctxs = [c for c in config_values(text_config(model), "max_position_embeddings") if isinstance(c, int)]
-        ctx = min(ctxs) if ctxs else None
-        with refusing("building the layout", model):
-            if layout == "padding_free":
-                grouped = build_padding_free_inputs(
-                    batch, max_positions=ctx, kernel=kernel, max_position=max_position, varlen=self.varlen
-                )
-            else:
-                grouped = build_grouped_inputs(
-                    batch, max_positions=ctx, kernel=kernel, chunk_elems=self.chunk_elems,
-                    suffix_flash_min=self.suffix_flash_min, max_position=max_position,
-                )  # fmt: skip
-        kept = grouped_forward(model, grouped)  # raises NotSupportedError for what the model breaks
-        with refusing("un-grouping the logits", model):
-            logits = ungroup_logits(kept, grouped)  # [N, S, V]
-            return self._grid_output(batch, logits, grouped, layout, temperature, compute_entropy)
-
-    def _grid_output(
-        self,
-        batch: LogprobBatch,
-        logits: torch.Tensor,
-        grouped: Any,
-        layout: str,
-        temperature: float,
-        compute_entropy: bool,
-    ) -> LogprobOutput:
-        """One grid's log-probs (and entropies) from its un-grouped ``logits: [N, S, V]``."""
-        if layout == "padding_free":
-            masks = grouped.layout.masks
-            self.attention_calls.update(masks.calls)
-            calls = self.last_plan.setdefault(PLAN_ATTENTION_CALLS, Counter())
-            calls.update(masks.calls)
-            if masks.why:
-                self.last_plan["masked_sdpa_why"] = "; ".join(masks.why)
-        n, t = batch.completion_ids.shape
-        s = logits.shape[1]
-        cm = batch.completion_mask.bool()
-        lp = token_logprobs(logits, batch.completion_ids[:, :s], temperature)
-        logps = lp.new_zeros(n, t)
-        logps[:, :s] = lp
-        logps = logps.masked_fill(~cm, 0.0)
-        if not compute_entropy:
-            return LogprobOutput(logps, None)
-        ent = entropy_from_logits(logits.float() if logits.dtype != torch.float64 else logits, temperature)
-        ents = ent.new_zeros(n, t)
-        ents[:, :s] = ent
-        return LogprobOutput(logps, ents.masked_fill(~cm, 0.0))

@@ -14,7 +14,7 @@ splits as far as ``max_chunks`` and the number of groups allow (tests use it to 
 
 **Several processes** (FSDP, DeepSpeed ZeRO, DDP) run collectives in every forward (parameter
 all-gathers) and backward (gradient reductions): a rank that runs more model calls than another
-waits for it forever. :func:`rank_consistent_plan` makes the ranks agree -- one all-reduce of the
+waits for it forever. :meth:`.plan.Plan.agreed` makes the ranks agree -- one all-reduce of the
 largest grid count -- and each rank then plans up to that many grids for itself (smaller grids, no
 extra cost: the calls run anyway) and pads the rest with *empty calls*, a one-token prefix and
 completion whose log-probs enter the result multiplied by zero (so their backward runs the same
@@ -29,6 +29,7 @@ import torch
 
 from ...wrappers import agree_max, ranks_of
 from ..protocol import PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch
+from .facts import facts_of
 
 # ranks_of and agree_max live in grpo_parts.wrappers (the samplers use them too); re-exported here
 __all__ = [
@@ -38,8 +39,9 @@ __all__ = [
     "agree_on_calls",
     "chunk_plan",
     "empty_call_batch",
+    "facts_of",
     "group_sizes",
-    "rank_consistent_plan",
+    "one_grid_per_group",
     "ranks_of",
     "split_long_tails",
 ]
@@ -65,44 +67,11 @@ def empty_call_batch(batch: LogprobBatch) -> LogprobBatch:
     )
 
 
-def rank_consistent_plan(
-    batch: LogprobBatch,
-    overhead_tokens: int,
-    max_chunks: int,
-    group: Any = None,
-    device: torch.device | None = None,
-    planned: tuple[list[torch.Tensor], dict[str, Any]] | None = None,
-    replan: bool = True,
-) -> tuple[list[torch.Tensor], dict[str, Any], int]:
-    """:func:`chunk_plan` on which the ranks of ``group`` agree: ``(chunks, info, empty_calls)`` with
-    ``len(chunks) + empty_calls`` equal on every rank. A rank whose own plan has fewer grids than the
-    largest re-plans with up to that many at no overhead (the calls run anyway), and pads with empty
-    calls what its groups cannot fill (a rank with one group: one grid + empty calls). ``info`` adds
-    ``model_calls`` and ``empty_calls``. On one process: :func:`chunk_plan`, no empty calls.
-    ``planned``: this rank's own ``(chunks, info)`` (default: :func:`chunk_plan`); ``replan=False``
-    pads with empty calls only (a padding-free call is not split)."""
-    chunks, info = planned or chunk_plan(batch, overhead_tokens, max_chunks)
-    calls = len(chunks)
-    if ranks_of(group) > 1:
-        calls = agree_on_calls(len(chunks), group, device)
-        if calls > len(chunks) and replan:
-            chunks, info = chunk_plan(batch, 0, calls)
-    empty = calls - len(chunks)
-    info.update(model_calls=calls, empty_calls=empty)
-    return chunks, info, empty
-
-
-def group_sizes(batch: LogprobBatch) -> tuple[torch.Tensor, ...]:
-    """``(row_group [N], rows [B], prompt length [B], longest completion [B])`` on the CPU."""
-    gi = batch.group_index.detach().cpu()
-    _, row_group = torch.unique(gi, return_inverse=True)
-    b = int(row_group.max()) + 1 if row_group.numel() else 0
-    plen = batch.prompt_mask.detach().cpu().long().sum(-1)
-    clen = batch.completion_mask.detach().cpu().long().sum(-1)
-    rows = torch.bincount(row_group, minlength=b)
-    p = torch.zeros(b, dtype=torch.long).scatter_reduce(0, row_group, plen, "amax")
-    s = torch.zeros(b, dtype=torch.long).scatter_reduce(0, row_group, clen, "amax")
-    return row_group, rows, p, s
+def group_sizes(batch: Any) -> tuple[torch.Tensor, ...]:
+    """``(row_group [N], rows [B], prompt length [B], longest completion [B])`` on the CPU, of a
+    :class:`LogprobBatch` or its :class:`.facts.GroupFacts`."""
+    f = facts_of(batch)
+    return f.row_group, f.rows, f.prompt, f.longest
 
 
 def _segment_costs(rows: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -119,12 +88,12 @@ def _segment_costs(rows: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> torc
 
 
 def chunk_plan(
-    batch: LogprobBatch, overhead_tokens: int, max_chunks: int
+    batch: Any, overhead_tokens: int, max_chunks: int
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """``(row indices of each chunk, info)``; info: ``groups``, ``chunks``, ``grid_slots`` (the plan's
+    """``(row indices of each chunk, on the CPU, info)`` of a :class:`LogprobBatch` or its
+    :class:`.facts.GroupFacts`; info: ``groups``, ``chunks``, ``grid_slots`` (the plan's
     token slots), ``single_grid_slots`` (one grid), ``repeated_slots`` (``N x (P + S)``, what the
     reference pads to). One chunk when splitting does not pay for its extra forwards."""
-    device = batch.group_index.device
     row_group, rows, p, s = group_sizes(batch)
     b, n = rows.numel(), row_group.numel()
     single = float(b * (int(p.max()) + int(rows.max()) * int(s.max()))) if b else 0.0
@@ -135,7 +104,7 @@ def chunk_plan(
         "single_grid_slots": single,
         "repeated_slots": float(n * (int(p.max()) + int(s.max()))) if b else 0.0,
     }
-    everything = [torch.arange(n, device=device)]
+    everything = [torch.arange(n)]
     if max_chunks <= 1 or b <= 1 or b > MAX_PLANNED_GROUPS:
         return everything, info
     order = torch.argsort(s * (int(rows.max()) + 1) + rows, descending=True, stable=True)
@@ -160,8 +129,19 @@ def chunk_plan(
     for c, (i, j) in enumerate(reversed(bounds)):
         group_chunk[order[i : j + 1]] = c
     row_chunk = group_chunk[row_group]
-    chunks = [torch.nonzero(row_chunk == c).squeeze(1).to(device) for c in range(k + 1)]
+    chunks = [torch.nonzero(row_chunk == c).squeeze(1) for c in range(k + 1)]
     info.update({PLAN_CHUNKS: k + 1, PLAN_GRID_SLOTS: float(best[k][-1])})
+    return chunks, info
+
+
+def one_grid_per_group(batch: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """:func:`chunk_plan`'s result with every group its own grid: ``sum(P + rows x longest)`` slots,
+    for sub-groups of :func:`split_long_tails` at most the rows packed."""
+    f = facts_of(batch)
+    _, info = chunk_plan(f, 0, 1)
+    chunks = [torch.nonzero(f.row_group == g).squeeze(1) for g in range(int(f.rows.numel()))]
+    slots = float((f.prompt + f.rows * f.longest).sum())
+    info.update({PLAN_CHUNKS: len(chunks), PLAN_GRID_SLOTS: slots})
     return chunks, info
 
 

@@ -149,31 +149,28 @@ def _compact_prompts(batch: LogprobBatch, pm: torch.Tensor, pp: int, pad_token_i
     return prompts
 
 
-def _assign_slots(
-    batch: LogprobBatch, prompts: torch.Tensor, plen_row: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(row_group, row_slot, rep, sizes)``: grid row and slot of each batch row, the first row of
-    each group (its prompt is the group's prefix) and each group's size. Groups in ascending
-    ``group_index`` order; slots in order of appearance (stable). Refuses a group whose rows carry
-    different prompts (one prefix per grid row)."""
-    n = prompts.shape[0]
-    device = prompts.device
+def group_rows(
+    batch: LogprobBatch, pm: torch.Tensor, plen_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row_group, order, starts, rep, sizes)``: each row's group (ascending ``group_index``), the
+    rows in group order (stable: slots in order of appearance), where each group starts in that order,
+    its first row (whose prompt is the group's prefix) and its size. Refuses a group whose rows carry
+    different prompts (one prefix per group); both layouts build on this."""
     uniq, row_group = torch.unique(batch.group_index, return_inverse=True)
     b = int(uniq.numel())
     order = torch.sort(row_group, stable=True).indices
     sizes = torch.bincount(row_group, minlength=b)
     starts = sizes.cumsum(0) - sizes
-    row_slot = torch.empty_like(row_group)
-    row_slot[order] = torch.arange(n, device=device) - starts[row_group[order]]
     rep = order[starts]
-    same = (prompts == prompts[rep[row_group]]).all(-1) & (plen_row == plen_row[rep[row_group]])
+    first = rep[row_group]
+    same = (plen_row == plen_row[first]) & ((batch.prompt_ids == batch.prompt_ids[first]) | ~pm).all(-1)
     if not bool(same.all()):
         r = int((~same).nonzero()[0])
         raise GRPOPartsError(
-            f"LogprobBatch.group_index: rows {int(rep[row_group[r]])} and {r} share group_index "
+            f"LogprobBatch.group_index: rows {int(first[r])} and {r} share group_index "
             f"{int(batch.group_index[r])} but carry different prompts; expected one prompt per group"
         )
-    return row_group, row_slot, rep, sizes
+    return row_group, order, starts, rep, sizes
 
 
 def _kept_columns(
@@ -216,7 +213,9 @@ def build_grouped_inputs(
     check_context(plen_row, clen, max_positions)
     pp = int(plen_row.max())
     prompts = _compact_prompts(batch, pm, pp, pad_token_id)
-    row_group, row_slot, rep, sizes = _assign_slots(batch, prompts, plen_row)
+    row_group, order, starts, rep, sizes = group_rows(batch, pm, plen_row)
+    row_slot = torch.empty_like(row_group)
+    row_slot[order] = torch.arange(n, device=device) - starts[row_group[order]]
     b = int(sizes.numel())
     g, s = int(sizes.max()), int(clen.max())
     plen = plen_row[rep]  # [B]

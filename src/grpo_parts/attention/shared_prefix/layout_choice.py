@@ -15,9 +15,7 @@ from typing import Any
 import torch
 
 from ...compat import config_values
-from ..protocol import LogprobBatch
-from .chunking import group_sizes
-from .padding_free import padding_free_tokens
+from .facts import facts_of
 
 
 @dataclass(frozen=True)
@@ -33,38 +31,38 @@ class LayoutCost:
         return self.tokens + score_weight * self.scores
 
 
-def grid_cost(
-    batch: LogprobBatch, chunks: list[torch.Tensor], tokens: float, eager: bool = False
-) -> LayoutCost:
-    """The grid plan's cost: ``tokens`` (its slots) and, per grid of ``B`` groups, prompt ``Pp``,
+def grid_cost(batch: Any, chunks: list[torch.Tensor], tokens: float, eager: bool = False) -> LayoutCost:
+    """The grid plan's cost (``batch``: a :class:`LogprobBatch` or its :class:`.facts.GroupFacts`;
+    ``chunks``: row indices of each grid): ``tokens`` (its slots) and, per grid of ``B`` groups, prompt ``Pp``,
     group ``G``, completion ``S``: ``B (Pp^2/2 + G S Pp + G S^2/2)`` cascade scores (``eager``:
     ``B (Pp^2 + G S Pp + G S^2)``, whole squares)."""
     half = 1.0 if eager else 0.5
+    facts = facts_of(batch)
     scores = 0.0
     for c in chunks:
-        _, rows, p, s = group_sizes(batch.select(c))
-        if rows.numel():
-            pp, g, sl = float(p.max()), float(rows.max()), float(s.max())
-            scores += rows.numel() * (half * pp * pp + g * sl * pp + half * g * sl * sl)
+        f = facts.select(c.cpu())
+        if f.rows.numel():
+            pp, g, sl = float(f.prompt.max()), float(f.rows.max()), float(f.longest.max())
+            scores += f.rows.numel() * (half * pp * pp + g * sl * pp + half * g * sl * sl)
     return LayoutCost(tokens, scores)
 
 
-def padding_free_cost(batch: LogprobBatch, dense: bool, eager: bool = False) -> LayoutCost:
+def padding_free_cost(batch: Any, dense: bool, eager: bool = False) -> LayoutCost:
     """The padding-free layout's cost: :func:`padding_free_tokens` and, per group span of prompt
     ``P`` and completions ``S_j``, ``(P + sum S_j)^2`` scores with a ``dense`` mask (masked eager or
     SDPA), ``P^2/2 + sum_j S_j (P + S_j/2)`` (the varlen cascade, flex's block mask) or, ``eager``,
     ``P^2 + sum_j S_j (P + S_j)`` (:mod:`.varlen_eager`: whole squares; bucket padding not counted,
     as for the cascade)."""
-    row_group, _, p, _ = group_sizes(batch)
-    clen = batch.completion_mask.detach().cpu().double().sum(-1)
-    total = torch.zeros(p.numel(), dtype=torch.float64).index_add(0, row_group, clen)
-    pf = p.double()
+    f = facts_of(batch)
+    clen = f.completion.double()
+    total = torch.zeros(f.prompt.numel(), dtype=torch.float64).index_add(0, f.row_group, clen)
+    pf = f.prompt.double()
     if dense:
         scores = float(((pf + total) ** 2).sum())
     else:
         half = 1.0 if eager else 0.5
         scores = float((half * pf * pf + pf * total).sum() + (half * clen * clen).sum())
-    return LayoutCost(float(padding_free_tokens(batch)), scores)
+    return LayoutCost(float(f.padding_free_tokens), scores)
 
 
 def _ints(config: Any, key: str, layers: int) -> list[int | None]:
@@ -156,18 +154,21 @@ def choose_layout(
 
 
 def auto_costs(
-    batch: LogprobBatch,
+    grid: Any,
     chunks: list[torch.Tensor],
     grid_slots: float,
+    free: Any,
     config: Any,
     kernel: str,
     varlen: bool,
 ) -> tuple[LayoutCost, LayoutCost, float]:
-    """``(grid, padding-free, weight)`` for :func:`choose_layout`: the padding-free attention is
-    dense with ``varlen=False`` (masked eager or SDPA); ``eager`` computes whole squares."""
+    """``(grid, padding-free, weight)`` for :func:`choose_layout`, from the :class:`.facts.GroupFacts`
+    each layout would share prefixes over (``grid``'s may be sub-groups of ``free``'s): the
+    padding-free attention is dense with ``varlen=False`` (masked eager or SDPA); ``eager``
+    computes whole squares."""
     dense, eager = kernel in ("eager", "sdpa") and not varlen, kernel == "eager"
     return (
-        grid_cost(batch, chunks, grid_slots, eager),
-        padding_free_cost(batch, dense, eager),
+        grid_cost(grid, chunks, grid_slots, eager),
+        padding_free_cost(free, dense, eager),
         score_weight(config),
     )

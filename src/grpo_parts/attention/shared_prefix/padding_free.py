@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from ..protocol import LogprobBatch
-from .layout import GroupedInputs, Receipts, check_masks
+from .facts import GroupFacts
+from .layout import GroupedInputs, Receipts, check_context, check_masks, group_rows
 
 #: the layouts by name, in the order ``layout="auto"`` prefers them on a tie (:mod:`.layout_choice`)
 LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
@@ -77,38 +78,7 @@ class PaddingFreeLayout:
 def padding_free_tokens(batch: LogprobBatch) -> int:
     """Tokens of the padding-free layout of ``batch``: each group's prompt once plus every completion
     token (without the padding column :func:`build_padding_free_inputs` may add)."""
-    plen = batch.prompt_mask.long().sum(-1)
-    _, row_group = torch.unique(batch.group_index, return_inverse=True)
-    first = torch.zeros(int(row_group.max()) + 1, dtype=plen.dtype, device=plen.device)
-    first = first.scatter_reduce(0, row_group, plen, "amax", include_self=False)
-    return int(first.sum() + batch.completion_mask.long().sum())
-
-
-def _group_rows(
-    batch: LogprobBatch, pm: torch.Tensor, plen_row: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(row_group, order, starts, rep)``: each row's group (ascending ``group_index``), the rows
-    in group order (stable), where each group starts in that order and its first row (whose prompt
-    is the group's prefix). Refuses a group whose rows carry different prompts."""
-    uniq, row_group = torch.unique(batch.group_index, return_inverse=True)
-    b = int(uniq.numel())
-    order = torch.sort(row_group, stable=True).indices
-    sizes = torch.bincount(row_group, minlength=b)
-    starts = sizes.cumsum(0) - sizes
-    rep = order[starts]
-    plen = plen_row[rep]
-    same = (plen_row == plen[row_group]) & ((batch.prompt_ids == batch.prompt_ids[rep[row_group]]) | ~pm).all(
-        -1
-    )
-    if not bool(same.all()):
-        from ...errors import GRPOPartsError
-
-        r = int((~same).nonzero()[0])
-        raise GRPOPartsError(
-            f"LogprobBatch.group_index: rows {int(rep[row_group[r]])} and {r} share group_index "
-            f"{int(batch.group_index[r])} but carry different prompts; expected one prompt per group"
-        )
-    return row_group, order, starts, rep
+    return GroupFacts.of(batch).padding_free_tokens
 
 
 def _span_offsets(
@@ -169,14 +139,12 @@ def build_padding_free_inputs(
 ) -> GroupedInputs:
     """``batch`` (rows in any order) in the padding-free layout, with the same index maps as
     :func:`.layout.build_grouped_inputs` (so :func:`.layout.ungroup_logits` un-groups it)."""
-    from .layout import check_context
-
     pm, cm = check_masks(batch)
     dev = batch.prompt_ids.device
     n = batch.prompt_ids.shape[0]
     plen_row, clen = pm.sum(-1), cm.sum(-1)
     check_context(plen_row, clen, max_positions)
-    row_group, order, starts, rep = _group_rows(batch, pm, plen_row)
+    row_group, order, starts, rep, _ = group_rows(batch, pm, plen_row)
     b = int(rep.numel())
     plen = plen_row[rep]
     gtot, gstart, row_off = _span_offsets(plen, clen, row_group, order, starts)

@@ -1,0 +1,85 @@
+"""The facts of a batch that every planning decision reads, read from the device once.
+
+:class:`GroupFacts` holds per-row and per-group lengths on the CPU; the grid split
+(:mod:`.chunking`), the layout costs (:mod:`.layout_choice`) and the plan (:mod:`.plan`) read them
+instead of the batch's tensors, so a call syncs with the device once however many decisions it makes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..protocol import LogprobBatch
+
+__all__ = ["GroupFacts", "facts_of"]
+
+
+@dataclass(frozen=True)
+class GroupFacts:
+    """What planning reads from a batch, on the CPU: ``row_group: [N]`` (groups numbered ``0..B-1``
+    in ascending ``group_index``), ``prompt_row, completion: [N]`` (real tokens of each row), and per
+    group ``rows, prompt, longest: [B]`` (its rows, its prompt length, its longest completion)."""
+
+    row_group: torch.Tensor
+    prompt_row: torch.Tensor
+    completion: torch.Tensor
+    rows: torch.Tensor
+    prompt: torch.Tensor
+    longest: torch.Tensor
+
+    @staticmethod
+    def of(batch: LogprobBatch) -> GroupFacts:
+        """The facts of ``batch`` in one device-to-host copy."""
+        cols = torch.stack(
+            [
+                batch.group_index.long(),
+                batch.prompt_mask.long().sum(-1),
+                batch.completion_mask.long().sum(-1),
+            ]
+        ).cpu()
+        return GroupFacts.from_rows(cols[0], cols[1], cols[2])
+
+    @staticmethod
+    def from_rows(
+        group_index: torch.Tensor, prompt_row: torch.Tensor, completion: torch.Tensor
+    ) -> GroupFacts:
+        """Facts from per-row CPU tensors ``[N]``."""
+        _, row_group = torch.unique(group_index, return_inverse=True)
+        b = int(row_group.max()) + 1 if row_group.numel() else 0
+        zeros = torch.zeros(b, dtype=torch.long)
+        return GroupFacts(
+            row_group,
+            prompt_row,
+            completion,
+            torch.bincount(row_group, minlength=b),
+            zeros.scatter_reduce(0, row_group, prompt_row, "amax"),
+            zeros.scatter_reduce(0, row_group, completion, "amax"),
+        )
+
+    def select(self, rows: torch.Tensor) -> GroupFacts:
+        """The facts of the rows ``rows`` (CPU indices), without touching the device."""
+        return GroupFacts.from_rows(self.row_group[rows], self.prompt_row[rows], self.completion[rows])
+
+    @property
+    def packed_tokens(self) -> int:
+        """Every row's prompt and completion back to back (what a packed forward runs)."""
+        return int(self.prompt_row.sum() + self.completion.sum())
+
+    @property
+    def padding_free_tokens(self) -> int:
+        """Each group's prompt once plus every completion token (the padding-free layout, without
+        the one padding column it may add)."""
+        return int(self.prompt.sum() + self.completion.sum())
+
+    @property
+    def max_span(self) -> int:
+        """The longest row, prompt plus completion (the reference's largest position id + 1)."""
+        return int((self.prompt_row + self.completion).max()) if self.completion.numel() else 0
+
+
+def facts_of(batch: Any) -> GroupFacts:
+    """``batch``'s :class:`GroupFacts` (a :class:`LogprobBatch` is read once; facts pass through)."""
+    return GroupFacts.of(batch) if isinstance(batch, LogprobBatch) else batch

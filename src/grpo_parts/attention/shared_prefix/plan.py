@@ -1,0 +1,183 @@
+"""One plan per shared-prefix call: every decision about a batch, made once, before any forward.
+
+A call of :meth:`~.backend.SharedPrefixAttention.completion_logprobs` reads **check -> plan -> run
+-> merge**. :func:`make_plan` is the plan: one host sync over the batch (:meth:`GroupFacts.of`)
+gives the group facts every decision reads, and one frozen :class:`Plan` holds
+
+* the kernel and why (chosen by the backend from the model, before the plan);
+* the layout and why (:mod:`.layout_choice`: grid or padding-free by estimated cost);
+* the model calls: the rows of each grid (:mod:`.chunking`), and the *empty calls* that make every
+  rank run as many model calls as the rank that runs the most (:meth:`Plan.agreed`);
+* the token count of each layout, and what the call logs (:meth:`Plan.info`).
+
+The run (:mod:`.run`) executes a plan and decides nothing. Adapters that must agree with other
+ranks on more than the call count (verl's engine hook and OpenRLHF's actor also agree on falling back
+to the framework's own forward) ask for a plan without agreement, make their one all-reduce, and
+call :meth:`Plan.agreed` with the result; no planner lives outside this package.
+
+``packed=True`` is for callers that run packed rows today (verl's remove-padding micro-batches,
+OpenRLHF's ``packing_samples``): the grid then cuts each group into sub-groups of similar
+completion length (:func:`.chunking.split_long_tails`) and, where its grids would still hold more
+tokens than the packed rows, splits them with no per-forward overhead, up to one grid per
+sub-group -- so ``Plan.tokens`` never exceeds the packed tokens (``max_chunks`` gives way to that
+bound, as verl's remove-padding and OpenRLHF's packed forwards promise it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ...wrappers import ranks_of
+from ..protocol import PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch
+from .chunking import agree_on_calls, chunk_plan, one_grid_per_group, split_long_tails
+from .facts import GroupFacts
+from .layout_choice import auto_costs, choose_layout
+
+__all__ = ["GroupFacts", "Plan", "PlanSettings", "make_plan"]  # GroupFacts: from .facts
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The backend's settings a plan reads: the requested ``layout``, the padding-free ``varlen``
+    kernels, grid splitting (``max_chunks``, ``chunk_overhead_tokens``, :mod:`.chunking`), the grid
+    ``sdpa`` kernel's ``chunk_elems`` / ``suffix_flash_min`` and the model's context
+    (``max_positions``, None when it has none) and text ``config`` (score weights)."""
+
+    kernel: str
+    kernel_why: str
+    layout: str
+    varlen: bool
+    max_chunks: int
+    chunk_overhead_tokens: int
+    chunk_elems: int
+    suffix_flash_min: int
+    max_positions: int | None
+    config: Any
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call runs. ``calls``: the row indices ``[n_i]`` of each model call, on the batch's
+    device (one call for a padding-free layout); ``empty_calls``: the calls run only to match other
+    ranks; ``group_index: [N]`` the groups the layout shares a prefix over (sub-groups of the
+    batch's groups with ``packed=True``), ``facts`` theirs. Token counts: ``grid_slots`` (the grids'
+    slots), ``single_grid_slots`` (one grid), ``repeated_slots`` (``N x (P + S)``, the reference),
+    ``padding_free_tokens`` and ``packed_tokens``."""
+
+    settings: PlanSettings
+    layout: str
+    layout_why: str
+    calls: tuple[torch.Tensor, ...]
+    empty_calls: int
+    group_index: torch.Tensor
+    facts: GroupFacts
+    grid_slots: float
+    single_grid_slots: float
+    repeated_slots: float
+    padding_free_tokens: int
+    packed_tokens: int
+
+    @property
+    def kernel(self) -> str:
+        return self.settings.kernel
+
+    @property
+    def model_calls(self) -> int:
+        return len(self.calls) + self.empty_calls
+
+    @property
+    def tokens(self) -> float:
+        """Tokens the model runs on for this plan's layout (without empty calls)."""
+        return float(self.padding_free_tokens) if self.layout == "padding_free" else self.grid_slots
+
+    def agreed(self, calls: int) -> Plan:
+        """This plan making ``calls`` model calls (what the ranks agreed on, at least
+        :attr:`model_calls` without empty calls): a grid re-plans with up to that many grids at no
+        overhead (the calls run anyway), and the rest are empty calls; a padding-free call is not
+        split."""
+        if calls <= len(self.calls) or self.layout != "grid":
+            return replace(self, empty_calls=max(0, calls - len(self.calls)))
+        chunks, info = chunk_plan(self.facts, 0, calls)
+        device = self.group_index.device
+        return replace(
+            self,
+            calls=tuple(c.to(device) for c in chunks),
+            empty_calls=calls - len(chunks),
+            grid_slots=info[PLAN_GRID_SLOTS],
+        )
+
+    def info(self) -> dict[str, Any]:
+        """What the backend's ``last_plan`` says about this call (keys ``PLAN_*`` and more)."""
+        s = self.settings
+        return {
+            "groups": int(self.facts.rows.numel()),
+            PLAN_CHUNKS: len(self.calls),
+            PLAN_GRID_SLOTS: self.grid_slots,
+            "single_grid_slots": self.single_grid_slots,
+            "repeated_slots": self.repeated_slots,
+            "model_calls": self.model_calls,
+            "empty_calls": self.empty_calls,
+            "kernel": s.kernel,
+            "kernel_choice": s.kernel_why,
+            "layout": self.layout,
+            "layout_choice": self.layout_why,
+            "padding_free_tokens": self.padding_free_tokens,
+            "packed_tokens": self.packed_tokens,
+        }
+
+
+def _grid(facts: GroupFacts, s: PlanSettings, packed: bool) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """The grids of ``facts``; ``packed``: where they would hold more tokens than the packed rows,
+    split further with no per-forward overhead, and failing that one grid per (sub-)group -- each at
+    most its rows packed (:func:`.chunking.split_long_tails`), so the plan never exceeds them."""
+    chunks, info = chunk_plan(facts, s.chunk_overhead_tokens, s.max_chunks)
+    if packed and info[PLAN_GRID_SLOTS] > facts.packed_tokens:
+        chunks, info = chunk_plan(facts, 0, s.max_chunks)
+    if packed and info[PLAN_GRID_SLOTS] > facts.packed_tokens:
+        chunks, info = one_grid_per_group(facts)
+    return chunks, info
+
+
+def make_plan(
+    batch: LogprobBatch,
+    settings: PlanSettings,
+    *,
+    packed: bool = False,
+    agree: bool = True,
+    rank_group: Any = None,
+) -> Plan:
+    """The plan of ``batch`` (see the module docstring). ``agree``: with several processes in
+    ``rank_group`` (None: all), one all-reduce makes the model calls equal on every rank."""
+    device = batch.group_index.device
+    facts = GroupFacts.of(batch)  # the only host sync
+    grid_facts, group_index = facts, batch.group_index
+    if packed:
+        split = split_long_tails(facts.row_group, facts.prompt_row, facts.completion)
+        grid_facts, group_index = facts.from_rows(split, facts.prompt_row, facts.completion), split.to(device)
+    chunks, info = _grid(grid_facts, settings, packed)
+    grid, free, weight = auto_costs(
+        grid_facts, chunks, info[PLAN_GRID_SLOTS], facts, settings.config, settings.kernel, settings.varlen
+    )
+    layout, why = choose_layout(settings.layout, grid, free, weight)
+    if layout == "padding_free":  # one call over the batch's own groups
+        chunks, grid_facts, group_index = [torch.arange(facts.row_group.numel())], facts, batch.group_index
+    plan = Plan(
+        settings,
+        layout,
+        why,
+        tuple(c.to(device) for c in chunks),
+        0,
+        group_index,
+        grid_facts,
+        info[PLAN_GRID_SLOTS],
+        info["single_grid_slots"],
+        info["repeated_slots"],
+        facts.padding_free_tokens,
+        facts.packed_tokens,
+    )
+    if agree and ranks_of(rank_group) > 1:
+        plan = plan.agreed(agree_on_calls(plan.model_calls, rank_group, device))
+    return plan
