@@ -1,10 +1,10 @@
 """The prompt-skipping seam of :class:`~.trainer.GRPOPartsTrainer` (``prompt_skip="history"``): a
-TRL generation batch's prompts are drawn through a :class:`~grpo_parts.filter.skip_protocol.PromptSkipper`
+TRL generation batch's prompts are drawn through a :class:`~grpo_parts.skip.protocol.PromptSkipper`
 before TRL generates, so prompts whose recent groups all had equal rewards are rolled out less often.
 
 **A batch.** TRL hands ``_generate_and_score_completions`` its generation batch: ``n`` prompts, each
-repeated ``num_generations`` times in a row. Their ids (:func:`~grpo_parts.filter.skip_protocol.prompt_key`
-of the prompt) go first into a :class:`~grpo_parts.filter.skip_draw.PromptDraw`, followed by a seeded
+repeated ``num_generations`` times in a row. Their ids (:func:`~grpo_parts.skip.protocol.prompt_key`
+of the prompt) go first into a :class:`~grpo_parts.skip.draw.PromptDraw`, followed by a seeded
 stream over ``train_dataset`` (``args.seed + 1``, independent of TRL's dataloader): the draw takes
 prompts while their inclusion probabilities fit ``n`` (so TRL's ``n`` prompts always, plus as many of
 the stream's as the skipped ones leave room for), keeps exactly ``n`` of them (systematic sampling),
@@ -16,7 +16,7 @@ micro-batches are untouched.
 this scales the row's whole loss term). With the losses TRL normalises by each micro-batch's row
 count (``grpo``, ``sapo``, ``dr_grpo``, ``luspo``) that makes every optimizer step's expectation the
 drawn batch's loss: the normaliser is the drawn prompts' ``drawn x G`` rows, fixed before the draw
-(the proof over every outcome: tests/filter/test_prompt_skip.py). A weighted completion filter
+(the proof over every outcome: tests/skip/test_prompt_skip.py). A weighted completion filter
 (``dppo``) multiplies its own ``1 / p`` in. What cannot stay unbiased is refused at construction
 (:func:`skip_config_reasons`).
 
@@ -42,8 +42,8 @@ import torch
 from grpo_parts.build import build_prompt_skipper
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
-from grpo_parts.filter.skip_draw import PromptDraw
-from grpo_parts.filter.skip_protocol import PromptId, PromptSkipper, prompt_key, skips
+from grpo_parts.skip.draw import PromptDraw
+from grpo_parts.skip.protocol import PromptId, PromptSkipper, prompt_key, skips
 
 from .checkpoint import StateSeam
 from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions, draw_dependent, unscaled_terms

@@ -38,9 +38,10 @@ from .attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from .attention import AttentionBackend, get_attention_class
 from .draft import DraftModel, get_draft_class
 from .errors import GRPOPartsError, NotSupportedError
-from .filter import CompletionFilter, PromptSkipper, get_filter_class, get_skipper_class
+from .filter import CompletionFilter, get_filter_class
 from .registry import Choice, PartClass, choose
 from .sampler import Sampler, get_sampler_class
+from .skip import PromptSkipper, get_skipper_class
 
 log = logging.getLogger("grpo_parts.build")
 
@@ -327,7 +328,7 @@ def build_prompt_skipper(
     kwargs: Mapping[str, Any] | None = None,
     where: str = "prompt_skip_kwargs",
 ) -> PromptSkipper:
-    """The prompt skipper ``spec`` names in ``grpo_parts.filter.SKIPPERS`` (an instance as is):
+    """The prompt skipper ``spec`` names in ``grpo_parts.skip.SKIPPERS`` (an instance as is):
     ``none`` (roll out every prompt) or ``history`` (skip zero-variance streaks, weights ``1 / p``)."""
     if not isinstance(spec, str):
         _no_kwargs("prompt_skip", kwargs, where)

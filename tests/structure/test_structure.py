@@ -65,6 +65,12 @@ def test_product_never_imports_the_test_oracles() -> None:
             ["SharedPrefixAttention", "KERNEL_NAME", "register_attention"],
         ),
         ("grpo_parts.decoding", ["SamplingParams", "sampling_probs", "compact_cache", "tree_ancestors"]),
+        ("grpo_parts.filter.skip_protocol", ["PromptSkipper", "prompt_skip_reasons", "prompt_key"]),
+        ("grpo_parts.filter.skip_history", ["HistorySkipper"]),
+        ("grpo_parts.filter.skip_draw", ["PromptDraw", "lattice_sample", "probabilities_for_target"]),
+        ("grpo_parts.filter.reference", ["KeepAll", "KeepEveryPrompt"]),
+        ("grpo_parts.filter", ["SKIPPERS", "get_skipper_class", "PromptSkipper"]),
+        ("grpo_parts.filter.dppo", ["inclusion_probabilities", "systematic_sample"]),
     ],
 )
 def test_old_import_paths_still_work(module: str, names: list[str]) -> None:
@@ -89,3 +95,33 @@ def test_decoding_all_is_honest() -> None:
         if t == "grpo_parts.decoding" and imp
     }
     assert used <= set(d.__all__), used - set(d.__all__)
+
+
+def test_tests_mirror_the_source_tree() -> None:
+    """Every subpackage of ``grpo_parts`` (and every adapter) has its tests in the same place under
+    tests/ (docs/index.md, "Architecture")."""
+    from structure import ROOT
+
+    src = ROOT / "src" / "grpo_parts"
+    packages = sorted(p.name for p in src.iterdir() if (p / "__init__.py").is_file())
+    missing = [f"tests/{p}/" for p in packages if not (ROOT / "tests" / p).is_dir()]
+    adapters = sorted(p.name for p in (ROOT / "adapters").iterdir() if (p / "__init__.py").is_file())
+    missing += [f"tests/adapters/{a}/" for a in adapters if not (ROOT / "tests" / "adapters" / a).is_dir()]
+    assert not missing, missing
+
+
+def test_no_planner_outside_the_backend_package() -> None:
+    """A shared-prefix call is planned in grpo_parts.attention.shared_prefix only: no module under
+    adapters/ calls the grid planner or defines a plan of its own (issue #43)."""
+    import ast
+
+    planners = {"chunk_plan", "split_long_tails", "make_plan", "choose_layout", "auto_costs"}
+    found = []
+    for name, mod in modules().items():
+        if not name.startswith("grpo_parts_adapters"):
+            continue
+        for node in ast.walk(mod.tree):
+            called = isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", ""))
+            if called in planners or (isinstance(node, ast.ClassDef) and node.name.endswith("Plan")):
+                found.append(f"{name}:{node.lineno}")
+    assert not found, found

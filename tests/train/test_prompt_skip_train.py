@@ -14,8 +14,8 @@ import yaml
 
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.allocation import FilledBatch
-from grpo_parts.filter.skip_draw import PromptDraw
-from grpo_parts.filter.skip_history import HistorySkipper
+from grpo_parts.skip.draw import PromptDraw
+from grpo_parts.skip.history import HistorySkipper
 from grpo_parts.train.checkpoint import load_checkpoint
 from grpo_parts.train.config import SKIP_DEFAULT_AGG, load_config
 from grpo_parts.train.minibatches import LossChunk
@@ -80,7 +80,7 @@ def test_config_names_and_defaults() -> None:
 def test_skip_chunks_weigh_rows_by_their_prompt_and_normalise_by_the_drawn() -> None:
     """2 rolled-out prompts (of 5 drawn) x 2 rows; one chunk per prompt."""
     draw = PromptDraw(HistorySkipper(), iter([]), key=lambda x: x)
-    from grpo_parts.filter.skip_draw import SkipRound
+    from grpo_parts.skip.draw import SkipRound
 
     draw.rounds.append(SkipRound([7, 9], torch.tensor([2.0, 4.0], dtype=torch.float64), 5, [6, 8, 10]))
     mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])

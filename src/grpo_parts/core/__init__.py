@@ -12,7 +12,7 @@ Everything here is differentiable where it should be (the loss w.r.t. ``logps`` 
 and never produces NaN for well-formed input: a zero-variance group gets advantage exactly 0.
 Each option reproduces one framework setting (verl 0.9.1 ``core_algos`` / ``rollout_corr_helper``,
 TRL 1.16 ``GRPOTrainer._compute_loss``, OpenRLHF 0.11.2 ``PolicyLoss`` and experience maker);
-docs/core_maths.md maps them, tests/test_core_agreement*.py and tests/test_core_variants.py and
+docs/core_maths.md maps them, tests/core/test_core_agreement*.py and tests/core/test_core_variants.py and
 tests/adapters/openrlhf/test_core_agreement_openrlhf.py check them against the frameworks' code.
 Submodules: :mod:`.config`, :mod:`.advantages`, :mod:`.policy`, :mod:`.losses`, :mod:`.kl`,
 :mod:`.correction`, :mod:`.logprobs`.

@@ -1,11 +1,13 @@
-"""Completion filters. Select by name with :func:`get_filter_class`; prompt skippers (before
-rollout) with :func:`get_skipper_class`."""
+"""Completion filters (after rollout, before the update). Select by name with
+:func:`get_filter_class`. Prompt skippers (before rollout) are :mod:`grpo_parts.skip`."""
 
 from __future__ import annotations
 
 from ..registry import PartClass, load_class
+
+# prompt skippers: grpo_parts.skip (their registry re-exported here for earlier imports)
+from ..skip import SKIPPERS, PromptSkipper, get_skipper_class
 from .protocol import CompletionFilter, FilterResult, ScoredBatch
-from .skip_protocol import PromptSkipper
 
 IMPLEMENTATIONS: dict[str, str] = {
     "keep_all": "grpo_parts.filter.reference:KeepAll",
@@ -15,21 +17,11 @@ IMPLEMENTATIONS: dict[str, str] = {
     "dppo": "grpo_parts.filter.dppo:DPPOFilter",
 }
 AUTO_PRIORITY: tuple[str, ...] = ("keep_all",)
-#: prompt skippers (:class:`~.skip_protocol.PromptSkipper`), the trainer's ``parts.prompt_skip``
-SKIPPERS: dict[str, str] = {
-    "none": "grpo_parts.filter.reference:KeepEveryPrompt",
-    "history": "grpo_parts.filter.skip_history:HistorySkipper",
-}
 
 
 def get_filter_class(name: str) -> PartClass[CompletionFilter]:
     """The class registered as ``name`` (imported on first use); build it with :mod:`grpo_parts.build`."""
     return load_class(IMPLEMENTATIONS, name, "filter")
-
-
-def get_skipper_class(name: str) -> PartClass[PromptSkipper]:
-    """The prompt skipper registered as ``name`` in :data:`SKIPPERS` (imported on first use)."""
-    return load_class(SKIPPERS, name, "prompt_skip")
 
 
 __all__ = [

@@ -37,10 +37,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core import AdvantageConfig, group_advantages, kl_shaped_rewards
 from ..errors import GRPOPartsError, check_tensor
+from ..skip.protocol import DrawsPrompts
 from ..types import Rollout
 from ._common import extra_prompts, num_groups_present, priority_order
 from .protocol import KEPT_FRACTION, CompletionFilter, ScoredBatch
-from .skip_protocol import DrawsPrompts
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -213,7 +213,7 @@ def group_counts(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Tenso
 
 def _take(prompts: Iterator[P], n: int) -> list[P]:
     """Up to ``n`` prompts from the stream (fewer when it runs out); a stream that draws a round at
-    once (a prompt skipper's :class:`~.skip_draw.PromptDraw`) hands out its round."""
+    once (a prompt skipper's :class:`~grpo_parts.skip.draw.PromptDraw`) hands out its round."""
     if isinstance(prompts, DrawsPrompts):
         return list(prompts.take(n))
     batch: list[P] = []

@@ -22,10 +22,9 @@ refuses that combination; set ``drop_zero_advantage=False`` to give those rows t
 Zero-ness is read from the advantages, not the rewards: REINFORCE++-baseline's batch whitening gives
 a zero-variance group a non-zero advantage, and that row does carry gradient.
 
-``sampling``: ``"systematic"`` (default) keeps exactly ``sum p`` rows (systematic PPS sampling in a
-random order: a row of probability ``p_i`` covers an interval of length ``p_i`` on ``[0, K)``, and
-the points ``U, U + 1, ..., U + K - 1`` with one uniform ``U`` pick the rows; each row is picked
-with probability exactly ``p_i``); ``"bernoulli"`` keeps each row independently (the kept count
+``sampling``: ``"systematic"`` (default) keeps exactly ``sum p`` rows
+(:func:`grpo_parts.core.inclusion.systematic_sample`, the one sampler prompt skipping draws with too:
+each row is picked with probability exactly ``p_i``); ``"bernoulli"`` keeps each row independently (the kept count
 varies around ``sum p``). Both have the same marginal probabilities, hence the same unbiasedness.
 
 Randomness comes from the filter's own ``torch.Generator`` seeded by ``seed``; :meth:`state_dict`
@@ -45,76 +44,18 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..core import LossConfig
+from ..core.inclusion import inclusion_probabilities, systematic_sample
 from ..core.unbiased import loss_facts, refusal_reasons
 from ._common import kept_mask_to_rows, num_kept
 from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
 
+# inclusion_probabilities and systematic_sample live in grpo_parts.core.inclusion (prompt skipping
+# draws with them too); re-exported here, where earlier 0.1 commits defined them
 __all__ = ["DPPOFilter", "inclusion_probabilities", "systematic_sample"]
 
 _EPS = 1e-9
 #: the pruning rate when neither ``k`` nor ``pruning_rate`` is given
 _DEFAULT_RATE = 0.5
-
-
-def _solve_scale(a: torch.Tensor, target: float, floor: float) -> float:
-    """The ``t`` with ``f(t) = sum clamp(a * t, floor, 1) = target``, exactly: ``f`` is piecewise linear
-    and non-decreasing in ``t`` with kinks at ``floor / a_i`` and ``1 / a_i``; evaluate it at every
-    kink (sorted ``a`` and prefix sums, ``O(N log N)``), find the piece holding ``target`` and solve
-    the linear equation on it. Needs ``floor * N < target < f(inf)``."""
-    n = int(a.numel())
-    srt = torch.sort(a).values
-    prefix = torch.cat([a.new_zeros(1), torch.cumsum(srt, 0)])
-    pos = srt[srt > 0]
-    kinks = torch.unique(torch.cat([floor / pos, 1.0 / pos]))  # sorted ascending
-    capped_from = torch.searchsorted(srt, 1.0 / kinks, right=False)  # rows >= this index: a * t >= 1
-    floored_to = torch.searchsorted(srt, floor / kinks, right=True)  # rows < this index: a * t <= floor
-    mid_sum = prefix[capped_from] - prefix[floored_to]
-    values = floor * floored_to.to(a.dtype) + kinks * mid_sum + (n - capped_from).to(a.dtype)
-    j = int(torch.searchsorted(values, torch.tensor([target], dtype=values.dtype)))
-    j = min(j, int(kinks.numel()) - 1)
-    t_lo, f_lo = (0.0, floor * n) if j == 0 else (float(kinks[j - 1]), float(values[j - 1]))
-    t_hi, f_hi = float(kinks[j]), float(values[j])
-    return t_hi if f_hi <= f_lo else t_lo + (target - f_lo) * (t_hi - t_lo) / (f_hi - f_lo)
-
-
-def inclusion_probabilities(scores: torch.Tensor, target: float, floor: float) -> torch.Tensor:
-    """``p = clamp(scores * t, floor, 1)`` with ``sum p = target`` (float64, ``[n]``).
-
-    ``scores >= 0``; ``floor * n <= target <= n`` is reachable (a target below ``floor * n`` gives
-    ``floor`` everywhere). When even ``t -> inf`` falls short (rows of score 0 stuck at the floor),
-    the score-0 rows share what is left equally.
-    """
-    a = scores.detach().to(torch.float64).cpu()
-    n = int(a.numel())
-    if n == 0 or target >= n:
-        return torch.ones(n, dtype=torch.float64)
-    if target <= floor * n:
-        return torch.full((n,), floor, dtype=torch.float64)
-    pos = a > 0
-    n_pos = int(pos.sum())
-    if target >= n_pos + floor * (n - n_pos):  # every positive row capped; zeros take the rest
-        p = torch.ones(n, dtype=torch.float64)
-        p[~pos] = min(1.0, (target - n_pos) / (n - n_pos))
-        return p
-    return (a * _solve_scale(a, target, floor)).clamp(floor, 1.0)
-
-
-def systematic_sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``[n]`` bool: systematic PPS sampling of ``p`` (``0 <= p <= 1``) in a random order. Rows with
-    ``p = 1`` are always kept, ``p = 0`` never; the others cover intervals of length ``p_i`` laid end
-    to end on ``[0, K)`` (``K = round(their sum)``), and one uniform ``U`` picks the rows under
-    ``U, U + 1, ..., U + K - 1``: row ``i`` is kept with probability exactly ``p_i``."""
-    keep = p >= 1.0
-    frac = ((p > 0) & ~keep).nonzero().flatten()
-    k = round(float(p[frac].sum()))
-    if k == 0:
-        return keep
-    order = frac[torch.randperm(int(frac.numel()), generator=generator)]
-    edges = torch.cumsum(p[order], 0)
-    points = torch.rand((), generator=generator, dtype=torch.float64) + torch.arange(k, dtype=torch.float64)
-    hit = torch.searchsorted(edges, points, right=True).clamp(max=int(order.numel()) - 1)
-    keep[order[hit]] = True
-    return keep
 
 
 class DPPOFilter(BaseModel):

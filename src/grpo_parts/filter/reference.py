@@ -1,15 +1,12 @@
-"""Reference filter: keep every completion (the standard GRPO path); reference prompt skipper:
-roll out every prompt."""
+"""Reference filter: keep every completion (the standard GRPO path)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from .protocol import KEPT_FRACTION, FilterResult, ScoredBatch
-from .skip_protocol import PromptId, SkipDecision
 
 
 class KeepAll:
@@ -25,36 +22,7 @@ class KeepAll:
         )
 
 
-class KeepEveryPrompt:
-    """Reference prompt skipper (``none``): every drawn prompt is rolled out, weight 1."""
+# the reference prompt skipper lives in grpo_parts.skip.reference; re-exported for earlier imports
+from ..skip.reference import KeepEveryPrompt  # noqa: E402
 
-    name: ClassVar[str] = "none"
-    min_keep_prob: float = 1.0
-
-    def inclusion_probability(self, prompt_id: PromptId) -> float:
-        return 1.0
-
-    def decide(
-        self,
-        prompt_ids: Sequence[PromptId],
-        generator: torch.Generator | None = None,
-        target: float | None = None,
-    ) -> SkipDecision:
-        """Keep them all (``target`` is not used: a stream drawing through this keeps what it draws)."""
-        n = len(prompt_ids)
-        return SkipDecision(torch.arange(n), None, torch.ones(n, dtype=torch.float64))
-
-    def observe(
-        self,
-        prompt_ids: Sequence[PromptId],
-        rewards: torch.Tensor,
-        group_index: torch.Tensor,
-        lengths: torch.Tensor | None = None,
-    ) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
+__all__ = ["KeepAll", "KeepEveryPrompt"]

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..core import AdvantageConfig, LossConfig
 from ..errors import GRPOPartsError
-from ..filter import SKIPPERS
-from ..filter.skip_protocol import prompt_skip_reasons
+from ..skip import SKIPPERS
+from ..skip.protocol import prompt_skip_reasons
 from ..task.arithmetic import ArithmeticConfig
 from ..task.jsonl import DataConfig
 from ..task.reasoning import ReasoningConfig
@@ -52,7 +52,7 @@ class PartsConfig(BaseModel):
     roll out the extra prompts it asks for, up to ``max_refill_rounds`` extra rounds per step.
     ``*_kwargs`` go to the part's constructor. ``prompt_skip``: the stage before rollout that skips
     prompts whose recent groups had zero reward variance (``history``, weights ``1 / p``: unbiased;
-    ``none``: roll out every prompt), from ``grpo_parts.filter.SKIPPERS``.
+    ``none``: roll out every prompt), from ``grpo_parts.skip.SKIPPERS``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -28,9 +28,9 @@ from ..build import (
     takes_draft,
 )
 from ..errors import GRPOPartsError, NotSupportedError
-from ..filter.reference import KeepEveryPrompt
-from ..filter.skip_protocol import PromptSkipper
 from ..sampler import get_sampler_class
+from ..skip.protocol import PromptSkipper
+from ..skip.reference import KeepEveryPrompt
 from .config import REFERENCE_PARTS, PartsConfig
 
 log = logging.getLogger("grpo_parts.train")

@@ -1,7 +1,7 @@
 """The trainer's side of prompt skipping (``parts.prompt_skip``): prompts drawn through a
-:class:`~grpo_parts.filter.skip_draw.PromptDraw`, and the loss chunks re-weighted for them.
+:class:`~grpo_parts.skip.draw.PromptDraw`, and the loss chunks re-weighted for them.
 
-With a skipper that can skip (:func:`~grpo_parts.filter.skip_protocol.skips`), each refill round of
+With a skipper that can skip (:func:`~grpo_parts.skip.protocol.skips`), each refill round of
 the step draws prompts until their inclusion probabilities fill the round, rolls out only the kept
 ones, and the loss of every optimizer step takes
 
@@ -10,7 +10,7 @@ ones, and the loss of every optimizer step takes
 * ``num_seqs``: the sequence count that step would use without skipping, times ``drawn / rolled
   out`` prompts: with every rolled-out row kept (``keep_all``, or ``dppo``'s whole-batch counts)
   that is the drawn prompts' ``drawn x G``, fixed before the draw, which makes the estimate unbiased
-  (tests/filter/test_prompt_skip.py). Token-mean losses are refused by the config (the drawn batch's
+  (tests/skip/test_prompt_skip.py). Token-mean losses are refused by the config (the drawn batch's
   token count is unknown: skipped prompts are never generated).
 
 After the fill the skipper observes every rolled-out group of the step at once (one adaptation per
@@ -28,8 +28,8 @@ import torch
 
 from ..errors import GRPOPartsError
 from ..filter.allocation import FilledBatch
-from ..filter.skip_draw import PromptDraw
-from ..filter.skip_protocol import PromptId, PromptSkipper, prompt_key, skips
+from ..skip.draw import PromptDraw
+from ..skip.protocol import PromptId, PromptSkipper, prompt_key, skips
 from ..task.arithmetic import Problem
 from ..types import Rollout
 from .minibatches import LossChunk
@@ -38,7 +38,7 @@ __all__ = ["observe_step", "problem_key", "skip_chunks", "skipping_stream"]
 
 
 def problem_key(problem: Problem) -> PromptId:
-    """A problem's stable id: :func:`~grpo_parts.filter.skip_protocol.prompt_key` of its prompt text."""
+    """A problem's stable id: :func:`~grpo_parts.skip.protocol.prompt_key` of its prompt text."""
     return prompt_key(problem.prompt)
 
 

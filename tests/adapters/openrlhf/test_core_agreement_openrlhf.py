@@ -30,7 +30,7 @@ from _openrlhf_helpers import openrlhf_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared hypothesis cases
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core"))  # the shared hypothesis cases
 from core_cases import F64, TOL, Case, assert_close, cases, loss_and_grads  # noqa: E402
 
 from grpo_parts.core import (  # noqa: E402

@@ -22,8 +22,8 @@ from grpo_parts_adapters.trl.skipping import row_prompt_key  # noqa: E402
 from transformers import set_seed  # noqa: E402
 
 from grpo_parts.errors import NotSupportedError  # noqa: E402
-from grpo_parts.filter.skip_draw import probabilities_for_target  # noqa: E402
-from grpo_parts.filter.skip_history import HistorySkipper  # noqa: E402
+from grpo_parts.skip.draw import probabilities_for_target  # noqa: E402
+from grpo_parts.skip.history import HistorySkipper  # noqa: E402
 
 PROMPTS = ["a b c", "d e", "f g h i", "j", "k l m", "n o", "p q r s t", "u v"]
 

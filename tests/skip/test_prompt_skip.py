@@ -4,7 +4,7 @@ the drawn batch's, for every allowed aggregation and every per-group advantage e
 
 For 2-4 drawn prompts (each with a zero-variance history drawn by hypothesis, fed to the skipper
 through ``observe``), the skipper reports every prompt's inclusion probability (``decide``); every
-outcome of its sampling design is listed with its exact probability (tests/filter/skip_outcomes.py,
+outcome of its sampling design is listed with its exact probability (tests/skip/skip_outcomes.py,
 independent of the sampler); each outcome is trained the trainer's way -- the kept prompts' rollout
 alone, its own advantages, rows weighted ``1 / p``, ``num_seqs`` = drawn prompts x G -- and
 ``sum_S P(S) * grad_S`` is compared with the drawn batch's gradient at 1e-10 (float64). GRESO-style
@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from skip_outcomes import lattice_outcomes, marginals
 
 from grpo_parts.core import AdvantageConfig, CorrectionConfig, LossConfig, compute_advantages, grpo_loss
-from grpo_parts.filter.skip_draw import lattice_sample
-from grpo_parts.filter.skip_history import HistorySkipper
-from grpo_parts.filter.skip_protocol import prompt_skip_reasons
+from grpo_parts.skip.draw import lattice_sample
+from grpo_parts.skip.history import HistorySkipper
+from grpo_parts.skip.protocol import prompt_skip_reasons
 
 ALLOWED = {
     "grpo": AdvantageConfig(),

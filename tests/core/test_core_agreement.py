@@ -5,7 +5,7 @@ policy log-probs). Tolerances: max abs difference <= 1e-6 in float32 and <= 1e-1
 The one documented exception: verl's ``seq-mean-token-mean`` divides each sequence's token sum by
 ``count + 1e-8`` (we and TRL divide by ``count``), a relative difference of ``1e-8 / count`` that
 float64 resolves; that case is checked against the exact size of that term here, and
-``LossConfig(seq_len_eps=1e-8)`` reproduces it exactly (tests/test_core_variants.py).
+``LossConfig(seq_len_eps=1e-8)`` reproduces it exactly (tests/core/test_core_variants.py).
 
 verl and trl are installed by scripts/ci/install-dev.sh, so these tests run (never skip) in CI.
 """

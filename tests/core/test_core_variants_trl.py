@@ -1,7 +1,7 @@
 """The GRPO variants of grpo_parts.core against TRL 1.16's ``GRPOTrainer._compute_loss``, live, in float64.
 
 ``_compute_loss`` is called unbound on a stand-in carrying only the attributes it reads (as in
-tests/test_core_agreement.py): every ``loss_type`` (``grpo``, ``bnpo``, ``dapo``, ``dr_grpo``,
+tests/core/test_core_agreement.py): every ``loss_type`` (``grpo``, ``bnpo``, ``dapo``, ``dr_grpo``,
 ``cispo`` -- also at TRL's default ``epsilon_high`` (0.2, a cap below 1) and at 0.2, 0.8, 5.0 --,
 ``sapo``), ``importance_sampling_level`` token and sequence (GSPO), ``beta`` with and
 without ``use_bias_correction_kl``, the entropy bonus, and the vLLM importance-sampling ratio.
@@ -13,7 +13,7 @@ TRL computes the vLLM importance-sampling ratio inline in ``_generate_and_score_
 which needs a generation backend, so it cannot be called here: ``_compute_loss`` is fed our
 ``correction_weights`` for each of TRL's four modes (checking how the ratio enters the loss), and
 the weights themselves are checked against the functions that compute the same thing (verl's
-``compute_rollout_correction_weights`` in tests/test_core_variants.py, OpenRLHF's ``PolicyLoss`` in
+``compute_rollout_correction_weights`` in tests/core/test_core_variants.py, OpenRLHF's ``PolicyLoss`` in
 tests/adapters/openrlhf/test_core_agreement_openrlhf.py). TRL is installed by scripts/ci/install-dev.sh,
 so these tests run (never skip) in CI.
 """

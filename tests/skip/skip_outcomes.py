@@ -1,5 +1,5 @@
 """Every outcome of the prompt skipper's sampling design with its exact probability, written
-independently of :func:`grpo_parts.filter.skip_draw.lattice_sample` (which tests/filter/test_prompt_skip.py
+independently of :func:`grpo_parts.skip.draw.lattice_sample` (which tests/skip/test_prompt_skip.py
 checks against it).
 
 The design: the ``D`` drawn prompts in a uniformly random order (each order ``1 / D!``) are intervals

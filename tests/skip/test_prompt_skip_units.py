@@ -11,12 +11,12 @@ import torch
 
 from grpo_parts.build import build_prompt_skipper
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.filter import SKIPPERS, get_skipper_class
 from grpo_parts.filter.allocation import Refiller, fill_rollouts
 from grpo_parts.filter.reference import KeepAll, KeepEveryPrompt
-from grpo_parts.filter.skip_draw import PromptDraw
-from grpo_parts.filter.skip_history import HistorySkipper
-from grpo_parts.filter.skip_protocol import PromptSkipper, ReportsHistory, SkipDecision, prompt_key, skips
+from grpo_parts.skip import SKIPPERS, get_skipper_class
+from grpo_parts.skip.draw import PromptDraw
+from grpo_parts.skip.history import HistorySkipper
+from grpo_parts.skip.protocol import PromptSkipper, ReportsHistory, SkipDecision, prompt_key, skips
 from grpo_parts.types import Rollout
 
 ZERO = torch.tensor([1.0, 1.0])
