@@ -32,7 +32,7 @@ from grpo_parts.filter.apply import KeptBatch, apply_filter, loss_denominators
 from grpo_parts.sampler import SamplingParams
 from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask
 from grpo_parts.task.data import decode_completions, encode_prompts
-from grpo_parts.train.setup import builtin_model_path, eos_ids, load_model
+from grpo_parts.train.lifecycle.setup import builtin_model_path, eos_ids, load_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

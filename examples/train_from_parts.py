@@ -16,9 +16,9 @@ from grpo_parts.filter.cppo import TopKAbsAdvantage
 from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask
 from grpo_parts.train.config import TrainConfig
-from grpo_parts.train.loop import GRPOTrainer
-from grpo_parts.train.parts import Parts
-from grpo_parts.train.setup import builtin_model_path, eos_ids, load_model
+from grpo_parts.train.lifecycle.setup import builtin_model_path, eos_ids, load_model
+from grpo_parts.train.step.loop import GRPOTrainer
+from grpo_parts.train.step.parts import Parts
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=20)

@@ -189,7 +189,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_train_builds_through_the_builder(policy: torch.nn.Module, counted: list[str]) -> None:
     from grpo_parts.train.config import PartsConfig
-    from grpo_parts.train.parts import build_parts
+    from grpo_parts.train.step.parts import build_parts
 
     parts = build_parts(PartsConfig(sampler="speculative", draft="ngram", filter="cppo"), policy)
     assert parts.filter.pruning_rate == 0.75 and parts.sampler.draft is parts.draft

@@ -186,7 +186,7 @@ def test_accepts_logits_to_keep() -> None:
 
 def test_portable_tokenizer_config(tmp_path: Path) -> None:
     from grpo_parts.task.tokenizer import build_hf_tokenizer
-    from grpo_parts.train.setup import builtin_model_path
+    from grpo_parts.train.lifecycle.setup import builtin_model_path
 
     tok = build_hf_tokenizer()
     tok.save_pretrained(tmp_path)

@@ -45,7 +45,7 @@ def test_the_shipped_warm_starts_load_with_plain_auto_tokenizer(task: str) -> No
     shipped folders are llama, so AutoTokenizer keeps one token per character, spaces too."""
     from transformers import AutoTokenizer
 
-    from grpo_parts.train.setup import builtin_model_path
+    from grpo_parts.train.lifecycle.setup import builtin_model_path
 
     path = Path(builtin_model_path(task))
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"

@@ -39,7 +39,7 @@ from grpo_parts.build import build_filter
 from grpo_parts.core import AdvantageConfig, group_advantages, group_stats
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.data_parallel import batch_multiple, rank_shares, round_rounds
-from grpo_parts.filter.protocol import KEPT_FRACTION
+from grpo_parts.filter.protocol import KEPT_FRACTION, WEIGHTED_ROWS
 from grpo_parts.types import ScoredBatch
 
 from .._counters import PartCounters
@@ -192,7 +192,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
                 "rounded_rows": float(self.rounded_rows),
             }
             if res.weights is not None:
-                self.last_info["weighted_rows"] = float(_weigh(samples, res.kept, res.weights, kept))
+                self.last_info[WEIGHTED_ROWS] = float(_weigh(samples, res.kept, res.weights, kept))
             return [samples[i] for i in kept.tolist()]
         from grpo_parts.filter.allocation import Chunk, Refiller
 

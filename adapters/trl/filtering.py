@@ -34,6 +34,7 @@ import torch
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.allocation import Chunk, Refiller
 from grpo_parts.filter.apply import select_rows
+from grpo_parts.filter.protocol import WEIGHTED_ROWS
 from grpo_parts.types import ScoredBatch
 
 from .._counters import PartCounters
@@ -184,7 +185,7 @@ class FilterSeam(SkipSeam):
         refiller = Refiller(
             target_size=opts.refill_target_size or n,
             initial_prompts=chunks[0].num_prompts,
-            max_rounds=opts.max_refill_rounds,
+            max_rounds=1 + opts.refill_rounds,
             max_prompts=opts.max_refill_prompts,
         )
         outcome = refiller.fill(self.gp_filter, produce)
@@ -211,7 +212,7 @@ class FilterSeam(SkipSeam):
                 raise NotSupportedError(f"completion_filter {self.gp_filter.name!r}", reasons)
             self._gp_counters.fell_back("filter", "; ".join(reasons), mode=mode)
             return [torch.arange(n, device=scored.rewards.device)], {}, [None]
-        if self.parts_options.refill:
+        if self.parts_options.refill_rounds:
             return self._gp_refill(chunks, n, g)
         res = self.gp_filter.select(scored, None)
         self._gp_count("filter", served=True)
@@ -314,7 +315,7 @@ class FilterSeam(SkipSeam):
                 batch, [w[k.cpu()] for w, k in zip(row_w, kept) if k.numel()], total, weighted
             )
             if weighted:
-                info["weighted_rows"] = n_weighted
+                info[WEIGHTED_ROWS] = n_weighted
         info.update(kept_fraction=num_kept / total, num_kept=num_kept, rows_scored=total, rounding=changed)
         info["no_loss_rows"] = float(sum(int(d.sum()) for d in no_loss))
         self._gp_log("filter", info)

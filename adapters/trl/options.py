@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
+from grpo_parts.filter.allocation import legacy_refill
 
 PARTS = ("sampler", "attention", "completion_filter")
 
@@ -50,8 +51,9 @@ class TRLPartsOptions(BaseModel):
 
     ``refill``: honour ``FilterResult.extra_prompts_wanted`` by rolling out more prompts, drawn from
     ``train_dataset`` in a seeded order independent of TRL's dataloader, until the kept batch has
-    ``refill_target_size`` rows (default: the generation batch's size) or ``max_refill_rounds``
-    rounds ran. Single process, map-style datasets only.
+    ``refill_target_size`` rows (default: the generation batch's size) or ``refill_rounds`` extra
+    rounds ran (0: no refill; earlier ``refill`` + ``max_refill_rounds``, the rounds in all, are read
+    as it, logged). Single process, map-style datasets only.
 
     ``allow_untested_trl``: the adapter overrides private ``GRPOTrainer`` methods, so a TRL outside
     :data:`TESTED_TRL` is refused at construction; ``True`` tries anyway, with a warning.
@@ -63,14 +65,18 @@ class TRLPartsOptions(BaseModel):
     filter_remainder: Literal["restore", "drop"] = "restore"
     defer_logprobs: bool = True
     group_rows: bool | None = None
-    refill: bool = False
+    refill_rounds: int = Field(0, ge=0)
     refill_target_size: int | None = Field(None, ge=1)
-    max_refill_rounds: int = Field(4, ge=1)
     max_refill_prompts: int | None = Field(None, ge=1)
     refill_seed: int | None = Field(
         None, description="seed of the refill prompt order (default: args.seed + 1)"
     )
     allow_untested_trl: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_refill_name(cls, data: Any) -> Any:
+        return legacy_refill(data, "max_refill_rounds", counts_first_round=True, where="TRLPartsOptions")
 
 
 #: TRL versions the adapter is tested with (it overrides private ``GRPOTrainer`` methods)
@@ -211,17 +217,17 @@ def filter_config_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
     reasons = []
     if _get(trainer, "_is_vlm", False):
         reasons.append("multimodal (vision-language) model: image tensors are indexed per image, not per row")
-    if options.refill:
+    if options.refill_rounds:
         acc = _get(trainer, "accelerator")
         if acc is not None and _get(acc, "num_processes", 1) > 1:
             reasons.append(
-                "refill=True with several processes: each process would roll out a different number of rounds "
-                "and TRL's collective gathers would hang; use refill=False (or a larger generation_batch_size)"
+                "refill_rounds > 0 with several processes: each process would roll out a different number of rounds "
+                "and TRL's collective gathers would hang; use refill_rounds=0 (or a larger generation_batch_size)"
             )
         ds = _get(trainer, "train_dataset")
         if ds is not None and not hasattr(ds, "__getitem__"):
             reasons.append(
-                "refill=True needs a map-style train_dataset (an IterableDataset cannot be re-drawn)"
+                "refill_rounds > 0 needs a map-style train_dataset (an IterableDataset cannot be re-drawn)"
             )
     return reasons
 
@@ -274,7 +280,9 @@ def weighted_filter_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]
         normaliser += ((f"loss_type={loss!r}", fix),)
     facts = WeightedLossFacts(
         source="dppo",
-        refill=("refill=True", "set refill=False") if options.refill else None,
+        refill=(f"refill_rounds={options.refill_rounds}", "set refill_rounds=0")
+        if options.refill_rounds
+        else None,
         unscaled=unscaled_terms(trainer),
         normaliser_from_draw=normaliser,
     )

@@ -286,7 +286,7 @@ def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict
         else:
             raise GRPOPartsError(
                 f"refill: cannot stack batch key {key!r} of type {type(vals[0]).__name__}; "
-                "refill supports text-only batches (set refill=False)"
+                "refill supports text-only batches (set refill_rounds=0)"
             )
     return out
 

@@ -71,7 +71,9 @@ def skip_config_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
     facts = WeightedLossFacts(
         source="prompt skipping",
         normaliser="drawn",
-        refill=("refill=True", "set refill=False") if options.refill else None,
+        refill=(f"refill_rounds={options.refill_rounds}", "set refill_rounds=0")
+        if options.refill_rounds
+        else None,
         unscaled=unscaled_terms(trainer),
         batch_statistics=stats,
         normaliser_from_draw=draw_dependent(trainer),

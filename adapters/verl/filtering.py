@@ -22,8 +22,9 @@ from grpo_parts import build as parts_build
 from grpo_parts.core import AdvantageConfig, group_advantages
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError, NotSupportedError, check_tensor
+from grpo_parts.filter.allocation import legacy_refill
 from grpo_parts.filter.data_parallel import batch_multiple, round_rounds
-from grpo_parts.filter.protocol import CompletionFilter, WeighsLoss
+from grpo_parts.filter.protocol import WEIGHTED_ROWS, CompletionFilter, WeighsLoss
 from grpo_parts.types import ScoredBatch
 
 from .advantage import uid_to_group_index
@@ -35,7 +36,8 @@ class FilterOptions(BaseModel):
     ``name``/``kwargs``: a grpo_parts filter (``cppo`` with ``{k: 4}`` or ``{pruning_rate: 0.75}``,
     ``zero_variance``, ``pods`` with ``{m: 4}``). ``target_rows``: completions to train on per step
     (None = whatever the filter keeps). ``refill``: roll out more prompts until ``target_rows`` are
-    kept (v1 trainer only). ``refill_multiple`` (else ``train_batch_size``, else 1): round refill
+    kept, up to ``refill_rounds`` extra rounds (v1 trainer only; 0: no refill; earlier ``refill`` +
+    ``max_rounds``, the rounds in all, are read as it, logged). ``refill_multiple`` (else ``train_batch_size``, else 1): round refill
     requests up to a multiple of this -- verl submits prompts in whole fetches of
     ``data.gen_batch_size or data.train_batch_size``, and the sampler seam does not see ``data``, so
     :func:`grpo_parts_adapters.verl.sampler.hydra_overrides` interpolates both.
@@ -60,8 +62,7 @@ class FilterOptions(BaseModel):
     name: str = "cppo"
     kwargs: dict[str, Any] = Field(default_factory=dict)
     target_rows: int | None = Field(None, ge=1)
-    refill: bool = False
-    max_rounds: int = Field(4, ge=1)
+    refill_rounds: int = Field(0, ge=0)
     refill_multiple: int | None = Field(None, ge=1)
     train_batch_size: int | None = Field(None, ge=1)
     multiple_of: int = Field(1, ge=1)
@@ -96,6 +97,11 @@ class FilterOptions(BaseModel):
             )
         ]
         return batch_multiple(self.multiple_of, step, world, *micro)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_refill_name(cls, data: Any) -> Any:
+        return legacy_refill(data, "max_rounds", counts_first_round=True, where="grpo_parts_filter")
 
     @model_validator(mode="after")
     def _target_fits(self) -> FilterOptions:
@@ -153,7 +159,9 @@ def weighted_filter_reasons(filt: Any, options: FilterOptions, needs_step: bool 
         unscaled.append((f"actor.policy_loss.loss_mode={o.policy_loss_mode!r}", f"a weight on the advantage scales the row's loss only for {list(HOMOGENEOUS_POLICY_LOSSES)}"))  # fmt: skip
     facts = WeightedLossFacts(
         source="dppo",
-        refill=("refill=True", "set grpo_parts_filter.refill=False") if o.refill else None,
+        refill=(f"refill_rounds={o.refill_rounds}", "set grpo_parts_filter.refill_rounds=0")
+        if o.refill_rounds
+        else None,
         unscaled=tuple(unscaled),
         normaliser_from_draw=tuple(normaliser),
     )
@@ -257,7 +265,7 @@ def select(
         "grpo_parts/filter/extra_prompts_wanted": float(res.extra_prompts_wanted),
     }
     if res.weights is not None:
-        metrics["grpo_parts/filter/weighted_rows"] = float(res.kept.numel())
+        metrics[f"grpo_parts/filter/{WEIGHTED_ROWS}"] = float(res.kept.numel())
     return Selection(kept, res.extra_prompts_wanted, metrics, adv)
 
 

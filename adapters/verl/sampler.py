@@ -64,8 +64,10 @@ class FilteringReplayBuffer(ReplayBuffer):
         self.grpo_parts_filter_options = options_from_sampler_kwargs(self.sampler_kwargs)
         opts = self.grpo_parts_filter_options
         self.grpo_parts_filter = None if opts is None else opts.build()
-        if opts is not None and opts.refill and self.refill_fn is None:
-            raise ValueError("grpo_parts_filter.refill=True: verl gave this sampler no refill_fn")
+        if opts is not None and opts.refill_rounds and self.refill_fn is None:
+            raise ValueError(
+                f"grpo_parts_filter.refill_rounds={opts.refill_rounds}: verl gave this sampler no refill_fn"
+            )
         if self.grpo_parts_filter is not None:
             check_weighted(self.grpo_parts_filter, opts)  # dppo: a loss verl keeps unbiased, no refill
         self._store = store
@@ -102,7 +104,12 @@ class FilteringReplayBuffer(ReplayBuffer):
             return b
 
         kept, fmetrics, full = filter_kv_batch(
-            batch, filt, opts, store=self._store, more=more if opts.refill else None, return_groups=True
+            batch,
+            filt,
+            opts,
+            store=self._store,
+            more=more if opts.refill_rounds else None,
+            return_groups=True,
         )
         remember_full_groups(full, norm_adv_by_std=opts.norm_adv_by_std)
         metrics.update(fmetrics)

@@ -5,9 +5,9 @@ Enable with ``trainer.use_v1=True trainer.v1.trainer_mode=grpo_parts_sync +grpo_
 +grpo_parts.filter.kwargs.k=8`` (see docs/adapters/verl.md). The trainer wraps its replay buffer so
 that ``sample`` returns only the kept rows: pruning happens *before* ``_compute_old_log_prob``, so the
 old-policy, reference and actor passes run on the kept rows only, and dropped rows are cleared
-from TransferQueue. With ``refill=True`` it asks the rollout for ``extra_prompts_wanted`` more prompts
+from TransferQueue. With ``refill_rounds > 0`` it asks the rollout for ``extra_prompts_wanted`` more prompts
 (``_add_prompts_to_generate``) and samples again, still inside the sampling phase (the rollout
-replicas are awake), until ``target_rows`` rows are kept or ``max_rounds`` is reached
+replicas are awake), until ``target_rows`` rows are kept or ``refill_rounds`` extra rounds ran
 (:class:`grpo_parts.filter.allocation.Refiller`). Rewards must be known at sampling time (rule-based
 reward or ``reward.reward_model.enable_resource_pool=True``), exactly as for verl's DAPO filter.
 
@@ -36,7 +36,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from grpo_parts.filter.allocation import Chunk, Refiller
 from grpo_parts.filter.data_parallel import round_rounds
-from grpo_parts.filter.protocol import CompletionFilter
+from grpo_parts.filter.protocol import WEIGHTED_ROWS, CompletionFilter
 
 from .filtering import (
     KV_FIELDS,
@@ -141,7 +141,7 @@ def _filter_metrics(
     if scores:  # every rolled-out row's reward: verl's own critic/score is over the kept rows
         metrics["grpo_parts/filter/score_mean_rolled_out"] = float(torch.cat(scores).mean())
     if weighted:  # the rows trained with a weight (dppo)
-        metrics["grpo_parts/filter/weighted_rows"] = float(sum(sel.kept.numel() for sel in weighted))
+        metrics[f"grpo_parts/filter/{WEIGHTED_ROWS}"] = float(sum(sel.kept.numel() for sel in weighted))
     metrics["grpo_parts/filter/rows_kept"] = float(kept)
     metrics["grpo_parts/filter/empty_batch_steps"] = float(empty)
     metrics["grpo_parts/filter/target_rows"] = float(target)
@@ -232,7 +232,7 @@ def filter_kv_batch(
     refiller = Refiller(
         target_size=target,
         initial_prompts=max(1, len({t.get("uid", k) for k, t in zip(batch.keys, batch.tags)})),
-        max_rounds=options.max_rounds if (options.refill and more is not None) else 1,
+        max_rounds=1 + (options.refill_rounds if more is not None else 0),
     )
     outcome = refiller.fill(filt, produce)
     keys: list[str] = []
@@ -313,7 +313,7 @@ class _FilteringReplayBuffer:
             return b
 
         kept, fmetrics = filter_kv_batch(
-            batch, filt, opts, store=self._store, more=more if opts.refill else None
+            batch, filt, opts, store=self._store, more=more if opts.refill_rounds else None
         )
         metrics.update(fmetrics)
         return kept, metrics

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from grpo_parts.train.setup import builtin_model_path
+        from grpo_parts.train.lifecycle.setup import builtin_model_path
 
         src = builtin_model_path("reasoning")
         policy = AutoModelForCausalLM.from_pretrained(src).to(args.device)

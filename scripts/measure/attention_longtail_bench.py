@@ -25,7 +25,7 @@ from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.task.data import decode_completions, encode_prompts
 from grpo_parts.task.reasoning import ReasoningTask
-from grpo_parts.train.setup import builtin_model_path, load_model
+from grpo_parts.train.lifecycle.setup import builtin_model_path, load_model
 
 
 def parse_args() -> argparse.Namespace:

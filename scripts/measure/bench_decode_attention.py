@@ -18,8 +18,8 @@ import torch
 
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.train.config import load_config
-from grpo_parts.train.loop import ProblemStream
-from grpo_parts.train.run import build_trainer
+from grpo_parts.train.lifecycle.run import build_trainer
+from grpo_parts.train.step.loop import ProblemStream
 
 
 def main() -> None:

@@ -61,7 +61,7 @@ def _trainer(arm: str, seed: int, args: argparse.Namespace, out_dir: str) -> Any
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_parts.task.reasoning import ReasoningTask
-    from grpo_parts.train.setup import builtin_model_path, load_model
+    from grpo_parts.train.lifecycle.setup import builtin_model_path, load_model
 
     set_seed(seed)
     model, tok = load_model(

@@ -58,7 +58,7 @@ def reasoning_assets(workdir: Path, n_prompts: int, seed: int) -> dict[str, Path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_parts.task.reasoning import ReasoningTask
-    from grpo_parts.train.setup import builtin_model_path
+    from grpo_parts.train.lifecycle.setup import builtin_model_path
 
     src = builtin_model_path("reasoning")
     model_dir = workdir / "model"

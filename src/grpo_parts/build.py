@@ -1,6 +1,6 @@
 """The one builder of every part: a name (or ``"auto"``) plus kwargs -> an instance, for every door.
 
-``grpo_parts train`` (:func:`grpo_parts.train.parts.build_parts`), the TRL, verl and OpenRLHF
+``grpo_parts train`` (:func:`grpo_parts.train.step.parts.build_parts`), the TRL, verl and OpenRLHF
 adapters all construct parts here, with one set of rules:
 
 * **By name** through the part's ``IMPLEMENTATIONS`` table (``get_<part>_class``); **an instance**
@@ -16,7 +16,7 @@ adapters all construct parts here, with one set of rules:
   :func:`grpo_parts.registry.choose` over ``AUTO_PRIORITY``, explained by ``Choice.explain()``,
   logged once (at INFO, on the caller's logger when it gives one).
 
-Train-specific rules stay in :mod:`grpo_parts.train.parts` (``build_parts``: a *default* name
+Train-specific rules stay in :mod:`grpo_parts.train.step.parts` (``build_parts``: a *default* name
 missing from this installation falls back to the reference with a note; the speculative sampler's
 ``train_draft`` is off because the loop trains the draft itself). This module imports the part
 packages and the registry, never ``grpo_parts.train`` or the adapters.

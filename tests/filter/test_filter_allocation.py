@@ -139,3 +139,23 @@ def test_validation_and_concat() -> None:
             lambda ps: fake_rollout(ps[:1], 2),
             fake_reward,
         )
+
+
+def test_refill_has_one_name_behind_every_door(caplog) -> None:  # type: ignore[no-untyped-def]
+    """``refill_rounds`` (extra rounds; 0 = none) in the trainer, TRL and verl; each door's earlier
+    pair (``refill`` + its round count, extra or in all) is read as it, logged, never silently."""
+    import logging
+
+    import pytest
+
+    from grpo_parts.filter.allocation import legacy_refill
+    from grpo_parts.train.config import PartsConfig
+
+    with caplog.at_level(logging.WARNING):
+        assert PartsConfig(refill=True, max_refill_rounds=2).refill_rounds == 2  # extra rounds
+        assert PartsConfig(refill=True).refill_rounds == 3 and PartsConfig(refill=False).refill_rounds == 0
+    assert "refill_rounds=2" in caplog.text
+    # TRL's and verl's earlier round counts included the first round
+    assert legacy_refill({"refill": True, "max_rounds": 4}, "max_rounds", True, "x") == {"refill_rounds": 3}
+    with pytest.raises(ValueError, match="refill_rounds only"):
+        PartsConfig(refill=True, refill_rounds=1)

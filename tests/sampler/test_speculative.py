@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from oracles import always_accept
 
 from grpo_parts.draft.eagle import EagleDraft
 from grpo_parts.draft.ngram import NGramDraft
@@ -15,7 +16,6 @@ from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.testing import chi_square_gof, encode_sequences, sequence_distribution
-from grpo_parts.testing.oracles import always_accept
 from grpo_parts.tiny import tiny_causal_lm
 
 V = 8

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles import rrs_without_q_update, tree_always_accept
 
 from grpo_parts.decoding import tree_ancestors, tree_attention_mask
 from grpo_parts.draft.eagle import EagleDraft
@@ -23,7 +24,6 @@ from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.testing import chi_square_gof, sequence_distribution
-from grpo_parts.testing.oracles import rrs_without_q_update, tree_always_accept
 from grpo_parts.tiny import tiny_causal_lm
 
 V = 8

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles import rrs_without_q_update
 
 from grpo_parts.decoding import SamplingParams, sampling_probs
 from grpo_parts.draft.protocol import DraftProposal, TreeBudget
@@ -23,7 +24,6 @@ from grpo_parts.draft.tree import Frontier
 from grpo_parts.draft.tree_sampled import draw_without_replacement, sampled_tree
 from grpo_parts.sampler.speculative.tree_verify import verify_sampled_tree, verify_tree
 from grpo_parts.testing import chi_square_gof
-from grpo_parts.testing.oracles import rrs_without_q_update
 
 V, L, SAMPLES = 5, 3, 4000
 BASE = V + 1  # context code: sum (t + 1) * BASE**i, so every prefix has its own code

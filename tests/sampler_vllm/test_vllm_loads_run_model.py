@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from grpo_parts.train.config import load_config  # noqa: E402
-from grpo_parts.train.run import train  # noqa: E402
+from grpo_parts.train.lifecycle.run import train  # noqa: E402
 
 
 def test_the_run_folder_model_loads_in_vllm(tmp_path: Path) -> None:

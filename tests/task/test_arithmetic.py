@@ -55,7 +55,7 @@ def test_char_tokenizer_round_trip() -> None:
 def test_shipped_warm_start_has_the_same_tokenizer() -> None:
     from transformers import AutoTokenizer
 
-    from grpo_parts.train.setup import builtin_model_path
+    from grpo_parts.train.lifecycle.setup import builtin_model_path
 
     tok = AutoTokenizer.from_pretrained(builtin_model_path(), local_files_only=True)
     hf = build_hf_tokenizer()

@@ -69,7 +69,7 @@ def test_the_built_in_warm_start_tokenizes_the_prompt_as_it_was_trained() -> Non
     AutoTokenizer on the shipped llama folder is tested in tests/test_tiny.py)."""
     import torch
 
-    from grpo_parts.train.setup import builtin_model_path, load_model
+    from grpo_parts.train.lifecycle.setup import builtin_model_path, load_model
 
     _, tok = load_model(builtin_model_path("reasoning"), torch.float32, torch.device("cpu"), progress=False)
     p = ReasoningTask().train_problem(0).prompt

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from grpo_parts.train.ablation import ablation_configs, isolated_bound
 from grpo_parts.train.config import REFERENCE_PARTS, TrainConfig
+from grpo_parts.train.experiments.ablation import ablation_configs, isolated_bound
 
 
 def test_each_arm_is_the_reference_with_one_part_swapped_in() -> None:

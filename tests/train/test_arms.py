@@ -1,4 +1,4 @@
-"""``--compare --arms``: the filter and prompt-skipping arms side by side (train/arms.py), and the
+"""``--compare --arms``: the filter and prompt-skipping arms side by side (train/experiments/arms.py), and the
 finite multi-epoch variant of the reasoning task (``task.train_size``)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.task.reasoning import ReasoningConfig, ReasoningTask
-from grpo_parts.train.arms import ARMS, arm_configs, arm_summary
 from grpo_parts.train.config import SKIP_DEFAULT_AGG, TrainConfig, load_config
+from grpo_parts.train.experiments.arms import ARMS, arm_configs, arm_summary
 
 EVERY = ["keep_all", "cppo", "dppo", "cppo+skip", "dppo+skip"]
 

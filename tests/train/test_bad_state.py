@@ -12,9 +12,9 @@ import pytest
 from cli_helpers import QUIET, refused, snapshot
 
 from grpo_parts.cli import main
-from grpo_parts.train.metrics import accuracy_goal_met
-from grpo_parts.train.report import write_compare
-from grpo_parts.train.seeds import aggregate_seeds
+from grpo_parts.train.experiments.seeds import aggregate_seeds
+from grpo_parts.train.reporting.metrics import accuracy_goal_met
+from grpo_parts.train.reporting.report import write_compare
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,9 @@ from grpo_parts.build import construct as _construct
 from grpo_parts.cli import main
 from grpo_parts.draft import get_draft_class
 from grpo_parts.draft.protocol import DraftTrainingBatch
-from grpo_parts.train import checkpoint as ck
 from grpo_parts.train.config import load_config
-from grpo_parts.train.run import train
+from grpo_parts.train.lifecycle import checkpoint as ck
+from grpo_parts.train.lifecycle.run import train
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -64,7 +64,7 @@ def test_a_flag_and_a_set_that_agree_are_fine(argv: list[str]) -> None:
         (["--group-size", "4", "--set", "group_size=8"], ["group_size", "--group-size 4", "group_size=8"]),
         (["--no-progress", "--set", "progress=true"], ["progress", "--no-progress", "progress=true"]),
         (["--reference", "--sampler", "speculative"], ["--reference", "--sampler speculative", "expected"]),
-        (["--reference", "--set", "parts.refill=true"], ["--reference", "--set parts.refill=true"]),
+        (["--reference", "--set", "parts.refill_rounds=3"], ["--reference", "--set parts.refill_rounds=3"]),
         (["--reference", "--set", "parts={}"], ["--reference", "--set parts={}"]),
         (["--reference", "--compare"], ["--reference", "--compare", "expected one of them"]),
         (["--json", "x.json"], ["--json", "only used with --compare"]),

@@ -8,7 +8,7 @@ import pytest
 
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.train.config import REFERENCE_PARTS, PartsConfig, TrainConfig, load_config, parse_override
-from grpo_parts.train.parts import resolve_name
+from grpo_parts.train.step.parts import resolve_name
 
 
 def test_defaults_are_valid_and_optimized() -> None:

@@ -37,7 +37,7 @@ def test_shipped_warm_start_starts_low_but_not_at_zero(tmp_path: Path) -> None:
     from grpo_parts.sampler.reference import ReferenceSampler
     from grpo_parts.task.arithmetic import ArithmeticTask
     from grpo_parts.task.data import eval_accuracy
-    from grpo_parts.train.setup import builtin_model_path, eos_ids, load_model
+    from grpo_parts.train.lifecycle.setup import builtin_model_path, eos_ids, load_model
 
     torch.set_num_threads(1)
     model, tok = load_model(builtin_model_path(), torch.float32, torch.device("cpu"))

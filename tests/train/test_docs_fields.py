@@ -13,7 +13,7 @@ import pytest
 
 from grpo_parts.core import AdvantageConfig, CorrectionConfig, LossConfig
 from grpo_parts.train.config import PartsConfig, TrainConfig, load_config
-from grpo_parts.train.run import train
+from grpo_parts.train.lifecycle.run import train
 
 DOCS = Path(__file__).parents[2] / "docs"
 TRAINING = (DOCS / "training.md").read_text()

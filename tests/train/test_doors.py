@@ -9,17 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from grpo_parts.testing.doors import (
+from door_fixtures import (
     COMPLETION_TOKENS,
     REFUSAL_COUNTERS,
     SAMPLER_COUNTERS,
     missing,
     sampler_kwargs,
 )
+
 from grpo_parts.train.config import load_config
-from grpo_parts.train.metrics import read_metrics
-from grpo_parts.train.run import train
+from grpo_parts.train.lifecycle.run import train
+from grpo_parts.train.reporting.metrics import read_metrics
 
 
 def _step(tmp_path: Path, **over: Any) -> dict[str, Any]:
@@ -29,8 +29,7 @@ def _step(tmp_path: Path, **over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "out_dir": str(tmp_path), "name": "doors", "steps": 1, "prompts_per_step": 4, "group_size": 4,
         "max_new_tokens": COMPLETION_TOKENS, "eval_every": 100, "task.name": "reasoning", "task.num_eval": 1,
-        "threads": 1, "progress": False, "stop_after_flat": 0, "parts.refill": True,
-        "parts.max_refill_rounds": 1, "parts.filter_kwargs": {"pruning_rate": 0.5},
+        "threads": 1, "progress": False, "stop_after_flat": 0, "parts.refill_rounds": 1, "parts.filter_kwargs": {"pruning_rate": 0.5},
         "parts.attention_kwargs": {"layout": "padding_free"}, "parts.sampler_kwargs": sampler_kwargs(),
     }  # fmt: skip
     base.update(over)
@@ -56,7 +55,7 @@ def test_trees_and_online_draft_training(tmp_path: Path, draft: str) -> None:
     """An online EAGLE draft (trained by the loop after each rollout) drafting 4-node trees."""
     row = _step(
         tmp_path, **{"parts.draft": draft, "parts.sampler_kwargs": sampler_kwargs(trees=True),
-                     "parts.refill": False, "parts.attention_kwargs": {}},
+                     "parts.refill_rounds": 0, "parts.attention_kwargs": {}},
     )  # fmt: skip
     keys = {k: SAMPLER_COUNTERS[k] for k in ("lean decode forward", "draft trees", "online draft training")}
     assert missing(row, keys) == {}, row

@@ -54,7 +54,7 @@ def test_print_config_round_trips_through_config(
 
 
 def test_print_config_of_a_resumed_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from grpo_parts.train.checkpoint import save_checkpoint
+    from grpo_parts.train.lifecycle.checkpoint import save_checkpoint
 
     cfg = load_config(overrides={"steps": 4, "task.name": "arithmetic", "lr": 3e-4})
     run = tmp_path / "r"
@@ -84,8 +84,8 @@ def test_headline_names_the_mean_and_the_last_evaluation() -> None:
 
 
 def test_thread_calibration_picks_a_candidate_and_leaves_no_trace(tiny_model_dir: Path) -> None:
-    from grpo_parts.train.setup import load_model
-    from grpo_parts.train.threads import calibrate_threads
+    from grpo_parts.train.lifecycle.setup import load_model
+    from grpo_parts.train.lifecycle.threads import calibrate_threads
 
     policy, _ = load_model(tiny_model_dir, torch.float32, torch.device("cpu"), progress=False)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
@@ -105,7 +105,7 @@ def test_thread_calibration_picks_a_candidate_and_leaves_no_trace(tiny_model_dir
 def test_a_model_run_on_cpu_reports_its_calibrated_threads(
     tiny_model_dir: Path, tmp_path: Path, tiny_overrides
 ) -> None:
-    from grpo_parts.train.run import train
+    from grpo_parts.train.lifecycle.run import train
 
     old = torch.get_num_threads()
     try:

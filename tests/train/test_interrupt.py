@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from grpo_parts.cli import main
-from grpo_parts.train.interrupt import Interrupted, StopRequest
-from grpo_parts.train.status import read_status
+from grpo_parts.train.lifecycle.interrupt import Interrupted, StopRequest
+from grpo_parts.train.lifecycle.status import read_status
 
 #: 12 short steps of the built-in task (~0.2 s each on one thread), a checkpoint every 5
 ARGS = ["train", "--reference", "--steps", "12", "--set", "prompts_per_step=4", "--set", "task.name=arithmetic",
@@ -93,9 +93,9 @@ def test_a_second_signal_mid_step_leaves_the_newest_checkpoint_to_resume(
     tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from grpo_parts.task.arithmetic import ArithmeticTask
-    from grpo_parts.train import loop
     from grpo_parts.train.config import load_config
-    from grpo_parts.train.run import train
+    from grpo_parts.train.lifecycle.run import train
+    from grpo_parts.train.step import loop
 
     monkeypatch.setattr(ArithmeticTask, "reward", lambda self, text, problem: float(len(text) % 3 == 0))
     cfg = load_config(overrides=tiny_overrides(tiny_model_dir, tmp_path, steps=4, checkpoint_every=2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_parts.train.metrics import final_accuracy, summarize, time_to_target
+from grpo_parts.train.reporting.metrics import final_accuracy, summarize, time_to_target
 
 
 def _rows(curve: list[tuple[int, float, float]]) -> list[dict[str, float]]:

@@ -17,7 +17,7 @@ import pytest
 
 from grpo_parts.cli import main
 from grpo_parts.task.reasoning import INSTRUCTION, ReasoningConfig, ReasoningTask
-from grpo_parts.train.setup import builtin_model_path
+from grpo_parts.train.lifecycle.setup import builtin_model_path
 
 TASK = ReasoningTask(ReasoningConfig(long_every=1000, num_eval=50))  # short problems only
 TRAIN = [TASK.train_problem(i) for i in range(200)]

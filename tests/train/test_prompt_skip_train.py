@@ -16,11 +16,11 @@ from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.allocation import FilledBatch
 from grpo_parts.skip.draw import PromptDraw
 from grpo_parts.skip.history import HistorySkipper
-from grpo_parts.train.checkpoint import load_checkpoint
 from grpo_parts.train.config import SKIP_DEFAULT_AGG, load_config
-from grpo_parts.train.minibatches import LossChunk
-from grpo_parts.train.prompt_skip import skip_chunks
-from grpo_parts.train.run import resume_config, train
+from grpo_parts.train.lifecycle.checkpoint import load_checkpoint
+from grpo_parts.train.lifecycle.run import resume_config, train
+from grpo_parts.train.step.minibatches import LossChunk
+from grpo_parts.train.step.prompt_skip import skip_chunks
 from grpo_parts.types import Rollout
 
 SKIP = {

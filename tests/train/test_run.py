@@ -11,7 +11,7 @@ import pytest
 from grpo_parts.cli import main
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.train.config import load_config
-from grpo_parts.train.run import resume_config, train
+from grpo_parts.train.lifecycle.run import resume_config, train
 
 COMPARED = ("reward", "accuracy", "kept", "prompts", "data_pos", "loss", "clip_fraction", "completion_len")
 
@@ -21,7 +21,7 @@ def test_run_writes_metrics_report_and_plots(
 ) -> None:
     import gc
 
-    from grpo_parts.train.loop import GRPOTrainer
+    from grpo_parts.train.step.loop import GRPOTrainer
 
     cfg = load_config(overrides=tiny_overrides(tiny_model_dir, tmp_path, name="r"))
     frozen: list[int] = []
@@ -128,7 +128,7 @@ def test_cli_out_of_range_value_is_a_clear_error(capsys: pytest.CaptureFixture[s
 def test_a_run_that_crashes_is_marked_failed(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_overrides: Any
 ) -> None:
-    from grpo_parts.train import loop
+    from grpo_parts.train.step import loop
 
     def boom(self: object) -> None:
         raise RuntimeError("simulated crash")
@@ -204,7 +204,7 @@ def test_reasoning_task_run_writes_the_decode_trace(
     """task.name=reasoning selects the long-instruction task; the speculative run reports, per decode step,
     the active rows, the chosen draft length and tokens per verification, and why speculation was off."""
     from grpo_parts.train.config import load_config
-    from grpo_parts.train.run import train
+    from grpo_parts.train.lifecycle.run import train
 
     cfg = load_config(
         overrides=tiny_overrides(
@@ -264,7 +264,7 @@ def test_setup_frozen_keeps_a_callers_own_freeze() -> None:
     what it froze: a caller that froze its own objects finds them still frozen after."""
     import gc
 
-    from grpo_parts.train.run import setup_frozen
+    from grpo_parts.train.lifecycle.run import setup_frozen
 
     with setup_frozen():
         assert gc.get_freeze_count() > 0

@@ -19,8 +19,8 @@ import pytest
 from cli_helpers import refused, snapshot
 
 from grpo_parts.train.config import load_config
-from grpo_parts.train.run import RunResult, train
-from grpo_parts.train.trackers import TRACKERS, numeric
+from grpo_parts.train.lifecycle.run import RunResult, train
+from grpo_parts.train.lifecycle.trackers import TRACKERS, numeric
 
 
 def _run(name: str, tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any, **extra: Any) -> RunResult:
@@ -226,7 +226,7 @@ def test_a_resumed_run_logs_into_the_same_tracker_run(
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    from grpo_parts.train.run import resume_config
+    from grpo_parts.train.lifecycle.run import resume_config
 
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

@@ -17,7 +17,7 @@ from grpo_parts.core import grpo_loss
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.dppo import DPPOFilter
 from grpo_parts.train.config import load_config
-from grpo_parts.train.run import build_trainer
+from grpo_parts.train.lifecycle.run import build_trainer
 from grpo_parts.types import FilterResult, Rollout, ScoredBatch
 
 REFERENCE = {"parts.sampler": "reference", "parts.draft": None, "parts.attention": "reference"}
@@ -131,7 +131,7 @@ def test_trainer_gradient_is_grpo_loss_with_the_filters_weights_and_full_counts(
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ({"parts.refill": True}, "parts.refill=true: dppo keeps rows at random"),
+        ({"parts.refill_rounds": 3}, "parts.refill_rounds=3: dppo keeps rows at random"),
         ({"loss.kl_coef": 0.01}, "drop_zero_advantage=True with kl_coef > 0"),
         ({"loss.agg": "seq-mean-token-sum-norm"}, "without norm_constant"),
     ],

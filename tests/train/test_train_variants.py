@@ -12,7 +12,7 @@ import pytest
 
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.train.config import load_config
-from grpo_parts.train.run import train
+from grpo_parts.train.lifecycle.run import train
 
 
 @pytest.fixture

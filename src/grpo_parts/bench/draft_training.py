@@ -1,20 +1,13 @@
-"""Draft construction, warm-up and the policy-drift experiment used by ``grpo-parts bench sampler``.
-
-:func:`measure_drift` answers "does online learning keep acceptance up while the policy trains?":
-a policy is first trained on a task, an EAGLE head is distilled from its features on task text and
-then from a few of its rollouts, and the head is copied into a *frozen* and an *online* draft (the
-weight-free n-gram draft runs alongside for reference). The policy then keeps training (drift); after every
-round both drafts roll out the same prompts with the same fixed draft length and we record tokens
-per verification. The online draft also distils from each of its rollouts (one step behind the
-policy, as in FastGRPO); the frozen one never changes.
+"""Draft construction and warm-up for ``grpo-parts bench sampler``, and the task policy and text
+batches it trains (the policy-drift experiment that also uses them is
+scripts/measure/draft_drift.py).
 
 The task is the built-in chain-addition task (:mod:`grpo_parts.task`) when it is installed, else a
-synthetic copy task (random digit strings repeated with small edits); the result says which.
+synthetic copy task (random digit strings repeated with small edits).
 """
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from collections.abc import Callable
@@ -24,8 +17,7 @@ import torch
 
 from ..decoding import SamplingParams
 from ..draft.protocol import DraftModel, DraftTrainingBatch
-from ..errors import GRPOPartsError
-from ..sampler.stats import ACCEPTED_PER_VERIFY, DRAFT_ACCEPT_RATE
+from ..sampler.stats import ACCEPTED_PER_VERIFY
 from ..types import PromptBatch
 
 
@@ -60,9 +52,9 @@ def distill_on_text(
     policy features and logits), as EAGLE heads are trained before deployment. Returns the losses."""
     if not draft.learnable or batches <= 0:
         return []
-    _, problem, _, _, pad = _task_data(0, seed)
+    _, problem, _, _, pad = task_data(0, seed)
     return [
-        float(draft.update(_text_batch(policy, problem, 5_000_000 + batch_size * i, batch_size, pad))["loss"])
+        float(draft.update(text_batch(policy, problem, 5_000_000 + batch_size * i, batch_size, pad))["loss"])
         for i in range(batches)
     ]
 
@@ -90,7 +82,7 @@ def warm_up(
 
 
 # ---------------------------------------------------------------------------------------- tasks
-def _task_data(
+def task_data(
     vocab_hint: int, seed: int
 ) -> tuple[str, Callable[[int], tuple[list[int], list[int]]], int, int, int]:
     """``(name, problem(i) -> (prompt_ids, target_ids), vocab, eos, pad)``."""
@@ -124,7 +116,7 @@ def _task_data(
     return "synthetic copy-with-edits task (grpo_parts.task not installed)", synthetic, vocab, eos, pad
 
 
-def _sft_steps(
+def sft_steps(
     policy: torch.nn.Module, opt: torch.optim.Optimizer, problem: Callable[[int], tuple[list[int], list[int]]],
     start: int, steps: int, batch: int, pad: int,
 ) -> int:  # fmt: skip
@@ -148,7 +140,7 @@ def _sft_steps(
     return start
 
 
-def _text_batch(
+def text_batch(
     policy: torch.nn.Module,
     problem: Callable[[int], tuple[list[int], list[int]]],
     start: int,
@@ -169,160 +161,6 @@ def _text_batch(
     return DraftTrainingBatch(ids, loss_mask, out.hidden_states[-1], out.logits, attn)
 
 
-def _drift_policy(
-    seed: int, pretrain_steps: int, progress: Callable[[str], None]
-) -> tuple[str, Callable[[int], tuple[list[int], list[int]]], int, int, torch.nn.Module, Any, int]:
-    """The drift experiment's policy, pre-trained ``pretrain_steps`` SFT steps on the task: returns
-    ``(task name, problem, eos, pad, policy, optimizer, next problem index)`` (the optimizer and
-    index carry on into the drift rounds)."""
-    from ..tiny import tiny_causal_lm
-
-    torch.manual_seed(seed)
-    task_name, problem, vocab, eos, pad = _task_data(0, seed)
-    policy = tiny_causal_lm(
-        "qwen2", vocab_size=vocab, hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
-        seed=seed, eos_token_id=eos, pad_token_id=pad,
-    )  # fmt: skip
-    opt = torch.optim.AdamW(policy.parameters(), lr=2e-3)
-    t0 = time.perf_counter()
-    pos = _sft_steps(policy, opt, problem, 0, pretrain_steps, 32, pad)
-    progress(
-        f"drift: policy pre-trained {pretrain_steps} steps on {task_name} ({time.perf_counter() - t0:.0f}s)"
-    )
-    return task_name, problem, eos, pad, policy, opt, pos
-
-
-def _drift_heads(
-    policy: torch.nn.Module,
-    problem: Callable[[int], tuple[list[int], list[int]]],
-    pad: int,
-    prompts: Callable[[int], PromptBatch],
-    params: SamplingParams,
-    text_batches: int,
-    warmup_rollouts: int,
-    seed: int,
-    progress: Callable[[str], None],
-) -> tuple[Any, Any]:
-    """``(online, frozen)`` EAGLE heads, both distilled offline on task text first (as EAGLE heads
-    are trained before deployment), then on ``warmup_rollouts`` rollouts; ``frozen`` is a copy."""
-    from ..draft.eagle import EagleConfig, EagleDraft
-
-    online = EagleDraft(policy, EagleConfig(lr=3e-3, ce_weight=1.0, seed=seed))
-    t0 = time.perf_counter()
-    for i in range(text_batches):
-        online.update(_text_batch(policy, problem, 5_000_000 + 32 * i, 32, pad))
-    progress(
-        f"drift: eagle head distilled on {text_batches} batches of task text ({time.perf_counter() - t0:.0f}s)"
-    )
-    hist = warm_up(online, policy, lambda i: prompts(-1 - i), params, warmup_rollouts, seed)
-    progress(
-        f"drift: eagle head distilled on {warmup_rollouts} rollouts, accepted/verify {[round(h, 2) for h in hist]}"
-    )
-    frozen = copy.deepcopy(online)
-    frozen.bind_policy(policy)  # deepcopy copied the policy's embedding; share the live one
-    return online, frozen
-
-
-def _drift_samplers(policy: torch.nn.Module, online: Any, frozen: Any, draft_tokens: int) -> dict[str, Any]:
-    """The three drafts under comparison, each in its own speculative sampler: the weight-free
-    n-gram draft (reference), the frozen head and the online head (distils from its rollouts)."""
-    from ..draft.ngram import NGramDraft
-    from ..sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
-
-    return {
-        "ngram": SpeculativeSampler(policy, NGramDraft(), SpeculativeConfig(draft_tokens=draft_tokens)),
-        "eagle_frozen": SpeculativeSampler(policy, frozen, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=False)),
-        "eagle_online": SpeculativeSampler(policy, online, SpeculativeConfig(draft_tokens=draft_tokens, train_draft=True)),
-    }  # fmt: skip
-
-
-def _drift_round(
-    r: int,
-    policy: torch.nn.Module,
-    samplers: dict[str, Any],
-    prompts: Callable[[int], PromptBatch],
-    params: SamplingParams,
-    seed: int,
-    policy_steps: int,
-) -> list[dict[str, Any]]:
-    """Every draft rolls out round ``r``'s prompts with the same generator seed after taking the
-    policy's current weights: one point per draft."""
-    points = []
-    for name, spec in samplers.items():
-        spec.sync_weights(policy)
-        ro = spec.generate(prompts(r), params, torch.Generator().manual_seed(seed + r))
-        points.append(
-            dict(
-                round=r,
-                policy_steps=policy_steps,
-                draft=name,
-                accepted_per_verify=ro.stats[ACCEPTED_PER_VERIFY],
-                draft_accept_rate=ro.stats[DRAFT_ACCEPT_RATE],
-            )
-        )
-    return points
-
-
-def measure_drift(
-    rounds: int = 4,
-    drift_steps: int = 25,
-    pretrain_steps: int = 400,
-    text_batches: int = 150,
-    warmup_rollouts: int = 4,
-    prompts_per_round: int = 8,
-    group_size: int = 4,
-    draft_tokens: int = 5,
-    temperature: float = 1.0,
-    seed: int = 0,
-    progress: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Run the drift experiment (CPU, a few minutes). Returns ``{"task", "setup", "points"}``; each
-    point has ``round``, ``draft`` (``ngram`` / ``eagle_frozen`` / ``eagle_online``), ``accepted_per_verify``,
-    ``draft_accept_rate``."""
-    task_name, problem, eos, pad, policy, opt, pos = _drift_policy(seed, pretrain_steps, progress)
-    params = SamplingParams(
-        group_size=group_size,
-        max_new_tokens=48,
-        temperature=temperature,
-        eos_token_ids=(eos,),
-        pad_token_id=pad,
-    )
-    eval_offset = 10_000_000  # prompts never trained on
-
-    def prompts(r: int) -> PromptBatch:
-        return PromptBatch.from_lists(
-            [problem(eval_offset + r * 1000 + i)[0] for i in range(prompts_per_round)], pad
-        )
-
-    online, frozen = _drift_heads(
-        policy, problem, pad, prompts, params, text_batches, warmup_rollouts, seed, progress
-    )
-    samplers = _drift_samplers(policy, online, frozen, draft_tokens)
-    points: list[dict[str, Any]] = []
-    for r in range(rounds + 1):
-        if r > 0:
-            pos = _sft_steps(policy, opt, problem, pos, drift_steps, 32, pad)
-        points += _drift_round(r, policy, samplers, prompts, params, seed, pretrain_steps + r * drift_steps)
-        progress(
-            f"drift round {r}: "
-            + ", ".join(f"{p['draft']} {p['accepted_per_verify']:.2f}" for p in points[-len(samplers) :])
-        )
-    if not points:
-        raise GRPOPartsError("rounds: expected >= 0")
-    setup = dict(
-        policy="qwen2 tiny_causal_lm hidden=128 layers=4",
-        pretrain_steps=pretrain_steps,
-        head_text_batches=text_batches,
-        head_warmup_rollouts=warmup_rollouts,
-        drift_steps_per_round=drift_steps,
-        draft_tokens=draft_tokens,
-        temperature=temperature,
-        rows_per_round=prompts_per_round * group_size,
-    )
-    return {"task": task_name, "setup": setup, "points": points}
-
-
-# ------------------------------------------------------------------------- bench policy on a task
 def task_policy(
     hidden: int,
     layers: int,
@@ -337,7 +175,7 @@ def task_policy(
     from ..tiny import tiny_causal_lm
 
     torch.manual_seed(seed)
-    task_name, problem, vocab, eos, pad = _task_data(0, seed)
+    task_name, problem, vocab, eos, pad = task_data(0, seed)
     heads = max(1, hidden // 64)
     policy = tiny_causal_lm(
         "qwen2", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -345,7 +183,7 @@ def task_policy(
     )  # fmt: skip
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     t0 = time.perf_counter()
-    _sft_steps(policy, opt, problem, 0, steps, batch, pad)
+    sft_steps(policy, opt, problem, 0, steps, batch, pad)
     progress(f"policy: {steps} SFT steps (batch {batch}) on {task_name} ({time.perf_counter() - t0:.0f}s)")
 
     def prompt(i: int) -> list[int]:

@@ -138,7 +138,7 @@ def arm_parts(arm: str) -> dict[str, Any]:
 def run_arm(arm: str, model_dir: Path, preset: dict[str, Any], device: str, out: Path) -> dict[str, Any]:
     """A few GRPO steps of one arm; the per-step rows and the arm's headline numbers."""
     from ..train.config import load_config
-    from ..train.run import build_trainer
+    from ..train.lifecycle.run import build_trainer
 
     over: dict[str, Any] = {
         "model": str(model_dir), "out_dir": str(out), "name": arm, "device": device, "dtype": preset["dtype"],
@@ -184,7 +184,7 @@ def run_preset(name: str, device: str, json_path: Path | None = None) -> dict[st
     if name not in PRESETS:
         raise GRPOPartsError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
     preset = PRESETS[name]
-    from ..train.setup import resolve_device
+    from ..train.lifecycle.setup import resolve_device
 
     dev = resolve_device(device)
     arms = ["reference", "optimized"]

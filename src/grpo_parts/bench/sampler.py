@@ -249,15 +249,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prompt-batches", type=int, default=1,
         help="prompt batches per point (times and tokens summed; more = steadier points)",
     )  # fmt: skip
-    p.add_argument(
-        "--drift", action="store_true", help="also measure acceptance under policy drift (frozen vs online)"
-    )
-    p.add_argument(
-        "--drift-rounds",
-        type=int,
-        default=4,
-        help="--drift: rounds of policy drift measured (default: %(default)s)",
-    )
 
 
 def make_prompts(batch: int, group_size: int, prompt_len: int, vocab: int, seed: int) -> PromptBatch:
@@ -445,19 +436,6 @@ def _measure_point(
     return found
 
 
-def _drift(args: argparse.Namespace) -> dict[str, Any] | None:
-    """``--drift``: the acceptance-under-policy-drift experiment (printed), else None."""
-    if not args.drift:
-        return None
-    from .draft_training import measure_drift
-
-    drift = measure_drift(rounds=args.drift_rounds, seed=args.seed)
-    print(f"\nacceptance under policy drift ({drift['task']}):")
-    for p in drift["points"]:
-        print(f"round {p['round']} {p['draft']:>13s} accepted/verify {p['accepted_per_verify']:.2f}")
-    return drift
-
-
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.batches, args.max_new_tokens, args.repeats, args.prompt_len = "1,4", 16, 1, 16
@@ -476,10 +454,9 @@ def run(args: argparse.Namespace) -> int:
             points += _measure_point(rows, args, mode, params, batch, device)
     print()
     print(markdown_table(points))
-    drift = _drift(args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setup": setup, "points": points, "drift": drift}, f, indent=1)
+            json.dump({"setup": setup, "points": points}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -28,6 +28,7 @@ which rows of each chunk's payload (a :class:`Rollout`, a TRL dict, a verl ``Dat
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
@@ -82,6 +83,33 @@ class RefillOutcome(Generic[T]):
     @property
     def is_empty(self) -> bool:
         return self.num_kept == 0
+
+
+#: the one name of the refill setting behind every door: extra rollout rounds per step (0 = no refill)
+REFILL_ROUNDS = "refill_rounds"
+
+
+def legacy_refill(data: Any, rounds_key: str, counts_first_round: bool, where: str) -> Any:
+    """``data`` (a config's raw fields) with earlier 0.1 commits' two refill settings -- ``refill``
+    (on/off) and ``rounds_key`` (``counts_first_round``: the rounds in all, else the extra ones;
+    default 3 extra) -- replaced by :data:`REFILL_ROUNDS`, logged once; both spellings at once are
+    refused."""
+    if not isinstance(data, dict) or ("refill" not in data and rounds_key not in data):
+        return data
+    if REFILL_ROUNDS in data:
+        raise ValueError(f"give {REFILL_ROUNDS} only (refill / {rounds_key} are its earlier spelling)")
+    out = dict(data)
+    on, rounds = out.pop("refill", None), out.pop(rounds_key, None)
+    extra = 3 if rounds is None else int(rounds) - int(counts_first_round)
+    if on is None:
+        on = True  # (only the round count was given: it had no effect without refill)
+        extra = 0
+    out[REFILL_ROUNDS] = max(0, extra) if on else 0
+    logging.getLogger(__name__).warning(
+        "%s: refill=%s, %s=%s are now one setting, %s=%d (extra rollout rounds; 0 = no refill)",
+        where, on, rounds_key, rounds, REFILL_ROUNDS, out[REFILL_ROUNDS],
+    )  # fmt: skip
+    return out
 
 
 class Refiller(BaseModel):

@@ -23,6 +23,9 @@ __all__ = ["KEPT_FRACTION", "NUM_KEPT", "CompletionFilter", "FilterResult", "Sco
 KEPT_FRACTION = "kept_fraction"
 #: ... and how many rows were kept
 NUM_KEPT = "num_kept"
+#: rows trained with an importance weight (a weighing filter, ``dppo``): the trainer logs
+#: ``filter_<name>``, TRL ``parts/filter/<name>``, verl and OpenRLHF ``grpo_parts/filter/<name>``
+WEIGHTED_ROWS = "weighted_rows"
 
 
 @runtime_checkable

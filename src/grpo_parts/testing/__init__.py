@@ -1,10 +1,8 @@
-"""Helpers for tests only; no product module imports this package.
-
-* :mod:`.distributions` -- enumerate a tiny model's exact sequence distribution and chi-square test
-  samples against it (re-exported here: ``from grpo_parts.testing import chi_square_gof``);
-* :mod:`.oracles` -- deliberately **broken** verifiers that tests use to prove the losslessness tests
-  have teeth (``from grpo_parts.testing.oracles import always_accept``).
-"""
+"""A public testing kit for sampler and draft authors: enumerate a tiny model's exact sequence
+distribution and chi-square test samples against it (:mod:`.distributions`; ``from
+grpo_parts.testing import chi_square_gof``). No product module imports it. The deliberately broken
+verifiers that prove the losslessness tests have teeth, and the door tests' fixtures, live with the
+tests (tests/oracles.py, tests/door_fixtures.py)."""
 
 from __future__ import annotations
 

@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(message)s"
     )
-    from .interrupt import Interrupted, raise_on_signals
+    from .lifecycle.interrupt import Interrupted, raise_on_signals
 
     try:
         with raise_on_signals():  # SIGTERM too ends in one line, not a silent kill or a traceback
@@ -277,7 +277,7 @@ def _run(args: argparse.Namespace) -> int:
     if getattr(args, "arms", None) is not None and not args.compare:
         raise GRPOPartsError("--arms: only used with --compare, got it without")
     if args.compare:
-        from .compare import compare, compare_seeds
+        from .experiments.compare import compare, compare_seeds
 
         cfg = config_from_args(args)
         seeds = getattr(args, "seeds", 1)
@@ -290,7 +290,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         print(res["markdown"])
         return 0
-    from .run import resume_config, train
+    from .lifecycle.run import resume_config, train
 
     if args.resume is not None:
         _check_resume_flags(args)
@@ -326,7 +326,7 @@ def headline(s: dict[str, Any], run_dir: Path) -> str:
 def _print_config(args: argparse.Namespace) -> int:
     """The config a run with these arguments would use, as YAML for --config; nothing is run or written."""
     from .config import dump_config
-    from .run import resume_config
+    from .lifecycle.run import resume_config
 
     if args.resume is not None:
         _check_resume_flags(args)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..core import AdvantageConfig, LossConfig
 from ..errors import GRPOPartsError
+from ..filter.allocation import legacy_refill
 from ..skip import SKIPPERS
 from ..skip.protocol import prompt_skip_reasons
 from ..task.arithmetic import ArithmeticConfig
@@ -48,8 +49,10 @@ class PartsConfig(BaseModel):
 
     A default that has not landed in this installation falls back to the reference with a logged
     note; a name you set explicitly must exist. ``draft`` is only used by samplers that take one
-    (``None`` = no draft). ``refill``: when the filter keeps fewer completions than a full batch,
-    roll out the extra prompts it asks for, up to ``max_refill_rounds`` extra rounds per step.
+    (``None`` = no draft). ``refill_rounds``: when the filter keeps fewer completions than a full
+    batch, roll out the extra prompts it asks for, up to this many extra rounds per step (0: no
+    refill; the one name behind every door, :data:`grpo_parts.filter.allocation.REFILL_ROUNDS`;
+    earlier ``refill`` + ``max_refill_rounds`` are read as it, logged).
     ``*_kwargs`` go to the part's constructor. ``prompt_skip``: the stage before rollout that skips
     prompts whose recent groups had zero reward variance (``history``, weights ``1 / p``: unbiased;
     ``none``: roll out every prompt), from ``grpo_parts.skip.SKIPPERS``.
@@ -61,14 +64,18 @@ class PartsConfig(BaseModel):
     draft: str | None = "ngram"
     attention: str = "shared_prefix"
     filter: str = "cppo"
-    refill: bool = False
-    max_refill_rounds: int = Field(3, ge=0, le=64)
+    refill_rounds: int = Field(0, ge=0, le=64)
     sampler_kwargs: dict[str, Any] = Field(default_factory=dict)
     draft_kwargs: dict[str, Any] = Field(default_factory=dict)
     attention_kwargs: dict[str, Any] = Field(default_factory=lambda: {})
     filter_kwargs: dict[str, Any] = Field(default_factory=dict)
     prompt_skip: str = "none"
     prompt_skip_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_refill_name(cls, data: Any) -> Any:
+        return legacy_refill(data, "max_refill_rounds", counts_first_round=False, where="parts")
 
     @field_validator("prompt_skip")
     @classmethod
@@ -197,7 +204,7 @@ class TrainConfig(BaseModel):
         None,
         ge=1,
         description="torch CPU threads (default: 1 for the built-in models; a --model on the CPU is "
-        "calibrated at start-up, 1 thread vs every core, see grpo_parts.train.threads; cuda: torch's choice)",
+        "calibrated at start-up, 1 thread vs every core, see grpo_parts.train.lifecycle.threads; cuda: torch's choice)",
     )
     progress: bool = True
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
@@ -282,7 +289,7 @@ class TrainConfig(BaseModel):
 
     def with_reference_parts(self) -> TrainConfig:
         """The same run with every part switched to its reference implementation."""
-        return self.model_copy(update={"parts": PartsConfig(**REFERENCE_PARTS, refill=False)})
+        return self.model_copy(update={"parts": PartsConfig(**REFERENCE_PARTS, refill_rounds=0)})
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

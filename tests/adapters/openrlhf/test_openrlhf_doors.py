@@ -15,8 +15,7 @@ import asyncio
 from typing import Any
 
 import pytest
-
-from grpo_parts.testing.doors import (
+from door_fixtures import (
     COMPLETION_TOKENS,
     REFUSAL_COUNTERS,
     SAMPLER_COUNTERS,

@@ -14,9 +14,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from grpo_parts_adapters.trl import GRPOPartsTrainer, TRLPartsOptions  # noqa: E402
-
-from grpo_parts.testing.doors import (  # noqa: E402
+from door_fixtures import (  # noqa: E402
     COMPLETION_TOKENS,
     REFUSAL_COUNTERS,
     SAMPLER_COUNTERS,
@@ -26,6 +24,7 @@ from grpo_parts.testing.doors import (  # noqa: E402
     sampler_kwargs,
     tiny_reasoner,
 )
+from grpo_parts_adapters.trl import GRPOPartsTrainer, TRLPartsOptions  # noqa: E402
 
 S = "parts/sampler/"
 
@@ -62,7 +61,7 @@ def test_every_optimization_runs_and_is_counted(tmp_path: Path) -> None:
         tmp_path, sampler="speculative", draft="ngram", sampler_kwargs=sampler_kwargs(),
         attention="shared_prefix", attention_kwargs={"layout": "padding_free"},
         completion_filter="cppo", filter_kwargs={"pruning_rate": 0.5},
-        parts_options=TRLPartsOptions(refill=True, max_refill_rounds=2),  # rounds in all
+        parts_options=TRLPartsOptions(refill_rounds=1),  # one extra round
     )  # fmt: skip
     keys = {
         k: S + v for k, v in SAMPLER_COUNTERS.items() if k not in ("draft trees", "online draft training")

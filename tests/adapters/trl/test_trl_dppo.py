@@ -102,7 +102,7 @@ def test_trl_trains_each_drawn_row_times_its_weight_over_the_full_batch(
     [
         ({"beta": 0.1}, {}, "beta=0.1"),
         ({"loss_type": "bnpo"}, {}, "loss_type='bnpo'"),
-        ({}, {"refill": True}, "refill=True: dppo keeps rows at random"),
+        ({}, {"refill_rounds": 3}, "refill_rounds=3: dppo keeps rows at random"),
     ],
 )
 def test_trl_refuses_dppo_where_it_cannot_stay_unbiased(

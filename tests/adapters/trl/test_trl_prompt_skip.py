@@ -155,7 +155,7 @@ def test_a_completion_filter_multiplies_its_own_selection_in(
         ({}, {}, "loss_type='dapo'"),  # TRL's default loss
         ({"loss_type": "grpo", "beta": 0.1}, {}, "beta=0.1"),
         ({"loss_type": "grpo", "scale_rewards": "batch"}, {}, "scale_rewards='batch'"),
-        ({"loss_type": "grpo"}, {"refill": True}, "refill=True"),
+        ({"loss_type": "grpo"}, {"refill_rounds": 3}, "refill_rounds=3"),
     ],
 )
 def test_refused_where_it_cannot_stay_unbiased(

@@ -178,7 +178,7 @@ _VOWELS = _tiny.reward
 def test_zero_variance_filter_with_refill(base: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_tiny, "reward", _reward_some_prompts)
     args = _tiny.config(gradient_accumulation_steps=2, max_steps=2)
-    opts = TRLPartsOptions(refill=True, max_refill_rounds=16)
+    opts = TRLPartsOptions(refill_rounds=15)
     set_seed(0)
     tr, _ = _tiny.run(_Recording, base, args, completion_filter="zero_variance", parts_options=opts)
     assert len(tr.trained) == 4  # 2 steps x 2 micro-batches

@@ -56,7 +56,7 @@ STEP_ROWS = MINI_BATCH * N  # rows per optimizer step (verl's ppo_mini_batch_siz
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "cppo": ("cppo", {"k": 5}, {}),  # 5 kept rows, rounded up to 8
     "zero_variance": ("zero_variance", {}, {}),  # prompts 0 and 1 only: rank 1's natural share is empty
-    "refill": ("zero_variance", {}, {"target_rows": 12, "refill": True}),  # 8 kept, refilled to 12
+    "refill": ("zero_variance", {}, {"target_rows": 12, "refill_rounds": 3}),  # 8 kept, refilled to 12
 }
 
 

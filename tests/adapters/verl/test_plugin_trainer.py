@@ -143,7 +143,7 @@ def test_filter_kv_batch_refills_until_target():
         i = len(calls)
         return _batch(store, {f"r{i}x{j}": [0, 1] for j in range(n_prompts)})
 
-    opts = FilterOptions(name="zero_variance", target_rows=6, refill=True, max_rounds=5)
+    opts = FilterOptions(name="zero_variance", target_rows=6, refill_rounds=4)
     kept, metrics = tr.filter_kv_batch(batch, opts.build(), opts, store=store, more=more)
     assert len(kept.keys) == 6 and calls  # refilled with more prompts
     assert not any(k.startswith("a_") for k in kept.keys)
@@ -188,7 +188,7 @@ def test_filtering_replay_buffer_refills_in_whole_gen_batches():
             rewards = {f"p{i}x{j}": ([0, 1] if j % 2 == 0 else [1, 1]) for j in range(batch_size)}
             return _batch(store, rewards), {"inner/calls": 1.0}
 
-    opts = FilterOptions(name="zero_variance", target_rows=6, refill=True, max_rounds=6)
+    opts = FilterOptions(name="zero_variance", target_rows=6, refill_rounds=5)
     trainer = SimpleNamespace(
         config=OmegaConf.create({"data": {"train_batch_size": 4, "gen_batch_size": 2}}),
         grpo_parts_filter_options=opts,

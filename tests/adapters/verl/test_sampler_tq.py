@@ -58,7 +58,7 @@ def verl_config(estimator: str = "grpo_parts_grpo"):
         "trainer.v1.sampler.custom_sampler.name=FilteringReplayBuffer",
         "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.name=zero_variance",
         "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.target_rows=12",
-        "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill=True",
+        "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill_rounds=3",
         "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill_multiple=${data.gen_batch_size}",
         "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.train_batch_size=${data.train_batch_size}",
     ]
@@ -268,7 +268,7 @@ def test_dppo_trains_each_kept_row_times_its_weight_over_the_rolled_out_rows(sto
         (("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.use_kl_loss=True"),
          "actor.use_kl_loss=True"),
         (("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-          "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill=True"), "refill=True: dppo keeps rows at random"),
+          "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.refill_rounds=3"), "refill_rounds=3: dppo keeps rows at random"),
     ],
 )  # fmt: skip
 def test_dppo_is_refused_where_verl_cannot_keep_it_unbiased(store, extra, needle):

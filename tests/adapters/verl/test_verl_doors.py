@@ -20,12 +20,7 @@ import pytest
 
 pytest.importorskip("verl.experimental.agent_loop")
 
-from grpo_parts_adapters.verl import agent_loop as ours  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from verl import DataProto  # noqa: E402
-from verl.experimental.agent_loop import agent_loop as verl_agent_loop  # noqa: E402
-
-from grpo_parts.testing.doors import (  # noqa: E402
+from door_fixtures import (  # noqa: E402
     COMPLETION_TOKENS,
     REFUSAL_COUNTERS,
     SAMPLER_COUNTERS,
@@ -34,6 +29,10 @@ from grpo_parts.testing.doors import (  # noqa: E402
     sampler_kwargs,
     tiny_reasoner,
 )
+from grpo_parts_adapters.verl import agent_loop as ours  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.experimental.agent_loop import agent_loop as verl_agent_loop  # noqa: E402
 
 N, PROMPT_LEN = 4, 128  # rollout.n; the reasoning prompts are ~110 tokens
 

@@ -1,8 +1,9 @@
 """The shared-prefix forward and its one-token probe: the model run on the grouped grid with this
 package's attention function selected, and the check that every decoder layer received the layout.
 
-Split from :mod:`.backend` (``SharedPrefixAttention``) so that the backend reads as its decisions;
-the calls below are what it runs.
+:mod:`.run` calls :func:`grouped_forward` once per model call of a :class:`~.plan.Plan`; the
+backend's capability check (:meth:`~.backend.SharedPrefixAttention.not_supported_reasons`) runs the
+probe.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..filter.protocol import KEPT_FRACTION
-from ..sampler.stats import ACCEPTED_PER_VERIFY
-from .ablation import ablation_lines, isolated_bound
+from ...filter.protocol import KEPT_FRACTION
+from ...sampler.stats import ACCEPTED_PER_VERIFY
+from ..experiments.ablation import ablation_lines, isolated_bound
+from ..experiments.phases import phase_breakdown
 from .metrics import accuracy_goal_met, eval_curve, summarize
-from .phases import phase_breakdown
 from .report_format import fmt, pyplot
 from .trace_report import write_trace
 

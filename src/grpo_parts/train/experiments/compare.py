@@ -13,13 +13,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import GRPOPartsError
+from ...errors import GRPOPartsError
+from ..config import TrainConfig
+from ..lifecycle.run import RunResult, RunSession, default_name, postfix
+from ..reporting.report import write_compare
+from ..step.parts import resolve_name
 from .ablation import ablation_configs
 from .arms import DEFAULT_ARMS, aggregate_arms, arm_configs, arms_markdown, write_arms
-from .config import TrainConfig
-from .parts import resolve_name
-from .report import write_compare
-from .run import RunResult, RunSession, default_name, postfix
 from .seeds import aggregate_seeds, seeds_markdown
 
 

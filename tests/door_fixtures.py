@@ -48,14 +48,14 @@ def sampler_kwargs(trees: bool = False) -> dict[str, Any]:
 def tiny_reasoner(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
     """``(policy, tokenizer)``: the built-in reasoning task's warm start (a Llama), SDPA attention,
     left padding, in eval mode (what ``grpo-parts train`` loads)."""
-    from ..train.setup import builtin_model_path, load_model
+    from grpo_parts.train.lifecycle.setup import builtin_model_path, load_model
 
     return load_model(builtin_model_path("reasoning"), dtype, torch.device("cpu"), progress=False)
 
 
 def reasoning_problems(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     """``(prompts, answers)`` of the first ``n`` training problems of the reasoning task."""
-    from ..task.reasoning import ReasoningTask
+    from grpo_parts.task.reasoning import ReasoningTask
 
     task = ReasoningTask(seed=seed)
     problems = [task.train_problem(i) for i in range(n)]
@@ -64,7 +64,7 @@ def reasoning_problems(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
 
 def reasoning_reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
     """1 for the right number after the last ``;`` (TRL's reward-function signature)."""
-    from ..task.arithmetic import extract_answer
+    from grpo_parts.task.arithmetic import extract_answer
 
     return [1.0 if extract_answer(c) == a else 0.0 for c, a in zip(completions, answer)]
 

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from ..errors import GRPOPartsError
-from ..filter.allocation import FilledBatch
-from ..skip.draw import PromptDraw
-from ..skip.protocol import PromptId, PromptSkipper, prompt_key, skips
-from ..task.arithmetic import Problem
-from ..types import Rollout
+from ...errors import GRPOPartsError
+from ...filter.allocation import FilledBatch
+from ...skip.draw import PromptDraw
+from ...skip.protocol import PromptId, PromptSkipper, prompt_key, skips
+from ...task.arithmetic import Problem
+from ...types import Rollout
 from .minibatches import LossChunk
 
 __all__ = ["observe_step", "problem_key", "skip_chunks", "skipping_stream"]

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import REFERENCE_PARTS, TrainConfig
+from ..config import REFERENCE_PARTS, TrainConfig
+from ..reporting.report_format import fmt
 from .phases import PHASES, mean_of, median_of
-from .report_format import fmt
 
 #: ablation arm -> the PartsConfig fields it takes from the optimized config
 PART_FIELDS: dict[str, tuple[str, ...]] = {
     "sampler": ("sampler", "draft", "sampler_kwargs", "draft_kwargs"),
     "attention": ("attention", "attention_kwargs"),
-    "filter": ("filter", "filter_kwargs", "refill", "max_refill_rounds"),
+    "filter": ("filter", "filter_kwargs", "refill_rounds"),
 }
 #: prefix of an ablation arm's name (its run folder is ``<compare>/only_<part>``)
 PREFIX = "only_"

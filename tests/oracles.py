@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..decoding import SamplingParams, sampling_probs
-from ..sampler.speculative.tree_verify import policy_draws, recursive_rejection_sampling, walk_tree
+from grpo_parts.decoding import SamplingParams, sampling_probs
+from grpo_parts.sampler.speculative.tree_verify import policy_draws, recursive_rejection_sampling, walk_tree
 
 __all__ = ["always_accept", "rrs_without_q_update", "tree_always_accept"]
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampler.stats import ACCEPTED_PER_VERIFY, STEP_CALL_COUNTS
-from ..task.arithmetic import Problem
-from ..types import Rollout
+from ...sampler.stats import ACCEPTED_PER_VERIFY, STEP_CALL_COUNTS
+from ...task.arithmetic import Problem
+from ...types import Rollout
 
 
 @dataclass
@@ -42,7 +42,7 @@ def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float | None]:
 def zero_variance_share(record: StepRecord) -> float | None:
     """Share of the step's rolled-out groups whose rewards are all equal (zero advantage, no policy
     gradient: the rollouts prompt skipping tries to avoid); None when nothing was rolled out."""
-    from ..core import group_stats
+    from ...core import group_stats
 
     groups = zero = 0
     for ro, r in zip(record.rollouts, record.rewards):

@@ -7,15 +7,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..filter.protocol import KEPT_FRACTION
-from ..sampler.stats import (
+from ...filter.protocol import KEPT_FRACTION
+from ...sampler.stats import (
     ACCEPTED_PER_VERIFY,
     DECODE_ATTENTION_PLAIN_CALLS,
     DECODE_ATTENTION_SHARED_PREFIX_CALLS,
     LEAN_FORWARD_CALLS,
     MODEL_FORWARD_CALLS,
 )
-from .checkpoint import atomic_write_text
+from ..lifecycle.checkpoint import atomic_write_text
 
 
 class MetricsWriter:

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ..core.unbiased import WeightedLossFacts, refusal_reasons
-from ..filter.allocation import FilledBatch
-from ..filter.protocol import WeighsLoss
-from .config import TrainConfig
+from ...core.unbiased import WeightedLossFacts, refusal_reasons
+from ...filter.allocation import FilledBatch
+from ...filter.protocol import WeighsLoss
+from ..config import TrainConfig
 
 __all__ = ["LossChunk", "loss_chunks", "split_groups", "weighted_filter_reasons"]
 
@@ -80,11 +80,12 @@ def weighted_filter_reasons(filt: Any, config: TrainConfig) -> list[str]:
     if not isinstance(filt, WeighsLoss):
         return []
     reasons = list(filt.loss_not_supported_reasons(config.loss))
-    if config.parts.refill:
-        fix = "set parts.refill=false and size prompts_per_step for the kept rows you want"
+    if config.parts.refill_rounds:
+        fix = "set parts.refill_rounds=0 and size prompts_per_step for the kept rows you want"
         reasons += refusal_reasons(
             WeightedLossFacts(
-                source=getattr(filt, "name", "a weighted filter"), refill=("parts.refill=true", fix)
+                source=getattr(filt, "name", "a weighted filter"),
+                refill=(f"parts.refill_rounds={config.parts.refill_rounds}", fix),
             )
         )
     return reasons

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import GRPOPartsError
+from ...errors import GRPOPartsError
 from .checkpoint import atomic_write_text
 
 FILE = "status.json"

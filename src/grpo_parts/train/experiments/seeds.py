@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..reporting.metrics import accuracy_goal_met
 from .ablation import ablation_lines, aggregate_ablation
-from .metrics import accuracy_goal_met
 from .phases import mean_of, median_of, median_phases
 
 #: per-arm summary fields reported per seed and as medians
@@ -76,7 +76,7 @@ def _f(x: Any, spec: str = ".2f") -> str:
 
 
 def seeds_markdown(result: dict[str, Any]) -> list[str]:
-    from .report import phase_lines
+    from ..reporting.report import phase_lines
 
     lines = [
         f"# Reference vs optimized parts over {len(result['seeds'])} seeds",

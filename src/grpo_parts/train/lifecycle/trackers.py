@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import GRPOPartsError, install_hint
+from ...errors import GRPOPartsError, install_hint
 
 log = logging.getLogger("grpo_parts.train")
 #: tracker name -> the module it imports (what must be installed); the extra is ``grpo-parts[<name>]``

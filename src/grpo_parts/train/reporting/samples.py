@@ -14,8 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..task.arithmetic import Problem
-from .config import TrainConfig
+from ...task.arithmetic import Problem
+from ..config import TrainConfig
 from .metrics import MetricsWriter
 
 log = logging.getLogger("grpo_parts.train")

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..compat import portable_tokenizer_config
-from ..errors import GRPOPartsError
+from ...compat import portable_tokenizer_config
+from ...errors import GRPOPartsError
 
 FORMAT = 1
 LAST = "last"

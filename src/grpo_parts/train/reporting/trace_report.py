@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..sampler.speculative.trace import off_reason
+from ...sampler.speculative.trace import off_reason
 from .report_format import pyplot
 
 

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..errors import GRPOPartsError
+from ...errors import GRPOPartsError
 from .checkpoint import LAST, Checkpoint, atomic_write_text, checkpoint_steps, fsync_path, step_name
 
 log = logging.getLogger("grpo_parts.train")

@@ -17,19 +17,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import GRPOPartsError
-from .config import REFERENCE_PARTS, TrainConfig, skip_default_loss
-from .metrics import summarize
+from ...errors import GRPOPartsError
+from ..config import REFERENCE_PARTS, TrainConfig, skip_default_loss
+from ..reporting.metrics import summarize
 
 #: arm -> the ``parts`` settings it overrides (None: the configured parts as given)
 ARMS: dict[str, dict[str, Any] | None] = {
-    "reference": {**REFERENCE_PARTS, "refill": False},
+    "reference": {**REFERENCE_PARTS, "refill_rounds": 0},
     "optimized": None,
     "keep_all": {"filter": "keep_all", "prompt_skip": "none"},
     "cppo": {"filter": "cppo", "prompt_skip": "none"},
-    "dppo": {"filter": "dppo", "refill": False, "prompt_skip": "none"},
+    "dppo": {"filter": "dppo", "refill_rounds": 0, "prompt_skip": "none"},
     "cppo+skip": {"filter": "cppo", "prompt_skip": "history"},
-    "dppo+skip": {"filter": "dppo", "refill": False, "prompt_skip": "history"},
+    "dppo+skip": {"filter": "dppo", "refill_rounds": 0, "prompt_skip": "history"},
 }
 DEFAULT_ARMS = ("reference", "optimized")
 

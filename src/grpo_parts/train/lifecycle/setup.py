@@ -1,0 +1,247 @@
+"""Load the policy, tokenizer and task a :class:`~.config.TrainConfig` names, validating everything
+before a run folder is created (so bad input never leaves a half-made run behind)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import compat
+from ...errors import GRPOPartsError
+from ...task.arithmetic import ArithmeticConfig, ArithmeticTask
+from ...task.data import Task
+from ...task.formats import load_records
+from ...task.jsonl import DataConfig, JsonlTask
+from ...task.reasoning import ReasoningConfig, ReasoningTask
+from ..config import DEFAULT_TASK, TrainConfig
+from .threads import calibrate_threads
+
+log = logging.getLogger("grpo_parts.train")
+
+BUILTIN_MODEL = "tiny_adder"
+#: built-in task name -> its committed warm start (a folder under grpo_parts/assets)
+BUILTIN_MODELS = {"arithmetic": BUILTIN_MODEL, "reasoning": "tiny_reasoner"}
+
+
+def builtin_model_path(task: str = "arithmetic") -> Path:
+    """The committed warm-start checkpoint (transformers folder) of the built-in ``task``."""
+    return Path(str(resources.files("grpo_parts") / "assets" / BUILTIN_MODELS[task]))
+
+
+@dataclass
+class Setup:
+    policy: torch.nn.Module
+    tokenizer: Any
+    task: Task
+    eos_token_ids: tuple[int, ...]
+    ref_model: torch.nn.Module | None
+    device: torch.device
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise GRPOPartsError("device: 'cuda' requested but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+@contextmanager
+def hf_progress(enabled: bool) -> Iterator[None]:
+    """transformers' progress bars (loading, saving) on or off inside the block, as before after it."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+) -> tuple[torch.nn.Module, Any]:
+    """A local transformers causal LM and its tokenizer (never downloads; ``progress=False``: without
+    transformers' loading bar, which would otherwise be the one thing a quiet run prints)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not path.exists():
+        raise GRPOPartsError(
+            f"model: no such directory {str(path)!r} (expected a local transformers checkpoint)"
+        )
+    if not (path / "config.json").is_file():
+        raise GRPOPartsError(
+            f"model: {str(path)!r} has no config.json; expected a transformers checkpoint folder"
+        )
+    try:
+        with hf_progress(progress):
+            tok = _load_tokenizer(path) or AutoTokenizer.from_pretrained(path, local_files_only=True)
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            attn = compat.attn_implementation(compat.causal_lm_class(config))  # sdpa where supported
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=dtype, local_files_only=True, attn_implementation=attn
+            )
+    except (OSError, ValueError) as e:
+        raise GRPOPartsError(f"model: could not load {str(path)!r}: {e}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    model = model.to(device)  # type: ignore[arg-type]
+    return model.eval(), tok
+
+
+def _load_tokenizer(path: Path) -> Any:
+    """A folder whose tokenizer_config.json declares the generic ``PreTrainedTokenizerFast`` (the
+    built-in character tokenizers) is loaded as exactly that: transformers 5 maps the model type
+    (qwen2) to its own byte-level tokenizer class, whose pre-tokenizer drops spaces. None otherwise."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = path / "tokenizer_config.json"
+    try:
+        declared = json.loads(cfg.read_text()).get("tokenizer_class") if cfg.is_file() else None
+    except ValueError:
+        return None
+    if declared != "PreTrainedTokenizerFast" or not (path / "tokenizer.json").is_file():
+        return None
+    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+
+
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        tokenizer.eos_token_id,
+    ):
+        for t in src if isinstance(src, (list, tuple)) else [src]:
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
+    if not ids:
+        raise GRPOPartsError(
+            "model: the tokenizer and generation config define no EOS token; completions could never end"
+        )
+    return tuple(ids)
+
+
+def with_rewards(task: Task, config: TrainConfig) -> Task:
+    """``task`` with ``config.rewards`` as its training reward (imported and checked here)."""
+    from ...task.rewards import RewardedTask, load_rewards
+
+    first = task.train_problem(0)
+    columns = [k for k in (first.columns or {"answer": first.answer}) if k != "prompt"]
+    return RewardedTask(task, load_rewards(config.rewards, columns), config.steps)
+
+
+def _data_config(config: TrainConfig) -> DataConfig:
+    """The ``--data`` file's reading options (``task`` when it is a :class:`DataConfig`)."""
+    return config.task if isinstance(config.task, DataConfig) else DataConfig()
+
+
+def _builtin_task(config: TrainConfig, builtin: bool, notes: list[str]) -> Task | None:
+    """The built-in task of ``config.task`` (noted), or None for ``--data``, whose files are read
+    and checked here, before the model loads (fast one-line errors; chat is rendered later)."""
+    if config.data is not None:
+        data_cfg = _data_config(config)
+        for f in (config.data, config.eval_data):
+            if f is not None:
+                load_records(f, data_cfg.format, data_cfg.prompt_key, data_cfg.answer_key)
+        return None
+    if isinstance(config.task, ReasoningConfig):
+        c = config.task
+        reasoning = ReasoningTask(c, seed=config.seed)
+        terms = lambda lo, hi: f"{lo}" if lo == hi else f"{lo}-{hi}"  # noqa: E731
+        notes.append(
+            f"task: built-in reasoning (an instruction of {len(ReasoningTask.instruction)} tokens, then a sum of "
+            f"{terms(c.min_terms, c.max_terms)} digits, every {c.long_every}th problem "
+            f"{terms(c.long_min_terms, c.long_max_terms)}; worked solutions reduce it line by line)"
+        )
+        return reasoning
+    if isinstance(config.task, ArithmeticConfig):
+        task = ArithmeticTask(config.task, seed=config.seed)
+        notes.append(
+            f"task: built-in chain addition ({config.task.operands} numbers in [0, {config.task.max_value}])"
+        )
+        if not builtin:
+            notes.append("task: a custom --model on the built-in task uses its own tokenizer")
+        return task
+    return None
+
+
+def _model_path(config: TrainConfig, builtin: bool) -> Path:
+    """``--model``, or the built-in warm start of the task (for ``--data``, of the default task)."""
+    builtin_task = (
+        config.task.name if config.task.name in BUILTIN_MODELS else DEFAULT_TASK
+    )  # --data: its default
+    path = builtin_model_path(builtin_task) if builtin else Path(config.model)  # type: ignore[arg-type]
+    if builtin and not (path / "config.json").is_file():
+        raise GRPOPartsError(
+            f"model: the built-in warm start is missing at {str(path)!r}; run "
+            f"scripts/measure/warm_start.py --task {builtin_task}"
+        )
+    return path
+
+
+def _data_task(config: TrainConfig, tok: Any, path: Path, notes: list[str]) -> Task:
+    """The ``--data`` task, its prompts rendered with the model's tokenizer (noted)."""
+    assert config.data is not None
+    jt = JsonlTask.from_files(
+        config.data, config.eval_data, config.eval_fraction, config.seed, _data_config(config), tok, str(path)
+    )
+    notes.append(
+        f"task: {config.data} ({jt.format} format, {len(jt.train)} train / {len(jt.evals)} held-out)"
+    )
+    notes.extend(jt.notes)
+    return jt
+
+
+def _reference_model(config: TrainConfig, policy: torch.nn.Module) -> torch.nn.Module | None:
+    """A frozen copy of the initial policy when KL is in the loss or in the reward, else None."""
+    if not (config.loss.kl_coef > 0 or config.advantage.kl_coef > 0):
+        return None
+    ref_model = copy.deepcopy(policy).eval()
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
+    return ref_model
+
+
+def load_setup(config: TrainConfig) -> Setup:
+    """Everything a run needs, validated. Raises :class:`GRPOPartsError` on bad input."""
+    notes: list[str] = []
+    builtin = config.model is None
+    threads = config.threads or (1 if builtin else None)
+    if threads:
+        # 1 thread is fastest for the tiny built-in model (and far faster on a shared machine)
+        torch.set_num_threads(threads)
+    device = resolve_device(config.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+    task = _builtin_task(config, builtin, notes)
+    torch.manual_seed(config.seed)
+    path = _model_path(config, builtin)
+    policy, tok = load_model(path, dtype, device, progress=config.progress)
+    if config.data is not None:
+        task = _data_task(config, tok, path, notes)
+    assert task is not None
+    if config.rewards:
+        task = with_rewards(task, config)
+        notes.append(
+            f"training reward: {getattr(task, 'grader_name', '')} (held-out accuracy: the task's grader)"
+        )
+    if not threads and device.type == "cpu":  # --model on the CPU: measured, not torch's default
+        notes.append(
+            calibrate_threads(policy, config.prompts_per_step * config.group_size, config.max_new_tokens)[1]
+        )
+    ref_model = _reference_model(config, policy)
+    for n in notes:
+        log.info(n)
+    return Setup(policy, tok, task, eos_ids(policy, tok), ref_model, device, notes)

@@ -1,0 +1,114 @@
+"""Build the four parts (and the prompt skipper) from :class:`~.config.PartsConfig` by name, through :mod:`grpo_parts.build`.
+
+:func:`build_parts` stays here, a thin function over the one builder (:mod:`grpo_parts.build`:
+policy passing, kwargs checks, pydantic configs, default kwargs) with the rules of ``grpo_parts
+train`` alone: a *default* name that is not in this installation's table falls back to the
+reference with a logged note (so the default run works while optimized parts are still landing;
+the kwargs meant for the missing part are dropped), a name the user set explicitly must exist; the
+speculative sampler's ``train_draft`` is off (the loop trains the draft itself, and times it); the
+attention backend is asked ``not_supported_reasons`` for the policy and refuses clearly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...build import (
+    DEFAULT_KWARGS,
+    build_attention,
+    build_draft,
+    build_filter,
+    build_prompt_skipper,
+    build_sampler,
+    implementations,
+    takes_draft,
+)
+from ...errors import GRPOPartsError, NotSupportedError
+from ...sampler import get_sampler_class
+from ...skip.protocol import PromptSkipper
+from ...skip.reference import KeepEveryPrompt
+from ..config import REFERENCE_PARTS, PartsConfig
+
+log = logging.getLogger("grpo_parts.train")
+
+__all__ = ["DEFAULT_KWARGS", "Parts", "build_parts", "resolve_name"]
+
+
+@dataclass
+class Parts:
+    sampler: Any
+    attention: Any
+    filter: Any
+    draft: Any | None = None
+    names: dict[str, str | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    prompt_skip: PromptSkipper = field(default_factory=KeepEveryPrompt)  # before rollout: none = keep all
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.names.items())
+
+
+def resolve_name(part: str, cfg: PartsConfig, notes: list[str]) -> str | None:
+    """The implementation name to use for ``part`` (``None`` only for ``draft``)."""
+    name = getattr(cfg, part)
+    if name is None:
+        return None
+    table = implementations(part)
+    if name in table:
+        return str(name)
+    if part in cfg.model_fields_set:
+        raise GRPOPartsError(
+            f"parts.{part}: unknown implementation {name!r}; expected one of {sorted(table)}"
+        )
+    fallback = REFERENCE_PARTS[part]
+    note = f"parts.{part}: {name!r} is not available in this installation; using the reference {fallback!r}"
+    log.warning(note)
+    notes.append(note)
+    return fallback
+
+
+def _kwargs(part: str, name: str, cfg: PartsConfig) -> dict[str, Any]:
+    """``parts.<part>_kwargs``, or none when ``name`` is a fallback (they were meant for the part
+    that is missing; the builder then uses the fallback's default kwargs)."""
+    return dict(getattr(cfg, f"{part}_kwargs")) if getattr(cfg, part) == name else {}
+
+
+def build_parts(cfg: PartsConfig, policy: torch.nn.Module) -> Parts:
+    """Instantiate sampler (with its draft), attention backend and filter for ``policy``."""
+    notes: list[str] = []
+    names = {p: resolve_name(p, cfg, notes) for p in ("sampler", "draft", "attention", "filter")}
+    sampler_name = names["sampler"]
+    assert sampler_name is not None
+    draft = None
+    if takes_draft(get_sampler_class(sampler_name)):
+        if names["draft"] is None:
+            raise GRPOPartsError(f"parts.draft: sampler {sampler_name!r} needs a draft, got None")
+        draft_kw = _kwargs("draft", names["draft"], cfg)
+        draft = build_draft(names["draft"], policy, kwargs=draft_kw, where="parts.draft_kwargs")
+    else:
+        names["draft"] = None
+    skw = _kwargs("sampler", sampler_name, cfg)
+    if sampler_name == "speculative":
+        skw.setdefault("train_draft", False)  # the loop trains the draft itself (and times it)
+    sampler = build_sampler(sampler_name, policy, draft=draft, kwargs=skw, where="parts.sampler_kwargs")
+    attention_name, filter_name = str(names["attention"]), str(names["filter"])
+    attention = build_attention(
+        attention_name,
+        policy,
+        kwargs=_kwargs("attention", attention_name, cfg),
+        where="parts.attention_kwargs",
+    )
+    filt = build_filter(filter_name, kwargs=_kwargs("filter", filter_name, cfg), where="parts.filter_kwargs")
+    reasons = attention.not_supported_reasons(policy)
+    if reasons:
+        raise NotSupportedError(f"attention {names['attention']!r}", reasons)
+    skipper = build_prompt_skipper(
+        cfg.prompt_skip, kwargs=cfg.prompt_skip_kwargs, where="parts.prompt_skip_kwargs"
+    )
+    if cfg.prompt_skip != "none":
+        names["prompt_skip"] = cfg.prompt_skip
+    return Parts(sampler, attention, filt, draft, names, notes, skipper)
