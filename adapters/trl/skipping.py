@@ -104,6 +104,11 @@ def accept_skipper(trainer: SkipSeam, spec: Any, kwargs: dict[str, Any] | None) 
     if not skips(skipper):
         return None
     reasons = skip_config_reasons(trainer, trainer.parts_options)
+    if skipper.step_size != "fill":
+        reasons.append(
+            f"step_size={skipper.step_size!r}: TRL's generation batch has a fixed size (use 'fill': "
+            "skipped prompts are made up for by drawing more)"
+        )
     if not reasons:
         return skipper
     if trainer.parts_options.strict:

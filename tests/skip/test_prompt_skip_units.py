@@ -259,3 +259,40 @@ def test_the_docs_example_runs() -> None:
     with contextlib.redirect_stdout(buf):
         exec(compile(code.group(1), "docs/filter.md", "exec"), {})
     assert buf.getvalue().split("\n")[:2] == ["0.5 1.0", "2 3 [2.0, 1.0] 1.5"]
+
+
+def test_fewer_draws_the_step_and_rolls_out_only_the_kept() -> None:
+    """``step_size="fewer"``: the round draws exactly ``n`` prompts, keeps each with its own
+    probability (not raised to fill the step), and the normaliser is the ``n`` drawn; the expected
+    weighted sum over every outcome of the design is the drawn batch's (exact enumeration)."""
+    from skip_outcomes import lattice_outcomes
+
+    data = [f"{i}+{i}=" for i in range(4)]
+    s = HistorySkipper(min_keep_prob=0.2, keep_base=0.5, base_step=0.0, step_size="fewer")
+    s.observe(
+        [prompt_key(x) for x in data],
+        torch.tensor([1.0, 0, 0, 1, 0, 0, 1, 1]),
+        torch.arange(4).repeat_interleave(2),
+        torch.tensor([3, 3, 5, 5, 7, 7, 9, 9]),
+    )
+    p = [s.inclusion_probability(prompt_key(x)) for x in data]
+    assert p == [1.0, 1.0, 0.5, 0.5]
+    draw = PromptDraw(s, iter(data * 2), key=prompt_key)
+    got = draw.take(4)
+    assert draw.rounds[0].drawn == 4 and len(got) == 3  # sum p = 3 rolled out of the 4 drawn
+    assert data[0] in got and data[1] in got and draw.normaliser_scale() == pytest.approx(4 / 3)
+    weights = draw.prompt_weights().tolist()
+    assert sorted(weights) == [1.0, 1.0, 2.0]
+    # unbiased: every outcome of the design, weighted 1/p, sums to the drawn batch's total
+    values = [3.0, -1.0, 5.0, 2.0]
+    expected = sum(prob * sum(values[i] / p[i] for i in kept) for kept, prob in lattice_outcomes(p).items())
+    assert expected == pytest.approx(sum(values))
+
+
+def test_fewer_rolls_out_at_least_one_prompt() -> None:
+    s = HistorySkipper(min_keep_prob=0.1, keep_base=0.1, base_step=0.0, step_size="fewer")
+    for pid in range(3):
+        see(s, pid, ZERO)
+    draw = PromptDraw(s, iter([0, 1, 2]), key=int)
+    assert len(draw.take(3)) == 1  # 3 x 0.1 raised to 1: a round never rolls out nothing
+    assert draw.rounds[0].weights.tolist() == [pytest.approx(3.0)]

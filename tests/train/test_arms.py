@@ -22,7 +22,7 @@ def test_arms_change_only_the_filter_and_skipping_and_share_one_loss() -> None:
     p = {a: c.parts for a, c in arms.items()}
     assert [p[a].filter for a in EVERY] == ["keep_all", "cppo", "dppo", "cppo", "dppo"]
     assert [p[a].prompt_skip for a in EVERY] == ["none", "none", "none", "history", "history"]
-    assert not p["dppo"].refill and not p["dppo+skip"].refill  # a weighted filter never refills
+    assert p["dppo"].refill_rounds == p["dppo+skip"].refill_rounds == 0  # a weighted filter never refills
     for c in arms.values():  # sampler and attention as configured; one loss (skipping's) for every arm
         assert (c.parts.sampler, c.parts.attention) == (cfg.parts.sampler, cfg.parts.attention)
         assert c.loss.agg == SKIP_DEFAULT_AGG and c.loss.norm_constant == cfg.max_new_tokens
@@ -31,6 +31,14 @@ def test_arms_change_only_the_filter_and_skipping_and_share_one_loss() -> None:
     assert set(ARMS) >= {"reference", "optimized", *EVERY}
     with pytest.raises(GRPOPartsError, match=r"^--arms: expected names from \["):
         arm_configs(cfg, ["greso"])
+
+
+def test_fewer_arms_roll_out_only_the_kept_prompts_over_the_configured_skip_settings() -> None:
+    cfg = load_config(overrides={"parts.prompt_skip_kwargs": {"min_keep_prob": 0.2}})
+    arms = arm_configs(cfg, ["cppo+skip", "cppo+skip_fewer", "dppo+skip_fewer", "keep_all+skip_fewer"])
+    assert arms["cppo+skip"].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2}
+    for a in ("cppo+skip_fewer", "dppo+skip_fewer", "keep_all+skip_fewer"):
+        assert arms[a].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2, "step_size": "fewer"}
 
 
 def test_an_explicit_token_mean_loss_with_a_skipping_arm_is_refused_before_any_run() -> None:

@@ -112,14 +112,35 @@ class PromptDraw(Iterator[P], Generic[P]):
             total += p
         return drawn, ids
 
+    def _draw_exactly(self, n: int) -> tuple[list[P], list[PromptId], float]:
+        """``n`` prompts from the stream (fewer when it runs out), whatever their probabilities, and
+        the round's target: their probabilities' sum, at least 1 (a round never rolls out nothing)."""
+        drawn: list[P] = []
+        ids: list[PromptId] = []
+        while len(drawn) < n:
+            x = self._peek()
+            if x is None:
+                break
+            self._consume()
+            drawn.append(x)
+            ids.append(self.key(x))
+        total = sum(self.skipper.inclusion_probability(i) for i in ids)
+        return drawn, ids, min(float(len(ids)), max(1.0, total))
+
     def take(self, n: int) -> list[P]:
-        """Up to ``n`` prompts to roll out (exactly ``n`` unless the stream ran out), in stream order."""
+        """Prompts to roll out, in stream order. ``step_size="fill"``: exactly ``n`` unless the stream
+        ran out (more are drawn to make up for the skipped); ``"fewer"``: ``n`` are drawn and the
+        kept ones -- about their probabilities' sum -- rolled out."""
         if n <= 0:
             return []
-        drawn, ids = self._draw(n)
+        if self.skipper.step_size == "fewer":
+            drawn, ids, target = self._draw_exactly(n)
+        else:
+            drawn, ids = self._draw(n)
+            target = float(min(n, len(ids)))
         if not drawn:
             return []
-        d = self.skipper.decide(ids, target=float(min(n, len(ids))))
+        d = self.skipper.decide(ids, target=target)
         kept = d.kept.tolist()
         weights = (
             torch.ones(len(kept), dtype=torch.float64) if d.weights is None else d.weights.cpu().double()

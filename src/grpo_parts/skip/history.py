@@ -22,6 +22,10 @@ least recently observed are forgotten). ``keep_base`` adapts after every :meth:`
 ``base_step`` within ``[min_base, max_base]``: ``target="zero_variance"`` (GRESO's) lowers it (skips
 more) while the share of zero-variance groups among those rolled out is at least ``target_share``;
 ``target="skip"`` lowers it while the expected share of drawn prompts skipped is below ``target_share``.
+
+``step_size`` says how a skip pays (:class:`~.draw.PromptDraw`): ``"fill"`` keeps the step's prompt
+count by drawing more prompts (today's default), ``"fewer"`` draws the step's prompts and rolls out
+only those kept (a cheaper step; the same ``1 / p`` weights and drawn-batch normaliser).
 """
 
 from __future__ import annotations
@@ -79,6 +83,10 @@ class HistorySkipper(BaseModel):
     max_base: float = Field(0.95, gt=0.0, lt=1.0)
     base_step: float = Field(0.01, ge=0.0, lt=1.0, description="change of keep_base per observe (0: fixed)")
     target: Literal["zero_variance", "skip"] = "zero_variance"
+    step_size: Literal["fill", "fewer"] = Field(
+        "fill",
+        description="fill: the step keeps its prompts by drawing more; fewer: it rolls out only the kept ones",
+    )
     target_share: float = Field(0.25, ge=0.0, le=1.0)
     capacity: int = Field(1_000_000, ge=1, description="prompts remembered at most")
     seed: int = Field(0, ge=0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -98,10 +98,15 @@ class PromptSkipper(Protocol):
 
     ``min_keep_prob`` (> 0): no prompt's inclusion probability is below it (1 = never skips: the
     reference); it also bounds how many prompts one round may draw (``n / min_keep_prob``).
+    ``step_size``: how a skipped prompt pays (:class:`~.draw.PromptDraw`): ``"fill"`` -- the step
+    keeps its ``n`` prompts by drawing more (more informative steps); ``"fewer"`` -- the step draws
+    ``n`` prompts and rolls out only those kept (cheaper steps). Either way the normaliser is the
+    drawn prompts', fixed before the draw.
     """
 
     name: ClassVar[str]
     min_keep_prob: float
+    step_size: Literal["fill", "fewer"]
 
     def inclusion_probability(self, prompt_id: PromptId) -> float:
         """``p`` of a prompt drawn now, from its history alone (1 without zero-variance history)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -17,6 +17,7 @@ class KeepEveryPrompt:
 
     name: ClassVar[str] = "none"
     min_keep_prob: float = 1.0
+    step_size: Literal["fill", "fewer"] = "fill"
 
     def inclusion_probability(self, prompt_id: PromptId) -> float:
         return 1.0

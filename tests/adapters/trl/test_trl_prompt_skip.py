@@ -172,6 +172,18 @@ def test_refused_where_it_cannot_stay_unbiased(
     assert lenient.gp_skipper is None and any(needle in r for r in lenient.parts_refused["prompt_skip"])
 
 
+def test_a_step_that_rolls_out_fewer_prompts_is_refused(base: torch.nn.Module) -> None:
+    """``step_size='fewer'`` would shrink TRL's fixed-size generation batch: refused in one line."""
+    args = _tiny.config(loss_type="grpo")
+    with pytest.raises(NotSupportedError, match="step_size='fewer'") as e:
+        GRPOPartsTrainer(
+            model=_tiny.policy_for(base, args), reward_funcs=_tiny.reward, args=args,
+            train_dataset=_tiny.dataset(), processing_class=_tiny.tokenizer(), prompt_skip="history",
+            prompt_skip_kwargs={"step_size": "fewer"},
+        )  # fmt: skip
+    assert "\n" not in str(e.value)
+
+
 def test_none_and_a_skipper_that_never_skips_leave_trl_as_is(base: torch.nn.Module) -> None:
     for spec, kwargs in (("none", None), ("history", {"min_keep_prob": 1.0})):
         tr = _tiny.build(GRPOPartsTrainer, base, _tiny.config(), prompt_skip=spec, prompt_skip_kwargs=kwargs)

@@ -3,8 +3,9 @@ what they are compared on.
 
 ``reference`` and ``optimized`` are today's default pair (every reference part vs the configured
 parts). The filter arms keep the configured sampler and attention and change only what is trained
-and rolled out: no filter, CPPO, ``dppo`` (unbiased pruning), and each of the last two behind
-history prompt skipping. When an arm skips prompts and ``loss.agg`` was left at its default, every
+and rolled out: no filter, CPPO, ``dppo`` (unbiased pruning), and each behind history prompt
+skipping, in both ways a skip can pay: the step keeps its size by drawing more prompts (``+skip``) or
+rolls out fewer prompts (``+skip_fewer``, cheaper steps). When an arm skips prompts and ``loss.agg`` was left at its default, every
 arm trains the loss skipping trains (:data:`~.config.SKIP_DEFAULT_AGG` with ``norm_constant =
 max_new_tokens``), so the arms differ in their parts only.
 
@@ -21,6 +22,8 @@ from ...errors import GRPOPartsError
 from ..config import REFERENCE_PARTS, TrainConfig, skip_default_loss
 from ..reporting.metrics import summarize
 
+#: how the ``*_fewer`` arms skip: the step draws its prompts and rolls out only the kept ones
+FEWER: dict[str, Any] = {"step_size": "fewer"}
 #: arm -> the ``parts`` settings it overrides (None: the configured parts as given)
 ARMS: dict[str, dict[str, Any] | None] = {
     "reference": {**REFERENCE_PARTS, "refill_rounds": 0},
@@ -30,6 +33,15 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "dppo": {"filter": "dppo", "refill_rounds": 0, "prompt_skip": "none"},
     "cppo+skip": {"filter": "cppo", "prompt_skip": "history"},
     "dppo+skip": {"filter": "dppo", "refill_rounds": 0, "prompt_skip": "history"},
+    # the step rolls out only the kept prompts (cheaper steps) instead of drawing more to fill up
+    "cppo+skip_fewer": {"filter": "cppo", "prompt_skip": "history", "prompt_skip_kwargs": FEWER},
+    "dppo+skip_fewer": {
+        "filter": "dppo",
+        "refill_rounds": 0,
+        "prompt_skip": "history",
+        "prompt_skip_kwargs": FEWER,
+    },
+    "keep_all+skip_fewer": {"filter": "keep_all", "prompt_skip": "history", "prompt_skip_kwargs": FEWER},
 }
 DEFAULT_ARMS = ("reference", "optimized")
 
@@ -47,8 +59,16 @@ def arm_configs(config: TrainConfig, arms: list[str] | tuple[str, ...]) -> dict[
     out = {}
     for arm in arms:
         data = dict(base)
-        if ARMS[arm] is not None:
-            data["parts"] = {**base.get("parts", {}), **ARMS[arm]}  # type: ignore[dict-item]
+        own = ARMS[arm]
+        if own is not None:
+            given = dict(base.get("parts", {}))
+            parts = {**given, **own}
+            if "prompt_skip_kwargs" in own:  # the arm's skip settings on top of the configured ones
+                parts["prompt_skip_kwargs"] = {
+                    **given.get("prompt_skip_kwargs", {}),
+                    **own["prompt_skip_kwargs"],
+                }
+            data["parts"] = parts
         out[arm] = TrainConfig.model_validate(data)
     return out
 
