@@ -34,8 +34,13 @@ def test_arms_change_only_the_filter_and_skipping_and_share_one_loss() -> None:
 
 
 def test_fewer_arms_roll_out_only_the_kept_prompts_over_the_configured_skip_settings() -> None:
-    cfg = load_config(overrides={"parts.prompt_skip_kwargs": {"min_keep_prob": 0.2}})
-    arms = arm_configs(cfg, ["cppo+skip", "cppo+skip_fewer", "dppo+skip_fewer", "keep_all+skip_fewer"])
+    cfg = load_config(
+        overrides={"parts.prompt_skip": "history", "parts.prompt_skip_kwargs": {"min_keep_prob": 0.2}}
+    )
+    arms = arm_configs(
+        cfg, ["cppo", "cppo+skip", "cppo+skip_fewer", "dppo+skip_fewer", "keep_all+skip_fewer"]
+    )
+    assert arms["cppo"].parts.prompt_skip == "none" and arms["cppo"].parts.prompt_skip_kwargs == {}
     assert arms["cppo+skip"].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2}
     for a in ("cppo+skip_fewer", "dppo+skip_fewer", "keep_all+skip_fewer"):
         assert arms[a].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2, "step_size": "fewer"}

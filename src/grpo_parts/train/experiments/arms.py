@@ -68,6 +68,8 @@ def arm_configs(config: TrainConfig, arms: list[str] | tuple[str, ...]) -> dict[
                     **given.get("prompt_skip_kwargs", {}),
                     **own["prompt_skip_kwargs"],
                 }
+            if parts.get("prompt_skip") == "none":  # the configured skip settings belong to skipping arms
+                parts.pop("prompt_skip_kwargs", None)
             data["parts"] = parts
         out[arm] = TrainConfig.model_validate(data)
     return out
