@@ -296,3 +296,36 @@ def test_fewer_rolls_out_at_least_one_prompt() -> None:
     draw = PromptDraw(s, iter([0, 1, 2]), key=int)
     assert len(draw.take(3)) == 1  # 3 x 0.1 raised to 1: a round never rolls out nothing
     assert draw.rounds[0].weights.tolist() == [pytest.approx(3.0)]
+
+
+def test_posterior_rule_keeps_by_the_chance_the_next_group_is_informative() -> None:
+    """``rule="posterior"``: ``p = max(floor, 1 - E[q^G + (1-q)^G])`` under the prompt's Beta pass-rate
+    posterior (checked against numeric integration); more all-pass evidence skips more; rewards
+    outside [0, 1] are refused before anything is recorded; the history survives a checkpoint."""
+    from grpo_parts.skip.history import zero_variance_probability
+
+    q = torch.linspace(0, 1, 200001, dtype=torch.float64)
+    for passes, trials, g in ((7.0, 8.0, 8), (2.0, 4.0, 4), (0.0, 16.0, 8)):
+        a, b = 1 + passes, 1 + trials - passes
+        dens = q ** (a - 1) * (1 - q) ** (b - 1)
+        want = float(torch.trapezoid(dens * (q**g + (1 - q) ** g), q) / torch.trapezoid(dens, q))
+        assert zero_variance_probability(passes, trials, g) == pytest.approx(want, rel=1e-6)
+    s = HistorySkipper(rule="posterior", min_keep_prob=0.05, base_step=0.0, window=8)
+    ones = torch.ones(8)
+    gi = torch.zeros(8, dtype=torch.long)
+    s.observe([1], ones, gi)
+    once = s.inclusion_probability(1)
+    s.observe([1], ones, gi)
+    twice = s.inclusion_probability(1)
+    assert 0.05 <= twice < once < 1.0  # more all-pass evidence: skipped more
+    s.observe([2], torch.tensor([1.0, 0, 1, 0, 1, 0, 1, 0]), gi)
+    assert s.inclusion_probability(2) == 1.0  # its last group had variance
+    with pytest.raises(GRPOPartsError, match=r"^rewards: rule='posterior' reads rewards in \[0, 1\]"):
+        s.observe([3], torch.full((8,), 2.0), gi)
+    assert s.record(3) is None
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    buf.seek(0)
+    back = HistorySkipper(rule="posterior", min_keep_prob=0.05, base_step=0.0, window=8)
+    back.load_state_dict(torch.load(buf, weights_only=True))
+    assert back.inclusion_probability(1) == pytest.approx(twice)

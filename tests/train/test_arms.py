@@ -44,6 +44,8 @@ def test_fewer_arms_roll_out_only_the_kept_prompts_over_the_configured_skip_sett
     assert arms["cppo+skip"].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2}
     for a in ("cppo+skip_fewer", "dppo+skip_fewer", "keep_all+skip_fewer"):
         assert arms[a].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2, "step_size": "fewer"}
+    posterior = arm_configs(cfg, ["cppo+skip_posterior"])["cppo+skip_posterior"].parts
+    assert posterior.prompt_skip_kwargs == {"min_keep_prob": 0.2, "rule": "posterior"}
 
 
 def test_an_explicit_token_mean_loss_with_a_skipping_arm_is_refused_before_any_run() -> None:

@@ -23,6 +23,13 @@ least recently observed are forgotten). ``keep_base`` adapts after every :meth:`
 more) while the share of zero-variance groups among those rolled out is at least ``target_share``;
 ``target="skip"`` lowers it while the expected share of drawn prompts skipped is below ``target_share``.
 
+``rule="posterior"`` (beyond GRESO's rule) reads rewards in ``[0, 1]`` as pass rates and keeps a
+Beta posterior per prompt over its pass rate ``q`` (discounted pass and rollout counts, a uniform
+prior); a prompt past ``min_streak`` is kept with ``p = max(min_keep_prob, 1 - P(zero variance))``,
+``P(zero variance) = E[q^G + (1 - q)^G]`` for its last group size ``G``
+(:func:`zero_variance_probability`): a prompt that always passes is skipped more the more evidence
+it has, a prompt near 50% is never skipped for a lucky streak. Same ``1 / p`` weights.
+
 ``step_size`` says how a skip pays (:class:`~.draw.PromptDraw`): ``"fill"`` keeps the step's prompt
 count by drawing more prompts (today's default), ``"fewer"`` draws the step's prompts and rolls out
 only those kept (a cheaper step; the same ``1 / p`` weights and drawn-batch normaliser).
@@ -42,7 +49,7 @@ from ..core.inclusion import probabilities_for_target, systematic_sample
 from ..errors import GRPOPartsError, check_tensor
 from .protocol import PromptId, SkipDecision
 
-__all__ = ["HistorySkipper", "PromptRecord"]
+__all__ = ["HistorySkipper", "PromptRecord", "zero_variance_probability"]
 
 
 @dataclass
@@ -55,6 +62,11 @@ class PromptRecord:
     mean_reward: float = 0.0
     length: float = math.nan
     seen: int = 0
+    #: ``rule="posterior"``: discounted pass count and rollouts (each older group weighs
+    #: ``1 - 1 / window`` less) and the last group's size
+    passes: float = 0.0
+    trials: float = 0.0
+    group: int = 0
 
     @property
     def streak(self) -> int:
@@ -83,6 +95,9 @@ class HistorySkipper(BaseModel):
     max_base: float = Field(0.95, gt=0.0, lt=1.0)
     base_step: float = Field(0.01, ge=0.0, lt=1.0, description="change of keep_base per observe (0: fixed)")
     target: Literal["zero_variance", "skip"] = "zero_variance"
+    rule: Literal["streak", "posterior"] = Field(
+        "streak", description="streak: keep_base ** z (GRESO); posterior: 1 - P(next group zero-variance)"
+    )
     step_size: Literal["fill", "fewer"] = Field(
         "fill",
         description="fill: the step keeps its prompts by drawing more; fewer: it rolls out only the kept ones",
@@ -125,8 +140,10 @@ class HistorySkipper(BaseModel):
     def inclusion_probability(self, prompt_id: PromptId) -> float:
         rec = self._records.get(int(prompt_id))
         z = 0 if rec is None else rec.streak
-        if z < self.min_streak:
+        if rec is None or z < self.min_streak:
             return 1.0
+        if self.rule == "posterior":
+            return max(self.min_keep_prob, 1.0 - zero_variance_probability(rec.passes, rec.trials, rec.group))
         return max(self.min_keep_prob, self._base**z)
 
     def decide(
@@ -161,6 +178,13 @@ class HistorySkipper(BaseModel):
         """Record each rolled-out group (zero variance: every reward of the group equal, by exact
         comparison; a group of one counts as zero-variance), then adapt ``keep_base`` once."""
         stats = _group_stats(len(prompt_ids), rewards, group_index, lengths)
+        lo, hi = (float(stats[1].min()), float(stats[2].max())) if len(prompt_ids) else (0.0, 0.0)
+        if self.rule == "posterior" and (
+            lo < 0.0 or hi > 1.0
+        ):  # (a group without rows: +inf / -inf, never tripping it)
+            raise GRPOPartsError(
+                f"rewards: rule='posterior' reads rewards in [0, 1] as pass rates, got [{lo:g}, {hi:g}]"
+            )
         observed = zero = 0
         for g, pid in enumerate(prompt_ids):
             count, rmin, rmax, mean, var, length = (float(x[g]) for x in stats)
@@ -169,6 +193,7 @@ class HistorySkipper(BaseModel):
             observed += 1
             zero += int(rmin == rmax)
             self._remember(int(pid), rmin == rmax, var, mean, length)
+            self._count_passes(int(pid), mean * count, int(count))
         self._adapt(zero / observed if observed else 0.0)
 
     def _remember(self, pid: PromptId, zero: bool, var: float, mean: float, length: float) -> None:
@@ -180,6 +205,13 @@ class HistorySkipper(BaseModel):
         self._records[pid] = rec  # most recently observed last
         while len(self._records) > self.capacity:
             del self._records[next(iter(self._records))]
+
+    def _count_passes(self, pid: PromptId, passes: float, rows: int) -> None:
+        rec = self._records.get(pid)
+        if rec is None:  # (forgotten at once: capacity)
+            return
+        keep = 1.0 - 1.0 / self.window
+        rec.passes, rec.trials, rec.group = keep * rec.passes + passes, keep * rec.trials + rows, rows
 
     def _adapt(self, zero_share: float) -> None:
         drawn, skipped = self._pending
@@ -214,11 +246,14 @@ class HistorySkipper(BaseModel):
         for row, (_, rec) in enumerate(recs):
             if rec.flags:
                 flags[row, self.window - len(rec.flags) :] = torch.tensor(rec.flags, dtype=torch.int8)
-        floats = torch.tensor([[r.variance, r.mean_reward, r.length] for _, r in recs], dtype=torch.float64)
+        floats = torch.tensor(
+            [[r.variance, r.mean_reward, r.length, r.passes, r.trials, r.group] for _, r in recs],
+            dtype=torch.float64,
+        )
         return {
             "ids": torch.tensor([pid for pid, _ in recs], dtype=torch.int64),
             "flags": flags,
-            "stats": floats.reshape(len(recs), 3),
+            "stats": floats.reshape(len(recs), 6),
             "seen": torch.tensor([r.seen for _, r in recs], dtype=torch.int64),
             "keep_base": self._base,
             "pending": list(self._pending),
@@ -240,8 +275,26 @@ class HistorySkipper(BaseModel):
         self._records = {}
         for row, pid in enumerate(ids.tolist()):
             fl = [bool(x) for x in flags[row].tolist() if x >= 0][-self.window :]
-            var, mean, length = stats[row].tolist()
-            self._records[int(pid)] = PromptRecord(fl, var, mean, length, int(seen[row]))
+            var, mean, length, *posterior = stats[row].tolist()  # (3 columns before rule="posterior")
+            passes, trials, group = posterior if posterior else (0.0, 0.0, 0)
+            self._records[int(pid)] = PromptRecord(
+                fl, var, mean, length, int(seen[row]), passes, trials, int(group)
+            )
+
+
+def zero_variance_probability(passes: float, trials: float, group: int) -> float:
+    """``P(a group of `group` rollouts has zero reward variance)`` under a Beta(1 + passes,
+    1 + trials - passes) posterior over the prompt's pass rate ``q``: ``E[q^G + (1 - q)^G]`` =
+    ``B(a + G, b) / B(a, b) + B(a, b + G) / B(a, b)``; 0 for an empty group."""
+    if group <= 0:
+        return 0.0
+    a, b = 1.0 + passes, 1.0 + max(0.0, trials - passes)
+
+    def log_beta(x: float, y: float) -> float:
+        return math.lgamma(x) + math.lgamma(y) - math.lgamma(x + y)
+
+    base = log_beta(a, b)
+    return min(1.0, math.exp(log_beta(a + group, b) - base) + math.exp(log_beta(a, b + group) - base))
 
 
 def _group_stats(

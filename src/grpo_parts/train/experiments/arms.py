@@ -42,6 +42,12 @@ ARMS: dict[str, dict[str, Any] | None] = {
         "prompt_skip_kwargs": FEWER,
     },
     "keep_all+skip_fewer": {"filter": "keep_all", "prompt_skip": "history", "prompt_skip_kwargs": FEWER},
+    # the skip probability from each prompt's pass-rate posterior instead of keep_base ** streak
+    "cppo+skip_posterior": {
+        "filter": "cppo",
+        "prompt_skip": "history",
+        "prompt_skip_kwargs": {"rule": "posterior"},
+    },
 }
 DEFAULT_ARMS = ("reference", "optimized")
 
