@@ -178,10 +178,9 @@ class HistorySkipper(BaseModel):
         """Record each rolled-out group (zero variance: every reward of the group equal, by exact
         comparison; a group of one counts as zero-variance), then adapt ``keep_base`` once."""
         stats = _group_stats(len(prompt_ids), rewards, group_index, lengths)
+        # a group without rows has min +inf and max -inf, which never trips the range check
         lo, hi = (float(stats[1].min()), float(stats[2].max())) if len(prompt_ids) else (0.0, 0.0)
-        if self.rule == "posterior" and (
-            lo < 0.0 or hi > 1.0
-        ):  # (a group without rows: +inf / -inf, never tripping it)
+        if self.rule == "posterior" and (lo < 0.0 or hi > 1.0):
             raise GRPOPartsError(
                 f"rewards: rule='posterior' reads rewards in [0, 1] as pass rates, got [{lo:g}, {hi:g}]"
             )
