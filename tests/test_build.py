@@ -191,7 +191,7 @@ def test_train_builds_through_the_builder(policy: torch.nn.Module, counted: list
     from grpo_parts.train.config import PartsConfig
     from grpo_parts.train.step.parts import build_parts
 
-    parts = build_parts(PartsConfig(sampler="speculative", draft="ngram", filter="cppo"), policy)
+    parts = build_parts(PartsConfig.for_door("train", {"filter": "cppo"}), policy)
     assert parts.filter.pruning_rate == 0.75 and parts.sampler.draft is parts.draft
     assert sorted(counted) == [
         "attention:shared_prefix", "draft:ngram", "filter:cppo", "prompt_skip:none", "sampler:speculative"
@@ -235,7 +235,7 @@ def test_verl_builds_through_the_builder(policy: torch.nn.Module, counted: list[
 
 def test_openrlhf_builds_through_the_builder(policy: torch.nn.Module, counted: list[str]) -> None:
     pytest.importorskip("openrlhf")
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig as PartsConfig
 
     parts = PartsConfig(attention="auto", filter="cppo", filter_kwargs='{"k": 3}')
     assert parts.build_filter().k == 3

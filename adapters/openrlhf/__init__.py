@@ -5,7 +5,7 @@ OpenRLHF has no plugin registry, so the parts go in by subclassing, and an entry
 that script's imports resolving to the subclasses (nothing global is reassigned). Modules (each
 imports OpenRLHF only when it is itself imported):
 
-* :mod:`.config` -- ``PartsConfig``: the ``--grpo_parts.*`` flags, carried in ``strategy.args``.
+* :mod:`.config` -- ``OpenRLHFPartsConfig``: the ``--grpo_parts.*`` flags, carried in ``strategy.args``.
 * :mod:`.layout` -- OpenRLHF's right-padded ``sequences``/``action_mask`` <-> ``LogprobBatch`` (no OpenRLHF import).
 * :mod:`.actor` -- AttentionBackend: ``GRPOPartsActor`` (OpenRLHF's ``Actor``; ``use_backend(backend)``
   makes its ``forward`` compute log-probs with the backend: shared-prefix for padded and packed inputs).
@@ -26,6 +26,9 @@ imports OpenRLHF only when it is itself imported):
 
 from __future__ import annotations
 
-from .config import PartsConfig
+from .config import OpenRLHFPartsConfig
 
-__all__ = ["PartsConfig"]
+#: the earlier name of :class:`OpenRLHFPartsConfig` (re-exported: users import it from here)
+PartsConfig = OpenRLHFPartsConfig
+
+__all__ = ["OpenRLHFPartsConfig", "PartsConfig"]

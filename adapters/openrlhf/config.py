@@ -2,29 +2,35 @@
 
 The launcher adds ``--grpo_parts.*`` flags to OpenRLHF's own parser; OpenRLHF's ``hierarchize``
 turns them into ``args.grpo_parts`` (a namespace), which travels to every Ray actor inside
-``strategy.args``. :meth:`PartsConfig.from_args` reads it back there, so nothing depends on
+``strategy.args``. :meth:`OpenRLHFPartsConfig.from_args` reads it back there, so nothing depends on
 environment variables or global state.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_parts.core import LossConfig
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.protocol import WeighsLoss
+from grpo_parts.parts_config import PartsConfig
+
+#: ``--grpo_parts.group_rows`` -> ``PartsConfig.group_rows``
+GROUP_ROWS = {"auto": None, "on": True, "off": False}
 
 #: flag name (after ``--grpo_parts.``) -> (type for argparse, default, help)
 FLAGS: dict[str, tuple[type, Any, str]] = {
     "attention": (
         str,
-        "reference",
-        "AttentionBackend for actor/reference log-probs: reference | shared_prefix | auto",
+        "none",
+        "AttentionBackend for actor/reference log-probs: none (OpenRLHF's own forward; earlier "
+        "'reference' reads as it) | shared_prefix | auto",
     ),
     "attention_kwargs": (str, "{}", 'JSON kwargs for the attention backend, e.g. \'{"kernel": "sdpa"}\''),
     "filter": (str, "keep_all", "CompletionFilter applied after group advantages: keep_all | cppo | ..."),
@@ -34,16 +40,18 @@ FLAGS: dict[str, tuple[type, Any, str]] = {
         0,
         "max extra rollout rounds that refill slots freed by the filter (0 = no refill)",
     ),
-    "filter_rounding": (
+    "kept_rounding": (
         str,
         "up",
         "make the kept rows a multiple of --train.batch_size (whole optimizer steps, equal rows per "
-        "rank): up (re-add the best pruned rows) | down (drop the worst kept rows)",
+        "rank): up (re-add the best pruned rows) | down (drop the worst kept rows); earlier "
+        "--grpo_parts.filter_rounding reads as it",
     ),
-    "grouped_microbatches": (
+    "group_rows": (
         str,
         "auto",
-        "keep each prompt's completions in the same training micro-batch: auto (= on with a non-reference attention) | on | off",
+        "keep each prompt's completions in the same training micro-batch: auto (= on with an attention "
+        "backend) | on | off; earlier --grpo_parts.grouped_microbatches reads as it",
     ),
     "speculative_config": (
         str,
@@ -74,21 +82,47 @@ def _json_dict(name: str, v: Any) -> dict[str, Any]:
     return out
 
 
-class PartsConfig(BaseModel):
-    """The parts to use. Defaults reproduce plain OpenRLHF GRPO exactly."""
+#: earlier flag names -> their one name (grpo_parts.parts_config.PartsConfig), read with a logged note
+LEGACY_FLAGS = {"filter_rounding": "kept_rounding", "grouped_microbatches": "group_rows"}
+#: shared settings this door does not offer -> what to use instead
+NOT_OFFERED = {
+    "sampler": "OpenRLHF generates in its vLLM engines: give --grpo_parts.speculative_config",
+    "draft": "give the draft in --grpo_parts.speculative_config (vLLM's own format)",
+    "prompt_skip": "OpenRLHF draws the prompts in its own dataloader (docs/doors.md)",
+}
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    attention: str = "reference"
-    attention_kwargs: dict[str, Any] = Field(default_factory=dict)
-    filter: str = "keep_all"
-    filter_kwargs: dict[str, Any] = Field(default_factory=dict)
-    refill_rounds: int = Field(0, ge=0)
-    filter_rounding: str = "up"
-    grouped_microbatches: str = "auto"
+class OpenRLHFPartsConfig(PartsConfig):
+    """The one :class:`~grpo_parts.parts_config.PartsConfig` as the ``--grpo_parts.*`` flags give it,
+    plus the settings only this door has (``speculative_config``, ``draft_sync``,
+    ``check_first_batch``). Defaults reproduce plain OpenRLHF exactly. Flag strings are read as the
+    shared fields: ``attention none`` (or the earlier ``reference``) = OpenRLHF's own forward,
+    ``group_rows auto|on|off`` = None/True/False."""
+
     speculative_config: dict[str, Any] = Field(default_factory=dict)
     draft_sync: str = "none"
     check_first_batch: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flags(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for old, new in LEGACY_FLAGS.items():
+            if old in out:
+                if new in out:
+                    raise ValueError(f"give --grpo_parts.{new} only (--grpo_parts.{old} is its earlier name)")
+                out[new] = out.pop(old)
+                logging.getLogger(__name__).warning("--grpo_parts.%s is now --grpo_parts.%s", old, new)
+        if out.get("attention") in ("none", "reference", ""):
+            out["attention"] = None  # OpenRLHF's own forward
+        if isinstance(out.get("group_rows"), str):
+            value = out["group_rows"]
+            if value not in GROUP_ROWS:
+                raise ValueError(f"group_rows: expected 'auto', 'on' or 'off', got {value!r}")
+            out["group_rows"] = GROUP_ROWS[value]
+        return out
 
     @field_validator("attention_kwargs", "filter_kwargs", "speculative_config", mode="before")
     @classmethod
@@ -102,29 +136,23 @@ class PartsConfig(BaseModel):
             raise ValueError(f"draft_sync: expected 'none' or 'shared', got {v!r}")
         return v
 
-    @field_validator("filter_rounding")
-    @classmethod
-    def _rounding(cls, v: str) -> str:
-        if v not in ("up", "down"):
-            raise ValueError(f"filter_rounding: expected 'up' or 'down', got {v!r}")
-        return v
-
-    @field_validator("grouped_microbatches")
-    @classmethod
-    def _grouped(cls, v: str) -> str:
-        if v not in ("auto", "on", "off"):
-            raise ValueError(f"grouped_microbatches: expected 'auto', 'on' or 'off', got {v!r}")
-        return v
+    @model_validator(mode="after")
+    def _offered(self) -> OpenRLHFPartsConfig:
+        reasons = self.refusals("openrlhf", NOT_OFFERED)
+        if reasons:
+            raise ValueError(reasons[0])
+        return self
 
     def use_grouped_microbatches(self, dynamic_batch: bool) -> bool:
-        if self.grouped_microbatches == "on" and dynamic_batch:
-            raise GRPOPartsError("grouped_microbatches=on: not with --train.dynamic_batch_enable")
-        if self.grouped_microbatches == "auto":
-            return self.attention != "reference" and not dynamic_batch
-        return self.grouped_microbatches == "on"
+        """``group_rows`` resolved: on with an attention backend unless OpenRLHF balances by tokens."""
+        if self.group_rows and dynamic_batch:
+            raise GRPOPartsError("group_rows=on: not with --train.dynamic_batch_enable")
+        if self.group_rows is None:
+            return self.attention is not None and not dynamic_batch
+        return self.group_rows
 
     @classmethod
-    def from_args(cls, args: Any) -> PartsConfig:
+    def from_args(cls, args: Any) -> OpenRLHFPartsConfig:
         """Read ``args.grpo_parts`` (absent = defaults, i.e. plain OpenRLHF)."""
         ns = getattr(args, "grpo_parts", None)
         if ns is None:
@@ -145,6 +173,8 @@ class PartsConfig(BaseModel):
         them)."""
         from grpo_parts.build import build_attention
 
+        if self.attention is None:
+            raise GRPOPartsError("attention: OpenRLHF's own forward has no backend to build")
         return build_attention(
             self.attention, model, kwargs=self.attention_kwargs, where="grpo_parts.attention_kwargs"
         )

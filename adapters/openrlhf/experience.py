@@ -19,7 +19,7 @@ only (re-added rows train with weight 0), and each kept row's per-token advantag
 its weight times ``kept rows / rolled-out rows``: OpenRLHF divides each optimizer step by its row
 count (``seq-mean-token-mean``, whole ``--train.batch_size`` steps), so every step's expected
 gradient is the full batch's mean. Settings that cannot stay unbiased are refused at construction
-(:func:`~.config.weighted_filter_reasons`); ``grpo_parts/filter/weighted_rows`` counts the weighted rows.
+(:func:`~.config.weighted_filter_reasons`); ``parts/filter/weighted_rows`` counts the weighted rows.
 """
 
 from __future__ import annotations
@@ -194,16 +194,16 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             if res.weights is not None:
                 self.last_info[WEIGHTED_ROWS] = float(_weigh(samples, res.kept, res.weights, kept))
             return [samples[i] for i in kept.tolist()]
-        from grpo_parts.filter.allocation import Chunk, Refiller
+        from grpo_parts.filter.allocation import Refiller, Round
 
         first = [True]
 
         def produce(n: int) -> Any:
             if first[0]:
                 first[0] = False
-                return Chunk(samples, scored, len(samples) // self.group_size)
+                return Round(samples, scored, len(samples) // self.group_size)
             more = self._generate_more(n)
-            return Chunk(more, self.score(more), len(more) // self.group_size) if more else None
+            return Round(more, self.score(more), len(more) // self.group_size) if more else None
 
         refiller = Refiller(
             target_size=target,
@@ -212,18 +212,18 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         )
         out = refiller.fill(self.completion_filter, produce)
         self.counters.ran("filter", n=out.rounds)
-        rounded = self._round([s.chunk.scored for s in out.selections], [s.kept for s in out.selections])
+        rounded = self._round([s.round.scored for s in out.selections], [s.kept for s in out.selections])
         self.last_info = {
             **out.info,
             "refill_prompts": float(out.prompts_used - len(samples) // self.group_size),
             "rounded_rows": float(self.rounded_rows),
         }
-        return [sel.chunk.payload[i] for sel, k in zip(out.selections, rounded) for i in k.tolist()]
+        return [sel.round.payload[i] for sel, k in zip(out.selections, rounded) for i in k.tolist()]
 
     def _round(
         self, scored: list[ScoredBatch], kept: list[torch.Tensor], weighted: bool = False
     ) -> list[torch.Tensor]:
-        """Round the kept rows of all rounds to :attr:`batch_multiple` (``--grpo_parts.filter_rounding``),
+        """Round the kept rows of all rounds to :attr:`batch_multiple` (``--grpo_parts.kept_rounding``),
         unless the filter kept every row it saw (then the batch is what plain OpenRLHF trains on).
         A weighted draw rounds up only: dropping drawn rows would bias it."""
         total = sum(int(k.numel()) for k in kept)

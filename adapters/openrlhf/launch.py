@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 
 from ._scoped import run_entry_script
-from .config import FLAGS, PartsConfig, weighted_filter_reasons
+from .config import FLAGS, LEGACY_FLAGS, OpenRLHFPartsConfig, weighted_filter_reasons
 
 OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
 PROG = "python -m grpo_parts_adapters.openrlhf.launch"
@@ -35,14 +35,17 @@ def add_parts_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("grpo_parts", "grpo_parts accelerators (docs/adapters/openrlhf.md)")
     for name, (typ, default, help_) in FLAGS.items():
         group.add_argument(f"--grpo_parts.{name}", type=typ, default=default, help=help_)
+    for old in LEGACY_FLAGS:  # earlier names, read as their one name (logged)
+        group.add_argument(f"--grpo_parts.{old}", type=str, default=None, help=argparse.SUPPRESS)
 
 
-def parts_from_namespace(ns: argparse.Namespace) -> PartsConfig:
-    return PartsConfig(**{k.split(".", 1)[1]: v for k, v in vars(ns).items() if k.startswith("grpo_parts.")})
+def parts_from_namespace(ns: argparse.Namespace) -> OpenRLHFPartsConfig:
+    given = {k.split(".", 1)[1]: v for k, v in vars(ns).items() if k.startswith("grpo_parts.")}
+    return OpenRLHFPartsConfig(**{k: v for k, v in given.items() if v is not None})
 
 
-def check_supported(ns: argparse.Namespace, parts: PartsConfig) -> None:
-    if getattr(ns, "train.async_enable", False) and parts != PartsConfig():
+def check_supported(ns: argparse.Namespace, parts: OpenRLHFPartsConfig) -> None:
+    if getattr(ns, "train.async_enable", False) and parts != OpenRLHFPartsConfig():
         raise GRPOPartsError(
             "--train.async_enable: OpenRLHF's async trainer is not wired to grpo_parts yet; "
             "run synchronously or keep every --grpo_parts.* flag at its default"
@@ -66,7 +69,7 @@ class _Run:
 
     def __init__(self, argv: Sequence[str]):
         self.argv = list(argv)
-        self.parts: PartsConfig | None = None
+        self.parts: OpenRLHFPartsConfig | None = None
         self.views: dict[str, types.ModuleType] = {}
 
 
@@ -98,7 +101,7 @@ def _create_engines(run: _Run) -> Any:
     def create_vllm_engines(*args: Any, **kwargs: Any) -> Any:
         from .vllm_spec import create_vllm_engines_with
 
-        return create_vllm_engines_with(run.parts or PartsConfig())(*args, **kwargs)
+        return create_vllm_engines_with(run.parts or OpenRLHFPartsConfig())(*args, **kwargs)
 
     return create_vllm_engines
 
@@ -129,7 +132,7 @@ class _Parsed(Exception):
         self.openrlhf_args = args
 
 
-def parse_args(argv: Sequence[str]) -> tuple[Any, PartsConfig]:
+def parse_args(argv: Sequence[str]) -> tuple[Any, OpenRLHFPartsConfig]:
     """OpenRLHF's hierarchized, validated ``args`` for ``argv`` (its parser and checks as shipped,
     plus the ``grpo_parts`` group) and the parts config, without starting Ray or training: the
     entry script runs until ``train()`` asks for the strategy."""
@@ -144,7 +147,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Any, PartsConfig]:
     try:
         run_entry_script(OPENRLHF_MAIN, scoped, run.views)
     except _Parsed as parsed:
-        return parsed.openrlhf_args, PartsConfig.from_args(parsed.openrlhf_args)
+        return parsed.openrlhf_args, OpenRLHFPartsConfig.from_args(parsed.openrlhf_args)
     raise GRPOPartsError(f"{OPENRLHF_MAIN} returned without calling get_strategy(args)")
 
 

@@ -1,7 +1,7 @@
 """The Ray actor / trainer classes the launcher's entry script uses instead of OpenRLHF's.
 
 Each subclasses OpenRLHF's class (the original behind its ``@ray.remote`` wrapper) and reads the
-:class:`~.config.PartsConfig` from ``strategy.args.grpo_parts``, which Ray ships with the strategy:
+:class:`~.config.OpenRLHFPartsConfig` from ``strategy.args.grpo_parts``, which Ray ships with the strategy:
 
 * :class:`GRPOPartsPolicyModelActor` / :class:`GRPOPartsReferenceModelActor`: OpenRLHF's
   ``init_model_from_pretrained`` as shipped, building a :class:`~.actor.GRPOPartsActor` where it
@@ -34,7 +34,7 @@ from .._counters import PartCounters
 from .._wrapped import hf_model
 from ._scoped import with_globals
 from .actor import GRPOPartsActor
-from .config import PartsConfig
+from .config import OpenRLHFPartsConfig
 from .experience import GRPOPartsExperienceMaker, NothingKept
 from .rollout import engines_receiving_weights
 from .samples import GRPOPartsSamplesGenerator
@@ -54,8 +54,8 @@ _Trainer = original_class(PPOTrainer)
 
 def use_parts_backend(actor: Any, args: Any, role: str) -> None:
     """Give the built (DeepSpeed-wrapped) ``GRPOPartsActor`` the configured attention backend."""
-    parts = PartsConfig.from_args(args)
-    if parts.attention == "reference":
+    parts = OpenRLHFPartsConfig.from_args(args)
+    if parts.attention is None:
         return
     backend = parts.build_attention(hf_model(actor.model))
     actor.use_backend(backend)
@@ -86,7 +86,7 @@ class PolicyActorParts(_Policy):  # type: ignore[misc, valid-type]
     def grpo_parts_setup(self, args: Any) -> None:
         """After OpenRLHF built the actor, its optimizer and its trainer."""
         use_parts_backend(self.actor, args, "policy")
-        parts = PartsConfig.from_args(args)
+        parts = OpenRLHFPartsConfig.from_args(args)
         if parts.check_first_batch and isinstance(self.actor, GRPOPartsActor):
             self.actor.check_first_batch = self.actor.grpo_backend is not None
         if parts.use_grouped_microbatches(args.train.dynamic_batch_enable):
@@ -118,7 +118,7 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        parts = PartsConfig.from_args(self.args)
+        parts = OpenRLHFPartsConfig.from_args(self.args)
         self.parts_counters = PartCounters({"sampler": "rollouts", "filter": "calls"}, logger)
         self.samples_generator = GRPOPartsSamplesGenerator(
             strategy=self.strategy,
@@ -141,10 +141,10 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
             samples_generator=self.samples_generator,
             generate_kwargs=self.generate_kwargs,
             refill_rounds=parts.refill_rounds,
-            rounding=parts.filter_rounding,
+            rounding=parts.kept_rounding,
             counters=self.parts_counters,
         )
-        self.model_groups_count = parts.attention != "reference"
+        self.model_groups_count = parts.attention is not None
         self.skipped_steps = 0
         self.sampler_engines: list[Any] = []  # engines whose grpo_parts sampler takes the broadcast
 
@@ -181,11 +181,11 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
             self.skipped_steps += 1
             logger.warning("grpo_parts: step %d skipped: %s", global_step, e)
             return {
-                "grpo_parts/filter/skipped_steps": float(self.skipped_steps),
+                "parts/filter/skipped_steps": float(self.skipped_steps),
                 **self.part_counts(),
             }, global_step
-        # the filter's diagnostics under the name verl logs them by (grpo_parts/filter/<counter>)
-        status.update({f"grpo_parts/filter/{k}": v for k, v in self.experience_maker.last_info.items()})
+        # the filter's diagnostics under the name verl logs them by (parts/filter/<counter>)
+        status.update({f"parts/filter/{k}": v for k, v in self.experience_maker.last_info.items()})
         status.update(self.part_counts())
         return status, step
 

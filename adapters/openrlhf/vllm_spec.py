@@ -26,14 +26,14 @@ from typing import Any
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from ._scoped import with_globals
-from .config import PartsConfig
+from .config import OpenRLHFPartsConfig
 
 #: parameters an EAGLE/MTP head reuses from the policy (HF names, as OpenRLHF broadcasts them)
 SHARED_DRAFT_PARAMS: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight")
 WORKER_EXTENSION = f"{__name__}.GRPOPartsWorkerWrap"
 
 
-def engine_kwargs(parts: PartsConfig) -> dict[str, Any]:
+def engine_kwargs(parts: OpenRLHFPartsConfig) -> dict[str, Any]:
     """Extra ``RolloutRayActor`` / ``AsyncEngineArgs`` keyword arguments for ``parts``."""
     out: dict[str, Any] = {}
     if parts.speculative_config:
@@ -61,7 +61,7 @@ class _ActorClassWithKwargs:
         return _Bound()
 
 
-def create_vllm_engines_with(parts: PartsConfig, rollout_class: Any = None) -> Callable[..., Any]:
+def create_vllm_engines_with(parts: OpenRLHFPartsConfig, rollout_class: Any = None) -> Callable[..., Any]:
     """``create_vllm_engines`` (same signature) that adds :func:`engine_kwargs` to every engine and,
     when an agent file is given (``agent_func_path``), builds ``rollout_class`` (default
     :data:`.rollout.GRPOPartsRolloutActor`: OpenRLHF's engine, or for a grpo_parts executor a

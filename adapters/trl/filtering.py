@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
-from grpo_parts.filter.allocation import Chunk, Refiller
+from grpo_parts.filter.allocation import Refiller, Round
 from grpo_parts.filter.apply import select_rows
 from grpo_parts.filter.protocol import WEIGHTED_ROWS
 from grpo_parts.types import ScoredBatch
@@ -166,40 +166,40 @@ class FilterSeam(SkipSeam):
         return out
 
     def _gp_refill(
-        self, chunks: list[Chunk[Any]], n: int, g: int
+        self, chunks: list[Round[Any]], n: int, g: int
     ) -> tuple[list[torch.Tensor], dict[str, Any], list[torch.Tensor | None]]:
         """Kept rows per chunk and the refill's info: round 1 is the batch TRL's dataloader gave us
         (``chunks[0]``), later rounds score more prompts from the stream (appended to ``chunks``)."""
         opts = self.parts_options
 
-        def produce(num_prompts: int) -> Chunk[Any] | None:
+        def produce(num_prompts: int) -> Round[Any] | None:
             if not produced:  # round 1 is the batch TRL's dataloader gave us
                 produced.append(True)
                 return chunks[0]
             extra = [copy.deepcopy(row) for row in self._gp_next_prompts(num_prompts) for _ in range(g)]
             o, d, s = self._gp_score(extra)
-            chunks.append(Chunk((o, d), s, num_prompts))
+            chunks.append(Round((o, d), s, num_prompts))
             return chunks[-1]
 
         produced: list[bool] = []
         refiller = Refiller(
             target_size=opts.refill_target_size or n,
             initial_prompts=chunks[0].num_prompts,
-            max_rounds=1 + opts.refill_rounds,
+            max_rounds=1 + self.parts_config.refill_rounds,
             max_prompts=opts.max_refill_prompts,
         )
         outcome = refiller.fill(self.gp_filter, produce)
-        by_chunk = {id(sel.chunk): sel for sel in outcome.selections}
+        by_round = {id(sel.round): sel for sel in outcome.selections}
         kept = [
-            by_chunk[id(c)].kept if id(c) in by_chunk else torch.zeros(0, dtype=torch.long) for c in chunks
+            by_round[id(c)].kept if id(c) in by_round else torch.zeros(0, dtype=torch.long) for c in chunks
         ]
-        weights = [by_chunk[id(c)].weights if id(c) in by_chunk else None for c in chunks]
+        weights = [by_round[id(c)].weights if id(c) in by_round else None for c in chunks]
         for _ in chunks:
             self._gp_count("filter", served=True)
         return kept, dict(outcome.info), weights
 
     def _gp_select(
-        self, chunks: list[Chunk[Any]], g: int, mode: str
+        self, chunks: list[Round[Any]], g: int, mode: str
     ) -> tuple[list[torch.Tensor], dict[str, Any], list[torch.Tensor | None]]:
         """Kept rows per chunk, the filter's info and its importance weights of the kept rows per
         chunk (None: unweighted): every row when the filter refuses the batch (unless strict), else
@@ -212,14 +212,14 @@ class FilterSeam(SkipSeam):
                 raise NotSupportedError(f"completion_filter {self.gp_filter.name!r}", reasons)
             self._gp_counters.fell_back("filter", "; ".join(reasons), mode=mode)
             return [torch.arange(n, device=scored.rewards.device)], {}, [None]
-        if self.parts_options.refill_rounds:
+        if self.parts_config.refill_rounds:
             return self._gp_refill(chunks, n, g)
         res = self.gp_filter.select(scored, None)
         self._gp_count("filter", served=True)
         return [res.kept], dict(res.info), [res.weights]
 
     def _gp_kept_parts(
-        self, chunks: list[Chunk[Any]], kept: list[torch.Tensor]
+        self, chunks: list[Round[Any]], kept: list[torch.Tensor]
     ) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
         """Each chunk's batch sliced to its kept rows, with the postponed no-grad forwards run on
         those rows only; and each chunk's kept flag per row (for the completions table)."""
@@ -265,7 +265,7 @@ class FilterSeam(SkipSeam):
             self._gp_skip = None
 
     def _gp_row_weights(
-        self, chunks: list[Chunk[Any]], kept: list[torch.Tensor], drawn: list[torch.Tensor | None]
+        self, chunks: list[Round[Any]], kept: list[torch.Tensor], drawn: list[torch.Tensor | None]
     ) -> list[torch.Tensor]:
         """Every scored row's weight per chunk (empty: none): a weighted filter's ``1 / p`` (0 for
         rows not drawn: rows the rounding re-adds train with weight 0), times the prompt skipper's."""
@@ -287,7 +287,7 @@ class FilterSeam(SkipSeam):
         if self._gp_skip is not None:
             lengths = self._gp_loss_mask(out).sum(-1).long()
             self._gp_log("prompt_skip", self._gp_skip_observe(scored.rewards, lengths))
-        chunks: list[Chunk[Any]] = [Chunk((out, deferred), scored, max(1, scored.size // g))]
+        chunks: list[Round[Any]] = [Round((out, deferred), scored, max(1, scored.size // g))]
         kept, info, drawn = self._gp_select(chunks, g, mode)
         weighted = any(w is not None for w in drawn)
         row_w = self._gp_row_weights(chunks, kept, drawn)
@@ -297,7 +297,9 @@ class FilterSeam(SkipSeam):
             [c.scored for c in chunks],
             kept,
             self.args.steps_per_generation,  # type: ignore[attr-defined]
-            "restore" if weighted else self.parts_options.filter_remainder,  # dropping drawn rows: biased
+            "down"
+            if self.parts_config.kept_rounding == "down" and not weighted
+            else "up",  # dropping drawn rows: biased
             no_loss,
         )
         parts, flags = self._gp_kept_parts(chunks, kept)

@@ -8,52 +8,37 @@ so they run on a real trainer as well as on a stand-in object in tests.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
+from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.allocation import legacy_refill
+from grpo_parts.parts_config import PartsConfig
 
 PARTS = ("sampler", "attention", "completion_filter")
 
 
 class TRLPartsOptions(BaseModel):
-    """How the adapter applies the parts.
+    """How the adapter applies the parts: the settings only the TRL door has. Which parts run, and
+    the settings every door shares (``refill_rounds``, ``kept_rounding``, ``group_rows``), are the
+    one :class:`~grpo_parts.parts_config.PartsConfig` (``GRPOPartsTrainer(parts=...)``); earlier
+    0.1 commits' ``refill_rounds`` / ``group_rows`` / ``filter_remainder`` here are read as it, logged.
 
     ``strict``: a part that cannot apply to the trainer's config raises
     :class:`~grpo_parts.errors.NotSupportedError` listing the reasons (default); ``False`` logs the
     reasons once and leaves that part of TRL untouched.
 
-    ``filter_remainder``: TRL splits the kept batch into ``steps_per_generation`` equal chunks and
-    silently drops the remainder, so the kept count is made a multiple of ``steps_per_generation``:
-    ``"restore"`` (default) puts back the pruned rows the filter ranked highest (zero-variance rows
-    last, larger ``|A|`` first, lower row first); ``"drop"`` removes the kept rows ranked lowest.
-    Either way at least ``steps_per_generation`` rows are trained (an all-pruned batch restores
-    its best rows: their advantage is 0, so the step only moves the KL term).
-
     ``defer_logprobs``: run the old-policy / reference forwards after the filter, on the kept rows
     only (CPPO's saving). Turned off automatically where TRL needs them before the filter (vLLM
     importance-sampling correction) or computes them inside a PEFT adapter context.
 
-    ``group_rows``: TRL shuffles the generation batch row by row before cutting it into
-    micro-batches, so a micro-batch holds almost no two completions of one prompt and a shared-prefix
-    backend has nothing to share in the policy forward/backward. With ``group_rows`` the adapter
-    re-cuts TRL's shuffled batch with the rows of each prompt kept together (groups in a seeded random
-    order, rows inside a group in TRL's shuffled order). Within one optimizer step the gradient does
-    not depend on how rows are assigned to micro-batches for TRL's token-sum losses (``dapo``,
-    ``cispo``, ``vespo``) and equal-size micro-batches (``grpo``, ``dr_grpo``, ``sapo``, ``luspo``).
-    Default (``None``): on when an attention backend is set and the result is TRL's (see
-    :func:`group_rows_reasons`), else off with an INFO line saying why. ``True`` is refused where the
-    loss depends on the micro-batch (``top_entropy_quantile < 1``, an entropy bonus, ``bnpo``); with
-    ``steps_per_generation > gradient_accumulation_steps`` it spreads whole groups, not rows, over the
-    optimizer steps (a different assignment than TRL's).
-
-    ``refill``: honour ``FilterResult.extra_prompts_wanted`` by rolling out more prompts, drawn from
-    ``train_dataset`` in a seeded order independent of TRL's dataloader, until the kept batch has
-    ``refill_target_size`` rows (default: the generation batch's size) or ``refill_rounds`` extra
-    rounds ran (0: no refill; earlier ``refill`` + ``max_refill_rounds``, the rounds in all, are read
-    as it, logged). Single process, map-style datasets only.
+    ``refill_target_size`` (default: the generation batch's size), ``max_refill_prompts``,
+    ``refill_seed`` (default ``args.seed + 1``): with ``parts.refill_rounds > 0`` the extra prompts
+    are drawn from ``train_dataset`` in a seeded order independent of TRL's dataloader, until the kept
+    batch has ``refill_target_size`` rows or the rounds ran out. Single process, map-style datasets.
 
     ``allow_untested_trl``: the adapter overrides private ``GRPOTrainer`` methods, so a TRL outside
     :data:`TESTED_TRL` is refused at construction; ``True`` tries anyway, with a warning.
@@ -62,21 +47,86 @@ class TRLPartsOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     strict: bool = True
-    filter_remainder: Literal["restore", "drop"] = "restore"
     defer_logprobs: bool = True
-    group_rows: bool | None = None
-    refill_rounds: int = Field(0, ge=0)
     refill_target_size: int | None = Field(None, ge=1)
     max_refill_prompts: int | None = Field(None, ge=1)
     refill_seed: int | None = Field(
         None, description="seed of the refill prompt order (default: args.seed + 1)"
     )
     allow_untested_trl: bool = False
+    #: shared settings given here by earlier 0.1 commits' spelling, read into ``parts`` (logged)
+    moved_to_parts: dict[str, Any] = Field(default_factory=dict, exclude=True)
 
     @model_validator(mode="before")
     @classmethod
-    def _one_refill_name(cls, data: Any) -> Any:
-        return legacy_refill(data, "max_refill_rounds", counts_first_round=True, where="TRLPartsOptions")
+    def _moved(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not set(data) & set(MOVED):
+            return data
+        data = legacy_refill(data, "max_refill_rounds", counts_first_round=True, where="TRLPartsOptions")
+        out, moved = dict(data), dict(data.get("moved_to_parts") or {})
+        for old, (new, read) in MOVED.items():
+            if old in out:
+                moved[new] = read(out.pop(old))
+                logging.getLogger(__name__).warning(
+                    "TRLPartsOptions(%s=...) is now PartsConfig(%s=%r), the setting every door shares; "
+                    "pass GRPOPartsTrainer(parts=PartsConfig(...))", old, new, moved[new]
+                )  # fmt: skip
+        return {**out, "moved_to_parts": moved}
+
+
+#: earlier ``TRLPartsOptions`` fields -> (their ``PartsConfig`` name, how the value reads there)
+MOVED: dict[str, tuple[str, Any]] = {
+    "refill_rounds": ("refill_rounds", int),
+    "refill": ("refill_rounds", int),  # legacy_refill has folded it into refill_rounds first
+    "max_refill_rounds": ("refill_rounds", int),
+    "group_rows": ("group_rows", lambda v: v),
+    "filter_remainder": ("kept_rounding", lambda v: {"restore": "up", "drop": "down"}.get(v, v)),
+}
+
+#: the part keywords of ``GRPOPartsTrainer`` -> their ``PartsConfig`` name
+PART_KEYWORDS = {
+    "sampler": "sampler",
+    "draft": "draft",
+    "attention": "attention",
+    "completion_filter": "filter",
+    "prompt_skip": "prompt_skip",
+}
+
+
+def trl_parts(
+    parts: PartsConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any], options: TRLPartsOptions
+) -> tuple[PartsConfig, dict[str, Any]]:
+    """This trainer's one :class:`PartsConfig` and the part keywords to build from.
+
+    ``parts`` (the shared config), the part keywords (``sampler=``, ``completion_filter=``,
+    ``*_kwargs``: a name or an instance, as before) and ``options.moved_to_parts`` are three ways to
+    give a setting; each setting may come from one of them only (two are refused with one line).
+    An instance stays a keyword (the config records no name for it)."""
+    if isinstance(parts, PartsConfig):
+        given = parts.model_dump(include=parts.model_fields_set)
+    else:
+        given = dict(parts or {})
+    for key, value in keywords.items():
+        if value is None:
+            continue
+        field = PART_KEYWORDS.get(key, key)
+        if field in given:
+            raise GRPOPartsError(f"{key}: given both as parts.{field} and as the keyword {key}=; give one")
+        if isinstance(value, (str, dict)):
+            given[field] = value
+    for key, value in options.moved_to_parts.items():
+        if key in given:
+            raise GRPOPartsError(f"parts.{key}: given both in parts and in TRLPartsOptions; give it in parts")
+        given[key] = value
+    config = PartsConfig.for_door("trl", given)
+    # what was given (a name, kwargs or an instance) is built; an unset part stays TRL's own (None)
+    built = {
+        key: getattr(config, PART_KEYWORDS.get(key, key))
+        if PART_KEYWORDS.get(key, key) in given
+        else keywords[key]
+        for key in keywords
+    }
+    return config, built
 
 
 #: TRL versions the adapter is tested with (it overrides private ``GRPOTrainer`` methods)
@@ -212,12 +262,12 @@ def attention_config_reasons(trainer: Any) -> list[str]:
     return reasons
 
 
-def filter_config_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
+def filter_config_reasons(trainer: Any, parts: PartsConfig) -> list[str]:
     """Why a completion filter cannot prune this trainer's generation batches."""
     reasons = []
     if _get(trainer, "_is_vlm", False):
         reasons.append("multimodal (vision-language) model: image tensors are indexed per image, not per row")
-    if options.refill_rounds:
+    if parts.refill_rounds:
         acc = _get(trainer, "accelerator")
         if acc is not None and _get(acc, "num_processes", 1) > 1:
             reasons.append(
@@ -268,7 +318,7 @@ def draw_dependent(trainer: Any) -> tuple[Fact, ...]:
     return ()
 
 
-def weighted_filter_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
+def weighted_filter_reasons(trainer: Any, parts: PartsConfig) -> list[str]:
     """Why a weighted filter (``dppo``: kept rows weighted ``1 / p``) cannot train this trainer's
     loss unbiased: the rule of :mod:`grpo_parts.core.unbiased` on TRL's facts. The adapter multiplies
     each kept row's advantage by its weight -- exact for every TRL policy loss, which is positively
@@ -280,8 +330,8 @@ def weighted_filter_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]
         normaliser += ((f"loss_type={loss!r}", fix),)
     facts = WeightedLossFacts(
         source="dppo",
-        refill=(f"refill_rounds={options.refill_rounds}", "set refill_rounds=0")
-        if options.refill_rounds
+        refill=(f"parts.refill_rounds={parts.refill_rounds}", "set refill_rounds=0")
+        if parts.refill_rounds
         else None,
         unscaled=unscaled_terms(trainer),
         normaliser_from_draw=normaliser,

@@ -222,7 +222,7 @@ def round_kept(
     scored: Sequence[ScoredBatch],
     kept: Sequence[torch.Tensor],
     multiple: int,
-    mode: Literal["restore", "drop"],
+    mode: Literal["up", "down"],
     last: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], int]:
     """:func:`grpo_parts.filter.data_parallel.round_to_multiple` for ``steps_per_generation``."""

@@ -46,12 +46,12 @@ from grpo_parts.skip.draw import PromptDraw
 from grpo_parts.skip.protocol import PromptId, PromptSkipper, prompt_key, skips
 
 from .checkpoint import StateSeam
-from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions, draw_dependent, unscaled_terms
+from .options import ROW_NORMALISED_LOSSES, PartsConfig, TRLPartsOptions, draw_dependent, unscaled_terms
 
 logger = logging.getLogger(__name__)
 
 
-def skip_config_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
+def skip_config_reasons(trainer: Any, parts: PartsConfig) -> list[str]:
     """Why skipping prompts with ``1 / p`` weights would not give this trainer the drawn batch's
     expected gradient (empty: it does). The estimate is exact when each row's loss term depends on
     its own group only, scales with its advantage, and the normaliser is fixed before the draw."""
@@ -71,8 +71,8 @@ def skip_config_reasons(trainer: Any, options: TRLPartsOptions) -> list[str]:
     facts = WeightedLossFacts(
         source="prompt skipping",
         normaliser="drawn",
-        refill=(f"refill_rounds={options.refill_rounds}", "set refill_rounds=0")
-        if options.refill_rounds
+        refill=(f"parts.refill_rounds={parts.refill_rounds}", "set refill_rounds=0")
+        if parts.refill_rounds
         else None,
         unscaled=unscaled_terms(trainer),
         batch_statistics=stats,
@@ -103,7 +103,7 @@ def accept_skipper(trainer: SkipSeam, spec: Any, kwargs: dict[str, Any] | None) 
     skipper = build_prompt_skipper(spec, kwargs=kwargs)
     if not skips(skipper):
         return None
-    reasons = skip_config_reasons(trainer, trainer.parts_options)
+    reasons = skip_config_reasons(trainer, trainer.parts_config)
     if skipper.step_size != "fill":
         reasons.append(
             f"step_size={skipper.step_size!r}: TRL's generation batch has a fixed size (use 'fill': "
@@ -163,6 +163,7 @@ class SkipSeam(StateSeam):
 
     gp_skipper: PromptSkipper | None
     parts_options: TRLPartsOptions
+    parts_config: PartsConfig
     parts_refused: dict[str, list[str]]
     _gp_skip: SkipBatch | None
     _gp_skip_ahead: list[dict[str, Any]]

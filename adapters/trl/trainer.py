@@ -43,12 +43,14 @@ from .._counters import PartCounters, attention_calls
 from .._wrapped import backend_model
 from .filtering import FilterSeam
 from .options import (
+    PartsConfig,
     TRLPartsOptions,
     attention_config_reasons,
     check_trl_version,
     filter_config_reasons,
     group_rows_reasons,
     sampler_config_reasons,
+    trl_parts,
     weighted_filter_reasons,
 )
 from .rows import prompt_runs, regroup_chunks, regrouped_logprobs
@@ -90,13 +92,23 @@ class GRPOPartsTrainer(FilterSeam):
         filter_kwargs: dict[str, Any] | None = None,
         prompt_skip: Any = None,
         prompt_skip_kwargs: dict[str, Any] | None = None,
+        parts: PartsConfig | dict[str, Any] | None = None,
         parts_options: TRLPartsOptions | None = None,
         **kwargs: Any,
     ) -> None:
         options = parts_options or TRLPartsOptions()
         check_trl_version(options)  # before TRL's own set-up: the seams below are private methods
+        # the part keywords, a PartsConfig and earlier TRLPartsOptions fields: one config (.options)
+        config, kw = trl_parts(parts, dict(
+            sampler=sampler, draft=draft, attention=attention, completion_filter=completion_filter,
+            prompt_skip=prompt_skip, sampler_kwargs=sampler_kwargs, draft_kwargs=draft_kwargs,
+            attention_kwargs=attention_kwargs, filter_kwargs=filter_kwargs,
+            prompt_skip_kwargs=prompt_skip_kwargs,
+        ), options)  # fmt: skip
         super().__init__(*args, **kwargs)
         self.parts_options = options
+        #: the one parts configuration (grpo_parts.parts_config), as every door reads it
+        self.parts_config = config
         self.parts_refused: dict[str, list[str]] = {}
         self.parts_choice: dict[str, str] = {}  # how "auto" chose
         self._gp_counters = PartCounters(COUNTED, logger)
@@ -108,23 +120,24 @@ class GRPOPartsTrainer(FilterSeam):
         policy = self.accelerator.unwrap_model(self.model)
 
         # every part by grpo_parts.build (the same builder as grpo_parts_adapters.trl.build.build_part)
-        self.gp_sampler = self._gp_build_sampler(policy, sampler, draft, sampler_kwargs, draft_kwargs)
-        if attention == "auto":
-            a = self._gp_auto_attention(policy, attention_kwargs)
-        else:
-            a = build_part("attention", attention, policy, kwargs=attention_kwargs, where="attention_kwargs")
+        self.gp_sampler = self._gp_build_sampler(
+            policy, kw["sampler"], kw["draft"], kw["sampler_kwargs"], kw["draft_kwargs"]
+        )
+        a = self._gp_build_attention(policy, kw["attention"], kw["attention_kwargs"])
         a_reasons = attention_config_reasons(self)
         if a is not None and not a_reasons:
             with _training(policy):
                 a_reasons = list(a.not_supported_reasons(policy))
         self.gp_attention = self._gp_accept("attention", a, a_reasons)
 
-        f = build_part("filter", completion_filter, policy, kwargs=filter_kwargs, where="filter_kwargs")
-        f_reasons = filter_config_reasons(self, self.parts_options)
+        f = build_part(
+            "filter", kw["completion_filter"], policy, kwargs=kw["filter_kwargs"], where="filter_kwargs"
+        )
+        f_reasons = filter_config_reasons(self, config)
         if isinstance(f, WeighsLoss):  # dppo: its weights ride on the advantages (.filtering)
-            f_reasons += weighted_filter_reasons(self, self.parts_options)
+            f_reasons += weighted_filter_reasons(self, config)
         self.gp_filter = self._gp_accept("completion_filter", f, f_reasons)
-        self.gp_skipper = accept_skipper(self, prompt_skip, prompt_skip_kwargs)
+        self.gp_skipper = accept_skipper(self, kw["prompt_skip"], kw["prompt_skip_kwargs"])
         self._gp_group_rows = self._gp_resolve_group_rows()
 
     # ------------------------------------------------------------------------------------- helpers
@@ -151,6 +164,11 @@ class GRPOPartsTrainer(FilterSeam):
                 s.not_supported_reasons(self._gp_sampling_params(int(self.num_generations or 1)))
             )
         return self._gp_accept("sampler", s, s_reasons)
+
+    def _gp_build_attention(self, policy: torch.nn.Module, spec: Any, kwargs: dict[str, Any] | None) -> Any:
+        if spec == "auto":
+            return self._gp_auto_attention(policy, kwargs)
+        return build_part("attention", spec, policy, kwargs=kwargs, where="attention_kwargs")
 
     def _gp_auto_attention(self, policy: torch.nn.Module, kwargs: dict[str, Any] | None) -> Any:
         """``attention="auto"``: the backend :func:`grpo_parts.build.choose_attention` chooses for
@@ -192,11 +210,11 @@ class GRPOPartsTrainer(FilterSeam):
 
     def _gp_resolve_group_rows(self) -> bool:
         """Whether :meth:`_prepare_inputs` re-cuts TRL's micro-batches by prompt group."""
-        want = self.parts_options.group_rows
+        want = self.parts_config.group_rows
         loss, steps = group_rows_reasons(self)
         if want and loss:
             if self.parts_options.strict:
-                raise NotSupportedError("TRLPartsOptions(group_rows=True)", loss)
+                raise NotSupportedError("parts.group_rows=True", loss)
             self.parts_refused["group_rows"] = loss
             logger.warning(
                 "grpo_parts: group_rows=True not applied, TRL's order is kept: %s", "; ".join(loss)

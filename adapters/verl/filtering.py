@@ -25,6 +25,7 @@ from grpo_parts.errors import GRPOPartsError, NotSupportedError, check_tensor
 from grpo_parts.filter.allocation import legacy_refill
 from grpo_parts.filter.data_parallel import batch_multiple, round_rounds
 from grpo_parts.filter.protocol import WEIGHTED_ROWS, CompletionFilter, WeighsLoss
+from grpo_parts.parts_config import PartsConfig
 from grpo_parts.types import ScoredBatch
 
 from .advantage import uid_to_group_index
@@ -41,7 +42,10 @@ class FilterOptions(BaseModel):
     requests up to a multiple of this -- verl submits prompts in whole fetches of
     ``data.gen_batch_size or data.train_batch_size``, and the sampler seam does not see ``data``, so
     :func:`grpo_parts_adapters.verl.sampler.hydra_overrides` interpolates both.
-    ``multiple_of``/``rounding``: make the kept count a multiple of this.
+    ``multiple_of``/``kept_rounding``: make the kept count a multiple of this, ``up`` or ``down``
+    (earlier ``rounding`` reads as it). :attr:`parts` is these options as the one
+    :class:`~grpo_parts.parts_config.PartsConfig` every door reads (``name`` -> ``filter``, ``kwargs``
+    -> ``filter_kwargs``).
 
     Data parallelism: ``ppo_mini_batch_size`` x ``rollout_n`` (rows per optimizer step) and
     ``n_gpus_per_node`` x ``nnodes`` (the ranks) join ``multiple_of`` in :attr:`batch_multiple`, the
@@ -66,7 +70,7 @@ class FilterOptions(BaseModel):
     refill_multiple: int | None = Field(None, ge=1)
     train_batch_size: int | None = Field(None, ge=1)
     multiple_of: int = Field(1, ge=1)
-    rounding: Literal["up", "down"] = "up"
+    kept_rounding: Literal["up", "down"] = "up"
     norm_adv_by_std: bool = True
     ppo_mini_batch_size: int | None = Field(None, ge=1)
     rollout_n: int | None = Field(None, ge=1)
@@ -101,7 +105,25 @@ class FilterOptions(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _one_refill_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "rounding" in data:
+            if "kept_rounding" in data:
+                raise ValueError("give kept_rounding only (rounding is its earlier name)")
+            data = {**data, "kept_rounding": data["rounding"]}
+            del data["rounding"]
         return legacy_refill(data, "max_rounds", counts_first_round=True, where="grpo_parts_filter")
+
+    @property
+    def parts(self) -> PartsConfig:
+        """These options as the one parts configuration (validated there: names, ranges)."""
+        return PartsConfig.for_door(
+            "verl",
+            {
+                "filter": self.name,
+                "filter_kwargs": self.kwargs,
+                "refill_rounds": self.refill_rounds,
+                "kept_rounding": self.kept_rounding,
+            },
+        )
 
     @model_validator(mode="after")
     def _target_fits(self) -> FilterOptions:
@@ -118,7 +140,8 @@ class FilterOptions(BaseModel):
         return self.refill_multiple or self.train_batch_size or 1
 
     def build(self) -> CompletionFilter:
-        return build_filter(self.name, self.kwargs)
+        parts = self.parts
+        return build_filter(parts.filter, parts.filter_kwargs)
 
     @property
     def advantage_config(self) -> AdvantageConfig:
@@ -243,7 +266,7 @@ def select(
     multiple_of: int = 1,
     rounding: Literal["up", "down"] = "up",
 ) -> Selection:
-    """Run ``filt`` and round the kept count; metrics are prefixed ``grpo_parts/filter/``. A weighted
+    """Run ``filt`` and round the kept count; metrics are prefixed ``parts/filter/``. A weighted
     draw is rounded up only (the re-added rows train with weight 0; dropping drawn rows would bias it)."""
     res = filt.select(scored, target_size=target_rows)
     kept = round_kept(res.kept, scored, multiple_of, "up" if res.weights is not None else rounding)
@@ -259,13 +282,13 @@ def select(
         w[res.kept.cpu()] = res.weights.detach().cpu().double()
         adv, _ = weighted_advantages(scored, kept, w[kept.cpu()], 1)
     metrics = {
-        "grpo_parts/filter/rows_in": float(n),
-        "grpo_parts/filter/rows_kept": float(kept.numel()),
-        "grpo_parts/filter/kept_fraction": float(kept.numel()) / n if n else 0.0,
-        "grpo_parts/filter/extra_prompts_wanted": float(res.extra_prompts_wanted),
+        "parts/filter/rows_in": float(n),
+        "parts/filter/rows_kept": float(kept.numel()),
+        "parts/filter/kept_fraction": float(kept.numel()) / n if n else 0.0,
+        "parts/filter/extra_prompts_wanted": float(res.extra_prompts_wanted),
     }
     if res.weights is not None:
-        metrics[f"grpo_parts/filter/{WEIGHTED_ROWS}"] = float(res.kept.numel())
+        metrics[f"parts/filter/{WEIGHTED_ROWS}"] = float(res.kept.numel())
     return Selection(kept, res.extra_prompts_wanted, metrics, adv)
 
 

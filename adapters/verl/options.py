@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from grpo_parts.parts_config import PartsConfig
+
 #: attribute of verl's engine config that carries :class:`EngineOptions` to the engine
 ENGINE_ATTR = "grpo_parts"
 #: ``actor_rollout_ref.rollout.name`` of grpo_parts' rollout backend (:mod:`.rollout`; registered by
@@ -85,23 +87,30 @@ class EngineOptions(BaseModel):
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> EngineOptions:
         return cls(**{str(k): v for k, v in dict(raw or {}).items()})
 
+    @property
+    def parts(self) -> PartsConfig:
+        """These options as the one parts configuration (``attention``; the shared-prefix keys are
+        its ``attention_kwargs``)."""
+        kwargs: dict[str, Any] = {}
+        if self.attention == "shared_prefix":
+            kwargs = {
+                "kernel": self.kernel,
+                "max_chunks": self.max_chunks,
+                "chunk_overhead_tokens": self.chunk_overhead_tokens,
+                "layout": self.layout,
+                "varlen": self.varlen,
+            }
+        return PartsConfig.for_door("verl", {"attention": self.attention, "attention_kwargs": kwargs})
+
     def backend(self) -> Any:
         """The grpo_parts ``AttentionBackend`` these options name (None when off), built by
         :func:`grpo_parts.build.build_attention`; the shared-prefix keys go to ``shared_prefix`` only."""
         from grpo_parts.build import build_attention
 
-        if self.attention is None:
+        parts = self.parts
+        if parts.attention is None:
             return None
-        if self.attention != "shared_prefix":
-            return build_attention(self.attention, where="grpo_parts")
-        kwargs = {
-            "kernel": self.kernel,
-            "max_chunks": self.max_chunks,
-            "chunk_overhead_tokens": self.chunk_overhead_tokens,
-            "layout": self.layout,
-            "varlen": self.varlen,
-        }
-        return build_attention(self.attention, kwargs=kwargs, where="grpo_parts")
+        return build_attention(parts.attention, kwargs=parts.attention_kwargs or None, where="grpo_parts")
 
 
 def options_of(engine_config: Any) -> EngineOptions | None:

@@ -111,13 +111,13 @@ COUNTERS = frozenset(
     )
 )
 #: verl metric prefix of the rollout backend's counters
-METRIC_PREFIX = "grpo_parts/sampler/"
+METRIC_PREFIX = "parts/sampler/"
 
 
 def sampler_metrics(extra_fields: Iterable[Any]) -> dict[str, float]:
     """verl metrics from a batch's samples: every replica's cumulative counters (the largest value
     any of its samples carries: ``weight_syncs``, ``verify_steps``, ``lean_forward_calls``, ...), summed
-    over replicas, as ``grpo_parts/sampler/<counter>``."""
+    over replicas, as ``parts/sampler/<counter>``."""
     latest: dict[float, dict[str, float]] = {}
     for extra in extra_fields:
         totals = (extra or {}).get(TOTALS_FIELD) if isinstance(extra, dict) else None

@@ -14,7 +14,7 @@
   for more prompts and samples again until ``target_rows`` rows are kept
   (:class:`grpo_parts.filter.allocation.Refiller`).
 * **Sampler counters**: with grpo_parts' rollout backend (``rollout.name=grpo_parts``), the buffer
-  logs the servers' cumulative counters carried by the samples (``grpo_parts/sampler/weight_syncs``,
+  logs the servers' cumulative counters carried by the samples (``parts/sampler/weight_syncs``,
   ``verify_steps``, ``lean_forward_calls``, ...; :func:`.rollout.sampler_metrics`), with or without
   a filter.
 * **Advantages of the full group** (CPPO trains the kept rows on their advantage within the whole
@@ -100,7 +100,7 @@ class FilteringReplayBuffer(ReplayBuffer):
             b, m = super(FilteringReplayBuffer, self).sample(
                 global_steps=global_steps, partition_id=partition_id, batch_size=n
             )
-            metrics.update({f"grpo_parts/refill/{k}": v for k, v in m.items()})
+            metrics.update({f"parts/refill/{k}": v for k, v in m.items()})
             return b
 
         kept, fmetrics, full = filter_kv_batch(
@@ -127,7 +127,7 @@ def _read_extra_fields(store: Any, batch: KVBatchMeta) -> list[Any]:
 
 def buffer_overrides() -> list[str]:
     """verl's custom-sampler keys naming :class:`FilteringReplayBuffer`; alone (no filter) it only
-    logs the rollout backend's counters (``grpo_parts/sampler/*``)."""
+    logs the rollout backend's counters (``parts/sampler/*``)."""
     return [
         f"trainer.v1.sampler.custom_sampler.path={PATH}",
         "trainer.v1.sampler.custom_sampler.name=FilteringReplayBuffer",

@@ -34,7 +34,7 @@ from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from grpo_parts.filter.allocation import Chunk, Refiller
+from grpo_parts.filter.allocation import Refiller, Round
 from grpo_parts.filter.data_parallel import round_rounds
 from grpo_parts.filter.protocol import WEIGHTED_ROWS, CompletionFilter
 
@@ -123,28 +123,28 @@ def _kept_by_chunk(outcome: Any, options: FilterOptions) -> dict[int, set[int]]:
     fills whole mini-batches on every rank (no padding rows). A weighted draw is not rounded (that
     would re-rank its rows): verl pads it with no-op rows, which :func:`weighted_advantages` counts."""
     if any(sel.weights is not None for sel in outcome.selections):
-        return {id(sel.chunk.payload): set(sel.kept.tolist()) for sel in outcome.selections}
+        return {id(sel.round.payload): set(sel.kept.tolist()) for sel in outcome.selections}
     rounded = round_rounds(
-        [sel.chunk.scored for sel in outcome.selections],
+        [sel.round.scored for sel in outcome.selections],
         [sel.kept for sel in outcome.selections],
         options.batch_multiple,
-        options.rounding,
+        options.kept_rounding,
         field="grpo_parts_filter.multiple_of",
     )
-    return {id(sel.chunk.payload): set(rows.tolist()) for sel, rows in zip(outcome.selections, rounded)}
+    return {id(sel.round.payload): set(rows.tolist()) for sel, rows in zip(outcome.selections, rounded)}
 
 
 def _filter_metrics(
     outcome: Any, weighted: list[Any], kept: int, target: int, empty: bool, scores: list[torch.Tensor]
 ) -> dict[str, float]:
-    metrics = {f"grpo_parts/filter/{k}": float(v) for k, v in outcome.info.items()}
+    metrics = {f"parts/filter/{k}": float(v) for k, v in outcome.info.items()}
     if scores:  # every rolled-out row's reward: verl's own critic/score is over the kept rows
-        metrics["grpo_parts/filter/score_mean_rolled_out"] = float(torch.cat(scores).mean())
+        metrics["parts/filter/score_mean_rolled_out"] = float(torch.cat(scores).mean())
     if weighted:  # the rows trained with a weight (dppo)
-        metrics[f"grpo_parts/filter/{WEIGHTED_ROWS}"] = float(sum(sel.kept.numel() for sel in weighted))
-    metrics["grpo_parts/filter/rows_kept"] = float(kept)
-    metrics["grpo_parts/filter/empty_batch_steps"] = float(empty)
-    metrics["grpo_parts/filter/target_rows"] = float(target)
+        metrics[f"parts/filter/{WEIGHTED_ROWS}"] = float(sum(sel.kept.numel() for sel in weighted))
+    metrics["parts/filter/rows_kept"] = float(kept)
+    metrics["parts/filter/empty_batch_steps"] = float(empty)
+    metrics["parts/filter/target_rows"] = float(target)
     return metrics
 
 
@@ -193,7 +193,7 @@ def _full_groups(
 def _train_advantages(sel: Any, options: FilterOptions) -> tuple[torch.Tensor, Any]:
     """``(advantages to train on [N], scored)`` of one selection: the GRPO advantages, or for a
     weighted draw each kept row's advantage x weight x padded kept / rolled-out rows."""
-    scored = sel.chunk.scored
+    scored = sel.round.scored
     if sel.weights is None:
         return scored.advantages, scored
     return weighted_advantages(scored, sel.kept, sel.weights, options.batch_multiple)[0], scored
@@ -216,7 +216,7 @@ def filter_kv_batch(
     uids: dict[int, list[Any]] = {}
     scores: list[torch.Tensor] = []
 
-    def produce(n_prompts: int) -> Chunk[KVBatchMeta] | None:
+    def produce(n_prompts: int) -> Round[KVBatchMeta] | None:
         b = batch if not chunks else (more(n_prompts) if more is not None else None)
         if b is None or len(b.keys) == 0:
             return None
@@ -226,7 +226,7 @@ def filter_kv_batch(
         uids[id(b)] = uid
         scored = scored_batch(rewards, uid, mask, options.advantage_config)
         scores.append(scored.rewards.detach().double().cpu())
-        return Chunk(payload=b, scored=scored, num_prompts=len(set(uid)))
+        return Round(payload=b, scored=scored, num_prompts=len(set(uid)))
 
     target = options.target_rows or len(batch.keys)
     refiller = Refiller(
@@ -237,16 +237,16 @@ def filter_kv_batch(
     outcome = refiller.fill(filt, produce)
     keys: list[str] = []
     tags: list[dict] = []
-    kept_by_chunk = _kept_by_chunk(outcome, options)
-    empty = _keep_something(kept_by_chunk, chunks, outcome, options)
-    train_adv = {id(sel.chunk.payload): _train_advantages(sel, options) for sel in outcome.selections}
+    kept_by_round = _kept_by_chunk(outcome, options)
+    empty = _keep_something(kept_by_round, chunks, outcome, options)
+    train_adv = {id(sel.round.payload): _train_advantages(sel, options) for sel in outcome.selections}
     weighted = [sel for sel in outcome.selections if sel.weights is not None]
     groups: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
     for b in chunks:
         adv, sc = train_adv.get(id(b), (None, None))
         if adv is None and empty:  # the kept-nothing fallback: zero-advantage rows
             adv = torch.zeros(len(b.keys))
-        kept_rows = _store_kept(b, kept_by_chunk.get(id(b), set()), adv, store)
+        kept_rows = _store_kept(b, kept_by_round.get(id(b), set()), adv, store)
         for i in kept_rows:
             keys.append(b.keys[i])
             tags.append(b.tags[i])
@@ -309,7 +309,7 @@ class _FilteringReplayBuffer:
             b, m = self._inner.sample(
                 global_steps=global_steps, partition_id=partition_id, batch_size=n_prompts
             )
-            metrics.update({f"grpo_parts/refill/{k}": v for k, v in m.items()})
+            metrics.update({f"parts/refill/{k}": v for k, v in m.items()})
             return b
 
         kept, fmetrics = filter_kv_batch(

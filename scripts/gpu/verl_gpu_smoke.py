@@ -256,7 +256,7 @@ def check_run(steps: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
             s.get("actor/parts/attention/logprob_forwards", 0) > 0 for s in steps
         )
     if args.filter:
-        checks["filter_kept_rows"] = all(s.get("grpo_parts/filter/rows_kept", 0) > 0 for s in steps)
+        checks["filter_kept_rows"] = all(s.get("parts/filter/rows_kept", 0) > 0 for s in steps)
     return checks
 
 

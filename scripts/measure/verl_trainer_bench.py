@@ -14,7 +14,7 @@ built-in reasoning task, 16 prompts x 8 completions per step, 320 new tokens at 
 (tests/adapters/verl/verl_cpu_plugin.py: verl 0.9.1 registers no CPU platform); each (arm, seed)
 is its own ``main_ppo`` process, the arms alternating. Reported per step from verl's own metrics:
 ``timing_s/step`` (and gen / old_log_prob / update_actor), the mean score of every rolled-out row
-(``grpo_parts/filter/score_mean_rolled_out`` in the parts arm: verl's ``critic/score/mean`` and
+(``parts/filter/score_mean_rolled_out`` in the parts arm: verl's ``critic/score/mean`` and
 ``response_length/mean`` are over the rows trained, CPPO's kept half there), the mean response
 length of the rows trained. ``step_speedup`` is the mean over seeds of reference / parts mean step time, the first step
 left out (``--skip-first``: Ray and FSDP warm-up).
@@ -46,8 +46,8 @@ from grpo_parts.task.arithmetic import extract_answer
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return 1.0 if extract_answer(solution_str) == str(ground_truth) else 0.0
 """
-SAMPLER_PREFIX = "grpo_parts/sampler/"
-ROLLED_OUT_SCORE = "grpo_parts/filter/score_mean_rolled_out"
+SAMPLER_PREFIX = "parts/sampler/"
+ROLLED_OUT_SCORE = "parts/filter/score_mean_rolled_out"
 KEYS = ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor")
 
 

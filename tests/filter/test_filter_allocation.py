@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from grpo_parts.core import group_advantages
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.filter.allocation import Chunk, Refiller, concat_rollouts, fill_rollouts
+from grpo_parts.filter.allocation import Refiller, Round, concat_rollouts, fill_rollouts
 from grpo_parts.filter.cppo import TopKAbsAdvantage
 from grpo_parts.filter.group import ZeroVarianceGroups
 from grpo_parts.filter.pods import MaxVarianceDownsample
@@ -111,10 +111,10 @@ def test_refiller_is_framework_agnostic() -> None:
     """Any payload: here a dict of lists, as an adapter would hold."""
     rng = torch.Generator().manual_seed(0)
 
-    def produce(n: int) -> Chunk[dict]:
+    def produce(n: int) -> Round[dict]:
         gi = torch.arange(n).repeat_interleave(4)
         r = torch.rand(4 * n, generator=rng, dtype=torch.float64)
-        return Chunk({"rows": list(range(4 * n))}, ScoredBatch(r, group_advantages(r, gi), gi), n)
+        return Round({"rows": list(range(4 * n))}, ScoredBatch(r, group_advantages(r, gi), gi), n)
 
     out = Refiller(target_size=10, initial_prompts=2).fill(TopKAbsAdvantage(pruning_rate=0.6), produce)
     assert out.num_kept == 10 and sum(int(s.kept.numel()) for s in out.selections) == 10
@@ -149,13 +149,14 @@ def test_refill_has_one_name_behind_every_door(caplog) -> None:  # type: ignore[
     import pytest
 
     from grpo_parts.filter.allocation import legacy_refill
-    from grpo_parts.train.config import PartsConfig
+    from grpo_parts.train.config import train_parts
 
     with caplog.at_level(logging.WARNING):
-        assert PartsConfig(refill=True, max_refill_rounds=2).refill_rounds == 2  # extra rounds
-        assert PartsConfig(refill=True).refill_rounds == 3 and PartsConfig(refill=False).refill_rounds == 0
+        assert train_parts({"refill": True, "max_refill_rounds": 2}).refill_rounds == 2  # extra rounds
+        assert train_parts({"refill": True}).refill_rounds == 3
+        assert train_parts({"refill": False}).refill_rounds == 0
     assert "refill_rounds=2" in caplog.text
     # TRL's and verl's earlier round counts included the first round
     assert legacy_refill({"refill": True, "max_rounds": 4}, "max_rounds", True, "x") == {"refill_rounds": 3}
     with pytest.raises(ValueError, match="refill_rounds only"):
-        PartsConfig(refill=True, refill_rounds=1)
+        train_parts({"refill": True, "refill_rounds": 1})

@@ -77,4 +77,4 @@ def test_round_rounds_latest_round_first_and_refusals() -> None:
     with pytest.raises(GRPOPartsError, match="multiple_of: the filter kept 3 rows of 8"):
         round_rounds([b1, b2], [k1, k2], 16, "up")
     with pytest.raises(GRPOPartsError, match="steps_per_generation: expected at least 16 rows rolled out"):
-        round_to_multiple([b1, b2], [k1, k2], 16, "restore", field="steps_per_generation")
+        round_to_multiple([b1, b2], [k1, k2], 16, "up", field="steps_per_generation")

@@ -64,7 +64,7 @@ def test_cppo_ranks_by_the_advantage_that_enters_the_loss(name: str, kl_coef: fl
     is_kept = torch.zeros(len(rewards), dtype=torch.bool)
     is_kept[kept] = True
     # the zero-variance rule sees what the estimator normalised (KL-penalised rewards when kl_coef > 0)
-    shaped = sel.chunk.scored.rewards
+    shaped = sel.round.scored.rewards
     zero_var = group_stats(shaped, full.group_index)[3][full.group_index]
     eligible = ~zero_var & (want != 0)
     assert not bool((is_kept & ~eligible).any())

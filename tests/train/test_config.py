@@ -53,9 +53,8 @@ def test_bad_override_syntax_and_missing_file(tmp_path: Path) -> None:
 
 def test_default_part_falls_back_with_a_note_but_explicit_unknown_name_fails() -> None:
     notes: list[str] = []
-    cfg = PartsConfig()
-    object.__setattr__(cfg, "sampler", "not_landed_yet")  # an unavailable *default*
-    assert resolve_name("sampler", cfg, notes) == "reference"
+    cfg = PartsConfig(sampler="not_landed_yet")  # an unavailable *default* of this door
+    assert resolve_name("sampler", cfg, notes, defaults={"sampler": "not_landed_yet"}) == "reference"
     assert notes and "not_landed_yet" in notes[0]
     with pytest.raises(GRPOPartsError, match="unknown implementation"):
         resolve_name("filter", PartsConfig(filter="nope"), [])

@@ -19,8 +19,8 @@ from grpo_parts.skip.history import HistorySkipper
 from grpo_parts.train.config import SKIP_DEFAULT_AGG, load_config
 from grpo_parts.train.lifecycle.checkpoint import load_checkpoint
 from grpo_parts.train.lifecycle.run import resume_config, train
-from grpo_parts.train.step.minibatches import LossChunk
-from grpo_parts.train.step.prompt_skip import skip_chunks
+from grpo_parts.train.step.minibatches import Minibatch
+from grpo_parts.train.step.prompt_skip import skip_minibatches
 from grpo_parts.types import Rollout
 
 SKIP = {
@@ -89,15 +89,15 @@ def test_skip_chunks_weigh_rows_by_their_prompt_and_normalise_by_the_drawn() -> 
     filled = FilledBatch(
         ro, torch.zeros(4), torch.zeros(4), [7, 9], None, full_group=torch.tensor([0, 0, 1, 1])
     )  # type: ignore[arg-type]
-    chunks = [LossChunk(torch.tensor([0, 1])), LossChunk(torch.tensor([2, 3]))]
-    out = skip_chunks(chunks, filled, draw, count_empty=True)
+    chunks = [Minibatch(torch.tensor([0, 1])), Minibatch(torch.tensor([2, 3]))]
+    out = skip_minibatches(chunks, filled, draw, count_empty=True)
     assert [c.weights.tolist() for c in out] == [[2.0, 2.0], [4.0, 4.0]]  # type: ignore[union-attr]
     assert [c.num_seqs for c in out] == [2 * 2.5, 2 * 2.5]  # own rows x drawn / rolled out
     # counting only non-empty rows, a row without a token is refused (the drawn count is unknown)
     with pytest.raises(GRPOPartsError, match=r"^prompt skipping: a completion without a token"):
-        skip_chunks(chunks, filled, draw, count_empty=False)
-    weighted = [LossChunk(torch.tensor([0, 1]), torch.tensor([1.0, 3.0]), 3.0, 2.0)]
-    (w,) = skip_chunks(weighted, filled, draw, count_empty=True)
+        skip_minibatches(chunks, filled, draw, count_empty=False)
+    weighted = [Minibatch(torch.tensor([0, 1]), torch.tensor([1.0, 3.0]), 3.0, 2.0)]
+    (w,) = skip_minibatches(weighted, filled, draw, count_empty=True)
     assert w.weights.tolist() == [2.0, 6.0] and w.num_seqs == 5.0 and w.num_tokens == 3.0  # type: ignore[union-attr]
 
 

@@ -112,7 +112,7 @@ def test_trainer_gradient_is_grpo_loss_with_the_filters_weights_and_full_counts(
     else:
         pytest.fail("no step drew a strict subset of the rows")
     assert len(seen["results"]) == len(seen["rollouts"])  # one round per step: no refill
-    assert m["filter_weighted_rows"] == res.kept.numel() == m["kept"]
+    assert m["weighted_rows"] == res.kept.numel() == m["kept"]
     assert m["rollout_tokens"] == int(ro.completion_mask.sum())
     # the split is made on the rolled-out prompts, before the draw; the first optimizer step trains
     # the kept rows of the first part that kept any
@@ -150,7 +150,7 @@ def test_dppo_run_logs_weighted_rows_and_rollout_tokens(
     tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any
 ) -> None:
     """``--filter dppo`` end to end through the CLI: every step's row carries ``rollout_tokens``, and
-    the weighted loss ran (``filter_weighted_rows > 0``)."""
+    the weighted loss ran (``weighted_rows > 0``)."""
     from cli_helpers import QUIET
 
     from grpo_parts.cli import main
@@ -165,8 +165,8 @@ def test_dppo_run_logs_weighted_rows_and_rollout_tokens(
     rows = [json.loads(x) for x in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 2 and all(r["rollout_tokens"] > 0 for r in steps)
-    assert sum(r["filter_weighted_rows"] for r in steps) > 0
-    assert all(r["filter_weighted_rows"] == r["kept"] for r in steps if "filter_weighted_rows" in r)
+    assert sum(r["weighted_rows"] for r in steps) > 0
+    assert all(r["weighted_rows"] == r["kept"] for r in steps if "weighted_rows" in r)
 
 
 def test_dppo_generator_is_checkpointed_so_a_resume_draws_the_same_rows(

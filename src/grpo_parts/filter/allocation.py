@@ -21,8 +21,8 @@ The kept count is then exactly ``target_size`` unless the stream ran out or ``ma
 skips when it is empty). Advantages are per group, so filtering each round on its own is the same
 as filtering the union (for group-scope filters exactly; a global top-k is taken per round).
 
-:meth:`Refiller.fill` is framework-agnostic: it calls ``produce(n) -> Chunk | None`` and returns
-which rows of each chunk's payload (a :class:`Rollout`, a TRL dict, a verl ``DataProto``...) to keep.
+:meth:`Refiller.fill` is framework-agnostic: it calls ``produce(n) -> Round | None`` and returns
+which rows of each round's payload (a :class:`Rollout`, a TRL dict, a verl ``DataProto``...) to keep.
 :func:`fill_rollouts` wires it to a prompt iterator, a sampler callable and a reward function.
 """
 
@@ -48,7 +48,7 @@ P = TypeVar("P")
 
 
 @dataclass(frozen=True)
-class Chunk(Generic[T]):
+class Round(Generic[T]):
     """One round's rollout: ``payload`` (anything), its ``scored`` rows and how many prompts it used."""
 
     payload: T
@@ -56,12 +56,17 @@ class Chunk(Generic[T]):
     num_prompts: int
 
 
+#: the earlier name of :class:`Round` ("chunk" now means only a model call's share of a
+#: shared-prefix batch; a refill step is a *round*, an optimizer step's rows a *minibatch*)
+Chunk = Round
+
+
 @dataclass(frozen=True)
 class Selection(Generic[T]):
-    """Rows ``kept`` (ascending) of ``chunk.payload`` to train on, with the filter's importance
+    """Rows ``kept`` (ascending) of ``round.payload`` to train on, with the filter's importance
     ``weights`` of those rows (``[len(kept)]``; None = all 1)."""
 
-    chunk: Chunk[T]
+    round: Round[T]
     kept: torch.Tensor
     weights: torch.Tensor | None = None
 
@@ -122,7 +127,7 @@ class Refiller(BaseModel):
     max_rounds: int = Field(16, ge=1)
     max_prompts: int | None = Field(None, ge=1, description="cap on prompts pulled per fill")
 
-    def fill(self, filt: CompletionFilter, produce: Callable[[int], Chunk[T] | None]) -> RefillOutcome[T]:
+    def fill(self, filt: CompletionFilter, produce: Callable[[int], Round[T] | None]) -> RefillOutcome[T]:
         selections: list[Selection[T]] = []
         kept_total = prompts_used = rows = rounds = 0
         want = self.initial_prompts
@@ -131,30 +136,30 @@ class Refiller(BaseModel):
                 want = min(want, self.max_prompts - prompts_used)
             if want <= 0:
                 break
-            chunk = produce(want)
-            if chunk is None or chunk.scored.size == 0:
+            rolled = produce(want)
+            if rolled is None or rolled.scored.size == 0:
                 break  # stream exhausted
             rounds += 1
-            prompts_used += chunk.num_prompts
-            rows += chunk.scored.size
+            prompts_used += rolled.num_prompts
+            rows += rolled.scored.size
             deficit = self.target_size - kept_total
-            res = filt.select(chunk.scored, target_size=deficit)
+            res = filt.select(rolled.scored, target_size=deficit)
             kept = res.kept
             if res.weights is None and kept.numel() > deficit:  # trim overshoot by priority
-                order = priority_order(chunk.scored)
-                is_kept = torch.zeros(chunk.scored.size, dtype=torch.bool, device=order.device)
+                order = priority_order(rolled.scored)
+                is_kept = torch.zeros(rolled.scored.size, dtype=torch.bool, device=order.device)
                 is_kept[kept.to(order.device)] = True
                 kept = torch.sort(order[is_kept[order]][:deficit]).values
             if kept.numel():
-                selections.append(Selection(chunk, kept, res.weights))
+                selections.append(Selection(rolled, kept, res.weights))
             kept_total += int(kept.numel())
             if res.weights is not None:
                 break  # a weighted draw: no trim and no refill (both would bias it)
             want = res.extra_prompts_wanted or extra_prompts(
                 int(res.kept.numel()),
                 deficit,
-                num_groups_present(chunk.scored),
-                chunk.scored.size / max(1, chunk.num_prompts),
+                num_groups_present(rolled.scored),
+                rolled.scored.size / max(1, rolled.num_prompts),
             )
         info = {"rounds": float(rounds), "prompts_used": float(prompts_used), "rows_generated": float(rows)}
         info[KEPT_FRACTION] = kept_total / rows if rows else 0.0
@@ -253,13 +258,13 @@ def _take(prompts: Iterator[P], n: int) -> list[P]:
     return batch
 
 
-def _score_chunk(
+def _score_round(
     batch: list[P],
     rollout: Rollout,
     reward: Callable[[list[P], Rollout], torch.Tensor],
     cfg: AdvantageConfig,
     kl_logprobs: Callable[[Rollout], tuple[torch.Tensor, torch.Tensor | None]] | None,
-) -> Chunk[tuple[list[P], Rollout, torch.Tensor, torch.Tensor]]:
+) -> Round[tuple[list[P], Rollout, torch.Tensor, torch.Tensor]]:
     """One round's rollout of ``batch``, scored: rewards (KL-shaped when ``cfg.kl_coef > 0``) and
     group advantages; the payload keeps the raw rewards and the advantages for the kept rows."""
     if rollout.num_prompts != len(batch):
@@ -272,7 +277,7 @@ def _score_chunk(
     lengths = rollout.completion_lengths()
     adv = group_advantages(shaped, rollout.group_index, cfg, num_groups=rollout.num_prompts, lengths=lengths)
     scored = ScoredBatch(shaped, adv, rollout.group_index, lengths)
-    return Chunk((batch, rollout, r, adv), scored, len(batch))
+    return Round((batch, rollout, r, adv), scored, len(batch))
 
 
 def _merge_selections(
@@ -290,7 +295,7 @@ def _merge_selections(
     for r in rolled:
         offsets[id(r)], start = start, start + r.num_prompts
     for sel in outcome.selections:
-        batch, rollout, r, adv = sel.chunk.payload
+        batch, rollout, r, adv = sel.round.payload
         sub = rollout.select(sel.kept)
         # compact group ids to the prompts that kept rows, in stream order
         used, new_gi = torch.unique(sub.group_index, sorted=True, return_inverse=True)
@@ -346,12 +351,12 @@ def fill_rollouts(
 
     rolled: list[Rollout] = []  # every round's rollout, pruned rows included
 
-    def produce(n: int) -> Chunk[tuple[list[P], Rollout, torch.Tensor, torch.Tensor]] | None:
+    def produce(n: int) -> Round[tuple[list[P], Rollout, torch.Tensor, torch.Tensor]] | None:
         batch = _take(prompts, n)
         if not batch:
             return None
         rolled.append(sample(batch))
-        return _score_chunk(batch, rolled[-1], reward, cfg, kl_logprobs)
+        return _score_round(batch, rolled[-1], reward, cfg, kl_logprobs)
 
     outcome = refiller.fill(filt, produce)
     if outcome.is_empty:

@@ -67,14 +67,14 @@ def round_to_multiple(
     scored: Sequence[ScoredBatch],
     kept: Sequence[torch.Tensor],
     multiple: int,
-    mode: Literal["restore", "drop"],
+    mode: Literal["up", "down"],
     last: Sequence[torch.Tensor] | None = None,
     field: str = "multiple",
 ) -> tuple[list[torch.Tensor], int]:
     """Make ``sum(len(k) for k in kept)`` a positive multiple of ``multiple``.
 
     ``scored[i]`` / ``kept[i]``: one refill round's scored rows and the rows kept of it.
-    ``"restore"`` adds pruned rows, ``"drop"`` removes kept rows (``"drop"`` restores when fewer
+    ``"up"`` adds pruned rows, ``"down"`` removes kept rows (``"down"`` adds when fewer
     than ``multiple`` rows are kept), in the filters' priority order (zero-variance rows last,
     larger ``|A|`` first, lower row first), latest round first; rows flagged in ``last`` (one bool
     mask per round, e.g. rows with no loss token) rank after every other row. Refuses, naming
@@ -85,7 +85,7 @@ def round_to_multiple(
     rem = total % multiple
     if rem == 0 and total > 0:
         return kept, 0
-    if mode == "drop" and total >= multiple:
+    if mode == "down" and total >= multiple:
         need = rem
         for i in reversed(range(len(kept))):
             if need == 0:
@@ -136,8 +136,8 @@ def round_rounds(
     if multiple_of <= 1 or total % multiple_of == 0:  # also 0 kept: the caller decides
         return list(kept)
     up = -(-total // multiple_of) * multiple_of
-    mode: Literal["restore", "drop"] = "restore" if rounding == "up" and up <= rows else "drop"
-    if total < multiple_of and (mode == "drop" or multiple_of > rows):
+    mode: Literal["up", "down"] = "up" if rounding == "up" and up <= rows else "down"
+    if total < multiple_of and (mode == "down" or multiple_of > rows):
         raise GRPOPartsError(
             f"{field}: the filter kept {total} rows of {rows}; no multiple of {multiple_of} "
             "can be formed (roll out more prompts or lower the multiple)"

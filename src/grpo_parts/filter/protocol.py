@@ -10,22 +10,27 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
+from ..counters import KEPT_FRACTION, WEIGHTED_ROWS
 from ..types import FilterResult, ScoredBatch
 
 if TYPE_CHECKING:
     from ..core import LossConfig
 
-__all__ = ["KEPT_FRACTION", "NUM_KEPT", "CompletionFilter", "FilterResult", "ScoredBatch", "WeighsLoss"]
+__all__ = [
+    "KEPT_FRACTION",
+    "NUM_KEPT",
+    "WEIGHTED_ROWS",
+    "CompletionFilter",
+    "FilterResult",
+    "ScoredBatch",
+    "WeighsLoss",
+]
 
-#: ``FilterResult.info`` keys that several filters write (the refill loop's outcome and the
-#: trainer's metric of the same name too; adapters log them as ``parts/filter/<key>``): the share of
-#: the batch's rows kept ...
-KEPT_FRACTION = "kept_fraction"
-#: ... and how many rows were kept
+#: ``FilterResult.info`` keys that several filters write (counter names: :mod:`grpo_parts.counters`,
+#: the trainer logs the bare name, the framework doors ``parts/filter/<name>``): the share of the
+#: batch's rows kept (KEPT_FRACTION), the rows trained with an importance weight (WEIGHTED_ROWS,
+#: ``dppo``; both imported above) and how many rows were kept
 NUM_KEPT = "num_kept"
-#: rows trained with an importance weight (a weighing filter, ``dppo``): the trainer logs
-#: ``filter_<name>``, TRL ``parts/filter/<name>``, verl and OpenRLHF ``grpo_parts/filter/<name>``
-WEIGHTED_ROWS = "weighted_rows"
 
 
 @runtime_checkable

@@ -31,6 +31,7 @@ from typing import Generic, TypeVar
 import torch
 
 from ..core.inclusion import probabilities_for_target, systematic_sample
+from ..counters import PROMPTS_DRAWN, PROMPTS_SKIPPED
 from ..errors import GRPOPartsError
 from .protocol import PeeksPrompts, PromptId, PromptSkipper, ReportsHistory
 
@@ -207,8 +208,8 @@ class PromptDraw(Iterator[P], Generic[P]):
             saved += group_size * (fallback_length if length is None else length)
         weights = self.prompt_weights()
         out = {
-            "prompts_drawn": float(self.num_drawn),
-            "prompts_skipped": float(len(skipped)),
+            PROMPTS_DRAWN: float(self.num_drawn),
+            PROMPTS_SKIPPED: float(len(skipped)),
             "skip_rollout_tokens_saved": saved,
             "skip_max_weight": float(weights.max()) if weights.numel() else 0.0,
         }

@@ -195,11 +195,11 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_part_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per swappable part (:data:`PART_FLAGS`), its choices the part's registry."""
-    from .config import PartsConfig
+    from ..parts_config import DOOR_DEFAULTS
 
     for part, what in PART_FLAGS.items():
         names = part_names(part)
-        fallback = PartsConfig.model_fields[part].default
+        fallback = DOOR_DEFAULTS["train"].get(part)
         parser.add_argument(
             f"--{part}",
             choices=names,

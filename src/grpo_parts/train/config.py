@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..core import AdvantageConfig, LossConfig
 from ..errors import GRPOPartsError
 from ..filter.allocation import legacy_refill
-from ..skip import SKIPPERS
+from ..parts_config import PartsConfig
 from ..skip.protocol import prompt_skip_reasons
 from ..task.arithmetic import ArithmeticConfig
 from ..task.jsonl import DataConfig
@@ -44,45 +44,16 @@ REFERENCE_PARTS: dict[str, Any] = {
 }
 
 
-class PartsConfig(BaseModel):
-    """Which implementation of each Protocol the loop uses, by its ``IMPLEMENTATIONS`` name.
-
-    A default that has not landed in this installation falls back to the reference with a logged
-    note; a name you set explicitly must exist. ``draft`` is only used by samplers that take one
-    (``None`` = no draft). ``refill_rounds``: when the filter keeps fewer completions than a full
-    batch, roll out the extra prompts it asks for, up to this many extra rounds per step (0: no
-    refill; the one name behind every door, :data:`grpo_parts.filter.allocation.REFILL_ROUNDS`;
-    earlier ``refill`` + ``max_refill_rounds`` are read as it, logged).
-    ``*_kwargs`` go to the part's constructor. ``prompt_skip``: the stage before rollout that skips
-    prompts whose recent groups had zero reward variance (``history``, weights ``1 / p``: unbiased;
-    ``none``: roll out every prompt), from ``grpo_parts.skip.SKIPPERS``.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    sampler: str = "speculative"
-    draft: str | None = "ngram"
-    attention: str = "shared_prefix"
-    filter: str = "cppo"
-    refill_rounds: int = Field(0, ge=0, le=64)
-    sampler_kwargs: dict[str, Any] = Field(default_factory=dict)
-    draft_kwargs: dict[str, Any] = Field(default_factory=dict)
-    attention_kwargs: dict[str, Any] = Field(default_factory=lambda: {})
-    filter_kwargs: dict[str, Any] = Field(default_factory=dict)
-    prompt_skip: str = "none"
-    prompt_skip_kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_refill_name(cls, data: Any) -> Any:
-        return legacy_refill(data, "max_refill_rounds", counts_first_round=False, where="parts")
-
-    @field_validator("prompt_skip")
-    @classmethod
-    def _prompt_skip(cls, name: str) -> str:
-        if name not in SKIPPERS:
-            raise ValueError(f"expected one of {sorted(SKIPPERS)} (a prompt skipper)")
-        return name
+def train_parts(data: Any) -> Any:
+    """``parts`` as ``grpo-parts train`` reads it: the shared :class:`~grpo_parts.parts_config.PartsConfig`
+    with this door's defaults (the optimized parts, ``DOOR_DEFAULTS["train"]``) under the given
+    fields; earlier ``refill`` + ``max_refill_rounds`` are read as ``refill_rounds`` (logged)."""
+    if isinstance(data, PartsConfig):
+        return PartsConfig.for_door("train", data)
+    if not isinstance(data, dict):
+        return data
+    data = legacy_refill(data, "max_refill_rounds", counts_first_round=False, where="parts")
+    return PartsConfig.for_door("train", data) if isinstance(data, dict) else data
 
 
 #: what ``grpo-parts train`` trains when prompt skipping is on and ``loss.agg`` is left at its
@@ -150,7 +121,11 @@ class TrainConfig(BaseModel):
     )
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
-    parts: PartsConfig = Field(default_factory=PartsConfig)
+    parts: PartsConfig = Field(
+        default_factory=lambda: PartsConfig.for_door("train"),
+        description="which part runs for each Protocol (grpo_parts.parts_config.PartsConfig, the one "
+        "parts configuration of every door; this door's defaults are the optimized parts)",
+    )
     task: ArithmeticConfig | ReasoningConfig | DataConfig = Field(
         default_factory=ReasoningConfig,
         discriminator="name",
@@ -248,6 +223,8 @@ class TrainConfig(BaseModel):
             data = {**data, "task": task}
             for key, value in TASK_DEFAULTS.get(str(task["name"]), {}).items():
                 data.setdefault(key, value)
+        if "parts" in data:
+            data = {**data, "parts": train_parts(data["parts"])}
         return _skip_loss_default(data)
 
     @field_validator("rewards")
@@ -275,8 +252,13 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "loss.correction.level: needs old_logprobs='recompute', got old_logprobs='sampler'"
             )
+        if self.parts.group_rows is False:
+            raise ValueError(
+                "parts.group_rows: grpo-parts train always trains each prompt's rows together, got False; "
+                "expected null or true"
+            )
         if self.parts.prompt_skip != "none":
-            # the trainer's sampler emits >= 1 token per completion: no row is empty (skip_chunks checks)
+            # the trainer's sampler emits >= 1 token per completion: no row is empty (skip_minibatches checks)
             reasons = prompt_skip_reasons(self.advantage, self.loss, empty_rows=False)
             if reasons:
                 raise ValueError(f"parts.prompt_skip: {self.parts.prompt_skip!r} with {reasons[0]}")
@@ -289,7 +271,7 @@ class TrainConfig(BaseModel):
 
     def with_reference_parts(self) -> TrainConfig:
         """The same run with every part switched to its reference implementation."""
-        return self.model_copy(update={"parts": PartsConfig(**REFERENCE_PARTS, refill_rounds=0)})
+        return self.model_copy(update={"parts": PartsConfig(**REFERENCE_PARTS)})
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

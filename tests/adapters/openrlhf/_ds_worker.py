@@ -61,7 +61,7 @@ def step_args(packing: bool, parts_on: bool, grouped: bool) -> Any:
         argv += [
             "--grpo_parts.attention",
             "shared_prefix",
-            "--grpo_parts.grouped_microbatches",
+            "--grpo_parts.group_rows",
             "auto" if grouped else "off",
         ]
     args = parse(argv)
@@ -101,7 +101,7 @@ def step(packing: bool, parts_on: bool, grouped: bool = True) -> dict[str, Any]:
     import ray
     from _openrlhf_helpers import rollout_samples, tiny_model
     from grpo_parts_adapters.openrlhf.actor import hf_model
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
@@ -113,7 +113,7 @@ def step(packing: bool, parts_on: bool, grouped: bool = True) -> dict[str, Any]:
     group = LocalGroup(policy)
     maker = GRPOPartsExperienceMaker(
         group, None, None, None, FixedKLController(0.0), strategy, type("Tok", (), {"pad_token_id": 0})(),
-        completion_filter=PartsConfig.from_args(args).build_filter(),
+        completion_filter=OpenRLHFPartsConfig.from_args(args).build_filter(),
     )  # fmt: skip
     samples = rollout_samples(torch.Generator().manual_seed(1), G, PROMPTS, REWARDS, env_tokens=True)
     for s in samples:

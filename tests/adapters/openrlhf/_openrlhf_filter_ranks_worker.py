@@ -55,7 +55,7 @@ def args_for(filt: str, kwargs: dict[str, Any], rounding: str, refill: int) -> A
             "--algo.kl.init_coef", "0", "--actor.num_gpus_per_node", os.environ["WORLD_SIZE"],
             "--vllm.num_engines", "1", "--actor.adam.lr", "0.01",
             "--grpo_parts.filter", filt, "--grpo_parts.filter_kwargs", json.dumps(kwargs),
-            "--grpo_parts.filter_rounding", rounding, "--grpo_parts.refill_rounds", str(refill)]  # fmt: skip
+            "--grpo_parts.kept_rounding", rounding, "--grpo_parts.refill_rounds", str(refill)]  # fmt: skip
     args = parse(argv)
     args.ds.param_dtype = "fp32"
     return args
@@ -99,18 +99,18 @@ class Refills:
 
 def run_case(rank: int, world: int, policy: Any, name: str) -> dict[str, Any]:
     from _openrlhf_helpers import rollout_samples
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
     from openrlhf.trainer.ray.launcher import RayActorGroup
 
     args = args_for(*CASES[name])
-    parts = PartsConfig.from_args(args)
+    parts = OpenRLHFPartsConfig.from_args(args)
     refills = Refills()
     maker = GRPOPartsExperienceMaker(
         LocalGroup(policy), None, None, None, FixedKLController(0.0), policy.strategy,
         SimpleNamespace(pad_token_id=0), completion_filter=parts.build_filter(),
-        samples_generator=refills, refill_rounds=parts.refill_rounds, rounding=parts.filter_rounding,
+        samples_generator=refills, refill_rounds=parts.refill_rounds, rounding=parts.kept_rounding,
     )  # fmt: skip
     samples = rollout_samples(torch.Generator().manual_seed(1), G, PROMPTS, REWARDS, env_tokens=True)
     for s in samples:

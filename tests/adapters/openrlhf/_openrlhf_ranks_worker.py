@@ -66,7 +66,7 @@ def record_grads(policy: Any) -> list[dict[str, torch.Tensor]]:
 def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]:
     from _ds_worker import policy_actor, step_args
     from _openrlhf_helpers import rollout_samples, tiny_model
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
@@ -99,7 +99,7 @@ def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]
     group = LocalGroup(policy)
     maker = GRPOPartsExperienceMaker(
         group, None, None, None, FixedKLController(0.0), strategy, type("Tok", (), {"pad_token_id": 0})(),
-        completion_filter=PartsConfig.from_args(args).build_filter(),
+        completion_filter=OpenRLHFPartsConfig.from_args(args).build_filter(),
     )  # fmt: skip
     # this process plays the controller for its own rank only: its kept rows are rounded to one
     # rank's share of --train.batch_size (4), not to the global batch

@@ -66,7 +66,7 @@ def test_launcher_help_lists_openrlhf_and_grpo_parts_flags(capsys):
 
 
 def test_flags_reach_parts_config_through_hierarchize():
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from grpo_parts_adapters.openrlhf.launch import add_parts_flags, parts_from_namespace
     from openrlhf.utils.config import hierarchize
 
@@ -78,31 +78,31 @@ def test_flags_reach_parts_config_through_hierarchize():
          "--grpo_parts.speculative_config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}']
     )  # fmt: skip
     parts = parts_from_namespace(ns)
-    assert PartsConfig.from_args(hierarchize(ns)) == parts
+    assert OpenRLHFPartsConfig.from_args(hierarchize(ns)) == parts
     assert parts.filter_kwargs == {"pruning_rate": 0.5} and parts.speculative_config["method"] == "ngram"
     assert parts.build_filter().pruning_rate == 0.5
-    assert PartsConfig.from_args(argparse.Namespace()) == PartsConfig()
+    assert OpenRLHFPartsConfig.from_args(argparse.Namespace()) == OpenRLHFPartsConfig()
 
 
 def test_bad_flags_are_refused():
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from grpo_parts_adapters.openrlhf.launch import check_supported
     from pydantic import ValidationError
 
     from grpo_parts.errors import GRPOPartsError
 
     with pytest.raises(ValidationError, match="filter_kwargs: expected a JSON object"):
-        PartsConfig(filter_kwargs="[1, 2]")
+        OpenRLHFPartsConfig(filter_kwargs="[1, 2]")
     with pytest.raises(ValidationError, match="draft_sync"):
-        PartsConfig(draft_sync="sometimes")
+        OpenRLHFPartsConfig(draft_sync="sometimes")
     ns = argparse.Namespace(**{"train.async_enable": True})
     with pytest.raises(GRPOPartsError, match="async"):
-        check_supported(ns, PartsConfig(filter="cppo"))
+        check_supported(ns, OpenRLHFPartsConfig(filter="cppo"))
 
 
 def test_vllm_engines_get_speculative_config(monkeypatch):
     """create_vllm_engines (OpenRLHF's, unmodified) hands every engine our extra kwargs."""
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from grpo_parts_adapters.openrlhf.vllm_spec import WORKER_EXTENSION, create_vllm_engines_with
     from openrlhf.trainer.ray import vllm_engine
 
@@ -120,7 +120,7 @@ def test_vllm_engines_get_speculative_config(monkeypatch):
     fake = FakeActorClass()
     monkeypatch.setattr(vllm_engine, "RolloutRayActor", fake)
     spec = {"method": "eagle", "model": "some/eagle-head", "num_speculative_tokens": 3}
-    parts = PartsConfig(speculative_config=spec, draft_sync="shared")
+    parts = OpenRLHFPartsConfig(speculative_config=spec, draft_sync="shared")
     engines = create_vllm_engines_with(parts)(
         2, 1, "some/model", 0, False, False, True, 256, shared_pg=object(), gpu_memory_utilization=0.5
     )
@@ -168,7 +168,7 @@ def test_launcher_runs_openrlhf_main_with_grpo_parts_classes(monkeypatch):
     after) no module attribute, class or builtin that other code sees has changed."""
     import ray
     from grpo_parts_adapters.openrlhf import launch, ray_actors
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from openrlhf import utils
     from openrlhf.trainer.ray import launcher
 
@@ -203,7 +203,7 @@ def test_launcher_runs_openrlhf_main_with_grpo_parts_classes(monkeypatch):
     assert seen["groups"] == [ray_actors.GRPOPartsPolicyModelActor, ray_actors.GRPOPartsReferenceModelActor]
     assert seen["trainer"]
     assert real_trainer.__ray_metadata__.modified_class.__ray_actor_class__ is ray_actors.TrainerParts
-    parts = PartsConfig.from_args(seen["args"])
+    parts = OpenRLHFPartsConfig.from_args(seen["args"])
     assert parts.filter == "cppo" and parts.filter_kwargs == {"k": 2, "scope": "group"}
     assert seen["args"].reward.remote_url == ["r.py"]  # OpenRLHF's own validation ran
     before.pop("RayActorGroup")  # replaced by this test, not by the launcher
@@ -244,15 +244,19 @@ def test_with_globals_copies_the_function_not_the_module():
 
 
 def test_grouped_microbatches_auto():
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
 
     from grpo_parts.errors import GRPOPartsError
 
-    assert not PartsConfig().use_grouped_microbatches(dynamic_batch=False)
-    assert PartsConfig(attention="shared_prefix").use_grouped_microbatches(dynamic_batch=False)
-    assert not PartsConfig(attention="shared_prefix").use_grouped_microbatches(dynamic_batch=True)
-    assert not PartsConfig(attention="shared_prefix", grouped_microbatches="off").use_grouped_microbatches(
+    assert not OpenRLHFPartsConfig().use_grouped_microbatches(dynamic_batch=False)
+    assert OpenRLHFPartsConfig(attention="shared_prefix").use_grouped_microbatches(dynamic_batch=False)
+    assert not OpenRLHFPartsConfig(attention="shared_prefix").use_grouped_microbatches(dynamic_batch=True)
+    assert not OpenRLHFPartsConfig(attention="shared_prefix", group_rows="off").use_grouped_microbatches(
         False
     )
     with pytest.raises(GRPOPartsError, match="dynamic_batch"):
-        PartsConfig(grouped_microbatches="on").use_grouped_microbatches(dynamic_batch=True)
+        # the earlier flag name, read as group_rows
+        OpenRLHFPartsConfig(grouped_microbatches="on").use_grouped_microbatches(dynamic_batch=True)
+    assert OpenRLHFPartsConfig(attention="reference").attention is None  # OpenRLHF's own forward
+    with pytest.raises(ValueError, match="prompt_skip='history': not offered behind openrlhf"):
+        OpenRLHFPartsConfig(prompt_skip="history")

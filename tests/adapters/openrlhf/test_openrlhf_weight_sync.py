@@ -177,7 +177,7 @@ def test_rollout_actor_takes_the_broadcast_for_a_grpo_parts_executor(tmp_path):
 def test_create_vllm_engines_builds_the_rollout_actor_for_an_agent_file():
     """OpenRLHF's create_vllm_engines builds the launcher's class for an agent file, its own kwargs
     intact (without one: OpenRLHF's RolloutRayActor, test_openrlhf_launch.py)."""
-    from grpo_parts_adapters.openrlhf.config import PartsConfig
+    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from grpo_parts_adapters.openrlhf.rollout import GRPOPartsRolloutActor
     from grpo_parts_adapters.openrlhf.vllm_spec import create_vllm_engines_with
     from openrlhf.trainer.ray import vllm_engine
@@ -195,7 +195,7 @@ def test_create_vllm_engines_builds_the_rollout_actor_for_an_agent_file():
             created.append((self.name, kwargs))
             return object()
 
-    create = create_vllm_engines_with(PartsConfig(), rollout_class=Fake("parts"))
+    create = create_vllm_engines_with(OpenRLHFPartsConfig(), rollout_class=Fake("parts"))
     create(1, 1, "some/model", 0, False, False, True, 256, shared_pg=object(), agent_func_path="agent.py")
     assert created[0][0] == "parts" and created[0][1]["agent_func_path"] == "agent.py"
     assert created[0][1]["model"] == "some/model" and created[0][1]["max_model_len"] == 256

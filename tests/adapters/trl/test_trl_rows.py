@@ -64,13 +64,13 @@ def _scored(adv: list[float], groups: list[int]) -> ScoredBatch:
 def test_round_kept_restore_and_drop() -> None:
     s = _scored([0.5, -2.0, 0.1, 1.0, 0.0, 0.0], [0, 0, 0, 0, 1, 1])  # group 1 has zero variance
     kept = [torch.tensor([1, 3, 0])]
-    up, change = round_kept([s], kept, 2, "restore")
+    up, change = round_kept([s], kept, 2, "up")
     assert change == 1 and up[0].tolist() == [0, 1, 2, 3]  # next by |A| is row 2, zero-variance rows last
-    down, change = round_kept([s], kept, 2, "drop")
+    down, change = round_kept([s], kept, 2, "down")
     assert change == -1 and down[0].tolist() == [1, 3]  # row 0 has the smallest |A| of the kept
-    empty, change = round_kept([s], [torch.zeros(0, dtype=torch.long)], 2, "drop")
+    empty, change = round_kept([s], [torch.zeros(0, dtype=torch.long)], 2, "down")
     assert change == 2 and empty[0].tolist() == [1, 3]  # nothing kept: restore the best rows
-    same, change = round_kept([s], [torch.tensor([1, 3])], 2, "restore")
+    same, change = round_kept([s], [torch.tensor([1, 3])], 2, "up")
     assert change == 0 and same[0].tolist() == [1, 3]
 
 
@@ -160,9 +160,9 @@ def test_rows_without_loss_rank_last() -> None:
 
     s = _scored([0.5, -2.0, 0.1, 1.0], [0, 0, 0, 0])
     no_loss = torch.tensor([False, True, False, False])  # row 1 has the largest |A| but no loss token
-    up, change = round_kept([s], [torch.tensor([3])], 2, "restore", [no_loss])
+    up, change = round_kept([s], [torch.tensor([3])], 2, "up", [no_loss])
     assert change == 1 and up[0].tolist() == [0, 3]  # row 0 (|A| 0.5) restored, not row 1
-    down, change = round_kept([s], [torch.tensor([0, 1, 3])], 2, "drop", [no_loss])
+    down, change = round_kept([s], [torch.tensor([0, 1, 3])], 2, "down", [no_loss])
     assert change == -1 and down[0].tolist() == [0, 3]  # row 1 dropped first
     assert drop_no_loss_rows([torch.tensor([1, 3])], [no_loss])[0].tolist() == [3]  # rows 0, 2 pruned
     assert drop_no_loss_rows([torch.tensor([0, 1, 2, 3])], [no_loss])[0].tolist() == [0, 1, 2, 3]

@@ -149,7 +149,7 @@ def test_filter_trains_exactly_the_kept_rows(base: torch.nn.Module) -> None:
     tr, _ = _tiny.run(_Recording, base, args, completion_filter="cppo", filter_kwargs={"pruning_rate": 0.5})
     ((out, scored),) = tr.scored
     res = tr.gp_filter.select(scored, None)
-    (kept,), _ = round_kept([scored], [res.kept], args.steps_per_generation, "restore")
+    (kept,), _ = round_kept([scored], [res.kept], args.steps_per_generation, "up")
     assert 0 < kept.numel() < scored.size
     assert kept.numel() % args.steps_per_generation == 0
     trained = [r for b in tr.trained for r in _rows(b)]

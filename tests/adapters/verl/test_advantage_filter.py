@@ -167,7 +167,7 @@ def test_other_filters_and_rounding_to_a_multiple(data, name, multiple):
     if len(data) >= -(-n_plain // multiple) * multiple:
         assert len(kept_data) % multiple == 0 and len(kept_data) >= n_plain
         assert set(plain.kept.tolist()) <= set(sel.kept.tolist())  # rounding up only adds rows
-    assert sel.metrics["grpo_parts/filter/rows_kept"] == len(kept_data)
+    assert sel.metrics["parts/filter/rows_kept"] == len(kept_data)
 
 
 def test_filter_data_proto_errors_name_the_field():
@@ -204,7 +204,7 @@ def test_legacy_dppo_kept_rows_train_on_weighted_full_group_advantages(data, mul
         want = float(scored.advantages[row]) * w.get(row, 0.0) * k / n
         adv = kept_data.batch["advantages"][j]
         torch.testing.assert_close(adv, want * kept_data.batch["response_mask"][j].to(adv.dtype))
-    assert sel.metrics["grpo_parts/filter/weighted_rows"] == res.kept.numel()
+    assert sel.metrics["parts/filter/weighted_rows"] == res.kept.numel()
 
 
 def test_legacy_dppo_refuses_verls_default_token_mean():
@@ -251,5 +251,5 @@ def test_v1_filter_never_hands_verl_an_empty_batch():
     opts = FilterOptions(name="cppo", kwargs={"k": 8}, ppo_mini_batch_size=2, rollout_n=4, n_gpus_per_node=1)
     store = _DictStore(rows)
     kept, metrics = filter_kv_batch(batch, opts.build(), opts, store=store)
-    assert len(kept.keys) == opts.batch_multiple > 0 and metrics["grpo_parts/filter/empty_batch_steps"] == 1.0
+    assert len(kept.keys) == opts.batch_multiple > 0 and metrics["parts/filter/empty_batch_steps"] == 1.0
     assert all(float(rows[k]["grpo_parts_seq_advantage"]) == 0.0 for k in kept.keys)

@@ -145,8 +145,8 @@ def test_kept_rows_balanced_whole_steps_all_trained(runs, name):  # type: ignore
     runs_ = [r[(name,)] for r in ranks]
     n = len(case["kept"])
     assert n > 0 and n % STEP_ROWS == 0 and n % RANKS == 0 and case["padding"] == 0
-    assert case["metrics"]["grpo_parts/filter/rows_kept"] == n
-    assert case["metrics"]["grpo_parts/filter/rows_generated"] > n  # the filter dropped rows
+    assert case["metrics"]["parts/filter/rows_kept"] == n
+    assert case["metrics"]["parts/filter/rows_generated"] > n  # the filter dropped rows
     trained: Counter = Counter()
     for run in runs_:
         assert run["share_rows"] == n // RANKS  # equal shares ...
@@ -162,7 +162,7 @@ def test_the_cases_round_refill_and_empty_a_natural_share(runs):  # type: ignore
     decided, _ = runs
     assert len(decided["cppo"]["kept"]) == 8  # CPPO kept 5, rounded up to whole steps
     zv = decided["zero_variance"]
-    assert len(zv["kept"]) == 8 and zv["metrics"]["grpo_parts/filter/rows_generated"] == 16
+    assert len(zv["kept"]) == 8 and zv["metrics"]["parts/filter/rows_generated"] == 16
     refill = decided["refill"]
     assert len(refill["kept"]) == 12 and refill["refill_calls"]
-    assert refill["metrics"]["grpo_parts/filter/rows_generated"] > 16
+    assert refill["metrics"]["parts/filter/rows_generated"] > 16

@@ -144,7 +144,7 @@ def test_smoke_checks_read_verl_metrics(tmp_path):
         "actor/parts/attention/forwards": 2.0,
         "actor/parts/attention/fallbacks": 0.0,
         "actor/parts/attention/logprob_forwards": 4.0,
-        "grpo_parts/filter/rows_kept": 8.0,
+        "parts/filter/rows_kept": 8.0,
     }
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps({"step": i, "data": good}) + "\n" for i in (1, 2)))

@@ -115,9 +115,9 @@ def test_filter_kv_batch_keeps_top_k_and_clears_the_rest():
     assert set(store.rows) == set(kept.keys)  # pruned rows cleared from TransferQueue
     assert [t["uid"] for t in kept.tags] == [k.split("_")[0] for k in kept.keys]
     assert kept.partition_id == "train" and kept.extra_info == {"temperature": 1.0}
-    assert metrics["grpo_parts/filter/rows_kept"] == 3
+    assert metrics["parts/filter/rows_kept"] == 3
     # every rolled-out row's mean reward (verl's own critic/score sees only the kept rows)
-    assert metrics["grpo_parts/filter/score_mean_rolled_out"] == pytest.approx((1 + 4 + 2.5) / 12)
+    assert metrics["parts/filter/score_mean_rolled_out"] == pytest.approx((1 + 4 + 2.5) / 12)
     # the full-group advantages of the kept rows travel with them ...
     seq = torch.stack([store.rows[k][SEQ_ADV_FIELD] for k in kept.keys])
     c = torch.tensor([0.0, 1.0, 0.5, 1.0])
@@ -148,7 +148,7 @@ def test_filter_kv_batch_refills_until_target():
     assert len(kept.keys) == 6 and calls  # refilled with more prompts
     assert not any(k.startswith("a_") for k in kept.keys)
     assert set(store.rows) == set(kept.keys)
-    assert metrics["grpo_parts/filter/rounds"] >= 2
+    assert metrics["parts/filter/rounds"] >= 2
 
 
 def test_filter_options_from_config():
@@ -198,6 +198,6 @@ def test_filtering_replay_buffer_refills_in_whole_gen_batches():
     buf = tr._FilteringReplayBuffer(Inner(), trainer, store=store)
     kept, metrics = buf.sample(global_steps=1, partition_id="train", batch_size=4)
     assert len(kept.keys) == 6 and submitted and all(n % 2 == 0 for n in submitted)
-    assert set(store.rows) == set(kept.keys) and metrics["grpo_parts/filter/rows_kept"] == 6
+    assert set(store.rows) == set(kept.keys) and metrics["parts/filter/rows_kept"] == 6
     val, _ = buf.sample(global_steps=1, partition_id="val", batch_size=2)
     assert len(val.keys) == 4  # untouched: 2 prompts x 2 rows

@@ -175,6 +175,6 @@ def test_sampler_metrics_sum_each_replicas_latest_totals() -> None:
         {"turn_scores": []},  # a sample from another backend
     ]
     assert ours.sampler_metrics(extras) == {
-        "grpo_parts/sampler/weight_syncs": 6.0,
-        "grpo_parts/sampler/verify_steps": 8.0,
+        "parts/sampler/weight_syncs": 6.0,
+        "parts/sampler/verify_steps": 8.0,
     }

@@ -116,7 +116,7 @@ def test_filter_and_refill_in_the_v1_fit_loop(store):
     # only groups with a signal (prompt i % 3 == 1) are kept, refilled until 12 rows
     assert len(batch.keys) == 12 and all(int(k.split("x")[0][1:]) % 3 == 1 for k in batch.keys)
     assert rollout.calls[0] == 4 and all(c % cfg.data.gen_batch_size == 0 for c in rollout.calls[1:])
-    assert metrics["grpo_parts/filter/rows_kept"] == 12
+    assert metrics["parts/filter/rows_kept"] == 12
     listed = tq.kv_list("train").get("train", {})
     trajectories = {k for k, t in listed.items() if not t.get("is_prompt")}
     assert trajectories == set(batch.keys)  # pruned rows cleared from TransferQueue
@@ -228,7 +228,7 @@ def test_dppo_trains_each_kept_row_times_its_weight_over_the_rolled_out_rows(sto
     rollout.submit(4)
     batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=4)
     k = len(batch.keys)
-    assert metrics["grpo_parts/filter/weighted_rows"] == k and 0 < k < 4 * N
+    assert metrics["parts/filter/weighted_rows"] == k and 0 < k < 4 * N
     stored = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=[SEQ_ADV_FIELD])
     batch = PPOTrainer._balance_batch(stub, batch, metrics)  # verl pads to ppo_mini_batch_size x n = 4
     padded = len(batch.keys)

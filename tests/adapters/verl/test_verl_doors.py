@@ -8,7 +8,7 @@ table on a tiny Llama policy, and counts each one (the samples' ``grpo_parts_sta
 The training-side rows run behind verl's own seams and are pinned where those seams are tested:
 the padding-free layout in tests/adapters/verl/test_engine_hook.py
 (``parts/attention/calls_varlen_cascade``), CPPO and refill in tests/adapters/verl/test_sampler_tq.py
-(``grpo_parts/filter/rows_kept``, refill rounds)."""
+(``parts/filter/rows_kept``, refill rounds)."""
 
 from __future__ import annotations
 

@@ -65,14 +65,14 @@ def test_verl_trainer_every_part_on_follows_the_actor_and_resumes(tmp_path: Path
     for step, row in enumerate(rows, start=1):  # the rollout's log-probs are the actor's, every step
         assert _metric(row, "training/rollout_probs_diff_max") < SYNCED_TOL
         # verl's metrics carry the backend's counters: a sync before every step's rollout
-        assert _metric(row, "grpo_parts/sampler/weight_syncs") >= step
-        assert _metric(row, "grpo_parts/sampler/lean_forward_calls") > 0
+        assert _metric(row, "parts/sampler/weight_syncs") >= step
+        assert _metric(row, "parts/sampler/lean_forward_calls") > 0
         # the shared-prefix engine hook ran every micro-batch; which layout (grid or padding-free) is
         # the planner's cost model's choice for the rollout's lengths, so it is not pinned here
         hook = {k: v for k, v in row["data"].items() if k.startswith("actor/parts/")}
         assert _metric(row, "actor/parts/attention/forwards") > 0, hook
         assert _metric(row, "actor/parts/attention/fallbacks") == 0, hook
-        assert _metric(row, "grpo_parts/filter/rows_kept") > 0  # CPPO kept rows
+        assert _metric(row, "parts/filter/rows_kept") > 0  # CPPO kept rows
     syncs = _syncs(first / "syncs.jsonl")
     assert len(syncs) >= 3  # before the first rollout (on_init_end) and after each update
     for s in syncs:  # the copy holds exactly what the actor sent
@@ -104,7 +104,7 @@ def test_verl_trainer_eagle_draft_trains_on_the_current_policy(tmp_path: Path) -
     for row in rows:
         assert _metric(row, "training/rollout_probs_diff_max") < SYNCED_TOL
     # dppo's 1/p weights (a step whose groups are all zero-variance keeps no weighted row)
-    assert sum(float(r["data"].get("grpo_parts/filter/weighted_rows", 0.0)) for r in rows) > 0
+    assert sum(float(r["data"].get("parts/filter/weighted_rows", 0.0)) for r in rows) > 0
     totals = _syncs(log)[-1]["totals"]
     assert totals["draft_updates"] > 0 and totals["weight_syncs"] >= 2
 
@@ -121,4 +121,4 @@ def test_verl_trainer_without_syncs_drifts_off_policy(tmp_path: Path) -> None:
     assert diffs[0] < SYNCED_TOL  # step 1: the actor has not moved yet
     # two updates later the frozen copy is far behind (synced runs stay ~5e-5 at every step)
     assert diffs[-1] > SYNCED_TOL and diffs[-1] > 20 * diffs[0]
-    assert _metric(rows[-1], "grpo_parts/sampler/frozen_rollouts") > 0  # counted, never silent
+    assert _metric(rows[-1], "parts/sampler/frozen_rollouts") > 0  # counted, never silent

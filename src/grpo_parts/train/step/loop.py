@@ -47,9 +47,9 @@ from ...task.data import (
 )
 from ...types import PromptBatch, Rollout, Stateful
 from ..config import TrainConfig
-from .minibatches import LossChunk, loss_chunks, weighted_filter_reasons
+from .minibatches import Minibatch, split_minibatches, weighted_filter_reasons
 from .parts import Parts
-from .prompt_skip import observe_step, skip_chunks, skipping_stream
+from .prompt_skip import observe_step, skip_minibatches, skipping_stream
 from .step_record import StepRecord, rollout_metrics, zero_variance_share
 
 
@@ -135,10 +135,10 @@ class GRPOTrainer:
         train_info, time_draft = self._update_draft(acc.rollouts)
         if filled.rollout is not None:
             train_info["lr"] = self._set_lr()
-            chunks = loss_chunks(filled, self.config.minibatches, self.config.loss.seq_count == "all")
+            batches = split_minibatches(filled, self.config.minibatches, self.config.loss.seq_count == "all")
             if self._draw is not None:  # prompt skipping: x 1/p of each prompt, normalised by the drawn
-                chunks = skip_chunks(chunks, filled, self._draw, self.config.loss.seq_count == "all")
-            train_info.update(self._update(filled.rollout, filled.advantages.to(self.device), chunks))
+                batches = skip_minibatches(batches, filled, self._draw, self.config.loss.seq_count == "all")
+            train_info.update(self._update(filled.rollout, filled.advantages.to(self.device), batches))
             self.parts.sampler.sync_weights(self.policy)
         t_end = time.perf_counter()
         time_logprobs = train_info.pop("time_logprobs", 0.0)
@@ -284,9 +284,9 @@ class GRPOTrainer:
             )
         return old, ref
 
-    def _update(self, ro: Rollout, advantages: torch.Tensor, chunks: list[LossChunk]) -> dict[str, float]:
-        """The policy update: one optimizer step per chunk; a weighted chunk (``dppo``) multiplies its
-        rows by their weights over the chunk's share of the whole rolled-out batch."""
+    def _update(self, ro: Rollout, advantages: torch.Tensor, batches: list[Minibatch]) -> dict[str, float]:
+        """The policy update: one optimizer step per minibatch; a weighted minibatch (``dppo``) multiplies its
+        rows by their weights over the minibatch's share of the whole rolled-out batch."""
         cfg, attn = self.config, self.parts.attention
         temp = self.params.logprob_temperature
         batch = LogprobBatch.from_rollout(ro)
@@ -304,10 +304,10 @@ class GRPOTrainer:
             "loss": 0.0,
             "clip_fraction": 0.0,
             "kl": 0.0,
-            f"filter_{WEIGHTED_ROWS}": 0.0,
+            WEIGHTED_ROWS: 0.0,
         }
-        for chunk in chunks:
-            rows, w = chunk.rows, chunk.weights
+        for mb in batches:
+            rows, w = mb.rows, mb.weights
             sub = batch.select(rows)
             lp = attn.completion_logprobs(self.policy, sub, temp, compute_entropy=entropy)
             logps = lp.logprobs
@@ -315,22 +315,22 @@ class GRPOTrainer:
                 logps, old[rows].to(logps.dtype), advantages[rows].to(logps.dtype), sub.completion_mask, cfg.loss,
                 None if ref is None else ref[rows].to(logps.dtype), entropy=lp.entropies,
                 rollout_logps=None if sampler_lp is None else sampler_lp[rows].to(logps.dtype),
-                num_tokens=chunk.num_tokens, num_seqs=chunk.num_seqs,
+                num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
                 seq_weights=None if w is None else w.to(logps.dtype),
             )  # fmt: skip
-            info[f"filter_{WEIGHTED_ROWS}"] += 0 if w is None else int(rows.numel())
+            info[WEIGHTED_ROWS] += 0 if w is None else int(rows.numel())
             self.optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             if cfg.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
             self.optimizer.step()
-            info["loss"] += float(out.loss.detach()) / len(chunks)
-            info["clip_fraction"] += out.clip_fraction / len(chunks)
-            info["kl"] += out.kl / len(chunks)
+            info["loss"] += float(out.loss.detach()) / len(batches)
+            info["clip_fraction"] += out.clip_fraction / len(batches)
+            info["kl"] += out.kl / len(batches)
             if entropy:
-                info["entropy"] = info.get("entropy", 0.0) + out.entropy / len(chunks)
+                info["entropy"] = info.get("entropy", 0.0) + out.entropy / len(batches)
             if sampler_lp is not None:
-                info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / len(chunks)
+                info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / len(batches)
         self.policy.eval()
         info["time_logprobs"] = t_logprobs
         if isinstance(attn, CountsAttentionCalls):  # the padding-free kernels' calls, per path

@@ -3,13 +3,13 @@
 ``minibatches`` optimizer steps per rollout batch, each on whole groups (shared-prefix attention
 needs a prompt's rows together):
 
-* a plain filter: the kept groups are split into ``minibatches`` chunks, each normalised by its own
+* a plain filter: the kept groups are split into ``minibatches`` minibatches, each normalised by its own
   rows (``grpo_loss``'s defaults) -- as before;
 * a weighted filter (:class:`~grpo_parts.filter.protocol.WeighsLoss`, ``dppo``): the split is made
   on *every rolled-out* prompt, before the draw (it does not depend on which rows were kept), and
-  each chunk's loss takes its kept rows times their weights over the chunk's full share of the
+  each minibatch's loss takes its kept rows times their weights over the minibatch's full share of the
   batch -- tokens / sequences of all its rolled-out rows, pruned ones and fully pruned groups
-  included. With one minibatch that is the whole batch's counts. A chunk whose rows were all pruned
+  included. With one minibatch that is the whole batch's counts. A minibatch whose rows were all pruned
   has gradient 0 and is skipped (no forward, no optimizer step).
 """
 
@@ -25,20 +25,20 @@ from ...filter.allocation import FilledBatch
 from ...filter.protocol import WeighsLoss
 from ..config import TrainConfig
 
-__all__ = ["LossChunk", "loss_chunks", "split_groups", "weighted_filter_reasons"]
+__all__ = ["Minibatch", "split_minibatches", "split_groups", "weighted_filter_reasons"]
 
 
 def split_groups(group_index: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """Row indices split into ``parts`` chunks of whole groups (shared-prefix needs whole groups)."""
+    """Row indices split into ``parts`` minibatches of whole groups (shared-prefix needs whole groups)."""
     groups = torch.unique(group_index)
-    chunks = torch.tensor_split(groups, min(parts, groups.numel()))
-    return [torch.isin(group_index, c).nonzero().squeeze(-1) for c in chunks if c.numel()]
+    split = torch.tensor_split(groups, min(parts, groups.numel()))
+    return [torch.isin(group_index, c).nonzero().squeeze(-1) for c in split if c.numel()]
 
 
 @dataclass(frozen=True)
-class LossChunk:
+class Minibatch:
     """One optimizer step: ``rows`` of the kept batch, their importance ``weights`` and the loss
-    denominators (None: ``grpo_parts.core.grpo_loss`` counts the chunk's own rows)."""
+    denominators (None: ``grpo_parts.core.grpo_loss`` counts the minibatch's own rows)."""
 
     rows: torch.Tensor
     weights: torch.Tensor | None = None
@@ -46,13 +46,15 @@ class LossChunk:
     num_seqs: float | None = None
 
 
-def loss_chunks(filled: FilledBatch[Any], minibatches: int, count_empty: bool = False) -> list[LossChunk]:
+def split_minibatches(
+    filled: FilledBatch[Any], minibatches: int, count_empty: bool = False
+) -> list[Minibatch]:
     """The optimizer steps of ``filled`` (not empty), see the module docstring. ``count_empty``:
     the loss counts rows without a completion token as sequences (``LossConfig.seq_count="all"``)."""
     ro = filled.rollout
     assert ro is not None
     if filled.weights is None:
-        return [LossChunk(rows) for rows in split_groups(ro.group_index, minibatches)]
+        return [Minibatch(rows) for rows in split_groups(ro.group_index, minibatches)]
     assert filled.full_group is not None and filled.group_tokens is not None
     seqs = filled.group_rows if count_empty else filled.group_seqs
     assert seqs is not None
@@ -63,7 +65,7 @@ def loss_chunks(filled: FilledBatch[Any], minibatches: int, count_empty: bool = 
         rows = torch.isin(full_group, groups).nonzero().squeeze(-1)
         if rows.numel():
             out.append(
-                LossChunk(
+                Minibatch(
                     rows.to(ro.group_index.device),
                     filled.weights[rows.to(filled.weights.device)],
                     float(filled.group_tokens[groups].sum()),

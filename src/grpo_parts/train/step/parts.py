@@ -12,6 +12,7 @@ attention backend is asked ``not_supported_reasons`` for the policy and refuses 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from ...build import (
     takes_draft,
 )
 from ...errors import GRPOPartsError, NotSupportedError
+from ...parts_config import DOOR_DEFAULTS
 from ...sampler import get_sampler_class
 from ...skip.protocol import PromptSkipper
 from ...skip.reference import KeepEveryPrompt
@@ -52,15 +54,18 @@ class Parts:
         return ", ".join(f"{k}={v}" for k, v in self.names.items())
 
 
-def resolve_name(part: str, cfg: PartsConfig, notes: list[str]) -> str | None:
-    """The implementation name to use for ``part`` (``None`` only for ``draft``)."""
+def resolve_name(
+    part: str, cfg: PartsConfig, notes: list[str], defaults: Mapping[str, Any] = DOOR_DEFAULTS["train"]
+) -> str | None:
+    """The implementation name to use for ``part`` (``None`` only for ``draft``; a sampler or
+    attention of None -- the door's own path -- is this door's reference)."""
     name = getattr(cfg, part)
     if name is None:
-        return None
+        return None if part == "draft" else REFERENCE_PARTS[part]
     table = implementations(part)
     if name in table:
         return str(name)
-    if part in cfg.model_fields_set:
+    if name != defaults.get(part):  # set by the user: it must exist
         raise GRPOPartsError(
             f"parts.{part}: unknown implementation {name!r}; expected one of {sorted(table)}"
         )

@@ -1,5 +1,5 @@
 """The trainer's side of prompt skipping (``parts.prompt_skip``): prompts drawn through a
-:class:`~grpo_parts.skip.draw.PromptDraw`, and the loss chunks re-weighted for them.
+:class:`~grpo_parts.skip.draw.PromptDraw`, and the minibatches re-weighted for them.
 
 With a skipper that can skip (:func:`~grpo_parts.skip.protocol.skips`), each refill round of
 the step draws prompts until their inclusion probabilities fill the round, rolls out only the kept
@@ -32,9 +32,9 @@ from ...skip.draw import PromptDraw
 from ...skip.protocol import PromptId, PromptSkipper, prompt_key, skips
 from ...task.arithmetic import Problem
 from ...types import Rollout
-from .minibatches import LossChunk
+from .minibatches import Minibatch
 
-__all__ = ["observe_step", "problem_key", "skip_chunks", "skipping_stream"]
+__all__ = ["observe_step", "problem_key", "skip_minibatches", "skipping_stream"]
 
 
 def problem_key(problem: Problem) -> PromptId:
@@ -53,10 +53,10 @@ def skipping_stream(
     return draw, draw
 
 
-def skip_chunks(
-    chunks: list[LossChunk], filled: FilledBatch[Any], draw: PromptDraw[Any], count_empty: bool
-) -> list[LossChunk]:
-    """``chunks`` with each row's prompt weight multiplied in and ``num_seqs`` scaled to the drawn
+def skip_minibatches(
+    batches: list[Minibatch], filled: FilledBatch[Any], draw: PromptDraw[Any], count_empty: bool
+) -> list[Minibatch]:
+    """``batches`` with each row's prompt weight multiplied in and ``num_seqs`` scaled to the drawn
     prompts (module docstring). ``count_empty``: ``LossConfig.seq_count == "all"``."""
     ro = filled.rollout
     assert ro is not None and filled.full_group is not None
@@ -69,14 +69,14 @@ def skip_chunks(
     prompt_w = draw.prompt_weights()[filled.full_group.cpu()]
     scale = draw.normaliser_scale()
     out = []
-    for chunk in chunks:
-        rows = chunk.rows.cpu()
-        w = prompt_w[rows] if chunk.weights is None else prompt_w[rows] * chunk.weights.cpu().double()
-        seqs = chunk.num_seqs
-        if seqs is None:  # a plain filter: the chunk's own rows, as grpo_loss would count them
-            tokens = ro.completion_mask[chunk.rows].long().sum(-1)
+    for mb in batches:
+        rows = mb.rows.cpu()
+        w = prompt_w[rows] if mb.weights is None else prompt_w[rows] * mb.weights.cpu().double()
+        seqs = mb.num_seqs
+        if seqs is None:  # a plain filter: the minibatch's own rows, as grpo_loss would count them
+            tokens = ro.completion_mask[mb.rows].long().sum(-1)
             seqs = float(tokens.numel() if count_empty else (tokens > 0).sum())
-        out.append(replace(chunk, weights=w.to(chunk.rows.device), num_seqs=seqs * scale))
+        out.append(replace(mb, weights=w.to(mb.rows.device), num_seqs=seqs * scale))
     return out
 
 

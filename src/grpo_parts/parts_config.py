@@ -1,0 +1,114 @@
+"""One parts configuration for every door: which implementation of each Protocol runs, its kwargs,
+and the three settings every door shares (refill, rounding the kept rows, keeping a prompt's rows
+together). Frozen pydantic, extra fields refused.
+
+Each door maps its own way of saying it into this one class, and only adds its defaults
+(:data:`DOOR_DEFAULTS`) and the settings no other door has:
+
+======================  ==========================================  ===============================
+door                    how a user gives it                         door-only settings
+======================  ==========================================  ===============================
+``grpo-parts train``    ``--set parts.*`` / YAML ``parts:``         (none)
+TRL                     ``GRPOPartsTrainer(parts=PartsConfig(...))``  ``TRLPartsOptions``
+                        or the part keywords (``sampler=`` ...)
+verl                    ``+grpo_parts.filter.*`` / engine Hydra     ``FilterOptions`` (verl's
+                        keys, read by ``verl_parts``                  batch sizes), ``EngineOptions``
+OpenRLHF                ``--grpo_parts.*`` flags                    ``OpenRLHFPartsConfig``
+======================  ==========================================  ===============================
+
+``None`` for ``sampler`` / ``attention`` means *the door's own path* (TRL's ``generate``, verl's
+rollout, OpenRLHF's vLLM engines and forward; in ``grpo-parts train`` the reference parts).
+This module imports only the skip table, so every door (and the adapters) can import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: the doors (docs/doors.md)
+DOORS = ("train", "trl", "verl", "openrlhf")
+
+#: what each door runs when a setting is not given: ``grpo-parts train`` the optimized parts,
+#: every framework door its framework's own path (the parts are opt-in there)
+DOOR_DEFAULTS: dict[str, dict[str, Any]] = {
+    "train": {"sampler": "speculative", "draft": "ngram", "attention": "shared_prefix", "filter": "cppo"},
+    "trl": {},
+    "verl": {},
+    "openrlhf": {},
+}
+
+#: the settings that name an implementation (each with its ``<name>_kwargs``)
+NAMED = ("sampler", "draft", "attention", "filter", "prompt_skip")
+
+
+class PartsConfig(BaseModel):
+    """Which part runs for each Protocol, by its ``IMPLEMENTATIONS`` name, and the settings every
+    door shares.
+
+    ``sampler`` / ``attention``: None = the door's own path. ``draft``: only for samplers that take
+    one. ``filter``: a ``CompletionFilter`` (``keep_all`` = none). ``prompt_skip``: the stage before
+    rollout that skips prompts whose recent groups had zero reward variance (``history``: kept
+    prompts weigh ``1 / p``, unbiased; ``none``: every prompt is rolled out). ``*_kwargs`` go to the
+    part's constructor (:mod:`grpo_parts.build`).
+
+    ``refill_rounds``: when the filter keeps fewer completions than a full batch, roll out the extra
+    prompts it asks for, up to this many extra rounds per step (0: no refill).
+    ``kept_rounding``: a framework that needs the kept rows to be a multiple of its optimizer step
+    (TRL's ``steps_per_generation``, verl's mini-batch and ranks, OpenRLHF's ``--train.batch_size``)
+    gets them rounded ``up`` (the best pruned rows go back) or ``down`` (the worst kept rows are
+    dropped; a weighted filter always rounds up: dropping drawn rows biases it).
+    ``group_rows``: keep each prompt's completions in one training micro-batch, so a shared-prefix
+    backend has a prefix to share (None: on when an attention backend is set and the framework's
+    loss does not depend on the micro-batch; ``grpo-parts train`` always does).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sampler: str | None = None
+    draft: str | None = None
+    attention: str | None = None
+    filter: str = "keep_all"
+    prompt_skip: str = "none"
+    sampler_kwargs: dict[str, Any] = Field(default_factory=dict)
+    draft_kwargs: dict[str, Any] = Field(default_factory=dict)
+    attention_kwargs: dict[str, Any] = Field(default_factory=dict)
+    filter_kwargs: dict[str, Any] = Field(default_factory=dict)
+    prompt_skip_kwargs: dict[str, Any] = Field(default_factory=dict)
+    refill_rounds: int = Field(0, ge=0, le=64)
+    kept_rounding: Literal["up", "down"] = "up"
+    group_rows: bool | None = None
+
+    @field_validator("prompt_skip")
+    @classmethod
+    def _prompt_skip(cls, name: str) -> str:
+        from .skip import SKIPPERS
+
+        if name not in SKIPPERS:
+            raise ValueError(f"expected one of {sorted(SKIPPERS)} (a prompt skipper), got {name!r}")
+        return name
+
+    @classmethod
+    def for_door(cls, door: str, given: Mapping[str, Any] | PartsConfig | None = None) -> PartsConfig:
+        """``door``'s defaults (:data:`DOOR_DEFAULTS`) under the settings ``given`` (a config's
+        given fields win, its unset ones take the door's default)."""
+        if door not in DOOR_DEFAULTS:
+            raise ValueError(f"door: expected one of {list(DOORS)}, got {door!r}")
+        if isinstance(given, PartsConfig):
+            given = given.model_dump(include=given.model_fields_set)
+        return cls(**{**DOOR_DEFAULTS[door], **dict(given or {})})
+
+    def refusals(self, door: str, offered: Mapping[str, str]) -> list[str]:
+        """One line per setting that ``door`` does not offer but is set (``offered``: the settings
+        it does not take -> what to use there instead)."""
+        default = PartsConfig.for_door(door)
+        return [
+            f"{key}={getattr(self, key)!r}: not offered behind {door}; {instead}"
+            for key, instead in offered.items()
+            if getattr(self, key) != getattr(default, key)
+        ]
+
+
+__all__ = ["DOORS", "DOOR_DEFAULTS", "NAMED", "PartsConfig"]
