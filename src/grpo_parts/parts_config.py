@@ -87,7 +87,7 @@ class PartsConfig(BaseModel):
         from .skip import SKIPPERS
 
         if name not in SKIPPERS:
-            raise ValueError(f"expected one of {sorted(SKIPPERS)} (a prompt skipper), got {name!r}")
+            raise ValueError(f"expected one of {sorted(SKIPPERS)} (a prompt skipper)")
         return name
 
     @classmethod

@@ -84,7 +84,7 @@ def test_trim_keeps_largest_abs_advantage_of_last_round() -> None:
     out = run(ZeroVarianceGroups(), 20, 1, start=1)  # prompt 1: 16 kept; prompt 2: 4 of 16 kept
     assert out.outcome.rounds == 2
     last = out.outcome.selections[-1]
-    _, _, _, adv = last.chunk.payload
+    _, _, _, adv = last.round.payload
     top4 = torch.sort(torch.argsort(-adv.abs(), stable=True)[:4]).values
     assert torch.equal(last.kept, top4)
 
@@ -152,9 +152,9 @@ def test_refill_has_one_name_behind_every_door(caplog) -> None:  # type: ignore[
     from grpo_parts.train.config import train_parts
 
     with caplog.at_level(logging.WARNING):
-        assert train_parts({"refill": True, "max_refill_rounds": 2}).refill_rounds == 2  # extra rounds
-        assert train_parts({"refill": True}).refill_rounds == 3
-        assert train_parts({"refill": False}).refill_rounds == 0
+        assert train_parts({"refill": True, "max_refill_rounds": 2})["refill_rounds"] == 2  # extra rounds
+        assert train_parts({"refill": True})["refill_rounds"] == 3
+        assert train_parts({"refill": False})["refill_rounds"] == 0
     assert "refill_rounds=2" in caplog.text
     # TRL's and verl's earlier round counts included the first round
     assert legacy_refill({"refill": True, "max_rounds": 4}, "max_rounds", True, "x") == {"refill_rounds": 3}

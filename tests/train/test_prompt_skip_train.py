@@ -87,8 +87,9 @@ def test_skip_chunks_weigh_rows_by_their_prompt_and_normalise_by_the_drawn() -> 
     ones = torch.ones(4, 2, dtype=torch.long)
     ro = Rollout(ones, ones, ones, mask, torch.zeros(4, 2), torch.tensor([0, 0, 1, 1]), 2)
     filled = FilledBatch(
-        ro, torch.zeros(4), torch.zeros(4), [7, 9], None, full_group=torch.tensor([0, 0, 1, 1])
-    )  # type: ignore[arg-type]
+        rollout=ro, advantages=torch.zeros(4), kept=torch.arange(4), num_tokens=5.0, num_seqs=3.0,
+        rewards=torch.zeros(4), prompts=[7, 9], outcome=None, full_group=torch.tensor([0, 0, 1, 1]),
+    )  # type: ignore[arg-type]  # fmt: skip
     chunks = [Minibatch(torch.tensor([0, 1])), Minibatch(torch.tensor([2, 3]))]
     out = skip_minibatches(chunks, filled, draw, count_empty=True)
     assert [c.weights.tolist() for c in out] == [[2.0, 2.0], [4.0, 4.0]]  # type: ignore[union-attr]

@@ -41,6 +41,7 @@ from ..errors import GRPOPartsError, check_tensor
 from ..skip.protocol import DrawsPrompts
 from ..types import Rollout
 from ._common import extra_prompts, num_groups_present, priority_order
+from .apply import KeptBatch, loss_denominators
 from .protocol import KEPT_FRACTION, CompletionFilter, ScoredBatch
 
 T = TypeVar("T")
@@ -192,42 +193,29 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> Rollo
     return Rollout(cat["pi"], cat["pm"], cat["ci"], cat["cm"], cat["lp"], cat["gi"], offset)
 
 
-@dataclass(frozen=True)
-class FilledBatch(Generic[P]):
-    """The kept rows of every round, concatenated. ``rollout.group_index`` numbers the prompts that
+@dataclass(frozen=True, kw_only=True)
+class FilledBatch(KeptBatch, Generic[P]):
+    """The kept rows of every round, concatenated: a :class:`~grpo_parts.filter.apply.KeptBatch`
+    (the one type of kept rows: :func:`~grpo_parts.filter.apply.apply_filter` builds it for one
+    round, :func:`fill_rollouts` for several) plus the rounds' bookkeeping. ``kept`` indexes the
+    rows of every round's rollout concatenated in order; ``num_tokens`` / ``num_seqs`` follow
+    ``KeptBatch``: the kept rows' own, or with ``weights`` (``dppo``) every rolled-out row's
+    (sequences = rows with a completion token). ``rollout.group_index`` numbers the prompts that
     kept at least one row, ``0 .. len(prompts) - 1``; ``rollout`` is None when nothing was kept.
 
-    ``weights``: the kept rows' importance weights (a weighted filter, ``dppo``; None = all 1).
     ``full_group``: each kept row's prompt among *every* rolled-out prompt (all rounds, stream
     order), and ``group_rows`` / ``group_seqs`` / ``group_tokens`` (``[P_all]``) count each
     rolled-out prompt's rows, rows with a completion token, and completion tokens, pruned or not:
-    the whole batch's loss denominators, known before the draw (:attr:`num_tokens`, :attr:`num_seqs`).
+    the whole batch's loss denominators per prompt, known before the draw (what the trainer's
+    minibatches split, :mod:`grpo_parts.train.step.minibatches`).
     """
 
-    rollout: Rollout | None
-    rewards: torch.Tensor  # [K]
-    advantages: torch.Tensor  # [K]
     prompts: list[P]
     outcome: RefillOutcome[Any]
-    weights: torch.Tensor | None = None  # [K]
     full_group: torch.Tensor | None = None  # [K]
     group_rows: torch.Tensor | None = None  # [P_all]
     group_seqs: torch.Tensor | None = None  # [P_all]
     group_tokens: torch.Tensor | None = None  # [P_all]
-
-    @property
-    def is_empty(self) -> bool:
-        return self.rollout is None
-
-    @property
-    def num_tokens(self) -> float:
-        """Completion tokens of every rolled-out row (the token-mean denominator before pruning)."""
-        return 0.0 if self.group_tokens is None else float(self.group_tokens.sum())
-
-    @property
-    def num_seqs(self) -> float:
-        """Rolled-out rows with at least one completion token (the seq-mean denominator)."""
-        return 0.0 if self.group_seqs is None else float(self.group_seqs.sum())
 
 
 def group_counts(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -290,10 +278,12 @@ def _merge_selections(
     advs: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
     full: list[torch.Tensor] = []
+    kept_rows: list[torch.Tensor] = []
     kept_prompts: list[Any] = []
-    offsets, start = {}, 0
+    offsets, row_offsets, start, row = {}, {}, 0, 0
     for r in rolled:
         offsets[id(r)], start = start, start + r.num_prompts
+        row_offsets[id(r)], row = row, row + r.num_completions
     for sel in outcome.selections:
         batch, rollout, r, adv = sel.round.payload
         sub = rollout.select(sel.kept)
@@ -313,13 +303,19 @@ def _merge_selections(
         w = sel.weights
         weights.append(torch.ones(sel.kept.numel(), dtype=torch.float64) if w is None else w.cpu().double())
         full.append(sub.group_index + offsets[id(rollout)])
+        kept_rows.append(sel.kept.cpu() + row_offsets[id(rollout)])
     merged = concat_rollouts(subs, pad_token_id)
     weighted = any(sel.weights is not None for sel in outcome.selections)
     rows, seqs, toks = group_counts(rolled)
+    own_tokens, own_seqs = loss_denominators(merged.completion_mask)
     return FilledBatch(
-        merged, torch.cat(rewards), torch.cat(advs), kept_prompts, outcome,
-        torch.cat(weights).to(merged.completion_ids.device) if weighted else None,
-        torch.cat(full), rows, seqs, toks,
+        rollout=merged, advantages=torch.cat(advs), kept=torch.cat(kept_rows),
+        num_tokens=float(toks.sum()) if weighted else own_tokens,
+        num_seqs=float(seqs.sum()) if weighted else own_seqs,
+        rewards=torch.cat(rewards),
+        weights=torch.cat(weights).to(merged.completion_ids.device) if weighted else None,
+        prompts=kept_prompts, outcome=outcome, full_group=torch.cat(full),
+        group_rows=rows, group_seqs=seqs, group_tokens=toks,
     )  # fmt: skip
 
 
@@ -362,5 +358,9 @@ def fill_rollouts(
     if outcome.is_empty:
         empty = torch.zeros(0)
         rows, seqs, toks = group_counts(rolled)
-        return FilledBatch(None, empty, empty, [], outcome, None, None, rows, seqs, toks)
+        return FilledBatch(
+            rollout=None, advantages=empty, kept=torch.zeros(0, dtype=torch.long), num_tokens=0.0,
+            num_seqs=0.0, rewards=empty, prompts=[], outcome=outcome,
+            group_rows=rows, group_seqs=seqs, group_tokens=toks,
+        )  # fmt: skip
     return _merge_selections(outcome, pad_token_id, rolled)

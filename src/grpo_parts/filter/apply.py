@@ -19,7 +19,9 @@ completion token are sequences only under ``seq_count="all"``; the rule is
 An empty kept set (every advantage zero) gives ``KeptBatch.is_empty``: the loop skips the update
 (no forward, no optimizer step, no NaN).
 
-Typical use in a loop (the built-in trainer and the adapters do this)::
+``KeptBatch`` is the one type of kept rows: the built-in trainer's refill
+(:func:`grpo_parts.filter.allocation.fill_rollouts`) returns a ``FilledBatch``, which is a
+``KeptBatch`` over several rounds plus their bookkeeping. Typical use in a loop of one round::
 
     res = filt.select(ScoredBatch(rewards, advantages, rollout.group_index))
     kb = apply_filter(res, rollout, advantages, loss=cfg)
@@ -63,7 +65,8 @@ def _check_kept(kept: torch.Tensor, n: int) -> None:
 
 @dataclass(frozen=True)
 class KeptBatch:
-    """The kept rows. ``rollout`` is None when nothing was kept (then every tensor has 0 rows).
+    """The kept rows (one round: :func:`apply_filter`; several: ``allocation.FilledBatch``, a
+    subclass). ``rollout`` is None when nothing was kept (then every tensor has 0 rows).
     ``num_tokens`` / ``num_seqs``: the loss denominators to use -- the kept set's own, or the whole
     batch's when the filter gave ``weights`` (``[K]``, None = all 1; see module docstring)."""
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..core import AdvantageConfig, LossConfig
 from ..errors import GRPOPartsError
 from ..filter.allocation import legacy_refill
-from ..parts_config import PartsConfig
+from ..parts_config import DOOR_DEFAULTS, PartsConfig
 from ..skip.protocol import prompt_skip_reasons
 from ..task.arithmetic import ArithmeticConfig
 from ..task.jsonl import DataConfig
@@ -45,15 +45,16 @@ REFERENCE_PARTS: dict[str, Any] = {
 
 
 def train_parts(data: Any) -> Any:
-    """``parts`` as ``grpo-parts train`` reads it: the shared :class:`~grpo_parts.parts_config.PartsConfig`
-    with this door's defaults (the optimized parts, ``DOOR_DEFAULTS["train"]``) under the given
-    fields; earlier ``refill`` + ``max_refill_rounds`` are read as ``refill_rounds`` (logged)."""
+    """``parts`` as ``grpo-parts train`` reads it (before the field validates it as the shared
+    :class:`~grpo_parts.parts_config.PartsConfig`): this door's defaults (the optimized parts,
+    ``DOOR_DEFAULTS["train"]``) under the given fields; earlier ``refill`` + ``max_refill_rounds``
+    are read as ``refill_rounds`` (logged)."""
     if isinstance(data, PartsConfig):
         return PartsConfig.for_door("train", data)
     if not isinstance(data, dict):
         return data
     data = legacy_refill(data, "max_refill_rounds", counts_first_round=False, where="parts")
-    return PartsConfig.for_door("train", data) if isinstance(data, dict) else data
+    return {**DOOR_DEFAULTS["train"], **data}  # validated as the field (errors name parts.*)
 
 
 #: what ``grpo-parts train`` trains when prompt skipping is on and ``loss.agg`` is left at its

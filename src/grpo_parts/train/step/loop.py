@@ -330,7 +330,9 @@ class GRPOTrainer:
             if entropy:
                 info["entropy"] = info.get("entropy", 0.0) + out.entropy / len(batches)
             if sampler_lp is not None:
-                info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / len(batches)
+                info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / len(
+                    batches
+                )
         self.policy.eval()
         info["time_logprobs"] = t_logprobs
         if isinstance(attn, CountsAttentionCalls):  # the padding-free kernels' calls, per path
