@@ -8,6 +8,8 @@
                                processing_class=tok, sampler="speculative", draft="ngram",
                                attention="shared_prefix", completion_filter="cppo",
                                filter_kwargs={"pruning_rate": 0.5})
+    # or the one parts configuration every door reads (grpo_parts.parts_config):
+    trainer = GRPOPartsTrainer(..., parts=PartsConfig(filter="cppo", refill_rounds=1))
 
 TRL is imported on first use of :class:`GRPOPartsTrainer` / :func:`make_trainer`, not by this package.
 See docs/adapters/trl.md.
@@ -17,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .options import TRLPartsOptions
+from .options import PartsConfig, TRLPartsOptions
 
-__all__ = ["GRPOPartsTrainer", "TRLPartsOptions", "build_part", "make_trainer"]
+__all__ = ["GRPOPartsTrainer", "PartsConfig", "TRLPartsOptions", "build_part", "make_trainer"]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,7 @@ import torch
 from grpo_parts import build as parts_build
 from grpo_parts.errors import GRPOPartsError
 
-from .options import TRLPartsOptions
+from .options import PartsConfig, TRLPartsOptions
 
 if TYPE_CHECKING:
     from .trainer import GRPOPartsTrainer
@@ -53,6 +53,7 @@ def make_trainer(
     filter_kwargs: dict[str, Any] | None = None,
     prompt_skip: Any = None,
     prompt_skip_kwargs: dict[str, Any] | None = None,
+    parts: PartsConfig | dict[str, Any] | None = None,
     parts_options: TRLPartsOptions | None = None,
     trainer_kwargs: dict[str, Any] | None = None,
     **config: Any,
@@ -83,6 +84,7 @@ def make_trainer(
         filter_kwargs=filter_kwargs,
         prompt_skip=prompt_skip,
         prompt_skip_kwargs=prompt_skip_kwargs,
+        parts=parts,
         parts_options=parts_options,
         **(trainer_kwargs or {}),
     )

@@ -16,7 +16,7 @@ import grpo_parts.attention.shared_prefix.grouped_forward as gf
 from grpo_parts.attention.reference import RepeatedPrefixAttention
 from grpo_parts.attention.shared_prefix.backend import KERNEL_NAME, SharedPrefixAttention, register_attention
 from grpo_parts.attention.shared_prefix.kernels import shared_prefix_attention
-from grpo_parts.attention.shared_prefix.layout import LAYOUT_KWARG, build_grouped_inputs
+from grpo_parts.attention.shared_prefix.layout import LAYOUT_KWARG, LayoutSettings, build_grouped_inputs
 from grpo_parts.errors import NotSupportedError
 from grpo_parts.tiny import tiny_causal_lm
 
@@ -101,7 +101,7 @@ def test_probe_is_cached_and_leaves_the_model_as_it_was():  # type: ignore[no-un
 def test_receipts_survive_copies_of_the_layout():  # type: ignore[no-untyped-def]
     """FSDP2 casts forward inputs with ``_apply_to_tensors``, which rebuilds dataclasses and lists:
     the copy the kernel gets must still record into the backend's layout (verl's engine on CPU)."""
-    layout = build_grouped_inputs(_batch(), kernel="eager").layout
+    layout = build_grouped_inputs(_batch(), LayoutSettings(kernel="eager")).layout
     copies = [dataclasses.replace(layout)]
     apply = (
         getattr(torch.distributed.utils, "_apply_to_tensors", None)
@@ -119,7 +119,7 @@ def _layout_call(**kwargs):  # type: ignore[no-untyped-def]
     """Call the kernel directly on a llama attention module with random q/k/v in the grid layout."""
     model = exact_model("llama", vocab_size=48, num_kv_heads=2)
     module = model.model.layers[0].self_attn
-    grouped = build_grouped_inputs(_batch(), kernel="eager")
+    grouped = build_grouped_inputs(_batch(), LayoutSettings(kernel="eager"))
     b, length = grouped.input_ids.shape
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, 4, length, 8, generator=gen, dtype=torch.float64)
@@ -186,7 +186,7 @@ def test_autocast_casts_q_k_v_to_the_autocast_dtype():  # type: ignore[no-untype
     bfloat16; the kernel casts all three to the autocast dtype, as transformers' SDPA does."""
     model = exact_model("llama", vocab_size=48, num_kv_heads=2)
     module = model.model.layers[0].self_attn
-    grouped = build_grouped_inputs(_batch(), kernel="sdpa")
+    grouped = build_grouped_inputs(_batch(), LayoutSettings(kernel="sdpa"))
     b, length = grouped.input_ids.shape
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, 4, length, 8, generator=gen)

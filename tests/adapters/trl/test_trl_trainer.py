@@ -18,6 +18,7 @@ from transformers import set_seed  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from grpo_parts.errors import NotSupportedError  # noqa: E402
+from grpo_parts.parts_config import PartsConfig
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +316,10 @@ def test_micro_batches_hold_whole_groups_with_an_attention_backend(base: torch.n
         prompts = {r[0] for r in _rows(b)}
         assert len(prompts) == 1  # one whole group of G = 4 per micro-batch
     set_seed(0)
-    off, _ = _tiny.run(
-        _Recording, base, args, attention="reference", parts_options=TRLPartsOptions(group_rows=False)
-    )
+    off, _ = _tiny.run(_Recording, base, args, attention="reference", parts=PartsConfig(group_rows=False))
     assert any(len({r[0] for r in _rows(b)}) > 1 for b in off.trained)  # TRL's own row shuffle
+    # the same trainer given by the one parts configuration: the same parts, and they ran
+    set_seed(0)
+    via, _ = _tiny.run(_Recording, base, args, parts=PartsConfig(attention="reference", filter="cppo"))
+    assert via.gp_attention is not None and via.gp_filter.name == "cppo"
+    assert via.parts_config.filter == "cppo" and via._gp_counters.total("attention") > 0

@@ -18,7 +18,7 @@ from ...errors import GRPOPartsError, NotSupportedError
 from ...wrappers import inner_model, ranks_of, sharding
 from ..protocol import LogprobBatch
 from .guard import layout_shortfall, model_kind
-from .layout import LAYOUT_KWARG, GroupedInputs, build_grouped_inputs
+from .layout import LAYOUT_KWARG, GroupedInputs, LayoutSettings, build_grouped_inputs
 
 #: name under which the attention function is registered with transformers
 KERNEL_NAME = "grpo_shared_prefix"
@@ -93,7 +93,7 @@ def probe_reasons(model: torch.nn.Module) -> list[str]:
     p = next(model.parameters())
     tok = torch.ones(1, 1, dtype=torch.long, device=p.device)
     batch = LogprobBatch(tok, tok, tok, tok, torch.zeros(1, dtype=torch.long, device=p.device))
-    grouped = build_grouped_inputs(batch, kernel="eager")
+    grouped = build_grouped_inputs(batch, LayoutSettings(kernel="eager"))
     flags = [(m, m.training) for m in model.modules()]
     model.eval()
     try:

@@ -192,19 +192,29 @@ def _kept_columns(
     return keep, row_keep
 
 
+@dataclass(frozen=True)
+class LayoutSettings:
+    """What building a layout reads of the backend's settings (one object, passed whole: the
+    plan's :attr:`.plan.PlanSettings.layout`): the attention ``kernel``, the model's context
+    ``max_positions`` (None: none), the pad id of empty slots, the grid ``sdpa`` kernel's
+    ``chunk_elems`` / ``suffix_flash_min`` and the padding-free layout's ``varlen`` kernels."""
+
+    kernel: str = "sdpa"
+    max_positions: int | None = None
+    pad_token_id: int = 0
+    chunk_elems: int = 1 << 24
+    suffix_flash_min: int = 512
+    varlen: bool = True
+
+
 def build_grouped_inputs(
-    batch: LogprobBatch,
-    *,
-    max_positions: int | None = None,
-    pad_token_id: int = 0,
-    kernel: str = "sdpa",
-    chunk_elems: int = 1 << 24,
-    suffix_flash_min: int = 512,
-    max_position: int | None = None,
+    batch: LogprobBatch, settings: LayoutSettings | None = None, max_position: int | None = None
 ) -> GroupedInputs:
     """Regroup ``batch`` (rows in any order) into the grid layout; see the module docstring.
     ``max_position``: the largest position id of the reference's forward (the batch this one was
     split from); default: this batch's."""
+    settings = settings or LayoutSettings()
+    max_positions, pad_token_id, kernel = settings.max_positions, settings.pad_token_id, settings.kernel
     pm, cm = check_masks(batch)
     device = batch.prompt_ids.device
     n = batch.prompt_ids.shape[0]
@@ -241,7 +251,7 @@ def build_grouped_inputs(
 
     keep, row_keep = _kept_columns(plen, row_group, row_slot, pw, g, s)
     valid = None if bool((plen == pw).all()) else real[:, :pw]
-    layout = PrefixLayout(pw, g, s, valid, top + 1, kernel, chunk_elems, suffix_flash_min)
+    layout = PrefixLayout(pw, g, s, valid, top + 1, kernel, settings.chunk_elems, settings.suffix_flash_min)
     return GroupedInputs(ids, pos, layout, keep, row_group, row_keep, clen)
 
 

@@ -37,7 +37,7 @@ import torch
 
 from ..protocol import LogprobBatch
 from .facts import GroupFacts
-from .layout import GroupedInputs, Receipts, check_context, check_masks, group_rows
+from .layout import GroupedInputs, LayoutSettings, Receipts, check_context, check_masks, group_rows
 
 #: the layouts by name, in the order ``layout="auto"`` prefers them on a tie (:mod:`.layout_choice`)
 LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
@@ -129,16 +129,12 @@ def _fill_row(
 
 
 def build_padding_free_inputs(
-    batch: LogprobBatch,
-    *,
-    max_positions: int | None = None,
-    pad_token_id: int = 0,
-    kernel: str = "sdpa",
-    max_position: int | None = None,
-    varlen: bool = True,
+    batch: LogprobBatch, settings: LayoutSettings | None = None, max_position: int | None = None
 ) -> GroupedInputs:
     """``batch`` (rows in any order) in the padding-free layout, with the same index maps as
     :func:`.layout.build_grouped_inputs` (so :func:`.layout.ungroup_logits` un-groups it)."""
+    settings = settings or LayoutSettings()
+    max_positions, pad_token_id, kernel = settings.max_positions, settings.pad_token_id, settings.kernel
     pm, cm = check_masks(batch)
     dev = batch.prompt_ids.device
     n = batch.prompt_ids.shape[0]
@@ -167,7 +163,7 @@ def build_padding_free_inputs(
     spans = [(int(a), int(e)) for a, e in zip(bounds[:-1], bounds[1:])]
     if length > real_len:
         spans.append((real_len, length))
-    layout = PaddingFreeLayout(length, tuple(spans), sid, top + 1, kernel, varlen)
+    layout = PaddingFreeLayout(length, tuple(spans), sid, top + 1, kernel, settings.varlen)
     return GroupedInputs(
         ids.unsqueeze(0),
         pos.unsqueeze(0),

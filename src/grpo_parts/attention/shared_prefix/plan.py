@@ -34,6 +34,7 @@ from ...wrappers import ranks_of
 from ..protocol import PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch
 from .chunking import agree_on_calls, chunk_plan, one_grid_per_group, split_long_tails
 from .facts import GroupFacts
+from .layout import LayoutSettings
 from .layout_choice import auto_costs, choose_layout
 
 __all__ = ["GroupFacts", "Plan", "PlanSettings", "make_plan"]  # GroupFacts: from .facts
@@ -56,6 +57,14 @@ class PlanSettings:
     suffix_flash_min: int
     max_positions: int | None
     config: Any
+
+    @property
+    def layout_settings(self) -> LayoutSettings:
+        """What building either layout reads of these settings."""
+        return LayoutSettings(
+            kernel=self.kernel, max_positions=self.max_positions, chunk_elems=self.chunk_elems,
+            suffix_flash_min=self.suffix_flash_min, varlen=self.varlen,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -61,18 +61,9 @@ class PlanRun:
     ) -> LogprobOutput:
         """One model call on ``batch`` in ``layout``; ``max_position``: the whole batch's largest
         position id (None: this batch's)."""
-        s = self.plan.settings
+        build = build_padding_free_inputs if layout == "padding_free" else build_grouped_inputs
         with refusing("building the layout", self.model):
-            if layout == "padding_free":
-                grouped = build_padding_free_inputs(
-                    batch, max_positions=s.max_positions, kernel=s.kernel, max_position=max_position,
-                    varlen=s.varlen,
-                )  # fmt: skip
-            else:
-                grouped = build_grouped_inputs(
-                    batch, max_positions=s.max_positions, kernel=s.kernel, chunk_elems=s.chunk_elems,
-                    suffix_flash_min=s.suffix_flash_min, max_position=max_position,
-                )  # fmt: skip
+            grouped = build(batch, self.plan.settings.layout_settings, max_position)
         kept = grouped_forward(self.model, grouped)  # raises NotSupportedError for what the model breaks
         if layout == "padding_free":
             masks = grouped.layout.masks
