@@ -23,6 +23,7 @@ import torch
 from openrlhf.models import Actor
 
 from grpo_parts.attention.protocol import CountsAttentionCalls, Plans
+from grpo_parts.counters import ATTENTION_CALLS, framework_key
 from grpo_parts.errors import NotSupportedError
 
 from .._counters import PartCounters
@@ -103,7 +104,9 @@ class GRPOPartsActor(Actor):
         backend = self.grpo_backend
         calls = Counter(backend.attention_calls if isinstance(backend, CountsAttentionCalls) else {})
         seen = self.__dict__.get("_calls_seen", Counter())
-        out.update({f"parts/attention/calls_{k}": float(v) for k, v in (calls - seen).items()})
+        out.update(
+            {framework_key("attention", ATTENTION_CALLS + k): float(v) for k, v in (calls - seen).items()}
+        )
         self.__dict__["_calls_seen"] = calls
         return out
 

@@ -59,6 +59,13 @@ FLAGS: dict[str, tuple[type, Any, str]] = {
         "JSON speculative_config passed to every vLLM engine (vLLM's own format)",
     ),
     "draft_sync": (str, "none", "draft weight sync after each policy update: none | shared (embed/lm_head)"),
+    "prompt_skip": (
+        str,
+        "none",
+        "skip prompts whose recent groups had zero reward variance before vLLM generates them: none | "
+        "history (kept prompts weigh 1/p; needs --actor.loss_agg_mode seq-mean-token-mean)",
+    ),
+    "prompt_skip_kwargs": (str, "{}", "JSON kwargs for the prompt skipper, e.g. '{\"keep_base\": 0.3}'"),
     "check_first_batch": (
         int,
         0,
@@ -88,7 +95,6 @@ LEGACY_FLAGS = {"filter_rounding": "kept_rounding", "grouped_microbatches": "gro
 NOT_OFFERED = {
     "sampler": "OpenRLHF generates in its vLLM engines: give --grpo_parts.speculative_config",
     "draft": "give the draft in --grpo_parts.speculative_config (vLLM's own format)",
-    "prompt_skip": "OpenRLHF draws the prompts in its own dataloader (docs/doors.md)",
 }
 
 
@@ -124,7 +130,9 @@ class OpenRLHFPartsConfig(PartsConfig):
             out["group_rows"] = GROUP_ROWS[value]
         return out
 
-    @field_validator("attention_kwargs", "filter_kwargs", "speculative_config", mode="before")
+    @field_validator(
+        "attention_kwargs", "filter_kwargs", "prompt_skip_kwargs", "speculative_config", mode="before"
+    )
     @classmethod
     def _parse_json(cls, v: Any, info: Any) -> dict[str, Any]:
         return _json_dict(info.field_name, v)
@@ -180,6 +188,52 @@ class OpenRLHFPartsConfig(PartsConfig):
         )
 
 
+def _normaliser_facts(args: Any) -> list[Fact]:
+    """OpenRLHF settings under which a step's normaliser depends on which rows were trained."""
+    out: list[Fact] = []
+    if args.actor.loss_agg_mode != "seq-mean-token-mean":
+        out.append((f"--actor.loss_agg_mode {args.actor.loss_agg_mode}", "OpenRLHF divides each optimizer step by its own kept tokens; use seq-mean-token-mean"))  # fmt: skip
+    if args.train.dynamic_batch_enable:
+        out.append(("--train.dynamic_batch_enable", "steps of varying row counts, normalised by their own rows; turn it off"))  # fmt: skip
+    return out
+
+
+def _unscaled_facts(args: Any) -> list[Fact]:
+    """OpenRLHF loss terms a weight carried by the advantage does not scale."""
+    out: list[Fact] = []
+    if float(args.algo.kl.init_coef or 0.0) > 0 and args.algo.kl.use_loss:
+        out.append(("--algo.kl.use_loss", "put the KL in the reward (drop --algo.kl.use_loss)"))
+    if args.actor.entropy_coef:
+        out.append((f"--actor.entropy_coef {args.actor.entropy_coef}", "use 0"))
+    if float(getattr(args.actor, "aux_loss_coef", 0.0) or 0.0) > 1e-8:
+        out.append(("--actor.aux_loss_coef", "the MoE aux loss; use 0"))
+    return out
+
+
+def skip_reasons(args: Any, refill_rounds: int) -> list[str]:
+    """Why OpenRLHF cannot skip prompts with ``1 / p`` weights unbiased under ``args``: the rule of
+    :mod:`grpo_parts.core.unbiased` on OpenRLHF's facts, plus the settings whose prompt stream the
+    skipping stage does not own (OpenRLHF's own dynamic filtering, a vLLM batch larger than a step)."""
+    facts = WeightedLossFacts(
+        source="prompt skipping",
+        normaliser="drawn",
+        refill=("--grpo_parts.refill_rounds > 0", "use 0") if refill_rounds > 0 else None,
+        unscaled=tuple(_unscaled_facts(args)),
+        normaliser_from_draw=tuple(_normaliser_facts(args)),
+    )
+    reasons = refusal_reasons(facts)
+    if args.algo.dynamic_filtering_enable:
+        reasons.append(
+            "--algo.dynamic_filtering_enable: OpenRLHF's own filter re-draws prompts after the skip draw; turn it off"
+        )
+    gen = getattr(args.rollout, "vllm_generate_batch_size", None)
+    if gen and int(gen) != int(args.rollout.batch_size):
+        reasons.append(
+            f"--rollout.vllm_generate_batch_size {gen}: a skip round is one step's prompts; leave it at --rollout.batch_size"
+        )
+    return reasons
+
+
 def weighted_filter_reasons(filt: Any, args: Any, refill_rounds: int) -> list[str]:
     """Why OpenRLHF cannot train the weighted filter ``filt`` (``dppo``: kept rows weighted ``1 / p``)
     unbiased under ``args`` (empty for a plain filter). The experience maker multiplies each kept
@@ -188,24 +242,12 @@ def weighted_filter_reasons(filt: Any, args: Any, refill_rounds: int) -> list[st
     per-step sequence count (whole ``--train.batch_size`` steps); what cannot stay so is refused."""
     if not isinstance(filt, WeighsLoss):
         return []
-    normaliser: list[Fact] = []
-    if args.actor.loss_agg_mode != "seq-mean-token-mean":
-        normaliser.append((f"--actor.loss_agg_mode {args.actor.loss_agg_mode}", "OpenRLHF divides each optimizer step by its own kept tokens; use seq-mean-token-mean"))  # fmt: skip
-    if args.train.dynamic_batch_enable:
-        normaliser.append(("--train.dynamic_batch_enable", "steps of varying row counts, normalised by their own rows; turn it off"))  # fmt: skip
-    unscaled: list[Fact] = []
     kl = float(args.algo.kl.init_coef or 0.0)
-    if kl > 0 and args.algo.kl.use_loss:
-        unscaled.append(("--algo.kl.use_loss", "put the KL in the reward (drop --algo.kl.use_loss)"))
-    if args.actor.entropy_coef:
-        unscaled.append((f"--actor.entropy_coef {args.actor.entropy_coef}", "use 0"))
-    if float(getattr(args.actor, "aux_loss_coef", 0.0) or 0.0) > 1e-8:
-        unscaled.append(("--actor.aux_loss_coef", "the MoE aux loss; use 0"))
     facts = WeightedLossFacts(
         source="dppo",
         refill=("--grpo_parts.refill_rounds > 0", "use 0") if refill_rounds > 0 else None,
-        unscaled=tuple(unscaled),
-        normaliser_from_draw=tuple(normaliser),
+        unscaled=tuple(_unscaled_facts(args)),
+        normaliser_from_draw=tuple(_normaliser_facts(args)),
     )
     reasons = refusal_reasons(facts)
     if (

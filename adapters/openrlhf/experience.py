@@ -20,6 +20,12 @@ its weight times ``kept rows / rolled-out rows``: OpenRLHF divides each optimize
 count (``seq-mean-token-mean``, whole ``--train.batch_size`` steps), so every step's expected
 gradient is the full batch's mean. Settings that cannot stay unbiased are refused at construction
 (:func:`~.config.weighted_filter_reasons`); ``parts/filter/weighted_rows`` counts the weighted rows.
+
+With prompt skipping (the samples generator's ``skip_stage``, :mod:`.skipping`) every rolled-out
+group's rewards go to the skipper, and each kept row's advantage is also multiplied by its
+prompt's weight (``1 / p`` times rolled-out / drawn prompts); the kept rows are then rounded up
+only (dropping rows of a weighted step would bias it). ``last_skip_info`` holds the step's skip
+counters (``prompts_skipped``, ...).
 """
 
 from __future__ import annotations
@@ -136,7 +142,15 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         self.counters = counters if counters is not None else PartCounters({"filter": "calls"}, logger)
         self.counters.track("filter")
         self.last_info: dict[str, float] = {}
+        self.last_skip_info: dict[str, float] = {}
         self.rounded_rows = 0  # rows the last step's rounding added (> 0) or dropped (< 0)
+        #: the prompt skipping stage of the samples generator (None: every prompt rolled out)
+        self.skip_stage = getattr(samples_generator, "skip_stage", None)
+        if self.skip_stage is not None and refill_rounds > 0:
+            raise NotSupportedError(
+                "--grpo_parts.prompt_skip",
+                ["--grpo_parts.refill_rounds > 0: refill rounds depend on the skip draw; use 0"],
+            )
 
     @property
     def group_size(self) -> int:
@@ -185,7 +199,8 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         if not can_refill:
             res = self.completion_filter.select(scored, target_size=None)
             self.counters.ran("filter")
-            (kept,) = self._round([scored], [res.kept], weighted=res.weights is not None)
+            skipping = self._observe_skip(samples, scored)
+            (kept,) = self._round([scored], [res.kept], weighted=res.weights is not None or skipping)
             self.last_info = {
                 KEPT_FRACTION: kept.numel() / max(target, 1),
                 "refill_prompts": 0.0,
@@ -193,6 +208,8 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             }
             if res.weights is not None:
                 self.last_info[WEIGHTED_ROWS] = float(_weigh(samples, res.kept, res.weights, kept))
+            if self.skip_stage is not None:
+                _weigh_prompts(samples, kept, self.skip_stage.row_weights(_row_prompts(samples)))
             return [samples[i] for i in kept.tolist()]
         from grpo_parts.filter.allocation import Refiller, Round
 
@@ -219,6 +236,16 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             "rounded_rows": float(self.rounded_rows),
         }
         return [sel.round.payload[i] for sel, k in zip(out.selections, rounded) for i in k.tolist()]
+
+    def _observe_skip(self, samples: list[Experience], scored: ScoredBatch) -> bool:
+        """Tell the skipper this step's rolled-out groups; whether skipping is on."""
+        if self.skip_stage is None:
+            return False
+        lengths = scored.completion_lengths
+        self.skip_stage.observe(_row_prompts(samples), scored.rewards, scored.group_index, lengths)
+        mean_len = float(lengths.double().mean()) if lengths is not None else 0.0
+        self.last_skip_info = self.skip_stage.metrics(fallback_length=mean_len)
+        return True
 
     def _round(
         self, scored: list[ScoredBatch], kept: list[torch.Tensor], weighted: bool = False
@@ -274,6 +301,13 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
                     f"completion filter {self.completion_filter.name!r} kept 0 of {len(samples)} rows"
                 )
             return self.compute_advantages_and_returns(self.make_experience(self.split_for_ranks(kept)))
+        if self.skip_stage is not None:
+            raise NotSupportedError(
+                "--grpo_parts.prompt_skip",
+                [
+                    "the rewards come from a reward model after the forwards; prompt skipping needs them with the samples"
+                ],
+            )
         # rewards come from a reward model: forwards first, then score and filter
         experiences = self.make_experience(self.split_rollout_samples(samples))
         singles = [one for e in experiences for one in _split(e)]
@@ -348,6 +382,20 @@ def _weigh(samples: list[Experience], drawn: torch.Tensor, weights: torch.Tensor
     for i in kept.tolist():
         samples[i].info[_W_KEY] = w[i : i + 1].clone()
     return int((w[kept.cpu()] > 0).sum())
+
+
+def _row_prompts(samples: list[Experience]) -> list[Any]:
+    """Each row's prompt, as OpenRLHF keeps it in ``Experience.prompts``."""
+    return [p for s in samples for p in (s.prompts or [])]
+
+
+def _weigh_prompts(samples: list[Experience], kept: torch.Tensor, weights: torch.Tensor) -> None:
+    """Multiply each kept sample's weight (``_W_KEY``; 1 when the filter gave none) by its prompt's
+    skip weight ``weights[i]``."""
+    for i in kept.tolist():
+        w = samples[i].info.get(_W_KEY)
+        skip_w = weights[i : i + 1].clone()
+        samples[i].info[_W_KEY] = skip_w if w is None else w * skip_w
 
 
 def _wait(refs: list[Any]) -> None:

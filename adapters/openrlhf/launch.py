@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 
 from ._scoped import run_entry_script
-from .config import FLAGS, LEGACY_FLAGS, OpenRLHFPartsConfig, weighted_filter_reasons
+from .config import FLAGS, LEGACY_FLAGS, OpenRLHFPartsConfig, skip_reasons, weighted_filter_reasons
 
 OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
 PROG = "python -m grpo_parts_adapters.openrlhf.launch"
@@ -51,10 +51,17 @@ def check_supported(ns: argparse.Namespace, parts: OpenRLHFPartsConfig) -> None:
             "run synchronously or keep every --grpo_parts.* flag at its default"
         )
     est = getattr(ns, "algo.advantage.estimator", "group_norm")
-    if parts.filter != "keep_all" and est not in ("group_norm", "dr_grpo", "rloo"):
-        raise GRPOPartsError(
-            f"--grpo_parts.filter needs --algo.advantage.estimator group_norm, dr_grpo or rloo, got {est!r}"
-        )
+    for flag, on in (("filter", parts.filter != "keep_all"), ("prompt_skip", parts.prompt_skip != "none")):
+        if on and est not in ("group_norm", "dr_grpo", "rloo"):
+            raise GRPOPartsError(
+                f"--grpo_parts.{flag} needs --algo.advantage.estimator group_norm, dr_grpo or rloo, got {est!r}"
+            )
+    if parts.prompt_skip != "none":  # refused here in one line, not in a Ray actor
+        from openrlhf.utils.config import hierarchize
+
+        reasons = skip_reasons(hierarchize(ns), parts.refill_rounds)
+        if reasons:
+            raise NotSupportedError(f"--grpo_parts.prompt_skip {parts.prompt_skip}", reasons)
     if parts.filter != "keep_all":  # a weighted filter (dppo): refused here in one line, not in a Ray actor
         from openrlhf.utils.config import hierarchize
 

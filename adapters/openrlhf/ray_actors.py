@@ -30,14 +30,21 @@ from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.trainer.ray.launcher import ReferenceModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
+from grpo_parts.counters import framework_key
+from grpo_parts.errors import NotSupportedError
+
 from .._counters import PartCounters
 from .._wrapped import hf_model
 from ._scoped import with_globals
 from .actor import GRPOPartsActor
-from .config import OpenRLHFPartsConfig
+from .config import OpenRLHFPartsConfig, skip_reasons
 from .experience import GRPOPartsExperienceMaker, NothingKept
 from .rollout import engines_receiving_weights
 from .samples import GRPOPartsSamplesGenerator
+from .skipping import SkipStage
+
+#: the prompt skipper's history in OpenRLHF's checkpoint ``client_states``
+SKIP_STATE = "grpo_parts_prompt_skip"
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +127,7 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
         super().__init__(*args, **kwargs)
         parts = OpenRLHFPartsConfig.from_args(self.args)
         self.parts_counters = PartCounters({"sampler": "rollouts", "filter": "calls"}, logger)
+        self.skip_stage = skip_stage(parts, self.args)
         self.samples_generator = GRPOPartsSamplesGenerator(
             strategy=self.strategy,
             prompts_dataloader=self.prompts_dataloader,
@@ -128,6 +136,7 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
             vllm_engines=self.vllm_engines,
             counters=self.parts_counters,
             speculative=bool(parts.speculative_config),
+            skip_stage=self.skip_stage,
         )
         self.experience_maker = GRPOPartsExperienceMaker(
             self.actor_model_group,
@@ -147,6 +156,25 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
         self.model_groups_count = parts.attention is not None
         self.skipped_steps = 0
         self.sampler_engines: list[Any] = []  # engines whose grpo_parts sampler takes the broadcast
+
+    def save_logs_and_checkpoints(
+        self, global_step: int, logs_dict: Any = None, client_states: Any = None
+    ) -> None:
+        """OpenRLHF's, with the prompt skipper's history in the checkpoint's ``client_states`` (the
+        same dict the best-checkpoint save reads)."""
+        if self.skip_stage is not None and client_states is not None:
+            client_states[SKIP_STATE] = self.skip_stage.state_dict()
+        super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+
+    def init_checkpoint_states(self) -> dict[str, Any]:
+        """OpenRLHF's, and the prompt skipper's history loaded back from a resumed checkpoint."""
+        states = super().init_checkpoint_states()
+        if self.skip_stage is not None and SKIP_STATE in states:
+            self.skip_stage.load_state_dict(states[SKIP_STATE])
+            logger.info("grpo_parts: prompt skipper history restored from the checkpoint")
+        elif self.skip_stage is not None and states.get("global_step", 0) > 0:
+            logger.warning("grpo_parts: the checkpoint holds no prompt skipper history; it starts empty")
+        return states
 
     def fit(self, global_step: int = 0) -> None:
         self.sampler_engines = engines_receiving_weights(self.vllm_engines)
@@ -186,8 +214,28 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
             }, global_step
         # the filter's diagnostics under the name verl logs them by (parts/filter/<counter>)
         status.update({f"parts/filter/{k}": v for k, v in self.experience_maker.last_info.items()})
+        status.update(
+            {framework_key("prompt_skip", k): v for k, v in self.experience_maker.last_skip_info.items()}
+        )
         status.update(self.part_counts())
         return status, step
+
+
+def skip_stage(parts: OpenRLHFPartsConfig, args: Any) -> SkipStage | None:
+    """The prompt skipping stage ``--grpo_parts.prompt_skip`` asks for (None: every prompt rolled
+    out); what cannot stay unbiased is refused in one line."""
+    from grpo_parts.build import build_prompt_skipper
+    from grpo_parts.skip.protocol import skips
+
+    skipper = build_prompt_skipper(
+        parts.prompt_skip, kwargs=parts.prompt_skip_kwargs, where="grpo_parts.prompt_skip_kwargs"
+    )
+    if not skips(skipper):
+        return None
+    reasons = skip_reasons(args, parts.refill_rounds)
+    if reasons:
+        raise NotSupportedError(f"--grpo_parts.prompt_skip {parts.prompt_skip}", reasons)
+    return SkipStage(skipper, int(args.rollout.n_samples_per_prompt))
 
 
 GRPOPartsPPOTrainer = ray.remote(TrainerParts)

@@ -13,6 +13,10 @@ A refill can drain the prompt stream. OpenRLHF's ``generate_samples`` would then
 the dataloader over inside the same episode; here the next call reports the episode exhausted
 instead (``([], None, 0, True)``), so ``fit`` ends the episode as it does when its own call drains it.
 
+With a prompt skipper (``skip_stage``, :mod:`.skipping`), each training step's prompts pass it
+before vLLM: :meth:`~GRPOPartsSamplesGenerator._generate_vllm` generates only the kept ones and
+reports the drawn ones as consumed (evaluation is never skipped).
+
 It also counts the rollouts that went through a grpo_parts sampler (``parts/sampler/rollouts``):
 samples whose agent executor is :class:`~.agent.GRPOPartsAgentExecutor` (it marks them), or every
 vLLM sample when the engines run a grpo_parts ``speculative_config``.
@@ -29,6 +33,7 @@ from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
 from .._counters import PartCounters
 from .agent import SAMPLER_MARK
+from .skipping import SkipStage
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +45,15 @@ class GRPOPartsSamplesGenerator(SamplesGenerator):
     ``speculative``: the vLLM engines run a grpo_parts ``speculative_config``."""
 
     def __init__(
-        self, *args: Any, counters: PartCounters | None = None, speculative: bool = False, **kwargs: Any
+        self,
+        *args: Any,
+        counters: PartCounters | None = None,
+        speculative: bool = False,
+        skip_stage: SkipStage | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.skip_stage = skip_stage
         self.counters = counters if counters is not None else PartCounters({"sampler": "rollouts"}, logger)
         self.speculative = speculative
         self.refill_drained_stream = False
@@ -65,6 +76,25 @@ class GRPOPartsSamplesGenerator(SamplesGenerator):
             self.refill_drained_stream = False
         self.count(samples)
         return samples, pass_rate, consumed, exhausted
+
+    def _generate_vllm(
+        self, dataloader_iter: Any, num_prompts: int, dynamic_filtering: bool, **generate_kwargs: Any
+    ) -> tuple[list[Any], int, bool]:
+        """OpenRLHF's, with a training step's prompts passed through :attr:`skip_stage` first: the
+        kept prompts are generated, the drawn ones reported as consumed."""
+        training = dataloader_iter is getattr(self, "_dataloader_iter", None)
+        if self.skip_stage is None or not training:
+            return super()._generate_vllm(dataloader_iter, num_prompts, dynamic_filtering, **generate_kwargs)
+        prompts, labels, images, exhausted = self.skip_stage.take(dataloader_iter, num_prompts)
+        if not prompts:
+            return [], self.skip_stage.draw.num_drawn, True
+        batch = iter([(None, prompts, labels, images)])
+        experiences = self._generate_kept(batch, len(prompts), **generate_kwargs)
+        return experiences, self.skip_stage.draw.num_drawn, exhausted
+
+    def _generate_kept(self, batch: Any, num_prompts: int, **generate_kwargs: Any) -> list[Any]:
+        """The kept prompts' samples, through OpenRLHF's own vLLM dispatch."""
+        return list(super()._generate_vllm(batch, num_prompts, False, **generate_kwargs)[0])
 
     def generate_prompts(
         self, num_prompts: int, before_wake: Callable[[], None] | None = None, **generate_kwargs: Any

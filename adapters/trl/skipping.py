@@ -31,7 +31,6 @@ checkpoint folder and read back by ``train(resume_from_checkpoint=...)`` (:mod:`
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from grpo_parts.build import build_prompt_skipper
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.skip.draw import PromptDraw
-from grpo_parts.skip.protocol import PromptId, PromptSkipper, prompt_key, skips
+from grpo_parts.skip.protocol import PromptId, PromptSkipper, prompt_id, skips
 
 from .checkpoint import StateSeam
 from .options import ROW_NORMALISED_LOSSES, PartsConfig, TRLPartsOptions, draw_dependent, unscaled_terms
@@ -122,9 +121,7 @@ def accept_skipper(trainer: SkipSeam, spec: Any, kwargs: dict[str, Any] | None) 
 
 def row_prompt_key(row: dict[str, Any]) -> PromptId:
     """The id of a TRL row's prompt: its text, or its messages as canonical JSON."""
-    prompt = row.get("prompt")
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
-    return prompt_key(text)
+    return prompt_id(row.get("prompt"))
 
 
 class _BatchThenStream(Iterator[dict[str, Any]]):

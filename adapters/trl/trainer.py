@@ -35,6 +35,7 @@ import torch
 from grpo_parts.attention.protocol import RankAgreeing
 from grpo_parts.attention.shared_prefix.backend import select_attention
 from grpo_parts.build import build_attention, build_part, choose_attention
+from grpo_parts.counters import ATTENTION_CALLS
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.protocol import WeighsLoss
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
@@ -350,7 +351,7 @@ class GRPOPartsTrainer(FilterSeam):
                 batch_size,
             )
         ran = attention_calls(self.gp_attention) - before
-        self._gp_log("attention", {f"calls_{k}": v for k, v in ran.items()})
+        self._gp_log("attention", {ATTENTION_CALLS + k: v for k, v in ran.items()})
         return logps, ents, None
 
     def _gp_all_masked(self, completion_mask: torch.Tensor) -> str | None:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from grpo_parts.attention.protocol import CountsAttentionCalls, Plans, RankAgreeing
+from grpo_parts.counters import ATTENTION_CALLS, framework_key
 
 from .._counters import PartCounters
 from .attention import PackedCall, packed_call, run_packed, scalar_temperature
@@ -277,7 +278,10 @@ def _forward_step(
             )
         else:
             loss, metrics = torch.tensor(1.0, device=cu.device), {}
-        metrics = {**metrics, **{f"parts/attention/calls_{k}": _sum(v) for k, v in ran.items()}}
+        metrics = {
+            **metrics,
+            **{framework_key("attention", ATTENTION_CALLS + k): _sum(v) for k, v in ran.items()},
+        }
     return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
 

@@ -19,6 +19,10 @@ KEPT_FRACTION = "kept_fraction"
 PROMPTS_SKIPPED = "prompts_skipped"
 PROMPTS_DRAWN = "prompts_drawn"
 
+#: the attention calls of each kernel path (``calls_varlen_cascade``, ``calls_masked_sdpa``, ...):
+#: ``ATTENTION_CALLS + path``, counted from ``SharedPrefixAttention.attention_calls``
+ATTENTION_CALLS = "calls_"
+
 #: counter -> the part it belongs to (for the framework doors' ``parts/<part>/`` prefix)
 PART_OF: dict[str, str] = {
     WEIGHTED_ROWS: "filter",
@@ -35,10 +39,12 @@ def framework_key(part: str, name: str) -> str:
 
 def door_key(door: str, name: str) -> str:
     """The metric key of counter ``name`` behind ``door`` (``train``: the bare name)."""
-    return name if door == "train" else framework_key(PART_OF[name], name)
+    part = "attention" if name.startswith(ATTENTION_CALLS) else PART_OF[name]
+    return name if door == "train" else framework_key(part, name)
 
 
 __all__ = [
+    "ATTENTION_CALLS",
     "FRAMEWORK_PREFIX",
     "KEPT_FRACTION",
     "PART_OF",

@@ -43,7 +43,7 @@ def test_every_optimization_runs_and_is_counted(tmp_path: Path) -> None:
     by the cost model, the padding-free layout's varlen kernel, CPPO with refill; nothing refused."""
     row = _step(tmp_path)
     keys = {k: v for k, v in SAMPLER_COUNTERS.items() if k not in ("draft trees", "online draft training")}
-    keys.update({"padding-free layout (varlen)": "attention_calls_varlen_cascade", "refill": "rounds"})
+    keys.update({"padding-free layout (varlen)": "calls_varlen_cascade", "refill": "rounds"})
     assert missing(row, keys) == {}, row
     assert row["rounds"] == 2 and 0 < row["kept_fraction"] < 1  # CPPO pruned, one refill round
     assert all(row[k] == 0 for k in REFUSAL_COUNTERS), row

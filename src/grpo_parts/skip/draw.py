@@ -150,6 +150,11 @@ class PromptDraw(Iterator[P], Generic[P]):
         self.rounds.append(SkipRound([ids[i] for i in kept], weights, len(drawn), skipped))
         return [drawn[i] for i in kept]
 
+    @property
+    def holds_ahead(self) -> bool:
+        """Whether a prompt read from the stream waits for the next round (one that did not fit)."""
+        return self._ahead is not None
+
     # ------------------------------------------------------------------ after the fill
     @property
     def num_drawn(self) -> int:

@@ -16,6 +16,7 @@ refill (:func:`grpo_parts.filter.allocation.fill_rollouts`) uses instead of pull
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
@@ -33,6 +34,7 @@ __all__ = [
     "PromptSkipper",
     "ReportsHistory",
     "SkipDecision",
+    "prompt_id",
     "prompt_key",
     "prompt_skip_reasons",
     "skips",
@@ -48,6 +50,12 @@ def prompt_key(text: str) -> PromptId:
     ``hash()``), an int64 that a checkpoint stores as a tensor."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def prompt_id(prompt: Any) -> PromptId:
+    """The id of a framework's prompt: :func:`prompt_key` of its text, or of its chat messages as
+    canonical JSON (the one rule the TRL and OpenRLHF doors share)."""
+    return prompt_key(prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str))
 
 
 @dataclass(frozen=True)

@@ -258,5 +258,5 @@ def test_grouped_microbatches_auto():
         # the earlier flag name, read as group_rows
         OpenRLHFPartsConfig(grouped_microbatches="on").use_grouped_microbatches(dynamic_batch=True)
     assert OpenRLHFPartsConfig(attention="reference").attention is None  # OpenRLHF's own forward
-    with pytest.raises(ValueError, match="prompt_skip='history': not offered behind openrlhf"):
-        OpenRLHFPartsConfig(prompt_skip="history")
+    with pytest.raises(ValueError, match="sampler='speculative': not offered behind openrlhf"):
+        OpenRLHFPartsConfig(sampler="speculative")

@@ -31,6 +31,7 @@ import torch
 
 from ...attention.protocol import PLAN_CHUNKS, CountsAttentionCalls, LogprobBatch, ReportsPlan
 from ...core import grpo_loss
+from ...counters import ATTENTION_CALLS
 from ...filter.allocation import FilledBatch, Refiller, RefillOutcome, fill_rollouts
 from ...filter.protocol import KEPT_FRACTION, WEIGHTED_ROWS
 from ...sampler.protocol import SamplingParams, TracesDecode, TrainsDraft
@@ -336,7 +337,7 @@ class GRPOTrainer:
         self.policy.eval()
         info["time_logprobs"] = t_logprobs
         if isinstance(attn, CountsAttentionCalls):  # the padding-free kernels' calls, per path
-            info.update({f"attention_calls_{k}": float(v) for k, v in (attn.attention_calls - calls).items()})
+            info.update({ATTENTION_CALLS + k: float(v) for k, v in (attn.attention_calls - calls).items()})
         return {**info, **grid_info}
 
     def evaluate(self) -> tuple[float, float]:
