@@ -84,11 +84,11 @@ def group_index_of(samples: list[Experience], group_size: int) -> torch.Tensor:
     prompts = [p for s in samples for p in (s.prompts or [])]
     if len(prompts) == n:
         for g in range(n // group_size):
-            chunk = prompts[g * group_size : (g + 1) * group_size]
-            if any(p != chunk[0] for p in chunk):
+            run = prompts[g * group_size : (g + 1) * group_size]
+            if any(p != run[0] for p in run):
                 raise GRPOPartsError(
                     f"rollout samples: rows {g * group_size}..{(g + 1) * group_size - 1} should share one prompt "
-                    f"(OpenRLHF groups consecutive samples), got {len(set(chunk))} different prompts"
+                    f"(OpenRLHF groups consecutive samples), got {len(set(run))} different prompts"
                 )
     return torch.arange(n // group_size).repeat_interleave(group_size)
 

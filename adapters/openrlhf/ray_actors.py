@@ -7,7 +7,7 @@ Each subclasses OpenRLHF's class (the original behind its ``@ray.remote`` wrappe
   ``init_model_from_pretrained`` as shipped, building a :class:`~.actor.GRPOPartsActor` where it
   builds ``Actor`` (same arguments); afterwards the attention backend is given to it (policy
   forward+backward, old-policy and reference forwards), and the policy's replay buffer keeps groups
-  in one micro-batch (:class:`~.replay.GroupedReplayBuffer`) when ``grouped_microbatches`` says so.
+  in one micro-batch (:class:`~.replay.GroupedReplayBuffer`) when ``group_rows`` says so.
   ``grpo_parts_counters()`` returns (and resets) the actor's per-step forward counts.
 * :class:`GRPOPartsPPOTrainer`: a :class:`~.samples.GRPOPartsSamplesGenerator` and a
   :class:`~.experience.GRPOPartsExperienceMaker` (filter + refill) in place of OpenRLHF's; skips

@@ -166,45 +166,45 @@ class FilterSeam(SkipSeam):
         return out
 
     def _gp_refill(
-        self, chunks: list[Round[Any]], n: int, g: int
+        self, rounds: list[Round[Any]], n: int, g: int
     ) -> tuple[list[torch.Tensor], dict[str, Any], list[torch.Tensor | None]]:
-        """Kept rows per chunk and the refill's info: round 1 is the batch TRL's dataloader gave us
-        (``chunks[0]``), later rounds score more prompts from the stream (appended to ``chunks``)."""
+        """Kept rows per round and the refill's info: round 1 is the batch TRL's dataloader gave us
+        (``rounds[0]``), later rounds score more prompts from the stream (appended to ``rounds``)."""
         opts = self.parts_options
 
         def produce(num_prompts: int) -> Round[Any] | None:
             if not produced:  # round 1 is the batch TRL's dataloader gave us
                 produced.append(True)
-                return chunks[0]
+                return rounds[0]
             extra = [copy.deepcopy(row) for row in self._gp_next_prompts(num_prompts) for _ in range(g)]
             o, d, s = self._gp_score(extra)
-            chunks.append(Round((o, d), s, num_prompts))
-            return chunks[-1]
+            rounds.append(Round((o, d), s, num_prompts))
+            return rounds[-1]
 
         produced: list[bool] = []
         refiller = Refiller(
             target_size=opts.refill_target_size or n,
-            initial_prompts=chunks[0].num_prompts,
+            initial_prompts=rounds[0].num_prompts,
             max_rounds=1 + self.parts_config.refill_rounds,
             max_prompts=opts.max_refill_prompts,
         )
         outcome = refiller.fill(self.gp_filter, produce)
         by_round = {id(sel.round): sel for sel in outcome.selections}
         kept = [
-            by_round[id(c)].kept if id(c) in by_round else torch.zeros(0, dtype=torch.long) for c in chunks
+            by_round[id(c)].kept if id(c) in by_round else torch.zeros(0, dtype=torch.long) for c in rounds
         ]
-        weights = [by_round[id(c)].weights if id(c) in by_round else None for c in chunks]
-        for _ in chunks:
+        weights = [by_round[id(c)].weights if id(c) in by_round else None for c in rounds]
+        for _ in rounds:
             self._gp_count("filter", served=True)
         return kept, dict(outcome.info), weights
 
     def _gp_select(
-        self, chunks: list[Round[Any]], g: int, mode: str
+        self, rounds: list[Round[Any]], g: int, mode: str
     ) -> tuple[list[torch.Tensor], dict[str, Any], list[torch.Tensor | None]]:
-        """Kept rows per chunk, the filter's info and its importance weights of the kept rows per
-        chunk (None: unweighted): every row when the filter refuses the batch (unless strict), else
+        """Kept rows per round, the filter's info and its importance weights of the kept rows per
+        round (None: unweighted): every row when the filter refuses the batch (unless strict), else
         the filter's choice, refilled when ``refill`` is on."""
-        scored = chunks[0].scored
+        scored = rounds[0].scored
         n = scored.size
         reasons = list(self.gp_filter.not_supported_reasons(scored))
         if reasons:
@@ -213,25 +213,25 @@ class FilterSeam(SkipSeam):
             self._gp_counters.fell_back("filter", "; ".join(reasons), mode=mode)
             return [torch.arange(n, device=scored.rewards.device)], {}, [None]
         if self.parts_config.refill_rounds:
-            return self._gp_refill(chunks, n, g)
+            return self._gp_refill(rounds, n, g)
         res = self.gp_filter.select(scored, None)
         self._gp_count("filter", served=True)
         return [res.kept], dict(res.info), [res.weights]
 
     def _gp_kept_parts(
-        self, chunks: list[Round[Any]], kept: list[torch.Tensor]
+        self, rounds: list[Round[Any]], kept: list[torch.Tensor]
     ) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
-        """Each chunk's batch sliced to its kept rows, with the postponed no-grad forwards run on
-        those rows only; and each chunk's kept flag per row (for the completions table)."""
+        """Each round's batch sliced to its kept rows, with the postponed no-grad forwards run on
+        those rows only; and each round's kept flag per row (for the completions table)."""
         parts, flags = [], []
-        for chunk, rows in zip(chunks, kept):
-            flag = torch.zeros(chunk.scored.size, dtype=torch.bool)
+        for rnd, rows in zip(rounds, kept):
+            flag = torch.zeros(rnd.scored.size, dtype=torch.bool)
             flag[rows.cpu()] = True
             flags.append(flag)
             if rows.numel() == 0:
                 continue
-            batch, calls = chunk.payload
-            sub = select_rows(batch, rows, chunk.scored.size)
+            batch, calls = rnd.payload
+            sub = select_rows(batch, rows, rnd.scored.size)
             for key, (model, ids, mask, keep, bs, mm) in calls.items():
                 idx = rows.to(ids.device)
                 with torch.no_grad():
@@ -244,7 +244,7 @@ class FilterSeam(SkipSeam):
     def _gp_weigh(
         self, batch: dict[str, Any], weights: list[torch.Tensor], total: int, rescale: bool
     ) -> float:
-        """Multiply the kept rows' advantages by their weights (``weights``: per chunk, in the kept
+        """Multiply the kept rows' advantages by their weights (``weights``: per round, in the kept
         batch's row order), times ``kept / scored rows`` (``rescale``: a weighted filter) for the losses
         TRL normalises by the micro-batch's row count; returns how many rows carry a weight (> 0)."""
         w = torch.cat(weights).to(torch.float64)
@@ -265,18 +265,18 @@ class FilterSeam(SkipSeam):
             self._gp_skip = None
 
     def _gp_row_weights(
-        self, chunks: list[Round[Any]], kept: list[torch.Tensor], drawn: list[torch.Tensor | None]
+        self, rounds: list[Round[Any]], kept: list[torch.Tensor], drawn: list[torch.Tensor | None]
     ) -> list[torch.Tensor]:
-        """Every scored row's weight per chunk (empty: none): a weighted filter's ``1 / p`` (0 for
+        """Every scored row's weight per round (empty: none): a weighted filter's ``1 / p`` (0 for
         rows not drawn: rows the rounding re-adds train with weight 0), times the prompt skipper's."""
         weighted = any(w is not None for w in drawn)
         if not weighted and self._gp_skip is None:
             return []
         row_w = [
             _row_weights(c.scored.size, k, w) if weighted else torch.ones(c.scored.size, dtype=torch.float64)
-            for c, k, w in zip(chunks, kept, drawn)
+            for c, k, w in zip(rounds, kept, drawn)
         ]
-        if self._gp_skip is not None:  # one chunk: refill is refused with skipping
+        if self._gp_skip is not None:  # one round: refill is refused with skipping
             row_w[0] = row_w[0] * self._gp_skip.row_weights
         return row_w
 
@@ -287,14 +287,14 @@ class FilterSeam(SkipSeam):
         if self._gp_skip is not None:
             lengths = self._gp_loss_mask(out).sum(-1).long()
             self._gp_log("prompt_skip", self._gp_skip_observe(scored.rewards, lengths))
-        chunks: list[Round[Any]] = [Round((out, deferred), scored, max(1, scored.size // g))]
-        kept, info, drawn = self._gp_select(chunks, g, mode)
+        rounds: list[Round[Any]] = [Round((out, deferred), scored, max(1, scored.size // g))]
+        kept, info, drawn = self._gp_select(rounds, g, mode)
         weighted = any(w is not None for w in drawn)
-        row_w = self._gp_row_weights(chunks, kept, drawn)
-        no_loss: list[torch.Tensor] = [self._gp_loss_mask(c.payload[0]).sum(-1) == 0 for c in chunks]
+        row_w = self._gp_row_weights(rounds, kept, drawn)
+        no_loss: list[torch.Tensor] = [self._gp_loss_mask(c.payload[0]).sum(-1) == 0 for c in rounds]
         kept = drop_no_loss_rows(kept, no_loss)
         kept, changed = round_kept(
-            [c.scored for c in chunks],
+            [c.scored for c in rounds],
             kept,
             self.args.steps_per_generation,  # type: ignore[attr-defined]
             "down"
@@ -302,13 +302,13 @@ class FilterSeam(SkipSeam):
             else "up",  # dropping drawn rows: biased
             no_loss,
         )
-        parts, flags = self._gp_kept_parts(chunks, kept)
+        parts, flags = self._gp_kept_parts(rounds, kept)
         self._gp_log_kept(flags)
         batch = concat_batches(parts, int(self._tokenizer.pad_token_id))
-        total = sum(c.scored.size for c in chunks)
+        total = sum(c.scored.size for c in rounds)
         num_kept = int(batch["completion_ids"].shape[0])
         # the loss tokens TRL normalises by: the kept rows' (plain filters), every scored row's (weighted)
-        tokens = sum(self._gp_loss_mask(c.payload[0]).sum() for c in chunks) if weighted else None
+        tokens = sum(self._gp_loss_mask(c.payload[0]).sum() for c in rounds) if weighted else None
         batch["num_items_in_batch"] = self.accelerator.gather(
             self._gp_loss_mask(batch).sum() if tokens is None else tokens
         ).sum()

@@ -8,7 +8,7 @@
 * :func:`round_kept` -- make the kept count a multiple of ``steps_per_generation``.
 * :func:`drop_no_loss_rows` -- rows without loss tokens never stay kept while loss rows are pruned.
 * :func:`concat_batches` -- stack TRL batch dicts of different widths (refill rounds).
-* :func:`regroup_chunks` -- re-cut TRL's shuffled micro-batches with each prompt's rows together.
+* :func:`regroup_microbatches` -- re-cut TRL's shuffled micro-batches with each prompt's rows together.
 """
 
 from __future__ import annotations
@@ -291,7 +291,9 @@ def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict
     return out
 
 
-def regroup_chunks(chunks: Sequence[dict[str, Any]], generator: torch.Generator) -> list[dict[str, Any]]:
+def regroup_microbatches(
+    chunks: Sequence[dict[str, Any]], generator: torch.Generator
+) -> list[dict[str, Any]]:
     """Re-cut TRL's shuffled, equally split micro-batches so that each prompt's rows are adjacent.
 
     The chunks are stacked back, groups (rows with the same prompt) are put in a random order drawn

@@ -7,7 +7,7 @@ Each part is optional and independent (``None`` = TRL's own code path, untouched
   A learnable draft is trained by the speculative sampler right after each training rollout, before
   the policy update (FastGRPO's "one step behind"); the adapter switches that off for eval rollouts.
 * ``attention`` -> ``_get_per_token_logps_and_entropies`` (policy, old-policy and reference
-  log-probs). Rows arrive shuffled and chunked by TRL; they are regrouped by prompt content.
+  log-probs). Rows arrive shuffled and cut into micro-batches by TRL; they are regrouped by prompt content.
 * ``completion_filter`` -> ``_generate_and_score_completions`` (:mod:`.filtering`): after TRL's
   advantages, every per-row entry of the batch is sliced to the kept rows, ``num_items_in_batch`` is
   recomputed from the kept tokens, and the kept count is made a multiple of ``steps_per_generation``
@@ -54,7 +54,7 @@ from .options import (
     trl_parts,
     weighted_filter_reasons,
 )
-from .rows import prompt_runs, regroup_chunks, regrouped_logprobs
+from .rows import prompt_runs, regroup_microbatches, regrouped_logprobs
 from .skipping import accept_skipper
 
 logger = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class GRPOPartsTrainer(FilterSeam):
             return inputs
         # TRL just generated, shuffled and split a new batch: keep each prompt's rows together
         gen = torch.Generator().manual_seed(int(self.args.seed) * 1_000_003 + int(self.state.global_step))
-        self._buffered_inputs = regroup_chunks(self._buffered_inputs, gen)
+        self._buffered_inputs = regroup_microbatches(self._buffered_inputs, gen)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def training_step(self, model, inputs, num_items_in_batch):  # type: ignore[no-untyped-def]

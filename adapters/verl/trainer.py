@@ -118,8 +118,8 @@ def check_weighted(filt: CompletionFilter, options: FilterOptions | None) -> Non
         )
 
 
-def _kept_by_chunk(outcome: Any, options: FilterOptions) -> dict[int, set[int]]:
-    """Kept row indices per chunk payload (by ``id``), rounded so that the total over all rounds
+def _kept_by_round(outcome: Any, options: FilterOptions) -> dict[int, set[int]]:
+    """Kept row indices per round's payload (by ``id``), rounded so that the total over all rounds
     fills whole mini-batches on every rank (no padding rows). A weighted draw is not rounded (that
     would re-rank its rows): verl pads it with no-op rows, which :func:`weighted_advantages` counts."""
     if any(sel.weights is not None for sel in outcome.selections):
@@ -149,15 +149,15 @@ def _filter_metrics(
 
 
 def _keep_something(
-    kept: dict[int, set[int]], chunks: list[KVBatchMeta], outcome: Any, options: FilterOptions
+    kept: dict[int, set[int]], rounds: list[KVBatchMeta], outcome: Any, options: FilterOptions
 ) -> bool:
     """verl cannot train an empty batch (its balancer asserts): when the filter keeps nothing --
     every group zero-variance, so every advantage is 0 -- keep the first whole mini-batch of rows
     (zero advantage: the update moves nothing a full batch would not). Returns whether it did."""
-    if any(kept.values()) or not chunks or any(sel.weights is not None for sel in outcome.selections):
+    if any(kept.values()) or not rounds or any(sel.weights is not None for sel in outcome.selections):
         return False
-    n = min(len(chunks[0].keys), max(1, options.batch_multiple))
-    kept[id(chunks[0])] = set(range(n))
+    n = min(len(rounds[0].keys), max(1, options.batch_multiple))
+    kept[id(rounds[0])] = set(range(n))
     logger.warning("grpo_parts filter kept no row (all advantages 0); training %d zero-advantage rows", n)
     return True
 
@@ -212,15 +212,15 @@ def filter_kv_batch(
     ``n`` more prompts (refill). Dropped rows are cleared from ``store`` (TransferQueue). Returns
     ``(kept batch, metrics)``, plus with ``return_groups`` ``{uid: (rewards, advantages)}`` of the
     full group of every uid with a kept row."""
-    chunks: list[KVBatchMeta] = []
+    rounds: list[KVBatchMeta] = []
     uids: dict[int, list[Any]] = {}
     scores: list[torch.Tensor] = []
 
     def produce(n_prompts: int) -> Round[KVBatchMeta] | None:
-        b = batch if not chunks else (more(n_prompts) if more is not None else None)
+        b = batch if not rounds else (more(n_prompts) if more is not None else None)
         if b is None or len(b.keys) == 0:
             return None
-        chunks.append(b)
+        rounds.append(b)
         fields = store.kv_batch_get(keys=b.keys, partition_id=b.partition_id, select_fields=list(KV_FIELDS))
         rewards, uid, mask = rewards_from_fields(fields)
         uids[id(b)] = uid
@@ -237,12 +237,12 @@ def filter_kv_batch(
     outcome = refiller.fill(filt, produce)
     keys: list[str] = []
     tags: list[dict] = []
-    kept_by_round = _kept_by_chunk(outcome, options)
-    empty = _keep_something(kept_by_round, chunks, outcome, options)
+    kept_by_round = _kept_by_round(outcome, options)
+    empty = _keep_something(kept_by_round, rounds, outcome, options)
     train_adv = {id(sel.round.payload): _train_advantages(sel, options) for sel in outcome.selections}
     weighted = [sel for sel in outcome.selections if sel.weights is not None]
     groups: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
-    for b in chunks:
+    for b in rounds:
         adv, sc = train_adv.get(id(b), (None, None))
         if adv is None and empty:  # the kept-nothing fallback: zero-advantage rows
             adv = torch.zeros(len(b.keys))

@@ -45,11 +45,20 @@ def test_a_weighted_draw_is_one_round_untrimmed_with_its_weights_and_full_counts
     assert out.num_tokens == float(ro.completion_mask.sum())
     assert out.num_seqs == float((ro.completion_mask.sum(-1) > 0).sum())
     assert out.full_group is not None and torch.equal(out.full_group.cpu(), ro.group_index[res.kept].cpu())
+    assert torch.equal(
+        out.kept.cpu(), res.kept.cpu()
+    )  # rows of the rolled-out batch, as apply_filter gives them
     assert out.group_rows is not None and out.group_rows.tolist() == [float(G)] * 4
 
 
 def test_plain_filters_are_unchanged_and_count_every_round() -> None:
     out, rolled = _fill(TopKAbsAdvantage(pruning_rate=0.5), target=2 * G, initial=2)
     assert out.weights is None and out.outcome.filled and out.outcome.rounds == len(rolled) >= 2
-    assert out.num_tokens == float(sum(int(r.completion_mask.sum()) for r in rolled))
+    # a KeptBatch: a plain filter's denominators are the kept rows' own; the rolled-out batch's
+    # counts stay per prompt (group_tokens) for a weighted filter's minibatches
+    assert out.rollout is not None and out.num_tokens == float(out.rollout.completion_mask.sum())
+    assert out.group_tokens is not None and float(out.group_tokens.sum()) == sum(
+        int(r.completion_mask.sum()) for r in rolled
+    )
+    assert out.kept.numel() == out.rollout.num_completions
     assert out.group_tokens is not None and out.group_tokens.numel() == sum(r.num_prompts for r in rolled)

@@ -8,7 +8,7 @@ from grpo_parts_adapters.trl.rows import (
     concat_batches,
     group_by_prompt,
     prompt_runs,
-    regroup_chunks,
+    regroup_microbatches,
     regrouped_logprobs,
     round_kept,
 )
@@ -100,7 +100,7 @@ def test_concat_batches_repads() -> None:
     assert "num_items_in_batch" not in out  # recomputed by the caller
 
 
-def test_regroup_chunks_keeps_prompts_together() -> None:
+def test_regroup_microbatches_keeps_prompts_together() -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.tensor([[0, 4], [5, 6], [7, 8], [0, 9]]).repeat_interleave(3, 0)  # 4 groups of 3
     perm = torch.randperm(12, generator=gen)  # TRL's row shuffle
@@ -116,7 +116,7 @@ def test_regroup_chunks_keeps_prompts_together() -> None:
         {k: (v[i * 4 : (i + 1) * 4] if k != "num_items_in_batch" else v) for k, v in batch.items()}
         for i in range(3)
     ]
-    out = regroup_chunks(chunks, torch.Generator().manual_seed(1))
+    out = regroup_microbatches(chunks, torch.Generator().manual_seed(1))
     assert len(out) == 3 and all(c["completion_ids"].shape[0] == 4 for c in out)
     rows = torch.cat([c["completion_ids"][:, 0] for c in out])
     assert sorted(rows.tolist()) == list(range(12))  # same rows, each once
