@@ -12,13 +12,14 @@ door                    how a user gives it                         door-only se
 TRL                     ``GRPOPartsTrainer(parts=PartsConfig(...))``  ``TRLPartsOptions``
                         or the part keywords (``sampler=`` ...)
 verl                    ``+grpo_parts.filter.*`` / engine Hydra     ``FilterOptions`` (verl's
-                        keys, read by ``verl_parts``                  batch sizes), ``EngineOptions``
+                        keys (``FilterOptions.parts``,              batch sizes), ``EngineOptions``
+                        ``EngineOptions.parts``)
 OpenRLHF                ``--grpo_parts.*`` flags                    ``OpenRLHFPartsConfig``
 ======================  ==========================================  ===============================
 
 ``None`` for ``sampler`` / ``attention`` means *the door's own path* (TRL's ``generate``, verl's
 rollout, OpenRLHF's vLLM engines and forward; in ``grpo-parts train`` the reference parts).
-This module imports only the skip table, so every door (and the adapters) can import it.
+This module imports only the skip table (when validating), so every door can import it.
 """
 
 from __future__ import annotations
@@ -39,9 +40,6 @@ DOOR_DEFAULTS: dict[str, dict[str, Any]] = {
     "verl": {},
     "openrlhf": {},
 }
-
-#: the settings that name an implementation (each with its ``<name>_kwargs``)
-NAMED = ("sampler", "draft", "attention", "filter", "prompt_skip")
 
 
 class PartsConfig(BaseModel):
@@ -111,4 +109,4 @@ class PartsConfig(BaseModel):
         ]
 
 
-__all__ = ["DOORS", "DOOR_DEFAULTS", "NAMED", "PartsConfig"]
+__all__ = ["DOORS", "DOOR_DEFAULTS", "PartsConfig"]
