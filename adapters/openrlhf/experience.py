@@ -49,7 +49,7 @@ from grpo_parts.filter.protocol import KEPT_FRACTION, WEIGHTED_ROWS
 from grpo_parts.types import ScoredBatch
 
 from .._counters import PartCounters
-from .config import weighted_filter_reasons
+from .config import skip_reasons, weighted_filter_reasons
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +146,9 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         self.rounded_rows = 0  # rows the last step's rounding added (> 0) or dropped (< 0)
         #: the prompt skipping stage of the samples generator (None: every prompt rolled out)
         self.skip_stage = getattr(samples_generator, "skip_stage", None)
-        if self.skip_stage is not None and refill_rounds > 0:
-            raise NotSupportedError(
-                "--grpo_parts.prompt_skip",
-                ["--grpo_parts.refill_rounds > 0: refill rounds depend on the skip draw; use 0"],
-            )
+        skip_refused = skip_reasons(self.args, refill_rounds) if self.skip_stage is not None else []
+        if skip_refused:
+            raise NotSupportedError("--grpo_parts.prompt_skip", skip_refused)
 
     @property
     def group_size(self) -> int:

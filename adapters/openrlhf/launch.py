@@ -56,17 +56,19 @@ def check_supported(ns: argparse.Namespace, parts: OpenRLHFPartsConfig) -> None:
             raise GRPOPartsError(
                 f"--grpo_parts.{flag} needs --algo.advantage.estimator group_norm, dr_grpo or rloo, got {est!r}"
             )
-    if parts.prompt_skip != "none":  # refused here in one line, not in a Ray actor
-        from openrlhf.utils.config import hierarchize
+    if parts.prompt_skip == "none" and parts.filter == "keep_all":
+        return
+    # what cannot stay unbiased is refused here in one line, not in a Ray actor
+    from openrlhf.utils.config import hierarchize
 
-        reasons = skip_reasons(hierarchize(ns), parts.refill_rounds)
+    args = hierarchize(ns)
+    if parts.prompt_skip != "none":
+        reasons = skip_reasons(args, parts.refill_rounds)
         if reasons:
             raise NotSupportedError(f"--grpo_parts.prompt_skip {parts.prompt_skip}", reasons)
-    if parts.filter != "keep_all":  # a weighted filter (dppo): refused here in one line, not in a Ray actor
-        from openrlhf.utils.config import hierarchize
-
+    if parts.filter != "keep_all":  # a weighted filter (dppo)
         filt = parts.build_filter()
-        reasons = weighted_filter_reasons(filt, hierarchize(ns), parts.refill_rounds)
+        reasons = weighted_filter_reasons(filt, args, parts.refill_rounds)
         if reasons:
             raise NotSupportedError(f"--grpo_parts.filter {filt.name}", reasons)
 

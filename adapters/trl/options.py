@@ -60,7 +60,7 @@ class TRLPartsOptions(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not set(data) & set(MOVED):
+        if not isinstance(data, dict) or not set(data) & (set(MOVED) | {"refill", "max_refill_rounds"}):
             return data
         data = legacy_refill(data, "max_refill_rounds", counts_first_round=True, where="TRLPartsOptions")
         out, moved = dict(data), dict(data.get("moved_to_parts") or {})
@@ -74,11 +74,10 @@ class TRLPartsOptions(BaseModel):
         return {**out, "moved_to_parts": moved}
 
 
-#: earlier ``TRLPartsOptions`` fields -> (their ``PartsConfig`` name, how the value reads there)
+#: earlier ``TRLPartsOptions`` fields -> (their ``PartsConfig`` name, how the value reads there);
+#: the still earlier ``refill`` / ``max_refill_rounds`` are folded into ``refill_rounds`` first
 MOVED: dict[str, tuple[str, Any]] = {
     "refill_rounds": ("refill_rounds", int),
-    "refill": ("refill_rounds", int),  # legacy_refill has folded it into refill_rounds first
-    "max_refill_rounds": ("refill_rounds", int),
     "group_rows": ("group_rows", lambda v: v),
     "filter_remainder": ("kept_rounding", lambda v: {"restore": "up", "drop": "down"}.get(v, v)),
 }

@@ -158,6 +158,16 @@ def test_refused_where_it_cannot_stay_unbiased(overrides: dict[str, Any], refill
     assert skip_stage(OpenRLHFPartsConfig(), args) is None  # off: plain OpenRLHF
 
 
+def test_the_experience_maker_refuses_what_the_trainer_refuses() -> None:
+    """A maker built by hand over a skipping samples generator applies the same rule (no refill)."""
+    from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
+
+    args = openrlhf_args(G, B, **SEQ_MEAN)
+    sg = _generator(args, HistorySkipper(), [])
+    with pytest.raises(NotSupportedError, match="refill_rounds > 0"):
+        make_maker(GRPOPartsExperienceMaker, args, samples_generator=sg, refill_rounds=1)
+
+
 def test_a_step_that_rolls_out_fewer_prompts_is_refused() -> None:
     from grpo_parts_adapters.openrlhf.skipping import SkipStage
 
