@@ -240,7 +240,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         if self.skip_stage is None:
             return False
         lengths = scored.completion_lengths
-        self.skip_stage.observe(_row_prompts(samples), scored.rewards, scored.group_index, lengths)
+        self.skip_stage.observe_prompts(_row_prompts(samples), scored.rewards, scored.group_index, lengths)
         mean_len = float(lengths.double().mean()) if lengths is not None else 0.0
         self.last_skip_info = self.skip_stage.metrics(fallback_length=mean_len)
         return True

@@ -59,6 +59,10 @@ class FilterOptions(BaseModel):
     ``loss_agg_mode``, ``loss_scale_factor``, ``use_kl_loss``, ``entropy_coeff``, ``policy_loss_mode``:
     the actor's loss settings (verl's defaults; ``hydra_overrides`` and the trainer mode read verl's
     own), which a weighted filter (``dppo``) checks: :func:`weighted_filter_reasons`.
+
+    ``prompt_skip`` / ``prompt_skip_kwargs``: a prompt skipper before rollout (``history``; trainer
+    mode ``grpo_parts_sync`` only, :mod:`.skipping`), checked by :func:`skip_reasons`; with no
+    ``name`` the filter is ``keep_all``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -87,6 +91,8 @@ class FilterOptions(BaseModel):
     use_kl_loss: bool = False
     entropy_coeff: float = 0.0
     policy_loss_mode: str = "vanilla"
+    prompt_skip: str = "none"
+    prompt_skip_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def batch_multiple(self) -> int:
@@ -122,6 +128,8 @@ class FilterOptions(BaseModel):
                 "filter_kwargs": self.kwargs,
                 "refill_rounds": self.refill_rounds,
                 "kept_rounding": self.kept_rounding,
+                "prompt_skip": self.prompt_skip,
+                "prompt_skip_kwargs": self.prompt_skip_kwargs,
             },
         )
 
@@ -157,14 +165,9 @@ HOMOGENEOUS_POLICY_LOSSES = ("vanilla", "gspo", "gpg")
 FIXED_NORMALISER_AGGS = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
 
-def weighted_filter_reasons(filt: Any, options: FilterOptions, needs_step: bool = True) -> list[str]:
-    """Why verl cannot train the weighted filter ``filt`` (``dppo``) unbiased under ``options``
-    (empty for a plain filter). The adapter multiplies each kept row's advantage by its ``1 / p``
-    weight times ``padded kept rows / rolled-out rows`` (see :func:`weighted_advantages`);
-    ``needs_step``: the padding is verl's, so the mini-batch rows must be known."""
-    if not isinstance(filt, WeighsLoss):
-        return []
-    o = options
+def _loss_facts(o: FilterOptions) -> tuple[list[Fact], list[Fact]]:
+    """``(unscaled, normaliser_from_draw)``: the actor settings under which a weight carried by the
+    advantage does not scale a row's loss, and those whose normaliser depends on the draw."""
     use = "use seq-mean-token-mean (set it in actor_rollout_ref.actor and in grpo_parts_filter.loss_agg_mode)"
     normaliser: list[Fact] = []
     if o.loss_agg_mode not in FIXED_NORMALISER_AGGS:
@@ -180,20 +183,60 @@ def weighted_filter_reasons(filt: Any, options: FilterOptions, needs_step: bool 
         unscaled.append((f"actor.entropy_coeff={o.entropy_coeff}", "set it to 0"))
     if o.policy_loss_mode not in HOMOGENEOUS_POLICY_LOSSES:
         unscaled.append((f"actor.policy_loss.loss_mode={o.policy_loss_mode!r}", f"a weight on the advantage scales the row's loss only for {list(HOMOGENEOUS_POLICY_LOSSES)}"))  # fmt: skip
+    return unscaled, normaliser
+
+
+def _refill_fact(o: FilterOptions) -> Fact | None:
+    return (
+        (f"refill_rounds={o.refill_rounds}", "set grpo_parts_filter.refill_rounds=0")
+        if o.refill_rounds
+        else None
+    )
+
+
+def weighted_filter_reasons(filt: Any, options: FilterOptions, needs_step: bool = True) -> list[str]:
+    """Why verl cannot train the weighted filter ``filt`` (``dppo``) unbiased under ``options``
+    (empty for a plain filter). The adapter multiplies each kept row's advantage by its ``1 / p``
+    weight times ``padded kept rows / rolled-out rows`` (see :func:`weighted_advantages`);
+    ``needs_step``: the padding is verl's, so the mini-batch rows must be known."""
+    if not isinstance(filt, WeighsLoss):
+        return []
+    unscaled, normaliser = _loss_facts(options)
     facts = WeightedLossFacts(
         source="dppo",
-        refill=(f"refill_rounds={o.refill_rounds}", "set grpo_parts_filter.refill_rounds=0")
-        if o.refill_rounds
-        else None,
+        refill=_refill_fact(options),
         unscaled=tuple(unscaled),
         normaliser_from_draw=tuple(normaliser),
     )
     reasons = refusal_reasons(facts)
-    if needs_step and o.ppo_mini_batch_size is None:
+    if needs_step and options.ppo_mini_batch_size is None:
         reasons.append(
             "ppo_mini_batch_size / rollout_n not given: the weights fold in the padded kept rows verl "
             "normalises by; hydra_overrides interpolates them"
         )
+    return reasons
+
+
+def skip_reasons(options: FilterOptions, config: Any = None) -> list[str]:
+    """Why verl cannot skip prompts with ``1 / p`` weights unbiased under ``options`` (the rule of
+    :mod:`grpo_parts.core.unbiased` on the actor's loss settings), plus, from verl's ``config``, the
+    settings that re-draw prompts after the skip draw (DAPO's ``filter_groups``, failed-group refill)."""
+    from omegaconf import OmegaConf
+
+    unscaled, normaliser = _loss_facts(options)
+    facts = WeightedLossFacts(
+        source="prompt skipping",
+        normaliser="drawn",
+        refill=_refill_fact(options),
+        unscaled=tuple(unscaled),
+        normaliser_from_draw=tuple(normaliser),
+    )
+    reasons = refusal_reasons(facts)
+    if config is not None:
+        if OmegaConf.select(config, "algorithm.filter_groups.enable", default=False):
+            reasons.append("algorithm.filter_groups.enable: verl's DAPO filter re-draws prompts after the skip draw; turn it off")  # fmt: skip
+        if OmegaConf.select(config, "trainer.v1.sampler.sync_refill_failed_groups", default=False):
+            reasons.append("trainer.v1.sampler.sync_refill_failed_groups: it re-draws prompts after the skip draw; turn it off")  # fmt: skip
     return reasons
 
 

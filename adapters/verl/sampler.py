@@ -64,6 +64,11 @@ class FilteringReplayBuffer(ReplayBuffer):
         self.grpo_parts_filter_options = options_from_sampler_kwargs(self.sampler_kwargs)
         opts = self.grpo_parts_filter_options
         self.grpo_parts_filter = None if opts is None else opts.build()
+        if opts is not None and opts.prompt_skip != "none":
+            raise ValueError(
+                f"grpo_parts_filter.prompt_skip={opts.prompt_skip!r}: the sampler seam sees prompts only after "
+                "verl submitted them; use trainer.v1.trainer_mode=grpo_parts_sync with +grpo_parts.filter.prompt_skip"
+            )
         if opts is not None and opts.refill_rounds and self.refill_fn is None:
             raise ValueError(
                 f"grpo_parts_filter.refill_rounds={opts.refill_rounds}: verl gave this sampler no refill_fn"

@@ -24,6 +24,7 @@ v1 trainer is importable.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -44,9 +45,11 @@ from .filtering import (
     FilterOptions,
     rewards_from_fields,
     scored_batch,
+    skip_reasons,
     weighted_advantages,
     weighted_filter_reasons,
 )
+from .skipping import VerlSkipStage
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +82,11 @@ def filter_options_from(config: Any) -> FilterOptions | None:
     if not isinstance(raw, dict):
         raise ValueError(f"grpo_parts.filter: expected a mapping of FilterOptions, got {raw!r}")
     opts: dict[str, Any] = {str(k): v for k, v in raw.items()}
-    if not opts or opts.get("name") in (None, "", "keep_all"):
+    skipping = opts.get("prompt_skip") not in (None, "", "none")
+    if not opts or (opts.get("name") in (None, "", "keep_all") and not skipping):
         return None
+    if opts.get("name") in (None, ""):  # prompt skipping alone: every rolled-out row is kept
+        opts["name"] = "keep_all"
     norm = OmegaConf.select(config, "algorithm.norm_adv_by_std_in_grpo", default=True)
     opts.setdefault("norm_adv_by_std", bool(norm))  # follow verl's setting unless given
     # whole mini-batches on every rank (FilterOptions.batch_multiple), and the actor's loss settings
@@ -199,6 +205,27 @@ def _train_advantages(sel: Any, options: FilterOptions) -> tuple[torch.Tensor, A
     return weighted_advantages(scored, sel.kept, sel.weights, options.batch_multiple)[0], scored
 
 
+def _refiller(batch: KVBatchMeta, target: int, options: FilterOptions, more: Any) -> Refiller:
+    return Refiller(
+        target_size=target,
+        initial_prompts=max(1, len({t.get("uid", k) for k, t in zip(batch.keys, batch.tags)})),
+        max_rounds=1 + (options.refill_rounds if more is not None else 0),
+    )
+
+
+def _round_advantages(
+    b: KVBatchMeta, train_adv: dict[int, Any], empty: bool, skip: VerlSkipStage | None, uid: list[Any]
+) -> tuple[torch.Tensor | None, Any]:
+    """``(advantages [N] or None, scored)`` round ``b`` stores for its kept rows: the filter's, the
+    kept-nothing fallback's zeros, times each row's prompt-skip weight (``1 / p x rolled-out / drawn``)."""
+    adv, sc = train_adv.get(id(b), (None, None))
+    if adv is None and empty:  # the kept-nothing fallback: zero-advantage rows
+        adv = torch.zeros(len(b.keys))
+    if adv is not None and skip is not None:
+        adv = adv.double() * skip.row_weights(uid)
+    return adv, sc
+
+
 def filter_kv_batch(
     batch: KVBatchMeta,
     filt: CompletionFilter,
@@ -207,11 +234,13 @@ def filter_kv_batch(
     store: Any = tq,
     more: Any = None,
     return_groups: bool = False,
+    skip: VerlSkipStage | None = None,
 ) -> Any:
     """Filter one sampled v1 batch; ``more(n_prompts) -> KVBatchMeta | None`` rolls out and samples
     ``n`` more prompts (refill). Dropped rows are cleared from ``store`` (TransferQueue). Returns
     ``(kept batch, metrics)``, plus with ``return_groups`` ``{uid: (rewards, advantages)}`` of the
-    full group of every uid with a kept row."""
+    full group of every uid with a kept row. With prompt ``skip`` (no refill), every rolled-out
+    group is observed and each kept row's stored advantage is multiplied by its prompt's weight."""
     rounds: list[KVBatchMeta] = []
     uids: dict[int, list[Any]] = {}
     scores: list[torch.Tensor] = []
@@ -224,17 +253,14 @@ def filter_kv_batch(
         fields = store.kv_batch_get(keys=b.keys, partition_id=b.partition_id, select_fields=list(KV_FIELDS))
         rewards, uid, mask = rewards_from_fields(fields)
         uids[id(b)] = uid
+        if skip is not None:
+            skip.observe_rows(uid, rewards, mask.sum(-1))
         scored = scored_batch(rewards, uid, mask, options.advantage_config)
         scores.append(scored.rewards.detach().double().cpu())
         return Round(payload=b, scored=scored, num_prompts=len(set(uid)))
 
     target = options.target_rows or len(batch.keys)
-    refiller = Refiller(
-        target_size=target,
-        initial_prompts=max(1, len({t.get("uid", k) for k, t in zip(batch.keys, batch.tags)})),
-        max_rounds=1 + (options.refill_rounds if more is not None else 0),
-    )
-    outcome = refiller.fill(filt, produce)
+    outcome = _refiller(batch, target, options, more).fill(filt, produce)
     keys: list[str] = []
     tags: list[dict] = []
     kept_by_round = _kept_by_round(outcome, options)
@@ -243,9 +269,7 @@ def filter_kv_batch(
     weighted = [sel for sel in outcome.selections if sel.weights is not None]
     groups: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
     for b in rounds:
-        adv, sc = train_adv.get(id(b), (None, None))
-        if adv is None and empty:  # the kept-nothing fallback: zero-advantage rows
-            adv = torch.zeros(len(b.keys))
+        adv, sc = _round_advantages(b, train_adv, empty, skip, uids[id(b)])
         kept_rows = _store_kept(b, kept_by_round.get(id(b), set()), adv, store)
         for i in kept_rows:
             keys.append(b.keys[i])
@@ -254,6 +278,8 @@ def filter_kv_batch(
             assert adv is not None
             groups.update(_full_groups(sc, uids[id(b)], kept_rows, adv, bool(weighted)))
     metrics = _filter_metrics(outcome, weighted, len(keys), target, empty, scores)
+    if skip is not None:
+        metrics.update(skip.step_metrics())
     out = KVBatchMeta(
         partition_id=batch.partition_id, keys=keys, tags=tags, extra_info=dict(batch.extra_info or {})
     )
@@ -299,6 +325,7 @@ class _FilteringReplayBuffer:
         opts, filt = self._trainer.grpo_parts_filter_options, self._trainer.grpo_parts_filter
         if partition_id == "val" or opts is None or filt is None:
             return batch, metrics
+        skip = self._trainer.grpo_parts_skip
 
         def more(n_prompts: int) -> KVBatchMeta | None:
             # verl submits prompts in whole dataloader fetches of data.gen_batch_size
@@ -313,14 +340,37 @@ class _FilteringReplayBuffer:
             return b
 
         kept, fmetrics = filter_kv_batch(
-            batch, filt, opts, store=self._store, more=more if opts.refill_rounds else None
+            batch, filt, opts, store=self._store, more=more if opts.refill_rounds else None, skip=skip
         )
         metrics.update(fmetrics)
         return kept, metrics
 
 
+def build_skip_stage(options: FilterOptions | None, config: Any, fetch: Any) -> VerlSkipStage | None:
+    """The prompt skipping stage ``grpo_parts.filter.prompt_skip`` asks for (None: every prompt
+    rolled out); what cannot stay unbiased is refused in one line."""
+    from grpo_parts.build import build_prompt_skipper
+    from grpo_parts.errors import NotSupportedError
+    from grpo_parts.skip.protocol import skips
+
+    if options is None:
+        return None
+    parts = options.parts
+    skipper = build_prompt_skipper(
+        parts.prompt_skip, kwargs=parts.prompt_skip_kwargs, where="grpo_parts.filter.prompt_skip_kwargs"
+    )
+    if not skips(skipper):
+        return None
+    reasons = skip_reasons(options, config)
+    if reasons:
+        raise NotSupportedError(f"grpo_parts.filter.prompt_skip={parts.prompt_skip!r}", reasons)
+    n = int(OmegaConf.select(config, "actor_rollout_ref.rollout.n", default=1))
+    return VerlSkipStage(skipper, n, fetch)
+
+
 class GrpoPartsSyncTrainer(PPOTrainerSync):
-    """verl's sync v1 trainer + a grpo_parts CompletionFilter before the policy passes."""
+    """verl's sync v1 trainer + a grpo_parts CompletionFilter before the policy passes, and prompt
+    skipping before the rollout (:mod:`.skipping`)."""
 
     def __init__(self, config: Any):
         self.grpo_parts_filter_options = filter_options_from(config)
@@ -330,7 +380,33 @@ class GrpoPartsSyncTrainer(PPOTrainerSync):
         if self.grpo_parts_filter is not None:
             check_algorithm(config)
             check_weighted(self.grpo_parts_filter, self.grpo_parts_filter_options)
+        self.grpo_parts_skip = build_skip_stage(
+            self.grpo_parts_filter_options, config, lambda: self._fetch_one_gen_batch()
+        )
         super().__init__(config)
+
+    def _next_train_batch(self, num_prompts: int | None = None) -> Any:
+        if self.grpo_parts_skip is None:
+            return super()._next_train_batch(num_prompts)
+        from verl.utils import tensordict_utils as tu
+
+        batch = self.grpo_parts_skip.take(num_prompts or int(self.config.data.train_batch_size))
+        tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
+        return batch
+
+    def _save_checkpoint(self) -> None:
+        super()._save_checkpoint()
+        if self.grpo_parts_skip is not None:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            self.grpo_parts_skip.save(folder)
+
+    def _load_checkpoint(self) -> None:
+        super()._load_checkpoint()
+        if self.grpo_parts_skip is not None and self.global_steps > 0:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            if self.config.trainer.resume_mode == "resume_path":
+                folder = str(self.config.trainer.resume_from_path)
+            self.grpo_parts_skip.load(folder)
 
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
         batch = super()._compute_advantage(batch, metrics)  # rollout correction etc. as in verl

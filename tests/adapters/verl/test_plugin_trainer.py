@@ -193,6 +193,7 @@ def test_filtering_replay_buffer_refills_in_whole_gen_batches():
         config=OmegaConf.create({"data": {"train_batch_size": 4, "gen_batch_size": 2}}),
         grpo_parts_filter_options=opts,
         grpo_parts_filter=opts.build(),
+        grpo_parts_skip=None,
         _add_prompts_to_generate=submitted.append,
     )
     buf = tr._FilteringReplayBuffer(Inner(), trainer, store=store)

@@ -278,3 +278,15 @@ def test_dppo_is_refused_where_verl_cannot_keep_it_unbiased(store, extra, needle
     with pytest.raises(NotSupportedError) as e:
         PPOTrainer._build_replay_buffer(trainer_stub(cfg, SpreadRollouts("r")))
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prompt_skipping_is_refused_at_the_sampler_seam(store):
+    """The sampler sees prompts only after verl submitted them: skipping there would be silently
+    off, so it is refused in one line naming the trainer mode that serves it."""
+    cfg = dp_config(
+        "+trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.prompt_skip=history",
+        "trainer.n_gpus_per_node=1",
+    )
+    with pytest.raises(ValueError, match="trainer_mode=grpo_parts_sync") as e:
+        PPOTrainer._build_replay_buffer(trainer_stub(cfg, SpreadRollouts("r")))
+    assert "\n" not in str(e.value)

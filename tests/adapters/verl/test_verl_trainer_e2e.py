@@ -122,3 +122,52 @@ def test_verl_trainer_without_syncs_drifts_off_policy(tmp_path: Path) -> None:
     # two updates later the frozen copy is far behind (synced runs stay ~5e-5 at every step)
     assert diffs[-1] > SYNCED_TOL and diffs[-1] > 20 * diffs[0]
     assert _metric(rows[-1], "parts/sampler/frozen_rollouts") > 0  # counted, never silent
+
+
+#: zero-variance groups on purpose: every completion of an even-digit prompt scores 1
+SOLVED_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    if int(ground_truth) % 2 == 0:
+        return 1.0
+    text = solution_str.strip()
+    return min(len(text), 8) / 8 + sum(c == str(ground_truth) for c in text) / max(1, len(text))
+"""
+
+
+def test_verl_trainer_skips_prompts_and_resumes_their_history(tmp_path: Path) -> None:
+    """Prompt skipping through verl's own entry point (``trainer.v1.trainer_mode=grpo_parts_sync``):
+    after the first epoch the solved prompts' zero-variance history skips some of them
+    (``parts/prompt_skip/prompts_skipped > 0``), every step still rolls out ``train_batch_size``
+    prompts; the history is saved beside verl's checkpoint and a resumed run starts from it."""
+    from verl_e2e import build_assets, main_ppo, overrides
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    assets = build_assets(tmp_path, n_prompts=8)
+    assets["reward"].write_text(SOLVED_REWARD)
+    ckpt = tmp_path / "ckpt"
+
+    def args(workdir: Path, steps: int) -> list[str]:
+        base = overrides(assets, workdir, steps=steps, batch=4, n=4, response=8)
+        base = [a for a in base if not a.startswith(("trainer.save_freq=", "trainer.default_local_dir="))]
+        return [*base, *rollout_overrides(), "trainer.use_v1=True", "trainer.v1.trainer_mode=grpo_parts_sync",
+                "actor_rollout_ref.model.external_lib=grpo_parts_adapters.verl.plugin",
+                "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+                "+grpo_parts.filter.prompt_skip=history",
+                "+grpo_parts.filter.prompt_skip_kwargs.keep_base=0.1",
+                "+grpo_parts.filter.prompt_skip_kwargs.base_step=0",
+                "trainer.save_freq=4", "trainer.resume_mode=auto", f"trainer.default_local_dir={ckpt}"]  # fmt: skip
+
+    rows = main_ppo(first, args(first, 4))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    drawn = [_metric(r, "parts/prompt_skip/prompts_drawn") for r in rows]
+    skipped = [_metric(r, "parts/prompt_skip/prompts_skipped") for r in rows]
+    assert drawn[:2] == [4.0, 4.0] and skipped[:2] == [0.0, 0.0]  # epoch 1: no history yet
+    assert sum(skipped) > 0  # epoch 2 onwards: solved prompts skipped
+    assert all(d - s == 4.0 for d, s in zip(drawn, skipped))  # the step keeps its 4 prompts
+    assert (ckpt / "global_step_4" / "grpo_parts_prompt_skip.pt").is_file()
+
+    resumed = main_ppo(second, args(second, 5))
+    assert [r["step"] for r in resumed] == [5]
+    # the history the first run built (8 prompts), not an empty one (at most this step's prompts)
+    assert _metric(resumed[0], "parts/prompt_skip/skip_history_size") >= 8

@@ -1,0 +1,98 @@
+"""Prompt skipping at a framework's prompt seam: one step's prompts drawn past a skipper, their
+row weights, the history, the counters -- what the OpenRLHF and verl doors share.
+
+A framework that draws each step's prompts itself (OpenRLHF's samples generator, verl's trainer)
+hands them one at a time to a :class:`SkipStage`, which draws a round through
+:class:`~.draw.PromptDraw` (the same sampling design as ``grpo-parts train``: the drawn set and the
+kept count fixed before the draw; the step keeps its size by drawing more). Only the kept prompts
+are rolled out. A skipped prompt generates nothing and weighs 0; a kept one's rows weigh ``1 / p``
+times ``rolled-out / drawn prompts`` (:meth:`SkipStage.prompt_weights`), so a per-step sequence mean
+over the rolled-out rows is the drawn batch's in expectation -- the normaliser fixed before the
+draw, as in our trainer. The door multiplies each row's advantage by it and tells the stage every
+rolled-out group's rewards (:meth:`SkipStage.observe`).
+
+Only ``step_size: fill`` is served here: these frameworks train whole steps of a fixed prompt count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ..errors import GRPOPartsError
+from .draw import PromptDraw
+from .protocol import PromptId, PromptSkipper
+
+P = TypeVar("P")
+
+
+class SkipStage(Generic[P]):
+    """One run's skipping: :meth:`take_round` a step's prompts from ``stream``, then
+    :meth:`weights_for` / :meth:`observe` / :meth:`metrics` for that step. ``key(prompt) -> PromptId``
+    (:func:`~.protocol.prompt_id` of its text or messages); ``door`` names the framework in refusals."""
+
+    def __init__(
+        self,
+        skipper: PromptSkipper,
+        group_size: int,
+        stream: Iterator[P],
+        key: Callable[[P], PromptId],
+        door: str,
+    ) -> None:
+        if skipper.step_size != "fill":
+            raise GRPOPartsError(
+                f"prompt_skip_kwargs.step_size: {door} trains whole steps of a fixed prompt count, got "
+                f"{skipper.step_size!r}; expected 'fill' (skipped prompts are made up for by drawing more)"
+            )
+        self.skipper, self.group_size, self.door = skipper, group_size, door
+        self.draw: PromptDraw[P] = PromptDraw(skipper, stream, key=key)
+
+    def take_round(self, num_prompts: int) -> list[P]:
+        """The next step's ``num_prompts`` kept prompts (fewer only when the stream runs out)."""
+        self.draw.rounds.clear()  # one round per step
+        return self.draw.take(num_prompts)
+
+    def prompt_weights(self) -> dict[PromptId, float]:
+        """Each rolled-out prompt's row weight this step: ``1 / p`` times ``rolled-out / drawn``."""
+        if not self.draw.rounds:
+            return {}
+        (r,) = self.draw.rounds
+        scale = len(r.kept_ids) / r.drawn if r.drawn else 1.0
+        return {pid: float(w) * scale for pid, w in zip(r.kept_ids, r.weights.tolist())}
+
+    def weights_for(self, ids: Sequence[PromptId]) -> torch.Tensor:
+        """``[rows]`` float64: each row's weight, by the id of the prompt it was generated for."""
+        weights = self.prompt_weights()
+        missing = [i for i in ids if i not in weights]
+        if missing:
+            raise GRPOPartsError(
+                f"prompt skipping: a row's prompt was not among this step's rolled-out prompts "
+                f"(id {missing[0]}); expected {self.door} to keep the prompts as they were drawn"
+            )
+        return torch.tensor([weights[i] for i in ids], dtype=torch.float64)
+
+    def observe(
+        self,
+        ids: Sequence[PromptId],
+        rewards: torch.Tensor,
+        group_index: torch.Tensor,
+        lengths: torch.Tensor | None,
+    ) -> None:
+        """Tell the skipper every rolled-out group of the step (``ids``: each row's prompt id;
+        ``rewards``, ``group_index``, ``lengths``: ``[rows]``)."""
+        by_group: dict[int, PromptId] = {}
+        for pid, g in zip(ids, group_index.tolist()):
+            by_group.setdefault(int(g), pid)
+        order = [by_group[g] for g in range(len(by_group))]
+        self.skipper.observe(order, rewards.double(), group_index, lengths)
+
+    def metrics(self, fallback_length: float) -> dict[str, float]:
+        return self.draw.metrics(self.group_size, fallback_length)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prompt_skip": self.skipper.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.skipper.load_state_dict(state["prompt_skip"])
