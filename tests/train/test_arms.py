@@ -104,3 +104,22 @@ def test_arms_flag_needs_compare(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["train", "--arms", "cppo", "--steps", "1"]) != 0
     assert "--arms: only used with --compare, got it without" in capsys.readouterr().err
+
+
+def test_a_seed_that_misses_the_target_counts_as_never_in_the_median() -> None:
+    """Dropping the seeds that missed would report an arm that reached the target once as if it
+    always did: a miss is +inf, so two misses in three leave no median."""
+    from grpo_parts.train.experiments.arms import aggregate_arms
+
+    def seed(steps: float | None) -> dict[str, Any]:
+        t = None if steps is None else steps * 2.0
+        return {
+            "target_accuracy": 0.8,
+            "arms": {"a": {"steps_to_target": steps, "time_to_target_s": t, "final_accuracy": 0.8}},
+        }
+
+    one_miss = aggregate_arms([seed(10), seed(None), seed(20)], [0, 1, 2])["arms"]["a"]
+    assert one_miss["steps_to_target"] == 20 and one_miss["time_to_target_s"] == 40
+    assert one_miss["seeds_reached"] == 2 and one_miss["final_accuracy"] == 0.8
+    two_miss = aggregate_arms([seed(10), seed(None), seed(None)], [0, 1, 2])["arms"]["a"]
+    assert two_miss["steps_to_target"] is None and two_miss["seeds_reached"] == 1

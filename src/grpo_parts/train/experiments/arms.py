@@ -24,6 +24,8 @@ from ..reporting.metrics import summarize
 
 #: how the ``*_fewer`` arms skip: the step draws its prompts and rolls out only the kept ones
 FEWER: dict[str, Any] = {"step_size": "fewer"}
+#: how the ``*_strong`` arms skip: GRESO's rule with a lower, faster-adapting exploration base
+STRONG: dict[str, Any] = {"keep_base": 0.3, "base_step": 0.02, "target_share": 0.15}
 #: arm -> the ``parts`` settings it overrides (None: the configured parts as given)
 ARMS: dict[str, dict[str, Any] | None] = {
     "reference": {**REFERENCE_PARTS, "refill_rounds": 0},
@@ -42,6 +44,8 @@ ARMS: dict[str, dict[str, Any] | None] = {
         "prompt_skip_kwargs": FEWER,
     },
     "keep_all+skip_fewer": {"filter": "keep_all", "prompt_skip": "history", "prompt_skip_kwargs": FEWER},
+    # a stronger rule: a lower exploration base that adapts twice as fast towards a 15% share
+    "cppo+skip_strong": {"filter": "cppo", "prompt_skip": "history", "prompt_skip_kwargs": STRONG},
     # the skip probability from each prompt's pass-rate posterior instead of keep_base ** streak
     "cppo+skip_posterior": {
         "filter": "cppo",
@@ -119,7 +123,10 @@ TABLE = (
     ("prompts_skipped_share", "prompts skipped", ".2f"),
     ("mean_step_s", "s / step", ".2f"),
     ("final_accuracy", "final accuracy", ".3f"),
+    ("seeds_reached", "seeds reaching the target", ".0f"),
 )
+#: the fields a seed that never reached the target has no value for: its value is +inf in the median
+TO_TARGET = ("time_to_target_s", "steps_to_target", "rollout_tokens_to_target")
 
 
 def _cell(v: Any, spec: str) -> str:
@@ -181,13 +188,29 @@ def write_arms(
     return result
 
 
+def _median_to_target(vals: list[Any]) -> float | None:
+    """The median with "not reached" (None) as +inf: an arm that misses the target in most seeds has
+    no median (None), and one missed seed moves the median up, never down."""
+    import math
+    import statistics
+
+    m = statistics.median([math.inf if v is None else float(v) for v in vals])
+    return None if math.isinf(m) else m
+
+
 def aggregate_arms(per_seed: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
-    """Per arm, the median over seeds of every numeric field (None where a seed has none)."""
+    """Per arm, the median over seeds of every numeric field (None where a seed has none; for the
+    to-target fields, a seed that never reached the target counts as +inf) and how many seeds
+    reached the target."""
     from .phases import median_of
 
     arms = list(per_seed[0]["arms"])
-    keys = [k for k, _, _ in TABLE]
-    med = {a: {k: median_of([r["arms"][a].get(k) for r in per_seed]) for k in keys} for a in arms}
+    keys = [k for k, _, _ in TABLE if k != "seeds_reached"]
+    med: dict[str, dict[str, Any]] = {}
+    for a in arms:
+        vals = {k: [r["arms"][a].get(k) for r in per_seed] for k in keys}
+        med[a] = {k: (_median_to_target if k in TO_TARGET else median_of)(v) for k, v in vals.items()}
+        med[a]["seeds_reached"] = float(sum(v is not None for v in vals["steps_to_target"]))
     return {
         "target_accuracy": per_seed[0]["target_accuracy"],
         "seeds": seeds,
