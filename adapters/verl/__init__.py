@@ -10,6 +10,8 @@ point, ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib``
   verl's custom-sampler seam (``trainer.v1.sampler.custom_sampler`` -> :class:`.sampler.FilteringReplayBuffer`,
   with the ``grpo_parts_grpo`` estimator) -- :mod:`.sampler`, :mod:`.filtering` (also the
   ``DataProto`` function for the legacy loop); the older trainer mode ``grpo_parts_sync`` -- :mod:`.trainer`;
+* prompt skipping before rollout (``+grpo_parts.filter.prompt_skip=history``), in the trainer mode
+  ``grpo_parts_sync`` only: it draws each step's prompts -- :mod:`.skipping`;
 * shared-prefix log-probs for the actor's and reference's FSDP engines, grouped by ``uid``, switched
   on by config keys (``actor_rollout_ref.actor._target_=grpo_parts_adapters.verl.config.FSDPActorConfig
   +actor_rollout_ref.actor.grpo_parts.attention=shared_prefix``) -- :mod:`.config`, :mod:`.engine`,

@@ -17,6 +17,11 @@ writes those full-group advantages back, because verl's estimator, seeing only t
 would re-normalise inside them (CPPO trains on the full-group advantages). Settings under which
 verl would train on anything else (a non-GRPO estimator, KL in the reward) are refused at start.
 
+Prompt skipping (``+grpo_parts.filter.prompt_skip=history``, :mod:`.skipping`): the mode's
+``_next_train_batch`` draws each step's prompts past the skipper before they are submitted, the
+filter step multiplies each kept row's stored advantage by its prompt's weight and tells the
+skipper every rolled-out group, and the skipper's history is saved beside verl's checkpoint.
+
 This module imports verl (and TransferQueue) at import time; the plugin imports it only when verl's
 v1 trainer is importable.
 """
