@@ -95,6 +95,11 @@ def test_skipping_alone_runs_behind_a_keep_all_filter_and_is_refused_with_verls_
     text = " | ".join(reasons)
     for fact in ("refill_rounds=1", "use_kl_loss", "filter_groups"):
         assert fact in text
+    from grpo_parts.errors import GRPOPartsError
+
+    fewer = "+grpo_parts.filter.prompt_skip_kwargs.step_size=fewer"  # verl trains whole steps
+    with pytest.raises(GRPOPartsError, match="verl trains whole steps.*expected 'fill'"):
+        _trainer(["+grpo_parts.filter.prompt_skip=history", SEQ_MEAN, fewer])
 
 
 def test_trainer_skips_solved_prompts_weighs_the_kept_and_counts(tmp_path):
