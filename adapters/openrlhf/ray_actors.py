@@ -31,7 +31,6 @@ from openrlhf.trainer.ray.launcher import ReferenceModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from grpo_parts.counters import framework_key
-from grpo_parts.errors import NotSupportedError
 
 from .._counters import PartCounters
 from .._wrapped import hf_model
@@ -224,18 +223,16 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
 def skip_stage(parts: OpenRLHFPartsConfig, args: Any) -> SkipStage | None:
     """The prompt skipping stage ``--grpo_parts.prompt_skip`` asks for (None: every prompt rolled
     out); what cannot stay unbiased is refused in one line."""
-    from grpo_parts.build import build_prompt_skipper
-    from grpo_parts.skip.protocol import skips
+    from grpo_parts.skip.stage import checked_skipper
 
-    skipper = build_prompt_skipper(
-        parts.prompt_skip, kwargs=parts.prompt_skip_kwargs, where="grpo_parts.prompt_skip_kwargs"
+    skipper = checked_skipper(
+        parts.prompt_skip,
+        parts.prompt_skip_kwargs,
+        where="grpo_parts.prompt_skip_kwargs",
+        switch=f"--grpo_parts.prompt_skip {parts.prompt_skip}",
+        reasons=lambda: skip_reasons(args, parts.refill_rounds),
     )
-    if not skips(skipper):
-        return None
-    reasons = skip_reasons(args, parts.refill_rounds)
-    if reasons:
-        raise NotSupportedError(f"--grpo_parts.prompt_skip {parts.prompt_skip}", reasons)
-    return SkipStage(skipper, int(args.rollout.n_samples_per_prompt))
+    return None if skipper is None else SkipStage(skipper, int(args.rollout.n_samples_per_prompt))
 
 
 GRPOPartsPPOTrainer = ray.remote(TrainerParts)

@@ -354,21 +354,20 @@ class _FilteringReplayBuffer:
 def build_skip_stage(options: FilterOptions | None, config: Any, fetch: Any) -> VerlSkipStage | None:
     """The prompt skipping stage ``grpo_parts.filter.prompt_skip`` asks for (None: every prompt
     rolled out); what cannot stay unbiased is refused in one line."""
-    from grpo_parts.build import build_prompt_skipper
-    from grpo_parts.errors import NotSupportedError
-    from grpo_parts.skip.protocol import skips
+    from grpo_parts.skip.stage import checked_skipper
 
     if options is None:
         return None
     parts = options.parts
-    skipper = build_prompt_skipper(
-        parts.prompt_skip, kwargs=parts.prompt_skip_kwargs, where="grpo_parts.filter.prompt_skip_kwargs"
+    skipper = checked_skipper(
+        parts.prompt_skip,
+        parts.prompt_skip_kwargs,
+        where="grpo_parts.filter.prompt_skip_kwargs",
+        switch=f"grpo_parts.filter.prompt_skip={parts.prompt_skip!r}",
+        reasons=lambda: skip_reasons(options, config),
     )
-    if not skips(skipper):
+    if skipper is None:
         return None
-    reasons = skip_reasons(options, config)
-    if reasons:
-        raise NotSupportedError(f"grpo_parts.filter.prompt_skip={parts.prompt_skip!r}", reasons)
     n = int(OmegaConf.select(config, "actor_rollout_ref.rollout.n", default=1))
     return VerlSkipStage(skipper, n, fetch)
 
@@ -399,18 +398,20 @@ class GrpoPartsSyncTrainer(PPOTrainerSync):
         tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
         return batch
 
+    def _step_folder(self) -> str:
+        """The checkpoint folder of the current step, as verl's ``_save_checkpoint`` names it."""
+        return os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+
     def _save_checkpoint(self) -> None:
         super()._save_checkpoint()
         if self.grpo_parts_skip is not None:
-            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-            self.grpo_parts_skip.save(folder)
+            self.grpo_parts_skip.save(self._step_folder())
 
     def _load_checkpoint(self) -> None:
         super()._load_checkpoint()
         if self.grpo_parts_skip is not None and self.global_steps > 0:
-            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-            if self.config.trainer.resume_mode == "resume_path":
-                folder = str(self.config.trainer.resume_from_path)
+            resume_path = self.config.trainer.resume_mode == "resume_path"
+            folder = str(self.config.trainer.resume_from_path) if resume_path else self._step_folder()
             self.grpo_parts_skip.load(folder)
 
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:

@@ -28,6 +28,25 @@ from .protocol import PromptId, PromptSkipper
 P = TypeVar("P")
 
 
+def checked_skipper(
+    name: str, kwargs: Mapping[str, Any], *, where: str, switch: str, reasons: Callable[[], list[str]]
+) -> PromptSkipper | None:
+    """The skipper ``name`` builds from ``kwargs`` (None when it keeps every prompt), refused in one
+    line under ``switch`` when ``reasons()`` -- the door's check that its loss stays unbiased under
+    ``1 / p`` weights -- names any setting. ``where``: the kwargs' key in the door's config."""
+    from ..build import build_prompt_skipper
+    from ..errors import NotSupportedError
+    from .protocol import skips
+
+    skipper = build_prompt_skipper(name, kwargs=dict(kwargs), where=where)
+    if not skips(skipper):
+        return None
+    refused = reasons()
+    if refused:
+        raise NotSupportedError(switch, refused)
+    return skipper
+
+
 class SkipStage(Generic[P]):
     """One run's skipping: :meth:`take_round` a step's prompts from ``stream``, then
     :meth:`weights_for` / :meth:`observe` / :meth:`metrics` for that step. ``key(prompt) -> PromptId``
