@@ -10,8 +10,9 @@ import pytest
 
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.task.reasoning import ReasoningConfig, ReasoningTask
-from grpo_parts.train.config import SKIP_DEFAULT_AGG, TrainConfig, load_config
-from grpo_parts.train.experiments.arms import ARMS, arm_configs, arm_summary
+from grpo_parts.train.config import TrainConfig, load_config
+from grpo_parts.train.experiments.arms import ARMS, GRESO, STRONG, arm_configs, arm_summary
+from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, TRAIN_HISTORY_KWARGS
 
 EVERY = ["keep_all", "cppo", "dppo", "cppo+skip", "dppo+skip"]
 
@@ -41,11 +42,26 @@ def test_fewer_arms_roll_out_only_the_kept_prompts_over_the_configured_skip_sett
         cfg, ["cppo", "cppo+skip", "cppo+skip_fewer", "dppo+skip_fewer", "keep_all+skip_fewer"]
     )
     assert arms["cppo"].parts.prompt_skip == "none" and arms["cppo"].parts.prompt_skip_kwargs == {}
-    assert arms["cppo+skip"].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2}
+    # every skip arm pins GRESO's rule or the strong one and how a skip pays, whatever the door's
+    # default history settings are; the configured settings it does not pin stay
+    assert arms["cppo+skip"].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2, **GRESO, "step_size": "fill"}
     for a in ("cppo+skip_fewer", "dppo+skip_fewer", "keep_all+skip_fewer"):
-        assert arms[a].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2, "step_size": "fewer"}
-    posterior = arm_configs(cfg, ["cppo+skip_posterior"])["cppo+skip_posterior"].parts
-    assert posterior.prompt_skip_kwargs == {"min_keep_prob": 0.2, "rule": "posterior"}
+        assert arms[a].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2, **GRESO, "step_size": "fewer"}
+    more = arm_configs(cfg, ["cppo+skip_posterior", "cppo+skip_strong", "cppo+skip_strong_fewer"])
+    assert more["cppo+skip_posterior"].parts.prompt_skip_kwargs == {
+        "min_keep_prob": 0.2, **GRESO, "step_size": "fill", "rule": "posterior"
+    }  # fmt: skip
+    assert more["cppo+skip_strong"].parts.prompt_skip_kwargs == {
+        "min_keep_prob": 0.2,
+        **STRONG,
+        "step_size": "fill",
+    }
+    # the strong, fewer arm is this door's default history settings
+    assert more["cppo+skip_strong_fewer"].parts.prompt_skip_kwargs == {
+        "min_keep_prob": 0.2,
+        **TRAIN_HISTORY_KWARGS,
+    }
+    assert GRESO == {"keep_base": 0.5, "base_step": 0.01, "target_share": 0.25}  # the paper's rule
 
 
 def test_an_explicit_token_mean_loss_with_a_skipping_arm_is_refused_before_any_run() -> None:

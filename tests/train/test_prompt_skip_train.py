@@ -16,16 +16,18 @@ from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.allocation import FilledBatch
 from grpo_parts.skip.draw import PromptDraw
 from grpo_parts.skip.history import HistorySkipper
-from grpo_parts.train.config import SKIP_DEFAULT_AGG, load_config
+from grpo_parts.train.config import load_config
 from grpo_parts.train.lifecycle.checkpoint import load_checkpoint
 from grpo_parts.train.lifecycle.run import resume_config, train
+from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, TRAIN_HISTORY_KWARGS
 from grpo_parts.train.step.minibatches import Minibatch
 from grpo_parts.train.step.prompt_skip import skip_minibatches
 from grpo_parts.types import Rollout
 
 SKIP = {
     "parts.prompt_skip": "history",
-    "parts.prompt_skip_kwargs": {"min_keep_prob": 0.2, "keep_base": 0.3},
+    # the step keeps its prompt count (fill), so every step's prompts are comparable
+    "parts.prompt_skip_kwargs": {"min_keep_prob": 0.2, "keep_base": 0.3, "step_size": "fill"},
     "loss.agg": "seq-mean-token-mean",
 }
 COMPARED = ("reward", "kept", "prompts", "data_pos", "loss", "prompts_drawn", "prompts_skipped",
@@ -73,7 +75,7 @@ def test_config_names_and_defaults() -> None:
             "parts.prompt_skip_kwargs={min_keep_prob: 0.05}",
         ]
     )
-    assert cfg.parts.prompt_skip_kwargs == {"min_keep_prob": 0.05}
+    assert cfg.parts.prompt_skip_kwargs == {**TRAIN_HISTORY_KWARGS, "min_keep_prob": 0.05}
     assert cfg.with_reference_parts().parts.prompt_skip == "none"
 
 
@@ -126,8 +128,10 @@ def skip_run(
     cfg = load_config(overrides=base).with_reference_parts()
     given = cfg.model_dump(mode="json", exclude_unset=True)
 
-    def run(name: str, steps: int, default_loss: bool = False) -> Any:
+    def run(name: str, steps: int, default_loss: bool = False, fewer: bool = False) -> Any:
         skip = {k: v for k, v in SKIP.items() if not (default_loss and k == "loss.agg")}
+        if fewer:  # this door's default history settings: the step rolls out only the kept prompts
+            skip = {"parts.prompt_skip": "history", "loss.agg": "seq-mean-token-mean"}
         c = load_config(overrides={**given, **skip, "parts.filter": "keep_all"})
         return train(c.model_copy(update={"name": name, "steps": steps}))
 
@@ -166,9 +170,45 @@ def test_one_flag_on_the_default_loss_trains_unbiased_and_says_how(skip_run: Any
     assert sum(r["prompts_skipped"] for r in run.rows if r["step"] > 0) > 0
 
 
+def test_this_doors_default_history_rolls_out_fewer_prompts_per_step(skip_run: Any) -> None:
+    """``parts.prompt_skip: history`` alone: this door's settings (``step_size: fewer``), written to
+    config.yaml; a step draws its 3 prompts and rolls out only those it keeps."""
+    run = skip_run("fewer", 5, fewer=True)
+    saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())
+    assert saved["parts"]["prompt_skip_kwargs"] == TRAIN_HISTORY_KWARGS
+    rows = [r for r in run.rows if r["step"] > 0]
+    assert sum(r["prompts_skipped"] for r in rows) > 0
+    assert all(r["prompts_drawn"] == 3 and r["prompts"] == 3 - r["prompts_skipped"] for r in rows)
+
+
 def test_the_default_loss_under_skipping_is_the_dr_grpo_constant() -> None:
     cfg = load_config(sets=["parts.prompt_skip=history"])
     assert cfg.loss.agg == SKIP_DEFAULT_AGG and cfg.loss.norm_constant == cfg.max_new_tokens
     assert load_config().loss.agg == "token-mean"  # skipping off: the default stays
     kept = load_config(sets=["parts.prompt_skip=history", "loss.agg=seq-mean-token-mean"])
     assert kept.loss.agg == "seq-mean-token-mean" and kept.loss.norm_constant is None
+
+
+def test_the_command_on_a_data_file_exits_0_and_skips(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's command, ``grpo-parts train --data FILE --set parts.prompt_skip=history``: exit 0,
+    ``prompts_skipped > 0`` in metrics.jsonl. Prompts not starting with 1 always get reward 0."""
+    from grpo_parts.cli import main
+    from grpo_parts.task.jsonl import JsonlTask
+
+    def reward(self: Any, text: str, problem: Any) -> float:
+        return float(len(text) % 3 == 0) if problem.prompt.startswith("1") else 0.0
+
+    monkeypatch.setattr(JsonlTask, "reward", reward)
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(10))
+    )
+    argv = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out-dir", str(tmp_path), "--name", "r",
+            "--steps", "6", "--no-progress", "--set", "prompts_per_step=3", "--set", "group_size=4",
+            "--set", "max_new_tokens=4", "--set", "threads=1", "--set", "eval_every=50",
+            "--set", "eval_fraction=0.2", "--set", "stop_after_flat=0", "--set", "parts.prompt_skip=history"]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("prompts_skipped", 0) for r in rows if r["step"] > 0) > 0

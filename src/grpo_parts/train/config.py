@@ -22,6 +22,7 @@ from ..task.arithmetic import ArithmeticConfig
 from ..task.jsonl import DataConfig
 from ..task.reasoning import ReasoningConfig
 from ..task.rewards import parse_reward_spec
+from .skip_defaults import apply_skip_defaults
 
 #: The built-in task a config without ``task.name`` trains on.
 DEFAULT_TASK = "reasoning"
@@ -55,41 +56,6 @@ def train_parts(data: Any) -> Any:
         return data
     data = legacy_refill(data, "max_refill_rounds", counts_first_round=False, where="parts")
     return {**DOOR_DEFAULTS["train"], **data}  # validated as the field (errors name parts.*)
-
-
-#: what ``grpo-parts train`` trains when prompt skipping is on and ``loss.agg`` is left at its
-#: default (token-mean, whose normaliser -- the drawn batch's token count -- is unknown for skipped
-#: prompts): Dr. GRPO's token sum over a constant fixed before the draw, ``max_new_tokens`` per row.
-#: Its gradient is token-mean's full-batch gradient times a positive per-step scale (total tokens /
-#: (rows x max_new_tokens)), and with ``1 / p`` weights its estimate is unbiased (core/unbiased.py).
-SKIP_DEFAULT_AGG = "seq-mean-token-sum-norm"
-
-
-def _skip_loss_default(data: dict[str, Any]) -> dict[str, Any]:
-    """With ``parts.prompt_skip`` on and no ``loss.agg`` given, the loss :data:`SKIP_DEFAULT_AGG`
-    with ``norm_constant = max_new_tokens`` (written to the run's config.yaml; the run logs it)."""
-    parts, loss = data.get("parts"), data.get("loss")
-    skip = parts.get("prompt_skip") if isinstance(parts, dict) else getattr(parts, "prompt_skip", None)
-    if skip in (None, "none"):
-        return data
-    if isinstance(loss, LossConfig):
-        given = loss.model_fields_set
-        loss = loss.model_dump(exclude_unset=True)
-    elif loss is None or isinstance(loss, dict):
-        loss = dict(loss or {})
-        given = set(loss)
-    else:
-        return data  # not a loss config: the field's own validation reports it
-    if "agg" in given:
-        return data  # chosen: validated as given (refused with the reason if skipping cannot keep it)
-    tokens = data.get("max_new_tokens", TrainConfig.model_fields["max_new_tokens"].default)
-    return {**data, "loss": skip_default_loss(loss, tokens)}
-
-
-def skip_default_loss(loss: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
-    """``loss`` (its fields as given) with :data:`SKIP_DEFAULT_AGG`; ``norm_constant`` as given, else
-    ``max_new_tokens``."""
-    return {**loss, "agg": SKIP_DEFAULT_AGG, "norm_constant": loss.get("norm_constant", max_new_tokens)}
 
 
 class TrainConfig(BaseModel):
@@ -224,9 +190,10 @@ class TrainConfig(BaseModel):
             data = {**data, "task": task}
             for key, value in TASK_DEFAULTS.get(str(task["name"]), {}).items():
                 data.setdefault(key, value)
+        data = apply_skip_defaults(data, cls.model_fields["max_new_tokens"].default)
         if "parts" in data:
             data = {**data, "parts": train_parts(data["parts"])}
-        return _skip_loss_default(data)
+        return data
 
     @field_validator("rewards")
     @classmethod

@@ -6,7 +6,7 @@ parts). The filter arms keep the configured sampler and attention and change onl
 and rolled out: no filter, CPPO, ``dppo`` (unbiased pruning), and each behind history prompt
 skipping, in both ways a skip can pay: the step keeps its size by drawing more prompts (``+skip``) or
 rolls out fewer prompts (``+skip_fewer``, cheaper steps). When an arm skips prompts and ``loss.agg`` was left at its default, every
-arm trains the loss skipping trains (:data:`~.config.SKIP_DEFAULT_AGG` with ``norm_constant =
+arm trains the loss skipping trains (:data:`~..skip_defaults.SKIP_DEFAULT_AGG` with ``norm_constant =
 max_new_tokens``), so the arms differ in their parts only.
 
 Per arm (:func:`arm_summary`): time and steps to the target held-out accuracy, rollout tokens (the
@@ -19,13 +19,34 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import GRPOPartsError
-from ..config import REFERENCE_PARTS, TrainConfig, skip_default_loss
+from ...skip.history import HistorySkipper
+from ..config import REFERENCE_PARTS, TrainConfig
 from ..reporting.metrics import summarize
+from ..skip_defaults import STRONG_RULE, skip_default_loss
 
 #: how the ``*_fewer`` arms skip: the step draws its prompts and rolls out only the kept ones
 FEWER: dict[str, Any] = {"step_size": "fewer"}
-#: how the ``*_strong`` arms skip: GRESO's rule with a lower, faster-adapting exploration base
-STRONG: dict[str, Any] = {"keep_base": 0.3, "base_step": 0.02, "target_share": 0.15}
+#: how the other skip arms pay: the step keeps its size by drawing more prompts
+FILL: dict[str, Any] = {"step_size": "fill"}
+#: GRESO's rule as the paper sets it (the skipper's own defaults), pinned so an arm keeps its meaning
+#: whatever this door's default settings are
+GRESO: dict[str, Any] = {k: HistorySkipper.model_fields[k].default for k in STRONG_RULE}
+#: how the ``*_strong`` arms skip: a lower, faster-adapting exploration base (this door's default)
+STRONG: dict[str, Any] = dict(STRONG_RULE)
+
+
+def _skip(filter_name: str, *settings: dict[str, Any]) -> dict[str, Any]:
+    """A skip arm: ``filter_name`` behind ``history`` with ``settings`` merged (a weighted filter never
+    refills: its weights are for the drawn batch)."""
+    kwargs: dict[str, Any] = {}
+    for s in settings:
+        kwargs.update(s)
+    arm: dict[str, Any] = {"filter": filter_name, "prompt_skip": "history", "prompt_skip_kwargs": kwargs}
+    if filter_name == "dppo":
+        arm["refill_rounds"] = 0
+    return arm
+
+
 #: arm -> the ``parts`` settings it overrides (None: the configured parts as given)
 ARMS: dict[str, dict[str, Any] | None] = {
     "reference": {**REFERENCE_PARTS, "refill_rounds": 0},
@@ -33,25 +54,19 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "keep_all": {"filter": "keep_all", "prompt_skip": "none"},
     "cppo": {"filter": "cppo", "prompt_skip": "none"},
     "dppo": {"filter": "dppo", "refill_rounds": 0, "prompt_skip": "none"},
-    "cppo+skip": {"filter": "cppo", "prompt_skip": "history"},
-    "dppo+skip": {"filter": "dppo", "refill_rounds": 0, "prompt_skip": "history"},
+    "cppo+skip": _skip("cppo", GRESO, FILL),
+    "dppo+skip": _skip("dppo", GRESO, FILL),
     # the step rolls out only the kept prompts (cheaper steps) instead of drawing more to fill up
-    "cppo+skip_fewer": {"filter": "cppo", "prompt_skip": "history", "prompt_skip_kwargs": FEWER},
-    "dppo+skip_fewer": {
-        "filter": "dppo",
-        "refill_rounds": 0,
-        "prompt_skip": "history",
-        "prompt_skip_kwargs": FEWER,
-    },
-    "keep_all+skip_fewer": {"filter": "keep_all", "prompt_skip": "history", "prompt_skip_kwargs": FEWER},
+    "cppo+skip_fewer": _skip("cppo", GRESO, FEWER),
+    "dppo+skip_fewer": _skip("dppo", GRESO, FEWER),
+    "keep_all+skip_fewer": _skip("keep_all", GRESO, FEWER),
     # a stronger rule: a lower exploration base that adapts twice as fast towards a 15% share
-    "cppo+skip_strong": {"filter": "cppo", "prompt_skip": "history", "prompt_skip_kwargs": STRONG},
+    "cppo+skip_strong": _skip("cppo", STRONG, FILL),
+    # both: the stronger rule, and the step rolls out only the prompts it keeps (this door's default
+    # history settings, train/skip_defaults.py)
+    "cppo+skip_strong_fewer": _skip("cppo", STRONG, FEWER),
     # the skip probability from each prompt's pass-rate posterior instead of keep_base ** streak
-    "cppo+skip_posterior": {
-        "filter": "cppo",
-        "prompt_skip": "history",
-        "prompt_skip_kwargs": {"rule": "posterior"},
-    },
+    "cppo+skip_posterior": _skip("cppo", GRESO, FILL, {"rule": "posterior"}),
 }
 DEFAULT_ARMS = ("reference", "optimized")
 

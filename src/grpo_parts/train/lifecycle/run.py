@@ -26,10 +26,11 @@ from typing import Any
 
 from ...errors import GRPOPartsError
 from ...sampler.stats import ACCEPTED_PER_VERIFY
-from ..config import SKIP_DEFAULT_AGG, TrainConfig, dump_config, load_config
+from ..config import TrainConfig, dump_config, load_config
 from ..reporting.metrics import MetricsWriter, read_metrics
 from ..reporting.report import write_report
 from ..reporting.samples import SampleLog
+from ..skip_defaults import SKIP_DEFAULT_AGG
 from ..step.loop import GRPOTrainer
 from ..step.parts import build_parts
 from .checkpoint import (

@@ -161,10 +161,15 @@ def _builtin_task(config: TrainConfig, builtin: bool, notes: list[str]) -> Task 
         c = config.task
         reasoning = ReasoningTask(c, seed=config.seed)
         terms = lambda lo, hi: f"{lo}" if lo == hi else f"{lo}-{hi}"  # noqa: E731
+        pool = (
+            "a fresh problem every draw"
+            if c.train_size is None
+            else f"a pool of {c.train_size} problems, epoch after epoch"
+        )
         notes.append(
             f"task: built-in reasoning (an instruction of {len(ReasoningTask.instruction)} tokens, then a sum of "
-            f"{terms(c.min_terms, c.max_terms)} digits, every {c.long_every}th problem "
-            f"{terms(c.long_min_terms, c.long_max_terms)}; worked solutions reduce it line by line)"
+            f"{terms(c.min_terms, c.max_terms)} terms ({terms(c.long_min_terms, c.long_max_terms)} in one problem "
+            f"of {c.long_every}); worked solutions reduce it line by line; {pool})"
         )
         return reasoning
     if isinstance(config.task, ArithmeticConfig):

@@ -1,0 +1,50 @@
+"""What ``grpo-parts train`` does about prompt skipping when the config does not say
+(``grpo_parts.train.skip_defaults``): off unless asked (finite data too), and when asked,
+``history`` with this door's measured settings under the given ones and skipping's unbiased loss."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_parts.train.config import TrainConfig, load_config
+from grpo_parts.train.lifecycle.run import skip_notes
+from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, TRAIN_HISTORY_KWARGS
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"task.train_size": 48}, {"data": "problems.jsonl"}],
+    ids=["stream", "pool", "data_file"],
+)
+def test_skipping_is_off_unless_asked(overrides: dict[str, object]) -> None:
+    cfg = load_config(overrides=overrides)
+    assert cfg.parts.prompt_skip == "none" and cfg.parts.prompt_skip_kwargs == {}
+    assert cfg.loss.agg == "token-mean" and skip_notes(cfg) == []
+
+
+def test_history_behind_this_door_takes_the_measured_settings_under_the_given_ones() -> None:
+    assert TRAIN_HISTORY_KWARGS == {
+        "keep_base": 0.3,
+        "base_step": 0.02,
+        "target_share": 0.15,
+        "step_size": "fewer",
+    }
+    on = load_config(sets=["parts.prompt_skip=history"])
+    assert on.parts.prompt_skip_kwargs == TRAIN_HISTORY_KWARGS and on.parts.filter == "cppo"
+    given = load_config(sets=["parts.prompt_skip=history", "parts.prompt_skip_kwargs={step_size: fill}"])
+    assert given.parts.prompt_skip_kwargs == {**TRAIN_HISTORY_KWARGS, "step_size": "fill"}
+
+
+def test_skipping_on_says_which_loss_it_trains() -> None:
+    (line,) = skip_notes(load_config(sets=["parts.prompt_skip=history"]))
+    assert line.startswith(f"parts.prompt_skip='history': loss.agg='{SKIP_DEFAULT_AGG}', norm_constant=320")
+    (given,) = skip_notes(load_config(sets=["parts.prompt_skip=history", "loss.agg=seq-mean-token-mean"]))
+    assert given == "parts.prompt_skip='history': loss.agg='seq-mean-token-mean'"
+
+
+def test_a_saved_config_reloads_as_it_ran() -> None:
+    """config.yaml holds the decided settings: a resumed run trains the same parts and loss."""
+    cfg = load_config(sets=["parts.prompt_skip=history", "parts.prompt_skip_kwargs={min_keep_prob: 0.2}"])
+    again = TrainConfig.model_validate(cfg.model_dump(mode="json"))
+    assert again.parts == cfg.parts and again.loss == cfg.loss
+    assert cfg.with_reference_parts().parts.prompt_skip == "none"
