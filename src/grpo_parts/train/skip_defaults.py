@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core import AdvantageConfig, LossConfig
+from ..core import LossConfig
 from ..parts_config import PartsConfig
 
 #: what ``grpo-parts train`` trains when prompt skipping is on and ``loss.agg`` is left at its
@@ -48,7 +48,7 @@ def _given(section: Any) -> tuple[dict[str, Any], set[str]] | None:
         return {}, set()
     if isinstance(section, dict):
         return dict(section), set(section)
-    if isinstance(section, (LossConfig, PartsConfig, AdvantageConfig)):
+    if isinstance(section, (LossConfig, PartsConfig)):
         return section.model_dump(exclude_unset=True), set(section.model_fields_set)
     return None
 
