@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -45,8 +44,9 @@ def check_rank(records: list[dict[str, Any]]) -> None:
 
 def test_own_loop_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "steps.json"
-    torchrun = shutil.which("torchrun")
-    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    # torchrun through this interpreter: a `torchrun` found on PATH may belong to another venv (the
+    # floor suite's ranks ran the dev venv's python)
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
     run([*launcher, "--nproc_per_node", "2", "--master_port", str(free_port()), str(EXAMPLE),
          "--steps", "4", "--json", str(out)])  # fmt: skip
     data = json.loads(out.read_text())
