@@ -104,12 +104,9 @@ def test_skip_chunks_weigh_rows_by_their_prompt_and_normalise_by_the_drawn() -> 
     assert w.weights.tolist() == [2.0, 6.0] and w.num_seqs == 5.0 and w.num_tokens == 3.0  # type: ignore[union-attr]
 
 
-@pytest.fixture
-def skip_run(
-    tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any, monkeypatch: pytest.MonkeyPatch
-) -> Any:
-    """``skip_run(name, steps) -> TrainResult`` on 10 problems (8 train) with the reference parts and
-    ``history`` skipping; prompts not starting with 1 always get reward 0 (zero variance)."""
+def zero_variance_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A 10-problem JSONL file whose prompts not starting with 1 always get reward 0 (zero
+    variance: skippable from the second epoch on); the others are rewarded by text length."""
     from grpo_parts.task.jsonl import JsonlTask
 
     def reward(self: Any, text: str, problem: Any) -> float:
@@ -120,6 +117,16 @@ def skip_run(
     data.write_text(
         "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(10))
     )
+    return data
+
+
+@pytest.fixture
+def skip_run(
+    tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any, monkeypatch: pytest.MonkeyPatch
+) -> Any:
+    """``skip_run(name, steps) -> TrainResult`` on 10 problems (8 train) with the reference parts and
+    ``history`` skipping; prompts not starting with 1 always get reward 0 (zero variance)."""
+    data = zero_variance_data(tmp_path, monkeypatch)
     base = tiny_overrides(
         tiny_model_dir, tmp_path, data=str(data), eval_fraction=0.2, eval_every=50, max_new_tokens=4
     )
@@ -195,16 +202,8 @@ def test_the_command_on_a_data_file_exits_0_and_skips(
     """The issue's command, ``grpo-parts train --data FILE --set parts.prompt_skip=history``: exit 0,
     ``prompts_skipped > 0`` in metrics.jsonl. Prompts not starting with 1 always get reward 0."""
     from grpo_parts.cli import main
-    from grpo_parts.task.jsonl import JsonlTask
 
-    def reward(self: Any, text: str, problem: Any) -> float:
-        return float(len(text) % 3 == 0) if problem.prompt.startswith("1") else 0.0
-
-    monkeypatch.setattr(JsonlTask, "reward", reward)
-    data = tmp_path / "d.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(10))
-    )
+    data = zero_variance_data(tmp_path, monkeypatch)
     argv = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out-dir", str(tmp_path), "--name", "r",
             "--steps", "6", "--no-progress", "--set", "prompts_per_step=3", "--set", "group_size=4",
             "--set", "max_new_tokens=4", "--set", "threads=1", "--set", "eval_every=50",
