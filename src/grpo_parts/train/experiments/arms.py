@@ -35,6 +35,12 @@ GRESO: dict[str, Any] = {k: HistorySkipper.model_fields[k].default for k in STRO
 STRONG: dict[str, Any] = dict(STRONG_RULE)
 
 
+def _max_weight(w: float) -> dict[str, Any]:
+    """A floor on every prompt's inclusion probability, so a kept prompt weighs at most ``w`` (``1 / p``):
+    less variance in the step's gradient, fewer skips."""
+    return {"min_keep_prob": 1.0 / w}
+
+
 def _skip(filter_name: str, *settings: dict[str, Any]) -> dict[str, Any]:
     """A skip arm: ``filter_name`` behind ``history`` with ``settings`` merged (a weighted filter never
     refills: its weights are for the drawn batch)."""
@@ -65,6 +71,9 @@ ARMS: dict[str, dict[str, Any] | None] = {
     # both: the stronger rule, and the step rolls out only the prompts it keeps (this door's default
     # history settings, train/skip_defaults.py)
     "cppo+skip_strong_fewer": _skip("cppo", STRONG, FEWER),
+    # the same with a kept prompt weighing at most 2 or 3 (its weights reached 10 in 7-prompt steps)
+    "cppo+skip_strong_fewer_w2": _skip("cppo", STRONG, FEWER, _max_weight(2.0)),
+    "cppo+skip_strong_fewer_w3": _skip("cppo", STRONG, FEWER, _max_weight(3.0)),
     # the skip probability from each prompt's pass-rate posterior instead of keep_base ** streak
     "cppo+skip_posterior": _skip("cppo", GRESO, FILL, {"rule": "posterior"}),
 }
