@@ -1,6 +1,7 @@
 """What ``grpo-parts train`` does about prompt skipping when the config does not say
-(``grpo_parts.train.skip_defaults``): off unless asked (finite data too), and when asked,
-``history`` with this door's measured settings under the given ones and skipping's unbiased loss."""
+(``grpo_parts.train.skip_defaults``): on by default on finite data, off on the built-in stream, off
+with a one-line reason where the given loss cannot be unbiased, and ``history`` with this door's
+measured settings under the given ones and skipping's unbiased loss."""
 
 from __future__ import annotations
 
@@ -8,18 +9,41 @@ import pytest
 
 from grpo_parts.train.config import TrainConfig, load_config
 from grpo_parts.train.lifecycle.run import skip_notes
-from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, TRAIN_HISTORY_KWARGS
+from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, TRAIN_HISTORY_KWARGS, finite_data
+
+FINITE = [{"task.train_size": 48}, {"data": "problems.jsonl"}]
+
+
+def test_skipping_is_off_on_the_built_in_stream() -> None:
+    """A fresh problem every step: no prompt comes back, so nothing could ever be skipped."""
+    cfg = load_config()
+    assert not finite_data(cfg) and cfg.parts.prompt_skip == "none" and cfg.parts.prompt_skip_kwargs == {}
+    assert cfg.loss.agg == "token-mean" and skip_notes(cfg) == []
+
+
+@pytest.mark.parametrize("overrides", FINITE, ids=["pool", "data_file"])
+def test_skipping_is_on_by_default_on_finite_data(overrides: dict[str, object]) -> None:
+    cfg = load_config(overrides=overrides)
+    assert finite_data(cfg) and cfg.parts.prompt_skip == "history"
+    assert cfg.parts.prompt_skip_kwargs == TRAIN_HISTORY_KWARGS
+    assert (cfg.loss.agg, cfg.loss.norm_constant) == (SKIP_DEFAULT_AGG, cfg.max_new_tokens)
+    (line,) = skip_notes(cfg)
+    assert line.endswith("; on by default on finite data (parts.prompt_skip=none turns it off)")
+    off = load_config(overrides={**overrides, "parts.prompt_skip": "none"})
+    assert off.parts.prompt_skip == "none" and off.loss.agg == "token-mean" and skip_notes(off) == []
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [{}, {"task.train_size": 48}, {"data": "problems.jsonl"}],
-    ids=["stream", "pool", "data_file"],
+    "sets",
+    [["loss.agg=token-mean"], ["advantage.norm=batch"]],
+    ids=["token_mean_given", "batch_norm"],
 )
-def test_skipping_is_off_unless_asked(overrides: dict[str, object]) -> None:
-    cfg = load_config(overrides=overrides)
-    assert cfg.parts.prompt_skip == "none" and cfg.parts.prompt_skip_kwargs == {}
-    assert cfg.loss.agg == "token-mean" and skip_notes(cfg) == []
+def test_finite_data_stays_off_in_one_line_where_skipping_cannot_be_unbiased(sets: list[str]) -> None:
+    cfg = load_config(overrides=FINITE[0], sets=sets)
+    assert cfg.parts.prompt_skip == "none"
+    (line,) = skip_notes(cfg)
+    assert line.startswith("parts.prompt_skip: off on this finite data, where it is on by default: ")
+    assert "expected" in line and "\n" not in line
 
 
 def test_history_behind_this_door_takes_the_measured_settings_under_the_given_ones() -> None:

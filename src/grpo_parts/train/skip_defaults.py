@@ -9,17 +9,21 @@ validates) and the ``--compare`` arms; the run's log line is ``lifecycle.run.ski
 - **Its loss.** With skipping on and ``loss.agg`` not given, the loss is :data:`SKIP_DEFAULT_AGG`
   with ``norm_constant = max_new_tokens``: token-mean divides by the drawn batch's token count, which
   is unknown for skipped prompts.
-- **Off unless asked, on finite data too.** On the easier pool one seed in three of the fastest
-  arm ended 16 points under CPPO (the ``1 / p`` weights' variance), so skipping is not switched on
-  by default anywhere (docs/results.md).
+- **On by default on finite data** (``--data``, or a built-in task's ``task.train_size``), where a
+  prompt comes back every epoch and its history can say it teaches nothing: ``history`` unless
+  ``parts.prompt_skip`` is given. Where the advantage or a given ``loss.agg`` cannot keep skipping
+  unbiased, it stays off and the run says why in one line (``lifecycle.run.skip_notes``). The
+  built-in stream draws a fresh problem every step, so nothing would ever be skipped there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..core import LossConfig
-from ..parts_config import PartsConfig
+from pydantic import BaseModel, ValidationError
+
+from ..core import AdvantageConfig, LossConfig
+from ..skip.protocol import prompt_skip_reasons
 
 #: what ``grpo-parts train`` trains when prompt skipping is on and ``loss.agg`` is left at its
 #: default (token-mean, whose normaliser -- the drawn batch's token count -- is unknown for skipped
@@ -34,6 +38,8 @@ SKIP_DEFAULT_AGG = "seq-mean-token-sum-norm"
 #: skipper's own defaults, GRESO's rule).
 STRONG_RULE: dict[str, Any] = {"keep_base": 0.3, "base_step": 0.02, "target_share": 0.15}
 TRAIN_HISTORY_KWARGS: dict[str, Any] = {**STRONG_RULE, "step_size": "fewer"}
+#: ``parts.prompt_skip`` on finite data when not given
+FINITE_DATA_SKIP = "history"
 
 
 def skip_default_loss(loss: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
@@ -48,7 +54,7 @@ def _given(section: Any) -> tuple[dict[str, Any], set[str]] | None:
         return {}, set()
     if isinstance(section, dict):
         return dict(section), set(section)
-    if isinstance(section, (LossConfig, PartsConfig)):
+    if isinstance(section, BaseModel):
         return section.model_dump(exclude_unset=True), set(section.model_fields_set)
     return None
 
@@ -64,18 +70,47 @@ def _skip_loss(data: dict[str, Any], max_new_tokens: int) -> dict[str, Any] | No
     return skip_default_loss(loss, data.get("max_new_tokens", max_new_tokens))
 
 
+def finite_data(data: Any) -> bool:
+    """Whether a config (or its fields as given, ``task`` filled in) trains on a finite set that it
+    goes over epoch after epoch: ``--data``, or a built-in task's ``task.train_size``."""
+    fields = data if isinstance(data, dict) else {"data": data.data, "task": data.task}
+    task = fields.get("task")
+    size = task.get("train_size") if isinstance(task, dict) else getattr(task, "train_size", None)
+    return fields.get("data") is not None or size is not None
+
+
+def skip_refusals(data: Any, max_new_tokens: int) -> list[str] | None:
+    """Why skipping could not be unbiased with a config's advantage and the loss it would train with
+    skipping on (:func:`_skip_loss`); ``data``: a config or its fields as given (None: a section is
+    invalid, and its field reports it)."""
+    if not isinstance(data, dict):
+        data = {"advantage": data.advantage, "loss": data.loss, "max_new_tokens": data.max_new_tokens}
+    advantage, loss = _given(data.get("advantage")), _skip_loss(data, max_new_tokens)
+    if advantage is None or loss is None:
+        return None
+    try:
+        return prompt_skip_reasons(
+            AdvantageConfig.model_validate(advantage[0]),
+            LossConfig.model_validate(loss),
+            empty_rows=False,  # the trainer's sampler emits >= 1 token per completion
+        )
+    except ValidationError:
+        return None
+
+
 def apply_skip_defaults(data: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
-    """``data`` (the config's fields as given, ``task`` filled in) with, when ``parts.prompt_skip`` is
-    ``history``, :data:`TRAIN_HISTORY_KWARGS` under the given kwargs and skipping's loss when
-    ``loss.agg`` is not given. ``max_new_tokens``: the field's default."""
+    """``data`` (the config's fields as given, ``task`` filled in) with :data:`FINITE_DATA_SKIP` on
+    finite data when ``parts.prompt_skip`` is not given and skipping can be unbiased there; and, when
+    ``parts.prompt_skip`` is ``history``, :data:`TRAIN_HISTORY_KWARGS` under the given kwargs and
+    skipping's loss when ``loss.agg`` is not given. ``max_new_tokens``: the field's default."""
     parts = _given(data.get("parts"))
     if parts is None:
         return data
-    fields, _ = parts
-    if fields.get("prompt_skip", "none") == "none":
-        return data
+    fields, names = parts
+    if "prompt_skip" not in names and finite_data(data) and skip_refusals(data, max_new_tokens) == []:
+        fields["prompt_skip"] = FINITE_DATA_SKIP
     loss = _skip_loss(data, max_new_tokens)
-    if loss is None:
+    if fields.get("prompt_skip", "none") == "none" or loss is None:
         return data
     if fields["prompt_skip"] == "history":
         kwargs = fields.get("prompt_skip_kwargs") or {}

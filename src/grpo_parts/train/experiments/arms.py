@@ -22,7 +22,7 @@ from ...errors import GRPOPartsError
 from ...skip.history import HistorySkipper
 from ..config import REFERENCE_PARTS, TrainConfig
 from ..reporting.metrics import summarize
-from ..skip_defaults import STRONG_RULE, skip_default_loss
+from ..skip_defaults import STRONG_RULE, TRAIN_HISTORY_KWARGS, skip_default_loss
 
 #: how the ``*_fewer`` arms skip: the step draws its prompts and rolls out only the kept ones
 FEWER: dict[str, Any] = {"step_size": "fewer"}
@@ -42,9 +42,10 @@ def _max_weight(w: float) -> dict[str, Any]:
 
 
 def _skip(filter_name: str, *settings: dict[str, Any]) -> dict[str, Any]:
-    """A skip arm: ``filter_name`` behind ``history`` with ``settings`` merged (a weighted filter never
-    refills: its weights are for the drawn batch)."""
-    kwargs: dict[str, Any] = {}
+    """A skip arm: ``filter_name`` behind ``history`` with ``settings`` merged over the skipper's own
+    defaults of every setting this door's default changes, so no arm inherits them (a weighted
+    filter never refills: its weights are for the drawn batch)."""
+    kwargs: dict[str, Any] = {k: HistorySkipper.model_fields[k].default for k in TRAIN_HISTORY_KWARGS}
     for s in settings:
         kwargs.update(s)
     arm: dict[str, Any] = {"filter": filter_name, "prompt_skip": "history", "prompt_skip_kwargs": kwargs}
