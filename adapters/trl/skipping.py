@@ -43,6 +43,7 @@ from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.skip.draw import PromptDraw
 from grpo_parts.skip.protocol import PromptId, PromptSkipper, prompt_id, skips
+from grpo_parts.skip.stage import off_note
 
 from .checkpoint import StateSeam
 from .options import ROW_NORMALISED_LOSSES, PartsConfig, TRLPartsOptions, draw_dependent, unscaled_terms
@@ -97,7 +98,8 @@ def accept_skipper(trainer: SkipSeam, spec: Any, kwargs: dict[str, Any] | None) 
     it never skips; where this trainer's config cannot keep it unbiased: refused
     (``parts_options.strict``), else logged at WARNING and every prompt rolled out."""
     trainer._gp_skip, trainer._gp_skip_ahead, trainer._gp_skip_stream = None, [], None
-    if spec is None:
+    if spec is None or spec == "none":
+        logger.info(off_note("prompt_skip", skip_config_reasons(trainer, trainer.parts_config)))
         return None
     skipper = build_prompt_skipper(spec, kwargs=kwargs)
     if not skips(skipper):

@@ -329,3 +329,22 @@ def test_posterior_rule_keeps_by_the_chance_the_next_group_is_informative() -> N
     back = HistorySkipper(rule="posterior", min_keep_prob=0.05, base_step=0.0, window=8)
     back.load_state_dict(torch.load(buf, weights_only=True))
     assert back.inclusion_probability(1) == pytest.approx(twice)
+
+
+def test_a_framework_door_not_asked_to_skip_says_it_is_opt_in(caplog: pytest.LogCaptureFixture) -> None:
+    """verl and OpenRLHF build their stage through ``checked_skipper``: ``none`` logs one line naming
+    the switch and what this run would refuse; a skipper that never skips says nothing."""
+    from grpo_parts.skip.stage import checked_skipper
+
+    with caplog.at_level("INFO", logger="grpo_parts.skip.stage"):
+        for name, kwargs in (("none", {}), ("history", {"min_keep_prob": 1.0})):
+            assert checked_skipper(
+                name, kwargs, where="grpo_parts.prompt_skip_kwargs", switch="--x",
+                reasons=lambda: ["loss.agg='token-mean': divides by ...; expected ..."],
+            ) is None  # fmt: skip
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "grpo_parts: prompt skipping is opt-in here (grpo_parts.prompt_skip=history; on by default only "
+        "behind grpo-parts train on finite data, where it chooses the loss); this run would refuse it: "
+        "loss.agg='token-mean': divides by ...; expected ..."
+    )

@@ -16,6 +16,7 @@ Only ``step_size: fill`` is served here: these frameworks train whole steps of a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -26,6 +27,21 @@ from .draw import PromptDraw
 from .protocol import PromptId, PromptSkipper
 
 P = TypeVar("P")
+log = logging.getLogger(__name__)
+
+
+def off_note(setting: str, reasons: list[str]) -> str:
+    """The one line a framework door logs when prompt skipping was not asked for: why it is not on
+    by default there (``grpo-parts train`` turns it on on finite data, where it also chooses the loss;
+    a framework's loss is the user's, and its defaults cannot stay unbiased under skipping), and what
+    turns it on. ``setting``: the door's switch; ``reasons``: what this run's config would refuse."""
+    line = (
+        f"grpo_parts: prompt skipping is opt-in here ({setting}=history; on by default only behind "
+        "grpo-parts train on finite data, where it chooses the loss)"
+    )
+    if reasons:
+        return f"{line}; this run would refuse it: {reasons[0]}"
+    return f"{line}; this run's loss would stay unbiased under it"
 
 
 def checked_skipper(
@@ -40,6 +56,8 @@ def checked_skipper(
 
     skipper = build_prompt_skipper(name, kwargs=dict(kwargs), where=where)
     if not skips(skipper):
+        if name == "none":
+            log.info(off_note(where.removesuffix("_kwargs"), reasons()))
         return None
     refused = reasons()
     if refused:

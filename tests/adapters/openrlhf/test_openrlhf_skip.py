@@ -146,7 +146,9 @@ def test_checkpoint_client_states_carry_the_history(monkeypatch: pytest.MonkeyPa
         ({**SEQ_MEAN, "actor.entropy_coef": 0.01}, 0, "--actor.entropy_coef 0.01"),
     ],
 )
-def test_refused_where_it_cannot_stay_unbiased(overrides: dict[str, Any], refill: int, needle: str) -> None:
+def test_refused_where_it_cannot_stay_unbiased(
+    overrides: dict[str, Any], refill: int, needle: str, caplog: pytest.LogCaptureFixture
+) -> None:
     from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from grpo_parts_adapters.openrlhf.ray_actors import skip_stage
 
@@ -155,7 +157,11 @@ def test_refused_where_it_cannot_stay_unbiased(overrides: dict[str, Any], refill
     with pytest.raises(NotSupportedError) as e:
         skip_stage(parts, args)
     assert needle in str(e.value) and "\n" not in str(e.value)
-    assert skip_stage(OpenRLHFPartsConfig(), args) is None  # off: plain OpenRLHF
+    with caplog.at_level("INFO", logger="grpo_parts.skip.stage"):
+        assert skip_stage(OpenRLHFPartsConfig(refill_rounds=refill), args) is None  # off: plain OpenRLHF
+    (line,) = [r.getMessage() for r in caplog.records]  # not asked for: opt-in here, and what it would refuse
+    assert line.startswith("grpo_parts: prompt skipping is opt-in here (grpo_parts.prompt_skip=history;")
+    assert f"this run would refuse it: {needle}" in line
 
 
 def test_the_experience_maker_refuses_what_the_trainer_refuses() -> None:

@@ -81,7 +81,9 @@ def _rollout(store: FakeStore, batch) -> KVBatchMeta:
     return KVBatchMeta(partition_id="train", keys=keys, tags=tags, extra_info={})
 
 
-def test_skipping_alone_runs_behind_a_keep_all_filter_and_is_refused_with_verls_default_loss():
+def test_skipping_alone_runs_behind_a_keep_all_filter_and_is_refused_with_verls_default_loss(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     opts = tr.filter_options_from(OmegaConf.create({"grpo_parts": {"filter": {"prompt_skip": "history"}}}))
     assert opts is not None and opts.name == "keep_all" and opts.parts.prompt_skip == "history"
     with pytest.raises(NotSupportedError, match="loss_agg_mode='token-mean'"):
@@ -97,6 +99,12 @@ def test_skipping_alone_runs_behind_a_keep_all_filter_and_is_refused_with_verls_
         assert fact in text
     from grpo_parts.errors import GRPOPartsError
 
+    with caplog.at_level("INFO", logger="grpo_parts.skip.stage"):  # not asked for: opt-in, and why
+        _trainer(["+grpo_parts.filter.name=cppo"])
+        _trainer(["+grpo_parts.filter.name=cppo", SEQ_MEAN])
+    lines = [r.getMessage() for r in caplog.records if "prompt skipping" in r.getMessage()]
+    assert len(lines) == 2 and "this run would refuse it: actor.loss_agg_mode='token-mean'" in lines[0]
+    assert lines[1].endswith("; this run's loss would stay unbiased under it")
     fewer = "+grpo_parts.filter.prompt_skip_kwargs.step_size=fewer"  # verl trains whole steps
     with pytest.raises(GRPOPartsError, match="verl trains whole steps.*expected 'fill'"):
         _trainer(["+grpo_parts.filter.prompt_skip=history", SEQ_MEAN, fewer])
