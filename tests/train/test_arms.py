@@ -56,10 +56,12 @@ def test_fewer_arms_roll_out_only_the_kept_prompts_over_the_configured_skip_sett
         **STRONG,
         "step_size": "fill",
     }
-    # the strong, fewer arm is this door's default history settings
+    # the strong, filling arm is this door's default history settings
+    assert more["cppo+skip_strong"].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2, **TRAIN_HISTORY_KWARGS}
     assert more["cppo+skip_strong_fewer"].parts.prompt_skip_kwargs == {
         "min_keep_prob": 0.2,
-        **TRAIN_HISTORY_KWARGS,
+        **STRONG,
+        "step_size": "fewer",
     }
     assert GRESO == {"keep_base": 0.5, "base_step": 0.01, "target_share": 0.25}  # the paper's rule
 

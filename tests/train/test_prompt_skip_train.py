@@ -138,8 +138,12 @@ def skip_run(
 
     def run(name: str, steps: int, default_loss: bool = False, fewer: bool = False) -> Any:
         skip = {k: v for k, v in SKIP.items() if not (default_loss and k == "loss.agg")}
-        if fewer:  # this door's default history settings: the step rolls out only the kept prompts
-            skip = {"parts.prompt_skip": "history", "loss.agg": "seq-mean-token-mean"}
+        if fewer:  # this door's history settings, but the step rolls out only the kept prompts
+            skip = {
+                "parts.prompt_skip": "history",
+                "parts.prompt_skip_kwargs": {"step_size": "fewer"},
+                "loss.agg": "seq-mean-token-mean",
+            }
         c = load_config(overrides={**given, **skip, "parts.filter": "keep_all"})
         return train(c.model_copy(update={"name": name, "steps": steps}))
 
@@ -178,12 +182,12 @@ def test_one_flag_on_the_default_loss_trains_unbiased_and_says_how(skip_run: Any
     assert sum(r["prompts_skipped"] for r in run.rows if r["step"] > 0) > 0
 
 
-def test_this_doors_default_history_rolls_out_fewer_prompts_per_step(skip_run: Any) -> None:
-    """``parts.prompt_skip: history`` alone: this door's settings (``step_size: fewer``), written to
-    config.yaml; a step draws its 3 prompts and rolls out only those it keeps."""
+def test_step_size_fewer_rolls_out_only_the_kept_prompts(skip_run: Any) -> None:
+    """``step_size: fewer`` over this door's other history settings (written to config.yaml): a step
+    draws its 3 prompts and rolls out only those it keeps."""
     run = skip_run("fewer", 5, fewer=True)
     saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())
-    assert saved["parts"]["prompt_skip_kwargs"] == TRAIN_HISTORY_KWARGS
+    assert saved["parts"]["prompt_skip_kwargs"] == {**TRAIN_HISTORY_KWARGS, "step_size": "fewer"}
     rows = [r for r in run.rows if r["step"] > 0]
     assert sum(r["prompts_skipped"] for r in rows) > 0
     assert all(r["prompts_drawn"] == 3 and r["prompts"] == 3 - r["prompts_skipped"] for r in rows)

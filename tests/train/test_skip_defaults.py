@@ -51,12 +51,12 @@ def test_history_behind_this_door_takes_the_measured_settings_under_the_given_on
         "keep_base": 0.3,
         "base_step": 0.02,
         "target_share": 0.15,
-        "step_size": "fewer",
+        "step_size": "fill",
     }
     on = load_config(sets=["parts.prompt_skip=history"])
     assert on.parts.prompt_skip_kwargs == TRAIN_HISTORY_KWARGS and on.parts.filter == "cppo"
-    given = load_config(sets=["parts.prompt_skip=history", "parts.prompt_skip_kwargs={step_size: fill}"])
-    assert given.parts.prompt_skip_kwargs == {**TRAIN_HISTORY_KWARGS, "step_size": "fill"}
+    given = load_config(sets=["parts.prompt_skip=history", "parts.prompt_skip_kwargs={step_size: fewer}"])
+    assert given.parts.prompt_skip_kwargs == {**TRAIN_HISTORY_KWARGS, "step_size": "fewer"}
 
 
 def test_skipping_on_says_which_loss_it_trains() -> None:

@@ -67,10 +67,10 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "cppo+skip_fewer": _skip("cppo", GRESO, FEWER),
     "dppo+skip_fewer": _skip("dppo", GRESO, FEWER),
     "keep_all+skip_fewer": _skip("keep_all", GRESO, FEWER),
-    # a stronger rule: a lower exploration base that adapts twice as fast towards a 15% share
+    # a stronger rule: a lower exploration base that adapts twice as fast towards a 15% share (this
+    # door's default history settings, train/skip_defaults.py)
     "cppo+skip_strong": _skip("cppo", STRONG, FILL),
-    # both: the stronger rule, and the step rolls out only the prompts it keeps (this door's default
-    # history settings, train/skip_defaults.py)
+    # both: the stronger rule, and the step rolls out only the prompts it keeps
     "cppo+skip_strong_fewer": _skip("cppo", STRONG, FEWER),
     # the same with a kept prompt weighing at most 2 or 3 (its weights reached 10 in 7-prompt steps)
     "cppo+skip_strong_fewer_w2": _skip("cppo", STRONG, FEWER, _max_weight(2.0)),
