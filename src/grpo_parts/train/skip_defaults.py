@@ -100,6 +100,13 @@ def skip_refusals(data: Any, max_new_tokens: int) -> list[str] | None:
         return None
 
 
+def default_refusals(data: Any, max_new_tokens: int) -> list[str] | None:
+    """Why :data:`FINITE_DATA_SKIP` does not switch on by default for a config (or its fields as
+    given): ``[]``, it does (finite data, and skipping can stay unbiased); the reasons, it stays off;
+    None, not finite data, or a section is invalid (its field reports it)."""
+    return skip_refusals(data, max_new_tokens) if finite_data(data) else None
+
+
 def apply_skip_defaults(data: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
     """``data`` (the config's fields as given, ``task`` filled in) with :data:`FINITE_DATA_SKIP` on
     finite data when ``parts.prompt_skip`` is not given and skipping can be unbiased there; and, when
@@ -109,7 +116,7 @@ def apply_skip_defaults(data: dict[str, Any], max_new_tokens: int) -> dict[str, 
     if parts is None:
         return data
     fields, names = parts
-    if "prompt_skip" not in names and finite_data(data) and skip_refusals(data, max_new_tokens) == []:
+    if "prompt_skip" not in names and default_refusals(data, max_new_tokens) == []:
         fields["prompt_skip"] = FINITE_DATA_SKIP
     loss = _skip_loss(data, max_new_tokens)
     if fields.get("prompt_skip", "none") == "none" or loss is None:

@@ -30,7 +30,7 @@ from ..config import TrainConfig, dump_config, load_config
 from ..reporting.metrics import MetricsWriter, read_metrics
 from ..reporting.report import write_report
 from ..reporting.samples import SampleLog
-from ..skip_defaults import SKIP_DEFAULT_AGG, finite_data, skip_refusals
+from ..skip_defaults import SKIP_DEFAULT_AGG, default_refusals, finite_data
 from ..step.loop import GRPOTrainer
 from ..step.parts import build_parts
 from .checkpoint import (
@@ -74,11 +74,10 @@ def build_trainer(config: TrainConfig) -> tuple[GRPOTrainer, list[str]]:
 def skip_notes(config: TrainConfig) -> list[str]:
     """The loss prompt skipping trains, or why it is off on finite data, where it is on by default
     (one line; config.yaml holds the same settings)."""
-    finite = finite_data(config)
     if config.parts.prompt_skip == "none":
         # off where it would be on by default, had skipping's loss been unbiased (an explicit
         # parts.prompt_skip=none with a loss skipping could train says nothing)
-        reasons = (skip_refusals(config, config.max_new_tokens) or []) if finite else []
+        reasons = default_refusals(config, config.max_new_tokens) or []
         if not reasons:
             return []
         line = f"parts.prompt_skip: off on this finite data, where it is on by default: {reasons[0]}"
@@ -90,7 +89,7 @@ def skip_notes(config: TrainConfig) -> list[str]:
                 f", norm_constant={loss.norm_constant:g} (a normaliser fixed before the draw: token-mean's "
                 "drawn-batch token count is unknown for skipped prompts; same gradient direction per step)"
             )
-        if finite:
+        if finite_data(config):
             line += "; on by default on finite data (parts.prompt_skip=none turns it off)"
     log.info(line)
     return [line]
