@@ -298,6 +298,38 @@ def test_fewer_rolls_out_at_least_one_prompt() -> None:
     assert draw.rounds[0].weights.tolist() == [pytest.approx(3.0)]
 
 
+def test_fewer_rolls_out_at_least_its_floor_share_unbiased() -> None:
+    """``min_rollout_share``: a ``fewer`` round whose probabilities sum under the floor raises them
+    together until they reach it (fixed before the draw), so it rolls out exactly that many, each
+    weighing less; every outcome of the design, weighted ``1 / p``, still sums to the drawn batch's."""
+    from skip_outcomes import lattice_outcomes
+
+    s = HistorySkipper(
+        min_keep_prob=0.2, keep_base=0.2, base_step=0.0, step_size="fewer", min_rollout_share=0.5
+    )
+    for pid in (1, 2, 3):
+        see(s, pid, ZERO)
+    assert [s.inclusion_probability(i) for i in range(4)] == [1.0, 0.2, 0.2, 0.2]  # sum 1.6 < 2
+    for _ in range(20):
+        draw = PromptDraw(s, iter(range(4)), key=int)
+        got = draw.take(4)
+        assert len(got) == 2 and 0 in got and draw.rounds[0].drawn == 4
+        assert sorted(draw.prompt_weights().tolist()) == [1.0, pytest.approx(3.0)]
+    p = [1.0, 1 / 3, 1 / 3, 1 / 3]
+    values = [3.0, -1.0, 5.0, 2.0]
+    expected = sum(prob * sum(values[i] / p[i] for i in kept) for kept, prob in lattice_outcomes(p).items())
+    assert expected == pytest.approx(sum(values))
+    unfloored = HistorySkipper(min_keep_prob=0.2, keep_base=0.2, base_step=0.0, step_size="fewer")
+    for pid in (1, 2, 3):
+        see(unfloored, pid, ZERO)
+    assert all(len(PromptDraw(unfloored, iter(range(4)), key=int).take(4)) <= 2 for _ in range(20))
+
+
+def test_min_rollout_share_is_for_fewer_steps_only() -> None:
+    with pytest.raises(ValueError, match="min_rollout_share: a floor on the prompts a 'fewer' step"):
+        HistorySkipper(min_rollout_share=0.5)
+
+
 def test_posterior_rule_keeps_by_the_chance_the_next_group_is_informative() -> None:
     """``rule="posterior"``: ``p = max(floor, 1 - E[q^G + (1-q)^G])`` under the prompt's Beta pass-rate
     posterior (checked against numeric integration); more all-pass evidence skips more; rewards

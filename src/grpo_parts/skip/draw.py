@@ -115,7 +115,8 @@ class PromptDraw(Iterator[P], Generic[P]):
 
     def _draw_exactly(self, n: int) -> tuple[list[P], list[PromptId], float]:
         """``n`` prompts from the stream (fewer when it runs out), whatever their probabilities, and
-        the round's target: their probabilities' sum, at least 1 (a round never rolls out nothing)."""
+        the round's target: their probabilities' sum, at least 1 (a round never rolls out nothing)
+        and at least the skipper's ``min_rollout_share`` of them. Both are fixed before the draw."""
         drawn: list[P] = []
         ids: list[PromptId] = []
         while len(drawn) < n:
@@ -126,7 +127,8 @@ class PromptDraw(Iterator[P], Generic[P]):
             drawn.append(x)
             ids.append(self.key(x))
         total = sum(self.skipper.inclusion_probability(i) for i in ids)
-        return drawn, ids, min(float(len(ids)), max(1.0, total))
+        floor = max(1.0, self.skipper.min_rollout_share * len(ids))
+        return drawn, ids, min(float(len(ids)), max(floor, total))
 
     def take(self, n: int) -> list[P]:
         """Prompts to roll out, in stream order. ``step_size="fill"``: exactly ``n`` unless the stream

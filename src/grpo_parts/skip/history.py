@@ -32,7 +32,10 @@ it has, a prompt near 50% is never skipped for a lucky streak. Same ``1 / p`` we
 
 ``step_size`` says how a skip pays (:class:`~.draw.PromptDraw`): ``"fill"`` keeps the step's prompt
 count by drawing more prompts (today's default), ``"fewer"`` draws the step's prompts and rolls out
-only those kept (a cheaper step; the same ``1 / p`` weights and drawn-batch normaliser).
+only those kept (a cheaper step; the same ``1 / p`` weights and drawn-batch normaliser), at least
+``min_rollout_share`` of them: a step of 3 kept prompts out of 16, weighing up to 10, is an unbiased
+but noisy gradient, and raising every probability together until the round keeps its floor bounds
+both the weights and how few prompts a step learns from.
 """
 
 from __future__ import annotations
@@ -102,6 +105,12 @@ class HistorySkipper(BaseModel):
         "fill",
         description="fill: the step keeps its prompts by drawing more; fewer: it rolls out only the kept ones",
     )
+    min_rollout_share: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="fewer: the least share of a step's drawn prompts rolled out (probabilities raised to it)",
+    )
     target_share: float = Field(0.25, ge=0.0, le=1.0)
     capacity: int = Field(1_000_000, ge=1, description="prompts remembered at most")
     seed: int = Field(0, ge=0)
@@ -117,6 +126,11 @@ class HistorySkipper(BaseModel):
             raise ValueError(
                 f"keep_base: expected a value in [min_base, max_base] = [{self.min_base}, {self.max_base}], "
                 f"got {self.keep_base}"
+            )
+        if self.min_rollout_share > 0.0 and self.step_size != "fewer":
+            raise ValueError(
+                f"min_rollout_share: a floor on the prompts a 'fewer' step rolls out, got {self.min_rollout_share} "
+                f"with step_size={self.step_size!r} (expected 0, or step_size 'fewer')"
             )
         if self.min_streak > self.window:
             raise ValueError(

@@ -109,12 +109,14 @@ class PromptSkipper(Protocol):
     ``step_size``: how a skipped prompt pays (:class:`~.draw.PromptDraw`): ``"fill"`` -- the step
     keeps its ``n`` prompts by drawing more (more informative steps); ``"fewer"`` -- the step draws
     ``n`` prompts and rolls out only those kept (cheaper steps). Either way the normaliser is the
-    drawn prompts', fixed before the draw.
+    drawn prompts', fixed before the draw. ``min_rollout_share`` (``fewer`` only): the least share
+    of a round's drawn prompts it rolls out, their probabilities raised together to reach it (0: none).
     """
 
     name: ClassVar[str]
     min_keep_prob: float
     step_size: Literal["fill", "fewer"]
+    min_rollout_share: float
 
     def inclusion_probability(self, prompt_id: PromptId) -> float:
         """``p`` of a prompt drawn now, from its history alone (1 without zero-variance history)."""

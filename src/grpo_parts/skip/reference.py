@@ -18,6 +18,7 @@ class KeepEveryPrompt:
     name: ClassVar[str] = "none"
     min_keep_prob: float = 1.0
     step_size: Literal["fill", "fewer"] = "fill"
+    min_rollout_share: float = 0.0
 
     def inclusion_probability(self, prompt_id: PromptId) -> float:
         return 1.0

@@ -75,6 +75,8 @@ ARMS: dict[str, dict[str, Any] | None] = {
     # the same with a kept prompt weighing at most 2 or 3 (its weights reached 10 in 7-prompt steps)
     "cppo+skip_strong_fewer_w2": _skip("cppo", STRONG, FEWER, _max_weight(2.0)),
     "cppo+skip_strong_fewer_w3": _skip("cppo", STRONG, FEWER, _max_weight(3.0)),
+    # the same rolling out at least half the drawn prompts (their probabilities raised together)
+    "cppo+skip_strong_fewer_f50": _skip("cppo", STRONG, FEWER, {"min_rollout_share": 0.5}),
     # the skip probability from each prompt's pass-rate posterior instead of keep_base ** streak
     "cppo+skip_posterior": _skip("cppo", GRESO, FILL, {"rule": "posterior"}),
 }
