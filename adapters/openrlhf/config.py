@@ -15,12 +15,21 @@ from typing import Any
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from grpo_parts.core import LossConfig
+from grpo_parts.core import AdvantageConfig, LossConfig
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.protocol import WeighsLoss
 from grpo_parts.parts_config import PartsConfig
 
+#: OpenRLHF estimator -> the same advantage in grpo_parts terms (experience_maker.py, 0.11.2):
+#: group_norm = (r - mean) / (std + 1e-9) with torch's unbiased std; dr_grpo = r - mean;
+#: rloo = r - mean of the others. (reinforce_baseline whitens over the whole batch after filtering,
+#: so a kept row's advantage would depend on the pruned ones: not offered here.)
+ADVANTAGE_CONFIGS: dict[str, AdvantageConfig] = {
+    "group_norm": AdvantageConfig(norm="group", unbiased_std=True, eps=1e-9),
+    "dr_grpo": AdvantageConfig(norm="none"),
+    "rloo": AdvantageConfig(estimator="rloo"),
+}
 #: ``--grpo_parts.group_rows`` -> ``PartsConfig.group_rows``
 GROUP_ROWS = {"auto": None, "on": True, "off": False}
 

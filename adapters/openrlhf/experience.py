@@ -49,19 +49,10 @@ from grpo_parts.filter.protocol import KEPT_FRACTION, WEIGHTED_ROWS
 from grpo_parts.types import ScoredBatch
 
 from .._counters import PartCounters
-from .config import skip_reasons, weighted_filter_reasons
+from .config import ADVANTAGE_CONFIGS, skip_reasons, weighted_filter_reasons
 
 logger = logging.getLogger(__name__)
 
-#: OpenRLHF estimator -> the same advantage in grpo_parts terms (experience_maker.py, 0.11.2):
-#: group_norm = (r - mean) / (std + 1e-9) with torch's unbiased std; dr_grpo = r - mean;
-#: rloo = r - mean of the others. (reinforce_baseline whitens over the whole batch after filtering,
-#: so a kept row's advantage would depend on the pruned ones: not offered here.)
-ADVANTAGE_CONFIGS: dict[str, AdvantageConfig] = {
-    "group_norm": AdvantageConfig(norm="group", unbiased_std=True, eps=1e-9),
-    "dr_grpo": AdvantageConfig(norm="none"),
-    "rloo": AdvantageConfig(estimator="rloo"),
-}
 _ADV_KEY = "grpo_parts_advantage"
 _W_KEY = (
     "grpo_parts_weight"  # per-sample weight x kept / rolled-out rows (a weighted filter), in Experience.info

@@ -22,7 +22,14 @@ from typing import Any, NoReturn
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 
 from ._scoped import run_entry_script
-from .config import FLAGS, LEGACY_FLAGS, OpenRLHFPartsConfig, skip_reasons, weighted_filter_reasons
+from .config import (
+    ADVANTAGE_CONFIGS,
+    FLAGS,
+    LEGACY_FLAGS,
+    OpenRLHFPartsConfig,
+    skip_reasons,
+    weighted_filter_reasons,
+)
 
 OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
 PROG = "python -m grpo_parts_adapters.openrlhf.launch"
@@ -52,9 +59,10 @@ def check_supported(ns: argparse.Namespace, parts: OpenRLHFPartsConfig) -> None:
         )
     est = getattr(ns, "algo.advantage.estimator", "group_norm")
     for flag, on in (("filter", parts.filter != "keep_all"), ("prompt_skip", parts.prompt_skip != "none")):
-        if on and est not in ("group_norm", "dr_grpo", "rloo"):
+        if on and est not in ADVANTAGE_CONFIGS:
             raise GRPOPartsError(
-                f"--grpo_parts.{flag} needs --algo.advantage.estimator group_norm, dr_grpo or rloo, got {est!r}"
+                f"--grpo_parts.{flag} needs --algo.advantage.estimator one of {', '.join(ADVANTAGE_CONFIGS)}, "
+                f"got {est!r}"
             )
     if parts.prompt_skip == "none" and parts.filter == "keep_all":
         return
