@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_parts.train.config import TrainConfig, load_config
-from grpo_parts.train.lifecycle.run import skip_notes
-from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, TRAIN_HISTORY_KWARGS, finite_data
+from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, TRAIN_HISTORY_KWARGS, finite_data, skip_notes
 
 FINITE = [{"task.train_size": 48}, {"data": "problems.jsonl"}]
 

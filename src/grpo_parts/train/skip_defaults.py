@@ -1,6 +1,6 @@
 """What ``grpo-parts train`` does about prompt skipping when the config does not say: decided here,
 once, for the config (:class:`~.config.TrainConfig` calls :func:`apply_skip_defaults` before it
-validates) and the ``--compare`` arms; the run's log line is ``lifecycle.run.skip_notes``.
+validates) and the ``--compare`` arms, and the run's first lines say it (:func:`skip_notes`).
 
 - **Its settings.** ``history`` behind this door takes :data:`TRAIN_HISTORY_KWARGS` under the
   given ``parts.prompt_skip_kwargs``: the arm that reached the target soonest on the finite pool
@@ -12,18 +12,24 @@ validates) and the ``--compare`` arms; the run's log line is ``lifecycle.run.ski
 - **On by default on finite data** (``--data``, or a built-in task's ``task.train_size``), where a
   prompt comes back every epoch and its history can say it teaches nothing: ``history`` unless
   ``parts.prompt_skip`` is given. Where the advantage or a given ``loss.agg`` cannot keep skipping
-  unbiased, it stays off and the run says why in one line (``lifecycle.run.skip_notes``). The
+  unbiased, it stays off and the run says why in one line (:func:`skip_notes`). The
   built-in stream draws a fresh problem every step, so nothing would ever be skipped there.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
 from ..core import AdvantageConfig, LossConfig
 from ..skip.protocol import prompt_skip_reasons
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+log = logging.getLogger("grpo_parts.train")
 
 #: what ``grpo-parts train`` trains when prompt skipping is on and ``loss.agg`` is left at its
 #: default (token-mean, whose normaliser -- the drawn batch's token count -- is unknown for skipped
@@ -126,3 +132,27 @@ def apply_skip_defaults(data: dict[str, Any], max_new_tokens: int) -> dict[str, 
         if isinstance(kwargs, dict):  # else the field reports it
             fields["prompt_skip_kwargs"] = {**TRAIN_HISTORY_KWARGS, **kwargs}
     return {**data, "parts": fields, "loss": loss}
+
+
+def skip_notes(config: TrainConfig) -> list[str]:
+    """The loss prompt skipping trains, or why it is off on finite data, where it is on by default
+    (one line, logged; config.yaml holds the same settings)."""
+    if config.parts.prompt_skip == "none":
+        # off where it would be on by default, had skipping's loss been unbiased (an explicit
+        # parts.prompt_skip=none with a loss skipping could train says nothing)
+        reasons = default_refusals(config, config.max_new_tokens) or []
+        if not reasons:
+            return []
+        line = f"parts.prompt_skip: off on this finite data, where it is on by default: {reasons[0]}"
+    else:
+        loss = config.loss
+        line = f"parts.prompt_skip={config.parts.prompt_skip!r}: loss.agg={loss.agg!r}"
+        if loss.agg == SKIP_DEFAULT_AGG and loss.norm_constant is not None:
+            line += (
+                f", norm_constant={loss.norm_constant:g} (a normaliser fixed before the draw: token-mean's "
+                "drawn-batch token count is unknown for skipped prompts; same gradient direction per step)"
+            )
+        if finite_data(config):
+            line += "; on by default on finite data (parts.prompt_skip=none turns it off)"
+    log.info(line)
+    return [line]

@@ -30,7 +30,7 @@ from ..config import TrainConfig, dump_config, load_config
 from ..reporting.metrics import MetricsWriter, read_metrics
 from ..reporting.report import write_report
 from ..reporting.samples import SampleLog
-from ..skip_defaults import SKIP_DEFAULT_AGG, default_refusals, finite_data
+from ..skip_defaults import skip_notes
 from ..step.loop import GRPOTrainer
 from ..step.parts import build_parts
 from .checkpoint import (
@@ -69,30 +69,6 @@ def build_trainer(config: TrainConfig) -> tuple[GRPOTrainer, list[str]]:
         config, setup.policy, setup.tokenizer, setup.task, parts, setup.eos_token_ids, setup.ref_model
     )
     return trainer, setup.notes + parts.notes + skip_notes(config)
-
-
-def skip_notes(config: TrainConfig) -> list[str]:
-    """The loss prompt skipping trains, or why it is off on finite data, where it is on by default
-    (one line; config.yaml holds the same settings)."""
-    if config.parts.prompt_skip == "none":
-        # off where it would be on by default, had skipping's loss been unbiased (an explicit
-        # parts.prompt_skip=none with a loss skipping could train says nothing)
-        reasons = default_refusals(config, config.max_new_tokens) or []
-        if not reasons:
-            return []
-        line = f"parts.prompt_skip: off on this finite data, where it is on by default: {reasons[0]}"
-    else:
-        loss = config.loss
-        line = f"parts.prompt_skip={config.parts.prompt_skip!r}: loss.agg={loss.agg!r}"
-        if loss.agg == SKIP_DEFAULT_AGG and loss.norm_constant is not None:
-            line += (
-                f", norm_constant={loss.norm_constant:g} (a normaliser fixed before the draw: token-mean's "
-                "drawn-batch token count is unknown for skipped prompts; same gradient direction per step)"
-            )
-        if finite_data(config):
-            line += "; on by default on finite data (parts.prompt_skip=none turns it off)"
-    log.info(line)
-    return [line]
 
 
 def check_new_run_dir(run_dir: Path) -> None:
