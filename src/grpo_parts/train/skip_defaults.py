@@ -19,15 +19,12 @@ validates) and the ``--compare`` arms, and the run's first lines say it (:func:`
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from ..core import AdvantageConfig, LossConfig
 from ..skip.protocol import prompt_skip_reasons
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
 
 log = logging.getLogger("grpo_parts.train")
 
@@ -40,10 +37,11 @@ SKIP_DEFAULT_AGG = "seq-mean-token-sum-norm"
 #: ``history``'s settings behind ``grpo-parts train`` when not given (the arm ``cppo+skip_strong``):
 #: a lower exploration base that adapts twice as fast towards a 15% zero-variance share, and the
 #: step keeps its prompt count by drawing more (``fill``). Rolling out only the kept prompts
-#: (``step_size: fewer``, ``cppo+skip_strong_fewer``) reached the hard-tail target a little sooner,
-#: but 4 of its 12 measured runs ended 3.5-15 points under CPPO's lowest (steps of 3-13 prompts,
-#: weighing up to 10); no filled run ended more than a point under it (docs/results.md). The
-#: frameworks fill too, with the skipper's own defaults (GRESO's rule).
+#: (``step_size: fewer``, ``cppo+skip_strong_fewer``) tied it on time to the hard-tail target over
+#: six paired seeds (each sooner in 3), but 5 of its 15 runs on both pools ended 3.5-15 points under
+#: the other arms' lowest (steps of 3-13 prompts), against 1 of the filled arm's 15
+#: (docs/results.md, "Which arm is fastest"). The frameworks fill too, with the skipper's own
+#: defaults (GRESO's rule).
 STRONG_RULE: dict[str, Any] = {"keep_base": 0.3, "base_step": 0.02, "target_share": 0.15}
 TRAIN_HISTORY_KWARGS: dict[str, Any] = {**STRONG_RULE, "step_size": "fill"}
 #: ``parts.prompt_skip`` on finite data when not given
@@ -134,9 +132,10 @@ def apply_skip_defaults(data: dict[str, Any], max_new_tokens: int) -> dict[str, 
     return {**data, "parts": fields, "loss": loss}
 
 
-def skip_notes(config: TrainConfig) -> list[str]:
+def skip_notes(config: Any) -> list[str]:
     """The loss prompt skipping trains, or why it is off on finite data, where it is on by default
-    (one line, logged; config.yaml holds the same settings)."""
+    (one line, logged; config.yaml holds the same settings); ``config``: a validated ``TrainConfig``
+    (not imported here: the config module imports this one)."""
     if config.parts.prompt_skip == "none":
         # off where it would be on by default, had skipping's loss been unbiased (an explicit
         # parts.prompt_skip=none with a loss skipping could train says nothing)
