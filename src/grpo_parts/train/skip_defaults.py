@@ -39,7 +39,7 @@ SKIP_DEFAULT_AGG = "seq-mean-token-sum-norm"
 #: step keeps its prompt count by drawing more (``fill``). Rolling out only the kept prompts
 #: (``step_size: fewer``, ``cppo+skip_strong_fewer``) tied it on time to the hard-tail target over
 #: six paired seeds (each sooner in 3), but 5 of its 15 runs on both pools ended 3.5-15 points under
-#: the other arms' lowest (steps of 3-13 prompts), against 1 of the filled arm's 15
+#: the other arms' lowest (steps of 3-13 prompts), against 2 of the filled arm's 17
 #: (docs/results.md, "Which arm is fastest"). The frameworks fill too, with the skipper's own
 #: defaults (GRESO's rule).
 STRONG_RULE: dict[str, Any] = {"keep_base": 0.3, "base_step": 0.02, "target_share": 0.15}
