@@ -3,8 +3,8 @@ once, for the config (:class:`~.config.TrainConfig` calls :func:`apply_skip_defa
 validates) and the ``--compare`` arms, and the run's first lines say it (:func:`skip_notes`).
 
 - **Its settings.** ``history`` behind this door takes :data:`TRAIN_HISTORY_KWARGS` under the
-  given ``parts.prompt_skip_kwargs``: the arm that reached the target soonest on the finite pool
-  with a hard tail without ever ending well under CPPO (docs/results.md). The frameworks fill their
+  given ``parts.prompt_skip_kwargs``: on the finite pool with a hard tail, the arm that reached the
+  target as soon as any and ended low least often (docs/results.md). The frameworks fill their
   steps too, with the skipper's own defaults (GRESO's rule).
 - **Its loss.** With skipping on and ``loss.agg`` not given, the loss is :data:`SKIP_DEFAULT_AGG`
   with ``norm_constant = max_new_tokens``: token-mean divides by the drawn batch's token count, which
@@ -37,11 +37,9 @@ SKIP_DEFAULT_AGG = "seq-mean-token-sum-norm"
 #: ``history``'s settings behind ``grpo-parts train`` when not given (the arm ``cppo+skip_strong``):
 #: a lower exploration base that adapts twice as fast towards a 15% zero-variance share, and the
 #: step keeps its prompt count by drawing more (``fill``). Rolling out only the kept prompts
-#: (``step_size: fewer``, ``cppo+skip_strong_fewer``) tied it on time to the hard-tail target over
-#: six paired seeds (each sooner in 3), but 5 of its 15 runs on both pools ended 3.5-15 points under
-#: the other arms' lowest (steps of 3-13 prompts), against 2 of the filled arm's 17
-#: (docs/results.md, "Which arm is fastest"). The frameworks fill too, with the skipper's own
-#: defaults (GRESO's rule).
+#: (``step_size: fewer``) tied it on time to the hard-tail target and ended low more often; the
+#: measurement is docs/results.md's ("Which arm is fastest"). The frameworks fill too, with the
+#: skipper's own defaults (GRESO's rule).
 STRONG_RULE: dict[str, Any] = {"keep_base": 0.3, "base_step": 0.02, "target_share": 0.15}
 TRAIN_HISTORY_KWARGS: dict[str, Any] = {**STRONG_RULE, "step_size": "fill"}
 #: ``parts.prompt_skip`` on finite data when not given
