@@ -34,6 +34,20 @@ def test_arms_change_only_the_filter_and_skipping_and_share_one_loss() -> None:
         arm_configs(cfg, ["greso"])
 
 
+def test_skip_on_and_off_arms_train_what_a_user_who_says_only_that_gets() -> None:
+    cfg = load_config(overrides={"task.train_size": 48})  # finite data: skipping on by default
+    arms = arm_configs(cfg, ["skip_on", "skip_off", "cppo+skip"])
+    on, off = arms["skip_on"], arms["skip_off"]
+    assert on.parts.prompt_skip == "history" and on.parts.prompt_skip_kwargs == TRAIN_HISTORY_KWARGS
+    assert on.loss.agg == SKIP_DEFAULT_AGG  # skipping's default loss
+    assert off.parts.prompt_skip == "none" and off.loss.agg == "token-mean"  # the loss skipping off trains
+    assert on.parts.filter == off.parts.filter == cfg.parts.filter
+    pinned = arm_configs(
+        load_config(overrides={"task.train_size": 48, "loss.agg": "seq-mean-token-mean"}), ["skip_off"]
+    )
+    assert pinned["skip_off"].loss.agg == "seq-mean-token-mean"  # a given loss stays
+
+
 def test_fewer_arms_roll_out_only_the_kept_prompts_over_the_configured_skip_settings() -> None:
     cfg = load_config(
         overrides={"parts.prompt_skip": "history", "parts.prompt_skip_kwargs": {"min_keep_prob": 0.2}}

@@ -79,7 +79,14 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "cppo+skip_strong_fewer_f50": _skip("cppo", STRONG, FEWER, {"min_rollout_share": 0.5}),
     # the skip probability from each prompt's pass-rate posterior instead of keep_base ** streak
     "cppo+skip_posterior": _skip("cppo", GRESO, FILL, {"rule": "posterior"}),
+    # the paired arms that decide this door's finite-data default (docs/results.md): the configured
+    # run with prompt skipping on or off, and every other setting -- the loss included -- as a user
+    # who says only that gets it (AS_USERS_RUN)
+    "skip_on": {"prompt_skip": "history"},
+    "skip_off": {"prompt_skip": "none"},
 }
+#: arms that keep the loss a user who runs them alone would train, instead of one loss for every arm
+AS_USERS_RUN = ("skip_on", "skip_off")
 DEFAULT_ARMS = ("reference", "optimized")
 
 
@@ -90,12 +97,12 @@ def arm_configs(config: TrainConfig, arms: list[str] | tuple[str, ...]) -> dict[
     if unknown or not arms:
         raise GRPOPartsError(f"--arms: expected names from {list(ARMS)}, got {list(arms)}")
     base = config.model_dump(mode="json", exclude_unset=True)
-    skipping = any((ARMS[a] or {}).get("prompt_skip") == "history" for a in arms)
+    skipping = any((ARMS[a] or {}).get("prompt_skip") == "history" for a in arms if a not in AS_USERS_RUN)
     if skipping and "agg" not in config.loss.model_fields_set:  # one loss for every arm
         base["loss"] = skip_default_loss(base.get("loss", {}), config.max_new_tokens)
     out = {}
     for arm in arms:
-        data = dict(base)
+        data = dict(base) if arm not in AS_USERS_RUN else _as_user_runs(config, arm)
         own = ARMS[arm]
         if own is not None:
             given = dict(base.get("parts", {}))
@@ -110,6 +117,18 @@ def arm_configs(config: TrainConfig, arms: list[str] | tuple[str, ...]) -> dict[
             data["parts"] = parts
         out[arm] = TrainConfig.model_validate(data)
     return out
+
+
+def _as_user_runs(config: TrainConfig, arm: str) -> dict[str, Any]:
+    """``config``'s fields as given, for an :data:`AS_USERS_RUN` arm. ``skip_off`` drops skipping's
+    default loss (a config validated on finite data carries it, whether typed or defaulted), so it
+    trains what ``parts.prompt_skip=none`` trains when ``loss.agg`` is not given."""
+    data = config.model_dump(mode="json", exclude_unset=True)
+    loss = dict(data.get("loss", {}))
+    if arm == "skip_off" and loss == {**loss, **skip_default_loss({}, config.max_new_tokens)}:
+        loss.pop("agg"), loss.pop("norm_constant")
+        data["loss"] = loss
+    return data
 
 
 def _tokens_until(rows: list[dict[str, Any]], step: int | None) -> float | None:
