@@ -92,7 +92,7 @@ def build_trainer(args: argparse.Namespace) -> Any:
     if args.attention != "none":
         parts["attention"] = args.attention
     if args.filter != "none":
-        parts["completion_filter"] = args.filter
+        parts["filter"] = args.filter
         if args.filter == "cppo":
             parts["filter_kwargs"] = {"pruning_rate": args.pruning_rate}
     # --- the lines a TRL user adds: GRPOPartsTrainer instead of GRPOTrainer, plus the parts ---

@@ -39,11 +39,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 # Tests that need a training framework (TRL, verl, OpenRLHF) or vLLM carry the ``frameworks`` marker:
-# everything under tests/adapters/ and tests/sampler_vllm/, and any module that sets
-# ``pytestmark = pytest.mark.frameworks``. The "core suite" (``-m "not slow and not gpu and not
-# frameworks"``) is what scripts/ci/test-install.sh runs under the newest and the floor transformers,
-# where those frameworks (which pin older transformers) are not installed.
-_FRAMEWORK_DIRS = ("adapters", "sampler_vllm")
+# everything under tests/adapters/, and any module that sets ``pytestmark = pytest.mark.frameworks``
+# (the vLLM modules of tests/sampler/vllm/ do; its test_config.py needs no vLLM and stays in the core
+# suite). The "core suite" (``-m "not slow and not gpu and not frameworks"``) is what
+# scripts/ci/test-install.sh runs under the newest and the floor transformers, where those frameworks
+# (which pin older transformers) are not installed.
+_FRAMEWORK_DIRS = ("adapters",)
 
 
 def pytest_collection_modifyitems(config: object, items: list[pytest.Item]) -> None:

@@ -64,9 +64,9 @@ def reasoning_problems(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
 
 def reasoning_reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
     """1 for the right number after the last ``;`` (TRL's reward-function signature)."""
-    from grpo_parts.task.arithmetic import extract_answer
+    from grpo_parts.task.graders import after_delimiter
 
-    return [1.0 if extract_answer(c) == a else 0.0 for c, a in zip(completions, answer)]
+    return [1.0 if after_delimiter(c, ";") == a else 0.0 for c, a in zip(completions, answer)]
 
 
 def missing(metrics: dict[str, Any], keys: dict[str, str], prefix: str = "") -> dict[str, Any]:

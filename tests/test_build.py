@@ -203,21 +203,21 @@ def test_trl_build_part_is_the_builder(policy: torch.nn.Module, counted: list[st
     trl_build = importlib.import_module("grpo_parts_adapters.trl.build")
     trainer = importlib.import_module("grpo_parts_adapters.trl.trainer")
     assert trainer.build_part is build.build_part and trainer.choose_attention is build.choose_attention
-    trl_build.build_part("completion_filter", "cppo", policy)
+    trl_build.build_part("filter", "cppo", policy)
     trl_build.build_part("draft", "ngram", policy)
     trl_build.build_part("sampler", "reference", policy)
     assert counted == ["filter:cppo", "draft:ngram", "sampler:reference"]
     with pytest.raises(GRPOPartsError, match="filter_kwargs: only used when"):
-        trl_build.build_part("completion_filter", build_filter("keep_all"), policy, {"k": 1})
+        trl_build.build_part("filter", build_filter("keep_all"), policy, {"k": 1})
 
 
 def test_verl_builds_through_the_builder(policy: torch.nn.Module, counted: list[str]) -> None:
     pytest.importorskip("verl")
     from grpo_parts_adapters.verl.attention import resolve_backend
-    from grpo_parts_adapters.verl.filtering import FilterOptions, build_filter
+    from grpo_parts_adapters.verl.filtering import FilterOptions
     from grpo_parts_adapters.verl.options import EngineOptions
 
-    build_filter("zero_variance")
+    FilterOptions(name="zero_variance").build()
     FilterOptions(name="cppo", kwargs={"k": 2}).build()
     EngineOptions(attention="shared_prefix", kernel="sdpa").backend()
     resolve_backend("reference")

@@ -1,7 +1,7 @@
 """grpo_parts.wrappers without a process group: which modules are wrappers, the inner model under
 nested wrappers and PEFT, the CallsThrough view (inspects the inner model, calls the wrapper), what
-counts as sharded, and the rank helpers on one process. Wrapped models in the parts:
-tests/attention/test_wrapped.py (one rank) and test_wrapped_ranks.py (two)."""
+counts as sharded. Wrapped models in the parts:
+tests/attention/shared_prefix/test_wrapped.py (one rank) and test_wrapped_ranks.py (two)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ import torch
 from grpo_parts.tiny import tiny_causal_lm
 from grpo_parts.wrappers import (
     CallsThrough,
-    agree_max,
     calls_through,
     generation_model,
     inner_model,
     is_wrapper,
     model_name,
-    ranks_of,
     sharding,
     transformers_model,
     wrapper_chain,
@@ -101,8 +99,3 @@ def test_sharding():  # type: ignore[no-untyped-def]
     p = next(model.parameters())
     p.ds_id = 0  # what ZeRO-3 puts on its partitioned parameters
     assert sharding(model) == "DeepSpeed ZeRO-3"
-
-
-def test_rank_helpers_on_one_process():  # type: ignore[no-untyped-def]
-    assert ranks_of() == 1
-    assert agree_max([3, 1]) == [3, 1]

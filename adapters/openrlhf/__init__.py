@@ -28,7 +28,4 @@ from __future__ import annotations
 
 from .config import OpenRLHFPartsConfig
 
-#: the earlier name of :class:`OpenRLHFPartsConfig` (re-exported: users import it from here)
-PartsConfig = OpenRLHFPartsConfig
-
-__all__ = ["OpenRLHFPartsConfig", "PartsConfig"]
+__all__ = ["OpenRLHFPartsConfig"]

@@ -23,26 +23,22 @@ import torch
 from openrlhf.models import Actor
 
 from grpo_parts.attention.protocol import CountsAttentionCalls, Plans
-from grpo_parts.counters import ATTENTION_CALLS, framework_key
+from grpo_parts.counters import (
+    ATTENTION_CALLS,
+    GRID_TOKENS,
+    PACKED_TOKENS,
+    PADDING_FREE_TOKENS,
+    PartCounters,
+    framework_key,
+    framework_keys,
+)
+from grpo_parts.doors.agreement import agree_fallback
 from grpo_parts.errors import NotSupportedError
+from grpo_parts.wrappers import calls_through, transformers_model
 
-from .._counters import PartCounters
-from .._wrapped import backend_model, hf_model
 from .layout import scatter_to_openrlhf, to_logprob_batch
 
 logger = logging.getLogger(__name__)
-
-
-def _agree(device: torch.device, falls_back: bool, calls: int) -> tuple[bool, int]:
-    """With several processes (ZeRO-3 gathers parameters in every forward, so every rank must make
-    the same number of model calls): ``(whether any rank runs OpenRLHF's forward for this call --
-    then all do --, the most model calls of any rank)``, in one all-reduce. One process: as given."""
-    from grpo_parts.attention.shared_prefix.chunking import agree_max, ranks_of
-
-    if ranks_of() <= 1:
-        return falls_back, calls
-    any_fallback, most = agree_max([int(falls_back), calls], None, device)
-    return bool(any_fallback), most
 
 
 class GRPOPartsActor(Actor):
@@ -62,7 +58,7 @@ class GRPOPartsActor(Actor):
     def use_backend(self, backend: Any) -> GRPOPartsActor:
         """Compute action log-probs with ``backend`` from now on (call after DeepSpeed wrapped the
         model). Raises :class:`NotSupportedError` when the backend refuses the model."""
-        model = hf_model(self.model)
+        model = transformers_model(self.model)
         reasons = list(backend.not_supported_reasons(model))
         if getattr(getattr(model, "config", None), "output_router_logits", False):
             reasons.append("MoE router aux loss (output_router_logits) needs the model's full output")
@@ -82,11 +78,13 @@ class GRPOPartsActor(Actor):
         backend = self.grpo_backend
         if not isinstance(backend, Plans):
             return None, None
-        plan = backend.plan(hf_model(self.model), layout.batch, packed=True, agree=False)
+        plan = backend.plan(transformers_model(self.model), layout.batch, packed=True, agree=False)
         self.tokens.update(
-            grid_tokens=int(plan.tokens),
-            packed_tokens=plan.packed_tokens,
-            padding_free_tokens=plan.padding_free_tokens,
+            {
+                GRID_TOKENS: int(plan.tokens),
+                PACKED_TOKENS: plan.packed_tokens,
+                PADDING_FREE_TOKENS: plan.padding_free_tokens,
+            }
         )
         if self.packing_samples and plan.tokens > plan.packed_tokens:
             return (
@@ -99,7 +97,7 @@ class GRPOPartsActor(Actor):
         """``parts/attention/{grid,packed,padding_free}_tokens`` since the last flush (then reset), and
         ``parts/attention/calls_<path>``: the backend's padding-free attention calls per path
         (``varlen_cascade``, ``masked_sdpa``, ...; ``SharedPrefixAttention.attention_calls``)."""
-        out = {f"parts/attention/{k}": float(v) for k, v in self.tokens.items()}
+        out = framework_keys("attention", self.tokens)
         self.tokens.clear()
         backend = self.grpo_backend
         calls = Counter(backend.attention_calls if isinstance(backend, CountsAttentionCalls) else {})
@@ -134,8 +132,9 @@ class GRPOPartsActor(Actor):
     ) -> tuple[Any, Any, list[str]]:
         """``(layout, plan, reasons)``: the call regrouped by prompt and planned (:meth:`_plan`), or
         layout None and why OpenRLHF's forward runs it instead. ``reasons``: the caller's refusals so
-        far. The ranks agree in one all-reduce (:func:`_agree`): all fall back together, or all make
-        as many model calls as the rank that makes the most (the plan padded with empty calls)."""
+        far. The ranks agree in one all-reduce: all fall back together, or all make
+        as many model calls as the rank that makes the most (the plan padded with empty calls;
+        :func:`grpo_parts.doors.agreement.agree_fallback`)."""
         if attention_mask is None:
             reasons.append("no attention_mask")
         layout = None if reasons else to_logprob_batch(sequences, attention_mask, action_mask)  # type: ignore[arg-type]
@@ -143,13 +142,12 @@ class GRPOPartsActor(Actor):
         if layout is not None:
             plan, reason = self._plan(layout)
             reasons += [reason] if reason else []
-        here = layout is None or bool(reasons)
-        calls = plan.model_calls if plan is not None and not here else 1
-        anyone, calls = _agree(sequences.device, here, calls)
-        if anyone and not here:
-            reasons = ["another data-parallel rank runs OpenRLHF's forward for this call"]
-        if reasons:
-            return None, None, reasons
+        here = "; ".join(reasons) if layout is None or reasons else None
+        calls = plan.model_calls if plan is not None and here is None else 1
+        other = "another data-parallel rank runs OpenRLHF's forward for this call"
+        anyone, calls = agree_fallback(here, calls, None, sequences.device, other)
+        if anyone is not None:
+            return None, None, reasons or [anyone]
         return layout, None if plan is None else plan.agreed(calls), reasons
 
     def _backend_logprobs(
@@ -158,7 +156,7 @@ class GRPOPartsActor(Actor):
         """``(action_log_probs [B, A], the backend's output)``: the backend's log-probs (float32, or
         float64 as computed) scattered back to OpenRLHF's action positions; ``plan``: the agreed one
         of a backend that plans (None: its ``completion_logprobs``)."""
-        model, backend = backend_model(self.model), self.grpo_backend
+        model, backend = calls_through(self.model, transformers_model(self.model)), self.grpo_backend
         if plan is not None:
             out = backend.run(model, layout.batch, plan, self.temperature, return_entropy)
         else:

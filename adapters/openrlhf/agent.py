@@ -11,7 +11,7 @@ the dict OpenRLHF's ``SamplesGenerator._process_response_into_experience`` reads
 OpenRLHF instantiates ``AgentExecutor()`` without arguments, so an agent file subclasses
 :class:`GRPOPartsAgentExecutor` (docs/adapters/openrlhf.md has the file). The sampler runs on its
 own transformers copy of the policy inside the rollout actor. That copy is a
-:class:`~grpo_parts_adapters._policy_copy.PolicyCopy`: under the launcher, the rollout actor
+:class:`~grpo_parts.doors.policy_copy.PolicyCopy`: under the launcher, the rollout actor
 (:mod:`.rollout`) receives OpenRLHF's weight broadcast in vLLM's place and hands it to
 :meth:`GRPOPartsAgentExecutor.load_weights`. A rollout from a copy that has not received the actor's
 weights since its last update is refused in one line (``StaleWeightsError``) unless the executor
@@ -30,19 +30,18 @@ from typing import Any
 import torch
 from openrlhf.utils.agent import AgentExecutorBase
 
+from grpo_parts.counters import framework_keys
+from grpo_parts.doors.grouping import identical_prompt_groups
+from grpo_parts.doors.policy_copy import PolicyCopy
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.types import Rollout
-
-from .._grouping import identical_prompt_groups
-from .._policy_copy import PolicyCopy
-from .._wrapped import hf_model
+from grpo_parts.wrappers import transformers_model
 
 #: ``extra_logs`` key marking a response as sampled by grpo_parts (OpenRLHF copies it into
 #: ``Experience.info``; :class:`~.samples.GRPOPartsSamplesGenerator` counts and removes it).
 SAMPLER_MARK = "grpo_parts_sampler"
 #: ``extra_logs`` prefix of the rollout's ``Rollout.stats`` (e.g. ``parts/sampler/lean_forward_calls``)
-STATS_PREFIX = "parts/sampler/"
 #: one request's answer: completion ids, their log-probs, truncated, the rollout's stats
 _Result = tuple[list[int], list[float], bool, dict[str, float]]
 #: named in refusals
@@ -86,7 +85,7 @@ def sampler_policy(sampler: Any) -> torch.nn.Module:
             f"{DOOR}: sampler {type(sampler).__name__} has no policy module (.policy or .model) to load the "
             "actor's weights into; expected a grpo_parts sampler over a transformers model"
         )
-    return hf_model(module)
+    return transformers_model(module)
 
 
 class RolloutGate:
@@ -223,7 +222,7 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
         completion, logps, truncated, stats = await fut
         # the rollout's Rollout.stats (lean_forward_calls, ...): OpenRLHF copies extra_logs into
         # Experience.info, which it logs; the mark counts the rollout (parts/sampler/rollouts)
-        logs = {**{f"{STATS_PREFIX}{k}": float(v) for k, v in stats.items()}, SAMPLER_MARK: 1.0}
+        logs = {**framework_keys("sampler", stats), SAMPLER_MARK: 1.0}
         out: dict[str, Any] = {
             "prompt": prompt,
             "label": label,

@@ -9,7 +9,6 @@ environment variables or global state.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import torch
@@ -38,8 +37,8 @@ FLAGS: dict[str, tuple[type, Any, str]] = {
     "attention": (
         str,
         "none",
-        "AttentionBackend for actor/reference log-probs: none (OpenRLHF's own forward; earlier "
-        "'reference' reads as it) | shared_prefix | auto",
+        "AttentionBackend for actor/reference log-probs: none (OpenRLHF's own forward) | shared_prefix | "
+        "reference (grpo_parts' reference backend, for checking) | auto",
     ),
     "attention_kwargs": (str, "{}", 'JSON kwargs for the attention backend, e.g. \'{"kernel": "sdpa"}\''),
     "filter": (str, "keep_all", "CompletionFilter applied after group advantages: keep_all | cppo | ..."),
@@ -53,14 +52,13 @@ FLAGS: dict[str, tuple[type, Any, str]] = {
         str,
         "up",
         "make the kept rows a multiple of --train.batch_size (whole optimizer steps, equal rows per "
-        "rank): up (re-add the best pruned rows) | down (drop the worst kept rows); earlier "
-        "--grpo_parts.filter_rounding reads as it",
+        "rank): up (re-add the best pruned rows) | down (drop the worst kept rows)",
     ),
     "group_rows": (
         str,
         "auto",
         "keep each prompt's completions in the same training micro-batch: auto (= on with an attention "
-        "backend) | on | off; earlier --grpo_parts.grouped_microbatches reads as it",
+        "backend) | on | off",
     ),
     "speculative_config": (
         str,
@@ -98,8 +96,6 @@ def _json_dict(name: str, v: Any) -> dict[str, Any]:
     return out
 
 
-#: earlier flag names -> their one name (grpo_parts.parts_config.PartsConfig), read with a logged note
-LEGACY_FLAGS = {"filter_rounding": "kept_rounding", "grouped_microbatches": "group_rows"}
 #: shared settings this door does not offer -> what to use instead
 NOT_OFFERED = {
     "sampler": "OpenRLHF generates in its vLLM engines: give --grpo_parts.speculative_config",
@@ -111,7 +107,8 @@ class OpenRLHFPartsConfig(PartsConfig):
     """The one :class:`~grpo_parts.parts_config.PartsConfig` as the ``--grpo_parts.*`` flags give it,
     plus the settings only this door has (``speculative_config``, ``draft_sync``,
     ``check_first_batch``). Defaults reproduce plain OpenRLHF exactly. Flag strings are read as the
-    shared fields: ``attention none`` (or the earlier ``reference``) = OpenRLHF's own forward,
+    shared fields: ``attention none`` = OpenRLHF's own forward (``reference`` is grpo_parts' reference
+    backend, as behind every door),
     ``group_rows auto|on|off`` = None/True/False."""
 
     speculative_config: dict[str, Any] = Field(default_factory=dict)
@@ -124,13 +121,7 @@ class OpenRLHFPartsConfig(PartsConfig):
         if not isinstance(data, dict):
             return data
         out = dict(data)
-        for old, new in LEGACY_FLAGS.items():
-            if old in out:
-                if new in out:
-                    raise ValueError(f"give --grpo_parts.{new} only (--grpo_parts.{old} is its earlier name)")
-                out[new] = out.pop(old)
-                logging.getLogger(__name__).warning("--grpo_parts.%s is now --grpo_parts.%s", old, new)
-        if out.get("attention") in ("none", "reference", ""):
+        if out.get("attention") in ("none", ""):
             out["attention"] = None  # OpenRLHF's own forward
         if isinstance(out.get("group_rows"), str):
             value = out["group_rows"]

@@ -43,12 +43,12 @@ from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from grpo_parts.build import build_filter
 from grpo_parts.core import AdvantageConfig, group_advantages, group_stats
+from grpo_parts.counters import KEPT_FRACTION, REFILL_PROMPTS, ROUNDED_ROWS, WEIGHTED_ROWS, PartCounters
+from grpo_parts.doors.weights import weighted_rows
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
-from grpo_parts.filter.data_parallel import batch_multiple, rank_shares, round_rounds
-from grpo_parts.filter.protocol import KEPT_FRACTION, WEIGHTED_ROWS
+from grpo_parts.filter.rounding import batch_multiple, rank_shares, round_kept_rows
 from grpo_parts.types import ScoredBatch
 
-from .._counters import PartCounters
 from .config import ADVANTAGE_CONFIGS, skip_reasons, weighted_filter_reasons
 
 logger = logging.getLogger(__name__)
@@ -192,15 +192,15 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             (kept,) = self._round([scored], [res.kept], weighted=res.weights is not None or skipping)
             self.last_info = {
                 KEPT_FRACTION: kept.numel() / max(target, 1),
-                "refill_prompts": 0.0,
-                "rounded_rows": float(self.rounded_rows),
+                REFILL_PROMPTS: 0.0,
+                ROUNDED_ROWS: float(self.rounded_rows),
             }
             if res.weights is not None:
                 self.last_info[WEIGHTED_ROWS] = float(_weigh(samples, res.kept, res.weights, kept))
             if self.skip_stage is not None:
                 _weigh_prompts(samples, kept, self.skip_stage.row_weights(_row_prompts(samples)))
             return [samples[i] for i in kept.tolist()]
-        from grpo_parts.filter.allocation import Refiller, Round
+        from grpo_parts.filter.refill import Refiller, Round
 
         first = [True]
 
@@ -221,8 +221,8 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         rounded = self._round([s.round.scored for s in out.selections], [s.kept for s in out.selections])
         self.last_info = {
             **out.info,
-            "refill_prompts": float(out.prompts_used - len(samples) // self.group_size),
-            "rounded_rows": float(self.rounded_rows),
+            REFILL_PROMPTS: float(out.prompts_used - len(samples) // self.group_size),
+            ROUNDED_ROWS: float(self.rounded_rows),
         }
         return [sel.round.payload[i] for sel, k in zip(out.selections, rounded) for i in k.tolist()]
 
@@ -247,7 +247,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         if total == sum(s.size for s in scored):
             return kept
         mode: Literal["up", "down"] = "up" if self.rounding == "up" or weighted else "down"
-        rounded = round_rounds(scored, kept, self.batch_multiple, mode, field="train.batch_size")
+        rounded = round_kept_rows(scored, kept, self.batch_multiple, mode, field="train.batch_size")
         self.rounded_rows = sum(int(k.numel()) for k in rounded) - total
         if weighted and self.rounded_rows < 0:
             raise GRPOPartsError(
@@ -366,8 +366,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
 def _weigh(samples: list[Experience], drawn: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor) -> int:
     """Put each kept sample's weight times ``kept / rolled-out rows`` in its info (``_W_KEY``; rows the
     rounding re-added: 0); returns how many rows carry a weight."""
-    w = torch.zeros(len(samples), dtype=torch.float64)
-    w[drawn.cpu()] = weights.detach().cpu().double() * (kept.numel() / len(samples))
+    w = weighted_rows(len(samples), drawn, weights, kept.numel())
     for i in kept.tolist():
         samples[i].info[_W_KEY] = w[i : i + 1].clone()
     return int((w[kept.cpu()] > 0).sum())

@@ -25,7 +25,6 @@ from ._scoped import run_entry_script
 from .config import (
     ADVANTAGE_CONFIGS,
     FLAGS,
-    LEGACY_FLAGS,
     OpenRLHFPartsConfig,
     skip_reasons,
     weighted_filter_reasons,
@@ -42,8 +41,6 @@ def add_parts_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("grpo_parts", "grpo_parts accelerators (docs/adapters/openrlhf.md)")
     for name, (typ, default, help_) in FLAGS.items():
         group.add_argument(f"--grpo_parts.{name}", type=typ, default=default, help=help_)
-    for old in LEGACY_FLAGS:  # earlier names, read as their one name (logged)
-        group.add_argument(f"--grpo_parts.{old}", type=str, default=None, help=argparse.SUPPRESS)
 
 
 def parts_from_namespace(ns: argparse.Namespace) -> OpenRLHFPartsConfig:

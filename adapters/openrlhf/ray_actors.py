@@ -30,10 +30,10 @@ from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.trainer.ray.launcher import ReferenceModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-from grpo_parts.counters import framework_key
+from grpo_parts.counters import FIRST_BATCH_DIFF, SKIPPED_STEPS, PartCounters, door_key, framework_keys
+from grpo_parts.doors.skipping import build_skipper
+from grpo_parts.wrappers import transformers_model
 
-from .._counters import PartCounters
-from .._wrapped import hf_model
 from ._scoped import with_globals
 from .actor import GRPOPartsActor
 from .config import OpenRLHFPartsConfig, skip_reasons
@@ -63,7 +63,7 @@ def use_parts_backend(actor: Any, args: Any, role: str) -> None:
     parts = OpenRLHFPartsConfig.from_args(args)
     if parts.attention is None:
         return
-    backend = parts.build_attention(hf_model(actor.model))
+    backend = parts.build_attention(transformers_model(actor.model))
     actor.use_backend(backend)
     logger.info("grpo_parts %s: log-probs by attention backend %r", role, backend.name)
 
@@ -74,7 +74,7 @@ def counters_of(actor: Any) -> dict[str, float]:
         return {}
     out = {**actor.counters.flush(), **actor.flush_tokens()}
     if actor.check_first_batch and actor.first_batch_diff is not None:
-        out["parts/attention/first_batch_logprob_max_abs_diff"] = actor.first_batch_diff
+        out[door_key("openrlhf", FIRST_BATCH_DIFF)] = actor.first_batch_diff
         actor.check_first_batch = False  # reported once
     return out
 
@@ -208,14 +208,12 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
             self.skipped_steps += 1
             logger.warning("grpo_parts: step %d skipped: %s", global_step, e)
             return {
-                "parts/filter/skipped_steps": float(self.skipped_steps),
+                door_key("openrlhf", SKIPPED_STEPS): float(self.skipped_steps),
                 **self.part_counts(),
             }, global_step
         # the filter's diagnostics under the name verl logs them by (parts/filter/<counter>)
-        status.update({f"parts/filter/{k}": v for k, v in self.experience_maker.last_info.items()})
-        status.update(
-            {framework_key("prompt_skip", k): v for k, v in self.experience_maker.last_skip_info.items()}
-        )
+        status.update(framework_keys("filter", self.experience_maker.last_info))
+        status.update(framework_keys("prompt_skip", self.experience_maker.last_skip_info))
         status.update(self.part_counts())
         return status, step
 
@@ -223,13 +221,11 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
 def skip_stage(parts: OpenRLHFPartsConfig, args: Any) -> SkipStage | None:
     """The prompt skipping stage ``--grpo_parts.prompt_skip`` asks for (None: every prompt rolled
     out); what cannot stay unbiased is refused in one line."""
-    from grpo_parts.skip.stage import checked_skipper
-
-    skipper = checked_skipper(
+    skipper = build_skipper(
         parts.prompt_skip,
         parts.prompt_skip_kwargs,
-        where="grpo_parts.prompt_skip_kwargs",
-        switch=f"--grpo_parts.prompt_skip {parts.prompt_skip}",
+        door="OpenRLHF",
+        setting="grpo_parts.prompt_skip",
         reasons=lambda: skip_reasons(args, parts.refill_rounds),
     )
     return None if skipper is None else SkipStage(skipper, int(args.rollout.n_samples_per_prompt))

@@ -31,7 +31,8 @@ from typing import Any
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
-from .._counters import PartCounters
+from grpo_parts.counters import PartCounters
+
 from .agent import SAMPLER_MARK
 from .skipping import SkipStage
 

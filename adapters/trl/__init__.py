@@ -6,7 +6,7 @@
     from grpo_parts_adapters.trl import GRPOPartsTrainer
     trainer = GRPOPartsTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
                                processing_class=tok, sampler="speculative", draft="ngram",
-                               attention="shared_prefix", completion_filter="cppo",
+                               attention="shared_prefix", filter="cppo",
                                filter_kwargs={"pruning_rate": 0.5})
     # or the one parts configuration every door reads (grpo_parts.parts_config):
     trainer = GRPOPartsTrainer(..., parts=PartsConfig(filter="cppo", refill_rounds=1))

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 #: the file beside TRL's own in each ``checkpoint-<step>`` folder
 STATE_FILE = "grpo_parts_state.pt"
 #: trainer attribute -> key in :data:`STATE_FILE`
-PARTS_WITH_STATE = {"gp_skipper": "prompt_skip", "gp_filter": "completion_filter"}
+PARTS_WITH_STATE = {"gp_skipper": "prompt_skip", "gp_filter": "filter"}
 
 
 def parts_state(trainer: Any) -> dict[str, Any]:

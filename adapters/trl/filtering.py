@@ -31,13 +31,22 @@ from typing import Any
 
 import torch
 
+from grpo_parts.counters import (
+    KEPT_FRACTION,
+    NO_LOSS_ROWS,
+    NUM_KEPT,
+    ROUNDING,
+    ROWS_SCORED,
+    WEIGHTED_ROWS,
+    PartCounters,
+    framework_key,
+)
+from grpo_parts.doors.weights import kept_scale
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
-from grpo_parts.filter.allocation import Refiller, Round
 from grpo_parts.filter.apply import select_rows
-from grpo_parts.filter.protocol import WEIGHTED_ROWS
+from grpo_parts.filter.refill import Refiller, Round
 from grpo_parts.types import ScoredBatch
 
-from .._counters import PartCounters
 from .options import ROW_NORMALISED_LOSSES, TRLPartsOptions
 from .rows import concat_batches, drop_no_loss_rows, round_kept
 from .skipping import SkipSeam
@@ -67,7 +76,7 @@ class FilterSeam(SkipSeam):
 
     def _gp_log(self, prefix: str, stats: dict[str, Any]) -> None:
         for k, v in stats.items():
-            self._metrics[self._gp_mode()][f"parts/{prefix}/{k}"].append(float(v))
+            self._metrics[self._gp_mode()][framework_key(prefix, k)].append(float(v))
 
     def _gp_count(self, part: str, served: bool) -> None:
         """One call of ``part``: through the part, or (not served, or the part is not the one asked
@@ -133,8 +142,7 @@ class FilterSeam(SkipSeam):
 
     def _gp_next_prompts(self, n: int) -> list[dict[str, Any]]:
         if self._gp_stream is None:
-            seed = self.parts_options.refill_seed
-            self._gp_stream = self._gp_prompt_stream(self.args.seed + 1 if seed is None else seed)
+            self._gp_stream = self._gp_prompt_stream()
         return [next(self._gp_stream) for _ in range(n)]
 
     def _gp_log_kept(self, flags: list[torch.Tensor]) -> None:
@@ -158,7 +166,7 @@ class FilterSeam(SkipSeam):
             n = out["completion_ids"].shape[0]
             lengths = self._gp_loss_mask(out).sum(-1).long()
             self._gp_log("prompt_skip", self._gp_skip_observe(self._gp_rewards(n)[0], lengths))
-            out["advantages"] = _times_rows(out["advantages"], self._gp_skip.row_weights)
+            out["advantages"] = _times_rows(out["advantages"], self._gp_skip)
         if mode == "train":
             self._gp_count("filter", served=False)
         elif self.gp_filter is not None:  # eval batches are not filtered: every row counts
@@ -209,7 +217,7 @@ class FilterSeam(SkipSeam):
         reasons = list(self.gp_filter.not_supported_reasons(scored))
         if reasons:
             if self.parts_options.strict:
-                raise NotSupportedError(f"completion_filter {self.gp_filter.name!r}", reasons)
+                raise NotSupportedError(f"filter {self.gp_filter.name!r}", reasons)
             self._gp_counters.fell_back("filter", "; ".join(reasons), mode=mode)
             return [torch.arange(n, device=scored.rewards.device)], {}, [None]
         if self.parts_config.refill_rounds:
@@ -249,13 +257,13 @@ class FilterSeam(SkipSeam):
         TRL normalises by the micro-batch's row count; returns how many rows carry a weight (> 0)."""
         w = torch.cat(weights).to(torch.float64)
         if rescale and self.loss_type in ROW_NORMALISED_LOSSES:
-            w = w * (w.numel() / total)
+            w = w * kept_scale(w.numel(), total)
         batch["advantages"] = _times_rows(batch["advantages"], w)
         return float((w > 0).sum())
 
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         mode = self._gp_mode()
-        if self.gp_skipper is not None and mode == "train":
+        if self._gp_stage is not None and mode == "train":
             inputs = self._gp_skip_prompts(inputs)
         try:
             if self.gp_filter is None or mode != "train":
@@ -277,7 +285,7 @@ class FilterSeam(SkipSeam):
             for c, k, w in zip(rounds, kept, drawn)
         ]
         if self._gp_skip is not None:  # one round: refill is refused with skipping
-            row_w[0] = row_w[0] * self._gp_skip.row_weights
+            row_w[0] = row_w[0] * self._gp_skip
         return row_w
 
     def _gp_filtered(self, inputs: Any, mode: str) -> Any:
@@ -318,8 +326,10 @@ class FilterSeam(SkipSeam):
             )
             if weighted:
                 info[WEIGHTED_ROWS] = n_weighted
-        info.update(kept_fraction=num_kept / total, num_kept=num_kept, rows_scored=total, rounding=changed)
-        info["no_loss_rows"] = float(sum(int(d.sum()) for d in no_loss))
+        info.update(
+            {KEPT_FRACTION: num_kept / total, NUM_KEPT: num_kept, ROWS_SCORED: total, ROUNDING: changed}
+        )
+        info[NO_LOSS_ROWS] = float(sum(int(d.sum()) for d in no_loss))
         self._gp_log("filter", info)
         return batch
 

@@ -11,21 +11,17 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.filter.allocation import legacy_refill
-from grpo_parts.parts_config import PartsConfig
-
-PARTS = ("sampler", "attention", "completion_filter")
+from grpo_parts.parts_config import KnownFields, PartsConfig
 
 
-class TRLPartsOptions(BaseModel):
+class TRLPartsOptions(KnownFields):
     """How the adapter applies the parts: the settings only the TRL door has. Which parts run, and
     the settings every door shares (``refill_rounds``, ``kept_rounding``, ``group_rows``), are the
-    one :class:`~grpo_parts.parts_config.PartsConfig` (``GRPOPartsTrainer(parts=...)``); earlier
-    0.1 commits' ``refill_rounds`` / ``group_rows`` / ``filter_remainder`` here are read as it, logged.
+    one :class:`~grpo_parts.parts_config.PartsConfig` (``GRPOPartsTrainer(parts=...)``).
 
     ``strict``: a part that cannot apply to the trainer's config raises
     :class:`~grpo_parts.errors.NotSupportedError` listing the reasons (default); ``False`` logs the
@@ -44,8 +40,6 @@ class TRLPartsOptions(BaseModel):
     :data:`TESTED_TRL` is refused at construction; ``True`` tries anyway, with a warning.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     strict: bool = True
     defer_logprobs: bool = True
     refill_target_size: int | None = Field(None, ge=1)
@@ -54,77 +48,40 @@ class TRLPartsOptions(BaseModel):
         None, description="seed of the refill prompt order (default: args.seed + 1)"
     )
     allow_untested_trl: bool = False
-    #: shared settings given here by earlier 0.1 commits' spelling, read into ``parts`` (logged)
-    moved_to_parts: dict[str, Any] = Field(default_factory=dict, exclude=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _moved(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not set(data) & (set(MOVED) | {"refill", "max_refill_rounds"}):
-            return data
-        data = legacy_refill(data, "max_refill_rounds", counts_first_round=True, where="TRLPartsOptions")
-        out, moved = dict(data), dict(data.get("moved_to_parts") or {})
-        for old, (new, read) in MOVED.items():
-            if old in out:
-                moved[new] = read(out.pop(old))
-                logging.getLogger(__name__).warning(
-                    "TRLPartsOptions(%s=...) is now PartsConfig(%s=%r), the setting every door shares; "
-                    "pass GRPOPartsTrainer(parts=PartsConfig(...))", old, new, moved[new]
-                )  # fmt: skip
-        return {**out, "moved_to_parts": moved}
 
 
-#: earlier ``TRLPartsOptions`` fields -> (their ``PartsConfig`` name, how the value reads there);
-#: the still earlier ``refill`` / ``max_refill_rounds`` are folded into ``refill_rounds`` first
-MOVED: dict[str, tuple[str, Any]] = {
-    "refill_rounds": ("refill_rounds", int),
-    "group_rows": ("group_rows", lambda v: v),
-    "filter_remainder": ("kept_rounding", lambda v: {"restore": "up", "drop": "down"}.get(v, v)),
-}
-
-#: the part keywords of ``GRPOPartsTrainer`` -> their ``PartsConfig`` name
-PART_KEYWORDS = {
-    "sampler": "sampler",
-    "draft": "draft",
-    "attention": "attention",
-    "completion_filter": "filter",
-    "prompt_skip": "prompt_skip",
-}
+#: the part keywords of ``GRPOPartsTrainer`` / :func:`~.build.make_trainer`: the parts of the one
+#: :class:`PartsConfig` (``sampler=``, ``filter=``, ...) and their ``*_kwargs``
+PART_NAMES = ("sampler", "draft", "attention", "filter", "prompt_skip")
+PART_KEYWORDS = PART_NAMES + tuple(f"{name}_kwargs" for name in PART_NAMES)
 
 
 def trl_parts(
-    parts: PartsConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any], options: TRLPartsOptions
+    parts: PartsConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any]
 ) -> tuple[PartsConfig, dict[str, Any]]:
     """This trainer's one :class:`PartsConfig` and the part keywords to build from.
 
-    ``parts`` (the shared config), the part keywords (``sampler=``, ``completion_filter=``,
-    ``*_kwargs``: a name or an instance, as before) and ``options.moved_to_parts`` are three ways to
-    give a setting; each setting may come from one of them only (two are refused with one line).
-    An instance stays a keyword (the config records no name for it)."""
-    if isinstance(parts, PartsConfig):
-        given = parts.model_dump(include=parts.model_fields_set)
-    else:
-        given = dict(parts or {})
+    ``parts`` (the shared config) and the part keywords (:data:`PART_KEYWORDS`: a name or an
+    instance) are two ways to give a setting; each setting may come from one of them only (both are
+    refused with one line). An instance stays a keyword (the config records no name for it)."""
+    given = (
+        parts.model_dump(include=parts.model_fields_set)
+        if isinstance(parts, PartsConfig)
+        else dict(parts or {})
+    )
+    unknown = sorted(set(keywords) - set(PART_KEYWORDS))
+    if unknown:
+        raise GRPOPartsError(f"{unknown[0]}: not a part keyword; expected one of {list(PART_KEYWORDS)}")
     for key, value in keywords.items():
         if value is None:
             continue
-        field = PART_KEYWORDS.get(key, key)
-        if field in given:
-            raise GRPOPartsError(f"{key}: given both as parts.{field} and as the keyword {key}=; give one")
-        if isinstance(value, (str, dict)):
-            given[field] = value
-    for key, value in options.moved_to_parts.items():
         if key in given:
-            raise GRPOPartsError(f"parts.{key}: given both in parts and in TRLPartsOptions; give it in parts")
-        given[key] = value
+            raise GRPOPartsError(f"{key}: given both as parts.{key} and as the keyword {key}=; give one")
+        if isinstance(value, (str, dict)):
+            given[key] = value
     config = PartsConfig.for_door("trl", given)
     # what was given (a name, kwargs or an instance) is built; an unset part stays TRL's own (None)
-    built = {
-        key: getattr(config, PART_KEYWORDS.get(key, key))
-        if PART_KEYWORDS.get(key, key) in given
-        else keywords[key]
-        for key in keywords
-    }
+    built = {key: getattr(config, key) if key in given else keywords.get(key) for key in PART_KEYWORDS}
     return config, built
 
 

@@ -19,9 +19,10 @@ from typing import Any, Literal
 import torch
 
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch, RankAgreeing
-from grpo_parts.attention.shared_prefix.chunking import agree_on_calls, empty_call_batch, ranks_of
+from grpo_parts.attention.shared_prefix.chunking import empty_call_batch
+from grpo_parts.distributed import agree_on_calls, ranks_of
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.filter.data_parallel import round_to_multiple
+from grpo_parts.filter.rounding import round_to_multiple
 from grpo_parts.types import ScoredBatch
 
 
@@ -225,7 +226,7 @@ def round_kept(
     mode: Literal["up", "down"],
     last: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], int]:
-    """:func:`grpo_parts.filter.data_parallel.round_to_multiple` for ``steps_per_generation``."""
+    """:func:`grpo_parts.filter.rounding.round_to_multiple` for ``steps_per_generation``."""
     return round_to_multiple(scored, kept, multiple, mode, last, field="steps_per_generation")
 
 

@@ -4,7 +4,7 @@ before TRL generates, so prompts whose recent groups all had equal rewards are r
 
 **A batch.** TRL hands ``_generate_and_score_completions`` its generation batch: ``n`` prompts, each
 repeated ``num_generations`` times in a row. Their ids (:func:`~grpo_parts.skip.protocol.prompt_key`
-of the prompt) go first into a :class:`~grpo_parts.skip.draw.PromptDraw`, followed by a seeded
+of the prompt) go first into the run's :class:`~grpo_parts.skip.stage.SkipStage` (every door's), then a seeded
 stream over ``train_dataset`` (``args.seed + 1``, independent of TRL's dataloader): the draw takes
 prompts while their inclusion probabilities fit ``n`` (so TRL's ``n`` prompts always, plus as many of
 the stream's as the skipped ones leave room for), keeps exactly ``n`` of them (systematic sampling),
@@ -32,18 +32,16 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from grpo_parts.build import build_prompt_skipper
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
+from grpo_parts.doors.skipping import build_skipper
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
-from grpo_parts.skip.draw import PromptDraw
-from grpo_parts.skip.protocol import PromptId, PromptSkipper, prompt_id, skips
-from grpo_parts.skip.stage import off_note
+from grpo_parts.skip.protocol import PromptId, PromptSkipper, prompt_id
+from grpo_parts.skip.stage import SkipStage
 
 from .checkpoint import StateSeam
 from .options import ROW_NORMALISED_LOSSES, PartsConfig, TRLPartsOptions, draw_dependent, unscaled_terms
@@ -95,30 +93,32 @@ def skip_config_reasons(trainer: Any, parts: PartsConfig) -> list[str]:
 
 def accept_skipper(trainer: SkipSeam, spec: Any, kwargs: dict[str, Any] | None) -> PromptSkipper | None:
     """The skipper ``spec`` names (``None``, ``"none"``, ``"history"`` or an instance), or None where
-    it never skips; where this trainer's config cannot keep it unbiased: refused
-    (``parts_options.strict``), else logged at WARNING and every prompt rolled out."""
-    trainer._gp_skip, trainer._gp_skip_ahead, trainer._gp_skip_stream = None, [], None
-    if spec is None or spec == "none":
-        logger.info(off_note("prompt_skip", skip_config_reasons(trainer, trainer.parts_config)))
-        return None
-    skipper = build_prompt_skipper(spec, kwargs=kwargs)
-    if not skips(skipper):
-        return None
-    reasons = skip_config_reasons(trainer, trainer.parts_config)
-    if skipper.step_size != "fill":
-        reasons.append(
-            f"step_size={skipper.step_size!r}: TRL's generation batch has a fixed size (use 'fill': "
-            "skipped prompts are made up for by drawing more)"
+    it never skips, with the run's :class:`~grpo_parts.skip.stage.SkipStage` (``_gp_stage``); where
+    this trainer's config cannot keep it unbiased: refused (``parts_options.strict``), else logged
+    at WARNING and every prompt rolled out."""
+    trainer._gp_stage, trainer._gp_skip = None, None
+    try:
+        skipper = build_skipper(
+            "none" if spec is None else spec,
+            kwargs,
+            door="TRL",
+            setting="prompt_skip",
+            reasons=lambda: skip_config_reasons(trainer, trainer.parts_config),
         )
-    if not reasons:
-        return skipper
-    if trainer.parts_options.strict:
-        raise NotSupportedError(f"prompt_skip {spec!r} on this GRPOTrainer", reasons)
-    trainer.parts_refused["prompt_skip"] = reasons
-    logger.warning(
-        "grpo_parts: prompt_skip %r not applied, every prompt is rolled out: %s", spec, "; ".join(reasons)
-    )
-    return None
+    except NotSupportedError as e:
+        if trainer.parts_options.strict:
+            raise
+        trainer.parts_refused["prompt_skip"] = e.reasons
+        logger.warning(
+            "grpo_parts: %s not applied, every prompt is rolled out: %s", e.impl, "; ".join(e.reasons)
+        )
+        return None
+    if skipper is not None:
+        stream = BatchThenStream(trainer._gp_prompt_stream)
+        trainer._gp_stage = SkipStage(
+            skipper, int(trainer.num_generations or 1), stream, row_prompt_key, "TRL"
+        )
+    return skipper
 
 
 def row_prompt_key(row: dict[str, Any]) -> PromptId:
@@ -126,19 +126,22 @@ def row_prompt_key(row: dict[str, Any]) -> PromptId:
     return prompt_id(row.get("prompt"))
 
 
-class _BatchThenStream(Iterator[dict[str, Any]]):
-    """TRL's prompts, then the seeded stream's, with ``peek()``: a prompt the draw reads but cannot fit
+class BatchThenStream(Iterator[dict[str, Any]]):
+    """TRL's prompts of the current batch (:attr:`batch`), then a seeded stream over
+    ``train_dataset`` (opened on first use), with ``peek()``: a prompt the draw reads but cannot fit
     stays at the stream's head for the next batch."""
 
-    def __init__(
-        self, batch: list[dict[str, Any]], stream: Iterator[dict[str, Any]], ahead: list[dict[str, Any]]
-    ):
-        self.batch, self.stream, self.ahead = list(batch), stream, ahead
+    def __init__(self, open_stream: Callable[[], Iterator[dict[str, Any]]]) -> None:
+        self.open_stream = open_stream
+        self.stream: Iterator[dict[str, Any]] | None = None
+        self.batch: list[dict[str, Any]] = []
+        self.ahead: list[dict[str, Any]] = []
 
     def peek(self) -> dict[str, Any]:
         if self.batch:
             return self.batch[0]
         if not self.ahead:
+            self.stream = self.stream or self.open_stream()
             self.ahead.append(next(self.stream))
         return self.ahead[0]
 
@@ -148,38 +151,33 @@ class _BatchThenStream(Iterator[dict[str, Any]]):
         return row
 
 
-@dataclass(frozen=True)
-class SkipBatch:
-    """One generation batch's draw: ``row_weights: [N]`` float64, each rolled-out row's prompt
-    ``1 / p`` times ``rolled out / drawn`` (rows in TRL's order, ``G`` per prompt)."""
-
-    draw: PromptDraw[dict[str, Any]]
-    row_weights: torch.Tensor
-
-
 class SkipSeam(StateSeam):
-    """``GRPOTrainer`` with the prompt-skipping stage; set up by :class:`~.trainer.GRPOPartsTrainer`."""
+    """``GRPOTrainer`` with the prompt-skipping stage; set up by :class:`~.trainer.GRPOPartsTrainer`.
+    ``_gp_skip``: this batch's row weights ``[N]`` (None: no skipping in this batch)."""
 
     gp_skipper: PromptSkipper | None
     parts_options: TRLPartsOptions
     parts_config: PartsConfig
     parts_refused: dict[str, list[str]]
-    _gp_skip: SkipBatch | None
-    _gp_skip_ahead: list[dict[str, Any]]
-    _gp_skip_stream: Iterator[dict[str, Any]] | None
+    _gp_stage: SkipStage[dict[str, Any]] | None
+    _gp_skip: torch.Tensor | None
+    _gp_skip_ids: list[PromptId]
 
-    def _gp_prompt_stream(self, seed: int) -> Iterator[dict[str, Any]]:
-        gen = torch.Generator().manual_seed(seed)
+    def _gp_prompt_stream(self) -> Iterator[dict[str, Any]]:
+        """``train_dataset`` in a seeded order independent of TRL's dataloader (``refill_seed``,
+        default ``args.seed + 1``), for ever."""
+        seed = self.parts_options.refill_seed
+        gen = torch.Generator().manual_seed(int(self.args.seed) + 1 if seed is None else seed)
         ds = self.train_dataset
         while True:
             for i in torch.randperm(len(ds), generator=gen).tolist():  # type: ignore[arg-type]
                 yield ds[i]  # type: ignore[index]
 
     def _gp_skip_prompts(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``inputs`` with its prompts drawn through the skipper (module docstring); sets ``_gp_skip``."""
-        assert self.gp_skipper is not None
-        g = int(self.num_generations or 1)
-        prompts = inputs[::g]
+        """``inputs`` with its prompts drawn through the stage (module docstring); sets ``_gp_skip``."""
+        stage = self._gp_stage
+        assert stage is not None
+        g = stage.group_size
         if len(inputs) % g or any(
             row_prompt_key(r) != row_prompt_key(inputs[i - i % g]) for i, r in enumerate(inputs)
         ):
@@ -187,23 +185,18 @@ class SkipSeam(StateSeam):
                 f"prompt_skip: expected TRL's generation batch as runs of num_generations={g} rows per prompt, "
                 f"got {len(inputs)} rows that are not"
             )
-        if self._gp_skip_stream is None:
-            seed = self.parts_options.refill_seed
-            self._gp_skip_stream = self._gp_prompt_stream(int(self.args.seed) + 1 if seed is None else seed)
-        stream = _BatchThenStream(prompts, self._gp_skip_stream, self._gp_skip_ahead)
-        draw = PromptDraw(self.gp_skipper, stream, row_prompt_key)
-        kept = draw.take(len(prompts))
-        weights = draw.prompt_weights() / draw.normaliser_scale()
-        self._gp_skip = SkipBatch(draw, weights.repeat_interleave(g))
-        return [copy.deepcopy(row) for row in kept for _ in range(g)]
+        stage.draw.stream.batch = list(inputs[::g])  # type: ignore[attr-defined]
+        rows = [copy.deepcopy(row) for row in stage.take_round(len(inputs) // g) for _ in range(g)]
+        self._gp_skip = stage.weights_for([row_prompt_key(r) for r in rows])
+        self._gp_skip_ids = [row_prompt_key(r) for r in rows]
+        return rows
 
     def _gp_skip_observe(self, rewards: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
         """The skipper learns from the rolled-out rows' ``rewards: [N]`` (weighted sum over the
         reward functions) and completion ``lengths: [N]``; returns the batch's skip metrics."""
-        assert self._gp_skip is not None
-        g = int(self.num_generations or 1)
-        groups = torch.arange(rewards.numel()) // g
+        stage = self._gp_stage
+        assert stage is not None
+        groups = torch.arange(rewards.numel()) // stage.group_size
         r = torch.nan_to_num(rewards.detach().cpu().double(), nan=0.0)
-        self._gp_skip.draw.observe([r], [groups], [lengths.detach().cpu()])
-        fallback = float(lengths.float().mean()) if lengths.numel() else 0.0
-        return self._gp_skip.draw.metrics(g, fallback)
+        stage.observe(self._gp_skip_ids, r, groups, lengths.detach().cpu())
+        return stage.metrics(float(lengths.float().mean()) if lengths.numel() else 0.0)

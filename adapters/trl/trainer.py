@@ -3,12 +3,12 @@
 Each part is optional and independent (``None`` = TRL's own code path, untouched):
 
 * ``sampler``  -> ``_generate_single_turn`` (TRL's plain ``transformers.generate`` path). The sampler's
-  ``Rollout.stats`` (e.g. speculative acceptance) go to ``self._metrics[mode]["parts/sampler/..."]``.
+  ``Rollout.stats`` (e.g. speculative acceptance) go to ``self._metrics[mode]`` (``parts/sampler/...``).
   A learnable draft is trained by the speculative sampler right after each training rollout, before
   the policy update (FastGRPO's "one step behind"); the adapter switches that off for eval rollouts.
 * ``attention`` -> ``_get_per_token_logps_and_entropies`` (policy, old-policy and reference
   log-probs). Rows arrive shuffled and cut into micro-batches by TRL; they are regrouped by prompt content.
-* ``completion_filter`` -> ``_generate_and_score_completions`` (:mod:`.filtering`): after TRL's
+* ``filter`` -> ``_generate_and_score_completions`` (:mod:`.filtering`): after TRL's
   advantages, every per-row entry of the batch is sliced to the kept rows, ``num_items_in_batch`` is
   recomputed from the kept tokens, and the kept count is made a multiple of ``steps_per_generation``
   (see :class:`~.options.TRLPartsOptions`). Training batches only; eval batches are not filtered.
@@ -35,15 +35,17 @@ import torch
 from grpo_parts.attention.protocol import RankAgreeing
 from grpo_parts.attention.shared_prefix.backend import select_attention
 from grpo_parts.build import build_attention, build_part, choose_attention
-from grpo_parts.counters import ATTENTION_CALLS
+from grpo_parts.counters import ATTENTION_CALLS, PartCounters, attention_calls
+from grpo_parts.distributed import ranks_of
+from grpo_parts.doors.agreement import agree_fallback
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.protocol import WeighsLoss
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
+from grpo_parts.wrappers import calls_through
 
-from .._counters import PartCounters, attention_calls
-from .._wrapped import backend_model
 from .filtering import FilterSeam
 from .options import (
+    PART_KEYWORDS,
     PartsConfig,
     TRLPartsOptions,
     attention_config_reasons,
@@ -61,7 +63,6 @@ logger = logging.getLogger(__name__)
 
 #: metric name of each part and what one call of it is
 COUNTED = {"sampler": "rollouts", "attention": "forwards", "filter": "calls"}
-_METRIC = {"sampler": "sampler", "attention": "attention", "completion_filter": "filter"}
 
 
 @contextmanager
@@ -76,36 +77,21 @@ def _training(model: torch.nn.Module) -> Iterator[None]:
 
 
 class GRPOPartsTrainer(FilterSeam):
-    """``GRPOTrainer(*args, **kwargs)`` plus ``sampler``, ``draft``, ``attention``,
-    ``completion_filter``, ``prompt_skip`` (each ``None``, a registered name, or an instance), their
-    ``*_kwargs`` for construction by name, and ``parts_options``."""
+    """``GRPOTrainer(*args, **kwargs)`` plus the part keywords (:data:`~.options.PART_KEYWORDS`:
+    ``sampler``, ``draft``, ``attention``, ``filter``, ``prompt_skip``, each ``None``, a registered
+    name or an instance, and their ``*_kwargs`` for construction by name), ``parts`` (the one
+    :class:`PartsConfig`) and ``parts_options``."""
 
     def __init__(
         self,
         *args: Any,
-        sampler: Any = None,
-        draft: Any = None,
-        attention: Any = None,
-        completion_filter: Any = None,
-        sampler_kwargs: dict[str, Any] | None = None,
-        draft_kwargs: dict[str, Any] | None = None,
-        attention_kwargs: dict[str, Any] | None = None,
-        filter_kwargs: dict[str, Any] | None = None,
-        prompt_skip: Any = None,
-        prompt_skip_kwargs: dict[str, Any] | None = None,
         parts: PartsConfig | dict[str, Any] | None = None,
         parts_options: TRLPartsOptions | None = None,
         **kwargs: Any,
     ) -> None:
         options = parts_options or TRLPartsOptions()
         check_trl_version(options)  # before TRL's own set-up: the seams below are private methods
-        # the part keywords, a PartsConfig and earlier TRLPartsOptions fields: one config (.options)
-        config, kw = trl_parts(parts, dict(
-            sampler=sampler, draft=draft, attention=attention, completion_filter=completion_filter,
-            prompt_skip=prompt_skip, sampler_kwargs=sampler_kwargs, draft_kwargs=draft_kwargs,
-            attention_kwargs=attention_kwargs, filter_kwargs=filter_kwargs,
-            prompt_skip_kwargs=prompt_skip_kwargs,
-        ), options)  # fmt: skip
+        config, kw = trl_parts(parts, {k: kwargs.pop(k) for k in PART_KEYWORDS if k in kwargs})
         super().__init__(*args, **kwargs)
         self.parts_options = options
         #: the one parts configuration (grpo_parts.parts_config), as every door reads it
@@ -131,13 +117,11 @@ class GRPOPartsTrainer(FilterSeam):
                 a_reasons = list(a.not_supported_reasons(policy))
         self.gp_attention = self._gp_accept("attention", a, a_reasons)
 
-        f = build_part(
-            "filter", kw["completion_filter"], policy, kwargs=kw["filter_kwargs"], where="filter_kwargs"
-        )
+        f = build_part("filter", kw["filter"], policy, kwargs=kw["filter_kwargs"])
         f_reasons = filter_config_reasons(self, config)
         if isinstance(f, WeighsLoss):  # dppo: its weights ride on the advantages (.filtering)
             f_reasons += weighted_filter_reasons(self, config)
-        self.gp_filter = self._gp_accept("completion_filter", f, f_reasons)
+        self.gp_filter = self._gp_accept("filter", f, f_reasons)
         self.gp_skipper = accept_skipper(self, kw["prompt_skip"], kw["prompt_skip_kwargs"])
         self._gp_group_rows = self._gp_resolve_group_rows()
 
@@ -196,17 +180,15 @@ class GRPOPartsTrainer(FilterSeam):
     def _gp_accept(self, part: str, obj: Any, reasons: list[str]) -> Any:
         if obj is None:
             return None
-        self._gp_counters.track(_METRIC[part])
+        self._gp_counters.track(part)
         if not reasons:
             return obj
         name = getattr(obj, "name", type(obj).__name__)
         if self.parts_options.strict:
             raise NotSupportedError(f"{part} {name!r} on this GRPOTrainer", reasons)
         self.parts_refused[part] = reasons
-        self._gp_off[_METRIC[part]] = f"{part} {name!r} not applied, TRL's own path is used: " + "; ".join(
-            reasons
-        )
-        self._gp_counters.note(_METRIC[part], self._gp_off[_METRIC[part]])
+        self._gp_off[part] = f"{part} {name!r} not applied, TRL's own path is used: " + "; ".join(reasons)
+        self._gp_counters.note(part, self._gp_off[part])
         return None
 
     def _gp_resolve_group_rows(self) -> bool:
@@ -342,7 +324,7 @@ class GRPOPartsTrainer(FilterSeam):
             logps, ents = regrouped_logprobs(
                 self.gp_attention,
                 # the model inside DeepSpeed's engine / DDP, every call through the wrapper TRL passed
-                backend_model(model, self.accelerator.unwrap_model(model)),
+                calls_through(model, self.accelerator.unwrap_model(model)),
                 input_ids,
                 attention_mask,
                 logits_to_keep,
@@ -361,22 +343,22 @@ class GRPOPartsTrainer(FilterSeam):
         model). With several processes (one all-reduce per call) every rank falls back when any rank
         has such a batch: the backend would make no model call there, and every rank must make the
         same calls (ZeRO-3 / FSDP gather parameters in each forward, the backends agree on plans)."""
-        from grpo_parts.attention.shared_prefix.chunking import agree_max, ranks_of
-
         dead = not bool(completion_mask.any())
         attention = self.gp_attention
         group = attention.rank_group if isinstance(attention, RankAgreeing) else None
-        if ranks_of(group) > 1 and bool(agree_max([int(dead)], group, completion_mask.device)[0]):
-            return (
-                "a batch whose every completion is masked (mask_truncated_completions) on this or another "
-                "data-parallel rank: every rank runs TRL's own forward for it"
-            )
-        if dead and torch.is_grad_enabled():
-            return (
+        every = (
+            "a batch whose every completion is masked (mask_truncated_completions) on this or another "
+            "data-parallel rank: every rank runs TRL's own forward for it"
+        )
+        own = None
+        if dead and ranks_of(group) > 1:
+            own = every
+        elif dead and torch.is_grad_enabled():
+            own = (
                 "a micro-batch whose every completion is masked (mask_truncated_completions) runs TRL's "
                 "own forward, so that backward has a graph"
             )
-        return None
+        return agree_fallback(own, 0, group, completion_mask.device, other=every)[0]
 
     @contextmanager
     def _gp_kernel_scope(self) -> Iterator[None]:

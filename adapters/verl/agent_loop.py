@@ -36,11 +36,10 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.workers.rollout.replica import TokenOutput
 
 from grpo_parts import build as parts_build
+from grpo_parts.doors.grouping import identical_prompt_groups
+from grpo_parts.doors.policy_copy import PolicyCopy
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
-
-from .._grouping import identical_prompt_groups
-from .._policy_copy import PolicyCopy
 
 NAME = "grpo_parts_agent"
 

@@ -12,7 +12,7 @@ planned by the backend and agreed across the data-parallel ranks, in verl's roll
 verl's own loss function) or handed to verl's forward when the data needs it
 (non-empty multi-modal inputs, 3-D position ids, top-k distillation, ``calculate_sum_pi_squared``,
 per-sample temperatures, a layout above ``max_padding_ratio``). What ran is counted
-(:class:`~grpo_parts_adapters._counters.PartCounters`, each fallback reason logged once) and
+(:class:`~grpo_parts.counters.PartCounters`, each fallback reason logged once) and
 reported in the micro-batch's metrics, which verl's actor update returns as ``actor/parts/...``:
 
 * ``parts/attention/forwards``, ``parts/attention/fallbacks`` -- micro-batches of this call
@@ -37,23 +37,36 @@ reported in the micro-batch's metrics, which verl's actor update returns as ``ac
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
 
-from grpo_parts.attention.protocol import CountsAttentionCalls, Plans, RankAgreeing
-from grpo_parts.counters import ATTENTION_CALLS, framework_key
+from grpo_parts.attention.protocol import Plans, RankAgreeing
+from grpo_parts.counters import (
+    ATTENTION_CALLS,
+    FALLBACKS,
+    GRID_OVER_PACKED_MAX,
+    GRID_OVER_PADDING_FREE_MAX,
+    GRID_TOKENS,
+    LOGPROB,
+    PACKED_TOKENS,
+    PADDING_FREE_TOKENS,
+    PART_UNITS,
+    PartCounters,
+    attention_calls,
+    framework_key,
+)
+from grpo_parts.doors.agreement import agree_fallback
 
-from .._counters import PartCounters
 from .attention import PackedCall, packed_call, run_packed, scalar_temperature
 from .options import EngineOptions, options_of
 
 logger = logging.getLogger(__name__)
 #: what ran in this process: ``mode`` is ``"train"`` (actor update) or ``"logprob"`` (forward only)
-COUNTERS = PartCounters({"attention": "forwards"}, logger)
+COUNTERS = PartCounters({"attention": PART_UNITS["attention"]}, logger)
 _STATE_ATTR = "_grpo_parts_attention"
 _pending_logprob = False
 
@@ -171,20 +184,21 @@ def _max(value: float) -> Any:
 def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[float, int, int] | None) -> dict:
     global _pending_logprob
     out = dict(metrics)
-    out["parts/attention/forwards"] = _sum(ran)
-    out["parts/attention/fallbacks"] = _sum(not ran)
+    key = partial(framework_key, "attention")
+    out[key(PART_UNITS["attention"])] = _sum(ran)
+    out[key(FALLBACKS)] = _sum(not ran)
     if tokens is not None:
-        out["parts/attention/grid_tokens"] = _sum(tokens[0])
-        out["parts/attention/packed_tokens"] = _sum(tokens[1])
-        out["parts/attention/padding_free_tokens"] = _sum(tokens[2])
-        out["parts/attention/grid_over_packed_max"] = _max(tokens[0] / max(1, tokens[1]))
-        out["parts/attention/grid_over_padding_free_max"] = _max(tokens[0] / max(1, tokens[2]))
+        out[key(GRID_TOKENS)] = _sum(tokens[0])
+        out[key(PACKED_TOKENS)] = _sum(tokens[1])
+        out[key(PADDING_FREE_TOKENS)] = _sum(tokens[2])
+        out[key(GRID_OVER_PACKED_MAX)] = _max(tokens[0] / max(1, tokens[1]))
+        out[key(GRID_OVER_PADDING_FREE_MAX)] = _max(tokens[0] / max(1, tokens[2]))
     if forward_only:
         _pending_logprob = True
     elif _pending_logprob:
         _pending_logprob = False
         for k, v in COUNTERS.flush("logprob").items():
-            out[k.replace("/attention/", "/attention/logprob_")] = _sum(v)
+            out[key(LOGPROB + k.rsplit("/", 1)[1])] = _sum(v)
     COUNTERS.flush("train")
     return out
 
@@ -225,28 +239,6 @@ def _prepare(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[_Prepa
     return prepared, None
 
 
-def _agree(engine: Any, reason: str | None, calls: int, device: torch.device) -> tuple[str | None, int]:
-    """With several data-parallel ranks (one model sharded over them: FSDP gathers parameters in every
-    forward), they must make the same number of model calls per micro-batch: one all-reduce of
-    ``(falls back, model calls)``. If any rank runs verl's forward for this micro-batch, all do
-    (one call each); otherwise each makes the largest number of model calls (its plan padded with
-    empty calls, :meth:`~grpo_parts.attention.shared_prefix.plan.Plan.agreed`). One process: unchanged."""
-    from grpo_parts.attention.shared_prefix.chunking import agree_max, ranks_of
-
-    group = engine.get_data_parallel_group() if hasattr(engine, "get_data_parallel_group") else None
-    if ranks_of(group) <= 1:
-        return reason, calls
-    any_fallback, most = agree_max([int(reason is not None), calls], group, device)
-    if any_fallback and reason is None:
-        reason = "another data-parallel rank runs verl's forward for this micro-batch (ranks agree)"
-    return reason, most
-
-
-def _attention_calls(backend: Any) -> Counter[str]:
-    """A copy of the backend's attention calls per path so far (empty when it counts none)."""
-    return Counter(backend.attention_calls if isinstance(backend, CountsAttentionCalls) else None)
-
-
 def _forward_step(
     engine: Any, micro_batch: Any, loss_function: Any, prepared: _Prepared, opts: EngineOptions
 ) -> Any:
@@ -265,10 +257,10 @@ def _forward_step(
     )
     with ctx:
         temperature = micro_batch["temperature"]
-        before = _attention_calls(backend)
+        before = attention_calls(backend)
         temp = scalar_temperature(temperature)
         out = run_packed(engine.module, prepared.call, backend, temp, bool(entropy), prepared.plan)
-        ran = _attention_calls(backend) - before
+        ran = attention_calls(backend) - before
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.log_probs, cu)}
         if out.entropy is not None:
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy, cu)
@@ -308,7 +300,11 @@ def install_engine_hook() -> bool:
             prepared, reason = _prepare(self, micro_batch, opts)
             tokens = prepared.tokens() if prepared is not None else None
         calls = 0 if prepared is None else (prepared.plan.model_calls if prepared.plan is not None else 1)
-        reason, calls = _agree(self, reason, calls, torch.device(get_device_name()))
+        group = self.get_data_parallel_group() if hasattr(self, "get_data_parallel_group") else None
+        reason, calls = agree_fallback(
+            reason, calls, group, torch.device(get_device_name()),
+            other="another data-parallel rank runs verl's forward for this micro-batch (ranks agree)",
+        )  # fmt: skip
         if reason is not None or prepared is None:
             COUNTERS.fell_back("attention", reason or "no backend call", mode=mode)
             result = original(self, micro_batch, loss_function, forward_only)

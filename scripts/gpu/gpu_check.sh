@@ -12,7 +12,7 @@
 #   e2e          grpo-parts bench e2e --device cuda --preset h200 (tokens/s/GPU per arm)     215
 #   verl_prefix  scripts/measure/verl_prefix_bench.py: verl padded/packed forward, verl's own Prefix
 #                Grouper (flash-attn) and grpo_parts' shared prefix, one FSDP engine           60
-#   vllm         the vLLM sampler tests (tests/sampler_vllm) on the GPU build of vLLM             40
+#   vllm         the vLLM sampler tests (tests/sampler/vllm) on the GPU build of vLLM             40
 #   vllm_online  scripts/gpu/vllm_online_draft.py: vLLM draft_model speculation, static k vs the
 #                cost model's k per batch size vs that plus the draft trained online             35
 #   verl_smoke   scripts/gpu/verl_gpu_smoke.py: first-batch check + a 2-step verl GRPO run       70
@@ -36,7 +36,7 @@ cd "$REPO"
 PLAN=(
   "e2e|215|grpo-parts bench e2e --device cuda --preset h200 --json $OUT/e2e.json"
   "verl_prefix|60|$PY scripts/measure/verl_prefix_bench.py --repeats 3 --model $OUT/verl_prefix_model"
-  "vllm|40|$PY -m pytest -q -x -p no:cacheprovider tests/sampler_vllm"
+  "vllm|40|$PY -m pytest -q -x -p no:cacheprovider tests/sampler/vllm"
   "vllm_online|35|$PY scripts/gpu/vllm_online_draft.py --rollouts 6 --json $OUT/vllm_online.json"
   "verl_smoke|70|$PY scripts/gpu/verl_gpu_smoke.py --workdir $OUT/verl_smoke --attention shared_prefix --filter cppo --steps 2 --out $OUT/verl_smoke.json"
   "openrlhf|55|SMOKE_JSON=$OUT/openrlhf_smoke.json SMOKE_TIMEOUT=50 bash scripts/gpu/openrlhf_gpu_smoke.sh $OUT/openrlhf attention"

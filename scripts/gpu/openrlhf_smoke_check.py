@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 #: configuration -> parts it switches on (see set_extra in openrlhf_gpu_smoke.sh)
-PARTS: dict[str, tuple[str, ...]] = {
+SWITCHED_ON: dict[str, tuple[str, ...]] = {
     "baseline": (),
     "filter": ("filter",),
     "attention": ("attention",),
@@ -75,7 +75,7 @@ def check(config: str, log: str, rc: int | None, logprob_tol: float) -> dict[str
     bad = [x for x in losses if not isinstance(x, (int, float)) or not math.isfinite(x)]
     if bad:
         failures.append(f"policy_loss not finite: {bad}")
-    for part in PARTS[config]:
+    for part in SWITCHED_ON[config]:
         ran = sum(float(s.get(f"parts/{part}/{UNITS[part]}", 0.0)) for s in steps)
         fell = sum(float(s.get(f"parts/{part}/fallbacks", 0.0)) for s in steps)
         numbers[f"parts/{part}/{UNITS[part]}"], numbers[f"parts/{part}/fallbacks"] = ran, fell
@@ -83,7 +83,7 @@ def check(config: str, log: str, rc: int | None, logprob_tol: float) -> dict[str
             failures.append(f"{part}: no call went through it (parts/{part}/{UNITS[part]} = {ran})")
         if fell:
             failures.append(f"{part}: {fell:g} call(s) fell back to OpenRLHF's path")
-    if "attention" in PARTS[config]:
+    if "attention" in SWITCHED_ON[config]:
         diffs = [s[FIRST_BATCH] for s in steps if FIRST_BATCH in s]
         numbers[FIRST_BATCH] = diffs[0] if diffs else None
         if not diffs:
@@ -97,7 +97,7 @@ def check(config: str, log: str, rc: int | None, logprob_tol: float) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", type=Path, help="the smoke run's folder (OUT_DIR/<config>.log and .rc)")
-    p.add_argument("configs", nargs="+", choices=sorted(PARTS), help="the configurations that ran")
+    p.add_argument("configs", nargs="+", choices=sorted(SWITCHED_ON), help="the configurations that ran")
     p.add_argument("--json", type=Path, default=None, help="where to write the results")
     p.add_argument("--logprob-tol", type=float, default=0.05, help="bf16 log-prob tolerance")
     p.add_argument("--meta", default="{}", help="JSON merged into the output (versions, GPU)")

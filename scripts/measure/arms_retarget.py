@@ -19,7 +19,7 @@ from grpo_parts.train.experiments.arms import aggregate_arms, arm_summary, arms_
 from grpo_parts.train.reporting.metrics import read_metrics
 
 
-def _runs(folder: Path) -> dict[int, dict[str, list[dict[str, Any]]]]:
+def compare_runs(folder: Path) -> dict[int, dict[str, list[dict[str, Any]]]]:
     """``{seed: {arm: rows}}`` of a compare folder (``seedN/<arm>/`` or one seed's ``<arm>/``)."""
     seeds = sorted(folder.glob("seed*/")) or [folder]
     out: dict[int, dict[str, list[dict[str, Any]]]] = {}
@@ -47,7 +47,7 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, help="also write {target: medians} here")
     args = ap.parse_args()
-    runs = _runs(args.folder)
+    runs = compare_runs(args.folder)
     seeds = sorted(runs)
     out = {}
     for target in args.targets:

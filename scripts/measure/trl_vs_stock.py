@@ -48,9 +48,9 @@ REFUSALS = ("parts/sampler/lean_forward_refused", "parts/sampler/decode_attentio
 
 def reward_fn(completions: list[str], answer: list[str], **_: Any) -> list[float]:
     """The reasoning task's grader in TRL's reward-function signature."""
-    from grpo_parts.task.arithmetic import extract_answer
+    from grpo_parts.task.graders import after_delimiter
 
-    return [1.0 if extract_answer(c) == a else 0.0 for c, a in zip(completions, answer)]
+    return [1.0 if after_delimiter(c, ";") == a else 0.0 for c, a in zip(completions, answer)]
 
 
 def _trainer(arm: str, seed: int, args: argparse.Namespace, out_dir: str) -> Any:
@@ -80,7 +80,7 @@ def _trainer(arm: str, seed: int, args: argparse.Namespace, out_dir: str) -> Any
     if arm == "stock":
         return GRPOTrainer(**common)
     return GRPOPartsTrainer(
-        **common, sampler="speculative", draft="ngram", attention="shared_prefix", completion_filter="cppo"
+        **common, sampler="speculative", draft="ngram", attention="shared_prefix", filter="cppo"
     )
 
 

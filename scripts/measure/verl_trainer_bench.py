@@ -40,11 +40,11 @@ sys.path.insert(0, str(ROOT / "tests" / "adapters" / "verl"))  # verl_e2e, verl_
 
 ARMS = ("reference", "parts")
 REWARD_FN = """
-from grpo_parts.task.arithmetic import extract_answer
+from grpo_parts.task.graders import after_delimiter
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return 1.0 if extract_answer(solution_str) == str(ground_truth) else 0.0
+    return 1.0 if after_delimiter(solution_str, ";") == str(ground_truth) else 0.0
 """
 SAMPLER_PREFIX = "parts/sampler/"
 ROLLED_OUT_SCORE = "parts/filter/score_mean_rolled_out"

@@ -41,8 +41,8 @@ import torch
 from grpo_parts.compat import portable_tokenizer_config
 from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
-from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask, Problem
-from grpo_parts.task.data import eval_accuracy
+from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask
+from grpo_parts.task.data import Problem, eval_accuracy
 from grpo_parts.task.reasoning import CHARS as REASONING_CHARS
 from grpo_parts.task.reasoning import ReasoningConfig, ReasoningTask
 from grpo_parts.task.tokenizer import CHARS, EOS_ID, PAD_ID, build_hf_tokenizer

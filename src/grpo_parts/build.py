@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,13 +39,14 @@ from .attention import AttentionBackend, get_attention_class
 from .draft import DraftModel, get_draft_class
 from .errors import GRPOPartsError, NotSupportedError
 from .filter import CompletionFilter, get_filter_class
-from .registry import Choice, PartClass, choose
+from .registry import Choice, PartClass, choose, load_class
 from .sampler import Sampler, get_sampler_class
 from .skip import PromptSkipper, get_skipper_class
 
 log = logging.getLogger("grpo_parts.build")
 
-PARTS: tuple[str, ...] = ("sampler", "draft", "attention", "filter")
+#: the parts :func:`build_part` builds by kind (a prompt skipper: :func:`build_prompt_skipper`)
+PART_KINDS: tuple[str, ...] = ("sampler", "draft", "attention", "filter")
 
 #: constructor arguments used when none are given for that part
 DEFAULT_KWARGS: dict[str, dict[str, dict[str, Any]]] = {
@@ -68,22 +69,14 @@ def implementations(part: str) -> dict[str, str]:
     """``part``'s ``IMPLEMENTATIONS`` table (name -> ``"module:Class"``)."""
     import importlib
 
-    if part not in PARTS:
-        raise GRPOPartsError(f"part: expected one of {list(PARTS)}, got {part!r}")
+    if part not in PART_KINDS:
+        raise GRPOPartsError(f"part: expected one of {list(PART_KINDS)}, got {part!r}")
     return dict(importlib.import_module(f"grpo_parts.{part}").IMPLEMENTATIONS)
 
 
 def part_class(part: str, name: str) -> PartClass[Any]:
     """The class registered as ``name`` for ``part``."""
-    getters: dict[str, Callable[[str], PartClass[Any]]] = {
-        "sampler": get_sampler_class,
-        "draft": get_draft_class,
-        "attention": get_attention_class,
-        "filter": get_filter_class,
-    }
-    if part not in getters:
-        raise GRPOPartsError(f"part: expected one of {list(PARTS)}, got {part!r}")
-    return getters[part](name)
+    return load_class(implementations(part), name, part)
 
 
 def policy_arg(cls: Any) -> str | None:
@@ -328,7 +321,7 @@ def build_prompt_skipper(
     kwargs: Mapping[str, Any] | None = None,
     where: str = "prompt_skip_kwargs",
 ) -> PromptSkipper:
-    """The prompt skipper ``spec`` names in ``grpo_parts.skip.SKIPPERS`` (an instance as is):
+    """The prompt skipper ``spec`` names in ``grpo_parts.skip.IMPLEMENTATIONS`` (an instance as is):
     ``none`` (roll out every prompt) or ``history`` (skip zero-variance streaks, weights ``1 / p``)."""
     if not isinstance(spec, str):
         _no_kwargs("prompt_skip", kwargs, where)
@@ -363,4 +356,4 @@ def build_part(
         return build_attention(spec, policy, kwargs=kwargs, where=where, logger=logger)
     if part == "filter":
         return build_filter(spec, kwargs=kwargs, where=where)
-    raise GRPOPartsError(f"part: expected one of {list(PARTS)}, got {part!r}")
+    raise GRPOPartsError(f"part: expected one of {list(PART_KINDS)}, got {part!r}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: the doors (docs/doors.md)
 DOORS = ("train", "trl", "verl", "openrlhf")
@@ -42,7 +42,24 @@ DOOR_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class PartsConfig(BaseModel):
+class KnownFields(BaseModel):
+    """A frozen pydantic config that refuses a field it does not have in one line naming the field
+    and the valid ones (a misspelt or earlier name included: nothing old is read). Every door's
+    config is one."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_known_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            unknown = sorted(str(k) for k in data if k not in cls.model_fields)
+            if unknown:
+                raise ValueError(f"{unknown[0]}: unknown field; expected one of {sorted(cls.model_fields)}")
+        return data
+
+
+class PartsConfig(KnownFields):
     """Which part runs for each Protocol, by its ``IMPLEMENTATIONS`` name, and the settings every
     door shares.
 
@@ -63,8 +80,6 @@ class PartsConfig(BaseModel):
     loss does not depend on the micro-batch; ``grpo-parts train`` always does).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     sampler: str | None = None
     draft: str | None = None
     attention: str | None = None
@@ -82,10 +97,10 @@ class PartsConfig(BaseModel):
     @field_validator("prompt_skip")
     @classmethod
     def _prompt_skip(cls, name: str) -> str:
-        from .skip import SKIPPERS
+        from .skip import IMPLEMENTATIONS
 
-        if name not in SKIPPERS:
-            raise ValueError(f"expected one of {sorted(SKIPPERS)} (a prompt skipper)")
+        if name not in IMPLEMENTATIONS:
+            raise ValueError(f"expected one of {sorted(IMPLEMENTATIONS)} (a prompt skipper)")
         return name
 
     @classmethod
@@ -109,4 +124,4 @@ class PartsConfig(BaseModel):
         ]
 
 
-__all__ = ["DOORS", "DOOR_DEFAULTS", "PartsConfig"]
+__all__ = ["DOORS", "DOOR_DEFAULTS", "KnownFields", "PartsConfig"]

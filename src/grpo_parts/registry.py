@@ -1,6 +1,7 @@
 """Selection by name: one small table per part, lazy imports, explicit ``"auto"`` priority.
 
-Each part's ``__init__`` holds ``IMPLEMENTATIONS: dict[name, "module:Class"]`` and ``AUTO_PRIORITY``.
+Each part's ``__init__`` holds ``IMPLEMENTATIONS: dict[name, "module:Class"]``; a part chosen by
+``"auto"`` (attention) also its ``AUTO_PRIORITY``.
 Nothing is imported until a name is resolved, and nothing is global state that tests must patch.
 """
 
@@ -38,6 +39,17 @@ def load(table: Mapping[str, str], name: str, part: str) -> Any:
 def load_class(table: Mapping[str, str], name: str, part: str) -> PartClass[Any]:
     """:func:`load`, typed for ``get_<part>_class`` (which narrows ``Any`` to its Protocol)."""
     return cast("PartClass[Any]", load(table, name, part))
+
+
+def class_getter(table: Mapping[str, str], part: str) -> Callable[[str], PartClass[Any]]:
+    """A part's ``get_<part>_class(name)``: the class registered as ``name`` in ``table`` (imported on
+    first use; build it with :mod:`grpo_parts.build`). Each part's ``__init__`` narrows the type."""
+
+    def get(name: str) -> PartClass[Any]:
+        return load_class(table, name, part)
+
+    get.__name__ = get.__qualname__ = f"get_{part}_class"
+    return get
 
 
 @dataclass

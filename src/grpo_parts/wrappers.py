@@ -21,7 +21,7 @@ Generation (no grad) needs no gradient machinery, only the weights: :func:`gener
 
 Every forward of a model whose weights are *sharded* across processes (FSDP1 with a sharding
 strategy, FSDP2, ZeRO-3) all-gathers them: the ranks must run equally many forwards, or one waits
-forever (:func:`sharding`, :func:`agree_max`).
+forever (:func:`sharding`, :func:`grpo_parts.distributed.agree_max`).
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from typing import Any
 
 import torch
 
+from .distributed import ranks_of
+
 __all__ = [
     "CallsThrough",
-    "agree_max",
     "calls_through",
     "generation_model",
     "inner_model",
     "is_wrapper",
     "model_name",
-    "ranks_of",
     "sharding",
     "transformers_model",
     "wrapper_chain",
@@ -198,31 +198,3 @@ def generation_model(module: Any) -> tuple[Any, bool]:
     if "FSDP1" in kinds:
         return calls_through(module), sharded
     return inner_model(module), sharded
-
-
-# ------------------------------------------------------------------------------------------ ranks
-
-
-def ranks_of(group: Any = None) -> int:
-    """Processes in ``group`` (default: every process) that must agree on the number of model calls;
-    1 when torch.distributed is not initialised."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return int(dist.get_world_size(group))
-
-
-def agree_max(values: list[int], group: Any = None, device: torch.device | None = None) -> list[int]:
-    """The element-wise largest ``values`` over the ranks of ``group`` (one all-reduce; ``values``
-    itself on one process). The tensor lives on the CPU for gloo/MPI groups, on ``device`` otherwise
-    (NCCL)."""
-    if ranks_of(group) <= 1:
-        return list(values)
-    dist = torch.distributed
-    name = str(dist.get_backend(group))
-    on = torch.device("cpu") if ("gloo" in name or "mpi" in name or device is None) else device
-    if on.type == "cuda" and on.index is None:
-        on = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor(values, dtype=torch.long, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [int(v) for v in t.tolist()]

@@ -94,3 +94,15 @@ def loss_and_grads(fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     out = fn(*leaves)
     grads = torch.autograd.grad(out, leaves, allow_unused=True)
     return (out.detach(), *[torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)])
+
+
+def grpo_loss_and_grads(c: Case, cfg, with_ref: bool) -> tuple[torch.Tensor, ...]:
+    """grpo_parts' loss on ``c`` (its reference log-probs only ``with_ref``, an entropy term if
+    ``cfg`` has one) and its gradients w.r.t. the log-probs and the entropy."""
+    from grpo_parts.core import grpo_loss
+
+    return loss_and_grads(
+        lambda x, h: grpo_loss(x, c.old, c.adv, c.mask, cfg, c.ref if with_ref else None, entropy=h).loss,
+        c.logps,
+        c.entropy,
+    )

@@ -183,6 +183,23 @@ def test_kl_matches_verl(verl_algos, dtype, ours, theirs):
 # ----------------------------------------------------------------------------- TRL: _compute_loss
 
 
+def _trl_inputs(
+    mask: torch.Tensor, adv: torch.Tensor, old: torch.Tensor, prompt_len: int, **extra: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The batch TRL's ``_compute_loss`` reads (token ids are placeholders: the stand-in's forward
+    returns the log-probs under test)."""
+    n, t = mask.shape
+    return {
+        "prompt_ids": torch.ones(n, prompt_len, dtype=torch.long),
+        "prompt_mask": torch.ones(n, prompt_len, dtype=torch.long),
+        "completion_ids": torch.ones(n, t, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        **extra,
+    }
+
+
 class _TRLStandIn:
     """Just the attributes ``GRPOTrainer._compute_loss`` reads (TRL 1.16), with no model, no
     accelerator and no data: ``_get_per_token_logps_and_entropies`` returns our tensors."""
@@ -234,16 +251,7 @@ def test_loss_matches_trl(trl_trainer_cls, dtype, loss_type, beta):
     logps, old, ref, adv, mask = _response(n, t, seed=5, dtype=dtype)
     eps_low, eps_high = 0.2, 0.28
     x_t = logps.clone().requires_grad_(True)
-    inputs = {
-        "prompt_ids": torch.ones(n, 3, dtype=torch.long),
-        "prompt_mask": torch.ones(n, 3, dtype=torch.long),
-        "completion_ids": torch.ones(n, t, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "old_per_token_logps": old,
-        "ref_per_token_logps": ref,
-        "num_items_in_batch": mask.sum(),
-    }
+    inputs = _trl_inputs(mask, adv, old, prompt_len=3, ref_per_token_logps=ref, num_items_in_batch=mask.sum())
     stand_in = _TRLStandIn(loss_type, beta, eps_low, eps_high, max_len, x_t)
     want = trl_trainer_cls._compute_loss(stand_in, None, inputs)
     (g_want,) = torch.autograd.grad(want, x_t)
@@ -270,14 +278,7 @@ def test_trl_dr_grpo_counts_empty_rows_pass_num_seqs(trl_trainer_cls):
     n, t = 6, 5
     logps, old, _, adv, mask = _response(n, t, seed=6, dtype=torch.float64)
     mask[2] = 0
-    inputs = {
-        "prompt_ids": torch.ones(n, 2, dtype=torch.long),
-        "prompt_mask": torch.ones(n, 2, dtype=torch.long),
-        "completion_ids": torch.ones(n, t, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "old_per_token_logps": old,
-    }
+    inputs = _trl_inputs(mask, adv, old, prompt_len=2)
     want = trl_trainer_cls._compute_loss(_TRLStandIn("dr_grpo", 0.0, 0.2, 0.2, t, logps), None, inputs)
     cfg = LossConfig(agg="seq-mean-token-sum-norm", norm_constant=float(t))
     _close(grpo_loss(logps, old, adv, mask, cfg, num_seqs=n).loss, want, torch.float64)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_cases import F64, Case, assert_close, cases, loss_and_grads
+from core_cases import F64, Case, assert_close, cases, grpo_loss_and_grads, loss_and_grads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -165,11 +165,7 @@ def test_entropy_and_kl_loss_match_verl_ppo_loss(verl, agg, c: Case, ent_coef, k
         eps_high=0.28, dual_clip=3.0, agg=agg, seq_len_eps=1e-8 if agg == "seq-mean-token-mean" else 0.0,  # type: ignore[arg-type]
         kl_coef=kl_coef, kl_estimator=kl_type, entropy_coef=ent_coef,  # type: ignore[arg-type]
     )  # fmt: skip
-    got = loss_and_grads(
-        lambda x, h: grpo_loss(x, c.old, c.adv, c.mask, cfg, c.ref if kl_coef else None, entropy=h).loss,
-        c.logps,
-        c.entropy,
-    )
+    got = grpo_loss_and_grads(c, cfg, with_ref=bool(kl_coef))
     for g, w, what in zip(got, want, ("loss", "grad logps", "grad entropy")):
         assert_close(g, w, what=what)
 

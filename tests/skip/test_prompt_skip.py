@@ -4,7 +4,7 @@ the drawn batch's, for every allowed aggregation and every per-group advantage e
 
 For 2-4 drawn prompts (each with a zero-variance history drawn by hypothesis, fed to the skipper
 through ``observe``), the skipper reports every prompt's inclusion probability (``decide``); every
-outcome of its sampling design is listed with its exact probability (tests/skip/skip_outcomes.py,
+outcome of its sampling design is listed with its exact probability (tests/skip_outcomes.py,
 independent of the sampler); each outcome is trained the trainer's way -- the kept prompts' rollout
 alone, its own advantages, rows weighted ``1 / p``, ``num_seqs`` = drawn prompts x G -- and
 ``sum_S P(S) * grad_S`` is compared with the drawn batch's gradient at 1e-10 (float64). GRESO-style
@@ -21,10 +21,9 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from skip_outcomes import lattice_outcomes, marginals
+from skip_outcomes import marginals, systematic_outcomes
 
 from grpo_parts.core import AdvantageConfig, CorrectionConfig, LossConfig, compute_advantages, grpo_loss
-from grpo_parts.skip.draw import lattice_sample
 from grpo_parts.skip.history import HistorySkipper
 from grpo_parts.skip.protocol import prompt_skip_reasons
 
@@ -167,7 +166,7 @@ def deviation(
     ``greso_fixed`` (no weights, drawn x G)."""
     e_loss = torch.zeros((), dtype=torch.float64)
     e_grads = [torch.zeros_like(case.logps), torch.zeros_like(case.ent)]
-    for s, prob in lattice_outcomes(p.tolist()).items():
+    for s, prob in systematic_outcomes(p.tolist()).items():
         kept = sorted(s)
         w = 1.0 / p[kept] if mode == "weighted" else None
         loss, grads = loss_and_grads(
@@ -202,7 +201,7 @@ def test_skipping_with_weights_keeps_the_expected_gradient(
     assert bool((p >= floor - 1e-12).all() & (p <= 1).all())  # (PromptDraw never asks below the floor)
     if target is not None:
         assert float(p.sum()) == pytest.approx(target, abs=1e-12)
-    outcomes = lattice_outcomes(p.tolist())
+    outcomes = systematic_outcomes(p.tolist())
     torch.testing.assert_close(
         torch.tensor(marginals(outcomes, case.n), dtype=torch.float64), p, rtol=0, atol=1e-12
     )
@@ -271,7 +270,7 @@ def test_token_mean_is_refused_and_would_be_biased() -> None:
     case, cfg, est = fixed_case(), LossConfig(), ALLOWED["grpo"]
     p = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
     e_grad = torch.zeros_like(case.logps)
-    for s, prob in lattice_outcomes(p.tolist()).items():
+    for s, prob in systematic_outcomes(p.tolist()).items():
         kept = sorted(s)
         out = grpo_loss(
             case.logps[rows_of(case, kept)], case.old[rows_of(case, kept)], advantages(case, kept, est),
@@ -299,7 +298,7 @@ def test_nonempty_seq_count_with_an_empty_row_is_refused_and_would_be_biased(agg
     assert prompt_skip_reasons(ALLOWED["grpo"], nonempty, empty_rows=False) == []
     p = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
     e_loss = torch.zeros((), dtype=torch.float64)
-    for s, prob in lattice_outcomes(p.tolist()).items():
+    for s, prob in systematic_outcomes(p.tolist()).items():
         loss, _ = loss_and_grads(
             case, nonempty, ALLOWED["grpo"], sorted(s), 1.0 / p[sorted(s)], float(case.n * case.g)
         )
@@ -348,7 +347,7 @@ def test_empirical_skip_frequencies_match_the_reported_probabilities() -> None:
             skipper.observe([pid], torch.tensor([0.0, 0.0]), torch.zeros(2, dtype=torch.long))
     p = skipper.decide(ids, target=3).probabilities
     assert float(p.sum()) == pytest.approx(3.0, abs=1e-12) and bool((p < 1).sum() >= 3)
-    exact = lattice_outcomes(p.tolist())
+    exact = systematic_outcomes(p.tolist())
     m = 4000
     seen = Counter(frozenset(skipper.decide(ids, target=3).kept.tolist()) for _ in range(m))
     assert set(seen) <= set(exact) and all(len(s) == 3 for s in seen)
@@ -358,17 +357,3 @@ def test_empirical_skip_frequencies_match_the_reported_probabilities() -> None:
     for i in range(len(ids)):
         hits = sum(n for s, n in seen.items() if i in s)
         assert stats.binomtest(hits, m, float(p[i])).pvalue > 1e-3, (i, hits, float(p[i]))
-
-
-def test_lattice_sample_matches_the_enumeration_for_any_sum() -> None:
-    """Not only for an integer sum: the kept count is floor(S) or ceil(S), each prompt kept with p_i."""
-    from scipy import stats
-
-    p = torch.tensor([0.3, 0.9, 1.0, 0.45], dtype=torch.float64)  # S = 2.65
-    exact = lattice_outcomes(p.tolist())
-    gen = torch.Generator().manual_seed(0)
-    m = 4000
-    seen = Counter(frozenset(lattice_sample(p, gen).nonzero().flatten().tolist()) for _ in range(m))
-    assert {len(s) for s in seen} == {2, 3} and set(seen) <= set(exact)
-    keys = sorted(exact, key=sorted)
-    assert stats.chisquare([seen.get(k, 0) for k in keys], [m * exact[k] for k in keys]).pvalue > 1e-3

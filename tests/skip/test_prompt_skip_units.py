@@ -11,12 +11,13 @@ import torch
 
 from grpo_parts.build import build_prompt_skipper
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.filter.allocation import Refiller, fill_rollouts
-from grpo_parts.filter.reference import KeepAll, KeepEveryPrompt
-from grpo_parts.skip import SKIPPERS, get_skipper_class
+from grpo_parts.filter.reference import KeepAll
+from grpo_parts.filter.refill import Refiller, fill_rollouts
+from grpo_parts.skip import IMPLEMENTATIONS, get_skipper_class
 from grpo_parts.skip.draw import PromptDraw
 from grpo_parts.skip.history import HistorySkipper
 from grpo_parts.skip.protocol import PromptSkipper, ReportsHistory, SkipDecision, prompt_key, skips
+from grpo_parts.skip.reference import KeepEveryPrompt
 from grpo_parts.types import Rollout
 
 ZERO = torch.tensor([1.0, 1.0])
@@ -30,8 +31,8 @@ def see(skipper: HistorySkipper, pid: int, rewards: torch.Tensor, times: int = 1
 
 
 def test_both_names_build_and_satisfy_the_protocol() -> None:
-    assert set(SKIPPERS) == {"none", "history"}
-    for name in SKIPPERS:
+    assert set(IMPLEMENTATIONS) == {"none", "history"}
+    for name in IMPLEMENTATIONS:
         s = build_prompt_skipper(name)
         assert isinstance(s, PromptSkipper) and get_skipper_class(name).name == name
     assert isinstance(build_prompt_skipper("history"), ReportsHistory)
@@ -265,7 +266,7 @@ def test_fewer_draws_the_step_and_rolls_out_only_the_kept() -> None:
     """``step_size="fewer"``: the round draws exactly ``n`` prompts, keeps each with its own
     probability (not raised to fill the step), and the normaliser is the ``n`` drawn; the expected
     weighted sum over every outcome of the design is the drawn batch's (exact enumeration)."""
-    from skip_outcomes import lattice_outcomes
+    from skip_outcomes import systematic_outcomes
 
     data = [f"{i}+{i}=" for i in range(4)]
     s = HistorySkipper(min_keep_prob=0.2, keep_base=0.5, base_step=0.0, step_size="fewer")
@@ -285,7 +286,9 @@ def test_fewer_draws_the_step_and_rolls_out_only_the_kept() -> None:
     assert sorted(weights) == [1.0, 1.0, 2.0]
     # unbiased: every outcome of the design, weighted 1/p, sums to the drawn batch's total
     values = [3.0, -1.0, 5.0, 2.0]
-    expected = sum(prob * sum(values[i] / p[i] for i in kept) for kept, prob in lattice_outcomes(p).items())
+    expected = sum(
+        prob * sum(values[i] / p[i] for i in kept) for kept, prob in systematic_outcomes(p).items()
+    )
     assert expected == pytest.approx(sum(values))
 
 
@@ -302,7 +305,7 @@ def test_fewer_rolls_out_at_least_its_floor_share_unbiased() -> None:
     """``min_rollout_share``: a ``fewer`` round whose probabilities sum under the floor raises them
     together until they reach it (fixed before the draw), so it rolls out exactly that many, each
     weighing less; every outcome of the design, weighted ``1 / p``, still sums to the drawn batch's."""
-    from skip_outcomes import lattice_outcomes
+    from skip_outcomes import systematic_outcomes
 
     s = HistorySkipper(
         min_keep_prob=0.2, keep_base=0.2, base_step=0.0, step_size="fewer", min_rollout_share=0.5
@@ -317,7 +320,9 @@ def test_fewer_rolls_out_at_least_its_floor_share_unbiased() -> None:
         assert sorted(draw.prompt_weights().tolist()) == [1.0, pytest.approx(3.0)]
     p = [1.0, 1 / 3, 1 / 3, 1 / 3]
     values = [3.0, -1.0, 5.0, 2.0]
-    expected = sum(prob * sum(values[i] / p[i] for i in kept) for kept, prob in lattice_outcomes(p).items())
+    expected = sum(
+        prob * sum(values[i] / p[i] for i in kept) for kept, prob in systematic_outcomes(p).items()
+    )
     assert expected == pytest.approx(sum(values))
     unfloored = HistorySkipper(min_keep_prob=0.2, keep_base=0.2, base_step=0.0, step_size="fewer")
     for pid in (1, 2, 3):
@@ -366,12 +371,13 @@ def test_posterior_rule_keeps_by_the_chance_the_next_group_is_informative() -> N
 def test_a_framework_door_not_asked_to_skip_says_it_is_opt_in(caplog: pytest.LogCaptureFixture) -> None:
     """verl and OpenRLHF build their stage through ``checked_skipper``: ``none`` logs one line naming
     the switch and what this run would refuse; a skipper that never skips says nothing."""
+    from grpo_parts.build import build_prompt_skipper
     from grpo_parts.skip.stage import checked_skipper
 
     with caplog.at_level("INFO", logger="grpo_parts.skip.stage"):
         for name, kwargs in (("none", {}), ("history", {"min_keep_prob": 1.0})):
             assert checked_skipper(
-                name, kwargs, where="grpo_parts.prompt_skip_kwargs", switch="--x",
+                build_prompt_skipper(name, kwargs=kwargs), door="verl", setting="grpo_parts.prompt_skip",
                 reasons=lambda: ["loss.agg='token-mean': divides by ...; expected ..."],
             ) is None  # fmt: skip
     (line,) = [r.getMessage() for r in caplog.records]

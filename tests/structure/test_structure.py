@@ -1,12 +1,11 @@
 """The architecture as the tree shows it (issue #37): no import cycle (deferred or not), no private
 name imported across modules, no test oracle in a product module, no function over the limit
-without its reason, and the old import paths still working."""
+without its reason."""
 
 from __future__ import annotations
 
-import importlib
+from pathlib import Path
 
-import pytest
 from structure import (
     LONG_REASON,
     MAX_FUNCTION_LINES,
@@ -54,29 +53,6 @@ def test_product_never_imports_the_test_oracles() -> None:
         assert not defined & {"always_accept", "tree_always_accept", "rrs_without_q_update"}, name
 
 
-@pytest.mark.parametrize(
-    "module, names",
-    [
-        ("grpo_parts.sampler.speculative", ["SpeculativeSampler", "SpeculativeConfig"]),
-        (
-            "grpo_parts.attention.shared_prefix",
-            ["SharedPrefixAttention", "KERNEL_NAME", "register_attention"],
-        ),
-        ("grpo_parts.decoding", ["SamplingParams", "sampling_probs", "compact_cache", "tree_ancestors"]),
-        ("grpo_parts.filter.skip_protocol", ["PromptSkipper", "prompt_skip_reasons", "prompt_key"]),
-        ("grpo_parts.filter.skip_history", ["HistorySkipper"]),
-        ("grpo_parts.filter.skip_draw", ["PromptDraw", "lattice_sample", "probabilities_for_target"]),
-        ("grpo_parts.filter.reference", ["KeepAll", "KeepEveryPrompt"]),
-        ("grpo_parts.filter", ["SKIPPERS", "get_skipper_class", "PromptSkipper"]),
-        ("grpo_parts.filter.dppo", ["inclusion_probabilities", "systematic_sample"]),
-    ],
-)
-def test_old_import_paths_still_work(module: str, names: list[str]) -> None:
-    mod = importlib.import_module(module)
-    for n in names:
-        assert getattr(mod, n) is not None, f"{module}.{n}"
-
-
 def test_decoding_all_is_honest() -> None:
     import grpo_parts.decoding as d
 
@@ -95,17 +71,46 @@ def test_decoding_all_is_honest() -> None:
     assert used <= set(d.__all__), used - set(d.__all__)
 
 
-def test_tests_mirror_the_source_tree() -> None:
-    """Every subpackage of ``grpo_parts`` (and every adapter) has its tests in the same place under
-    tests/ (docs/index.md, "Architecture")."""
-    from structure import ROOT
+#: test folders that mirror no package, and why (every other folder under tests/ mirrors one)
+CROSS_CUTTING = {
+    "structure": "facts about the whole tree (this folder)",
+    "examples": "the runnable scripts in examples/",
+    "scripts": "the scripts in scripts/ (CI, measurements)",
+}
 
-    src = ROOT / "src" / "grpo_parts"
-    packages = sorted(p.name for p in src.iterdir() if (p / "__init__.py").is_file())
-    missing = [f"tests/{p}/" for p in packages if not (ROOT / "tests" / p).is_dir()]
-    adapters = sorted(p.name for p in (ROOT / "adapters").iterdir() if (p / "__init__.py").is_file())
-    missing += [f"tests/adapters/{a}/" for a in adapters if not (ROOT / "tests" / "adapters" / a).is_dir()]
-    assert not missing, missing
+
+def _package_folders(root: Path) -> list[Path]:
+    """``root`` and every package below it, relative to ``root`` (``.`` for ``root`` itself)."""
+    return sorted(d.parent.relative_to(root) for d in root.rglob("__init__.py"))
+
+
+def test_tests_mirror_the_source_tree() -> None:
+    """At every level, ``tests/x/y/test_z.py`` tests ``src/grpo_parts/x/y/z.py`` (and
+    ``tests/adapters/<fw>/...`` the adapters): every package and subpackage has its folder under
+    tests/ with tests in it, and every test module sits in a package's folder or in a
+    :data:`CROSS_CUTTING` one (docs/index.md, "Architecture")."""
+    from structure import PACKAGES, ROOT
+
+    tests = ROOT / "tests"
+    mirrors: dict[Path, Path] = {}
+    for top, folder in PACKAGES.items():
+        base = tests / "adapters" if top == "grpo_parts_adapters" else tests
+        for rel in _package_folders(folder):
+            mirrors[base / rel] = folder / rel
+    untested = [
+        f"{m.relative_to(ROOT)}/ for {src.relative_to(ROOT)}/"
+        for m, src in sorted(mirrors.items())
+        if not any(m.rglob("test_*.py"))
+    ]
+    assert not untested, "packages without a tests folder that holds their tests: " + "; ".join(untested)
+    stray = sorted(
+        str(t.relative_to(ROOT))
+        for t in tests.rglob("test_*.py")
+        if t.parent not in mirrors and t.relative_to(tests).parts[0] not in CROSS_CUTTING
+    )
+    assert not stray, "test modules in a folder that mirrors no package (nor is cross-cutting): " + ", ".join(
+        stray
+    )
 
 
 def test_no_planner_outside_the_backend_package() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask, extract_answer, worked_solution
+from grpo_parts.task.arithmetic import ArithmeticConfig, ArithmeticTask, worked_solution
+from grpo_parts.task.graders import after_delimiter
 from grpo_parts.task.tokenizer import CHARS, EOS_ID, PAD_ID, build_char_tokenizer, build_hf_tokenizer
 
 
@@ -23,9 +24,9 @@ def test_reward_accepts_the_worked_solution_and_only_the_right_answer(ops: list[
     assert task.reward(str(sum(ops)), p) == 0.0  # no ';' -> no answer
 
 
-def test_extract_answer_takes_the_last_semicolon() -> None:
-    assert extract_answer("1+2=3;4;5 ") == "5"
-    assert extract_answer("12") is None
+def test_the_answer_is_after_the_last_semicolon() -> None:
+    assert after_delimiter("1+2=3;4;5 ", ";") == "5"
+    assert after_delimiter("12", ";") is None
 
 
 def test_stream_is_deterministic_and_never_serves_held_out_problems() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.task.arithmetic import Problem
+from grpo_parts.task.data import Problem
 from grpo_parts.task.formats import DATA_INSTALL, load_records
 from grpo_parts.task.jsonl import DataConfig, JsonlTask, render
 from grpo_parts.task.tokenizer import build_hf_tokenizer

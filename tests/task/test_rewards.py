@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.task.arithmetic import ArithmeticTask, Problem
+from grpo_parts.task.arithmetic import ArithmeticTask
+from grpo_parts.task.data import Problem
 from grpo_parts.task.rewards import RewardedTask, load_rewards, parse_reward_spec
 
 MODULE = """

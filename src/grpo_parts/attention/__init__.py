@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..registry import PartClass, load_class
+from collections.abc import Callable
+
+from ..registry import PartClass, class_getter
 from .protocol import AttentionBackend, LogprobBatch, LogprobOutput
 
 IMPLEMENTATIONS: dict[str, str] = {
@@ -12,9 +14,8 @@ IMPLEMENTATIONS: dict[str, str] = {
 AUTO_PRIORITY: tuple[str, ...] = ("shared_prefix", "reference")
 
 
-def get_attention_class(name: str) -> PartClass[AttentionBackend]:
-    """The class registered as ``name`` (imported on first use); build it with :mod:`grpo_parts.build`."""
-    return load_class(IMPLEMENTATIONS, name, "attention")
+#: the class registered as a name (imported on first use); build it with :mod:`grpo_parts.build`
+get_attention_class: Callable[[str], PartClass[AttentionBackend]] = class_getter(IMPLEMENTATIONS, "attention")
 
 
 __all__ = [

@@ -97,6 +97,10 @@ class LogprobBatch:
             self.completion_mask[rows], self.group_index[rows],
         )  # fmt: skip
 
+    def split(self, calls: tuple[torch.Tensor, ...]) -> list[LogprobBatch]:
+        """:meth:`select` of each ``calls`` entry (row indices of one model call)."""
+        return [self.select(rows) for rows in calls]
+
     @classmethod
     def from_rollout(cls, rollout: Rollout) -> LogprobBatch:
         return cls(

@@ -26,6 +26,30 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return -(logp.exp() * logp).sum(-1)
 
 
+def completion_output(
+    batch: LogprobBatch, logits: torch.Tensor, temperature: float, entropy: bool
+) -> LogprobOutput:
+    """Log-probs (and entropies) of ``batch``'s completions from ``logits: [N, S, V]``, the logits
+    predicting its first ``S`` completion tokens (every backend's last step); zero on padding."""
+    cm = batch.completion_mask.bool()
+    s, t = logits.shape[1], cm.shape[1]
+
+    def full(x: torch.Tensor) -> torch.Tensor:  # [N, S] -> [N, T]: zero past the longest completion
+        if s == t:
+            return x.masked_fill(~cm, 0.0)
+        out = x.new_zeros(x.shape[0], t)
+        out[:, :s] = x
+        return out.masked_fill(~cm, 0.0)
+
+    logps = full(token_logprobs(logits, batch.completion_ids[:, :s], temperature))
+    if not entropy:
+        return LogprobOutput(logps, None)
+    return LogprobOutput(
+        logps,
+        full(entropy_from_logits(logits.float() if logits.dtype != torch.float64 else logits, temperature)),
+    )
+
+
 class RepeatedPrefixAttention:
     name: ClassVar[str] = "reference"
 
@@ -60,10 +84,4 @@ class RepeatedPrefixAttention:
             :, :-1
         ]
         assert logits.shape[1] == t, (logits.shape, p, t)
-        logps = token_logprobs(logits, batch.completion_ids, temperature)
-        cm = batch.completion_mask.bool()
-        logps = logps.masked_fill(~cm, 0.0)
-        if not compute_entropy:
-            return LogprobOutput(logps, None)
-        ent = entropy_from_logits(logits.float() if logits.dtype != torch.float64 else logits, temperature)
-        return LogprobOutput(logps, ent.masked_fill(~cm, 0.0))
+        return completion_output(batch, logits, temperature, compute_entropy)

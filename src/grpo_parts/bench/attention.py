@@ -23,27 +23,18 @@ from typing import Any
 
 import torch
 
+from ._args import add_common
+
 FULL_GRID = [(g, p, s) for p in (256, 1024, 4096) for s in (64, 256, 1024) for g in (4, 8, 16)]
 ACCEPTANCE = (8, 1024, 128)
 QUICK_GRID = [(4, 256, 64), ACCEPTANCE]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--json", metavar="PATH", help="write one JSON object per point to PATH (a JSON list)"
-    )
-    parser.add_argument("--quick", action="store_true", help=f"only {QUICK_GRID} (G, P, S) (CI-speed)")
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="timed repeats per variant (the fastest is reported)"
-    )
-    parser.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall: perf_counter; cpu: process CPU time (all threads) -- steadier on a shared, loaded machine",
-    )
-    parser.add_argument("--hidden", type=int, default=256, help="model hidden size (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    add_common(
+        parser, quick=f"only {QUICK_GRID} (G, P, S) (CI-speed)", summary="the fastest reported",
+        model="model", hidden=256, layers=4, vocab=512,
+    )  # fmt: skip
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
     parser.add_argument(
         "--kv-heads", type=int, default=2, help="key/value heads, grouped-query (default: %(default)s)"
@@ -54,8 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1408,
         help="MLP width (Qwen2 uses ~5.5x hidden; default: %(default)s)",
     )
-    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave torch's default)")
     parser.add_argument(
         "--max-ref-tokens",
         type=int,
@@ -67,9 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=12_000,
         help="skip the dense-mask variant above this row length",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the model and inputs (default: %(default)s)"
     )
 
 
@@ -105,7 +91,8 @@ def _time(fn: Callable[[], Any], repeats: int, clock: str = "wall") -> float:
 
 def _dense_logprobs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """Single grouped row + dense additive 4-D mask through the model's own (SDPA) attention."""
-    from ..attention.shared_prefix.layout import build_grouped_inputs, ungroup_logits
+    from ..attention.shared_prefix.layout import build_grouped_inputs
+    from ..attention.shared_prefix.run import ungroup_logits
     from ..core import token_logprobs
 
     gi = build_grouped_inputs(batch)

@@ -25,13 +25,16 @@ from typing import Any
 import torch
 
 from ..errors import GRPOPartsError
+from ._args import add_common
 
 DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="PATH", help="write the results (list of points) as JSON")
-    p.add_argument("--quick", action="store_true", help="small model and batch, one repeat (smoke test)")
+    add_common(
+        p, quick="small model and batch, one repeat (smoke test)", summary="the median reported",
+        model="model", hidden=256, layers=3, vocab=2048,
+    )  # fmt: skip
     p.add_argument(
         "--rates", type=float, nargs="+", default=list(DEFAULT_RATES),
         help="pruning rates P in [0, 1); 0 is always added as the baseline (default: %(default)s)",
@@ -44,20 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--completion-len", type=int, default=128, help="max completion tokens (vary in [len/4, len])"
     )
-    p.add_argument("--hidden", type=int, default=256, help="model hidden size (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=3, help="decoder layers (default: %(default)s)")
-    p.add_argument("--vocab", type=int, default=2048, help="vocabulary size (default: %(default)s)")
     p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward micro-batch")
     p.add_argument("--scope", choices=["global", "group"], default="global", help="top-k scope")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median reported)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and batch (default: %(default)s)")
-    p.add_argument(
-        "--clock",
-        choices=["wall", "cpu"],
-        default="wall",
-        help="speedup from wall time, or from process CPU time (steadier on a shared machine)",
-    )
 
 
 def _batch(args: argparse.Namespace, gen: torch.Generator) -> tuple[Any, torch.Tensor, torch.Tensor]:
@@ -110,21 +101,21 @@ def _training_phase(
         return time.perf_counter() - t0, time.process_time() - c0, 0, 0.0
     kept = kb.rollout
     assert kept is not None
-    chunks = [torch.arange(i, min(i + micro, kb.size)) for i in range(0, kb.size, micro)]
+    micro_batches = [torch.arange(i, min(i + micro, kb.size)) for i in range(0, kb.size, micro)]
     with torch.no_grad():  # old-policy and reference forwards on the kept rows only
         old = torch.cat(
             [
                 backend.completion_logprobs(policy, LogprobBatch.from_rollout(kept.select(c))).logprobs
-                for c in chunks
+                for c in micro_batches
             ]
         )
         refl = torch.cat(
             [
                 backend.completion_logprobs(ref, LogprobBatch.from_rollout(kept.select(c))).logprobs
-                for c in chunks
+                for c in micro_batches
             ]
         )
-    for c in chunks:
+    for c in micro_batches:
         sub = kept.select(c)
         logps = backend.completion_logprobs(policy, LogprobBatch.from_rollout(sub)).logprobs
         out = grpo_loss(

@@ -33,47 +33,21 @@ from ..sampler.stats import ACCEPTED_PER_VERIFY
 #: preset -> model shape (Qwen2 family), SFT steps and batch, GRPO steps, prompts per step, G, dtype
 PRESETS: dict[str, dict[str, Any]] = {
     "h200": {  # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads (2 KV), MLP 4864, vocab 151936, tied
-        "model": dict(
-            hidden_size=896,
-            num_layers=24,
-            num_heads=14,
-            num_kv_heads=2,
-            intermediate_size=4864,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-        ),  # fmt: skip
+        "model": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                      vocab_size=151936, tie_word_embeddings=True),
         "label": "Qwen2.5-0.5B-shaped (random init + SFT on the built-in reasoning task)",
-        "sft_steps": 300,
-        "sft_batch": 64,
-        "sft_lr": 3e-4,
+        "sft_steps": 300, "sft_batch": 64, "sft_lr": 3e-4,
         # 128 rows; 4 optimizer minibatches keep the 151,936-wide logits of the update within memory
-        "steps": 6,
-        "prompts_per_step": 16,
-        "group_size": 8,
-        "minibatches": 4,
-        "dtype": "bfloat16",
-    },  # fmt: skip
+        "steps": 6, "prompts_per_step": 16, "group_size": 8, "minibatches": 4, "dtype": "bfloat16",
+    },
     "tiny": {
-        "model": dict(
-            hidden_size=32,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=64,
-            vocab_size=64,
-            tie_word_embeddings=False,
-        ),  # fmt: skip
+        "model": dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      vocab_size=64, tie_word_embeddings=False),
         "label": "tiny test policy",
-        "sft_steps": 2,
-        "sft_batch": 4,
-        "sft_lr": 1e-3,
-        "steps": 2,
-        "prompts_per_step": 2,
-        "group_size": 4,
-        "dtype": "float32",
-        "max_new_tokens": 16,
-    },  # fmt: skip
-}
+        "sft_steps": 2, "sft_batch": 4, "sft_lr": 1e-3,
+        "steps": 2, "prompts_per_step": 2, "group_size": 4, "dtype": "float32", "max_new_tokens": 16,
+    },
+}  # fmt: skip
 
 
 def build_policy(preset: dict[str, Any], device: torch.device, out: Path) -> tuple[int, float]:

@@ -38,7 +38,7 @@ from ..draft import IMPLEMENTATIONS as DRAFTS
 from ..errors import GRPOPartsError
 from ..sampler.protocol import PromptBatch, Rollout, SamplingParams
 from ..sampler.stats import ACCEPTED_PER_VERIFY, SAMPLED_TREE_STEPS, TREE_STEPS, VERIFY_STEPS
-from ._args import ints, names
+from ._args import add_common, ints, names
 from ._sampler_models import (
     BenchTask,
     GenerateSampler,
@@ -154,11 +154,12 @@ FACTORIES: dict[str, SamplerFactory] = {
 
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """What is generated and how it is timed: samplers, batches, modes, lengths, repeats, clock."""
-    p.add_argument("--json", metavar="PATH", help="write all points as JSON")
-    p.add_argument(
-        "--quick", action="store_true", help="small run (smoke test): batch 1 and 4, 16 new tokens"
-    )
+    """What is generated and how it is timed: samplers, batches, modes, lengths, repeats, clock; the
+    policy's size and seed (:func:`._args.add_common`)."""
+    add_common(
+        p, quick="small run (smoke test): batch 1 and 4, 16 new tokens", summary="the best reported",
+        model="policy", hidden=384, layers=6, vocab=8192,
+    )  # fmt: skip
     p.add_argument(
         "--batches", default="1,16", type=ints, help="comma-separated batch sizes (rows generated at once)"
     )
@@ -173,23 +174,10 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per row (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; others are 50-100%% of it")
     p.add_argument("--group-size", type=int, default=1, help="completions per prompt (batch = prompts * G)")
-    p.add_argument(
-        "--repeats", type=int, default=3, help="timed runs per point, best reported (default: %(default)s)"
-    )
-    p.add_argument(
-        "--clock", default="wall", choices=["wall", "cpu"],
-        help="wall: tokens per wall second; cpu: per second of process CPU time (steadier on a shared CPU box)",
-    )  # fmt: skip
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
 
 
 def _add_policy_arguments(p: argparse.ArgumentParser) -> None:
-    """The policy every sampler runs: size, device, dtype, seed, random or task-trained."""
-    p.add_argument("--hidden", type=int, default=384, help="policy hidden size (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=6, help="policy decoder layers (default: %(default)s)")
-    p.add_argument(
-        "--vocab", type=int, default=8192, help="vocabulary size, --policy random (default: %(default)s)"
-    )
+    """The policy every sampler runs: device, dtype, random or task-trained."""
     p.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available"
     )
@@ -197,9 +185,6 @@ def _add_policy_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="--policy random: auto = bfloat16 on cuda, float32 on cpu",
     )  # fmt: skip
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of the policy, drafts and prompts (default: %(default)s)"
-    )
     p.add_argument(
         "--policy", default="random", choices=["random", "task"],
         help="random weights, or the same architecture SFT-trained on the built-in task (peaked like a trained LM; "

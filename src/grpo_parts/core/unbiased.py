@@ -19,7 +19,7 @@ exactly when:
 
 Each door (``grpo-parts train``, the public recipe, TRL, verl, OpenRLHF) maps its own configuration
 into :class:`WeightedLossFacts`, naming each fact by its own setting and fix, and refuses with
-:func:`refusal_reasons` (tests/filter/test_filter_unbiased.py and test_prompt_skip.py enumerate every
+:func:`refusal_reasons` (tests/core/test_unbiased.py and tests/skip/test_prompt_skip.py enumerate every
 draw to prove the accepted cases).
 """
 

@@ -12,8 +12,9 @@ def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for one decode loop, restored after (left off where
     the caller had turned it off). A decode step creates tensors freed by reference counting, not
     cycles, yet allocating them triggers collections of everything the process holds: in the main
-    job a full collection took up to 0.68 s inside a decode step, and the speculative sampler's
-    measured step times, which choose its draft sizes, took it for the cost of speculating."""
+    job a full collection inside a decode step cost more than the step, and the speculative
+    sampler's measured step times, which choose its draft sizes, took it for the cost of
+    speculating (docs/results.md; the log's "Robust step-time corrections, collector paused")."""
     enabled = gc.isenabled()
     gc.disable()
     try:

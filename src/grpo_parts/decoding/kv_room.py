@@ -21,14 +21,13 @@ import torch
 #: and at least :data:`ROOM_FRACTION` of the columns held (up to :data:`ROOM_MAX`)
 CACHE_ROOM = 16
 #: regrowth is geometric: a buffer gets room for a quarter of what it holds, so a rollout that
-#: appends ``T`` columns to a ``P``-column cache copies it ~``log(1 + T/P) / log(1.25)`` times (about
-#: 6 for the main job's 131 + 320), not once per 16 columns (~20, at a verification of up to 7
-#: columns per step every 2-3 steps: 5-8% of the main job's rollout in a profile). The room costs
-#: little elsewhere: finished rows leave by moving the rows that take their slots (:func:`drop_cache_rows`),
-#: not by gathering every buffer (a gather of 64-column room at batch 64 once cost more than it saved)
+#: appends ``T`` columns to a ``P``-column cache copies it ~``log(1 + T/P) / log(1.25)`` times, not
+#: once per :data:`CACHE_ROOM` columns. The room costs little elsewhere: finished rows leave by
+#: moving the rows that take their slots (:func:`drop_cache_rows`), not by gathering every buffer
+#: with its room (measured: docs/results.md; the log's "Geometric KV room, buffers from the prefill on")
 ROOM_FRACTION = 0.25
-#: ... but never more than this many columns: a long GPU cache (e.g. 8k columns) gets 3% of extra
-#: memory rather than 25%, and is still copied only once per 256 appended columns
+#: ... but never more than this many columns: a long GPU cache gets a small share of extra memory,
+#: and is still copied only once per this many appended columns
 ROOM_MAX = 256
 
 
@@ -59,7 +58,7 @@ def reserve_cache_room(cache: Any, slack: int) -> int:
             and ly._buffers() is None
         ):
             # buffers now (a prefill's cache): the first decode step must not pay for copying the
-            # prompt's cache, which made it look 3x its cost to the sampler's online step timing
+            # prompt's cache, which made it look several times its cost to the online step timing
             ly._use(_grow(keys, 0, ly._room), _grow(values, 0, ly._room), keys.shape[2])
         done += 1
     return done

@@ -88,7 +88,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     """One token per row from ``probs: [R, V]`` by inverse CDF: one uniform per row.
 
     Same distribution as ``torch.multinomial(probs, 1)``, which on CPU draws V exponentials per row
-    and is 5-10x slower at V = 8k (it dominated the non-model time of a decode step). The float64
+    and dominated the non-model time of a decode step (docs/results.md, Sampler). The float64
     cumsum keeps rounding far below sampling noise; ``right=True`` never lands on a p = 0 token.
     """
     cdf = probs.double().cumsum(-1)

@@ -1,5 +1,6 @@
-"""Draft-tree masks: which block columns each tree node sees (:func:`tree_ancestors`) and the
-additive attention mask of a cached tree forward (:func:`tree_attention_mask`)."""
+"""Draft-tree masks: which block columns each tree node sees (:func:`tree_ancestors`), which cache
+columns (:func:`tree_allowed`), and the additive attention mask of a cached tree forward
+(:func:`tree_attention_mask`)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,21 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-def tree_attention_mask(past: torch.Tensor, anc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4-D mask ``[A, 1, T, P + T]`` for a cached forward of a tree block: every query sees
-    the live past columns (``past: [A, P]``, 1 = live) and its own ancestors-or-self in the block
-    (``anc: [A, T, T]``). Float (0 / dtype min): eager adds it, SDPA takes it as is."""
+def tree_allowed(past: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+    """``[A, T, P + T]`` bool: what each query of a cached forward of a tree block sees -- the live
+    past columns (``past: [A, P]``, 1 = live) and its own ancestors-or-self in the block
+    (``anc: [A, T, T]``)."""
     a, t = anc.shape[:2]
-    allowed = torch.cat([past.bool()[:, None, :].expand(a, t, -1), anc], -1)
-    out = torch.zeros(allowed.shape, dtype=dtype, device=past.device)
+    return torch.cat([past.bool()[:, None, :].expand(a, t, -1), anc], -1)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed: [A, T, K]`` bool as an additive 4-D mask ``[A, 1, T, K]`` (0 / dtype min): eager
+    adds it, SDPA takes it as is."""
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return out.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def tree_attention_mask(past: torch.Tensor, anc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask ``[A, 1, T, P + T]`` of :func:`tree_allowed`."""
+    return additive_mask(tree_allowed(past, anc), dtype)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..registry import PartClass, load_class
+from collections.abc import Callable
+
+from ..registry import PartClass, class_getter
 from .protocol import DraftContext, DraftModel, DraftProposal, DraftTrainingBatch, TreeBudget, TreeDraftModel
 
 IMPLEMENTATIONS: dict[str, str] = {
@@ -14,9 +16,8 @@ IMPLEMENTATIONS: dict[str, str] = {
 AUTO_PRIORITY: tuple[str, ...] = ("ngram", "eagle", "small_lm", "frozen_lm")
 
 
-def get_draft_class(name: str) -> PartClass[DraftModel]:
-    """The class registered as ``name`` (imported on first use); build it with :mod:`grpo_parts.build`."""
-    return load_class(IMPLEMENTATIONS, name, "draft")
+#: the class registered as a name (imported on first use); build it with :mod:`grpo_parts.build`
+get_draft_class: Callable[[str], PartClass[DraftModel]] = class_getter(IMPLEMENTATIONS, "draft")
 
 
 __all__ = [

@@ -30,14 +30,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..compat import attn_implementation, cache_kwarg, causal_lm_class, own_attention_function
-from ..decoding import SamplingParams, sampling_probs
+from ..decoding import SamplingParams, additive_mask, tree_allowed
 from ..decoding.lean_layer import ARCHITECTURES, layer_reasons, lean_layer, rope_tables
 from ..errors import GRPOPartsError
 from ..wrappers import inner_model, model_name, sharding
+from .drawing import draw_chain, draw_tree, new_columns
 from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
-from .tree import Frontier, topk_tree
-from .tree_sampled import sampled_tree
+from .tree import Frontier
 
 
 class EagleConfig(BaseModel):
@@ -79,7 +79,8 @@ class EagleHead(torch.nn.Module):
 
     Drafting (a KV cache, no grad) calls the decoder layer directly with a boolean 4-D mask for
     the families in :data:`DIRECT_LAYER_FAMILIES`: on a CPU the model wrapper's mask building and
-    output plumbing cost ~30% of a 1-layer call, which the head pays once per draft token.
+    output plumbing are a large share of a 1-layer call, which the head pays once per draft token
+    (docs/results.md, Draft models; the log's "Throughput: speculative vs reference").
     Training (no cache) always goes through the model.
     """
 
@@ -117,9 +118,7 @@ class EagleHead(torch.nn.Module):
         if self.direct and not torch.is_grad_enabled():
             return self._direct(x, kw["attention_mask"], kw["position_ids"], cache, tree)
         if tree is not None:
-            kw["attention_mask"] = torch.zeros(tree.shape, dtype=x.dtype, device=x.device).masked_fill_(
-                ~tree, torch.finfo(x.dtype).min
-            )[:, None]
+            kw["attention_mask"] = additive_mask(tree, x.dtype)
         return self.body(inputs_embeds=x, **kw, **{cache_kwarg(self.body): cache})
 
     def _direct(
@@ -141,7 +140,7 @@ class EagleHead(torch.nn.Module):
             allowed = (mask.bool()[:, None, None, :] & (col <= row)[None, None]) | (col == row)[None, None]
         emb = self.body.rotary_emb(x, position_ids)
         h = x
-        if self.lean:  # the layer's ops without its module calls (~40% of a 1-layer call on a CPU)
+        if self.lean:  # the layer's ops without its module calls (the log's "Lean decode forwards")
             rope = rope_tables(*emb)
             fn = own_attention_function(self.body.layers[0].self_attn, "sdpa")
             assert fn is not None  # transformers registers sdpa in every release in range
@@ -224,22 +223,19 @@ class EagleDraft:
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
         kv, h = self._feed_true(context)
-        toks, probs = [], []
-        for i in range(num_tokens):
-            q = sampling_probs(self._logits(h[:, 0]), params)
-            d = q.argmax(-1) if params.greedy else torch.multinomial(q, 1, generator=generator).squeeze(-1)
-            toks.append(d)
-            probs.append(q)
-            if i == num_tokens - 1:
-                break
+
+        def step(i: int, d: torch.Tensor) -> torch.Tensor:
+            nonlocal h
             kv.append(torch.ones_like(kv.mask[:, :1]))
-            out = self.head(
+            h = self.head(
                 self.embed(d[:, None]), h, attention_mask=kv.mask,  # type: ignore[operator]
                 position_ids=context.lengths[:, None] + i, cache=kv.cache, use_cache=True,
-            )  # fmt: skip
-            h = out.last_hidden_state
+            ).last_hidden_state  # fmt: skip
+            return self._logits(h[:, 0])
+
+        prop = draw_chain(self._logits(h[:, 0]), step, num_tokens, params, generator)
         kv.spec = num_tokens - 1
-        return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1))
+        return prop
 
     def _feed_true(self, context: DraftContext) -> tuple[DraftKVState, torch.Tensor]:
         """Feed the policy's true features of the tokens verified since the last call; returns the
@@ -248,16 +244,14 @@ class EagleDraft:
             raise GRPOPartsError(
                 "DraftContext.new_hidden: the eagle draft needs the policy's hidden states, got None"
             )
-        if self.head.training:  # Module.eval() walks every submodule: 0.24 ms a call at batch 1
+        if self.head.training:  # Module.eval() walks every submodule: not once per draft call
             self.head.eval()
         kv = self._kv = self._kv or DraftKVState(context.rows)  # propose without reset: a fresh cache
         # drop last call's drafted entries (the policy's true features replace them) and finished rows
         kv.begin_call(context.rows)
         feats, num = context.new_hidden, context.num_new
         m = feats.shape[1]
-        j = torch.arange(m, device=feats.device)
-        valid = (j[None, :] >= (m - num)[:, None]).long()
-        pos = (context.lengths[:, None] - m + j[None, :]).clamp(min=0)
+        valid, pos = new_columns(num, context.lengths, m)
         kv.append(valid)
         toks = context.tokens[:, -m:]
         if toks.shape[1] < m:  # a chain longer than the short rows' text so far: masked filler (valid = 0)
@@ -291,7 +285,7 @@ class EagleDraft:
                 fr.fed_parent[..., None] >= 0, allf.gather(1, idx) if feats else h_root, h_root
             )
             kv.append(torch.ones_like(fr.tokens))
-            tree = torch.cat([kv.mask[:, None, :past].bool().expand(-1, fr.tokens.shape[1], -1), fr.anc], 2)
+            tree = tree_allowed(kv.mask[:, :past], fr.anc)
             out = self.head(
                 self.embed(fr.tokens), parent_f, attention_mask=kv.mask, cache=kv.cache, use_cache=True,  # type: ignore[operator]
                 position_ids=(context.lengths[:, None] + fr.depth - 1).expand_as(fr.tokens), tree=tree,
@@ -300,10 +294,7 @@ class EagleDraft:
             return self._logits(out.last_hidden_state)
 
         root = self._logits(h_root[:, 0])
-        if self.config.sampled_trees and not params.greedy:
-            prop = sampled_tree(root, expand, budget, params, generator)
-        else:
-            prop = topk_tree(root, expand, budget, params)
+        prop = draw_tree(root, expand, budget, params, generator, self.config.sampled_trees)
         kv.spec = kv.mask.shape[1] - past
         return prop
 

@@ -26,7 +26,7 @@ import torch
 
 from ..decoding import SamplingParams
 from ..errors import GRPOPartsError
-from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
+from .protocol import DraftContext, DraftProposal, StatelessDraft, TreeBudget
 
 Key = tuple[int, ...]
 #: how far back ``_Pool._best`` compares an occurrence's text with the row's
@@ -173,12 +173,11 @@ class _Pool:
         return [cands[c][1] for c in keep], [new[cands[c][2]] if cands[c][2] >= 0 else -1 for c in keep]
 
 
-class NGramDraft:
-    """``NGramDraft(max_ngram=4, min_ngram=1, history_per_prompt=16, max_prompts=4096)``."""
+class NGramDraft(StatelessDraft):
+    """``NGramDraft(max_ngram=4, min_ngram=1, history_per_prompt=16, max_prompts=4096)``. Any
+    tokenizer is served: it only copies token ids the policy already produced."""
 
     name: ClassVar[str] = "ngram"
-    learnable: ClassVar[bool] = False
-    needs_hidden_states: ClassVar[bool] = False
     #: prompts whose indexed history is kept between rollouts
     BASE_POOLS: ClassVar[int] = 256
 
@@ -210,17 +209,11 @@ class NGramDraft:
         #: it, so a prompt's history is indexed once, not at every rollout that drafts
         self._base: OrderedDict[Key, _Pool] = OrderedDict()
 
-    def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
-        return []  # works with any tokenizer: it only copies token ids the policy already produced
-
-    def bind_policy(self, policy: torch.nn.Module) -> None:
-        return None
-
     def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
         """Remember each row's prompt; a group's pool (its prompt and earlier completions, indexed)
-        is built at the first proposal for one of its rows. Indexing 64 prompts with 1-2 earlier
-        completions each took 35-150 ms per rollout, 2-7% of a batch-64 rollout that the cost model
-        decodes plainly (the n-gram draft rarely pays there) -- now nothing."""
+        is built at the first proposal for one of its rows: indexing every prompt at reset was a
+        measurable share of a wide rollout that the cost model decodes plainly (the n-gram draft
+        rarely pays there; docs/results.md, Sampler) -- now nothing."""
         self._pools, self._keys, self._row_sid, self._row_group = {}, {}, {}, {}
         self._row_prompt = {}
         rows = prompts.tolist()
@@ -330,9 +323,6 @@ class NGramDraft:
             self.history.move_to_end(key)
         while len(self.history) > self.max_prompts:
             self._base.pop(self.history.popitem(last=False)[0], None)
-
-    def update(self, batch: DraftTrainingBatch) -> dict[str, float]:
-        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": [(list(k), v) for k, v in self.history.items()]}

@@ -22,6 +22,7 @@ __all__ = [
     "DraftModel",
     "DraftProposal",
     "DraftTrainingBatch",
+    "StatelessDraft",
     "TreeBudget",
     "TreeDraftModel",
 ]
@@ -226,3 +227,34 @@ class TreeDraftModel(DraftModel, Protocol):
         """At most ``budget.nodes`` nodes per row (every row the same count ``N``), each row's
         tree of depth <= ``budget.depth`` and width <= ``budget.width``; ``parents`` set."""
         ...
+
+
+class StatelessDraft:
+    """The hooks of a draft with no weights to train and nothing to keep between rollouts: each
+    does nothing (a draft overrides the ones it needs)."""
+
+    learnable: ClassVar[bool] = False
+    needs_hidden_states: ClassVar[bool] = False
+
+    def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
+        return []
+
+    def bind_policy(self, policy: torch.nn.Module) -> None:
+        return None  # nothing shared with the policy
+
+    def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
+        return None
+
+    def observe(
+        self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor
+    ) -> None:
+        return None
+
+    def update(self, batch: DraftTrainingBatch) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # nothing changes, nothing to checkpoint
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None

@@ -6,22 +6,20 @@ obviously correct; optimized drafts keep caches. It must share the policy's toke
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from ..decoding import SamplingParams, sampling_probs
+from ..decoding import SamplingParams
 from ..errors import GRPOPartsError
 from ..wrappers import inner_model
-from .protocol import DraftContext, DraftProposal, DraftTrainingBatch, TreeBudget
+from .drawing import draw_chain
+from .protocol import DraftContext, DraftProposal, StatelessDraft, TreeBudget
 from .tree import Frontier, topk_tree
 
 
-class FrozenLMDraft:
+class FrozenLMDraft(StatelessDraft):
     name: ClassVar[str] = "frozen_lm"
-    learnable: ClassVar[bool] = False
-    needs_hidden_states: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module):
         if getattr(model, "config", None) is None:
@@ -41,11 +39,19 @@ class FrozenLMDraft:
             reasons.append(f"vocab size: draft has {dv} logits, policy has {pv}; they must share a tokenizer")
         return reasons
 
-    def bind_policy(self, policy: torch.nn.Module) -> None:
-        return None  # an independent model: nothing shared with the policy
+    def _next_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next-token logits ``[R, V]`` after each row of ``ids`` (left-padded by ``mask``)."""
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[
+            :, -1
+        ]
 
-    def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
-        return None
+    @staticmethod
+    def _mask(context: DraftContext) -> torch.Tensor:
+        width = context.tokens.shape[1]
+        return (
+            torch.arange(width, device=context.tokens.device)[None, :] >= (width - context.lengths)[:, None]
+        ).long()
 
     @torch.no_grad()  # not inference_mode: rollout tensors feed autograd later
     def propose(
@@ -55,27 +61,15 @@ class FrozenLMDraft:
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
-        tokens = context.tokens
-        width = tokens.shape[1]
-        mask = (
-            torch.arange(width, device=tokens.device)[None, :] >= (width - context.lengths)[:, None]
-        ).long()
-        out_tok, out_prob = [], []
-        for _ in range(num_tokens):
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = self.model(
-                input_ids=tokens, attention_mask=mask, position_ids=pos, logits_to_keep=1
-            ).logits[:, -1]
-            probs = sampling_probs(logits, params)
-            if params.greedy:
-                tok = probs.argmax(-1)
-            else:
-                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-            out_tok.append(tok)
-            out_prob.append(probs)
+        tokens, mask = context.tokens, self._mask(context)
+
+        def step(i: int, tok: torch.Tensor) -> torch.Tensor:
+            nonlocal tokens, mask
             tokens = torch.cat([tokens, tok[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        return DraftProposal(torch.stack(out_tok, 1), torch.stack(out_prob, 1))
+            return self._next_logits(tokens, mask)
+
+        return draw_chain(self._next_logits(tokens, mask), step, num_tokens, params, generator)
 
     @torch.no_grad()
     def propose_tree(
@@ -86,36 +80,13 @@ class FrozenLMDraft:
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
         """Top-K expansion; every frontier node's context (prompt + path) is re-encoded in full."""
-        tokens = context.tokens
-        a, width = tokens.shape
-        mask = (
-            torch.arange(width, device=tokens.device)[None, :] >= (width - context.lengths)[:, None]
-        ).long()
-
-        def logits_of(ids: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            pos = (m.cumsum(-1) - 1).clamp(min=0)
-            return self.model(input_ids=ids, attention_mask=m, position_ids=pos, logits_to_keep=1).logits[
-                :, -1
-            ]
+        tokens, mask = context.tokens, self._mask(context)
+        a = tokens.shape[0]
 
         def expand(fr: Frontier) -> torch.Tensor:
             f = fr.tokens.shape[1]
             ids = torch.cat([tokens[:, None].expand(-1, f, -1), fr.paths], 2).reshape(a * f, -1)
             m = torch.cat([mask[:, None].expand(-1, f, -1), torch.ones_like(fr.paths)], 2).reshape(a * f, -1)
-            return logits_of(ids, m).view(a, f, -1)
+            return self._next_logits(ids, m).view(a, f, -1)
 
-        return topk_tree(logits_of(tokens, mask), expand, budget, params)
-
-    def observe(
-        self, completions: torch.Tensor, completion_mask: torch.Tensor, group_index: torch.Tensor
-    ) -> None:
-        return None
-
-    def update(self, batch: DraftTrainingBatch) -> dict[str, float]:
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # frozen: nothing changes, nothing to checkpoint
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
+        return topk_tree(self._next_logits(tokens, mask), expand, budget, params)

@@ -20,12 +20,12 @@ from typing import ClassVar
 import torch
 
 from ..compat import cache_kwarg
-from ..decoding import SamplingParams, sampling_probs
+from ..decoding import SamplingParams, tree_attention_mask
+from .drawing import draw_chain, draw_tree, new_columns
 from .kv_state import DraftKVState
 from .protocol import DraftContext, DraftProposal, TreeBudget
 from .reference import FrozenLMDraft
-from .tree import Frontier, topk_tree
-from .tree_sampled import sampled_tree
+from .tree import Frontier
 
 
 class CachedLMDraft(FrozenLMDraft):
@@ -67,18 +67,13 @@ class CachedLMDraft(FrozenLMDraft):
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
         kv, logits = self._feed_new(context)
-        lengths = context.lengths
-        toks, probs = [], []
-        for i in range(num_tokens):
-            q = sampling_probs(logits, params)
-            d = q.argmax(-1) if params.greedy else torch.multinomial(q, 1, generator=generator).squeeze(-1)
-            toks.append(d)
-            probs.append(q)
-            if i == num_tokens - 1:
-                break
-            logits = self._forward(kv, d[:, None], torch.ones_like(d[:, None]), (lengths + i)[:, None])
+
+        def step(i: int, d: torch.Tensor) -> torch.Tensor:
+            return self._forward(kv, d[:, None], torch.ones_like(d[:, None]), (context.lengths + i)[:, None])
+
+        prop = draw_chain(logits, step, num_tokens, params, generator)
         kv.spec = num_tokens - 1
-        return DraftProposal(torch.stack(toks, 1), torch.stack(probs, 1))
+        return prop
 
     def _feed_new(self, context: DraftContext) -> tuple[DraftKVState, torch.Tensor]:
         """Feed each row's tokens the cache has not seen (right-aligned; shorter rows leave holes);
@@ -90,9 +85,7 @@ class CachedLMDraft(FrozenLMDraft):
         lengths = context.lengths
         num_new = (lengths - self._seen).clamp(min=1)
         m = int(num_new.max())
-        j = torch.arange(m, device=lengths.device)
-        valid = (j[None, :] >= (m - num_new)[:, None]).long()
-        pos = (lengths[:, None] - m + j[None, :]).clamp(min=0)
+        valid, pos = new_columns(num_new, lengths, m)
         logits = self._forward(kv, context.tokens[:, -m:], valid, pos)
         self._seen = lengths.clone()
         return kv, logits
@@ -113,22 +106,14 @@ class CachedLMDraft(FrozenLMDraft):
 
         def expand(fr: Frontier) -> torch.Tensor:
             kv.append(torch.ones_like(fr.tokens))
-            allowed = torch.cat(
-                [kv.mask[:, None, :past].bool().expand(-1, fr.tokens.shape[1], -1), fr.anc], 2
-            )
-            mask4 = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            mask4 = mask4.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
             out = self.model(
-                input_ids=fr.tokens, attention_mask=mask4, use_cache=True,
+                input_ids=fr.tokens, attention_mask=tree_attention_mask(kv.mask[:, :past], fr.anc, dtype), use_cache=True,
                 position_ids=(context.lengths[:, None] + fr.depth - 1).expand_as(fr.tokens),
                 **{cache_kwarg(self.model): kv.cache},
             )  # fmt: skip
             return out.logits
 
-        if self.sampled_trees and not params.greedy:
-            prop = sampled_tree(root, expand, budget, params, generator)
-        else:
-            prop = topk_tree(root, expand, budget, params)
+        prop = draw_tree(root, expand, budget, params, generator, self.sampled_trees)
         kv.spec = kv.mask.shape[1] - past
         return prop
 

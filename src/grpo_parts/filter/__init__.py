@@ -4,19 +4,15 @@
 from __future__ import annotations
 
 from ..registry import PartClass, load_class
-
-# prompt skippers: grpo_parts.skip (their registry re-exported here for earlier imports)
-from ..skip import SKIPPERS, PromptSkipper, get_skipper_class
 from .protocol import CompletionFilter, FilterResult, ScoredBatch
 
 IMPLEMENTATIONS: dict[str, str] = {
     "keep_all": "grpo_parts.filter.reference:KeepAll",
     "cppo": "grpo_parts.filter.cppo:TopKAbsAdvantage",
-    "zero_variance": "grpo_parts.filter.group:ZeroVarianceGroups",
+    "zero_variance": "grpo_parts.filter.zero_variance:ZeroVarianceGroups",
     "pods": "grpo_parts.filter.pods:MaxVarianceDownsample",
     "dppo": "grpo_parts.filter.dppo:DPPOFilter",
 }
-AUTO_PRIORITY: tuple[str, ...] = ("keep_all",)
 
 
 def get_filter_class(name: str) -> PartClass[CompletionFilter]:
@@ -24,14 +20,4 @@ def get_filter_class(name: str) -> PartClass[CompletionFilter]:
     return load_class(IMPLEMENTATIONS, name, "filter")
 
 
-__all__ = [
-    "AUTO_PRIORITY",
-    "IMPLEMENTATIONS",
-    "SKIPPERS",
-    "CompletionFilter",
-    "FilterResult",
-    "PromptSkipper",
-    "ScoredBatch",
-    "get_filter_class",
-    "get_skipper_class",
-]
+__all__ = ["IMPLEMENTATIONS", "CompletionFilter", "FilterResult", "ScoredBatch", "get_filter_class"]

@@ -1,5 +1,5 @@
 """Pieces shared by the filters: the priority order (tie rule), zero-variance rows, pruning counts
-and the ``extra_prompts_wanted`` estimate.
+the ``extra_prompts_wanted`` estimate and the result of an empty batch.
 
 Priority order (the tie rule every filter and the refill trim use): rows of zero-variance groups
 come last; otherwise larger ``|advantage|`` first; equal ``|advantage|`` -> lower row index first.
@@ -12,10 +12,25 @@ import math
 import torch
 
 from ..core import group_stats
-from ..types import ScoredBatch
+from ..types import FilterResult, ScoredBatch
+from .protocol import KEPT_FRACTION, NUM_KEPT
 
 #: guards ``floor(P * n)`` against float error (0.29 * 100 = 28.999999999999996)
 _FLOOR_EPS = 1e-9
+
+
+def nothing_kept(weighted: bool = False) -> FilterResult:
+    """What a filter returns for an empty batch (``weighted``: with its empty ``weights``)."""
+    weights = torch.zeros(0, dtype=torch.float64) if weighted else None
+    return FilterResult(torch.zeros(0, dtype=torch.long), 0, {KEPT_FRACTION: 0.0, NUM_KEPT: 0.0}, weights)
+
+
+def check_count_or_rate(name: str, count: int | None, pruning_rate: float | None) -> None:
+    """A filter sized by a row count (``name``) or a pruning rate takes exactly one of them."""
+    if (count is None) == (pruning_rate is None):
+        raise ValueError(
+            f"{name} / pruning_rate: expected exactly one of them, got {name}={count}, pruning_rate={pruning_rate}"
+        )
 
 
 def num_pruned(n: int, pruning_rate: float) -> int:

@@ -14,13 +14,13 @@ pruning and counted as the loss counts them (``apply_filter(..., loss=cfg)``: ro
 completion token are sequences only under ``seq_count="all"``; the rule is
 :mod:`grpo_parts.core.unbiased`), and ``KeptBatch.weights`` the kept rows' weights; pass all three to
 ``grpo_loss(..., seq_weights=kb.weights)`` and the expected loss and gradient are the full batch's
-(tests/filter/test_filter_unbiased.py enumerates every outcome, empty rows included, to check it).
+(tests/core/test_unbiased.py enumerates every outcome, empty rows included, to check it).
 
 An empty kept set (every advantage zero) gives ``KeptBatch.is_empty``: the loop skips the update
 (no forward, no optimizer step, no NaN).
 
 ``KeptBatch`` is the one type of kept rows: the built-in trainer's refill
-(:func:`grpo_parts.filter.allocation.fill_rollouts`) returns a ``FilledBatch``, which is a
+(:func:`grpo_parts.filter.refill.fill_rollouts`) returns a ``FilledBatch``, which is a
 ``KeptBatch`` over several rounds plus their bookkeeping. Typical use in a loop of one round::
 
     res = filt.select(ScoredBatch(rewards, advantages, rollout.group_index))
@@ -65,7 +65,7 @@ def _check_kept(kept: torch.Tensor, n: int) -> None:
 
 @dataclass(frozen=True)
 class KeptBatch:
-    """The kept rows (one round: :func:`apply_filter`; several: ``allocation.FilledBatch``, a
+    """The kept rows (one round: :func:`apply_filter`; several: ``refill.FilledBatch``, a
     subclass). ``rollout`` is None when nothing was kept (then every tensor has 0 rows).
     ``num_tokens`` / ``num_seqs``: the loss denominators to use -- the kept set's own, or the whole
     batch's when the filter gave ``weights`` (``[K]``, None = all 1; see module docstring)."""

@@ -25,8 +25,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._common import (
+    check_count_or_rate,
     extra_prompts,
     kept_mask_to_rows,
+    nothing_kept,
     num_groups_present,
     num_kept,
     priority_order,
@@ -54,10 +56,7 @@ class TopKAbsAdvantage(BaseModel):
 
     @model_validator(mode="after")
     def _one_of(self) -> TopKAbsAdvantage:
-        if (self.k is None) == (self.pruning_rate is None):
-            raise ValueError(
-                f"k / pruning_rate: expected exactly one of them, got k={self.k}, pruning_rate={self.pruning_rate}"
-            )
+        check_count_or_rate("k", self.k, self.pruning_rate)
         if self.scope == "group" and self.k is not None and self.min_per_group > self.k:
             raise ValueError(
                 f"min_per_group: expected <= k={self.k} with scope='group', got {self.min_per_group}"
@@ -77,7 +76,7 @@ class TopKAbsAdvantage(BaseModel):
         n = batch.size
         n_prompts = num_groups_present(batch)
         if n == 0:
-            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {KEPT_FRACTION: 0.0, NUM_KEPT: 0.0})
+            return nothing_kept()
         zv = zero_variance_rows(batch)
         eligible = torch.ones(n, dtype=torch.bool, device=zv.device)
         if self.drop_zero_advantage:

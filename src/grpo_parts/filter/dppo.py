@@ -46,12 +46,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from ..core import LossConfig
 from ..core.inclusion import inclusion_probabilities, systematic_sample
 from ..core.unbiased import loss_facts, refusal_reasons
-from ._common import kept_mask_to_rows, num_kept
+from ._common import kept_mask_to_rows, nothing_kept, num_kept
 from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
 
-# inclusion_probabilities and systematic_sample live in grpo_parts.core.inclusion (prompt skipping
-# draws with them too); re-exported here, where earlier 0.1 commits defined them
-__all__ = ["DPPOFilter", "inclusion_probabilities", "systematic_sample"]
+__all__ = ["DPPOFilter"]
 
 _EPS = 1e-9
 #: the pruning rate when neither ``k`` nor ``pruning_rate`` is given
@@ -140,9 +138,7 @@ class DPPOFilter(BaseModel):
         n = batch.size
         device = batch.advantages.device
         if n == 0:
-            empty = torch.zeros(0, dtype=torch.long)
-            info = {KEPT_FRACTION: 0.0, NUM_KEPT: 0.0}
-            return FilterResult(empty, 0, info, torch.zeros(0, dtype=torch.float64))
+            return nothing_kept(weighted=True)
         p = self.inclusion_probs(batch)
         kept = kept_mask_to_rows(self._draw(p))
         weights = 1.0 / p[kept]

@@ -20,7 +20,15 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ._common import extra_prompts, kept_mask_to_rows, num_groups_present, num_kept, zero_variance_rows
+from ._common import (
+    check_count_or_rate,
+    extra_prompts,
+    kept_mask_to_rows,
+    nothing_kept,
+    num_groups_present,
+    num_kept,
+    zero_variance_rows,
+)
 from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
 
 
@@ -55,10 +63,7 @@ class MaxVarianceDownsample(BaseModel):
 
     @model_validator(mode="after")
     def _one_of(self) -> MaxVarianceDownsample:
-        if (self.m is None) == (self.pruning_rate is None):
-            raise ValueError(
-                f"m / pruning_rate: expected exactly one of them, got m={self.m}, pruning_rate={self.pruning_rate}"
-            )
+        check_count_or_rate("m", self.m, self.pruning_rate)
         return self
 
     def not_supported_reasons(self, batch: ScoredBatch) -> list[str]:
@@ -70,7 +75,7 @@ class MaxVarianceDownsample(BaseModel):
     def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
         n = batch.size
         if n == 0:
-            return FilterResult(torch.zeros(0, dtype=torch.long), 0, {KEPT_FRACTION: 0.0, NUM_KEPT: 0.0})
+            return nothing_kept()
         zv = zero_variance_rows(batch)
         keep = torch.zeros(n, dtype=torch.bool)
         gi = batch.group_index.long().cpu()

@@ -2,7 +2,7 @@
 
 A filter runs after rewards and advantages and before the old-policy / reference forwards, so
 those forwards run on the kept rows only. When the kept set is smaller than the batch the loop
-wants, the result asks for ``extra_prompts_wanted`` more prompts (dynamic allocation / refill).
+wants, the result asks for ``extra_prompts_wanted`` more prompts (refill).
 The loop recomputes loss normalisation (token counts) for the kept set.
 """
 

@@ -8,6 +8,8 @@ import torch
 
 from .protocol import KEPT_FRACTION, FilterResult, ScoredBatch
 
+__all__ = ["KeepAll"]
+
 
 class KeepAll:
     name: ClassVar[str] = "keep_all"
@@ -20,9 +22,3 @@ class KeepAll:
         return FilterResult(
             kept=kept, extra_prompts_wanted=0, info={KEPT_FRACTION: 1.0 if batch.size else 0.0}
         )
-
-
-# the reference prompt skipper lives in grpo_parts.skip.reference; re-exported for earlier imports
-from ..skip.reference import KeepEveryPrompt  # noqa: E402
-
-__all__ = ["KeepAll", "KeepEveryPrompt"]

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from ..registry import PartClass, load_class
+from collections.abc import Callable
+
+from ..registry import PartClass, class_getter
 from .protocol import PromptBatch, Rollout, Sampler, SamplingParams
 
 #: name -> "module:Class", imported lazily.
@@ -15,9 +17,8 @@ IMPLEMENTATIONS: dict[str, str] = {
 AUTO_PRIORITY: tuple[str, ...] = ("reference",)
 
 
-def get_sampler_class(name: str) -> PartClass[Sampler]:
-    """The class registered as ``name`` (imported on first use); build it with :mod:`grpo_parts.build`."""
-    return load_class(IMPLEMENTATIONS, name, "sampler")
+#: the class registered as a name (imported on first use); build it with :mod:`grpo_parts.build`
+get_sampler_class: Callable[[str], PartClass[Sampler]] = class_getter(IMPLEMENTATIONS, "sampler")
 
 
 __all__ = [

@@ -22,8 +22,9 @@ import torch
 from ..compat import cache_kwarg, output_cache, select_cache_rows
 from ..core import token_logprobs
 from ..decoding import collector_paused, sample_tokens
+from ..distributed import agree_max
 from ..errors import GRPOPartsError
-from ..wrappers import agree_max, generation_model, inner_model, model_name, sharding
+from ..wrappers import generation_model, inner_model, model_name, sharding
 from .protocol import PromptBatch, Rollout, SamplingParams
 
 
@@ -75,7 +76,7 @@ class ReferenceSampler:
     def generate(
         self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:
-        # inference_mode skips autograd bookkeeping (~4% of a CPU decode step); its tensors cannot
+        # inference_mode skips autograd bookkeeping (docs/results.md, Sampler); its tensors cannot
         # enter autograd later (the rollout feeds the training forward), so clone them out of it.
         # Not for a wrapped or sharded policy: FSDP / ZeRO-3 write the gathered weights into the
         # parameters, which must not become inference tensors (the training forward saves them).
@@ -110,15 +111,7 @@ class ReferenceSampler:
             )
         completion, lp = _sample(model, ids, mask, params, generator, lockstep)
         cmask = completion_mask_from_eos(completion, params.eos_token_ids)
-        return Rollout(
-            prompt_ids=ids,
-            prompt_mask=mask,
-            completion_ids=completion.masked_fill(cmask == 0, params.pad_token_id),
-            completion_mask=cmask,
-            logprobs=lp.masked_fill(cmask == 0, 0.0),
-            group_index=group,
-            num_prompts=prompts.num_prompts,
-        )
+        return padded_rollout(ids, mask, group, completion, cmask, lp, params, prompts.num_prompts)
 
 
 def _sample(
@@ -200,3 +193,16 @@ def completion_mask_from_eos(completion: torch.Tensor, eos_token_ids: tuple[int,
     is_eos = torch.isin(completion, torch.tensor(eos_token_ids, device=completion.device)).long()
     after = is_eos.cumsum(-1) - is_eos  # number of EOS strictly before each position
     return (after == 0).long()
+
+
+def padded_rollout(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor, completion: torch.Tensor,
+    cmask: torch.Tensor, logprobs: torch.Tensor, params: SamplingParams, num_prompts: int,
+) -> Rollout:  # fmt: skip
+    """A sampler's :class:`Rollout`, padding made plain: completion ids ``params.pad_token_id`` and
+    log-probs 0 where ``cmask`` is 0 (after EOS, or past the tokens a row emitted)."""
+    pad = cmask == 0
+    return Rollout(
+        prompt_ids, prompt_mask, completion.masked_fill(pad, params.pad_token_id), cmask,
+        logprobs.masked_fill(pad, 0.0), group_index, num_prompts,
+    )  # fmt: skip

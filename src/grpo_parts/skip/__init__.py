@@ -9,7 +9,7 @@
 * :mod:`.draw` -- :class:`~.draw.PromptDraw`, the stream that draws a round of prompts past a
   skipper (the sampling design: :mod:`grpo_parts.core.inclusion`).
 
-Select by name with :func:`get_skipper_class`; build with :func:`grpo_parts.build.build_prompt_skip`.
+Select by name with :func:`get_skipper_class`; build with :func:`grpo_parts.build.build_prompt_skipper`.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from __future__ import annotations
 from ..registry import PartClass, load_class
 from .protocol import PromptSkipper
 
-#: prompt skippers by name, the trainer's ``parts.prompt_skip``
-SKIPPERS: dict[str, str] = {
+#: prompt skippers by name (``parts.prompt_skip``) -> "module:Class", imported lazily
+IMPLEMENTATIONS: dict[str, str] = {
     "none": "grpo_parts.skip.reference:KeepEveryPrompt",
     "history": "grpo_parts.skip.history:HistorySkipper",
 }
 
 
 def get_skipper_class(name: str) -> PartClass[PromptSkipper]:
-    """The prompt skipper registered as ``name`` in :data:`SKIPPERS` (imported on first use)."""
-    return load_class(SKIPPERS, name, "prompt_skip")
+    """The prompt skipper registered as ``name`` in :data:`IMPLEMENTATIONS` (imported on first use)."""
+    return load_class(IMPLEMENTATIONS, name, "prompt_skip")
 
 
-__all__ = ["SKIPPERS", "PromptSkipper", "get_skipper_class"]
+__all__ = ["IMPLEMENTATIONS", "PromptSkipper", "get_skipper_class"]

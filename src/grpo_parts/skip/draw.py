@@ -5,7 +5,7 @@ stream that tops a round up with prompts the skipper keeps.
 the next one's inclusion probability still fits (their sum stays ``<= n``; so at most
 ``n / min_keep_prob`` prompts), or until the stream runs out. Which prompts are drawn depends on
 their histories only, never on the skip draw: they are the round's *full batch*, fixed before
-skipping. Their probabilities are then raised to sum to exactly ``n`` (:func:`probabilities_for_target`:
+skipping. Their probabilities are then raised to sum to exactly ``n`` (:func:`grpo_parts.core.inclusion.probabilities_for_target`:
 ``min(1, p * t)``, ``t >= 1``; a prompt without zero-variance history stays at 1, none goes below
 the floor), and :func:`grpo_parts.core.inclusion.systematic_sample` keeps exactly ``n`` of them, each with its probability
 ``p_i``; a kept prompt carries ``1 / p_i``. The prompt that did not fit stays in the stream (read
@@ -17,7 +17,7 @@ that depends on the draw biases the weighted estimate (tests/skip/test_prompt_sk
 counter-example). Here both the drawn set and the kept count are fixed before the draw.
 
 :class:`PromptDraw` is framework-agnostic (any prompt type and id function); the trainer hands it
-to :func:`grpo_parts.filter.allocation.fill_rollouts` as its prompt stream (it has the
+to :func:`grpo_parts.filter.refill.fill_rollouts` as its prompt stream (it has the
 :class:`~.protocol.DrawsPrompts` ability), and afterwards reads each rolled-out prompt's weight,
 the normaliser scale ``drawn / rolled out`` and the skip metrics from it.
 """
@@ -30,15 +30,11 @@ from typing import Generic, TypeVar
 
 import torch
 
-from ..core.inclusion import probabilities_for_target, systematic_sample
 from ..counters import PROMPTS_DRAWN, PROMPTS_SKIPPED
 from ..errors import GRPOPartsError
 from .protocol import PeeksPrompts, PromptId, PromptSkipper, ReportsHistory
 
-#: one systematic sampler for completions (dppo) and prompts (earlier 0.1 commits: ``lattice_sample``)
-lattice_sample = systematic_sample
-
-__all__ = ["PromptDraw", "SkipRound", "lattice_sample", "probabilities_for_target"]
+__all__ = ["PromptDraw", "SkipRound"]
 
 P = TypeVar("P")
 _EPS = 1e-9
@@ -168,7 +164,7 @@ class PromptDraw(Iterator[P], Generic[P]):
 
     def prompt_weights(self) -> torch.Tensor:
         """``[rolled-out prompts]`` float64: each rolled-out prompt's ``1 / p``, rounds in order (the
-        numbering of :attr:`grpo_parts.filter.allocation.FilledBatch.full_group`)."""
+        numbering of :attr:`grpo_parts.filter.refill.FilledBatch.full_group`)."""
         if not self.rounds:
             return torch.zeros(0, dtype=torch.float64)
         return torch.cat([r.weights for r in self.rounds])

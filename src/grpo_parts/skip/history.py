@@ -33,10 +33,10 @@ it has, a prompt near 50% is never skipped for a lucky streak. Same ``1 / p`` we
 ``step_size`` says how a skip pays (:class:`~.draw.PromptDraw`): ``"fill"`` keeps the step's prompt
 count by drawing more prompts (today's default), ``"fewer"`` draws the step's prompts and rolls out
 only those kept (a cheaper step; the same ``1 / p`` weights and drawn-batch normaliser), at least
-``min_rollout_share`` of them: a step of 3 kept prompts out of 16, weighing up to 10, is an unbiased
-but noisy gradient, and raising every probability together until the round keeps its floor bounds
-both the weights and how few prompts a step learns from (measured at 0.5 on the hard-tail pool, it
-was slower than filling the step: docs/results.md, "Which arm is fastest").
+``min_rollout_share`` of them: a step of a few heavily weighted prompts is an unbiased but noisy
+gradient, and raising every probability together until the round keeps its floor bounds both the
+weights and how few prompts a step learns from (docs/results.md, "Which arm is fastest", measures
+the floor against filling the step).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ prompts' sequence count), the expected loss and gradient are those of the whole 
 Prompts are named by a stable integer id (:func:`prompt_key`: a hash of the prompt's text, or the
 problem's index in the dataset). :class:`DrawsPrompts` is the ability of a prompt stream to hand
 out a *round* of kept prompts at once (:class:`grpo_parts.skip.draw.PromptDraw`), which the
-refill (:func:`grpo_parts.filter.allocation.fill_rollouts`) uses instead of pulling one at a time.
+refill (:func:`grpo_parts.filter.refill.fill_rollouts`) uses instead of pulling one at a time.
 """
 
 from __future__ import annotations

@@ -23,24 +23,13 @@ class KeepEveryPrompt:
     def inclusion_probability(self, prompt_id: PromptId) -> float:
         return 1.0
 
-    def decide(
-        self,
-        prompt_ids: Sequence[PromptId],
-        generator: torch.Generator | None = None,
-        target: float | None = None,
-    ) -> SkipDecision:
-        """Keep them all (``target`` is not used: a stream drawing through this keeps what it draws)."""
+    def decide(self, prompt_ids: Sequence[PromptId], *_: Any, **__: Any) -> SkipDecision:
+        """Keep them all (no draw, and no ``target``: a stream drawing through this keeps what it draws)."""
         n = len(prompt_ids)
         return SkipDecision(torch.arange(n), None, torch.ones(n, dtype=torch.float64))
 
-    def observe(
-        self,
-        prompt_ids: Sequence[PromptId],
-        rewards: torch.Tensor,
-        group_index: torch.Tensor,
-        lengths: torch.Tensor | None = None,
-    ) -> None:
-        return None
+    def observe(self, *_: Any, **__: Any) -> None:
+        """Nothing to learn: every prompt is rolled out whatever its rewards."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

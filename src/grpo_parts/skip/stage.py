@@ -1,7 +1,7 @@
 """Prompt skipping at a framework's prompt seam: one step's prompts drawn past a skipper, their
-row weights, the history, the counters -- what the OpenRLHF and verl doors share.
+row weights, the history, the counters -- what every framework door shares.
 
-A framework that draws each step's prompts itself (OpenRLHF's samples generator, verl's trainer)
+A framework door (TRL's generation batch, OpenRLHF's samples generator, verl's trainer)
 hands them one at a time to a :class:`SkipStage`, which draws a round through
 :class:`~.draw.PromptDraw` (the same sampling design as ``grpo-parts train``: the drawn set and the
 kept count fixed before the draw; the step keeps its size by drawing more). Only the kept prompts
@@ -22,9 +22,9 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ..errors import GRPOPartsError
+from ..errors import GRPOPartsError, NotSupportedError
 from .draw import PromptDraw
-from .protocol import PromptId, PromptSkipper
+from .protocol import PromptId, PromptSkipper, skips
 
 P = TypeVar("P")
 log = logging.getLogger(__name__)
@@ -44,24 +44,30 @@ def off_note(setting: str, reasons: list[str]) -> str:
     return f"{line}; this run's loss would stay unbiased under it"
 
 
-def checked_skipper(
-    name: str, kwargs: Mapping[str, Any], *, where: str, switch: str, reasons: Callable[[], list[str]]
-) -> PromptSkipper | None:
-    """The skipper ``name`` builds from ``kwargs`` (None when it keeps every prompt), refused in one
-    line under ``switch`` when ``reasons()`` -- the door's check that its loss stays unbiased under
-    ``1 / p`` weights -- names any setting. ``where``: the kwargs' key in the door's config."""
-    from ..build import build_prompt_skipper
-    from ..errors import NotSupportedError
-    from .protocol import skips
+def fill_reasons(skipper: PromptSkipper, door: str) -> list[str]:
+    """Why ``door`` cannot run ``skipper``: only ``step_size: fill`` is served (module docstring)."""
+    if skipper.step_size == "fill":
+        return []
+    return [
+        f"step_size={skipper.step_size!r}: {door} trains whole steps of a fixed prompt count; expected "
+        "'fill' (skipped prompts are made up for by drawing more)"
+    ]
 
-    skipper = build_prompt_skipper(name, kwargs=dict(kwargs), where=where)
+
+def checked_skipper(
+    skipper: PromptSkipper, *, door: str, setting: str, reasons: Callable[[], list[str]]
+) -> PromptSkipper | None:
+    """``skipper`` (built by :func:`grpo_parts.build.build_prompt_skipper`), or None when it keeps
+    every prompt (``none``: :func:`off_note` logged); refused in one line under ``setting`` (the
+    door's switch) when it does not fill whole steps (:func:`fill_reasons`) or ``reasons()`` -- the
+    door's check that its loss stays unbiased under ``1 / p`` weights -- names any setting."""
     if not skips(skipper):
-        if name == "none":
-            log.info(off_note(where.removesuffix("_kwargs"), reasons()))
+        if getattr(skipper, "name", None) == "none":
+            log.info(off_note(setting, reasons()))
         return None
-    refused = reasons()
+    refused = fill_reasons(skipper, door) + reasons()
     if refused:
-        raise NotSupportedError(switch, refused)
+        raise NotSupportedError(f"{setting}={getattr(skipper, 'name', type(skipper).__name__)!r}", refused)
     return skipper
 
 
@@ -78,11 +84,8 @@ class SkipStage(Generic[P]):
         key: Callable[[P], PromptId],
         door: str,
     ) -> None:
-        if skipper.step_size != "fill":
-            raise GRPOPartsError(
-                f"prompt_skip_kwargs.step_size: {door} trains whole steps of a fixed prompt count, got "
-                f"{skipper.step_size!r}; expected 'fill' (skipped prompts are made up for by drawing more)"
-            )
+        if fill_reasons(skipper, door):
+            raise GRPOPartsError(f"prompt_skip_kwargs.{fill_reasons(skipper, door)[0]}")
         self.skipper, self.group_size, self.door = skipper, group_size, door
         self.draw: PromptDraw[P] = PromptDraw(skipper, stream, key=key)
 
@@ -96,7 +99,7 @@ class SkipStage(Generic[P]):
         if not self.draw.rounds:
             return {}
         (r,) = self.draw.rounds
-        scale = len(r.kept_ids) / r.drawn if r.drawn else 1.0
+        scale = 1.0 / self.draw.normaliser_scale()
         return {pid: float(w) * scale for pid, w in zip(r.kept_ids, r.weights.tolist())}
 
     def weights_for(self, ids: Sequence[PromptId]) -> torch.Tensor:

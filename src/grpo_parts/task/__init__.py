@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from .arithmetic import ArithmeticConfig, ArithmeticTask, Problem
+from .arithmetic import ArithmeticConfig, ArithmeticTask
+from .data import Problem
 
 __all__ = ["ArithmeticConfig", "ArithmeticTask", "Problem"]

@@ -19,29 +19,11 @@ A fixed ~10% of all problems (by a hash of the prompt) is held out for evaluatio
 from __future__ import annotations
 
 import random
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import GRPOPartsError
-
-#: consecutive draws without a new held-out problem after which the pool counts as exhausted
-#: (a remaining problem of a pool of N is missed that often with probability ~exp(-100_000 / N))
-_EXHAUSTED_AFTER = 100_000
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A prompt (as the tokenizer sees it) and its gold final answer; ``columns``: the data row it came
-    from and ``messages``: its chat prompt, for reward functions (not compared)."""
-
-    prompt: str
-    answer: str
-    columns: dict[str, Any] | None = field(default=None, compare=False, repr=False)
-    messages: list[dict[str, Any]] | None = field(default=None, compare=False, repr=False)
+from .data import GeneratedTask, Problem
 
 
 class ArithmeticConfig(BaseModel):
@@ -65,45 +47,10 @@ def worked_solution(operands: list[int]) -> str:
     return ",".join(steps) + f";{total}"
 
 
-def extract_answer(completion: str) -> str | None:
-    """The text after the last ``;`` (stripped), or None when there is none."""
-    if ";" not in completion:
-        return None
-    return completion.rsplit(";", 1)[1].strip()
-
-
-def collect_held_out(
-    draw: Callable[[int], Problem], is_held_out: Callable[[str], bool], num_eval: int
-) -> list[Problem]:
-    """``num_eval`` distinct held-out problems, ``draw(i)`` proposing a candidate for the i-th.
-
-    A small task (few terms, small digits) has few distinct held-out problems; asking for more is a
-    config error, said in one line, instead of a loop that never ends.
-    """
-    out: list[Problem] = []
-    seen: set[str] = set()
-    misses = 0
-    while len(out) < num_eval:
-        p = draw(len(out))
-        if is_held_out(p.prompt) and p.prompt not in seen:
-            seen.add(p.prompt)
-            out.append(p)
-            misses = 0
-            continue
-        misses += 1
-        if misses >= _EXHAUSTED_AFTER:
-            raise GRPOPartsError(
-                f"task.num_eval: got {num_eval}, but these task settings have only about {len(out)} distinct "
-                f"held-out problems; expected <= {len(out)} (or a larger task.eval_percent / larger problems)"
-            )
-    return out
-
-
-class ArithmeticTask:
+class ArithmeticTask(GeneratedTask):
     """Chain addition. ``train_problem(i)`` is the i-th problem of the training stream."""
 
     name = "arithmetic"
-    grader_name = "after_delimiter ';'"
 
     def __init__(self, config: ArithmeticConfig | None = None, seed: int = 0):
         self.config = config or ArithmeticConfig()
@@ -112,30 +59,20 @@ class ArithmeticTask:
     def _draw(self, rng: random.Random) -> list[int]:
         return [rng.randint(0, self.config.max_value) for _ in range(self.config.operands)]
 
-    def is_held_out(self, prompt: str) -> bool:
-        return zlib.crc32(prompt.encode()) % 100 < self.config.eval_percent
-
     def problem(self, ops: list[int]) -> Problem:
         """The problem that adds ``ops`` (``"3+4="``, answer ``"7"``)."""
         return Problem("+".join(str(x) for x in ops) + "=", str(sum(ops)))
 
     def train_problem(self, index: int) -> Problem:
         # A counter-based stream: problem i depends only on (seed, i), so resuming is O(1).
-        rng = random.Random(f"train:{self.seed}:{index}")
-        while True:
-            p = self.problem(self._draw(rng))
-            if not self.is_held_out(p.prompt):
-                return p
+        return self.first_trained(
+            random.Random(f"train:{self.seed}:{index}"), lambda r: self.problem(self._draw(r))
+        )
 
     def eval_problems(self) -> list[Problem]:
         """The held-out set: the same problems for every seed, so runs compare on equal terms."""
         rng = random.Random("eval")
-        return collect_held_out(
-            lambda i: self.problem(self._draw(rng)), self.is_held_out, self.config.num_eval
-        )
+        return self.held_out(lambda i: self.problem(self._draw(rng)))
 
     def sft_target(self, problem: Problem) -> str:
         return worked_solution([int(x) for x in problem.prompt.rstrip("=").split("+")])
-
-    def reward(self, completion: str, problem: Problem) -> float:
-        return 1.0 if extract_answer(completion) == problem.answer else 0.0

@@ -1,18 +1,38 @@
-"""Turning problems into token batches and completions back into text, plus held-out evaluation.
+"""Problems, what the built-in tasks share, turning problems into token batches and completions back
+into text, plus held-out evaluation.
 
 Works with any transformers tokenizer (the built-in character tokenizer is one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..errors import GRPOPartsError
 from ..sampler.protocol import PromptBatch, SamplingParams
 from ..types import Rollout
-from .arithmetic import Problem
+from .graders import after_delimiter
+
+#: consecutive draws without a new held-out problem after which the pool counts as exhausted
+#: (a remaining problem of a pool of N is missed that often with probability ~exp(-100_000 / N))
+_EXHAUSTED_AFTER = 100_000
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A prompt (as the tokenizer sees it) and its gold final answer; ``columns``: the data row it came
+    from and ``messages``: its chat prompt, for reward functions (not compared)."""
+
+    prompt: str
+    answer: str
+    columns: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    messages: list[dict[str, Any]] | None = field(default=None, compare=False, repr=False)
 
 
 class Task(Protocol):
@@ -48,6 +68,53 @@ class ReportsRewardTerms(Protocol):
 
     #: reward function name -> its mean over the last ``batch_rewards`` call (NaN: no value)
     last_per_function: dict[str, float]
+
+
+class GeneratedTask:
+    """What the built-in tasks share: problems generated from ``(seed, position)`` alone (the stream
+    resumes at any position), a fixed ``config.eval_percent`` of all problems (by a hash of the
+    prompt) held out and never trained on, the answer graded after the last ``;`` (exact match)."""
+
+    grader_name = "after_delimiter ';'"
+    config: Any
+
+    def is_held_out(self, prompt: str) -> bool:
+        return zlib.crc32(prompt.encode()) % 100 < self.config.eval_percent
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return 1.0 if after_delimiter(completion, ";") == problem.answer else 0.0
+
+    def first_trained(self, rng: random.Random, draw: Callable[[random.Random], Problem]) -> Problem:
+        """The first problem ``draw(rng)`` proposes that is not held out."""
+        while True:
+            p = draw(rng)
+            if not self.is_held_out(p.prompt):
+                return p
+
+    def held_out(self, draw: Callable[[int], Problem]) -> list[Problem]:
+        """``config.num_eval`` distinct held-out problems, ``draw(i)`` proposing a candidate for the i-th.
+
+        A small task (few terms, small digits) has few distinct held-out problems; asking for more is a
+        config error, said in one line, instead of a loop that never ends.
+        """
+        out: list[Problem] = []
+        seen: set[str] = set()
+        misses = 0
+        while len(out) < self.config.num_eval:
+            p = draw(len(out))
+            if self.is_held_out(p.prompt) and p.prompt not in seen:
+                seen.add(p.prompt)
+                out.append(p)
+                misses = 0
+                continue
+            misses += 1
+            if misses >= _EXHAUSTED_AFTER:
+                raise GRPOPartsError(
+                    f"task.num_eval: got {self.config.num_eval}, but these task settings have only about "
+                    f"{len(out)} distinct held-out problems; expected <= {len(out)} (or a larger "
+                    "task.eval_percent / larger problems)"
+                )
+        return out
 
 
 def completion_ids(rollout: Rollout) -> list[list[int]]:

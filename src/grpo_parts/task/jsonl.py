@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import GRPOPartsError
-from .arithmetic import Problem
+from .data import Problem
 from .formats import Record, load_records
 from .graders import (
     MATH_INSTALL,

@@ -23,12 +23,11 @@ Only the text after the last ``;`` is graded (exact match). Problems come from `
 from __future__ import annotations
 
 import random
-import zlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .arithmetic import Problem, collect_held_out, extract_answer
+from .data import GeneratedTask, Problem
 
 #: The fixed instruction every prompt starts with (one token per character with the task's tokenizer).
 INSTRUCTION = "add the numbers. each line adds the first two terms and copies the rest. answer after ;. "
@@ -84,12 +83,11 @@ def reduction_solution(terms: list[int], labeled: bool = False) -> str:
     return "=".join(lines) + f";{total}"
 
 
-class ReasoningTask:
+class ReasoningTask(GeneratedTask):
     """Reduction of a sum with a long-tailed number of terms behind a fixed instruction."""
 
     name = "reasoning"
     instruction = INSTRUCTION
-    grader_name = "after_delimiter ';'"
 
     def __init__(self, config: ReasoningConfig | None = None, seed: int = 0):
         self.config = config or ReasoningConfig()
@@ -106,9 +104,6 @@ class ReasoningTask:
         body = "+".join(_term(i, x, self.config.labeled) for i, x in enumerate(terms))
         return Problem(self.instruction + body + "=", str(sum(terms)))
 
-    def is_held_out(self, prompt: str) -> bool:
-        return zlib.crc32(prompt.encode()) % 100 < self.config.eval_percent
-
     def _is_long(self, index: int) -> bool:
         return index % self.config.long_every == self.config.long_every - 1
 
@@ -119,11 +114,10 @@ class ReasoningTask:
         if n is not None:
             epoch, pos = divmod(index, n)
             index = self._epoch_order(epoch)[pos]
-        rng = random.Random(f"reasoning:{self.seed}:{index}")
-        while True:
-            p = self.problem(self._draw(rng, self._is_long(index)))
-            if not self.is_held_out(p.prompt):
-                return p
+        long = self._is_long(index)
+        return self.first_trained(
+            random.Random(f"reasoning:{self.seed}:{index}"), lambda r: self.problem(self._draw(r, long))
+        )
 
     def _epoch_order(self, epoch: int) -> list[int]:
         """The problems' order in ``epoch`` (the last one kept: the stream reads epochs in turn)."""
@@ -136,9 +130,7 @@ class ReasoningTask:
     def eval_problems(self) -> list[Problem]:
         """The held-out set (the same for every seed), with the stream's share of long problems."""
         rng = random.Random("reasoning:eval")
-        return collect_held_out(
-            lambda i: self.problem(self._draw(rng, self._is_long(i))), self.is_held_out, self.config.num_eval
-        )
+        return self.held_out(lambda i: self.problem(self._draw(rng, self._is_long(i))))
 
     def terms(self, problem: Problem) -> list[int]:
         body = problem.prompt[len(self.instruction) :].rstrip("=")
@@ -146,6 +138,3 @@ class ReasoningTask:
 
     def sft_target(self, problem: Problem) -> str:
         return reduction_solution(self.terms(problem), self.config.labeled)
-
-    def reward(self, completion: str, problem: Problem) -> float:
-        return 1.0 if extract_answer(completion) == problem.answer else 0.0

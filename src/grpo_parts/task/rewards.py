@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..errors import GRPOPartsError
-from .arithmetic import Problem
+from .data import Problem
 
 log = logging.getLogger("grpo_parts.train")
 

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..core import AdvantageConfig, LossConfig
 from ..errors import GRPOPartsError
-from ..filter.allocation import legacy_refill
 from ..parts_config import DOOR_DEFAULTS, PartsConfig
 from ..skip.protocol import prompt_skip_reasons
 from ..task.arithmetic import ArithmeticConfig
@@ -29,7 +28,7 @@ DEFAULT_TASK = "reasoning"
 #: Fields whose default depends on the built-in task (a value given in the config wins).
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "arithmetic": {},
-    # GRPO lifts the habit within ~5 steps (held-out 4% -> 77% in the first measurement)
+    # GRPO lifts the warm start's habit within a few steps (docs/results.md, "End to end")
     "reasoning": {"max_new_tokens": 320, "steps": 15, "eval_every": 3},
     # --data (task.name: data) keeps the defaults it had before it had a task section of its own
     "data": {"max_new_tokens": 320, "steps": 15, "eval_every": 3},
@@ -48,13 +47,11 @@ REFERENCE_PARTS: dict[str, Any] = {
 def train_parts(data: Any) -> Any:
     """``parts`` as ``grpo-parts train`` reads it (before the field validates it as the shared
     :class:`~grpo_parts.parts_config.PartsConfig`): this door's defaults (the optimized parts,
-    ``DOOR_DEFAULTS["train"]``) under the given fields; earlier ``refill`` + ``max_refill_rounds``
-    are read as ``refill_rounds`` (logged)."""
+    ``DOOR_DEFAULTS["train"]``) under the given fields."""
     if isinstance(data, PartsConfig):
         return PartsConfig.for_door("train", data)
     if not isinstance(data, dict):
         return data
-    data = legacy_refill(data, "max_refill_rounds", counts_first_round=False, where="parts")
     return {**DOOR_DEFAULTS["train"], **data}  # validated as the field (errors name parts.*)
 
 

@@ -35,11 +35,10 @@ log = logging.getLogger("grpo_parts.train")
 #: (rows x max_new_tokens)), and with ``1 / p`` weights its estimate is unbiased (core/unbiased.py).
 SKIP_DEFAULT_AGG = "seq-mean-token-sum-norm"
 #: ``history``'s settings behind ``grpo-parts train`` when not given (the arm ``cppo+skip_strong``):
-#: a lower exploration base that adapts twice as fast towards a 15% zero-variance share, and the
-#: step keeps its prompt count by drawing more (``fill``). Rolling out only the kept prompts
-#: (``step_size: fewer``) tied it on time to the hard-tail target and ended low more often; the
-#: measurement is docs/results.md's ("Which arm is fastest"). The frameworks fill too, with the
-#: skipper's own defaults (GRESO's rule).
+#: a lower exploration base that adapts faster towards a lower zero-variance share, and the step
+#: keeps its prompt count by drawing more (``fill``), chosen over rolling out only the kept prompts
+#: (``step_size: fewer``) by docs/results.md ("Which arm is fastest"). The frameworks fill too, with
+#: the skipper's own defaults (GRESO's rule).
 STRONG_RULE: dict[str, Any] = {"keep_base": 0.3, "base_step": 0.02, "target_share": 0.15}
 TRAIN_HISTORY_KWARGS: dict[str, Any] = {**STRONG_RULE, "step_size": "fill"}
 #: ``parts.prompt_skip`` on finite data when not given

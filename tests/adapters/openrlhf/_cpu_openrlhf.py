@@ -39,10 +39,12 @@ import contextlib
 import datetime
 import os
 import threading
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -114,6 +116,15 @@ def cpu_strategy_class() -> type:
             return config
 
     return CPUStrategy
+
+
+def fail_rank(results: dict[str, Any], key: str, out: Path, rank: int) -> NoReturn:
+    """Record the exception being handled under ``results["errors"][key]``, save what this rank has
+    and exit at once: the other rank's next collective then fails too, instead of hanging."""
+    results["errors"][key] = traceback.format_exc()
+    print(results["errors"][key], flush=True)
+    torch.save(results, out / f"rank{rank}.pt")
+    os._exit(1)
 
 
 def make_strategy(args: Any) -> Any:

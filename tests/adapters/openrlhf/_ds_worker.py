@@ -97,24 +97,34 @@ def policy_actor(args: Any, strategy: Any, model: torch.nn.Module, parts_on: boo
     return holder
 
 
-def step(packing: bool, parts_on: bool, grouped: bool = True) -> dict[str, Any]:
-    import ray
-    from _openrlhf_helpers import rollout_samples, tiny_model
-    from grpo_parts_adapters.openrlhf.actor import hf_model
+def recording_maker(policy: Any, args: Any, strategy: Any) -> tuple[Any, Any, list[torch.Tensor]]:
+    """``(group, maker, losses)``: the policy alone in a local group, grpo_parts' experience maker
+    over it (no critic, reference or reward model, KL 0), and the list each micro-batch's policy
+    loss is appended to (DeepSpeed divides each by the accumulation steps)."""
     from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
     from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
-    args = step_args(packing, parts_on, grouped)
-    strategy = make_strategy(args)
-    policy = policy_actor(args, strategy, tiny_model("qwen2", seed=0, dtype=torch.float32), parts_on)
-    losses: list[torch.Tensor] = []  # each micro-batch's policy loss (DeepSpeed divides by gas)
+    losses: list[torch.Tensor] = []
     policy.trainer.actor_loss_fn.register_forward_hook(lambda m, i, out: losses.append(out[0].detach()))
     group = LocalGroup(policy)
     maker = GRPOPartsExperienceMaker(
         group, None, None, None, FixedKLController(0.0), strategy, type("Tok", (), {"pad_token_id": 0})(),
         completion_filter=OpenRLHFPartsConfig.from_args(args).build_filter(),
     )  # fmt: skip
+    return group, maker, losses
+
+
+def step(packing: bool, parts_on: bool, grouped: bool = True) -> dict[str, Any]:
+    import ray
+    from _openrlhf_helpers import rollout_samples, tiny_model
+
+    from grpo_parts.wrappers import transformers_model as hf_model
+
+    args = step_args(packing, parts_on, grouped)
+    strategy = make_strategy(args)
+    policy = policy_actor(args, strategy, tiny_model("qwen2", seed=0, dtype=torch.float32), parts_on)
+    group, maker, losses = recording_maker(policy, args, strategy)
     samples = rollout_samples(torch.Generator().manual_seed(1), G, PROMPTS, REWARDS, env_tokens=True)
     for s in samples:
         s.rewards, s.scores = s.rewards.float(), s.scores.float()
@@ -184,8 +194,9 @@ class AgentExecutor(GRPOPartsAgentExecutor):
 
 
 def default_run(tmp: Path) -> dict[str, Any]:
-    from grpo_parts_adapters.openrlhf.actor import hf_model
     from grpo_parts_adapters.openrlhf.ray_actors import PolicyActorParts, ReferenceActorParts, TrainerParts
+
+    from grpo_parts.wrappers import transformers_model as hf_model
 
     args = parse(write_default_run(tmp))
     logged: list[dict[str, Any]] = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _cpu_openrlhf import LocalGroup, make_strategy, setup_process  # noqa: E402
+from _cpu_openrlhf import LocalGroup, fail_rank, make_strategy, setup_process  # noqa: E402
 
 G, PROMPTS = 4, 4
 #: prompts 0 and 1 have a signal; 2 and 3 (rows 8..15, plain OpenRLHF's share of rank 1) do not
@@ -174,11 +173,8 @@ def main() -> None:
             t = time.monotonic()
             results["cases"][name] = run_case(rank, world, policy, name)
             results["seconds"][name] = time.monotonic() - t
-        except Exception:  # exit at once: the other rank's next collective then fails too
-            results["errors"][name] = traceback.format_exc()
-            print(results["errors"][name], flush=True)
-            torch.save(results, out / f"rank{rank}.pt")
-            os._exit(1)
+        except Exception:
+            fail_rank(results, name, out, rank)
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()
 

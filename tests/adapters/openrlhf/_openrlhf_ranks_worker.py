@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _cpu_openrlhf import LocalGroup, make_strategy, setup_process  # noqa: E402
+from _cpu_openrlhf import fail_rank, make_strategy, setup_process  # noqa: E402
 
 G = 4
 #: per rank, two prompts x G: rank 0's second group has zero variance (CPPO keeps only the first)
@@ -36,7 +35,8 @@ CASES = [(2, False), (2, True), (3, False), (3, True)]
 
 def full_params(policy: Any) -> dict[str, torch.Tensor]:
     import deepspeed
-    from grpo_parts_adapters.openrlhf.actor import hf_model
+
+    from grpo_parts.wrappers import transformers_model as hf_model
 
     model = hf_model(policy.actor.model)
     params = list(model.parameters())
@@ -48,7 +48,8 @@ def record_grads(policy: Any) -> list[dict[str, torch.Tensor]]:
     """Each update's full gradient per parameter, read at the accumulation boundary just before
     DeepSpeed's optimizer step (``safe_get_full_grad``: ZeRO-3 holds only a partition per rank)."""
     from deepspeed.utils import safe_get_full_grad
-    from grpo_parts_adapters.openrlhf.actor import hf_model
+
+    from grpo_parts.wrappers import transformers_model as hf_model
 
     engine, grads = policy.actor.model, []
     step = engine.step
@@ -64,11 +65,8 @@ def record_grads(policy: Any) -> list[dict[str, torch.Tensor]]:
 
 
 def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]:
-    from _ds_worker import policy_actor, step_args
+    from _ds_worker import policy_actor, recording_maker, step_args
     from _openrlhf_helpers import rollout_samples, tiny_model
-    from grpo_parts_adapters.openrlhf.config import OpenRLHFPartsConfig
-    from grpo_parts_adapters.openrlhf.experience import GRPOPartsExperienceMaker
-    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
     from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 
@@ -94,13 +92,7 @@ def step(rank: int, stage: int, packing: bool, parts_on: bool) -> dict[str, Any]
 
         backend.run = recording
         assert isinstance(backend, SharedPrefixAttention)
-    losses: list[torch.Tensor] = []
-    policy.trainer.actor_loss_fn.register_forward_hook(lambda m, i, out: losses.append(out[0].detach()))
-    group = LocalGroup(policy)
-    maker = GRPOPartsExperienceMaker(
-        group, None, None, None, FixedKLController(0.0), strategy, type("Tok", (), {"pad_token_id": 0})(),
-        completion_filter=OpenRLHFPartsConfig.from_args(args).build_filter(),
-    )  # fmt: skip
+    group, maker, losses = recording_maker(policy, args, strategy)
     # this process plays the controller for its own rank only: its kept rows are rounded to one
     # rank's share of --train.batch_size (4), not to the global batch
     maker.args = copy.deepcopy(args)
@@ -139,11 +131,8 @@ def main() -> None:
         for parts_on in (True, False):
             try:
                 results["step"][stage, packing, parts_on] = step(rank, stage, packing, parts_on)
-            except Exception:  # exit at once: the other rank's next collective then fails too
-                results["errors"][f"{stage=} {packing=} {parts_on=}"] = traceback.format_exc()
-                print(traceback.format_exc(), flush=True)
-                torch.save(results, out / f"rank{rank}.pt")
-                os._exit(1)
+            except Exception:
+                fail_rank(results, f"{stage=} {packing=} {parts_on=}", out, rank)
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()
 

@@ -31,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core"))  # the shared hypothesis cases
-from core_cases import F64, TOL, Case, assert_close, cases, loss_and_grads  # noqa: E402
+from core_cases import F64, TOL, Case, assert_close, cases, grpo_loss_and_grads, loss_and_grads  # noqa: E402
 
 from grpo_parts.core import (  # noqa: E402
     AdvantageConfig,
@@ -142,11 +142,7 @@ def test_actor_loss_with_kl_and_entropy_matches_openrlhf(orl, c: Case, token_lev
         eps_high=0.28, kl_coef=kl_coef, kl_estimator=est, kl_clamp="all", kl_agg="token-mean",  # type: ignore[arg-type]
         entropy_coef=ent_coef, entropy_agg="token-mean", **_agg(token_level),
     )  # fmt: skip
-    got = loss_and_grads(
-        lambda x, h: grpo_loss(x, c.old, c.adv, c.mask, cfg, c.ref if kl_coef else None, entropy=h).loss,
-        c.logps,
-        c.entropy,
-    )
+    got = grpo_loss_and_grads(c, cfg, with_ref=bool(kl_coef))
     for g, w, what in zip(got, want, ("loss", "grad logps", "grad entropy")):
         # compute_approx_kl works in float32: with a KL term only float32 resolution is meaningful
         tol = F32_RES * max(1.0, float(w.abs().max())) if kl_coef else TOL

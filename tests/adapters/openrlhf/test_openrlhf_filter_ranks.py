@@ -20,7 +20,7 @@ from multirank import run_ranks
 
 from grpo_parts.core import AdvantageConfig, group_advantages
 from grpo_parts.filter import get_filter_class
-from grpo_parts.filter.data_parallel import round_rounds
+from grpo_parts.filter.rounding import round_kept_rows
 from grpo_parts.types import ScoredBatch
 
 HERE = Path(__file__).resolve().parent
@@ -45,7 +45,7 @@ def one_process(name: str) -> list[tuple[str, float]]:
     adv = group_advantages(r, gi, AdvantageConfig(norm="group", unbiased_std=True, eps=1e-9))
     scored = ScoredBatch(r, adv, gi)
     kept = get_filter_class(filt)(**kwargs).select(scored).kept
-    (kept,) = round_rounds([scored], [kept], TRAIN_BATCH, rounding)  # type: ignore[arg-type]
+    (kept,) = round_kept_rows([scored], [kept], TRAIN_BATCH, rounding)  # type: ignore[arg-type]
     return sorted((f"prompt {int(gi[i])}", round(float(r[i]), 6)) for i in kept.tolist())
 
 

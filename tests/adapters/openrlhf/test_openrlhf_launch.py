@@ -255,8 +255,7 @@ def test_grouped_microbatches_auto():
         False
     )
     with pytest.raises(GRPOPartsError, match="dynamic_batch"):
-        # the earlier flag name, read as group_rows
-        OpenRLHFPartsConfig(grouped_microbatches="on").use_grouped_microbatches(dynamic_batch=True)
-    assert OpenRLHFPartsConfig(attention="reference").attention is None  # OpenRLHF's own forward
+        OpenRLHFPartsConfig(group_rows="on").use_grouped_microbatches(dynamic_batch=True)
+    assert OpenRLHFPartsConfig(attention="none").attention is None  # OpenRLHF's own forward
     with pytest.raises(ValueError, match="sampler='speculative': not offered behind openrlhf"):
         OpenRLHFPartsConfig(sampler="speculative")

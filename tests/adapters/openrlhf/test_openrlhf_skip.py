@@ -100,8 +100,9 @@ def test_skipped_prompts_generate_nothing_and_kept_rows_carry_their_weight(
     flat = [p for step in generated for p in step]
     assert sum(p in SOLVED for p in flat[-3 * B :]) < sum(p in SOLVED for p in flat[: 3 * B])
     # the trainer logs the maker's skip counters under parts/prompt_skip/ (OpenRLHF's train_step stubbed)
-    from grpo_parts_adapters._counters import PartCounters
     from grpo_parts_adapters.openrlhf import ray_actors
+
+    from grpo_parts.counters import PartCounters
 
     monkeypatch.setattr(ray_actors._Trainer, "train_step", lambda self, samples, step: ({}, step + 1))
     trainer = object.__new__(ray_actors.TrainerParts)

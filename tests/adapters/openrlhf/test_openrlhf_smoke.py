@@ -34,7 +34,7 @@ def test_smoke_script_is_valid_bash():
 def test_smoke_configs_match_the_checker():
     text = SCRIPT.read_text()
     cases = set(re.findall(r"^\s+(\w+)\) extra=", text, flags=re.M))
-    assert cases == set(checker().PARTS)
+    assert cases == set(checker().SWITCHED_ON)
     assert "--grpo_parts.check_first_batch 1" in text  # the attention check needs it
 
 

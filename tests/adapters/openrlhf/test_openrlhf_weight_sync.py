@@ -71,7 +71,7 @@ def rollout(ex: Any, n: int = 2) -> list[dict[str, Any]]:
 
 
 def test_rollout_without_sync_is_refused_in_one_line():
-    from grpo_parts_adapters._policy_copy import StaleWeightsError
+    from grpo_parts.doors.policy_copy import StaleWeightsError
 
     ex = executor()
     with pytest.raises(StaleWeightsError) as e:
@@ -114,8 +114,9 @@ class _QueueGroup:
 
 def test_receiver_loads_only_a_whole_broadcast(monkeypatch):
     """A broadcast that stops half-way leaves the copy stale (refused), not half-loaded."""
-    from grpo_parts_adapters._policy_copy import StaleWeightsError
     from grpo_parts_adapters.openrlhf.rollout import WeightReceiver
+
+    from grpo_parts.doors.policy_copy import StaleWeightsError
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)  # PyNccl's stream argument
     ex = executor()

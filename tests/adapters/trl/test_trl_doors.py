@@ -24,7 +24,7 @@ from door_fixtures import (  # noqa: E402
     sampler_kwargs,
     tiny_reasoner,
 )
-from grpo_parts_adapters.trl import GRPOPartsTrainer, TRLPartsOptions  # noqa: E402
+from grpo_parts_adapters.trl import GRPOPartsTrainer  # noqa: E402
 
 S = "parts/sampler/"
 
@@ -60,8 +60,8 @@ def test_every_optimization_runs_and_is_counted(tmp_path: Path) -> None:
     tr, log = _step(
         tmp_path, sampler="speculative", draft="ngram", sampler_kwargs=sampler_kwargs(),
         attention="shared_prefix", attention_kwargs={"layout": "padding_free"},
-        completion_filter="cppo", filter_kwargs={"pruning_rate": 0.5},
-        parts_options=TRLPartsOptions(refill_rounds=1),  # one extra round
+        filter="cppo", filter_kwargs={"pruning_rate": 0.5},
+        parts={"refill_rounds": 1},  # one extra round
     )  # fmt: skip
     keys = {
         k: S + v for k, v in SAMPLER_COUNTERS.items() if k not in ("draft trees", "online draft training")

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("trl")
 
 import trl_tiny as _tiny  # noqa: E402
-from grpo_parts_adapters.trl import GRPOPartsTrainer, TRLPartsOptions  # noqa: E402
+from grpo_parts_adapters.trl import GRPOPartsTrainer  # noqa: E402
 from transformers import set_seed  # noqa: E402
 
 from grpo_parts.errors import NotSupportedError  # noqa: E402
@@ -27,27 +27,6 @@ def base() -> torch.nn.Module:
     return _tiny.model()
 
 
-class _Recording(GRPOPartsTrainer):
-    """Records the scored batch the filter saw, what TRL trains on and each micro-batch loss."""
-
-    def __init__(self, *a: Any, **k: Any) -> None:
-        super().__init__(*a, **k)
-        self.scored: list[tuple[dict[str, Any], Any]] = []
-        self.trained: list[dict[str, Any]] = []
-        self.losses: list[float] = []
-
-    def _gp_score(self, inputs):  # type: ignore[no-untyped-def]
-        out, deferred, scored = super()._gp_score(inputs)
-        self.scored.append((dict(out), scored))
-        return out, deferred, scored
-
-    def _compute_loss(self, model, inputs):  # type: ignore[no-untyped-def]
-        self.trained.append(dict(inputs))
-        loss = super()._compute_loss(model, inputs)
-        self.losses.append(float(loss.detach()))
-        return loss
-
-
 def _key(batch: dict[str, Any], i: int) -> tuple[Any, ...]:
     p = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
     return tuple(p), tuple(batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist())
@@ -58,7 +37,7 @@ def _train(base: torch.nn.Module, loss_type: str) -> tuple[Any, dict[tuple, floa
     the filter's result (redrawn from a fresh filter with the same seed)."""
     args = _tiny.config(gradient_accumulation_steps=2, max_steps=1, loss_type=loss_type)
     set_seed(0)
-    tr, _ = _tiny.run(_Recording, base, args, completion_filter="dppo", filter_kwargs=KW)
+    tr, _ = _tiny.run(_tiny.Recording, base, args, filter="dppo", filter_kwargs=KW)
     ((out, scored),) = tr.scored
     res = DPPOFilter(**KW).select(scored, None)  # the draw the trainer's filter made
     assert 0 < res.kept.numel() < scored.size
@@ -98,7 +77,7 @@ def test_trl_trains_each_drawn_row_times_its_weight_over_the_full_batch(
 
 
 @pytest.mark.parametrize(
-    ("config", "options", "needle"),
+    ("config", "parts", "needle"),
     [
         ({"beta": 0.1}, {}, "beta=0.1"),
         ({"loss_type": "bnpo"}, {}, "loss_type='bnpo'"),
@@ -106,14 +85,14 @@ def test_trl_trains_each_drawn_row_times_its_weight_over_the_full_batch(
     ],
 )
 def test_trl_refuses_dppo_where_it_cannot_stay_unbiased(
-    base: torch.nn.Module, config: dict[str, Any], options: dict[str, Any], needle: str
+    base: torch.nn.Module, config: dict[str, Any], parts: dict[str, Any], needle: str
 ) -> None:
     args = _tiny.config(**config)
     model = _tiny.policy_for(base, args)
     with pytest.raises(NotSupportedError) as e:
         GRPOPartsTrainer(
             model=model, reward_funcs=_tiny.reward, args=args, train_dataset=_tiny.dataset(),
-            processing_class=_tiny.tokenizer(), completion_filter="dppo",
-            parts_options=TRLPartsOptions(**options),
+            processing_class=_tiny.tokenizer(), filter="dppo",
+            parts=parts,
         )  # fmt: skip
     assert needle in str(e.value) and "\n" not in str(e.value)

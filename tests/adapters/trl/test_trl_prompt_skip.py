@@ -21,8 +21,8 @@ from grpo_parts_adapters.trl import GRPOPartsTrainer, TRLPartsOptions  # noqa: E
 from grpo_parts_adapters.trl.skipping import row_prompt_key  # noqa: E402
 from transformers import set_seed  # noqa: E402
 
+from grpo_parts.core.inclusion import probabilities_for_target  # noqa: E402
 from grpo_parts.errors import NotSupportedError  # noqa: E402
-from grpo_parts.skip.draw import probabilities_for_target  # noqa: E402
 from grpo_parts.skip.history import HistorySkipper  # noqa: E402
 
 PROMPTS = ["a b c", "d e", "f g h i", "j", "k l m", "n o", "p q r s t", "u v"]
@@ -59,7 +59,7 @@ class _Recording(GRPOPartsTrainer):
 
     def _gp_skip_prompts(self, inputs):  # type: ignore[no-untyped-def]
         rows = super()._gp_skip_prompts(inputs)
-        self.draws.append((inputs, rows, self._gp_skip))
+        self.draws.append((inputs, rows, self._gp_stage.draw.rounds[0]))
         return rows
 
     def _compute_loss(self, model, inputs):  # type: ignore[no-untyped-def]
@@ -107,8 +107,7 @@ def test_batch_keeps_its_size_and_each_row_carries_its_prompt_weight(
     base: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tr, scored = _train(base, monkeypatch)
-    ((inputs, rows, skip),) = tr.draws
-    (rnd,) = skip.draw.rounds
+    ((inputs, rows, rnd),) = tr.draws
     assert len(rows) == len(inputs) == 16  # TRL's chunking and gathers see the size they expect
     assert len(rnd.kept_ids) == 4 and rnd.drawn == 4 + len(rnd.skipped_ids) > 4
     assert [row_prompt_key(r) for r in rows[::4]] == rnd.kept_ids  # the kept prompts', G each, in order
@@ -136,10 +135,10 @@ def test_a_completion_filter_multiplies_its_own_selection_in(
     base: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CPPO after skipping: the kept rows keep the prompt weight (CPPO's own normaliser, no rescale)."""
-    tr, scored = _train(base, monkeypatch, completion_filter="cppo", filter_kwargs={"pruning_rate": 0.5})
-    ((_, _, skip),) = tr.draws
+    tr, scored = _train(base, monkeypatch, filter="cppo", filter_kwargs={"pruning_rate": 0.5})
+    ((_, _, rnd),) = tr.draws
     (out,) = scored
-    _, want = _expected(skip.draw.rounds[0], out)
+    _, want = _expected(rnd, out)
     trained = [(b, i) for b in tr.trained for i in range(b["completion_ids"].shape[0])]
     assert 0 < len(trained) < 16
     for b, i in trained:
@@ -150,7 +149,7 @@ def test_a_completion_filter_multiplies_its_own_selection_in(
 
 
 @pytest.mark.parametrize(
-    ("config", "options", "needle"),
+    ("config", "parts", "needle"),
     [
         ({}, {}, "loss_type='dapo'"),  # TRL's default loss
         ({"loss_type": "grpo", "beta": 0.1}, {}, "beta=0.1"),
@@ -159,16 +158,16 @@ def test_a_completion_filter_multiplies_its_own_selection_in(
     ],
 )
 def test_refused_where_it_cannot_stay_unbiased(
-    base: torch.nn.Module, config: dict[str, Any], options: dict[str, Any], needle: str
+    base: torch.nn.Module, config: dict[str, Any], parts: dict[str, Any], needle: str
 ) -> None:
     args = _tiny.config(**config)
     model = _tiny.policy_for(base, args)
     kw = dict(model=model, reward_funcs=_tiny.reward, args=args, train_dataset=_tiny.dataset(),
-              processing_class=_tiny.tokenizer(), prompt_skip="history")  # fmt: skip
+              processing_class=_tiny.tokenizer(), prompt_skip="history", parts=parts)  # fmt: skip
     with pytest.raises(NotSupportedError) as e:
-        GRPOPartsTrainer(**kw, parts_options=TRLPartsOptions(**options))
+        GRPOPartsTrainer(**kw, parts_options=TRLPartsOptions())
     assert needle in str(e.value) and "\n" not in str(e.value)
-    lenient = GRPOPartsTrainer(**kw, parts_options=TRLPartsOptions(**options, strict=False))
+    lenient = GRPOPartsTrainer(**kw, parts_options=TRLPartsOptions(strict=False))
     assert lenient.gp_skipper is None and any(needle in r for r in lenient.parts_refused["prompt_skip"])
 
 
@@ -203,7 +202,7 @@ def test_skipping_not_asked_for_says_in_one_line_it_is_opt_in_here(
     """Only grpo-parts train turns skipping on by default (on finite data, where it chooses the loss):
     behind TRL the loss is the user's, so the trainer says it is off, how to turn it on, and whether
     this run's loss could take it."""
-    with caplog.at_level("INFO", logger="grpo_parts_adapters.trl.skipping"):
+    with caplog.at_level("INFO", logger="grpo_parts.skip.stage"):
         tr = _tiny.build(GRPOPartsTrainer, base, _tiny.config(loss_type=loss))
     assert tr.gp_skipper is None
     (line,) = [r.getMessage() for r in caplog.records if "prompt skipping" in r.getMessage()]
@@ -236,12 +235,12 @@ def test_the_skippers_history_and_dppos_generator_survive_trls_checkpoint(
         save_strategy="steps", save_steps=1, save_only_model=False,
     )  # fmt: skip
     parts: dict[str, Any] = dict(
-        prompt_skip="history", completion_filter="dppo", filter_kwargs={"pruning_rate": 0.5}
+        prompt_skip="history", filter="dppo", filter_kwargs={"pruning_rate": 0.5}
     )
     set_seed(0)
     first, _ = _tiny.run(GRPOPartsTrainer, base, args, **parts)
     saved = torch.load(tmp_path / "checkpoint-1" / STATE_FILE, weights_only=True)
-    assert saved["prompt_skip"]["ids"].numel() > 0 and "generator" in saved["completion_filter"]
+    assert saved["prompt_skip"]["ids"].numel() > 0 and "generator" in saved["filter"]
     assert (tmp_path / "checkpoint-2" / STATE_FILE).is_file()
 
     resumed = GRPOPartsTrainer(
@@ -261,4 +260,4 @@ def test_the_skippers_history_and_dppos_generator_survive_trls_checkpoint(
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert torch.equal(seen["history"]["ids"], saved["prompt_skip"]["ids"])
     assert torch.equal(seen["history"]["seen"], saved["prompt_skip"]["seen"])
-    assert torch.equal(seen["filter"]["generator"], saved["completion_filter"]["generator"])
+    assert torch.equal(seen["filter"]["generator"], saved["filter"]["generator"])

@@ -15,11 +15,11 @@ import torch
 pytest.importorskip("trl")
 
 import trl_tiny as _tiny  # noqa: E402
-from grpo_parts_adapters._counters import PartCounters  # noqa: E402
 from grpo_parts_adapters.trl import GRPOPartsTrainer, TRLPartsOptions  # noqa: E402
 from test_trl_vs_stock import _PartsScripted  # noqa: E402
 from transformers import set_seed  # noqa: E402
 
+from grpo_parts.counters import PartCounters  # noqa: E402
 from grpo_parts.errors import NotSupportedError  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def test_default_trl_config_with_the_parts_on_reports_that_they_ran(tmp_path: Pa
         sampler="speculative",
         draft="ngram",
         attention="auto",
-        completion_filter="cppo",
+        filter="cppo",
         filter_kwargs={"pruning_rate": 0.5},
     )
     assert type(tr.gp_attention).__name__ == "SharedPrefixAttention" and tr._gp_group_rows
@@ -168,7 +168,7 @@ def test_cppo_ranks_only_rows_with_loss_tokens_and_logs_kept(base: torch.nn.Modu
         log_completions=True,
     )
     set_seed(0)
-    tr, _ = _tiny.run(_Trained, base, args, completion_filter="cppo", filter_kwargs={"pruning_rate": 0.75})
+    tr, _ = _tiny.run(_Trained, base, args, filter="cppo", filter_kwargs={"pruning_rate": 0.75})
     ((out, _, scored),) = tr.scored
     loss_rows = scored.completion_lengths > 0
     assert 0 < int(loss_rows.sum()) < scored.size

@@ -65,7 +65,7 @@ def test_reference_parts_equal_plain_trl(base: torch.nn.Module) -> None:
     _RecordRollouts.rollouts = []
     set_seed(0)
     parts, cap_parts = _tiny.run(
-        _RecordRollouts, base, args, sampler="reference", attention="reference", completion_filter="keep_all"
+        _RecordRollouts, base, args, sampler="reference", attention="reference", filter="keep_all"
     )
     assert len(_RecordRollouts.rollouts) == 2  # one rollout per optimizer step
     _ReplayRollouts.rollouts = list(_RecordRollouts.rollouts)
@@ -103,33 +103,6 @@ def test_shared_prefix_equals_reference_parts(base: torch.nn.Module) -> None:
         _assert_grads_close(ga, gb, rtol=0, atol=1e-6)
 
 
-class _Recording(GRPOPartsTrainer):
-    """Records what TRL trains on and which rows the no-grad (old / reference) forwards see."""
-
-    def __init__(self, *a: Any, **k: Any) -> None:
-        super().__init__(*a, **k)
-        self.scored: list[tuple[dict[str, Any], Any]] = []
-        self.trained: list[dict[str, Any]] = []
-        self.losses: list[float] = []
-        self.nograd_rows: list[int] = []
-
-    def _gp_score(self, inputs):  # type: ignore[no-untyped-def]
-        out, deferred, scored = super()._gp_score(inputs)
-        self.scored.append(({k: v for k, v in out.items()}, scored))
-        return out, deferred, scored
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, *a, **k):  # type: ignore[no-untyped-def]
-        if not torch.is_grad_enabled() and not self._gp_deferring:
-            self.nograd_rows.append(int(input_ids.shape[0]))
-        return super()._get_per_token_logps_and_entropies(model, input_ids, *a, **k)
-
-    def _compute_loss(self, model, inputs):  # type: ignore[no-untyped-def]
-        self.trained.append(dict(inputs))
-        loss = super()._compute_loss(model, inputs)
-        self.losses.append(float(loss.detach()))
-        return loss
-
-
 def _rows(batch: dict[str, Any], idx: list[int] | None = None) -> list[tuple[Any, ...]]:
     """Rows as hashable (prompt tokens, completion tokens, advantage) tuples."""
     n = batch["completion_ids"].shape[0]
@@ -147,7 +120,7 @@ def test_filter_trains_exactly_the_kept_rows(base: torch.nn.Module) -> None:
     reference forwards ran on the kept rows only."""
     args = _tiny.config(gradient_accumulation_steps=2, num_iterations=2, beta=0.1, max_steps=1)
     set_seed(0)
-    tr, _ = _tiny.run(_Recording, base, args, completion_filter="cppo", filter_kwargs={"pruning_rate": 0.5})
+    tr, _ = _tiny.run(_tiny.Recording, base, args, filter="cppo", filter_kwargs={"pruning_rate": 0.5})
     ((out, scored),) = tr.scored
     res = tr.gp_filter.select(scored, None)
     (kept,), _ = round_kept([scored], [res.kept], args.steps_per_generation, "up")
@@ -179,9 +152,8 @@ _VOWELS = _tiny.reward
 def test_zero_variance_filter_with_refill(base: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_tiny, "reward", _reward_some_prompts)
     args = _tiny.config(gradient_accumulation_steps=2, max_steps=2)
-    opts = TRLPartsOptions(refill_rounds=15)
     set_seed(0)
-    tr, _ = _tiny.run(_Recording, base, args, completion_filter="zero_variance", parts_options=opts)
+    tr, _ = _tiny.run(_tiny.Recording, base, args, filter="zero_variance", parts={"refill_rounds": 15})
     assert len(tr.trained) == 4  # 2 steps x 2 micro-batches
     for step in (tr.trained[:2], tr.trained[2:]):
         rows = [r for b in step for r in _rows(b)]
@@ -210,7 +182,7 @@ def test_all_parts_speculative_sampler_logs_acceptance(base: torch.nn.Module) ->
         return {
             **sampler,
             "attention": "auto",  # shared_prefix where it supports the model
-            "completion_filter": "cppo",
+            "filter": "cppo",
             "filter_kwargs": {"pruning_rate": 0.5},
         }
 
@@ -272,7 +244,7 @@ def test_eval_batches_are_not_filtered_and_do_not_train_the_draft(base: torch.nn
         eval_dataset=_tiny.dataset(4),
         processing_class=_tiny.tokenizer(),
         sampler=sampler,
-        completion_filter="cppo",
+        filter="cppo",
         filter_kwargs={"k": 2},
     )
     metrics = tr.evaluate()
@@ -297,7 +269,7 @@ def test_build_part_by_name() -> None:
     assert isinstance(sampler, ReferenceSampler) and sampler.model is policy
     draft = build_part("draft", "frozen_lm", policy, {"model": small})
     assert isinstance(draft, FrozenLMDraft) and draft.model is small  # a frozen draft is its own LM
-    filt = build_part("completion_filter", "cppo", policy, {"k": 2})
+    filt = build_part("filter", "cppo", policy, {"k": 2})
     assert filt.k == 2
     with pytest.raises(GRPOPartsError, match="unknown implementation"):
         build_part("attention", "nope", policy)
@@ -310,16 +282,18 @@ def test_micro_batches_hold_whole_groups_with_an_attention_backend(base: torch.n
     micro-batch holds whole prompt groups (what a shared-prefix forward needs to share anything)."""
     args = _tiny.config(gradient_accumulation_steps=2, max_steps=2)  # 2 prompts x 4 = 2 micro-batches of 4
     set_seed(0)
-    tr, _ = _tiny.run(_Recording, base, args, attention="reference")
+    tr, _ = _tiny.run(_tiny.Recording, base, args, attention="reference")
     assert len(tr.trained) == 4
     for b in tr.trained:
         prompts = {r[0] for r in _rows(b)}
         assert len(prompts) == 1  # one whole group of G = 4 per micro-batch
     set_seed(0)
-    off, _ = _tiny.run(_Recording, base, args, attention="reference", parts=PartsConfig(group_rows=False))
+    off, _ = _tiny.run(
+        _tiny.Recording, base, args, attention="reference", parts=PartsConfig(group_rows=False)
+    )
     assert any(len({r[0] for r in _rows(b)}) > 1 for b in off.trained)  # TRL's own row shuffle
     # the same trainer given by the one parts configuration: the same parts, and they ran
     set_seed(0)
-    via, _ = _tiny.run(_Recording, base, args, parts=PartsConfig(attention="reference", filter="cppo"))
+    via, _ = _tiny.run(_tiny.Recording, base, args, parts=PartsConfig(attention="reference", filter="cppo"))
     assert via.gp_attention is not None and via.gp_filter.name == "cppo"
     assert via.parts_config.filter == "cppo" and via._gp_counters.total("attention") > 0

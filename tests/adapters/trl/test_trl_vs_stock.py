@@ -163,8 +163,8 @@ def test_group_rows_true_is_refused_where_the_loss_depends_on_the_micro_batch(
 ) -> None:
     args = _tiny.config(**overrides)
     with pytest.raises(NotSupportedError, match=match):
-        _tiny.build(GRPOPartsTrainer, base, args, parts_options=TRLPartsOptions(group_rows=True))
+        _tiny.build(GRPOPartsTrainer, base, args, parts={"group_rows": True})
     tr = _tiny.build(
-        GRPOPartsTrainer, base, args, parts_options=TRLPartsOptions(group_rows=True, strict=False)
+        GRPOPartsTrainer, base, args, parts={"group_rows": True}, parts_options=TRLPartsOptions(strict=False)
     )
     assert not tr._gp_group_rows and match in " ".join(tr.parts_refused["group_rows"])

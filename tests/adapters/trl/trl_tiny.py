@@ -7,6 +7,7 @@ import copy
 from typing import Any
 
 import torch
+from grpo_parts_adapters.trl import GRPOPartsTrainer
 
 WORDS = "a b c d e f g h i j k l m n o p q r s t u v w x y z".split()
 
@@ -129,3 +130,31 @@ def run(
     )
     trainer.train()
     return trainer, cap
+
+
+class Recording(GRPOPartsTrainer):
+    """Records the scored batch the filter saw, what TRL trains on, each micro-batch loss and which
+    rows the no-grad (old / reference) forwards see."""
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.scored: list[tuple[dict[str, Any], Any]] = []
+        self.trained: list[dict[str, Any]] = []
+        self.losses: list[float] = []
+        self.nograd_rows: list[int] = []
+
+    def _gp_score(self, inputs):  # type: ignore[no-untyped-def]
+        out, deferred, scored = super()._gp_score(inputs)
+        self.scored.append(({k: v for k, v in out.items()}, scored))
+        return out, deferred, scored
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *a, **k):  # type: ignore[no-untyped-def]
+        if not torch.is_grad_enabled() and not self._gp_deferring:
+            self.nograd_rows.append(int(input_ids.shape[0]))
+        return super()._get_per_token_logps_and_entropies(model, input_ids, *a, **k)
+
+    def _compute_loss(self, model, inputs):  # type: ignore[no-untyped-def]
+        self.trained.append(dict(inputs))
+        loss = super()._compute_loss(model, inputs)
+        self.losses.append(float(loss.detach()))
+        return loss

@@ -280,3 +280,32 @@ def submit_prompts(
     for u in uids:
         tq.kv_put(key=u, partition_id="train", tag={"status": "finished"})
     return len(uids)
+
+
+def with_ppo_inputs(
+    data: Any, *, dynamic: bool, remove_padding: bool, seed: int, micro_batch: int, global_batch: int
+) -> Any:
+    """``data`` (a micro-batch as verl's worker receives it) plus the PPO inputs of a step: random
+    old log-probs and advantages per response token (seeded), and the engine's settings."""
+    from verl.utils import tensordict_utils as tu
+
+    g = torch.Generator().manual_seed(seed)
+    lens = data["responses"].offsets().diff().tolist()
+    data["old_log_probs"] = torch.nested.nested_tensor(
+        [-torch.rand(n, generator=g) - 1.0 for n in lens], layout=torch.jagged
+    )
+    data["advantages"] = torch.nested.nested_tensor(
+        [torch.randn(n, generator=g) for n in lens], layout=torch.jagged
+    )
+    tu.assign_non_tensor(
+        data,
+        use_remove_padding=remove_padding,
+        use_dynamic_bsz=dynamic,
+        micro_batch_size_per_gpu=micro_batch,
+        max_token_len_per_gpu=40,
+        use_fused_kernels=False,
+        temperature=0.9,
+        calculate_entropy=True,
+        global_batch_size=global_batch,
+    )
+    return data

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _cpu_verl import put_rollouts, save_tiny_model, verl_on_cpu  # noqa: E402
+from _cpu_verl import put_rollouts, save_tiny_model, verl_on_cpu, with_ppo_inputs  # noqa: E402
 
 N = 4
 #: (strategy, dynamic micro-batch sizes, remove padding, grpo_parts options): the default options
@@ -100,29 +100,11 @@ class _Jagged:
 
 
 def batch(rows: Any, *, dynamic: bool, remove_padding: bool, seed: int) -> Any:
-    from verl.utils import tensordict_utils as tu
-
     data = rollout_data(rows)
-    g = torch.Generator().manual_seed(seed)
-    lens = data["responses"].offsets().diff().tolist()
-    data["old_log_probs"] = torch.nested.nested_tensor(
-        [-torch.rand(n, generator=g) - 1.0 for n in lens], layout=torch.jagged
+    n = int(data["responses"].offsets().numel()) - 1
+    return with_ppo_inputs(
+        data, dynamic=dynamic, remove_padding=remove_padding, seed=seed, micro_batch=2, global_batch=2 * n
     )
-    data["advantages"] = torch.nested.nested_tensor(
-        [torch.randn(n, generator=g) for n in lens], layout=torch.jagged
-    )
-    tu.assign_non_tensor(
-        data,
-        use_remove_padding=remove_padding,
-        use_dynamic_bsz=dynamic,
-        micro_batch_size_per_gpu=2,
-        max_token_len_per_gpu=40,
-        use_fused_kernels=False,
-        temperature=0.9,
-        calculate_entropy=True,
-        global_batch_size=2 * len(lens),
-    )
-    return data
 
 
 def actor_config(

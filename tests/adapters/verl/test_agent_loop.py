@@ -345,7 +345,7 @@ def test_sampling_params_translation():
 def test_in_process_sampler_refuses_a_rollout_verl_never_syncs():
     """verl's weight sync never reaches the agent loop's own policy copy: without the explicit
     opt-in every rollout is refused in one line that names the reason and the backend to use."""
-    from grpo_parts_adapters._policy_copy import StaleWeightsError
+    from grpo_parts.doors.policy_copy import StaleWeightsError
 
     tok = tiny_tokenizer()
     kwargs = {"raw_prompt": [{"role": "user", "content": "abc"}]}

@@ -29,7 +29,14 @@ pytest.importorskip("transfer_queue")
 ray = pytest.importorskip("ray")
 
 import transfer_queue as tq  # noqa: E402
-from _cpu_verl import put_rollouts, rollouts, save_tiny_model, verl_on_cpu, with_info  # noqa: E402
+from _cpu_verl import (  # noqa: E402
+    put_rollouts,
+    rollouts,
+    save_tiny_model,
+    verl_on_cpu,
+    with_info,
+    with_ppo_inputs,
+)
 from grpo_parts_adapters.verl import engine as hook  # noqa: E402
 from grpo_parts_adapters.verl.config import FSDPActorConfig, hydra_overrides  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
@@ -88,26 +95,10 @@ def batch(meta, *, dynamic: bool, remove_padding: bool = True, seed: int = 1):
     """What verl's worker receives for ``meta`` (all stored fields) plus the PPO inputs of a step."""
     data = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id)
     assert "multi_modal_inputs" in data.keys()  # the v1 agent loop's {} per text sample
-    g = torch.Generator().manual_seed(seed)
-    lens = data["responses"].offsets().diff().tolist()
-    data["old_log_probs"] = torch.nested.nested_tensor(
-        [-torch.rand(n, generator=g) - 1.0 for n in lens], layout=torch.jagged
+    n = int(data["responses"].offsets().numel()) - 1
+    return with_ppo_inputs(
+        data, dynamic=dynamic, remove_padding=remove_padding, seed=seed, micro_batch=4, global_batch=n
     )
-    data["advantages"] = torch.nested.nested_tensor(
-        [torch.randn(n, generator=g) for n in lens], layout=torch.jagged
-    )
-    tu.assign_non_tensor(
-        data,
-        use_remove_padding=remove_padding,
-        use_dynamic_bsz=dynamic,
-        micro_batch_size_per_gpu=4,
-        max_token_len_per_gpu=40,
-        use_fused_kernels=False,
-        temperature=0.9,
-        calculate_entropy=True,
-        global_batch_size=len(lens),
-    )
-    return data
 
 
 def totals(metrics: dict) -> dict[str, float]:

@@ -17,6 +17,7 @@ from _cpu_verl import verl_on_cpu  # noqa: E402
 from grpo_parts_adapters.verl import engine as hook  # noqa: E402
 from grpo_parts_adapters.verl.config import ENGINE_ATTR, EngineOptions  # noqa: E402
 from tensordict import NonTensorStack  # noqa: E402
+from test_packed_attention import plain_packed_logprobs  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import ActorConfig, FSDPEngineConfig  # noqa: E402
 from verl.workers.engine.fsdp.transformer_impl import (  # noqa: E402
@@ -35,17 +36,6 @@ ROWS = [  # (uid, prompt, response): two groups, rows interleaved as after verl'
     ("b", [11, 12], [16]),
     ("a", [5, 6, 7], [20, 21, 22]),
 ]
-
-
-def plain_packed_logprobs(model, ids, cu, temperature):
-    """verl's packed forward as flash-attn varlen computes it (same as in test_packed_attention.py)."""
-    nnz = ids.numel()
-    seg = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff())
-    pos = torch.arange(nnz) - cu[:-1][seg]
-    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(nnz)[None, :] <= torch.arange(nnz)[:, None])
-    mask = torch.zeros(1, 1, nnz, nnz, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
-    logits = model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask).logits[0]
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.roll(ids, -1)[:, None]).squeeze(-1)
 
 
 def micro_batch(temperature=1.0, mm=None, **flags):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +14,9 @@ pytest.importorskip("transfer_queue")
 pytest.importorskip("verl.trainer.ppo.v1")
 
 from grpo_parts_adapters.verl import PLUGIN_MODULE  # noqa: E402
+from grpo_parts_adapters.verl import kv_filter as kv  # noqa: E402
 from grpo_parts_adapters.verl import trainer as tr  # noqa: E402
-from grpo_parts_adapters.verl.filtering import SEQ_ADV_FIELD, FilterOptions  # noqa: E402
+from grpo_parts_adapters.verl.filtering import FilterOptions  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from transfer_queue import KVBatchMeta  # noqa: E402
@@ -108,7 +108,7 @@ def test_filter_kv_batch_keeps_top_k_and_clears_the_rest():
     store = FakeStore()
     batch = _batch(store, {"a": [1, 0, 0, 0], "b": [1, 1, 1, 1], "c": [0.0, 1.0, 0.5, 1.0]})
     opts = FilterOptions(name="cppo", kwargs={"k": 3})
-    kept, metrics = tr.filter_kv_batch(batch, opts.build(), opts, store=store)
+    kept, metrics = kv.filter_kv_batch(batch, opts.build(), opts, store=store)
     # group a: A = (1-.25)/.5 = 1.5 for row 0, -0.5 others; group b zero variance; group c |A| ~ 1.31, 0.87
     # ties (c_0_1, c_0_3 at 0.78) break towards the lower row
     assert kept.keys == ["a_0_0", "c_0_0", "c_0_1"]
@@ -119,14 +119,14 @@ def test_filter_kv_batch_keeps_top_k_and_clears_the_rest():
     # every rolled-out row's mean reward (verl's own critic/score sees only the kept rows)
     assert metrics["parts/filter/score_mean_rolled_out"] == pytest.approx((1 + 4 + 2.5) / 12)
     # the full-group advantages of the kept rows travel with them ...
-    seq = torch.stack([store.rows[k][SEQ_ADV_FIELD] for k in kept.keys])
+    seq = torch.stack([store.rows[k][kv.SEQ_ADV_FIELD] for k in kept.keys])
     c = torch.tensor([0.0, 1.0, 0.5, 1.0])
     expect = torch.tensor(
         [1.5, float((c[0] - c.mean()) / (c.std() + 1e-6)), float((c[1] - c.mean()) / (c.std() + 1e-6))]
     )
     torch.testing.assert_close(seq, expect, rtol=1e-5, atol=1e-6)
     # ... and replace what verl's estimator computes on the kept rows alone (here: a singleton group a)
-    tr.restore_group_advantages(kept, store=store)
+    kv.restore_group_advantages(kept, store=store)
     for k, a in zip(kept.keys, seq):
         row = store.rows[k]
         torch.testing.assert_close(row["advantages"], a * row["response_mask"].float())
@@ -144,7 +144,7 @@ def test_filter_kv_batch_refills_until_target():
         return _batch(store, {f"r{i}x{j}": [0, 1] for j in range(n_prompts)})
 
     opts = FilterOptions(name="zero_variance", target_rows=6, refill_rounds=4)
-    kept, metrics = tr.filter_kv_batch(batch, opts.build(), opts, store=store, more=more)
+    kept, metrics = kv.filter_kv_batch(batch, opts.build(), opts, store=store, more=more)
     assert len(kept.keys) == 6 and calls  # refilled with more prompts
     assert not any(k.startswith("a_") for k in kept.keys)
     assert set(store.rows) == set(kept.keys)
@@ -175,28 +175,29 @@ def test_trainer_refuses_algorithms_it_would_train_wrongly():
         )
 
 
-def test_filtering_replay_buffer_refills_in_whole_gen_batches():
-    """The wrapper verl's trainer samples from: filters, asks verl for more prompts in multiples of
-    data.gen_batch_size (verl's own constraint), and leaves validation batches alone."""
+def test_filtering_replay_buffer_refills_in_whole_gen_batches(monkeypatch):
+    """The buffer the trainer mode puts around verl's own: filters, asks verl for more prompts in
+    multiples of data.gen_batch_size (verl's own constraint), and leaves validation batches alone."""
+    from grpo_parts_adapters.verl.sampler import FilteringReplayBuffer
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
     store = FakeStore()
     submitted = []
     counter = iter(range(1000))
 
-    class Inner:
-        def sample(self, global_steps, partition_id, batch_size):
-            i = next(counter)
-            rewards = {f"p{i}x{j}": ([0, 1] if j % 2 == 0 else [1, 1]) for j in range(batch_size)}
-            return _batch(store, rewards), {"inner/calls": 1.0}
+    def sample(self, global_steps, partition_id, batch_size):
+        i = next(counter)
+        rewards = {f"p{i}x{j}": ([0, 1] if j % 2 == 0 else [1, 1]) for j in range(batch_size)}
+        return _batch(store, rewards), {"inner/calls": 1.0}
 
-    opts = FilterOptions(name="zero_variance", target_rows=6, refill_rounds=5)
-    trainer = SimpleNamespace(
-        config=OmegaConf.create({"data": {"train_batch_size": 4, "gen_batch_size": 2}}),
-        grpo_parts_filter_options=opts,
-        grpo_parts_filter=opts.build(),
-        grpo_parts_skip=None,
-        _add_prompts_to_generate=submitted.append,
-    )
-    buf = tr._FilteringReplayBuffer(Inner(), trainer, store=store)
+    monkeypatch.setattr(ReplayBuffer, "sample", sample)
+    inner = ReplayBuffer.__new__(ReplayBuffer)
+    inner.refill_fn = submitted.append
+    opts = tr.filter_options_from(
+        OmegaConf.create({"data": {"train_batch_size": 4, "gen_batch_size": 2},
+                          "grpo_parts": {"filter": {"name": "zero_variance", "target_rows": 6, "refill_rounds": 5}}})
+    )  # fmt: skip
+    buf = FilteringReplayBuffer.around(inner, opts, opts.build(), None, store=store)
     kept, metrics = buf.sample(global_steps=1, partition_id="train", batch_size=4)
     assert len(kept.keys) == 6 and submitted and all(n % 2 == 0 for n in submitted)
     assert set(store.rows) == set(kept.keys) and metrics["parts/filter/rows_kept"] == 6

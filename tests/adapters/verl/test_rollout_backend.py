@@ -14,9 +14,9 @@ import torch
 pytest.importorskip("verl")
 
 from _cpu_verl import save_tiny_model  # noqa: E402
-from grpo_parts_adapters._policy_copy import StaleWeightsError  # noqa: E402
 from grpo_parts_adapters.verl import rollout as ours  # noqa: E402
 
+from grpo_parts.doors.policy_copy import StaleWeightsError  # noqa: E402
 from grpo_parts.errors import GRPOPartsError  # noqa: E402
 
 pytestmark = pytest.mark.frameworks

@@ -214,7 +214,7 @@ def test_dppo_trains_each_kept_row_times_its_weight_over_the_rolled_out_rows(sto
     """The weighted ``dppo`` filter through the custom-sampler seam: no rounding (verl pads the draw
     with no-op rows itself), and every kept row trains on ``A x 1/p x K'/N`` -- ``K'`` the padded kept
     rows, ``N`` the rolled-out rows -- since verl divides each mini-batch by its fixed row count."""
-    from grpo_parts_adapters.verl.filtering import SEQ_ADV_FIELD
+    from grpo_parts_adapters.verl.kv_filter import SEQ_ADV_FIELD
 
     from grpo_parts.core import AdvantageConfig, group_advantages
     from grpo_parts.filter.dppo import DPPOFilter

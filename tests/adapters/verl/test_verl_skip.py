@@ -13,8 +13,10 @@ import torch
 pytest.importorskip("transfer_queue")
 pytest.importorskip("verl.trainer.ppo.v1")
 
+from grpo_parts_adapters.verl import kv_filter as kv  # noqa: E402
 from grpo_parts_adapters.verl import trainer as tr  # noqa: E402
-from grpo_parts_adapters.verl.filtering import SEQ_ADV_FIELD, FilterOptions, skip_reasons  # noqa: E402
+from grpo_parts_adapters.verl.filtering import FilterOptions, skip_reasons  # noqa: E402
+from grpo_parts_adapters.verl.sampler import FilteringReplayBuffer  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from test_overrides import _compose  # noqa: E402
 from test_plugin_trainer import FakeStore  # noqa: E402
@@ -112,7 +114,7 @@ def test_skipping_alone_runs_behind_a_keep_all_filter_and_is_refused_with_verls_
 
 def test_trainer_skips_solved_prompts_weighs_the_kept_and_counts(tmp_path):
     trainer = _trainer(["+grpo_parts.filter.prompt_skip=history", SEQ_MEAN])
-    assert trainer.grpo_parts_skip is not None and type(trainer.replay_buffer) is tr._FilteringReplayBuffer
+    assert trainer.grpo_parts_skip is not None and type(trainer.replay_buffer) is FilteringReplayBuffer
     _dataloader(trainer)
     store = FakeStore()
     opts, filt = trainer.grpo_parts_filter_options, trainer.grpo_parts_filter
@@ -122,7 +124,7 @@ def test_trainer_skips_solved_prompts_weighs_the_kept_and_counts(tmp_path):
         batch = trainer._next_train_batch()
         assert len(batch) == B  # the step keeps its size by drawing more
         kb = _rollout(store, batch)
-        kept, metrics = tr.filter_kv_batch(kb, filt, opts, store=store, skip=trainer.grpo_parts_skip)
+        kept, metrics = kv.filter_kv_batch(kb, filt, opts, store=store, skip=trainer.grpo_parts_skip)
         assert len(kept.keys) == B * G  # keep_all: every rolled-out row trains
         skipped += metrics["parts/prompt_skip/prompts_skipped"]
         # each row's stored advantage: its full group's GRPO advantage x 1/p x rolled-out / drawn
@@ -135,7 +137,7 @@ def test_trainer_skips_solved_prompts_weighs_the_kept_and_counts(tmp_path):
         (r,) = trainer.grpo_parts_skip.draw.rounds
         per_prompt = weights.view(B, G)[:, 0]  # rows come prompt by prompt, in the submitted order
         torch.testing.assert_close(per_prompt, r.weights * B / r.drawn)
-        seq = torch.stack([store.rows[k][SEQ_ADV_FIELD] for k in kept.keys]).double()
+        seq = torch.stack([store.rows[k][kv.SEQ_ADV_FIELD] for k in kept.keys]).double()
         torch.testing.assert_close(seq, (adv * weights).float().double(), rtol=1e-5, atol=1e-6)
         for k in kept.keys:
             del store.rows[k]

@@ -8,27 +8,27 @@ import torch
 from grpo_parts_adapters.verl import speculative as spec
 
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.sampler.vllm import check_k_table
+from grpo_parts.sampler.vllm import VLLMSpeculative, check_k_table
 
 
 def test_config_and_overrides():
-    ng = spec.VllmSpeculativeOptions(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3)
+    ng = VLLMSpeculative(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3)
     assert ng.to_vllm(1024) == {
         "method": "ngram",
         "num_speculative_tokens": 4,
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
     }
-    ea = spec.VllmSpeculativeOptions(method="eagle", model="/ckpt/draft", num_speculative_tokens=5)
+    ea = VLLMSpeculative(method="eagle", model="/ckpt/draft", num_speculative_tokens=5)
     assert spec.hydra_overrides(ea) == [
         f"+{spec.OVERRIDE_PREFIX}.method=eagle",
         f"+{spec.OVERRIDE_PREFIX}.num_speculative_tokens=5",
         f"+{spec.OVERRIDE_PREFIX}.model=/ckpt/draft",
     ]
     with pytest.raises(ValueError, match="model: method 'eagle' needs a draft"):
-        spec.VllmSpeculativeOptions(method="eagle")
+        VLLMSpeculative(method="eagle")
     with pytest.raises(ValueError, match="prompt_lookup_min"):
-        spec.VllmSpeculativeOptions(method="ngram", prompt_lookup_min=5, prompt_lookup_max=2)
+        VLLMSpeculative(method="ngram", prompt_lookup_min=5, prompt_lookup_max=2)
 
 
 def test_draft_length_table_reaches_verls_vllm_config():
@@ -38,12 +38,12 @@ def test_draft_length_table_reaches_verls_vllm_config():
     from grpo_parts.tiny import tiny_causal_lm
 
     table = [(1, 16, 3), (17, 1024, 0)]
-    explicit = spec.VllmSpeculativeOptions(method="ngram", num_speculative_tokens=3, k_per_batch_size=table)
+    explicit = VLLMSpeculative(method="ngram", num_speculative_tokens=3, k_per_batch_size=table)
     cfg = _compose(
         spec.hydra_overrides(explicit)
     ).actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config
     assert [tuple(r) for r in cfg.num_speculative_tokens_per_batch_size] == table
-    planned = spec.VllmSpeculativeOptions(method="ngram", num_speculative_tokens=3, k_schedule="cost_model")
+    planned = VLLMSpeculative(method="ngram", num_speculative_tokens=3, k_schedule="cost_model")
     with pytest.raises(GRPOPartsError, match="policy: k_schedule='cost_model'"):
         spec.hydra_overrides(planned, 8)
     policy = tiny_causal_lm("llama", vocab_size=32, hidden_size=32, num_layers=1, seed=0)

@@ -24,15 +24,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...compat import accepts_logits_to_keep, config_values, select_attention
+from ...compat import config_values, select_attention
 from ...errors import GRPOPartsError, NotSupportedError
-from ...wrappers import calls_through, inner_model, model_name
+from ...wrappers import calls_through
 from ..protocol import PLAN_ATTENTION_CALLS, LogprobBatch, LogprobOutput
-from .grouped_forward import KERNEL_NAME, probe_reasons, register_attention
-from .guard import any_value, architecture_reasons, model_kind, position_tables, refusing, text_config
+from .guard import model_kind, model_reasons, refusing, text_config
+from .layout import LayoutSettings
 from .padding_free import LAYOUTS
 from .plan import Plan, PlanSettings, make_plan
-from .run import PlanRun
+from .run import KERNEL_NAME, PlanRun, probe_reasons, register_attention
 
 # KERNEL_NAME, register_attention and select_attention are re-exported for the adapters and tests
 __all__ = [
@@ -48,35 +48,17 @@ __all__ = [
 KERNEL_PRIORITY: tuple[str, ...] = ("sdpa", "flex", "eager")
 
 
-def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
-    """``(the model whose forward gets our keyword arguments, reasons)``. A PEFT model with a weight
-    adapter (LoRA and the like) passes ``logits_to_keep``, ``position_ids`` and the layout keyword
-    unchanged to its base model; prompt-learning adapters add virtual tokens and activated LoRA looks
-    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout. DDP,
-    FSDP1 and DeepSpeed's engine pass every keyword argument on to the module they wrap
-    (:func:`~grpo_parts.wrappers.inner_model`)."""
-    model = inner_model(model)
-    get_base = getattr(model, "get_base_model", None)
-    cfg = getattr(model, "active_peft_config", None)
-    if not callable(get_base) or cfg is None:
-        return model, []
-    if getattr(cfg, "is_prompt_learning", False):
-        return model, [f"model: PEFT {cfg.peft_type} adds virtual tokens (prompt learning)"]
-    if getattr(cfg, "alora_invocation_tokens", None):
-        return model, ["model: activated LoRA (alora_invocation_tokens) reads its invocation from input_ids"]
-    return get_base(), []
-
-
 class SharedPrefixAttention:
     """Optimized ``AttentionBackend``. ``kernel``: ``"auto"`` (default), ``"sdpa"``, ``"eager"``,
     ``"flex"``; see :mod:`.kernels` for what each supports. ``last_choice`` explains the last
     automatic choice. ``probe``: :meth:`not_supported_reasons` runs the one-token probe
     (:func:`probe_reasons`); the check after every forward runs either way. ``max_chunks`` /
-    ``chunk_overhead_tokens``: the groups may be split into up to this many grids when that saves more
-    token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid; ``None`` = 8). With several processes
-    (FSDP, ZeRO, DDP) the ranks of ``rank_group`` (default: all) agree on the number of model calls
-    per call of :meth:`completion_logprobs` (:func:`.chunking.rank_consistent_plan`), so every rank
-    must call it equally often; ``last_plan`` says what the last call did. ``layout``: ``"grid"``,
+    ``chunk_overhead_tokens``: the groups may be split into up to this many grids when that saves
+    more token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid; ``None`` =
+    8). ``tile_elems`` / ``suffix_flash_min``: the grid ``sdpa`` kernel's score tiles and when its
+    suffixes use flash (:mod:`.cascade`). With several processes (FSDP, ZeRO, DDP) the ranks of
+    ``rank_group`` (default: all) agree on the number of model calls per call of
+    :meth:`completion_logprobs` (:meth:`.plan.Plan.agreed`), so every rank must call it equally often; ``last_plan`` says what the last call did. ``layout``: ``"grid"``,
     ``"padding_free"`` (:mod:`.padding_free`) or ``"auto"`` (:func:`.layout_choice.choose_layout`:
     smaller estimated cost); ``layout_counts`` counts the calls of each. ``varlen``: the padding-free
     ``sdpa`` kernel is the varlen cascade (:mod:`.varlen`), ``eager`` its plain-ops equivalent
@@ -89,7 +71,7 @@ class SharedPrefixAttention:
         self,
         kernel: str = "auto",
         *,
-        chunk_elems: int = 1 << 24,
+        tile_elems: int = 1 << 24,
         suffix_flash_min: int = 512,
         probe: bool = True,
         max_chunks: int | None = None,
@@ -108,7 +90,7 @@ class SharedPrefixAttention:
         self.layout_counts: Counter[str] = Counter()
         self.varlen = varlen
         self.attention_calls: Counter[str] = Counter()
-        self.chunk_elems = chunk_elems
+        self.tile_elems = tile_elems
         self.suffix_flash_min = suffix_flash_min
         self.probe = probe
         self.chunk_overhead_tokens = chunk_overhead_tokens
@@ -121,53 +103,15 @@ class SharedPrefixAttention:
     # ------------------------------------------------------------------------------ capabilities
 
     def _model_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None) -> list[str]:
-        """:meth:`_static_reasons`; a check that itself fails (a config this code cannot read) is a
+        """:func:`.guard.model_reasons`; a check that itself fails (a config this code cannot read) is a
         reason, never an exception."""
         try:
-            return self._static_reasons(model, batch)
+            # the masks, not the batch: the batch itself passes through check, plan and run once each
+            return model_reasons(model, None if batch is None else (batch.prompt_mask, batch.completion_mask))
         except (GRPOPartsError, torch.OutOfMemoryError):
             raise
         except Exception as e:  # noqa: BLE001
             return [f"model: {model_kind(model)}: the capability check failed: {type(e).__name__}: {e}"]
-
-    def _static_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None) -> list[str]:
-        cfg = getattr(model, "config", None)
-        if cfg is None:
-            return [f"model: expected a transformers causal LM with .config, got {model_name(model)}"]
-        if any_value(cfg, "is_encoder_decoder"):
-            return [f"model: encoder-decoder models ({cfg.model_type}) are not supported"]
-        tc = text_config(model)
-        out = []
-        if not all(config_values(tc, "is_causal", True)) or any_value(tc, "use_bidirectional_attention"):
-            out.append(f"model: {tc.model_type} uses bidirectional attention")
-        base, peft_reasons = _through_peft(model)
-        out += peft_reasons
-        if not accepts_logits_to_keep(base):
-            out.append(f"model: {model_name(base)}.forward has no logits_to_keep argument")
-        out += architecture_reasons(model, base)
-        windows = [w for w in config_values(tc, "sliding_window") if isinstance(w, int)]
-        window = min(windows) if windows else None  # (per layer in a heterogeneous config)
-        uses_window = window is not None and (
-            any_value(tc, "use_sliding_window", True)
-            or "sliding_attention" in (config_values(tc, "layer_types")[0] or [])
-        )
-        tables = position_tables(base)
-        if batch is not None and (tables or uses_window):  # (a host sync: only where it can matter)
-            span = int((batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).max())
-            out += [
-                f"model: learned position table {name} holds {rows} positions; the longest row needs {span}"
-                for name, rows in tables
-                if span > rows
-            ]
-            if uses_window and window is not None and span > window:
-                out.append(
-                    f"model: sliding window {window} < longest sequence ({span} tokens) is not implemented"
-                )
-        if model.training and any(float(v or 0.0) > 0.0 for v in config_values(tc, "attention_dropout", 0.0)):
-            out.append(
-                "model: attention dropout > 0 in training mode (randomness cannot match the reference)"
-            )
-        return out
 
     def _softcap(self, model: torch.nn.Module) -> bool:
         return any(v is not None for v in config_values(text_config(model), "attn_logit_softcapping"))
@@ -189,26 +133,31 @@ class SharedPrefixAttention:
             sinks=self._sinks(model),
         )
 
+    def _kernels(self, model: torch.nn.Module) -> tuple[str | None, dict[str, list[str]]]:
+        """``(the kernel to run, why the ones tried before it were refused)``: ``self.kernel``, or the
+        first supported in :data:`KERNEL_PRIORITY`; None when every one tried is refused."""
+        refused: dict[str, list[str]] = {}
+        for k in KERNEL_PRIORITY if self.kernel == "auto" else (self.kernel,):
+            reasons = self.kernel_reasons(model, k)
+            if not reasons:
+                return k, refused
+            refused[k] = reasons
+        return None, refused
+
+    def _refused(self, refused: dict[str, list[str]]) -> list[str]:
+        if self.kernel != "auto":
+            return refused[self.kernel]
+        return [f"{n}: {'; '.join(r)}" for n, r in refused.items()]
+
     def choose_kernel(self, model: torch.nn.Module) -> str:
         """The kernel to run (``self.kernel`` or the first supported in :data:`KERNEL_PRIORITY`);
         sets :attr:`last_choice` to an explanation."""
-        if self.kernel != "auto":
-            reasons = self.kernel_reasons(model, self.kernel)
-            if reasons:
-                raise NotSupportedError(f"shared_prefix[{self.kernel}]", reasons)
-            self.last_choice = f"kernel {self.kernel!r} (requested)"
-            return self.kernel
-        refused: dict[str, list[str]] = {}
-        for k in KERNEL_PRIORITY:
-            reasons = self.kernel_reasons(model, k)
-            if not reasons:
-                lines = [f"chose kernel {k!r}"] + [
-                    f"refused {n!r}: {'; '.join(r)}" for n, r in refused.items()
-                ]
-                self.last_choice = "\n".join(lines)
-                return k
-            refused[k] = reasons
-        raise NotSupportedError("shared_prefix[auto]", [f"{n}: {'; '.join(r)}" for n, r in refused.items()])
+        kernel, refused = self._kernels(model)
+        if kernel is None:
+            raise NotSupportedError(f"shared_prefix[{self.kernel}]", self._refused(refused))
+        lines = [f"chose kernel {kernel!r}"] + [f"refused {n!r}: {'; '.join(r)}" for n, r in refused.items()]
+        self.last_choice = f"kernel {kernel!r} (requested)" if self.kernel != "auto" else "\n".join(lines)
+        return kernel
 
     def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
         """Why this backend cannot run ``model`` (and ``batch``); empty = supported. With ``probe``
@@ -217,14 +166,9 @@ class SharedPrefixAttention:
         every decoder layer. ``model`` may be wrapped (DDP, FSDP1, DeepSpeed: :mod:`grpo_parts.wrappers`)."""
         model = calls_through(model)
         out = self._model_reasons(model, batch)
-        if out:
-            return out
-        if self.kernel != "auto":
-            out = self.kernel_reasons(model, self.kernel)
-        else:
-            per = {k: self.kernel_reasons(model, k) for k in KERNEL_PRIORITY}
-            if all(per.values()):
-                out = [f"{k}: {'; '.join(r)}" for k, r in per.items()]
+        if not out:
+            kernel, refused = self._kernels(model)
+            out = self._refused(refused) if kernel is None else []
         if not out and self.probe:
             out = probe_reasons(model)
         return out
@@ -244,10 +188,14 @@ class SharedPrefixAttention:
         model = calls_through(model)
         kernel = self.choose_kernel(model)
         ctxs = [c for c in config_values(text_config(model), "max_position_embeddings") if isinstance(c, int)]
-        settings = PlanSettings(
-            kernel, self.last_choice, self.layout, self.varlen, self.chunk_limit(), self.chunk_overhead_tokens,
-            self.chunk_elems, self.suffix_flash_min, min(ctxs) if ctxs else None, text_config(model),
+        build = LayoutSettings(
+            kernel=kernel, max_positions=min(ctxs) if ctxs else None, tile_elems=self.tile_elems,
+            suffix_flash_min=self.suffix_flash_min, varlen=self.varlen,
         )  # fmt: skip
+        max_chunks = 8 if self.max_chunks is None else self.max_chunks  # (several ranks: Plan.agreed)
+        settings = PlanSettings(
+            self.last_choice, self.layout, max_chunks, self.chunk_overhead_tokens, text_config(model), build
+        )
         with refusing("planning the call", model):
             return make_plan(batch, settings, packed=packed, agree=agree, rank_group=self.rank_group)
 
@@ -289,8 +237,3 @@ class SharedPrefixAttention:
         if reasons:
             raise NotSupportedError("shared_prefix", reasons)
         return self.run(model, batch, self.plan(model, batch), temperature, compute_entropy)
-
-    def chunk_limit(self, model: torch.nn.Module | None = None) -> int:
-        """``max_chunks``, or 8 for ``None``. Under FSDP/ZeRO/DDP every forward runs collectives; the
-        ranks agree on the number of model calls (:meth:`.plan.Plan.agreed`)."""
-        return 8 if self.max_chunks is None else self.max_chunks

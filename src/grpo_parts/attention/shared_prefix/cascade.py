@@ -29,9 +29,9 @@ def flash_ops() -> tuple[Any, Any] | None:
     return None
 
 
-def _slot_chunks(g: int, rows_per_slot: int, elems_per_row: int, chunk_elems: int) -> list[tuple[int, int]]:
-    """Row ranges of the slot-major flat layout, whole slots per chunk, about ``chunk_elems`` scores each."""
-    step = max(1, chunk_elems // max(1, rows_per_slot * elems_per_row))
+def _slot_tiles(g: int, rows_per_slot: int, elems_per_row: int, tile_elems: int) -> list[tuple[int, int]]:
+    """Row ranges of the slot-major flat layout, whole slots per tile, about ``tile_elems`` scores each."""
+    step = max(1, tile_elems // max(1, rows_per_slot * elems_per_row))
     return [(i * rows_per_slot, min(g, i + step) * rows_per_slot) for i in range(0, g, step)]
 
 
@@ -61,7 +61,7 @@ class _Cascade(torch.autograd.Function):
 
     (a) every query of the row against the prefix keys: one CPU flash call with ``is_causal``
         (top-left aligned, so a prefix query sees the prefix causally and a suffix query all of it);
-    (b) each suffix against itself, causal: one batched matmul per chunk of slots,
+    (b) each suffix against itself, causal: one batched matmul per tile of slots,
         ``[G*B*Hkv, rep*S, S]`` (grouped-query heads folded into query rows, not repeated), or for
         long suffixes (``S >= suffix_flash_min``) one flash call over ``[G*B, H, S, D]``.
 
@@ -72,12 +72,12 @@ class _Cascade(torch.autograd.Function):
     so that no slicing/repeat backward allocates zero-filled full-size gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, p, g, s, scale, chunk, flash_b):  # type: ignore[override]
+    def forward(ctx, q, k, v, bias, p, g, s, scale, tile, flash_b):  # type: ignore[override]
         fwd, _ = flash_ops()  # type: ignore[misc]
         b, h, length, d = q.shape
         hk = k.shape[1]
         rep = h // hk
-        ctx.chunk, ctx.flash_b = chunk, flash_b
+        ctx.tile, ctx.flash_b = tile, flash_b
         kp, vp = repeat_kv(k[:, :, :p], rep), repeat_kv(v[:, :, :p], rep)
         out, lse = fwd(q, kp, vp, 0.0, True, attn_mask=bias, scale=scale)
         qf = _flat_slots(q, p, g, s, rep)
@@ -91,7 +91,7 @@ class _Cascade(torch.autograd.Function):
             causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().repeat(rep, 1)
             lb = q.new_empty(qf.shape[:2])
             ob = torch.empty_like(qf)
-            for i, j in _slot_chunks(g, b * hk, rep * s * s, ctx.chunk):
+            for i, j in _slot_tiles(g, b * hk, rep * s * s, ctx.tile):
                 sc = (
                     torch.bmm(qf[i:j], kf[i:j].transpose(1, 2))
                     .mul_(scale)
@@ -150,14 +150,14 @@ class _Cascade(torch.autograd.Function):
             dqf = dq4.reshape(qf.shape)
             dkf = dk4.reshape(g * b, hk, rep, s, d).sum(2).reshape(kf.shape)
             dvf = dv4.reshape(g * b, hk, rep, s, d).sum(2).reshape(vf.shape)
-            chunks: list[tuple[int, int]] = []
+            tiles: list[tuple[int, int]] = []
         else:
             dqf = torch.empty_like(qf)
             dkf = torch.empty_like(kf)
             dvf = torch.empty_like(vf)
-            chunks = _slot_chunks(g, b * hk, rep * s * s, ctx.chunk)
+            tiles = _slot_tiles(g, b * hk, rep * s * s, ctx.tile)
         causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().repeat(rep, 1)
-        for i, j in chunks:
+        for i, j in tiles:
             sc = torch.bmm(qf[i:j], kf[i:j].transpose(1, 2)).mul_(scale).masked_fill_(~causal, float("-inf"))
             pr = sc.sub_(lsf[i:j]).exp_()  # this part's share of the joint softmax
             torch.bmm(pr.transpose(1, 2), dof[i:j], out=dvf[i:j])
@@ -195,7 +195,7 @@ def sdpa_cascade(
     flash_b = lay.slot_len >= lay.suffix_flash_min
     return same_head_size(
         lambda q_, k_, v_: _Cascade.apply(
-            q_, k_, v_, bias, lay.prefix_len, lay.num_slots, lay.slot_len, scale, lay.chunk_elems, flash_b
+            q_, k_, v_, bias, lay.prefix_len, lay.num_slots, lay.slot_len, scale, lay.tile_elems, flash_b
         ),
         q, k, v,
     )  # fmt: skip

@@ -27,32 +27,21 @@ from typing import Any
 
 import torch
 
-from ...wrappers import agree_max, ranks_of
 from ..protocol import PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch
-from .facts import facts_of
+from .facts import GroupFacts
 
-# ranks_of and agree_max live in grpo_parts.wrappers (the samplers use them too); re-exported here
 __all__ = [
     "MAX_PLANNED_GROUPS",
     "MAX_SPLIT_ROWS",
-    "agree_max",
-    "agree_on_calls",
     "chunk_plan",
     "empty_call_batch",
-    "facts_of",
-    "group_sizes",
+    "grid_calls",
     "one_grid_per_group",
-    "ranks_of",
     "split_long_tails",
 ]
 
 #: above this many groups the plan is not searched (one grid): the search is O(chunks x groups^2)
 MAX_PLANNED_GROUPS = 1024
-
-
-def agree_on_calls(count: int, group: Any = None, device: torch.device | None = None) -> int:
-    """The largest ``count`` over the ranks of ``group`` (:func:`agree_max`)."""
-    return agree_max([count], group, device)[0]
 
 
 def empty_call_batch(batch: LogprobBatch) -> LogprobBatch:
@@ -65,13 +54,6 @@ def empty_call_batch(batch: LogprobBatch) -> LogprobBatch:
         torch.ones_like(batch.completion_mask[:1, :1]),
         torch.zeros_like(batch.group_index[:1]),
     )
-
-
-def group_sizes(batch: Any) -> tuple[torch.Tensor, ...]:
-    """``(row_group [N], rows [B], prompt length [B], longest completion [B])`` on the CPU, of a
-    :class:`LogprobBatch` or its :class:`.facts.GroupFacts`."""
-    f = facts_of(batch)
-    return f.row_group, f.rows, f.prompt, f.longest
 
 
 def _segment_costs(rows: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -88,13 +70,13 @@ def _segment_costs(rows: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> torc
 
 
 def chunk_plan(
-    batch: Any, overhead_tokens: int, max_chunks: int
+    facts: GroupFacts, overhead_tokens: int, max_chunks: int
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """``(row indices of each chunk, on the CPU, info)`` of a :class:`LogprobBatch` or its
-    :class:`.facts.GroupFacts`; info: ``groups``, ``chunks``, ``grid_slots`` (the plan's
+    """``(row indices of each chunk, on the CPU, info)`` of a batch's :class:`.facts.GroupFacts`;
+    info: ``groups``, ``chunks``, ``grid_slots`` (the plan's
     token slots), ``single_grid_slots`` (one grid), ``repeated_slots`` (``N x (P + S)``, what the
     reference pads to). One chunk when splitting does not pay for its extra forwards."""
-    row_group, rows, p, s = group_sizes(batch)
+    row_group, rows, p, s = facts.row_group, facts.rows, facts.prompt, facts.longest
     b, n = rows.numel(), row_group.numel()
     single = float(b * (int(p.max()) + int(rows.max()) * int(s.max()))) if b else 0.0
     info: dict[str, Any] = {
@@ -134,14 +116,28 @@ def chunk_plan(
     return chunks, info
 
 
-def one_grid_per_group(batch: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
+def one_grid_per_group(f: GroupFacts) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """:func:`chunk_plan`'s result with every group its own grid: ``sum(P + rows x longest)`` slots,
     for sub-groups of :func:`split_long_tails` at most the rows packed."""
-    f = facts_of(batch)
     _, info = chunk_plan(f, 0, 1)
     chunks = [torch.nonzero(f.row_group == g).squeeze(1) for g in range(int(f.rows.numel()))]
     slots = float((f.prompt + f.rows * f.longest).sum())
     info.update({PLAN_CHUNKS: len(chunks), PLAN_GRID_SLOTS: slots})
+    return chunks, info
+
+
+def grid_calls(
+    facts: GroupFacts, overhead_tokens: int, max_chunks: int, packed: bool
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """The grids of ``facts`` (:func:`chunk_plan`); ``packed``: where they would hold more tokens
+    than the packed rows, split further with no per-forward overhead, and failing that one grid per
+    (sub-)group -- each at most its rows packed (:func:`split_long_tails`), so the plan never
+    exceeds them."""
+    chunks, info = chunk_plan(facts, overhead_tokens, max_chunks)
+    if packed and info[PLAN_GRID_SLOTS] > facts.packed_tokens:
+        chunks, info = chunk_plan(facts, 0, max_chunks)
+    if packed and info[PLAN_GRID_SLOTS] > facts.packed_tokens:
+        chunks, info = one_grid_per_group(facts)
     return chunks, info
 
 

@@ -8,20 +8,24 @@ instead of the batch's tensors, so a call syncs with the device once however man
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..protocol import LogprobBatch
 
-__all__ = ["GroupFacts", "facts_of"]
+__all__ = ["GroupFacts"]
 
 
 @dataclass(frozen=True)
 class GroupFacts:
     """What planning reads from a batch, on the CPU: ``row_group: [N]`` (groups numbered ``0..B-1``
-    in ascending ``group_index``), ``prompt_row, completion: [N]`` (real tokens of each row), and per
-    group ``rows, prompt, longest: [B]`` (its rows, its prompt length, its longest completion)."""
+    in ascending ``group_index``), ``prompt_row, completion: [N]`` (real tokens of each row), per
+    group ``rows, prompt, longest: [B]`` (its rows, its prompt length, its longest completion), and
+    the token counts every decision reads: ``packed_tokens`` (every row's prompt and completion back
+    to back, what a packed forward runs), ``padding_free_tokens`` (each group's prompt once plus
+    every completion token: the padding-free layout without the one padding column it may add) and
+    ``max_span`` (the longest row, prompt plus completion: the reference's largest position id + 1).
+    Plain fields, computed once: planning reads them without calling back into this module."""
 
     row_group: torch.Tensor
     prompt_row: torch.Tensor
@@ -29,6 +33,9 @@ class GroupFacts:
     rows: torch.Tensor
     prompt: torch.Tensor
     longest: torch.Tensor
+    packed_tokens: int
+    padding_free_tokens: int
+    max_span: int
 
     @staticmethod
     def of(batch: LogprobBatch) -> GroupFacts:
@@ -50,36 +57,15 @@ class GroupFacts:
         _, row_group = torch.unique(group_index, return_inverse=True)
         b = int(row_group.max()) + 1 if row_group.numel() else 0
         zeros = torch.zeros(b, dtype=torch.long)
+        prompt = zeros.scatter_reduce(0, row_group, prompt_row, "amax")
         return GroupFacts(
             row_group,
             prompt_row,
             completion,
             torch.bincount(row_group, minlength=b),
-            zeros.scatter_reduce(0, row_group, prompt_row, "amax"),
+            prompt,
             zeros.scatter_reduce(0, row_group, completion, "amax"),
+            int(prompt_row.sum() + completion.sum()),
+            int(prompt.sum() + completion.sum()),
+            int((prompt_row + completion).max()) if completion.numel() else 0,
         )
-
-    def select(self, rows: torch.Tensor) -> GroupFacts:
-        """The facts of the rows ``rows`` (CPU indices), without touching the device."""
-        return GroupFacts.from_rows(self.row_group[rows], self.prompt_row[rows], self.completion[rows])
-
-    @property
-    def packed_tokens(self) -> int:
-        """Every row's prompt and completion back to back (what a packed forward runs)."""
-        return int(self.prompt_row.sum() + self.completion.sum())
-
-    @property
-    def padding_free_tokens(self) -> int:
-        """Each group's prompt once plus every completion token (the padding-free layout, without
-        the one padding column it may add)."""
-        return int(self.prompt.sum() + self.completion.sum())
-
-    @property
-    def max_span(self) -> int:
-        """The longest row, prompt plus completion (the reference's largest position id + 1)."""
-        return int((self.prompt_row + self.completion).max()) if self.completion.numel() else 0
-
-
-def facts_of(batch: Any) -> GroupFacts:
-    """``batch``'s :class:`GroupFacts` (a :class:`LogprobBatch` is read once; facts pass through)."""
-    return GroupFacts.of(batch) if isinstance(batch, LogprobBatch) else batch

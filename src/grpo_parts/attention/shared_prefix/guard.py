@@ -3,7 +3,7 @@
 The grid layout (:mod:`.layout`) is only correct if *every* token mixer of the model is an
 attention layer that receives the layout. Three checks, from cheapest to strongest:
 
-1. :func:`architecture_reasons` -- before any forward, from the config and the module tree: ALiBi
+1. :func:`model_reasons` and :func:`architecture_reasons` -- before any forward, from the config and the module tree: ALiBi
    (its bias is built from the row's token indices, not each sequence's positions), layer types
    other than full/sliding attention (linear attention, state-space, convolution, chunked), token
    mixers that are not attention (state-space / recurrent / short-convolution modules), attention
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ...compat import config_values, kv_shared_through_cache
+from ...compat import accepts_logits_to_keep, config_values, kv_shared_through_cache
 from ...errors import GRPOPartsError, NotSupportedError
 from ...wrappers import inner_model, model_name
 
@@ -224,6 +224,66 @@ def layout_shortfall(model: torch.nn.Module, receipts: Any) -> list[str]:
         "its attention, or its attention does not dispatch through transformers' AttentionInterface, "
         "so it would attend across the whole grouped row"
     ]
+
+
+def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
+    """``(the model whose forward gets our keyword arguments, reasons)``. A PEFT model with a weight
+    adapter (LoRA and the like) passes ``logits_to_keep``, ``position_ids`` and the layout keyword
+    unchanged to its base model; prompt-learning adapters add virtual tokens and activated LoRA looks
+    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout. DDP,
+    FSDP1 and DeepSpeed's engine pass every keyword argument on to the module they wrap
+    (:func:`~grpo_parts.wrappers.inner_model`)."""
+    model = inner_model(model)
+    get_base = getattr(model, "get_base_model", None)
+    cfg = getattr(model, "active_peft_config", None)
+    if not callable(get_base) or cfg is None:
+        return model, []
+    if getattr(cfg, "is_prompt_learning", False):
+        return model, [f"model: PEFT {cfg.peft_type} adds virtual tokens (prompt learning)"]
+    if getattr(cfg, "alora_invocation_tokens", None):
+        return model, ["model: activated LoRA (alora_invocation_tokens) reads its invocation from input_ids"]
+    return get_base(), []
+
+
+def model_reasons(model: torch.nn.Module, masks: tuple[torch.Tensor, torch.Tensor] | None) -> list[str]:
+    """Why the shared-prefix layout cannot serve ``model`` (and a batch's prompt and completion
+    ``masks``: its longest row against learned position tables and sliding windows), from the
+    config and the module tree, no forward."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return [f"model: expected a transformers causal LM with .config, got {model_name(model)}"]
+    if any_value(cfg, "is_encoder_decoder"):
+        return [f"model: encoder-decoder models ({cfg.model_type}) are not supported"]
+    tc = text_config(model)
+    out = []
+    if not all(config_values(tc, "is_causal", True)) or any_value(tc, "use_bidirectional_attention"):
+        out.append(f"model: {tc.model_type} uses bidirectional attention")
+    base, peft_reasons = _through_peft(model)
+    out += peft_reasons
+    if not accepts_logits_to_keep(base):
+        out.append(f"model: {model_name(base)}.forward has no logits_to_keep argument")
+    out += architecture_reasons(model, base)
+    windows = [w for w in config_values(tc, "sliding_window") if isinstance(w, int)]
+    window = min(windows) if windows else None  # (per layer in a heterogeneous config)
+    uses_window = window is not None and (
+        any_value(tc, "use_sliding_window", True)
+        or "sliding_attention" in (config_values(tc, "layer_types")[0] or [])
+    )
+    tables = position_tables(base)
+    if masks is not None and (tables or uses_window):  # (a host sync: only where it can matter)
+        span = int((masks[0].sum(-1) + masks[1].sum(-1)).max())
+        out += [
+            f"model: learned position table {name} holds {rows} positions; the longest row needs {span}"
+            for name, rows in tables
+            if span > rows
+        ]
+        if uses_window and window is not None and span > window:
+            out.append(
+                f"model: sliding window {window} < longest sequence ({span} tokens) is not implemented"
+            )
+    if model.training and any(float(v or 0.0) > 0.0 for v in config_values(tc, "attention_dropout", 0.0)):
+        out.append("model: attention dropout > 0 in training mode (randomness cannot match the reference)")
+    return out
 
 
 def model_kind(model: Any) -> str:

@@ -73,7 +73,7 @@ class PrefixLayout:
     prefix_valid: torch.Tensor | None
     max_span: int
     kernel: str = "sdpa"
-    chunk_elems: int = 1 << 24  # cap on one suffix-self score chunk (elements) in the sdpa kernel
+    tile_elems: int = 1 << 24  # cap on one suffix-self score tile (elements) in the sdpa kernel
     suffix_flash_min: int = 512  # sdpa kernel: suffixes at least this long use flash for suffix-self
     receipts: Receipts = field(default_factory=Receipts, compare=False, repr=False)
 
@@ -95,7 +95,7 @@ class GroupedInputs:
     completion_len: torch.Tensor  # [N]
 
 
-def check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt_mask [N, P], completion_mask [N, T])`` as bool, after checking that prompts are
     left-padded and completions right-padded (raises :class:`GRPOPartsError` otherwise)."""
     pm, cm = batch.prompt_mask.bool(), batch.completion_mask.bool()
@@ -123,7 +123,7 @@ def check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return pm, cm
 
 
-def check_context(plen_row: torch.Tensor, clen: torch.Tensor, max_positions: int | None) -> None:
+def _check_context(plen_row: torch.Tensor, clen: torch.Tensor, max_positions: int | None) -> None:
     """Every row's prompt + completion must fit the model's context."""
     if max_positions is None:
         return
@@ -149,7 +149,7 @@ def _compact_prompts(batch: LogprobBatch, pm: torch.Tensor, pp: int, pad_token_i
     return prompts
 
 
-def group_rows(
+def _group_rows(
     batch: LogprobBatch, pm: torch.Tensor, plen_row: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row_group, order, starts, rep, sizes)``: each row's group (ascending ``group_index``), the
@@ -171,6 +171,34 @@ def group_rows(
             f"{int(batch.group_index[r])} but carry different prompts; expected one prompt per group"
         )
     return row_group, order, starts, rep, sizes
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What both layouts build on, from :func:`checked_rows`: the masks as bool (``pm: [N, P]``,
+    ``cm: [N, T]``), real prompt and completion tokens per row (``plen_row``, ``clen: [N]``), each
+    row's group (``row_group``, ascending ``group_index``), the rows in group order (``order``,
+    stable: slots in order of appearance), where each group starts in that order (``starts``), its
+    first row (``rep``, whose prompt is the group's prefix) and its size (``sizes``)."""
+
+    pm: torch.Tensor
+    cm: torch.Tensor
+    plen_row: torch.Tensor
+    clen: torch.Tensor
+    row_group: torch.Tensor
+    order: torch.Tensor
+    starts: torch.Tensor
+    rep: torch.Tensor
+    sizes: torch.Tensor
+
+
+def checked_rows(batch: LogprobBatch, max_positions: int | None) -> Rows:
+    """``batch``'s :class:`Rows`, after checking its padding, that every row fits the model's
+    context ``max_positions`` (None: no limit) and that a group's rows carry one prompt."""
+    pm, cm = _check_masks(batch)
+    plen_row, clen = pm.sum(-1), cm.sum(-1)
+    _check_context(plen_row, clen, max_positions)
+    return Rows(pm, cm, plen_row, clen, *_group_rows(batch, pm, plen_row))
 
 
 def _kept_columns(
@@ -195,14 +223,14 @@ def _kept_columns(
 @dataclass(frozen=True)
 class LayoutSettings:
     """What building a layout reads of the backend's settings (one object, passed whole: the
-    plan's :attr:`.plan.PlanSettings.layout`): the attention ``kernel``, the model's context
+    plan.s :attr:`.plan.PlanSettings.build`): the attention ``kernel``, the model's context
     ``max_positions`` (None: none), the pad id of empty slots, the grid ``sdpa`` kernel's
-    ``chunk_elems`` / ``suffix_flash_min`` and the padding-free layout's ``varlen`` kernels."""
+    ``tile_elems`` / ``suffix_flash_min`` and the padding-free layout's ``varlen`` kernels."""
 
     kernel: str = "sdpa"
     max_positions: int | None = None
     pad_token_id: int = 0
-    chunk_elems: int = 1 << 24
+    tile_elems: int = 1 << 24
     suffix_flash_min: int = 512
     varlen: bool = True
 
@@ -214,16 +242,14 @@ def build_grouped_inputs(
     ``max_position``: the largest position id of the reference's forward (the batch this one was
     split from); default: this batch's."""
     settings = settings or LayoutSettings()
-    max_positions, pad_token_id, kernel = settings.max_positions, settings.pad_token_id, settings.kernel
-    pm, cm = check_masks(batch)
+    pad_token_id, kernel = settings.pad_token_id, settings.kernel
+    r = checked_rows(batch, settings.max_positions)
+    pm, cm, plen_row, clen = r.pm, r.cm, r.plen_row, r.clen
+    row_group, order, starts, rep, sizes = r.row_group, r.order, r.starts, r.rep, r.sizes
     device = batch.prompt_ids.device
     n = batch.prompt_ids.shape[0]
-    plen_row = pm.sum(-1)
-    clen = cm.sum(-1)
-    check_context(plen_row, clen, max_positions)
     pp = int(plen_row.max())
     prompts = _compact_prompts(batch, pm, pp, pad_token_id)
-    row_group, order, starts, rep, sizes = group_rows(batch, pm, plen_row)
     row_slot = torch.empty_like(row_group)
     row_slot[order] = torch.arange(n, device=device) - starts[row_group[order]]
     b = int(sizes.numel())
@@ -251,12 +277,13 @@ def build_grouped_inputs(
 
     keep, row_keep = _kept_columns(plen, row_group, row_slot, pw, g, s)
     valid = None if bool((plen == pw).all()) else real[:, :pw]
-    layout = PrefixLayout(pw, g, s, valid, top + 1, kernel, settings.chunk_elems, settings.suffix_flash_min)
+    layout = PrefixLayout(pw, g, s, valid, top + 1, kernel, settings.tile_elems, settings.suffix_flash_min)
     return GroupedInputs(ids, pos, layout, keep, row_group, row_keep, clen)
 
 
-def ungroup_logits(kept_logits: torch.Tensor, grouped: GroupedInputs) -> torch.Tensor:
-    """``[B, K, V]`` logits at ``grouped.keep`` -> ``[N, S, V]`` logits predicting each completion
-    token. The last prefix token's logit is gathered once per completion of its group, so in
-    backward the prefix receives the gradient of all of them."""
-    return kept_logits[grouped.row_group.unsqueeze(-1), grouped.row_keep]
+def build_grids(
+    batches: list[LogprobBatch], settings: LayoutSettings, max_position: int | None
+) -> list[GroupedInputs]:
+    """:func:`build_grouped_inputs` of each model call's rows, one grid each (what a plan's run
+    builds before its forwards: inputs only, no logits)."""
+    return [build_grouped_inputs(b, settings, max_position) for b in batches]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...compat import config_values
-from .facts import facts_of
+from .facts import GroupFacts
 
 
 @dataclass(frozen=True)
@@ -31,29 +31,31 @@ class LayoutCost:
         return self.tokens + score_weight * self.scores
 
 
-def grid_cost(batch: Any, chunks: list[torch.Tensor], tokens: float, eager: bool = False) -> LayoutCost:
-    """The grid plan's cost (``batch``: a :class:`LogprobBatch` or its :class:`.facts.GroupFacts`;
-    ``chunks``: row indices of each grid): ``tokens`` (its slots) and, per grid of ``B`` groups, prompt ``Pp``,
-    group ``G``, completion ``S``: ``B (Pp^2/2 + G S Pp + G S^2/2)`` cascade scores (``eager``:
-    ``B (Pp^2 + G S Pp + G S^2)``, whole squares)."""
+def grid_cost(
+    facts: GroupFacts, chunks: list[torch.Tensor], tokens: float, eager: bool = False
+) -> LayoutCost:
+    """The grid plan's cost (``facts``: the groups the grids share prefixes over; ``chunks``: row
+    indices of each grid, whole groups): ``tokens`` (its slots) and, per grid of ``B`` groups,
+    prompt ``Pp``, group ``G``, completion ``S``: ``B (Pp^2/2 + G S Pp + G S^2/2)`` cascade scores
+    (``eager``: ``B (Pp^2 + G S Pp + G S^2)``, whole squares)."""
     half = 1.0 if eager else 0.5
-    facts = facts_of(batch)
     scores = 0.0
     for c in chunks:
-        f = facts.select(c.cpu())
-        if f.rows.numel():
-            pp, g, sl = float(f.prompt.max()), float(f.rows.max()), float(f.longest.max())
-            scores += f.rows.numel() * (half * pp * pp + g * sl * pp + half * g * sl * sl)
+        c = c.cpu()
+        if c.numel():
+            sizes = torch.unique(facts.row_group[c], return_counts=True)[1]
+            pp, sl = float(facts.prompt_row[c].max()), float(facts.completion[c].max())
+            g = float(sizes.max())
+            scores += sizes.numel() * (half * pp * pp + g * sl * pp + half * g * sl * sl)
     return LayoutCost(tokens, scores)
 
 
-def padding_free_cost(batch: Any, dense: bool, eager: bool = False) -> LayoutCost:
-    """The padding-free layout's cost: :func:`padding_free_tokens` and, per group span of prompt
+def padding_free_cost(f: GroupFacts, dense: bool, eager: bool = False) -> LayoutCost:
+    """The padding-free layout's cost: ``f.padding_free_tokens`` and, per group span of prompt
     ``P`` and completions ``S_j``, ``(P + sum S_j)^2`` scores with a ``dense`` mask (masked eager or
     SDPA), ``P^2/2 + sum_j S_j (P + S_j/2)`` (the varlen cascade, flex's block mask) or, ``eager``,
     ``P^2 + sum_j S_j (P + S_j)`` (:mod:`.varlen_eager`: whole squares; bucket padding not counted,
     as for the cascade)."""
-    f = facts_of(batch)
     clen = f.completion.double()
     total = torch.zeros(f.prompt.numel(), dtype=torch.float64).index_add(0, f.row_group, clen)
     pf = f.prompt.double()
@@ -154,10 +156,10 @@ def choose_layout(
 
 
 def auto_costs(
-    grid: Any,
+    grid: GroupFacts,
     chunks: list[torch.Tensor],
     grid_slots: float,
-    free: Any,
+    free: GroupFacts,
     config: Any,
     kernel: str,
     varlen: bool,

@@ -37,7 +37,7 @@ import torch
 
 from ..protocol import LogprobBatch
 from .facts import GroupFacts
-from .layout import GroupedInputs, LayoutSettings, Receipts, check_context, check_masks, group_rows
+from .layout import GroupedInputs, LayoutSettings, Receipts, Rows, checked_rows
 
 #: the layouts by name, in the order ``layout="auto"`` prefers them on a tie (:mod:`.layout_choice`)
 LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
@@ -81,49 +81,44 @@ def padding_free_tokens(batch: LogprobBatch) -> int:
     return GroupFacts.of(batch).padding_free_tokens
 
 
-def _span_offsets(
-    plen: torch.Tensor, clen: torch.Tensor, row_group: torch.Tensor, order: torch.Tensor, starts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _span_offsets(r: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(gtot, gstart, row_off)``: each group's span length (prefix + its completions) and start
     in the row, and where each batch row's completion starts (after its group's prefix and the
     completions before it in group order)."""
-    b = plen.shape[0]
-    gtot = plen + torch.zeros(b, dtype=clen.dtype, device=clen.device).index_add(0, row_group, clen)
+    plen, clen, order, grp = r.plen_row[r.rep], r.clen, r.order, r.row_group[r.order]
+    gtot = plen + torch.zeros_like(plen).index_add(0, r.row_group, clen)
     gstart = gtot.cumsum(0) - gtot
     cs = clen[order].cumsum(0) - clen[order]  # exclusive cumsum of completions in group order
     row_off = torch.empty_like(clen)
-    row_off[order] = gstart[row_group[order]] + plen[row_group[order]] + cs - cs[starts][row_group[order]]
+    row_off[order] = gstart[grp] + plen[grp] + cs - cs[r.starts][grp]
     return gtot, gstart, row_off
 
 
 def _fill_row(
     batch: LogprobBatch,
-    pm: torch.Tensor,
-    cm: torch.Tensor,
-    plen_row: torch.Tensor,
-    rep: torch.Tensor,
+    r: Rows,
     gstart: torch.Tensor,
     ccol: torch.Tensor,
     length: int,
-    pad_token_id: int,
+    pad: int,
     max_position: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids, pos, suffix_id)`` of the row: each group's prefix (the real, left-padded prompt
     tokens of its first row) at ``gstart``, each completion at its columns ``ccol: [N, T]``;
     anything else is the padding column (``max_position``, suffix id -1)."""
     dev = batch.prompt_ids.device
+    cm, pvalid = r.cm, r.pm[r.rep]
     n, t = cm.shape
-    ids = torch.full((length,), pad_token_id, dtype=batch.prompt_ids.dtype, device=dev)
+    ids = torch.full((length,), pad, dtype=batch.prompt_ids.dtype, device=dev)
     pos = torch.full((length,), max_position, dtype=torch.long, device=dev)
     sid = torch.full((length,), -1, dtype=torch.long, device=dev)
-    pcol = gstart.unsqueeze(-1) + (pm[rep].long().cumsum(-1) - 1)  # [B, Pp]
-    pvalid = pm[rep]
-    ids[pcol[pvalid]] = batch.prompt_ids[rep][pvalid]
-    pos[pcol[pvalid]] = (pm[rep].long().cumsum(-1) - 1)[pvalid]
+    ppos = pvalid.long().cumsum(-1) - 1
+    pcol = gstart.unsqueeze(-1) + ppos  # [B, Pp]
+    ids[pcol[pvalid]] = batch.prompt_ids[r.rep][pvalid]
+    pos[pcol[pvalid]] = ppos[pvalid]
     sid[pcol[pvalid]] = 0
-    ar = torch.arange(t, device=dev)
     ids[ccol[cm]] = batch.completion_ids[cm]
-    pos[ccol[cm]] = (plen_row.unsqueeze(-1) + ar).expand(n, t)[cm]
+    pos[ccol[cm]] = (r.plen_row.unsqueeze(-1) + torch.arange(t, device=dev)).expand(n, t)[cm]
     sid[ccol[cm]] = (torch.arange(n, device=dev) + 1).unsqueeze(-1).expand(n, t)[cm]
     return ids, pos, sid
 
@@ -132,47 +127,34 @@ def build_padding_free_inputs(
     batch: LogprobBatch, settings: LayoutSettings | None = None, max_position: int | None = None
 ) -> GroupedInputs:
     """``batch`` (rows in any order) in the padding-free layout, with the same index maps as
-    :func:`.layout.build_grouped_inputs` (so :func:`.layout.ungroup_logits` un-groups it)."""
+    :func:`.layout.build_grouped_inputs` (so :func:`.run.ungroup_logits` un-groups it)."""
     settings = settings or LayoutSettings()
-    max_positions, pad_token_id, kernel = settings.max_positions, settings.pad_token_id, settings.kernel
-    pm, cm = check_masks(batch)
+    r = checked_rows(batch, settings.max_positions)
     dev = batch.prompt_ids.device
-    n = batch.prompt_ids.shape[0]
-    plen_row, clen = pm.sum(-1), cm.sum(-1)
-    check_context(plen_row, clen, max_positions)
-    row_group, order, starts, rep, _ = group_rows(batch, pm, plen_row)
-    b = int(rep.numel())
-    plen = plen_row[rep]
-    gtot, gstart, row_off = _span_offsets(plen, clen, row_group, order, starts)
-    top = int((plen_row + clen).max()) - 1
+    n, b = batch.prompt_ids.shape[0], int(r.rep.numel())
+    plen = r.plen_row[r.rep]
+    gtot, gstart, row_off = _span_offsets(r)
+    top = int((r.plen_row + r.clen).max()) - 1
     max_position = top if max_position is None else max_position
     real_len = int(gtot.sum())
     length = real_len + int(top < max_position)  # one padding column carries max_position
-    ccol = row_off.unsqueeze(-1) + torch.arange(cm.shape[1], device=dev)  # [N, T]
-    ids, pos, sid = _fill_row(batch, pm, cm, plen_row, rep, gstart, ccol, length, pad_token_id, max_position)
+    ccol = row_off.unsqueeze(-1) + torch.arange(r.cm.shape[1], device=dev)  # [N, T]
+    ids, pos, sid = _fill_row(batch, r, gstart, ccol, length, settings.pad_token_id, max_position)
 
     # logits: each group's last prefix token, then completion tokens 0..len-2 of every row
-    s = int(clen.max())
-    need = cm[:, 1:s]  # token t+1 exists: column row_off + t predicts it
+    s = int(r.clen.max())
+    need = r.cm[:, 1:s]  # token t+1 exists: column row_off + t predicts it
     keep = torch.cat([gstart + plen - 1, ccol[:, : s - 1][need]])
     row_keep = torch.zeros(n, s, dtype=torch.long, device=dev)
-    row_keep[:, 0] = row_group
+    row_keep[:, 0] = r.row_group
     row_keep[:, 1:][need] = b + torch.arange(int(need.sum()), device=dev)
 
     bounds = torch.cat([gstart, gstart[-1:] + gtot[-1:]]).tolist()
     spans = [(int(a), int(e)) for a, e in zip(bounds[:-1], bounds[1:])]
     if length > real_len:
         spans.append((real_len, length))
-    layout = PaddingFreeLayout(length, tuple(spans), sid, top + 1, kernel, settings.varlen)
-    return GroupedInputs(
-        ids.unsqueeze(0),
-        pos.unsqueeze(0),
-        layout,
-        keep,
-        torch.zeros_like(row_group),
-        row_keep,
-        clen,  # type: ignore[arg-type]
-    )
+    layout = PaddingFreeLayout(length, tuple(spans), sid, top + 1, settings.kernel, settings.varlen)
+    return GroupedInputs(ids[None], pos[None], layout, keep, torch.zeros_like(r.row_group), row_keep, r.clen)
 
 
 # ------------------------------------------------------------------------------------- kernels

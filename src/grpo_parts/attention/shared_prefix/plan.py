@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from ...wrappers import ranks_of
+from ...distributed import agree_on_calls, ranks_of
 from ..protocol import PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch
-from .chunking import agree_on_calls, chunk_plan, one_grid_per_group, split_long_tails
+from .chunking import chunk_plan, grid_calls, split_long_tails
 from .facts import GroupFacts
 from .layout import LayoutSettings
 from .layout_choice import auto_costs, choose_layout
@@ -42,29 +42,22 @@ __all__ = ["GroupFacts", "Plan", "PlanSettings", "make_plan"]  # GroupFacts: fro
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """The backend's settings a plan reads: the requested ``layout``, the padding-free ``varlen``
-    kernels, grid splitting (``max_chunks``, ``chunk_overhead_tokens``, :mod:`.chunking`), the grid
-    ``sdpa`` kernel's ``chunk_elems`` / ``suffix_flash_min`` and the model's context
-    (``max_positions``, None when it has none) and text ``config`` (score weights)."""
+    """The backend's settings a plan reads: the kernel's choice (``kernel_why``), the requested
+    ``layout``, grid splitting (``max_chunks``, ``chunk_overhead_tokens``, :mod:`.chunking`), the
+    model's text ``config`` (score weights) and ``build``, what building either layout reads (the
+    kernel, the model's context, the grid ``sdpa`` kernel's ``tile_elems`` / ``suffix_flash_min``,
+    the padding-free ``varlen`` kernels)."""
 
-    kernel: str
     kernel_why: str
     layout: str
-    varlen: bool
     max_chunks: int
     chunk_overhead_tokens: int
-    chunk_elems: int
-    suffix_flash_min: int
-    max_positions: int | None
     config: Any
+    build: LayoutSettings
 
     @property
-    def layout_settings(self) -> LayoutSettings:
-        """What building either layout reads of these settings."""
-        return LayoutSettings(
-            kernel=self.kernel, max_positions=self.max_positions, chunk_elems=self.chunk_elems,
-            suffix_flash_min=self.suffix_flash_min, varlen=self.varlen,
-        )  # fmt: skip
+    def kernel(self) -> str:
+        return self.build.kernel
 
 
 @dataclass(frozen=True)
@@ -138,18 +131,6 @@ class Plan:
         }
 
 
-def _grid(facts: GroupFacts, s: PlanSettings, packed: bool) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """The grids of ``facts``; ``packed``: where they would hold more tokens than the packed rows,
-    split further with no per-forward overhead, and failing that one grid per (sub-)group -- each at
-    most its rows packed (:func:`.chunking.split_long_tails`), so the plan never exceeds them."""
-    chunks, info = chunk_plan(facts, s.chunk_overhead_tokens, s.max_chunks)
-    if packed and info[PLAN_GRID_SLOTS] > facts.packed_tokens:
-        chunks, info = chunk_plan(facts, 0, s.max_chunks)
-    if packed and info[PLAN_GRID_SLOTS] > facts.packed_tokens:
-        chunks, info = one_grid_per_group(facts)
-    return chunks, info
-
-
 def make_plan(
     batch: LogprobBatch,
     settings: PlanSettings,
@@ -166,9 +147,15 @@ def make_plan(
     if packed:
         split = split_long_tails(facts.row_group, facts.prompt_row, facts.completion)
         grid_facts, group_index = facts.from_rows(split, facts.prompt_row, facts.completion), split.to(device)
-    chunks, info = _grid(grid_facts, settings, packed)
+    chunks, info = grid_calls(grid_facts, settings.chunk_overhead_tokens, settings.max_chunks, packed)
     grid, free, weight = auto_costs(
-        grid_facts, chunks, info[PLAN_GRID_SLOTS], facts, settings.config, settings.kernel, settings.varlen
+        grid_facts,
+        chunks,
+        info[PLAN_GRID_SLOTS],
+        facts,
+        settings.config,
+        settings.kernel,
+        settings.build.varlen,
     )
     layout, why = choose_layout(settings.layout, grid, free, weight)
     if layout == "padding_free":  # one call over the batch's own groups

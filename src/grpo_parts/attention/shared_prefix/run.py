@@ -5,24 +5,80 @@ which kernel, and how many empty calls keep the ranks in step. Rows of different
 attend to each other, so running the groups as several calls and un-permuting the rows gives the
 reference's log-probs and gradients; every call's largest position id is the whole batch's, as in
 the reference's one forward (:mod:`.layout`).
+
+The forward runs the model with this package's attention function (:data:`KERNEL_NAME`) selected
+for its duration and checks that every decoder layer received the layout (:func:`grouped_forward`);
+the backend's capability check runs the same forward once per model on a one-token probe
+(:func:`probe_reasons`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from ...core import token_logprobs
+from ...compat import register_attention_function, select_attention
+from ...distributed import ranks_of
+from ...errors import GRPOPartsError, NotSupportedError
+from ...wrappers import inner_model, sharding
 from ..protocol import LogprobBatch, LogprobOutput
-from ..reference import entropy_from_logits
+from ..reference import completion_output
 from .chunking import empty_call_batch
-from .grouped_forward import grouped_forward
-from .guard import refusing
-from .layout import build_grouped_inputs, ungroup_logits
+from .guard import layout_shortfall, model_kind, refusing
+from .layout import LAYOUT_KWARG, GroupedInputs, LayoutSettings, build_grids, build_grouped_inputs
 from .padding_free import build_padding_free_inputs
 from .plan import Plan
+
+#: name under which the attention function is registered with transformers
+KERNEL_NAME = "grpo_shared_prefix"
+
+
+def register_attention() -> str:
+    """Register the attention function with transformers under :data:`KERNEL_NAME`, with the mask
+    builder of the model's own implementation for forwards without the layout (``mask="own"``:
+    the shared-prefix forward passes a 4-D placeholder mask, which no builder touches). Idempotent."""
+    from .kernels import shared_prefix_attention
+
+    register_attention_function(KERNEL_NAME, shared_prefix_attention, mask="own")
+    return KERNEL_NAME
+
+
+def grouped_forward(model: torch.nn.Module, grouped: GroupedInputs) -> torch.Tensor:
+    """``model`` on the grid with the shared-prefix kernel selected; the logits at ``grouped.keep``.
+    Raises :class:`NotSupportedError` when a decoder layer did not receive the layout."""
+    b = grouped.input_ids.shape[0]
+    placeholder = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=grouped.input_ids.device)
+    try:
+        with select_attention(model, KERNEL_NAME):
+            out = model(
+                input_ids=grouped.input_ids,
+                position_ids=grouped.position_ids,
+                attention_mask=placeholder,  # 4-D: transformers passes it through instead of building a mask
+                logits_to_keep=grouped.keep,
+                use_cache=False,
+                **{LAYOUT_KWARG: grouped.layout},
+            )
+    except (GRPOPartsError, torch.OutOfMemoryError):
+        raise  # our own refusals name their cause already; running out of memory is not the architecture
+    except Exception as e:  # noqa: BLE001 - whatever the layout breaks inside a model is a refusal
+        raise NotSupportedError(
+            "shared_prefix",
+            [f"model: {model_kind(model)} failed under the shared-prefix layout: {type(e).__name__}: {e}"],
+        ) from e
+    shortfall = layout_shortfall(model, grouped.layout.receipts)
+    if shortfall:
+        raise NotSupportedError("shared_prefix", shortfall)
+    return out.logits
+
+
+def ungroup_logits(kept_logits: torch.Tensor, grouped: GroupedInputs) -> torch.Tensor:
+    """``[B, K, V]`` logits at ``grouped.keep`` -> ``[N, S, V]`` logits predicting each completion
+    token. The last prefix token's logit is gathered once per completion of its group, so in
+    backward the prefix receives the gradient of all of them."""
+    return kept_logits[grouped.row_group.unsqueeze(-1), grouped.row_keep]
 
 
 @dataclass
@@ -41,13 +97,21 @@ class PlanRun:
         plan = self.plan
         if plan.group_index is not batch.group_index:  # sub-groups (packed=True)
             batch = replace(batch, group_index=plan.group_index)
-        if len(plan.calls) == 1 and not plan.empty_calls:
-            return self._call(batch, plan.layout, self.compute_entropy, None)
-        top = plan.facts.max_span - 1
-        outs = [self._call(batch.select(c), plan.layout, self.compute_entropy, top) for c in plan.calls]
+        one = len(plan.calls) == 1 and not plan.empty_calls
+        top = None if one else plan.facts.max_span - 1
+        batches = [batch] if one else batch.split(plan.calls)
+        empty = [empty_call_batch(batch)] * plan.empty_calls if plan.empty_calls else []
+        with refusing("building the layout", self.model):  # inputs only: the logits come one call at a time
+            if plan.layout == "padding_free":
+                built = [build_padding_free_inputs(batches[0], plan.settings.build, top)]
+                built += build_grids(empty, plan.settings.build, top)
+            else:
+                built = build_grids(batches + empty, plan.settings.build, top)
+        outs = [self._call(b, g, self.compute_entropy) for b, g in zip(batches, built)]
+        if one:
+            return outs[0]
         # empty calls (other ranks run more): in the graph times zero, so their backward runs too
-        empty = [self._call(empty_call_batch(batch), "grid", False, top) for _ in range(plan.empty_calls)]
-        zero = sum(o.logprobs.sum() * 0.0 for o in empty)
+        zero = sum(self._call(b, g, False).logprobs.sum() * 0.0 for b, g in zip(empty, built[len(batches) :]))
         with refusing("un-grouping the calls", self.model):
             back = torch.argsort(torch.cat(plan.calls))
             logps = torch.cat([o.logprobs for o in outs])[back] + zero
@@ -56,36 +120,54 @@ class PlanRun:
             ents = torch.cat([o.entropies for o in outs if o.entropies is not None])[back]
             return LogprobOutput(logps, ents + zero)
 
-    def _call(
-        self, batch: LogprobBatch, layout: str, entropy: bool, max_position: int | None
-    ) -> LogprobOutput:
-        """One model call on ``batch`` in ``layout``; ``max_position``: the whole batch's largest
-        position id (None: this batch's)."""
-        build = build_padding_free_inputs if layout == "padding_free" else build_grouped_inputs
-        with refusing("building the layout", self.model):
-            grouped = build(batch, self.plan.settings.layout_settings, max_position)
+    def _call(self, batch: LogprobBatch, grouped: GroupedInputs, entropy: bool) -> LogprobOutput:
+        """One model call on ``batch``, laid out as ``grouped``."""
         kept = grouped_forward(self.model, grouped)  # raises NotSupportedError for what the model breaks
-        if layout == "padding_free":
-            masks = grouped.layout.masks
+        masks = getattr(grouped.layout, "masks", None)  # the padding-free layout's attention calls
+        if masks is not None:
             self.attention_calls.update(masks.calls)
             self.masked_why += [w for w in masks.why if w not in self.masked_why]
         with refusing("un-grouping the logits", self.model):
-            return _output(batch, ungroup_logits(kept, grouped), self.temperature, entropy)
+            return completion_output(batch, ungroup_logits(kept, grouped), self.temperature, entropy)
 
 
-def _output(batch: LogprobBatch, logits: torch.Tensor, temperature: float, entropy: bool) -> LogprobOutput:
-    """One call's log-probs (and entropies) from its un-grouped ``logits: [N, S, V]``, ``S`` its
-    longest completion; zero on padding."""
-    n, t = batch.completion_ids.shape
-    s = logits.shape[1]
-    cm = batch.completion_mask.bool()
-    lp = token_logprobs(logits, batch.completion_ids[:, :s], temperature)
-    logps = lp.new_zeros(n, t)
-    logps[:, :s] = lp
-    logps = logps.masked_fill(~cm, 0.0)
-    if not entropy:
-        return LogprobOutput(logps, None)
-    ent = entropy_from_logits(logits.float() if logits.dtype != torch.float64 else logits, temperature)
-    ents = ent.new_zeros(n, t)
-    ents[:, :s] = ent
-    return LogprobOutput(logps, ents.masked_fill(~cm, 0.0))
+#: model -> reasons found by the one-token probe (``[]``: every decoder layer got the layout)
+_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, list[str]] = weakref.WeakKeyDictionary()
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether a forward needs other processes (ZeRO-3 / FSDP / a process group) or has no weights
+    here (meta): then the probe is left to the first real forward, which every rank runs."""
+    if ranks_of() > 1 or sharding(model) is not None:
+        return True
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def probe_reasons(model: torch.nn.Module) -> list[str]:
+    """Run ``model`` once on a one-token prompt and a one-token completion through the shared-prefix
+    kernel (``eager``, no grad, eval mode; the modules' training flags are restored) and return why
+    the layout did not reach every decoder layer (empty: it did). Cached per model; skipped (``[]``)
+    for a model sharded across processes, where the first real forward checks the same."""
+    key = inner_model(model)  # (``model`` may be a fresh CallsThrough view of it)
+    if key in _PROBED:
+        return _PROBED[key]
+    if _sharded(model):
+        return []
+    register_attention()
+    p = next(model.parameters())
+    tok = torch.ones(1, 1, dtype=torch.long, device=p.device)
+    batch = LogprobBatch(tok, tok, tok, tok, torch.zeros(1, dtype=torch.long, device=p.device))
+    grouped = build_grouped_inputs(batch, LayoutSettings(kernel="eager"))
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            grouped_forward(model, grouped)
+        reasons: list[str] = []
+    except GRPOPartsError as e:  # NotSupportedError included: grouped_forward names the cause
+        reasons = getattr(e, "reasons", None) or [f"model: {model_kind(model)}: {e}"]
+    finally:
+        for m, t in flags:
+            m.training = t
+    _PROBED[key] = reasons
+    return reasons

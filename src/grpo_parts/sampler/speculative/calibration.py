@@ -52,8 +52,8 @@ def calibrate(
 
 
 #: a start-up forward at least this long is timed once: the repeats guard short forwards against
-#: timer and scheduler noise, while the main job's 32-128-row forwards (40-75 ms each) made up two
-#: thirds of its calibration; online step times rescale every prediction anyway
+#: timer and scheduler noise, while the main job's widest forwards made up most of its
+#: calibration; online step times rescale every prediction anyway
 LONG_FORWARD_S = 0.02
 
 
@@ -63,11 +63,11 @@ def calibration_context(
     """Cache length at which ``A`` of ``rows`` rows are timed: ``width + max_new_tokens * (1 - A /
     (rows + 1))``, the prompt alone for a full batch and nearly all of ``max_new_tokens`` at one row
     of many (a lone row, ``rows == 1``, is timed half-way). Rows finish as the rollout goes on, so
-    few active rows go with long caches: the main job's decode forwards saw ~190 columns at 128
-    rows, 350-470 at 16 and 520-600 at 1-4 (holes included). One length for every size (``width +
-    max_new_tokens / 2`` = 291) made the wide phase's cost in ``T`` too flat (drafting long chains
-    there) and the tail's too steep: the cache read, which does not grow with ``T``, was too small a
-    share of it. A sliding-window model's cache stays inside the window."""
+    few active rows go with long caches (the main job's decode forwards: the log's "Calibration on
+    the decode loop's own forwards"). One length for every size (``width + max_new_tokens / 2``)
+    made the wide phase's cost in ``T`` too flat (drafting long chains there) and the tail's too
+    steep: the cache read, which does not grow with ``T``, was too small a share of it. A
+    sliding-window model's cache stays inside the window."""
     hi = width + max_new_tokens
     if window is not None:
         hi = max(1, min(hi, window - 2 - max_draft))
@@ -98,7 +98,7 @@ def _prefilled_cache(
 ) -> Any:
     """An ``a x clen`` cache of random ids that appends in place: one row's prefill, repeated to
     ``a`` rows. The timed forwards see an ``a x clen`` cache either way, and prefilling every size
-    cost ~70% of the calibration (the 128-row prefill alone is a training-sized forward)."""
+    cost most of the calibration (the widest prefill alone is a training-sized forward)."""
     ids = torch.randint(0, vocab, (1, clen), generator=gen).to(device)
     cache = output_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1))
     if a > 1:
@@ -161,10 +161,10 @@ def calibrate_policy(
     The forwards are the decode loop's: the cache appends in place (``reserve_cache_room``) and,
     with ``layout(A)`` (a :class:`~.decode_attention.DecodeLayout` for ``A`` rows, or None), they
     carry the decode attention's layout, so the caller selects that kernel around the call. Timed
-    with the model's own attention and a copying cache, the main job's 128-row forward cost 51 ms
-    for 1 token and 74 ms for 7 (1.44x), where the decode loop's took ~23 and ~65 ms: online
-    rescaling fixes the level but keeps the calibrated shape in ``T``, and the flat shape made
-    the wide phase draft k = 6 (64 ms per step) where k = 3 took 34 ms for ~80% of the tokens.
+    with the model's own attention and a copying cache, the curve in ``T`` came out flatter than
+    the decode loop's own: online rescaling fixes the level but keeps the calibrated shape, and
+    the flat shape made the wide phase draft too long (docs/results.md; the log's "Calibration
+    on the decode loop's own forwards").
 
     Minimum of ``repeats`` runs after a warm-up: the minimum is the least disturbed by other
     processes sharing the machine.
@@ -203,8 +203,8 @@ def calibrate_policy(
 
 
 #: context of the draft's start-up timing: the untimed first proposal indexes (n-gram) or encodes
-#: (EAGLE, small LM) the whole context of every row, which at the main job's 291 tokens was 0.6 s of
-#: the n-gram's 0.7 s calibration, while a proposal's own cost hardly depends on it (and every real
+#: (EAGLE, small LM) the whole context of every row, which at the main job's context was most of
+#: the n-gram's calibration, while a proposal's own cost hardly depends on it (and every real
 #: draft call refines the estimate, :meth:`CostModel.observe_draft`)
 DRAFT_CONTEXT = 64
 

@@ -18,11 +18,9 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # 6: a ceiling of 12 raised the main job's tail tokens per verification (3.2-3.4 -> 4.0-4.4) but
-    # made its tail slower in both runs measured (the cost model drafted k ~ 9-11 at <= 16 rows);
-    # docs/speculative.md, "N-gram draft in the tail". Re-measured with chains priced by measured
-    # per-depth acceptance (docs/history/benchmarks-log.md, "Chains priced by measured per-depth acceptance"):
-    # ceilings 8 / 10 / 12 were not faster on bench sampler (EAGLE, batch 1 and 4) nor the main job
+    # 6: higher ceilings raised the main job's tail tokens per verification but not its speed, also
+    # with chains priced by measured per-depth acceptance (docs/results.md; the log's "The n-gram
+    # draft in the main job's tail" and "Chains priced by measured per-depth acceptance")
     max_draft_tokens: int = Field(6, ge=1, le=32)
     draft_tokens: int | None = Field(None, ge=0, le=32)
     calibrate_repeats: int = Field(2, ge=1)
@@ -54,11 +52,10 @@ class SpeculativeConfig(BaseModel):
         None, ge=1, le=128, description="fix a draft tree of this many nodes per row (tests, ablations)"
     )
     # 0 by default: on this project's 2-core CPU trees have not beaten chains in tokens per second in
-    # any measurement (main job: rollout 62.0 vs 51.8 s and 52.1 vs 41.8 s; `bench sampler` at batch
-    # 1-16). n-gram trees (point masses, sample-then-match) accept too little per level; sampled
-    # EAGLE / small-LM trees (recursive rejection sampling) accept more than chains at depth 6
-    # (5.4-5.7 vs 4.6 tokens per verification) but their 33-token verification costs about what the
-    # extra tokens save (docs/history/benchmarks-log.md, "Sampled EAGLE trees"). Opt in with e.g. 32 (the cost
+    # any measurement (docs/results.md, Sampler; the log's "Trees vs chains on the main job" and
+    # "Sampled EAGLE trees"): n-gram trees (point masses, sample-then-match) accept too little per
+    # level; sampled EAGLE / small-LM trees accept more than chains but their wider verification
+    # costs about what the extra tokens save. Opt in with e.g. 32 (the cost
     # model then weighs trees of 4-32 nodes against chains and plain decoding).
     max_tree_nodes: int = Field(
         0, ge=0, le=128, description="largest tree the cost model may pick per row (0: chains only)"

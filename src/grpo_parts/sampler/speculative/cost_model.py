@@ -59,12 +59,11 @@ class CostModel:
     #: per-step sampler bookkeeping beyond the forward and the draft per (calibrated batch size,
     #: speculative?), measured online; 0 where not measured yet. Speculative steps: seconds per
     #: verified position (the residual grows with ``k + 1``: verification maths, sampling, the
-    #: forward's cost over holes and housekeeping; one constant per step priced a 7-token
-    #: verification at 128 rows like a 3-token one plus the difference of the calibrated forwards,
-    #: which measured 2x, so measured per-depth acceptance drafted k = 6 there at a loss). Per batch size, because a residual
-    #: measured at 64 rows (e.g. a start-up table that under-timed the 64-row forward by 20 ms) added
-    #: to a 23 ms plain step at 1 row made plain decoding look twice its cost there, so the tail of a
-    #: batch-64 rollout drafted at a loss (n-gram, 1.07 tokens for 38 ms vs 1 for 25 ms plain)
+    #: forward's cost over holes and housekeeping; one constant per step under-priced long
+    #: verifications of many rows, so long drafts ran there at a loss). Per batch size, because a
+    #: residual measured at many rows added to a one-row plain step made plain decoding look far
+    #: dearer there, so the tail of a wide rollout drafted at a loss (docs/results.md; the log's
+    #: "Robust step-time corrections, collector paused in decode loops")
     overhead: dict[tuple[int, bool], float] = field(default_factory=dict)
     #: EMA weight of :meth:`observe_draft` (draft times are short and steady)
     ema: float = 0.8
@@ -124,10 +123,9 @@ class CostModel:
         per-``k`` measurement would let timing noise on one step lock in a worse draft length).
 
         Both are lower medians of the last :data:`RECENT` measurements and a prior, not running
-        means: one step disturbed by the host (the first 128-row speculative step of a main-job run
-        measured 13x its prediction) set the ratio to 13x and priced speculation out at that batch
-        size for the rest of the run, since only rare probes measured it again (a 17-row tail then
-        decoded 200 steps plain, its speculative step priced at 51 ms against 8 ms plain). Now one
+        means: one step disturbed by the host set the ratio to a multiple of its prediction and
+        priced speculation out at that batch size for the rest of the run, since only rare probes
+        measured it again (docs/results.md; the log's "Robust step-time corrections"). Now one
         outlier moves nothing, two in a row set the new level, and two probes undo a stale one."""
         key = (self.bucket(a), k > 0)
         ratio = seconds / max(self._predict(a, k) if predicted is None else predicted, 1e-9)
@@ -254,5 +252,6 @@ def token_grid(max_tokens: int) -> list[int]:
     """Tokens per row timed at start-up: 1 and 2 (where a CPU matmul leaves its matrix-vector path,
     the steepest step of the curve), then doubling to ``max_tokens``; between them the cost is
     interpolated, and online step times rescale it. Each point is a forward per batch size and
-    repeat: the first rollout of the main job spent more time calibrating (3.1 s) than decoding."""
+    repeat: the first rollout of the main job spent more time calibrating than decoding (the log's
+    "Calibration on the decode loop's own forwards")."""
     return sorted({t for t in (1, 2, 4, 8, 16, 32, 64, max_tokens) if t <= max_tokens})

@@ -44,7 +44,8 @@ KERNEL_NAME = "grpo_decode_shared_prompt"
 LAYOUT_KWARG = "grpo_decode_layout"
 #: attention implementations whose decode attention the kernel reproduces (plain causal softmax)
 OWN_IMPLEMENTATIONS = ("sdpa", "eager")
-#: cost rule (measured per call on the main job's shapes, docs/speculative.md): the shared path
+#: cost rule (measured per call on the main job's shapes: docs/results.md; the log's "Decode
+#: attention over the shared prompt"): the shared path
 #: pays when the active rows per group average at least this many ...
 MIN_ROWS_PER_GROUP = 4.0
 #: ... and at least this many rows are active (below, SDPA's per-row cost is small enough)
@@ -317,7 +318,7 @@ def shared_prompt_attention(
     hk, n, p = key.shape[1], key.shape[2], lay.prompt_len
     r = h // hk
     q = query * scale  # scaled once here, not the [A, H, T, L] scores
-    # [U, Hk, P, D]: the prompt, once per group (index_select: advanced indexing is 10x slower here)
+    # [U, Hk, P, D]: the prompt, once per group (index_select: advanced indexing is much slower here)
     kp, vp = key[:, :, :p].index_select(0, lay.reps), value[:, :, :p].index_select(0, lay.reps)
     s_p = _from_groups(_to_groups(q, lay, hk) @ kp.transpose(-1, -2), lay, h, t)  # [A, H, T, P]
     s_c = (q.reshape(a, hk, r * t, d) @ key[:, :, p:].transpose(-1, -2)).view(a, h, t, n - p)

@@ -55,7 +55,7 @@ class DecodeState:
     """Buffers of all ``N`` rows (``seq: [N, P + T]``, ``logps: [N, T]``, ``emitted``, ``done``) and
     the active rows' state (``act``: rollout row ids in cache order; ``mask``: the cache's
     attention mask; ``next_pos``, ``last``; ``h_parts``/``num_new``: policy features not yet fed to
-    the draft, as right-aligned chunks concatenated lazily so plain steps only append)."""
+    the draft, as right-aligned pieces concatenated lazily so plain steps only append)."""
 
     model: Any
     params: SamplingParams

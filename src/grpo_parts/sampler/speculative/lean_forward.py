@@ -3,9 +3,8 @@
 A decode forward of a small policy is mostly framework overhead, not arithmetic: transformers'
 ``LlamaForCausalLM`` runs per forward an output-capturing decorator, a config-defaults decorator,
 mask creation through the masking utilities and per layer three module calls with keyword
-plumbing, which on a 2-core CPU cost 0.5-0.9 ms per forward (the main job's 4-layer
-policy: 1.31 ms HF vs 0.82 ms for one row's token, 5.1 vs 4.2 ms for a 16 x 7 verification;
-docs/speculative.md). The decode loop's verifications are many such small forwards, so this path
+plumbing, a large share of a small policy's forward on a CPU (docs/results.md, "Lean decode
+forward"). The decode loop's verifications are many such small forwards, so this path
 calls the policy's *own weights, rotary module, KV cache and attention function* with the modeling
 code's maths in the same order (:mod:`grpo_parts.decoding.lean_layer`), and nothing else:
 
@@ -15,7 +14,7 @@ code's maths in the same order (:mod:`grpo_parts.decoding.lean_layer`), and noth
     logits = lm_head(rms(h))
 
 The layer itself is :func:`grpo_parts.decoding.lean_layer.lean_layer` (shared with the EAGLE head's drafting
-path). Exact up to float rounding (tests/sampler/test_lean_forward.py compares logits, hidden states and
+path). Exact up to float rounding (tests/sampler/speculative/test_lean_forward.py compares logits, hidden states and
 the cache with the model's own forward in float64 for every supported architecture). Which models:
 :func:`lean_forward_reasons` lists why a model is not served (architecture outside the table,
 wrapped or quantised projections, hooks, sliding windows, an attention implementation other than

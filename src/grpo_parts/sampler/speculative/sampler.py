@@ -35,7 +35,7 @@ from ...errors import NotSupportedError
 from ...wrappers import inner_model
 from .. import stats as keys
 from ..protocol import PromptBatch, Rollout, SamplingParams
-from ..reference import check_model, completion_mask_from_eos, expand_prompts
+from ..reference import check_model, completion_mask_from_eos, expand_prompts, padded_rollout
 from .calibration import calibrate, calibration_context
 from .config import SpeculativeConfig
 from .cost_model import AcceptanceEstimate, CostModel
@@ -94,8 +94,8 @@ class SpeculativeSampler:
         self.refusals = PathRefusals()  # what the last rollout could not run, and why (logged, counted)
         self.last_trace = DecodeTrace()  # per decode step of the last rollout: rows, k, tokens, why
         #: per calibrated batch size: decisions so far, the last probe, the gap to the next one (a
-        #: tail that drafts at 1 row must not reset the back-off of the 64-row steps, where one k=1
-        #: probe per rollout cost ~2% with the n-gram draft)
+        #: tail that drafts at 1 row must not reset the back-off of the 64-row steps, where a k=1
+        #: probe per rollout is a measurable cost with the n-gram draft)
         self._steps: dict[int, int] = {}
         self._last_probe: dict[int, int] = {}
         self._probe_gap: dict[int, int] = {}
@@ -162,7 +162,7 @@ class SpeculativeSampler:
             # probe so a better draft is noticed, backing off exponentially while probes keep failing
             # (so "off" costs next to nothing) -- also where the calibrated costs say no draft can
             # pay: a probe's measured step time corrects a disturbed calibration (which otherwise
-            # kept an EAGLE sampler plain for a whole bench run at batch 1, 1.02x instead of ~2x)
+            # kept an EAGLE sampler plain for a whole bench run at batch 1: docs/results.md, Sampler)
             k, self._last_probe[b] = 1, steps
             self._probe_gap[b] = min(2 * gap, 1024)
         return k
@@ -295,9 +295,9 @@ class SpeculativeSampler:
         """Chains and trees are judged on their own measured acceptance, which only a step of that
         shape updates: while one shape wins, the other is tried after 2, 4, 8, ... and then every
         ``probe_every`` steps (a chain when the cost model would draft one at all; a tree when
-        chains win and its predicted rate is at least 0.7 of theirs, so a probe costs < 2% of the
-        steps), so a stale estimate -- e.g. a chain acceptance never measured because trees ran from the start --
-        cannot lock in the worse shape."""
+        chains win and its predicted rate is at least 0.7 of theirs, so probes are a small share of
+        the steps), so a stale estimate -- e.g. a chain acceptance never measured because trees ran
+        from the start -- cannot lock in the worse shape."""
         assert self.cost is not None
         self._shape_steps += 1
         gap, last = self._shape_gap, self._last_shape
@@ -371,11 +371,7 @@ class SpeculativeSampler:
         comp, logps = comp[:, :t], logps[:, :t]
         cmask = completion_mask_from_eos(comp, params.eos_token_ids)
         cmask = cmask * (torch.arange(t, device=comp.device)[None, :] < emitted[:, None]).long()
-        rollout = Rollout(
-            prompt_ids=ids, prompt_mask=pmask, completion_ids=comp.masked_fill(cmask == 0, params.pad_token_id),
-            completion_mask=cmask, logprobs=logps.masked_fill(cmask == 0, 0.0), group_index=group,
-            num_prompts=num_prompts,
-        )  # fmt: skip
+        rollout = padded_rollout(ids, pmask, group, comp, cmask, logps, params, num_prompts)
         out_stats = keys.speculative_stats(stats, self.acceptance.rate)
         self.draft.observe(rollout.completion_ids, rollout.completion_mask, group)
         if self.config.train_draft and self.draft.learnable:

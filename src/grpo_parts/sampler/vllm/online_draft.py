@@ -76,12 +76,12 @@ class OnlineLMDraft:
         acc_sum, acc_n, loss_sum, steps = 0.0, 0, 0.0, 0
         for epoch in range(self.config.epochs):
             order = rows[torch.randperm(rows.numel(), generator=self.gen)]
-            for chunk in order.split(self.config.minibatch_rows):
-                m = cmask[chunk].to(next(self.model.parameters()).device)
+            for part in order.split(self.config.minibatch_rows):
+                m = cmask[part].to(next(self.model.parameters()).device)
                 with torch.no_grad():
-                    p = _probs(completion_logits(policy, rollout, chunk), t)
+                    p = _probs(completion_logits(policy, rollout, part), t)
                 with torch.enable_grad():  # an in-process vLLM engine turns autograd off
-                    q_logits = completion_logits(self.model, rollout, chunk)
+                    q_logits = completion_logits(self.model, rollout, part)
                 if epoch == 0:  # the draft that sampled this rollout
                     with torch.no_grad():
                         acc = torch.minimum(p, _probs(q_logits, t)).sum(-1)

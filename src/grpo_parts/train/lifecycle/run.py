@@ -330,10 +330,10 @@ def train(
 
 @contextmanager
 def setup_frozen() -> Iterator[None]:
-    """Everything set-up created (imported modules, the policy, tokenizer, task, parts: ~450k
-    objects) moved out of the garbage collector's view for the run (``gc.freeze``), and back after.
-    Otherwise every full collection walks them all: up to 0.68 s per collection, two or three per
-    four steps of the main job. Applies to the reference and the optimized arm alike. A caller that
+    """Everything set-up created (imported modules, the policy, tokenizer, task, parts) moved out of
+    the garbage collector's view for the run (``gc.freeze``), and back after. Otherwise every full
+    collection walks them all, inside whichever step it lands (docs/speculative.md has the
+    measurement). Applies to the reference and the optimized arm alike. A caller that
     froze objects itself keeps its own arrangement (``gc.unfreeze`` would release those too)."""
     if gc.get_freeze_count():
         yield

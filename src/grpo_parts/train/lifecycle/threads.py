@@ -2,11 +2,10 @@
 
 torch's default (one thread per core) is often the slowest choice for GRPO on a CPU: rollout is
 hundreds of small decode forwards (a ``[rows, 1]`` batch each), where the cost of waking and joining
-threads exceeds the work, and on a shared machine every extra thread waits for a busy core. On the
-project's 2-core machine (shared, load ~8) a 0.16M-parameter decode forward took 8.6 ms with 1
-thread and 120 ms with 2, a 2.4M one 16 ms vs 134 ms, while the 2.4M forward+backward was faster
-with 2 (0.45 s vs 1.1 s): which count wins depends on the model, the shapes and the load, so it is
-measured rather than guessed.
+threads exceeds the work, and on a shared machine every extra thread waits for a busy core. A
+forward+backward can still gain from more threads: which count wins depends on the model, the
+shapes and the load (docs/training.md, ``threads``, has the measurement), so it is measured rather
+than guessed.
 
 :func:`calibrate_threads` times both phases of a step on the loaded policy -- a decode-like forward
 (no grad, ``[rows, 1]``) and a small forward+backward -- for 1 thread and for every core, alternating

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ...task.arithmetic import Problem
+from ...task.data import Problem
 from ..config import TrainConfig
 from .metrics import MetricsWriter
 

@@ -6,7 +6,7 @@ One :meth:`GRPOTrainer.step`:
    (with ``parts.prompt_skip``, drawn past a prompt skipper first, the kept ones weighted 1/p: :mod:`.prompt_skip`);
 2. **reward** -> **advantages** (:func:`grpo_parts.core.group_advantages`, per group);
 3. **filter** -- the ``CompletionFilter`` picks the rows to train on; with refill on, the
-   :class:`~grpo_parts.filter.allocation.Refiller` rolls out the extra prompts it asks for;
+   :class:`~grpo_parts.filter.refill.Refiller` rolls out the extra prompts it asks for;
 4. **old-policy and reference log-probs** of the kept rows through the ``AttentionBackend``, no grad;
 5. **draft update** -- a learnable draft distils from the policy's hidden states on this rollout
    (FastGRPO trains it before the policy update, so it is one step behind);
@@ -32,13 +32,13 @@ import torch
 from ...attention.protocol import PLAN_CHUNKS, CountsAttentionCalls, LogprobBatch, ReportsPlan
 from ...core import grpo_loss
 from ...counters import ATTENTION_CALLS
-from ...filter.allocation import FilledBatch, Refiller, RefillOutcome, fill_rollouts
 from ...filter.protocol import KEPT_FRACTION, WEIGHTED_ROWS
+from ...filter.refill import FilledBatch, Refiller, RefillOutcome, fill_rollouts
 from ...sampler.protocol import SamplingParams, TracesDecode, TrainsDraft
 from ...sampler.reference import ReferenceSampler
-from ...task.arithmetic import Problem
 from ...task.data import (
     BatchRewards,
+    Problem,
     ReportsRewardTerms,
     Task,
     completion_ids,
@@ -369,12 +369,7 @@ class GRPOTrainer:
                 "python": random.getstate(),
             },
         }
-        for key, part in (
-            ("draft", self.parts.draft),
-            ("sampler", self.parts.sampler),
-            ("filter", self.parts.filter),
-            ("prompt_skip", self.parts.prompt_skip),
-        ):
+        for key, part in self.parts.with_state().items():
             if isinstance(part, Stateful):  # e.g. dppo's generator: a resume draws the same rows
                 state[key] = part.state_dict()
         return state
@@ -393,12 +388,7 @@ class GRPOTrainer:
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         random.setstate(rng["python"])
-        for key, part in (
-            ("draft", self.parts.draft),
-            ("sampler", self.parts.sampler),
-            ("filter", self.parts.filter),
-            ("prompt_skip", self.parts.prompt_skip),
-        ):
+        for key, part in self.parts.with_state().items():
             if key in state and part is not None:
                 part.load_state_dict(state[key])
         self.parts.sampler.sync_weights(self.policy)

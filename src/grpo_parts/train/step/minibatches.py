@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ...core.unbiased import WeightedLossFacts, refusal_reasons
-from ...filter.allocation import FilledBatch
 from ...filter.protocol import WeighsLoss
+from ...filter.refill import FilledBatch
 from ..config import TrainConfig
 
 __all__ = ["Minibatch", "split_minibatches", "split_groups", "weighted_filter_reasons"]

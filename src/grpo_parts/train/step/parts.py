@@ -1,4 +1,4 @@
-"""Build the four parts (and the prompt skipper) from :class:`~.config.PartsConfig` by name, through :mod:`grpo_parts.build`.
+"""Build the five parts from :class:`~grpo_parts.parts_config.PartsConfig` by name, through :mod:`grpo_parts.build`.
 
 :func:`build_parts` stays here, a thin function over the one builder (:mod:`grpo_parts.build`:
 policy passing, kwargs checks, pydantic configs, default kwargs) with the rules of ``grpo_parts
@@ -52,6 +52,10 @@ class Parts:
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.names.items())
+
+    def with_state(self) -> dict[str, Any]:
+        """The parts a checkpoint may carry state for, under their checkpoint keys."""
+        return {key: getattr(self, key) for key in ("draft", "sampler", "filter", "prompt_skip")}
 
 
 def resolve_name(

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from ...errors import GRPOPartsError
-from ...filter.allocation import FilledBatch
+from ...filter.refill import FilledBatch
 from ...skip.draw import PromptDraw
 from ...skip.protocol import PromptId, PromptSkipper, prompt_key, skips
-from ...task.arithmetic import Problem
+from ...task.data import Problem
 from ...types import Rollout
 from .minibatches import Minibatch
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...sampler.stats import ACCEPTED_PER_VERIFY, STEP_CALL_COUNTS
-from ...task.arithmetic import Problem
+from ...task.data import Problem
 from ...types import Rollout
 
 

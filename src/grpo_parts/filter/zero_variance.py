@@ -1,0 +1,52 @@
+"""DAPO dynamic sampling: drop every group whose rewards are all equal (arXiv 2503.14476).
+
+A group where every completion got the same reward (all correct or all wrong) has advantage 0 for
+every row: it contributes no policy gradient, only cost. DAPO drops such groups and keeps sampling
+prompts until the batch is full again; here the drop is :class:`ZeroVarianceGroups` and the refill
+is :mod:`grpo_parts.filter.refill` driven by ``extra_prompts_wanted``.
+
+"All equal" is decided on the rewards by exact comparison (:func:`grpo_parts.core.group_stats`), so
+it agrees with verl's ``algorithm.filter_groups`` (std == 0) and OpenRLHF's dynamic filtering at
+the 0 / 1 accuracy bounds; a single-completion group counts as zero-variance.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from ._common import extra_prompts, kept_mask_to_rows, nothing_kept, num_groups_present, zero_variance_rows
+from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
+
+
+class ZeroVarianceGroups(BaseModel):
+    """Keep every row of the groups whose rewards are not all equal."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: ClassVar[str] = "zero_variance"
+
+    def not_supported_reasons(self, batch: ScoredBatch) -> list[str]:
+        return []
+
+    def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
+        n = batch.size
+        if n == 0:
+            return nothing_kept()
+        zv = zero_variance_rows(batch)
+        kept = kept_mask_to_rows(~zv)
+        n_prompts = num_groups_present(batch)
+        k_n = int(kept.numel())
+        # Nominal yield when every group was dropped: a whole group per prompt (optimistic; the
+        # refill loop keeps asking until the target is met or its round limit is reached).
+        extra = extra_prompts(k_n, target_size, n_prompts, n / n_prompts)
+        kept_groups = int(torch.unique(batch.group_index[kept]).numel()) if k_n else 0
+        info = {
+            KEPT_FRACTION: k_n / n,
+            NUM_KEPT: float(k_n),
+            "num_rows": float(n),
+            "num_groups": float(n_prompts),
+            "dropped_groups": float(n_prompts - kept_groups),
+        }
+        return FilterResult(kept, extra, info)
