@@ -25,3 +25,13 @@ def test_no_adapter_writes_a_second_prefix() -> None:
         for m in re.finditer(r"[\"'](grpo_parts/[a-z_]+/)", path.read_text()):
             bad.append(f"{path.relative_to(ROOT)}: {m.group(1)}")
     assert not bad, bad
+
+
+def test_no_adapter_spells_a_counter_key_itself() -> None:
+    """Every ``parts/...`` key an adapter writes comes from :mod:`grpo_parts.counters` (one name each)."""
+    bad = [
+        f"{path.relative_to(ROOT)}: {m.group(0)}"
+        for path in (ROOT / "adapters").rglob("*.py")
+        for m in re.finditer(r"f?[\"']parts/", path.read_text())
+    ]
+    assert not bad, bad

@@ -20,7 +20,7 @@ import torch
 
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch, RankAgreeing
 from grpo_parts.attention.shared_prefix.chunking import empty_call_batch
-from grpo_parts.distributed import agree_on_calls, ranks_of
+from grpo_parts.doors.agreement import agree_fallback
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.rounding import round_to_multiple
 from grpo_parts.types import ScoredBatch
@@ -214,9 +214,7 @@ def _extra_calls(backend: Any, calls: int, device: torch.device) -> int:
     collectives (ZeRO-3 / FSDP gather parameters in each forward, the backends agree on their plans),
     and a rank's chunk count depends on how its groups fall: TRL deals rows, not groups, to the ranks."""
     group = backend.rank_group if isinstance(backend, RankAgreeing) else None
-    if ranks_of(group) <= 1:
-        return 0
-    return agree_on_calls(calls, group, device) - calls
+    return agree_fallback(None, calls, group, device, other="")[1] - calls
 
 
 def round_kept(

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from grpo_parts.attention.protocol import RankAgreeing
-from grpo_parts.attention.shared_prefix.backend import select_attention
 from grpo_parts.build import build_attention, build_part, choose_attention
+from grpo_parts.compat import select_attention
 from grpo_parts.counters import ATTENTION_CALLS, PartCounters, attention_calls
 from grpo_parts.distributed import ranks_of
 from grpo_parts.doors.agreement import agree_fallback

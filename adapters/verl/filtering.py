@@ -24,7 +24,7 @@ from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
 from grpo_parts.errors import GRPOPartsError, check_tensor
 from grpo_parts.filter.protocol import CompletionFilter, WeighsLoss
 from grpo_parts.filter.rounding import batch_multiple
-from grpo_parts.parts_config import KnownFields, PartsConfig
+from grpo_parts.parts_config import DOOR_DEFAULTS, KnownFields, PartsConfig
 from grpo_parts.types import ScoredBatch
 
 from .advantage import uid_to_group_index
@@ -82,7 +82,7 @@ class FilterOptions(KnownFields):
     ``name`` the filter is ``keep_all``.
     """
 
-    name: str = "cppo"
+    name: str = DOOR_DEFAULTS["verl"]["filter"]
     kwargs: dict[str, Any] = Field(default_factory=dict)
     target_rows: int | None = Field(None, ge=1)
     refill_rounds: int = Field(0, ge=0)
@@ -125,18 +125,11 @@ class FilterOptions(KnownFields):
 
     @property
     def parts(self) -> PartsConfig:
-        """These options as the one parts configuration (validated there: names, ranges)."""
-        return PartsConfig.for_door(
-            "verl",
-            {
-                "filter": self.name,
-                "filter_kwargs": self.kwargs,
-                "refill_rounds": self.refill_rounds,
-                "kept_rounding": self.kept_rounding,
-                "prompt_skip": self.prompt_skip,
-                "prompt_skip_kwargs": self.prompt_skip_kwargs,
-            },
-        )
+        """The filter's settings as the one parts configuration (validated there: names, ranges)."""
+        return PartsConfig(
+            filter=self.name, filter_kwargs=self.kwargs, refill_rounds=self.refill_rounds,
+            kept_rounding=self.kept_rounding, prompt_skip=self.prompt_skip, prompt_skip_kwargs=self.prompt_skip_kwargs,
+        )  # fmt: skip
 
     @model_validator(mode="after")
     def _target_fits(self) -> FilterOptions:

@@ -85,7 +85,7 @@ class EngineOptions(KnownFields):
                 "layout": self.layout,
                 "varlen": self.varlen,
             }
-        return PartsConfig.for_door("verl", {"attention": self.attention, "attention_kwargs": kwargs})
+        return PartsConfig(attention=self.attention, attention_kwargs=kwargs)
 
     def backend(self) -> Any:
         """The grpo_parts ``AttentionBackend`` these options name (None when off), built by

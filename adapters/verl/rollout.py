@@ -44,6 +44,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from grpo_parts.counters import framework_key
 from grpo_parts.doors.policy_copy import PolicyCopy, canonical_name
 from grpo_parts.errors import GRPOPartsError
+from grpo_parts.parts_config import DOOR_DEFAULTS
 from grpo_parts.sampler.stats import DRAFT_UPDATES, PLAIN_STEPS, SAMPLED_TREE_STEPS, STEP_CALL_COUNTS
 
 from .agent_loop import SamplerServer, build_sampler
@@ -67,8 +68,8 @@ class RolloutOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    sampler: str = "speculative"
-    draft: str | None = "ngram"
+    sampler: str = DOOR_DEFAULTS["verl"]["sampler"]
+    draft: str | None = DOOR_DEFAULTS["verl"]["draft"]
     sampler_kwargs: dict[str, Any] = Field(default_factory=dict)
     allow_frozen: bool = False
     follow_actor: bool = True

@@ -43,7 +43,7 @@ def _drift_policy(
     from grpo_parts.tiny import tiny_causal_lm
 
     torch.manual_seed(seed)
-    task_name, problem, vocab, eos, pad = task_data(0, seed)
+    task_name, problem, vocab, eos, pad = task_data(seed)
     policy = tiny_causal_lm(
         "qwen2", vocab_size=vocab, hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
         seed=seed, eos_token_id=eos, pad_token_id=pad,

@@ -32,12 +32,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 #: the doors (docs/doors.md)
 DOORS = ("train", "trl", "verl", "openrlhf")
 
-#: what each door runs when a setting is not given: ``grpo-parts train`` the optimized parts,
-#: every framework door its framework's own path (the parts are opt-in there)
+#: what each door runs when a setting is not given, the one table every door reads. ``grpo-parts
+#: train``: the optimized parts (prompt skipping on finite data: :mod:`grpo_parts.train.skip_defaults`).
+#: The framework doors run their framework's own path for every part (the parts are opt-in); verl
+#: switches each part on by its own key, and one switched on without a name runs these: the rollout
+#: backend (``rollout.name=grpo_parts``) the sampler and draft, ``+grpo_parts.filter`` the filter.
+#: A filter's own kwargs default in :data:`grpo_parts.build.DEFAULT_KWARGS`.
 DOOR_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {"sampler": "speculative", "draft": "ngram", "attention": "shared_prefix", "filter": "cppo"},
     "trl": {},
-    "verl": {},
+    "verl": {"sampler": "speculative", "draft": "ngram", "filter": "cppo"},
     "openrlhf": {},
 }
 

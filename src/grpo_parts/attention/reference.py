@@ -27,11 +27,12 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
 
 def completion_output(
-    batch: LogprobBatch, logits: torch.Tensor, temperature: float, entropy: bool
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temperature: float, entropy: bool
 ) -> LogprobOutput:
-    """Log-probs (and entropies) of ``batch``'s completions from ``logits: [N, S, V]``, the logits
-    predicting its first ``S`` completion tokens (every backend's last step); zero on padding."""
-    cm = batch.completion_mask.bool()
+    """Log-probs (and entropies) of completions ``ids: [N, T]`` (``mask``: real tokens) from
+    ``logits: [N, S, V]``, the logits predicting their first ``S`` tokens (every backend's last
+    step); zero on padding."""
+    cm = mask.bool()
     s, t = logits.shape[1], cm.shape[1]
 
     def full(x: torch.Tensor) -> torch.Tensor:  # [N, S] -> [N, T]: zero past the longest completion
@@ -41,7 +42,7 @@ def completion_output(
         out[:, :s] = x
         return out.masked_fill(~cm, 0.0)
 
-    logps = full(token_logprobs(logits, batch.completion_ids[:, :s], temperature))
+    logps = full(token_logprobs(logits, ids[:, :s], temperature))
     if not entropy:
         return LogprobOutput(logps, None)
     return LogprobOutput(
@@ -84,4 +85,6 @@ class RepeatedPrefixAttention:
             :, :-1
         ]
         assert logits.shape[1] == t, (logits.shape, p, t)
-        return completion_output(batch, logits, temperature, compute_entropy)
+        return completion_output(
+            logits, batch.completion_ids, batch.completion_mask, temperature, compute_entropy
+        )

@@ -2,13 +2,11 @@
 batches it trains (the policy-drift experiment that also uses them is
 scripts/measure/draft_drift.py).
 
-The task is the built-in chain-addition task (:mod:`grpo_parts.task`) when it is installed, else a
-synthetic copy task (random digit strings repeated with small edits).
+The task is the built-in chain-addition task (:mod:`grpo_parts.task`).
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +50,7 @@ def distill_on_text(
     policy features and logits), as EAGLE heads are trained before deployment. Returns the losses."""
     if not draft.learnable or batches <= 0:
         return []
-    _, problem, _, _, pad = task_data(0, seed)
+    _, problem, _, _, pad = task_data(seed)
     return [
         float(draft.update(text_batch(policy, problem, 5_000_000 + batch_size * i, batch_size, pad))["loss"])
         for i in range(batches)
@@ -82,38 +80,34 @@ def warm_up(
 
 
 # ---------------------------------------------------------------------------------------- tasks
-def task_data(
-    vocab_hint: int, seed: int
-) -> tuple[str, Callable[[int], tuple[list[int], list[int]]], int, int, int]:
-    """``(name, problem(i) -> (prompt_ids, target_ids), vocab, eos, pad)``."""
-    try:
-        from ..task.arithmetic import ArithmeticConfig, ArithmeticTask
-        from ..task.tokenizer import EOS_ID, PAD_ID, build_hf_tokenizer
+def task_data(seed: int) -> tuple[str, Callable[[int], tuple[list[int], list[int]]], int, int, int]:
+    """``(name, problem(i) -> (prompt_ids, target_ids), vocab, eos, pad)`` of the built-in chain
+    addition task."""
+    from ..task.arithmetic import ArithmeticConfig, ArithmeticTask
+    from ..task.tokenizer import EOS_ID, PAD_ID, build_hf_tokenizer
 
-        tok = build_hf_tokenizer()
-        task = ArithmeticTask(ArithmeticConfig(), seed=seed)
+    tok = build_hf_tokenizer()
+    task = ArithmeticTask(ArithmeticConfig(), seed=seed)
 
-        def problem(i: int) -> tuple[list[int], list[int]]:
-            p = task.train_problem(i)
-            return tok.encode(p.prompt), tok.encode(task.sft_target(p)) + [EOS_ID]
+    def problem(i: int) -> tuple[list[int], list[int]]:
+        p = task.train_problem(i)
+        return tok.encode(p.prompt), tok.encode(task.sft_target(p)) + [EOS_ID]
 
-        return "built-in chain addition (grpo_parts.task)", problem, len(tok), EOS_ID, PAD_ID
-    except ImportError:
-        pass
-    eos, pad, vocab = 1, 0, 16
+    return "built-in chain addition (grpo_parts.task)", problem, len(tok), EOS_ID, PAD_ID
 
-    def synthetic(i: int) -> tuple[list[int], list[int]]:
-        rng = random.Random(seed * 1_000_003 + i)
-        digits = [rng.randrange(3, vocab) for _ in range(rng.randrange(4, 8))]
-        target: list[int] = []
-        cur = list(digits)
-        for _ in range(3):  # copy with one edit per line
-            j = rng.randrange(len(cur))
-            cur[j] = rng.randrange(3, vocab)
-            target += cur + [2]
-        return digits + [2], target + [eos]
 
-    return "synthetic copy-with-edits task (grpo_parts.task not installed)", synthetic, vocab, eos, pad
+def padded_rows(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, ...]:
+    """``(ids, labels, mask): [R, W]`` of ``(prompt, target)`` rows back to back, right-padded:
+    ``labels`` the target tokens (-100 elsewhere), ``mask`` 1 on real tokens."""
+    width = max(len(a) + len(b) for a, b in rows)
+    ids = torch.full((len(rows), width), pad)
+    labels = torch.full((len(rows), width), -100)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (a, b) in enumerate(rows):
+        ids[i, : len(a) + len(b)] = torch.tensor(a + b)
+        labels[i, len(a) : len(a) + len(b)] = torch.tensor(b)
+        mask[i, : len(a) + len(b)] = 1
+    return ids, labels, mask
 
 
 def sft_steps(
@@ -122,16 +116,8 @@ def sft_steps(
 ) -> int:  # fmt: skip
     policy.train()
     for _ in range(steps):
-        rows = [problem(start + i) for i in range(batch)]
+        ids, labels, mask = padded_rows([problem(start + i) for i in range(batch)], pad)
         start += batch
-        width = max(len(a) + len(b) for a, b in rows)
-        ids = torch.full((batch, width), pad)
-        labels = torch.full((batch, width), -100)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, (a, b) in enumerate(rows):
-            ids[i, : len(a) + len(b)] = torch.tensor(a + b)
-            labels[i, len(a) : len(a) + len(b)] = torch.tensor(b)
-            mask[i, : len(a) + len(b)] = 1
         loss = policy(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -148,14 +134,9 @@ def text_batch(
     pad: int,
 ) -> DraftTrainingBatch:
     """Teacher-forced policy features and logits on ``n`` task texts (prompt + worked solution)."""
-    rows = [problem(start + i) for i in range(n)]
-    width = max(len(a) + len(b) for a, b in rows)
-    ids = torch.full((n, width), pad)
-    attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (a, b) in enumerate(rows):
-        ids[i, : len(a) + len(b)] = torch.tensor(a + b)
-        attn[i, : len(a) + len(b)] = 1
-        loss_mask[i, len(a) - 1 : len(a) + len(b) - 1] = 1
+    ids, labels, attn = padded_rows([problem(start + i) for i in range(n)], pad)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, :-1] = (labels[:, 1:] != -100).long()  # positions whose next token is the target's
     with torch.no_grad():
         out = policy(input_ids=ids, attention_mask=attn, output_hidden_states=True)
     return DraftTrainingBatch(ids, loss_mask, out.hidden_states[-1], out.logits, attn)
@@ -175,7 +156,7 @@ def task_policy(
     from ..tiny import tiny_causal_lm
 
     torch.manual_seed(seed)
-    task_name, problem, vocab, eos, pad = task_data(0, seed)
+    task_name, problem, vocab, eos, pad = task_data(seed)
     heads = max(1, hidden // 64)
     policy = tiny_causal_lm(
         "qwen2", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,

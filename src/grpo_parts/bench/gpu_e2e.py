@@ -57,6 +57,7 @@ def build_policy(preset: dict[str, Any], device: torch.device, out: Path) -> tup
     from ..task.reasoning import CHARS, ReasoningTask
     from ..task.tokenizer import EOS_ID, PAD_ID, build_hf_tokenizer
     from ..tiny import tiny_causal_lm
+    from .draft_training import padded_rows
 
     tok = build_hf_tokenizer(CHARS)
     shape = dict(preset["model"])
@@ -76,17 +77,13 @@ def build_policy(preset: dict[str, Any], device: torch.device, out: Path) -> tup
             p = task.train_problem(pos + rng.randrange(8))
             pos += 1
             rows.append((tok.encode(p.prompt), tok.encode(task.sft_target(p)) + [EOS_ID]))
-        width = max(len(a) + len(b) for a, b in rows)
-        ids = torch.full((len(rows), width), PAD_ID)
-        labels = torch.full((len(rows), width), -100)
-        for i, (a, b) in enumerate(rows):
-            ids[i, : len(a) + len(b)] = torch.tensor(a + b)
-            labels[i, len(a) : len(a) + len(b)] = torch.tensor(b)
+        ids, labels, mask = padded_rows(rows, PAD_ID)
         for g in opt.param_groups:
             g["lr"] = preset["sft_lr"] * min(1.0, step / 20)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(input_ids=ids.to(device), attention_mask=(ids != PAD_ID).long().to(device),
-                         labels=labels.to(device)).loss  # fmt: skip
+            loss = model(
+                input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)
+            ).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

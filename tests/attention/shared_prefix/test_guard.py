@@ -14,9 +14,10 @@ from _attention_helpers import exact_model, random_batch
 
 import grpo_parts.attention.shared_prefix.run as run_module
 from grpo_parts.attention.reference import RepeatedPrefixAttention
-from grpo_parts.attention.shared_prefix.backend import KERNEL_NAME, SharedPrefixAttention, register_attention
+from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 from grpo_parts.attention.shared_prefix.kernels import shared_prefix_attention
 from grpo_parts.attention.shared_prefix.layout import LAYOUT_KWARG, LayoutSettings, build_grouped_inputs
+from grpo_parts.attention.shared_prefix.run import KERNEL_NAME, register_attention
 from grpo_parts.errors import NotSupportedError
 from grpo_parts.tiny import tiny_causal_lm
 

@@ -214,7 +214,7 @@ def test_registry_and_auto_choice():  # type: ignore[no-untyped-def]
 
 def test_fallback_without_layout_is_sdpa():  # type: ignore[no-untyped-def]
     """Registered as attn_implementation, the kernel behaves like SDPA for ordinary forwards."""
-    from grpo_parts.attention.shared_prefix.backend import KERNEL_NAME, register_attention
+    from grpo_parts.attention.shared_prefix.run import KERNEL_NAME, register_attention
 
     register_attention()
     model = exact_model("qwen2", vocab_size=48)

@@ -232,7 +232,7 @@ def test_rotary_classes_are_inspected(monkeypatch):  # type: ignore[no-untyped-d
 def test_forward_without_layout_runs_the_models_own_attention(family, attn, over):  # type: ignore[no-untyped-def]
     """While the shared-prefix kernel stays selected (TRL's training_step, verl's engine), a forward
     without the layout -- generation, evaluation -- is the model's own attention, bit for bit."""
-    from grpo_parts.attention.shared_prefix.backend import KERNEL_NAME, register_attention
+    from grpo_parts.attention.shared_prefix.run import KERNEL_NAME, register_attention
     from grpo_parts.compat import select_attention
     from grpo_parts.tiny import tiny_causal_lm
 

@@ -13,14 +13,13 @@ A call reads check -> plan -> run, one file each:
   (prefix + own suffix merged by log-sum-exp; variable-length packed rows);
 * :mod:`.packed` -- the backend over packed (remove-padding) inputs, as verl hands them.
 
-``grpo_parts.attention.shared_prefix`` was one module in earlier 0.1 commits; the names users
-imported from it are re-exported here.
+The package's names: the backend, and the name (:data:`.run.KERNEL_NAME`) and registration of its
+attention function for a model that selects it itself.
 """
 
 from __future__ import annotations
 
-from ...compat import select_attention
 from .backend import SharedPrefixAttention
 from .run import KERNEL_NAME, register_attention
 
-__all__ = ["KERNEL_NAME", "SharedPrefixAttention", "register_attention", "select_attention"]
+__all__ = ["KERNEL_NAME", "SharedPrefixAttention", "register_attention"]

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...compat import config_values, select_attention
+from ...compat import config_values
 from ...errors import GRPOPartsError, NotSupportedError
 from ...wrappers import calls_through
 from ..protocol import PLAN_ATTENTION_CALLS, LogprobBatch, LogprobOutput
@@ -32,17 +32,9 @@ from .guard import model_kind, model_reasons, refusing, text_config
 from .layout import LayoutSettings
 from .padding_free import LAYOUTS
 from .plan import Plan, PlanSettings, make_plan
-from .run import KERNEL_NAME, PlanRun, probe_reasons, register_attention
+from .run import PlanRun, probe_reasons, register_attention
 
-# KERNEL_NAME, register_attention and select_attention are re-exported for the adapters and tests
-__all__ = [
-    "KERNEL_NAME",
-    "KERNEL_PRIORITY",
-    "SharedPrefixAttention",
-    "probe_reasons",
-    "register_attention",
-    "select_attention",
-]
+__all__ = ["KERNEL_PRIORITY", "SharedPrefixAttention"]
 
 #: ``kernel="auto"`` tries these in order
 KERNEL_PRIORITY: tuple[str, ...] = ("sdpa", "flex", "eager")
@@ -52,7 +44,7 @@ class SharedPrefixAttention:
     """Optimized ``AttentionBackend``. ``kernel``: ``"auto"`` (default), ``"sdpa"``, ``"eager"``,
     ``"flex"``; see :mod:`.kernels` for what each supports. ``last_choice`` explains the last
     automatic choice. ``probe``: :meth:`not_supported_reasons` runs the one-token probe
-    (:func:`probe_reasons`); the check after every forward runs either way. ``max_chunks`` /
+    (:func:`.run.probe_reasons`); the check after every forward runs either way. ``max_chunks`` /
     ``chunk_overhead_tokens``: the groups may be split into up to this many grids when that saves
     more token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid; ``None`` =
     8). ``tile_elems`` / ``suffix_flash_min``: the grid ``sdpa`` kernel's score tiles and when its
@@ -162,7 +154,7 @@ class SharedPrefixAttention:
     def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
         """Why this backend cannot run ``model`` (and ``batch``); empty = supported. With ``probe``
         (the constructor's, default True) a model that passes the static checks is run once on a
-        one-token probe (cached per model, :func:`probe_reasons`) to prove that the layout reaches
+        one-token probe (cached per model, :func:`.run.probe_reasons`) to prove that the layout reaches
         every decoder layer. ``model`` may be wrapped (DDP, FSDP1, DeepSpeed: :mod:`grpo_parts.wrappers`)."""
         model = calls_through(model)
         out = self._model_reasons(model, batch)

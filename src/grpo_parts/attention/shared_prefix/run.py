@@ -128,7 +128,10 @@ class PlanRun:
             self.attention_calls.update(masks.calls)
             self.masked_why += [w for w in masks.why if w not in self.masked_why]
         with refusing("un-grouping the logits", self.model):
-            return completion_output(batch, ungroup_logits(kept, grouped), self.temperature, entropy)
+            logits = ungroup_logits(kept, grouped)
+            return completion_output(
+                logits, batch.completion_ids, batch.completion_mask, self.temperature, entropy
+            )
 
 
 #: model -> reasons found by the one-token probe (``[]``: every decoder layer got the layout)

@@ -13,9 +13,6 @@ One module per step of a speculative rollout, in the order a decode step meets t
 * :mod:`.lean_forward` -- the policy's decode forward without transformers' per-call overhead;
 * :mod:`.model_support` -- which policies can be served (sliding windows, recurrent layers);
 * :mod:`.trace` -- the per-step decode trace behind report.md's draft-size table.
-
-``grpo_parts.sampler.speculative`` was one module in earlier 0.1 commits; the names users imported
-from it are re-exported here.
 """
 
 from __future__ import annotations
