@@ -167,7 +167,6 @@ def test_get_class_is_typed_and_finds_the_class() -> None:
     from grpo_parts.sampler.reference import ReferenceSampler
 
     assert get_sampler_class("reference") is ReferenceSampler
-    assert build.part_class("sampler", "reference") is ReferenceSampler
 
 
 # ------------------------------------------------------------------------- every door, one builder

@@ -31,11 +31,10 @@ import torch
 from openrlhf.utils.agent import AgentExecutorBase
 
 from grpo_parts.counters import framework_keys
-from grpo_parts.doors.grouping import identical_prompt_groups
 from grpo_parts.doors.policy_copy import PolicyCopy
+from grpo_parts.doors.serving import RequestBatcher, sample_requests
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
-from grpo_parts.types import Rollout
+from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.wrappers import transformers_model
 
 #: ``extra_logs`` key marking a response as sampled by grpo_parts (OpenRLHF copies it into
@@ -153,8 +152,7 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
         # the factory may be reached from a load and a rollout at once; concurrent rollouts count
         self._lock = threading.Lock()
         self._copy: PolicyCopy | None = None
-        self._pending: list[tuple[tuple, list[int], asyncio.Future]] = []
-        self._flush: asyncio.Task | None = None
+        self.batcher: RequestBatcher[tuple[SamplingParams, int], _Result] = RequestBatcher(self._generate)
         self.generate_calls = 0
 
     @property
@@ -215,11 +213,7 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
             sampling_params_from_vllm(sampling_params, len(ids), max_length, eos_ids, pad, 1),
             max_length,
         )
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._pending.append((key, ids, fut))
-        if self._flush is None:
-            self._flush = asyncio.get_running_loop().create_task(self._run_pending())
-        completion, logps, truncated, stats = await fut
+        completion, logps, truncated, stats = await self.batcher.submit(key, ids)
         # the rollout's Rollout.stats (lean_forward_calls, ...): OpenRLHF copies extra_logs into
         # Experience.info, which it logs; the mark counts the rollout (parts/sampler/rollouts)
         logs = {**framework_keys("sampler", stats), SAMPLER_MARK: 1.0}
@@ -250,42 +244,15 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
             )
         return out
 
-    async def _run_pending(self) -> None:
-        await asyncio.sleep(0)  # let every call of this gather enqueue first
-        pending, self._pending, self._flush = self._pending, [], None
-        by_key: dict[tuple, list[tuple[list[int], asyncio.Future]]] = {}
-        for key, ids, fut in pending:
-            by_key.setdefault(key, []).append((ids, fut))
-        for (params, _), reqs in by_key.items():
-            try:
-                results = await asyncio.to_thread(self._generate, params, [ids for ids, _ in reqs])
-            except Exception as e:  # hand the error to every waiting caller
-                for _, fut in reqs:
-                    fut.set_exception(e)
-                continue
-            for (_, fut), res in zip(reqs, results):
-                fut.set_result(res)
-
-    def _generate(self, params: SamplingParams, prompts: list[list[int]]) -> list[_Result]:
-        """One ``Sampler.generate`` for all queued prompts: identical prompts become one group
-        (when every prompt has the same multiplicity ``G``)."""
-        unique, g, rows = identical_prompt_groups(prompts)
-        batch = PromptBatch.from_lists(unique, params.pad_token_id)
+    def _generate(self, key: tuple[SamplingParams, int], prompts: list[list[int]]) -> list[_Result]:
+        """One ``Sampler.generate`` for the queued prompts of one key
+        (:func:`grpo_parts.doors.serving.sample_requests`), between weight loads."""
         copy = self.policy_copy
         with self.gate.rollout():  # no weight load while this rollout samples
             with self._lock:
                 copy.check_fresh()  # refuses (one line) unless fresh or allow_frozen (then counted)
                 stats = copy.counters()
             self.generate_calls += 1
-            rollout: Rollout = self.sampler.generate(
-                batch, params.model_copy(update={"group_size": g}), self.generator
-            )
+            answers, rollout = sample_requests(self.sampler, prompts, key[0], self.generator)
         stats.update(rollout.stats)
-        out: list[_Result] = [([], [], False, {})] * len(prompts)
-        eos = set(params.eos_token_ids)
-        for r, i in enumerate(rows):
-            n = int(rollout.completion_mask[r].sum())
-            toks = rollout.completion_ids[r, :n].tolist()
-            truncated = not (toks and toks[-1] in eos) and n >= params.max_new_tokens
-            out[i] = (toks, rollout.logprobs[r, :n].double().tolist(), truncated, dict(stats))
-        return out
+        return [(*answer, dict(stats)) for answer in answers]

@@ -102,12 +102,12 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         samples_generator: Any = None,
         generate_kwargs: dict[str, Any] | None = None,
         refill_rounds: int = 0,
-        rounding: str = "up",
+        kept_rounding: str = "up",
         counters: PartCounters | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
-        self.rounding = rounding
+        self.kept_rounding = kept_rounding
         if refill_rounds > 0 and not hasattr(samples_generator, "generate_prompts"):
             raise GRPOPartsError(
                 "refill_rounds > 0 needs the trainer's samples generator to be a GRPOPartsSamplesGenerator"
@@ -246,7 +246,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         self.rounded_rows = 0
         if total == sum(s.size for s in scored):
             return kept
-        mode: Literal["up", "down"] = "up" if self.rounding == "up" or weighted else "down"
+        mode: Literal["up", "down"] = "up" if self.kept_rounding == "up" or weighted else "down"
         rounded = round_kept_rows(scored, kept, self.batch_multiple, mode, field="train.batch_size")
         self.rounded_rows = sum(int(k.numel()) for k in rounded) - total
         if weighted and self.rounded_rows < 0:

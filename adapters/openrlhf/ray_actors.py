@@ -149,7 +149,7 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
             samples_generator=self.samples_generator,
             generate_kwargs=self.generate_kwargs,
             refill_rounds=parts.refill_rounds,
-            rounding=parts.kept_rounding,
+            kept_rounding=parts.kept_rounding,
             counters=self.parts_counters,
         )
         self.model_groups_count = parts.attention is not None

@@ -51,9 +51,11 @@ class TRLPartsOptions(KnownFields):
 
 
 #: the part keywords of ``GRPOPartsTrainer`` / :func:`~.build.make_trainer`: the parts of the one
-#: :class:`PartsConfig` (``sampler=``, ``filter=``, ...) and their ``*_kwargs``
-PART_NAMES = ("sampler", "draft", "attention", "filter", "prompt_skip")
-PART_KEYWORDS = PART_NAMES + tuple(f"{name}_kwargs" for name in PART_NAMES)
+#: :class:`PartsConfig` (``sampler=``, ``filter=``, ... : its fields that have ``*_kwargs``) and those
+PART_KEYWORDS = tuple(
+    key for name in PartsConfig.model_fields if f"{name}_kwargs" in PartsConfig.model_fields
+    for key in (name, f"{name}_kwargs")
+)  # fmt: skip
 
 
 def trl_parts(

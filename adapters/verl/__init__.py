@@ -8,8 +8,8 @@ point, ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib``
 * advantage estimator ``grpo_parts_grpo`` (``algorithm.adv_estimator=grpo_parts_grpo``) -- :mod:`.advantage`;
 * CPPO / DAPO / PODS filters with refill before the old-policy, reference and actor passes, through
   verl's custom-sampler seam (``trainer.v1.sampler.custom_sampler`` -> :class:`.sampler.FilteringReplayBuffer`,
-  with the ``grpo_parts_grpo`` estimator) -- :mod:`.sampler`, :mod:`.filtering` (also the
-  ``DataProto`` function for the legacy loop); the older trainer mode ``grpo_parts_sync`` -- :mod:`.trainer`;
+  with the ``grpo_parts_grpo`` estimator) -- :mod:`.sampler`, :mod:`.kv_filter`, :mod:`.filtering`; the
+  trainer mode ``grpo_parts_sync`` puts the same buffer around verl's own -- :mod:`.trainer`;
 * prompt skipping before rollout (``+grpo_parts.filter.prompt_skip=history``), in the trainer mode
   ``grpo_parts_sync`` only: it draws each step's prompts -- :mod:`.skipping`;
 * shared-prefix log-probs for the actor's and reference's FSDP engines, grouped by ``uid``, switched

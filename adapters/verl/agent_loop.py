@@ -36,10 +36,10 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.workers.rollout.replica import TokenOutput
 
 from grpo_parts import build as parts_build
-from grpo_parts.doors.grouping import identical_prompt_groups
 from grpo_parts.doors.policy_copy import PolicyCopy
+from grpo_parts.doors.serving import RequestBatcher, sample_requests
 from grpo_parts.errors import GRPOPartsError
-from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
+from grpo_parts.sampler.protocol import Sampler, SamplingParams
 
 NAME = "grpo_parts_agent"
 
@@ -66,9 +66,9 @@ class SamplerServer:
 
     verl calls agent loops once per completion, concurrently; requests that are waiting when the
     sampler becomes free (and share sampling parameters; gathered for ``gather_s`` without a new
-    one) are generated as *one* batch of up to ``max_batch`` rows, identical prompts as one group,
-    so the sampler sees the real concurrency (which FastGRPO's draft sizing is about) and the
-    groups. Generation runs in a thread so the event loop keeps accepting requests meanwhile.
+    one) are generated as *one* batch of up to ``max_batch`` rows, identical prompts as one group
+    (:class:`grpo_parts.doors.serving.RequestBatcher`), so the sampler sees the real concurrency
+    (which FastGRPO's draft sizing is about) and the groups.
     """
 
     def __init__(
@@ -81,17 +81,16 @@ class SamplerServer:
         gather_s: float = 0.005,
     ):
         self.sampler = sampler
-        self.gather_s = gather_s
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_new_tokens = max_new_tokens
-        self.max_batch = max_batch
         self.stats: dict[str, float] = {}
         #: every rollout's ``Rollout.stats`` summed (``lean_forward_calls``, ...) and ``rollouts``
         self.totals: Counter[str] = Counter()
         self.batch_sizes: list[int] = []
-        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
-        self._draining = False
+        self.batcher: RequestBatcher[SamplingParams, TokenOutput] = RequestBatcher(
+            self.generate_batch, gather_s, max_batch
+        )
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         self.sampler.sync_weights(policy)
@@ -102,75 +101,31 @@ class SamplerServer:
         )
 
     def generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+        self, params: SamplingParams, prompts: list[list[int]], seed: int | None = None
     ) -> list[TokenOutput]:
-        """One sampler call for several prompts (one completion each). Requests with identical
-        prompts (verl repeats each prompt ``rollout.n`` times) become one group of the sampler's
-        batch (``group_size`` = their count, when every prompt has the same count), so group-aware
-        paths (the speculative sampler's shared-prompt decode attention, sibling drafts) run."""
-        if any(len(p) == 0 for p in prompts):
-            raise GRPOPartsError("prompt_ids: expected at least one token per request, got an empty list")
-        unique, g, rows = identical_prompt_groups(prompts)
-        batch = PromptBatch.from_lists(unique, self.pad_token_id)
+        """One sampler call for several prompts, one completion each
+        (:func:`grpo_parts.doors.serving.sample_requests`)."""
         gen = None if seed is None else torch.Generator().manual_seed(seed)
-        rollout = self.sampler.generate(batch, params.model_copy(update={"group_size": g}), gen)
+        answers, rollout = sample_requests(self.sampler, prompts, params, gen)
         self.stats = dict(rollout.stats)
         self.totals.update(rollout.stats)
         self.totals["rollouts"] += 1
         self.batch_sizes.append(len(prompts))
-        outs: list[TokenOutput | None] = [None] * len(prompts)
-        for r, i in enumerate(rows):
-            n = int(rollout.completion_mask[r].sum())
-            outs[i] = TokenOutput(
-                token_ids=rollout.completion_ids[r, :n].tolist(),
-                log_probs=rollout.logprobs[r, :n].double().tolist(),
+        stats = dict(rollout.stats)
+        return [
+            TokenOutput(
+                token_ids=i,
+                log_probs=lp,
                 stop_reason="completed",
-                extra_fields={"grpo_parts_stats": dict(rollout.stats)},
+                extra_fields={"grpo_parts_stats": dict(stats)},
             )
-        return [o for o in outs if o is not None]
+            for i, lp, _ in answers
+        ]
 
     async def generate(
         self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
     ) -> TokenOutput:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        self._pending.append((list(prompt_ids), self.params(sampling_params), fut))
-        if not self._draining:
-            self._draining = True
-            loop.create_task(self._drain())
-        return await fut
-
-    async def _gather(self) -> None:
-        """Let the requests of one verl batch join: each agent loop tokenizes its prompt in an
-        executor first, so they arrive over a few milliseconds; wait until ``gather_s`` passes with
-        no new request (or ``max_batch`` are waiting). Far below a rollout's time, and it keeps a
-        prompt's ``rollout.n`` requests in one sampler call, as one group."""
-        await asyncio.sleep(0)  # requests scheduled in the same tick
-        n = -1
-        while len(self._pending) != n and len(self._pending) < self.max_batch:
-            n = len(self._pending)
-            await asyncio.sleep(self.gather_s)
-
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while self._pending:
-                await self._gather()
-                params = self._pending[0][1]
-                take = [r for r in self._pending if r[1] == params][: self.max_batch]
-                self._pending = [r for r in self._pending if all(r is not t for t in take)]
-                try:
-                    outs = await loop.run_in_executor(None, self.generate_batch, [r[0] for r in take], params)
-                except Exception as e:  # hand the error to every waiting request
-                    for r in take:
-                        if not r[2].done():
-                            r[2].set_exception(e)
-                    continue
-                for r, o in zip(take, outs):
-                    if not r[2].done():  # a cancelled request just drops its result
-                        r[2].set_result(o)
-        finally:
-            self._draining = False
+        return await self.batcher.submit(self.params(sampling_params), prompt_ids)
 
 
 def _load(spec: str) -> Any:

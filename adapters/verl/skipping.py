@@ -8,7 +8,7 @@ overrides ``_next_train_batch``: the dataloader's prompts go one by one into the
 ``train_batch_size`` prompts by drawing more; the drawn ones count as consumed), and only the kept
 prompts are submitted. A skipped prompt generates nothing and weighs 0; each kept prompt's rows
 weigh ``1 / p`` times ``rolled-out / drawn`` (its ``uid`` names it), which the filter step multiplies
-into the advantage it stores per row (:func:`grpo_parts_adapters.verl.trainer.filter_kv_batch`);
+into the advantage it stores per row (:func:`grpo_parts_adapters.verl.kv_filter.filter_kv_batch`);
 with verl's per-mini-batch sequence mean (``seq-mean-token-mean``) that is the drawn batch's loss in
 expectation. Every rolled-out group's rewards go back to the skipper (:meth:`VerlSkipStage.observe_rows`).
 

@@ -131,8 +131,9 @@ def overrides(
             "actor_rollout_ref.rollout.agent.default_agent_loop=grpo_parts_agent",
         ]
     if args.speculative == "ngram":
-        from grpo_parts.sampler.vllm import VLLMSpeculative
         from grpo_parts_adapters.verl.speculative import hydra_overrides
+
+        from grpo_parts.sampler.vllm import VLLMSpeculative
 
         o += hydra_overrides(VLLMSpeculative(method="ngram", num_speculative_tokens=3))
     if args.attention:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from grpo_parts.bench.draft_training import padded_rows
 from grpo_parts.compat import portable_tokenizer_config
 from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
@@ -112,20 +113,6 @@ def make_model(args: argparse.Namespace, vocab_size: int, max_pos: int) -> torch
     )  # fmt: skip
 
 
-def sft_batch(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
-    """``(prompt, completion)`` token rows -> input ids, labels, attention mask: right padding, loss on
-    the completion only."""
-    width = max(len(a) + len(b) for a, b in rows)
-    ids = torch.full((len(rows), width), PAD_ID)
-    labels = torch.full((len(rows), width), -100)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (a, b) in enumerate(rows):
-        ids[i, : len(a) + len(b)] = torch.tensor(a + b)
-        labels[i, len(a) : len(a) + len(b)] = torch.tensor(b)
-        mask[i, : len(a) + len(b)] = 1
-    return ids, labels, mask
-
-
 def length_buckets(
     rows: list[tuple[list[int], list[int]]], split: bool
 ) -> list[list[tuple[list[int], list[int]]]]:
@@ -176,7 +163,7 @@ class SFTRun:
         total = sum(len(b) for _, b in rows)
         loss = torch.zeros(())
         for bucket in (b for b in buckets if b):
-            ids, labels, mask = sft_batch(bucket)
+            ids, labels, mask = padded_rows(bucket, PAD_ID)  # right padding, loss on the completion only
             out = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss = loss + out * (sum(len(b) for _, b in bucket) / total if len(buckets) > 1 else 1.0)
         self.opt.zero_grad()

@@ -1,25 +1,16 @@
-"""The one builder of every part: a name (or ``"auto"``) plus kwargs -> an instance, for every door.
+"""The one builder of every part: a name (or ``"auto"``) plus kwargs -> an instance, for every door
+(``grpo_parts train`` and the TRL, verl and OpenRLHF adapters), with one set of rules:
 
-``grpo_parts train`` (:func:`grpo_parts.train.step.parts.build_parts`), the TRL, verl and OpenRLHF
-adapters all construct parts here, with one set of rules:
+* by name through the part's ``IMPLEMENTATIONS`` table; an instance passes through unchanged (kwargs
+  with it are an error);
+* the policy goes to the class one way: positionally, when its first parameter is a required
+  ``model`` / ``policy`` the kwargs do not name themselves (:func:`policy_arg`);
+* kwargs are checked first (unknown names, wrong plain types), then passed to the constructor or
+  used to build its pydantic ``config``; every error about them is one line naming the field;
+* ``"auto"`` (attention) is resolved here only (:func:`choose_attention`), logged once.
 
-* **By name** through the part's ``IMPLEMENTATIONS`` table (``get_<part>_class``); **an instance**
-  passes through unchanged, and kwargs given with an instance are a one-line error.
-* **The policy** goes to the class ONE way, read from its signature: when the first parameter is
-  a required ``model`` or ``policy``, the policy is passed to it positionally -- unless the kwargs
-  name that parameter themselves (e.g. a frozen draft's own small LM). Nothing else gets it.
-* **kwargs** are checked first (unknown names, wrong plain types: one line naming the field, the
-  value and the rule), then either passed to the constructor or, for a class that takes a pydantic
-  ``config`` and none of the given names, used to build that config. A part's own ``ValueError`` /
-  pydantic error about them is re-raised as one line. Empty kwargs mean :data:`DEFAULT_KWARGS`.
-* **``"auto"``** (attention) is resolved here only, in :func:`choose_attention`:
-  :func:`grpo_parts.registry.choose` over ``AUTO_PRIORITY``, explained by ``Choice.explain()``,
-  logged once (at INFO, on the caller's logger when it gives one).
-
-Train-specific rules stay in :mod:`grpo_parts.train.step.parts` (``build_parts``: a *default* name
-missing from this installation falls back to the reference with a note; the speculative sampler's
-``train_draft`` is off because the loop trains the draft itself). This module imports the part
-packages and the registry, never ``grpo_parts.train`` or the adapters.
+Train-only rules stay in :mod:`grpo_parts.train.step.parts`. This module never imports
+``grpo_parts.train`` or the adapters.
 """
 
 from __future__ import annotations
@@ -39,7 +30,7 @@ from .attention import AttentionBackend, get_attention_class
 from .draft import DraftModel, get_draft_class
 from .errors import GRPOPartsError, NotSupportedError
 from .filter import CompletionFilter, get_filter_class
-from .registry import Choice, PartClass, choose, load_class
+from .registry import Choice, choose
 from .sampler import Sampler, get_sampler_class
 from .skip import PromptSkipper, get_skipper_class
 
@@ -50,7 +41,7 @@ PART_KINDS: tuple[str, ...] = ("sampler", "draft", "attention", "filter")
 
 #: constructor arguments used when none are given for that part
 DEFAULT_KWARGS: dict[str, dict[str, dict[str, Any]]] = {
-    "filter": {"cppo": {"pruning_rate": 0.75}, "pods": {"pruning_rate": 0.5}},
+    "filter": {"cppo": {"pruning_rate": 0.75}, "pods": {"pruning_rate": 0.5}}
 }
 
 #: names of the parameter that takes the policy (the first one, when required)
@@ -72,11 +63,6 @@ def implementations(part: str) -> dict[str, str]:
     if part not in PART_KINDS:
         raise GRPOPartsError(f"part: expected one of {list(PART_KINDS)}, got {part!r}")
     return dict(importlib.import_module(f"grpo_parts.{part}").IMPLEMENTATIONS)
-
-
-def part_class(part: str, name: str) -> PartClass[Any]:
-    """The class registered as ``name`` for ``part``."""
-    return load_class(implementations(part), name, part)
 
 
 def policy_arg(cls: Any) -> str | None:
@@ -303,10 +289,7 @@ def build_attention(
 
 
 def build_filter(
-    spec: str | CompletionFilter,
-    *,
-    kwargs: Mapping[str, Any] | None = None,
-    where: str = "filter_kwargs",
+    spec: str | CompletionFilter, *, kwargs: Mapping[str, Any] | None = None, where: str = "filter_kwargs"
 ) -> CompletionFilter:
     """The completion filter ``spec`` names (an instance as is)."""
     if not isinstance(spec, str):
@@ -316,10 +299,7 @@ def build_filter(
 
 
 def build_prompt_skipper(
-    spec: str | PromptSkipper,
-    *,
-    kwargs: Mapping[str, Any] | None = None,
-    where: str = "prompt_skip_kwargs",
+    spec: str | PromptSkipper, *, kwargs: Mapping[str, Any] | None = None, where: str = "prompt_skip_kwargs"
 ) -> PromptSkipper:
     """The prompt skipper ``spec`` names in ``grpo_parts.skip.IMPLEMENTATIONS`` (an instance as is):
     ``none`` (roll out every prompt) or ``history`` (skip zero-variance streaks, weights ``1 / p``)."""

@@ -1,10 +1,9 @@
 """transformers compatibility: the one place that touches transformers APIs whose behaviour changed
 between the releases ``pyproject.toml`` declares (``transformers>=4.56.2,<6``).
 
-Each function says which releases do what. The core test suite passes under 4.56.2 (the floor:
-``scripts/ci/test-transformers-range.sh``), 5.10.4, 5.15.0 and 5.24.0; the release boundaries named
-below were read in the source of 5.5.3, 5.11-5.16.1 and 5.20-5.23. When a release lacks something,
-these raise a :class:`~grpo_parts.errors.GRPOPartsError` naming it; nothing here falls back silently.
+Each function says which releases do what (the floor is tested by
+``scripts/ci/test-transformers-range.sh``). When a release lacks something, these raise a
+:class:`~grpo_parts.errors.GRPOPartsError` naming it; nothing here falls back silently.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ def transformers_version() -> tuple[int, int]:
 
 
 def new_dynamic_cache() -> Any:
-    """An empty ``DynamicCache``. ``DynamicCache()`` (no config: layers are added as the model fills
-    them) is accepted by every release in range; ``config=`` and ``ddp_cache_data=`` are optional."""
+    """An empty ``DynamicCache`` (no config: layers are added as the model fills them; every release)."""
     from transformers import DynamicCache
 
     return DynamicCache()
@@ -46,12 +44,8 @@ def new_dynamic_cache() -> Any:
 def crop_cache(cache: Any, length: int) -> None:
     """Keep the first ``length`` positions of every layer (``0 <= length <= cache length``).
 
-    ``Cache.crop(n)`` changed meaning in 5.15.0. Up to 5.14, ``n >= 0`` is the length to *keep*
-    (so ``crop(0)`` empties the cache) and ``n < 0`` removes ``-n`` positions. From 5.15.0 on, a
-    positive ``n`` raises ``ValueError`` and ``crop(0)`` is a no-op (sliding-window layers: trims
-    to the window). A negative ``n`` removes ``-n`` positions in every release, so this passes
-    ``length - current`` and does not call ``crop`` at all when nothing is removed.
-    """
+    ``Cache.crop(n >= 0)`` keeps ``n`` up to 5.14 and raises (``n > 0``) or does nothing (``n = 0``)
+    from 5.15.0; a negative ``n`` removes ``-n`` positions in every release, so only that is used."""
     current = int(cache.get_seq_length())
     if not 0 <= length <= current:
         raise GRPOPartsError(
@@ -62,14 +56,12 @@ def crop_cache(cache: Any, length: int) -> None:
 
 
 def select_cache_rows(cache: Any, indices: torch.Tensor) -> None:
-    """Keep batch rows ``indices`` (in that order), in place: ``Cache.batch_select_indices``, the
-    same in every release in range (a layer with no entries yet is left alone)."""
+    """Keep batch rows ``indices`` (in that order), in place (every release)."""
     cache.batch_select_indices(indices)
 
 
 def repeat_cache_rows(cache: Any, repeats: int) -> None:
-    """Repeat each batch row ``repeats`` times (``repeat_interleave``), in place:
-    ``Cache.batch_repeat_interleave``, the same in every release in range."""
+    """Repeat each batch row ``repeats`` times (``repeat_interleave``), in place (every release)."""
     cache.batch_repeat_interleave(repeats)
 
 
@@ -124,9 +116,8 @@ def output_cache(out: Any) -> Any:
 
 
 def per_layer_configs(config: Any) -> list[Any] | None:
-    """The per-layer configs of a heterogeneous config (``config.per_layer_config``, transformers
-    5.15+: one config per decoder layer, with that layer's ``head_dim``, ``num_key_value_heads``,
-    ``intermediate_size``...; Gemma 4 from 5.16), or None for a homogeneous config or an older release."""
+    """The per-layer configs of a heterogeneous config (``config.per_layer_config``, 5.15+; Gemma 4
+    from 5.16), or None for a homogeneous config or an older release."""
     try:
         view = getattr(config, "per_layer_config", None)
         return None if view is None else list(view)
@@ -179,12 +170,9 @@ def kv_shared_through_cache(model: torch.nn.Module) -> list[str]:
 
 
 def register_attention_function(name: str, fn: Callable[..., Any], mask: str = "sdpa") -> None:
-    """Register ``fn`` with ``AttentionInterface`` and transformers' own ``mask`` (``"sdpa"``:
-    boolean, ``"eager"``: additive) mask builder with ``AttentionMaskInterface``, both under
-    ``name``. The attention signature ``(module, query, key, value, attention_mask, dropout=,
-    scaling=, **kwargs)`` is the same in every release in range; the mask builders' are not (4.x
-    takes ``cache_position``, 5.x ``q_length`` / ``q_offset``), so the installed release's builder is
-    registered, never a wrapper of ours."""
+    """Register ``fn`` with ``AttentionInterface`` and transformers' own ``mask`` builder (``"sdpa"``:
+    boolean, ``"eager"``: additive) with ``AttentionMaskInterface``, both under ``name``. The mask
+    builders' signatures differ between 4.x and 5.x, so the installed release's own is registered."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
@@ -236,8 +224,7 @@ def _own_mask(*args: Any, **kwargs: Any) -> Any:
 
 
 def sdpa_attention_forward() -> Callable[..., Any]:
-    """transformers' SDPA ``AttentionInterface`` function (``integrations.sdpa_attention``, in every
-    release in range; from 5.21 it raises ``ValueError`` when given ``softcap``)."""
+    """transformers' SDPA ``AttentionInterface`` function (from 5.21 it refuses ``softcap``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
 
     return fn
@@ -321,19 +308,16 @@ def attn_implementation(model_class: type, requested: str | None = None) -> str:
 
 
 def use_eager_experts(config: Any) -> None:
-    """Run MoE experts as a loop over experts (``"eager"``) on ``config`` and its sub-configs. From 5.0
-    transformers picks ``experts_implementation="grouped_mm"`` where it can dispatch, and
-    ``torch._grouped_mm`` has no float64 kernel; 4.x MoE blocks are loops already and have no
-    ``_experts_implementation`` (nothing to do there). Harmless on a model without experts."""
+    """Run MoE experts as a loop (``"eager"``) on ``config`` and its sub-configs: from 5.0 transformers
+    picks ``grouped_mm``, which has no float64 kernel (4.x blocks are loops already)."""
     for c in [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {})]:
         if c is not None and hasattr(c, "_experts_implementation"):
             c._experts_implementation = "eager"
 
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether ``model.forward`` declares ``logits_to_keep`` (an int or a 1-D index tensor): every
-    transformers causal LM in range does (older releases called it ``num_logits_to_keep``); remote-code
-    models and wrappers may not."""
+    """Whether ``model.forward`` declares ``logits_to_keep`` (every transformers causal LM in range;
+    remote-code models and wrappers may not)."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 

@@ -67,10 +67,7 @@ class Choice:
 
 
 def choose(
-    table: Mapping[str, str],
-    priority: Sequence[str],
-    part: str,
-    reasons_for: Callable[[Any], list[str]],
+    table: Mapping[str, str], priority: Sequence[str], part: str, reasons_for: Callable[[Any], list[str]]
 ) -> Choice:
     """Walk ``priority``; return the first implementation whose ``reasons_for(cls)`` is empty."""
     refused: dict[str, list[str]] = {}

@@ -176,10 +176,8 @@ class FilterResult:
     the loop should roll out (and filter) to fill the batch to its target size (0 = none);
     ``info``: diagnostics such as ``kept_fraction``.
 
-    ``weights: [K]`` (float, > 0), or None (every kept row weighs 1): importance weights of a
-    random filter (``dppo``: ``1 / P(row kept)``). When set, the loss must multiply each kept row by
-    its weight (``grpo_loss(..., seq_weights=)``) and normalise by the *whole* batch's denominators,
-    fixed before filtering (:func:`grpo_parts.filter.apply.apply_filter` returns them).
+    ``weights: [K]`` (float, > 0), or None (all 1): a random filter's importance weights (``dppo``:
+    ``1 / P(row kept)``), which need the *whole* batch's denominators (:mod:`grpo_parts.filter.apply`).
     """
 
     kept: torch.Tensor

@@ -1,27 +1,11 @@
-"""A policy under a training wrapper: the model every part *inspects* vs the module every call of it
-*goes through*.
+"""A policy under a training wrapper (DDP, FSDP1, DeepSpeed, ``DataParallel``, ``torch.compile``): the
+model every part *inspects* vs the module every call of it *goes through*.
 
-Frameworks hand the parts a wrapped policy: DDP (``DistributedDataParallel``), FSDP1
-(``FullyShardedDataParallel``), DeepSpeed's engine (ZeRO-0..3), ``DataParallel``, ``torch.compile``'s
-``OptimizedModule``; accelerate's ``prepare`` returns one of these (or, on one process, the model
-itself with an autocast-wrapped ``forward``, which needs nothing here). FSDP2 (``fully_shard``)
-changes the model's class in place and is no wrapper: the model is its own inner model.
-
-The parts read the *inner* transformers model (its config, decoder layers, attention registration,
-``forward``'s signature): :func:`inner_model`. But the wrapper's ``forward`` is not a pass-through,
-so a forward that feeds a backward must run *through* it: DDP's prepares the reducer (the gradient
-all-reduce, skipped under ``no_sync``) and broadcasts buffers; FSDP1's unshards the parameters (and
-reshards them, and reduce-scatters the gradients in backward); ``DeepSpeedEngine.forward``
-registers the hooks that start DeepSpeed's backward and, under ZeRO-3, advances the optimizer's
-``micro_step_id`` (stuck at 0, each accumulated micro-batch's gradient partition *replaced* the
-previous one). :class:`CallsThrough` is the inner model whose calls run through the wrapper; the
-attention backends run every forward through it (:func:`calls_through`).
-
-Generation (no grad) needs no gradient machinery, only the weights: :func:`generation_model`.
-
-Every forward of a model whose weights are *sharded* across processes (FSDP1 with a sharding
-strategy, FSDP2, ZeRO-3) all-gathers them: the ranks must run equally many forwards, or one waits
-forever (:func:`sharding`, :func:`grpo_parts.distributed.agree_max`).
+The parts read the inner transformers model (:func:`inner_model`), but a forward that feeds a
+backward must run through the wrapper, whose ``forward`` is no pass-through (DDP's reducer, FSDP1's
+unshard, DeepSpeed's backward hooks and ZeRO-3 ``micro_step_id``): :class:`CallsThrough`. Generation
+needs only the weights (:func:`generation_model`); sharded weights need the ranks to run equally many
+forwards (:func:`sharding`). Per wrapper: docs/attention.md, "Wrapped policies".
 """
 
 from __future__ import annotations
@@ -179,20 +163,10 @@ def sharding(module: Any) -> str | None:
 
 
 def generation_model(module: Any) -> tuple[Any, bool]:
-    """``(what a sampler calls, whether the ranks must run their forwards together)``.
-
-    * weights whole on every rank (DDP, DataParallel, ZeRO-0/1/2, torch.compile, one process): the
-      inner model. Generation runs no backward, so DDP's reducer has nothing to do, and skipping
-      DDP's forward also skips its buffer broadcast -- a collective per forward that ranks decoding
-      different numbers of steps could not match. No collectives: each rank decodes on its own.
-    * FSDP1: through the wrapper, whose forward unshards the parameters (the inner modules hold
-      only flat-parameter views); sharded, the ranks step together.
-    * FSDP2 / ZeRO-3: the inner model, whose per-module hooks all-gather each module's weights; the
-      ranks step together.
-
-    "Together": a rank whose rows have all finished keeps running one-token forwards, one
-    all-reduce per step deciding when every rank is done (what ``generate(synced_gpus=True)`` does).
-    """
+    """``(what a sampler calls, whether the ranks must run their forwards together)``: the inner
+    model (skipping DDP's forward also skips its per-forward buffer broadcast, which ranks decoding
+    different numbers of steps could not match), except through FSDP1, whose forward unshards the
+    parameters; sharded weights make the ranks step together (docs/attention.md, "Wrapped policies")."""
     kinds = [wrapper_kind(m) for m in wrapper_chain(module)[:-1]]
     sharded = sharding(module) is not None and ranks_of() > 1
     if "FSDP1" in kinds:

@@ -1,21 +1,11 @@
 """GRPO maths shared by every part and adapter: advantages, the policy losses, KL estimators,
 rollout correction and loss aggregation -- one place for each formula.
 
-Conventions (shapes in names):
-
-* ``rewards: [N]`` one scalar reward per completion; ``group_index: [N]`` the prompt (group) each
-  completion belongs to. Groups need not be contiguous or equal-sized.
-* ``logps, old_logps, ref_logps, rollout_logps, entropy: [N, T]`` per completion token,
-  ``mask: [N, T]`` 1 for tokens that count in the loss.
-
-Everything here is differentiable where it should be (the loss w.r.t. ``logps`` and ``entropy``)
-and never produces NaN for well-formed input: a zero-variance group gets advantage exactly 0.
-Each option reproduces one framework setting (verl 0.9.1 ``core_algos`` / ``rollout_corr_helper``,
-TRL 1.16 ``GRPOTrainer._compute_loss``, OpenRLHF 0.11.2 ``PolicyLoss`` and experience maker);
-docs/core_maths.md maps them, tests/core/test_core_agreement*.py and tests/core/test_core_variants.py and
-tests/adapters/openrlhf/test_core_agreement_openrlhf.py check them against the frameworks' code.
-Submodules: :mod:`.config`, :mod:`.advantages`, :mod:`.policy`, :mod:`.losses`, :mod:`.kl`,
-:mod:`.correction`, :mod:`.logprobs`.
+Shapes: ``rewards, group_index: [N]`` (one per completion; groups need not be contiguous or
+equal-sized); ``logps, old_logps, ref_logps, rollout_logps, entropy, mask: [N, T]`` per completion
+token. The loss is differentiable w.r.t. ``logps`` and ``entropy`` and never NaN for well-formed
+input (a zero-variance group gets advantage exactly 0). Each option reproduces one framework setting
+(verl 0.9.1, TRL 1.16, OpenRLHF 0.11.2): docs/core_maths.md maps them, tests/core/ checks them.
 """
 
 from __future__ import annotations

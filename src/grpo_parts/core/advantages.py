@@ -33,12 +33,8 @@ def _check_groups(rewards: torch.Tensor, group_index: torch.Tensor, num_groups: 
 def group_stats(
     rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int | None = None, unbiased: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-group ``(count, mean, std, zero_variance)``, each ``[num_groups]``.
-
-    ``zero_variance`` is True where every reward in the group is equal (including singleton and
-    empty groups); it is decided by exact comparison, not by a std threshold, so rounding in the
-    mean can never turn an all-equal group into tiny nonzero advantages.
-    """
+    """Per-group ``(count, mean, std, zero_variance)``, each ``[num_groups]``; ``zero_variance``: every
+    reward equal (singleton and empty groups too), by exact comparison (module docstring)."""
     n_groups = _check_groups(rewards, group_index, num_groups)
     idx = group_index.long()
     count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(

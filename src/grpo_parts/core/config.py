@@ -20,24 +20,8 @@ PolicyLoss = Literal["clip", "gspo", "gspo_token", "cispo", "sapo"]
 
 
 class AdvantageConfig(BaseModel):
-    """How rewards become advantages (see docs/core_maths.md for every formula).
-
-    ``estimator``: ``"grpo"`` (group-normalised; ``norm`` picks the scale), ``"rloo"`` (leave-one-out
-    mean baseline, scaled by ``n / (n - 1)``), ``"reinforce_plus_plus_baseline"`` (group mean baseline,
-    then the whole batch whitened over its tokens; ``whiten`` picks verl's or OpenRLHF's formula).
-    ``norm`` (grpo only): ``"group"`` divides by each group's std, ``"batch"`` by the std of the
-    whole batch's rewards, ``"none"`` only subtracts the group mean (Dr. GRPO).
-    ``unbiased_std``: (N-1) std as in verl and open-r1; ``False`` gives the biased std.
-    ``singleton``: a group of one gets ``"zero"`` advantage (no relative signal), or ``"reward"``:
-    baseline 0 and scale 1, as verl does.
-    ``reward_clip``: ``(low, high)`` clamp on each completion's shaped reward (after the group
-    baseline, before per-token KL and whitening), as OpenRLHF's ``reward.clip_range``.
-    ``kl_coef > 0`` puts a KL penalty to the reference policy into the reward (computed from the
-    rollout-time policy's log-probs): ``kl_placement="sequence"`` subtracts ``kl_coef * sum_t KL_t``
-    from each reward before the estimator (verl ``use_kl_in_reward``); ``"token"`` adds
-    ``-kl_coef * KL_t`` as per-token rewards after the baseline, advantages are returns-to-go
-    ``[N, T]`` (OpenRLHF ``init_kl_coef`` with ``kl.use_loss=False``).
-    """
+    """How rewards become advantages: every field, its formula and the framework option it reproduces
+    are in docs/core_maths.md ("Advantages")."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -63,18 +47,8 @@ class AdvantageConfig(BaseModel):
 
 
 class CorrectionConfig(BaseModel):
-    """Rollout correction: importance weights ``pi_train / pi_sampler`` for the mismatch between the
-    trainer's old-policy log-probs and the sampler's, multiplying the policy term per token.
-
-    ``level``: ``"off"``, ``"token"`` (one ratio per token) or ``"sequence"`` (one per completion:
-    ``exp`` of the ``seq_log_ratio`` of its token log-ratios, ``"sum"`` = product of token ratios as
-    verl and TRL, ``"mean"`` = geometric mean as OpenRLHF). ``mode``: ``"truncate"`` clamps the ratio
-    to ``[low, high]`` (TIS; a None bound is open), ``"mask"`` zeroes it outside ``[low, high]``
-    (IcePop / masked IS). ``mask_weight``: what a surviving unit carries in mask mode, its own ratio
-    (``"unit"``: verl, TRL) or each token's ratio (``"token"``: OpenRLHF's sequence-level mask).
-    ``log_ratio_clamp``: clamp on the log-ratio before ``exp`` (verl's safety bound 20; None as TRL
-    and OpenRLHF). Weights carry no gradient.
-    """
+    """Rollout correction: importance weights ``pi_train / pi_sampler`` (no gradient) multiplying the
+    policy term per token; fields in docs/core_maths.md ("Rollout correction")."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -96,32 +70,8 @@ class CorrectionConfig(BaseModel):
 
 
 class LossConfig(BaseModel):
-    """The policy objective, its KL and entropy terms, and how ``[N, T]`` is reduced to a scalar.
-
-    ``policy``: ``"clip"`` (PPO-clip on token ratios: GRPO, DAPO), ``"gspo"`` (clip on the
-    sequence ratio ``exp(mean_t log rho_t)``, its gradient through the mean: TRL, OpenRLHF),
-    ``"gspo_token"`` (GSPO-token: the same value, each token's gradient scaled by the detached
-    sequence ratio: verl ``gspo``), ``"cispo"`` (``-sg(clip(rho)) * A * logp``), ``"sapo"``
-    (``-gate(rho) * A``, soft gate with ``sapo_tau_pos`` / ``sapo_tau_neg``).
-    ``eps_low``/``eps_high``: clip range ``[1 - eps_low, 1 + eps_high]`` (CISPO clips its weight to
-    it, as verl; ``eps_low=1`` leaves it open below).
-    ``cispo_max``: CISPO only: cap the weight at this value instead, ``sg(min(rho, cispo_max))``, no lower
-    bound -- TRL's ``cispo`` with ``epsilon_high=e`` (unset: ``epsilon``, 0.2) is ``cispo_max=e``, which
-    may be below 1 (``1 + eps_high`` cannot be); ``eps_low``/``eps_high`` then stay at their defaults.
-    ``dual_clip``: if set (> 1), for negative advantages the per-token loss is capped at
-    ``-A * dual_clip`` (verl ``clip_ratio_c``, OpenRLHF ``dual_clip``); clip and GSPO only.
-    ``log_ratio_clamp``: clamp on ``logp - old_logp`` before ``exp`` (verl 20); for GSPO it clamps the
-    sequence log-ratio from above only (verl uses 10).
-    ``kl_coef``/``kl_estimator``/``kl_clamp``: KL penalty to the reference policy; ``kl_agg="loss"``
-    adds it per token before aggregation (verl, TRL), ``"token-mean"`` aggregates it on its own
-    (OpenRLHF); ``kl_ratio_weight`` multiplies it by the policy ratio (TRL ``use_bias_correction_kl``).
-    ``entropy_coef``: entropy bonus ``- coef * H``, ``H`` aggregated like the loss (``"loss"``:
-    verl) or as a token mean (TRL, OpenRLHF).
-    ``agg``: token-mean (DAPO), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm (Dr.
-    GRPO: token sums divided by ``norm_constant``, default the padded length T). ``seq_count``:
-    whether fully masked rows count as sequences (``"all"``: TRL ``grpo``/``dr_grpo``).
-    ``seq_len_eps``: added to each row's token count in seq-mean-token-mean (verl, OpenRLHF: 1e-8).
-    """
+    """The policy objective, its KL and entropy terms, and how ``[N, T]`` is reduced to a scalar;
+    every field and the framework option it reproduces: docs/core_maths.md ("The loss")."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -79,12 +79,10 @@ def probabilities_for_target(raw: torch.Tensor, target: float | None, floor: flo
 
 
 def systematic_sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``[D]`` bool: systematic sampling of ``p`` (``0 <= p <= 1``) in a random order. The prompts,
-    shuffled, are intervals of length ``p_i`` laid end to end on ``[0, S)``, ``S = sum p``; one uniform
-    ``U`` picks every prompt whose interval holds a point ``U + j`` (``j = 0, 1, ...``, ``U + j < S``).
-    An interval of length ``p_i <= 1`` holds such a point with probability exactly ``p_i``, whatever
-    ``S`` (``p_i = 1``: always, ``p_i = 0``: never); the kept count is ``floor(S)`` or ``ceil(S)``
-    (exactly ``S`` when it is an integer)."""
+    """``[D]`` bool: systematic sampling of ``p`` (``0 <= p <= 1``) in a random order: the items,
+    shuffled, are intervals of length ``p_i`` end to end on ``[0, S)``, and one uniform ``U`` keeps
+    every item whose interval holds a point ``U + j`` -- probability exactly ``p_i``, whatever ``S``;
+    the kept count is ``floor(S)`` or ``ceil(S)``."""
     n = int(p.numel())
     keep = torch.zeros(n, dtype=torch.bool)
     if n == 0:

@@ -19,10 +19,8 @@ def kl_estimate(
     """Per-token estimate of KL(pi || pi_ref): ``[N, T] x [N, T] -> [N, T]``.
 
     k1 = log pi - log pi_ref; k2 = 0.5 (log pi - log pi_ref)^2; k3 = exp(d) - d - 1 with
-    d = log pi_ref - log pi. ``clamp``: ``"k3"`` (verl) clamps k3 only (d to [-20, 20], the value to
-    [-10, 10]); ``"all"`` (OpenRLHF) clamps every estimator's value to [-10, 10] (its k3 also bounds
-    log pi - log pi_ref below at -10 before exp: the same values and gradients as verl's, since
-    k3 is beyond the final clamp there); ``"none"`` (TRL) clamps nothing.
+    d = log pi_ref - log pi. ``clamp``: :data:`~.config.KLClamp` (OpenRLHF's extra k3 bound at -10
+    before exp gives the same values and gradients as verl's: k3 is beyond the final clamp there).
     """
     check_same_shape(["logps", "ref_logps"], [logps, ref_logps])
     if estimator == "k1":

@@ -28,16 +28,11 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce ``loss_mat: [N, T]`` under ``mask: [N, T]`` to a scalar.
 
-    ``num_tokens`` / ``num_seqs`` override the denominators (token-mean / seq-mean) so that a batch
-    split into micro-batches, or pruned by a filter, is normalised by the global count (TRL's
-    ``num_items_in_batch``, verl's ``batch_num_tokens``/``global_batch_size``). Fully masked rows
-    do not count as sequences unless ``count_empty`` (TRL's ``grpo``/``dr_grpo`` average over all
-    rows). ``seq_len_eps`` is added to each row's token count in seq-mean-token-mean (verl and
-    OpenRLHF add 1e-8). An all-masked batch gives 0, not NaN.
-
-    ``seq_weights: [N]`` multiplies each row's contribution (importance weights of a randomly pruned
-    batch, ``FilterResult.weights``); the denominators are left alone, so pass the full batch's
-    ``num_tokens`` / ``num_seqs`` to make the weighted sum an unbiased estimate of the full loss.
+    ``num_tokens`` / ``num_seqs`` override the denominators, so that a batch split into micro-batches
+    or pruned is normalised by the global count (TRL's ``num_items_in_batch``); fully masked rows count
+    as sequences only under ``count_empty``; an all-masked batch gives 0, not NaN. ``seq_weights: [N]``
+    multiplies each row's contribution and leaves the denominators alone (pass the full batch's).
+    Formulas: docs/core_maths.md, "Aggregation".
     """
     check_tensor("loss_mat", loss_mat, ndim=2, dtype="float", allow_empty=True)
     check_tensor("mask", mask, allow_empty=True)

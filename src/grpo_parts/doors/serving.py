@@ -56,7 +56,10 @@ class RequestBatcher(Generic[K, R]):
     few milliseconds; far below a rollout's time). An error goes to every request of its batch."""
 
     def __init__(
-        self, run: Callable[[K, list[list[int]]], list[R]], gather_s: float = 0.0, max_batch: int | None = None
+        self,
+        run: Callable[[K, list[list[int]]], list[R]],
+        gather_s: float = 0.0,
+        max_batch: int | None = None,
     ) -> None:
         self.run, self.gather_s, self.max_batch = run, gather_s, max_batch
         self._pending: list[tuple[K, list[int], asyncio.Future]] = []

@@ -44,12 +44,8 @@ def num_kept(n: int, pruning_rate: float) -> int:
 
 
 def zero_variance_rows(batch: ScoredBatch) -> torch.Tensor:
-    """``[N]`` bool: the row's group has all-equal rewards (or a single row).
-
-    Decided from the rewards by exact comparison (:func:`grpo_parts.core.group_stats`), not from the
-    advantages, so a framework whose advantages for such groups are ``1e-17`` instead of 0 (rounding
-    in the mean) still gets them pruned first.
-    """
+    """``[N]`` bool: the row's group has all-equal rewards (or a single row), by exact comparison of
+    the rewards, not the advantages (a framework's ``1e-17`` advantages for such a group still count)."""
     if batch.size == 0:
         return torch.zeros(0, dtype=torch.bool, device=batch.rewards.device)
     gi = batch.group_index.long()
@@ -85,12 +81,8 @@ def num_groups_present(batch: ScoredBatch) -> int:
 
 
 def extra_prompts(kept: int, target_size: int | None, num_prompts: int, nominal_per_prompt: float) -> int:
-    """How many more prompts should fill the gap ``target_size - kept``.
-
-    ``ceil(deficit / yield)`` where ``yield`` is the kept rows per prompt observed in this batch
-    (``kept / num_prompts``) or, when nothing was kept, the filter's nominal yield (e.g.
-    ``(1 - P) * G``). At least 1 while there is a deficit; 0 when ``target_size`` is None or met.
-    """
+    """More prompts to fill ``target_size - kept``: ``ceil(deficit / yield)``, ``yield`` the kept rows
+    per prompt of this batch (``nominal_per_prompt`` when none was kept); at least 1 while short."""
     if target_size is None or kept >= target_size:
         return 0
     deficit = target_size - kept

@@ -1,33 +1,16 @@
-"""Apply a :class:`FilterResult`: slice the rollout and its per-row tensors to the kept rows and
-recompute the loss normalisation for the kept set.
+"""Apply a :class:`FilterResult`: slice the rollout and its per-row tensors to the kept rows, with
+the loss denominators that go with them (docs/filter.md, "Loss normalisation for the kept set").
 
-Normalisation (the documented rule): the pruned loss is :func:`grpo_parts.core.grpo_loss` over the
-kept rows, normalised by the kept set's own denominators -- ``num_tokens`` = completion tokens of
-the kept rows (token-mean), ``num_seqs`` = kept rows with at least one token (sequence means). Pass
-them to ``grpo_loss(..., num_tokens=, num_seqs=)`` when the kept set is split into micro-batches
-(TRL's ``num_items_in_batch``). Consequently the gradient of the pruned loss is the full batch's
-per-completion gradients restricted to the kept rows, times ``D_full / D_kept``.
-
-A random filter with importance weights (``FilterResult.weights``, the ``dppo`` filter) needs the
-opposite: ``num_tokens`` / ``num_seqs`` are then the *whole* batch's denominators, fixed before
-pruning and counted as the loss counts them (``apply_filter(..., loss=cfg)``: rows without a
-completion token are sequences only under ``seq_count="all"``; the rule is
-:mod:`grpo_parts.core.unbiased`), and ``KeptBatch.weights`` the kept rows' weights; pass all three to
-``grpo_loss(..., seq_weights=kb.weights)`` and the expected loss and gradient are the full batch's
-(tests/core/test_unbiased.py enumerates every outcome, empty rows included, to check it).
-
-An empty kept set (every advantage zero) gives ``KeptBatch.is_empty``: the loop skips the update
-(no forward, no optimizer step, no NaN).
-
-``KeptBatch`` is the one type of kept rows: the built-in trainer's refill
-(:func:`grpo_parts.filter.refill.fill_rollouts`) returns a ``FilledBatch``, which is a
-``KeptBatch`` over several rounds plus their bookkeeping. Typical use in a loop of one round::
+A deterministic filter's kept set is normalised by its own ``num_tokens`` / ``num_seqs``; a filter
+with importance weights (``dppo``) by the *whole* batch's, fixed before pruning and counted as the
+loss counts them (``apply_filter(..., loss=cfg)``; the rule: :mod:`grpo_parts.core.unbiased`). An
+empty kept set gives ``KeptBatch.is_empty``: skip the update. ``KeptBatch`` is the one type of kept
+rows (the refill's ``FilledBatch`` is one over several rounds). One round in a loop::
 
     res = filt.select(ScoredBatch(rewards, advantages, rollout.group_index))
     kb = apply_filter(res, rollout, advantages, loss=cfg)
     if kb.is_empty:
         continue  # nothing to learn from this batch
-    old = backend.completion_logprobs(old_model, LogprobBatch.from_rollout(kb.rollout)).logprobs
     ...
     out = grpo_loss(logps, old, kb.advantages, kb.rollout.completion_mask, cfg,
                     num_tokens=kb.num_tokens, num_seqs=kb.num_seqs, seq_weights=kb.weights)

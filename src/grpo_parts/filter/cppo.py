@@ -1,20 +1,10 @@
 """CPPO completion pruning: keep the completions with the largest ``|advantage|`` (arXiv 2503.22342).
 
-A completion's share of the policy gradient scales with ``|A|``, so training on the top-k rows
-keeps most of the signal at a fraction of the old-policy / reference / policy forward-backward cost.
-
-Scope:
-
-* ``"global"`` (CPPO's own open-r1 code and the verl port): one top-k over the whole batch; how many
-  completions each prompt keeps varies (a prompt with extreme rewards can keep all G, another none).
-  ``k`` is the total kept; a pruning rate keeps ``N - floor(P * N)`` rows.
-* ``"group"``: ``k`` rows per group (every prompt keeps the same number, given it has that many
-  non-zero advantages); a pruning rate keeps ``G_g - floor(P * G_g)`` rows of a group of ``G_g``.
-
-Tie rule (deterministic, unlike the paper's code): zero-variance groups last, then larger ``|A|``,
-then lower row index. Rows whose advantage is exactly 0, and every row of a zero-variance group
-(all rewards equal), are never kept when ``drop_zero_advantage`` is True (the default): they carry
-no policy-gradient signal, so a batch with all-zero advantages gives an empty kept set.
+A completion's share of the policy gradient scales with ``|A|``, so training on the top-k rows keeps
+most of the signal at a fraction of the forward-backward cost. ``scope="global"`` (CPPO's own code):
+one top-k over the batch; ``"group"``: ``k`` per group. The tie rule is deterministic, unlike the
+paper's code; zero-advantage rows are never kept under ``drop_zero_advantage`` (docs/filter.md,
+"Global vs group scope" and "Tie rule and zero-variance groups").
 """
 
 from __future__ import annotations

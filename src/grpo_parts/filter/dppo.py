@@ -1,36 +1,13 @@
-"""Unbiased completion pruning (the idea of DPPO, arXiv 2603.04135): keep each row at random and
-weight every kept row by ``1 / P(kept)``, so the expected loss and gradient are the full batch's.
+"""Unbiased completion pruning (the idea of DPPO, arXiv 2603.04135): keep row ``i`` at random with
+probability ``p_i = clamp(|A_i| * t, min_keep_prob, 1)`` (``t``: so that ``sum p`` is the target kept
+count) and weight it ``1 / p_i``, so the expected loss and gradient are the full batch's -- unlike
+CPPO (:mod:`.cppo`), whose top-k drop changes the expected gradient.
 
-CPPO (:mod:`.cppo`) keeps the top-k rows by ``|advantage|`` and drops the rest without correction,
-which changes the expected gradient. Here row ``i`` is kept with probability
-
-    ``p_i = clamp(|A_i| * t, min_keep_prob, 1)``
-
-with the scale ``t`` chosen so that ``sum_i p_i`` is the target kept count (``k``, or
-``N - floor(P * N)`` for a pruning rate ``P``), and carries the weight ``w_i = 1 / p_i``
-(``FilterResult.weights``). Proportional to ``|A_i|`` because a row's share of the policy gradient
-scales with it (the variance-optimal Horvitz-Thompson design takes ``p_i`` proportional to the
-row's gradient norm, whose other factor is unknown before the forward); the floor bounds every
-weight by ``1 / min_keep_prob``. When the floor makes ``sum p`` exceed the target, the floor wins
-(the expected kept count is then ``ceil(min_keep_prob * eligible)``).
-
-Rows whose advantage is exactly 0 get ``p = 0`` when ``drop_zero_advantage`` (default): with
-per-sequence advantages every policy loss in :mod:`grpo_parts.core` is ``0 * (...)`` for them, so
-their exact contribution is 0 and dropping them is exact. It is not exact when the loss has a KL or
-entropy term (those do not vanish at ``A = 0``): :meth:`DPPOFilter.loss_not_supported_reasons`
-refuses that combination; set ``drop_zero_advantage=False`` to give those rows the floor instead.
-Zero-ness is read from the advantages, not the rewards: REINFORCE++-baseline's batch whitening gives
-a zero-variance group a non-zero advantage, and that row does carry gradient.
-
-``sampling``: ``"systematic"`` (default) keeps exactly ``sum p`` rows
-(:func:`grpo_parts.core.inclusion.systematic_sample`, the one sampler prompt skipping draws with too:
-each row is picked with probability exactly ``p_i``); ``"bernoulli"`` keeps each row independently (the kept count
-varies around ``sum p``). Both have the same marginal probabilities, hence the same unbiasedness.
-
-Randomness comes from the filter's own ``torch.Generator`` seeded by ``seed``; :meth:`state_dict`
-/ :meth:`load_state_dict` carry it through a checkpoint. The loss must use the weights and the
-*whole* batch's denominators: :func:`grpo_parts.filter.apply.apply_filter` returns both, and
-``grpo_loss(..., seq_weights=kb.weights, num_tokens=kb.num_tokens, num_seqs=kb.num_seqs)``.
+Rows whose advantage is exactly 0 get ``p = 0`` under ``drop_zero_advantage``: exact only when every
+loss term vanishes at ``A = 0`` (:meth:`DPPOFilter.loss_not_supported_reasons` refuses a KL or
+entropy term). The loss must take the weights and the *whole* batch's denominators
+(:func:`grpo_parts.filter.apply.apply_filter` returns both). Rule, sampling designs, floor and
+proof: docs/filter.md, "Unbiased pruning (``dppo``)".
 """
 
 from __future__ import annotations

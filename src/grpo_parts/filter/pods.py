@@ -1,16 +1,10 @@
 """PODS max-variance down-sampling: keep the ``m`` completions of each group whose rewards have the
 largest variance (arXiv 2504.13818).
 
-The subset of size ``m`` with maximal variance is always made of extremes: the ``i`` lowest and the
-``m - i`` highest rewards for some ``i`` in ``0..m`` (PODS, Lemma 1), so each group costs
-``O(G log G + m^2)`` instead of a search over ``C(G, m)`` subsets.
-
-Tie rule: rows of a group are ordered by ``(reward, row index)`` ascending; candidate ``i`` takes the
-first ``i`` and the last ``m - i`` of that order; among candidates with equal variance the smallest
-``i`` wins. Zero-variance groups are dropped (``drop_zero_variance``, default) since any subset of
-them has variance 0. Advantages are not changed: the kept rows carry the advantages computed over
-the whole group (recompute them with :func:`grpo_parts.core.group_advantages` on the kept rows if
-you want PODS' subset-normalised variant).
+A maximal-variance subset is always made of extremes, the ``i`` lowest and ``m - i`` highest rewards
+(PODS, Lemma 1), so a group costs ``O(G log G + m^2)``. Tie rule: rows ordered by ``(reward, row)``;
+among candidates of equal variance the smallest ``i`` wins. Zero-variance groups are dropped under
+``drop_zero_variance``. The kept rows keep the advantages computed over the whole group.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Refill (CPPO's dynamic allocation): turn pruned slots into more prompts until the kept batch is full.
 
-CPPO's own code rolls out ``B / (1 - P)`` prompts and keeps ``G (1 - P)`` per prompt, so both must be
-integers. Here a :class:`Refiller` works for any pruning rate and any filter:
+:class:`Refiller` works for any pruning rate and any filter: round 1 rolls out ``initial_prompts``,
+each further round the ``extra_prompts_wanted`` the filter asks for, and the overshoot is trimmed
+from the last round only, by priority (docs/filter.md, "Refill"). A weighted result (``dppo``) ends
+the fill after its round, untrimmed: a trim by priority, or a refill round whose number depends on
+the draw, would bias the importance-weighted estimate.
 
-1. round 1 rolls out ``initial_prompts`` prompts, scores them and filters them with
-   ``target_size`` = the rows still missing;
-2. while kept < target: roll out ``FilterResult.extra_prompts_wanted`` more prompts (the filter's
-   estimate ``ceil(deficit / kept-per-prompt)``; the Refiller computes the same itself when a filter
-   returns 0) from the stream and filter them the same way;
-3. overshoot is trimmed from the *last* round only, deterministically: its kept rows are ranked by
-   the priority order of :mod:`grpo_parts.filter._common` (zero-variance last, larger ``|A|``
-   first, lower row first) and the first ``deficit`` are kept.
-
-A weighted result (``FilterResult.weights``: a random filter such as ``dppo``) ends the fill after
-its round, untrimmed: a trim by priority, or a refill round whose number depends on the draw, would
-bias the importance-weighted estimate. The weights ride on the :class:`Selection`.
-
-The kept count is then exactly ``target_size`` unless the stream ran out or ``max_rounds`` /
-``max_prompts`` was reached (``RefillOutcome.filled`` is False; the loop trains on what it has, or
-skips when it is empty). Advantages are per group, so filtering each round on its own is the same
-as filtering the union (for group-scope filters exactly; a global top-k is taken per round).
-
-:meth:`Refiller.fill` is framework-agnostic: it calls ``produce(n) -> Round | None`` and returns
-which rows of each round's payload (a :class:`Rollout`, a TRL dict, a verl ``DataProto``...) to keep.
+:meth:`Refiller.fill` is framework-agnostic (``produce(n) -> Round | None``, any payload);
 :func:`fill_rollouts` wires it to a prompt iterator, a sampler callable and a reward function.
 """
 
@@ -162,13 +146,10 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> Rollo
 
 @dataclass(frozen=True, kw_only=True)
 class FilledBatch(KeptBatch, Generic[P]):
-    """The kept rows of every round, concatenated: a :class:`~grpo_parts.filter.apply.KeptBatch`
-    (the one type of kept rows: :func:`~grpo_parts.filter.apply.apply_filter` builds it for one
-    round, :func:`fill_rollouts` for several) plus the rounds' bookkeeping. ``kept`` indexes the
-    rows of every round's rollout concatenated in order; ``num_tokens`` / ``num_seqs`` follow
-    ``KeptBatch``: the kept rows' own, or with ``weights`` (``dppo``) every rolled-out row's
-    (sequences = rows with a completion token). ``rollout.group_index`` numbers the prompts that
-    kept at least one row, ``0 .. len(prompts) - 1``; ``rollout`` is None when nothing was kept.
+    """The kept rows of every round, concatenated: a :class:`~grpo_parts.filter.apply.KeptBatch` plus
+    the rounds' bookkeeping. ``kept`` indexes the rows of every round's rollout concatenated in order;
+    ``rollout.group_index`` numbers the prompts that kept at least one row, ``0 .. len(prompts) - 1``;
+    ``rollout`` is None when nothing was kept.
 
     ``full_group``: each kept row's prompt among *every* rolled-out prompt (all rounds, stream
     order), and ``group_rows`` / ``group_seqs`` / ``group_tokens`` (``[P_all]``) count each

@@ -1,21 +1,13 @@
 """Rounding the kept rows: whole optimizer steps and equal shares per data-parallel rank.
 
-The frameworks' filter seams are single controllers: verl's trainer (custom sampler, legacy
-``DataProto`` loop) and OpenRLHF's experience maker run the filter **once, on the whole global
-batch**, in the controller process, and only then hand the kept rows to the data-parallel ranks.
-So the decision (which rows are kept) is exactly the one a single process makes on the whole
-batch; no per-rank rule exists. What data parallelism adds is arithmetic on the kept *count*:
-
-* every rank must get the same number of rows (ranks with different numbers of micro-batches
-  wait on each other's collectives forever, or a framework silently drops the surplus), and
-* the count must fill whole optimizer steps (a framework pads a partial mini-batch with no-op rows
-  or carries a partial gradient accumulation over to the next step).
-
-:func:`round_to_multiple` makes the kept count a multiple of what the framework needs, adding the
-best pruned rows or dropping the worst kept ones in the filters' priority order
-(:func:`grpo_parts.filter._common.priority_order`), so the choice stays deterministic and
-filter-independent; :func:`rank_shares` cuts the kept rows into equal contiguous shares (contiguous:
-a prompt's completions stay together for shared-prefix attention).
+verl's and OpenRLHF's filter seams run once, on the whole global batch, in the controller, so which
+rows are kept is one process's decision; what data parallelism adds is arithmetic on the kept
+*count*: every rank must get the same number of rows (or the ranks hang on each other's collectives,
+or a framework silently drops the surplus), and the count must fill whole optimizer steps.
+:func:`round_to_multiple` adds the best pruned rows or drops the worst kept ones in the filters'
+priority order (:func:`grpo_parts.filter._common.priority_order`); :func:`rank_shares` cuts the kept
+rows into equal contiguous shares (a prompt's completions stay together for shared-prefix attention).
+docs/filter.md, "Several ranks (data parallelism)".
 """
 
 from __future__ import annotations

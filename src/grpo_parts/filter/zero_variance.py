@@ -1,13 +1,9 @@
 """DAPO dynamic sampling: drop every group whose rewards are all equal (arXiv 2503.14476).
 
-A group where every completion got the same reward (all correct or all wrong) has advantage 0 for
-every row: it contributes no policy gradient, only cost. DAPO drops such groups and keeps sampling
-prompts until the batch is full again; here the drop is :class:`ZeroVarianceGroups` and the refill
-is :mod:`grpo_parts.filter.refill` driven by ``extra_prompts_wanted``.
-
-"All equal" is decided on the rewards by exact comparison (:func:`grpo_parts.core.group_stats`), so
-it agrees with verl's ``algorithm.filter_groups`` (std == 0) and OpenRLHF's dynamic filtering at
-the 0 / 1 accuracy bounds; a single-completion group counts as zero-variance.
+Such a group has advantage 0 on every row: no policy gradient, only cost. DAPO drops it and samples
+more prompts until the batch is full; here the drop is :class:`ZeroVarianceGroups` and the refill
+:mod:`grpo_parts.filter.refill`. "All equal" is exact comparison of the rewards (a single completion
+counts), as verl's ``algorithm.filter_groups`` and OpenRLHF's dynamic filtering at 0 / 1 accuracy.
 """
 
 from __future__ import annotations

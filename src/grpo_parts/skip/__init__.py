@@ -1,15 +1,8 @@
-"""Prompt skippers: skip prompts *before* rollout, unbiasedly (the ``PromptSkipper`` Protocol).
-
-* :mod:`.protocol` -- :class:`PromptSkipper`, its decisions and abilities, and the check that a loss
-  stays unbiased under skipping (:func:`~.protocol.prompt_skip_reasons`, the rule itself in
-  :mod:`grpo_parts.core.unbiased`);
-* :mod:`.reference` -- ``none``: every prompt rolled out;
-* :mod:`.history` -- ``history``: a prompt's zero-variance history lowers its inclusion probability
-  (GRESO's rule, with ``1 / p`` weights);
-* :mod:`.draw` -- :class:`~.draw.PromptDraw`, the stream that draws a round of prompts past a
-  skipper (the sampling design: :mod:`grpo_parts.core.inclusion`).
-
-Select by name with :func:`get_skipper_class`; build with :func:`grpo_parts.build.build_prompt_skipper`.
+"""Prompt skippers: skip prompts *before* rollout, unbiasedly (the ``PromptSkipper`` Protocol):
+:mod:`.protocol` (the Protocol and the unbiasedness check), :mod:`.reference` (``none``),
+:mod:`.history` (``history``: GRESO's rule with ``1 / p`` weights) and :mod:`.draw` (the stream that
+draws a round past a skipper). Select with :func:`get_skipper_class`; build with
+:func:`grpo_parts.build.build_prompt_skipper`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Drawing prompts past a :class:`~.protocol.PromptSkipper`: the sampling design, and the
 stream that tops a round up with prompts the skipper keeps.
 
-**A round.** To roll out ``n`` prompts, :meth:`PromptDraw.take` draws prompts from the stream while
-the next one's inclusion probability still fits (their sum stays ``<= n``; so at most
-``n / min_keep_prob`` prompts), or until the stream runs out. Which prompts are drawn depends on
-their histories only, never on the skip draw: they are the round's *full batch*, fixed before
-skipping. Their probabilities are then raised to sum to exactly ``n`` (:func:`grpo_parts.core.inclusion.probabilities_for_target`:
-``min(1, p * t)``, ``t >= 1``; a prompt without zero-variance history stays at 1, none goes below
-the floor), and :func:`grpo_parts.core.inclusion.systematic_sample` keeps exactly ``n`` of them, each with its probability
-``p_i``; a kept prompt carries ``1 / p_i``. The prompt that did not fit stays in the stream (read
-with the stream's ``peek()`` when it has one, else held by the :class:`PromptDraw` for its next round).
+To roll out ``n`` prompts, :meth:`PromptDraw.take` draws prompts while the next one's inclusion
+probability still fits (their sum stays ``<= n``), raises the probabilities to sum to exactly ``n``
+and keeps exactly ``n`` by systematic sampling (:mod:`grpo_parts.core.inclusion`); a kept prompt
+carries ``1 / p_i``. Which prompts are drawn depends on their histories only, never on the skip draw:
+they are the round's full batch, fixed before skipping. Drawing "until n are kept" instead would
+make the drawn count -- the loss normaliser -- depend on the draw, which biases the weighted
+estimate (docs/filter.md, "Skipping prompts before rollout").
 
-**Why not "draw until n are kept".** Deciding prompt by prompt and stopping at the n-th kept one
-makes the drawn count depend on the draw; the drawn count is the loss normaliser, and a normaliser
-that depends on the draw biases the weighted estimate (tests/skip/test_prompt_skip.py has the
-counter-example). Here both the drawn set and the kept count are fixed before the draw.
-
-:class:`PromptDraw` is framework-agnostic (any prompt type and id function); the trainer hands it
-to :func:`grpo_parts.filter.refill.fill_rollouts` as its prompt stream (it has the
-:class:`~.protocol.DrawsPrompts` ability), and afterwards reads each rolled-out prompt's weight,
-the normaliser scale ``drawn / rolled out`` and the skip metrics from it.
+:class:`PromptDraw` is framework-agnostic (any prompt type and id function); the trainer hands it to
+:func:`grpo_parts.filter.refill.fill_rollouts` as its prompt stream and afterwards reads each
+rolled-out prompt's weight, the normaliser scale ``drawn / rolled out`` and the skip metrics from it.
 """
 
 from __future__ import annotations

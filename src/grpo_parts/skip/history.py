@@ -1,42 +1,13 @@
-"""``history``: skip prompts whose recent groups all had zero reward variance, GRESO-style, and weight
-the prompts kept by ``1 / p`` so that skipping leaves the expected gradient unchanged.
+"""``history``: skip prompts whose recent groups all had zero reward variance, GRESO-style
+(arXiv 2506.02177), and weight the prompts kept by ``1 / p`` so that skipping leaves the expected
+gradient unchanged (GRESO drops them unweighted, which biases the gradient towards those it keeps).
 
-GRESO (arXiv 2506.02177; its code: ``presampling_selector.py``) keeps a prompt whose last ``z`` groups
-were zero-variance with probability ``max(p_e ** z, 0.01)`` and adapts the exploration base ``p_e``
-by 0.01 per step (within ``[0.05, 0.95]``) to hold the zero-variance share of the rolled-out groups
-at a target (0.25); the prompts it skips are simply gone from the batch, which biases the gradient
-towards the prompts it keeps. Here the same rule gives each drawn prompt an *inclusion probability*
-
-    ``p = 1``                                    when its last ``min_streak`` groups were not all zero-variance,
-    ``p = max(min_keep_prob, keep_base ** z)``   otherwise (``z``: its zero-variance streak, <= ``window``),
-
-the prompts are drawn by :func:`grpo_parts.core.inclusion.systematic_sample` (each kept with exactly
-its ``p``), and a kept prompt's completions carry the weight ``1 / p`` into the loss
-(docs/filter.md, "Skipping prompts before rollout", for the normaliser and the proof).
-
-Per prompt (keyed by a stable id, :func:`~.protocol.prompt_key`) it remembers, across epochs,
-the zero-variance flags of its last ``window`` rolled-out groups (a skipped prompt is not observed:
-its streak stands until it is rolled out again), the last group's reward variance and mean, and its
-mean completion length (the tokens a skip saves). ``capacity`` bounds the prompts remembered (the
-least recently observed are forgotten). ``keep_base`` adapts after every :meth:`observe` by
-``base_step`` within ``[min_base, max_base]``: ``target="zero_variance"`` (GRESO's) lowers it (skips
-more) while the share of zero-variance groups among those rolled out is at least ``target_share``;
-``target="skip"`` lowers it while the expected share of drawn prompts skipped is below ``target_share``.
-
-``rule="posterior"`` (beyond GRESO's rule) reads rewards in ``[0, 1]`` as pass rates and keeps a
-Beta posterior per prompt over its pass rate ``q`` (discounted pass and rollout counts, a uniform
-prior); a prompt past ``min_streak`` is kept with ``p = max(min_keep_prob, 1 - P(zero variance))``,
-``P(zero variance) = E[q^G + (1 - q)^G]`` for its last group size ``G``
-(:func:`zero_variance_probability`): a prompt that always passes is skipped more the more evidence
-it has, a prompt near 50% is never skipped for a lucky streak. Same ``1 / p`` weights.
-
-``step_size`` says how a skip pays (:class:`~.draw.PromptDraw`): ``"fill"`` keeps the step's prompt
-count by drawing more prompts (today's default), ``"fewer"`` draws the step's prompts and rolls out
-only those kept (a cheaper step; the same ``1 / p`` weights and drawn-batch normaliser), at least
-``min_rollout_share`` of them: a step of a few heavily weighted prompts is an unbiased but noisy
-gradient, and raising every probability together until the round keeps its floor bounds both the
-weights and how few prompts a step learns from (docs/results.md, "Which arm is fastest", measures
-the floor against filling the step).
+Each drawn prompt gets an inclusion probability ``p`` from its zero-variance streak (``rule="streak"``:
+``max(min_keep_prob, keep_base ** z)``) or from a Beta posterior over its pass rate
+(``rule="posterior"``, :func:`zero_variance_probability`); prompts are drawn by
+:func:`grpo_parts.core.inclusion.systematic_sample`. The rule, the adaptation of ``keep_base``, what
+is remembered per prompt, ``step_size`` and ``min_rollout_share``, and the proof of the ``1 / p``
+normaliser: docs/filter.md, "Skipping prompts before rollout".
 """
 
 from __future__ import annotations
@@ -289,8 +260,7 @@ class HistorySkipper(BaseModel):
         self._records = {}
         for row, pid in enumerate(ids.tolist()):
             fl = [bool(x) for x in flags[row].tolist() if x >= 0][-self.window :]
-            var, mean, length, *posterior = stats[row].tolist()  # (3 columns before rule="posterior")
-            passes, trials, group = posterior if posterior else (0.0, 0.0, 0)
+            var, mean, length, passes, trials, group = stats[row].tolist()
             self._records[int(pid)] = PromptRecord(
                 fl, var, mean, length, int(seen[row]), passes, trials, int(group)
             )

@@ -104,13 +104,9 @@ class SkipDecision:
 class PromptSkipper(Protocol):
     """Decide, before rollout, which drawn prompts to roll out; learn from the rewards after.
 
-    ``min_keep_prob`` (> 0): no prompt's inclusion probability is below it (1 = never skips: the
-    reference); it also bounds how many prompts one round may draw (``n / min_keep_prob``).
-    ``step_size``: how a skipped prompt pays (:class:`~.draw.PromptDraw`): ``"fill"`` -- the step
-    keeps its ``n`` prompts by drawing more (more informative steps); ``"fewer"`` -- the step draws
-    ``n`` prompts and rolls out only those kept (cheaper steps). Either way the normaliser is the
-    drawn prompts', fixed before the draw. ``min_rollout_share`` (``fewer`` only): the least share
-    of a round's drawn prompts it rolls out, their probabilities raised together to reach it (0: none).
+    ``min_keep_prob`` (> 0; 1 = never skips) floors every inclusion probability and bounds a round's
+    draw (``n / min_keep_prob``); ``step_size`` and ``min_rollout_share`` say how a skip pays
+    (:class:`~.draw.PromptDraw`; docs/filter.md, "Skipping prompts before rollout").
     """
 
     name: ClassVar[str]

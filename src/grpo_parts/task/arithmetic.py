@@ -1,19 +1,11 @@
-"""The built-in verifiable task: chain addition with a short worked solution.
-
-A prompt adds ``operands`` numbers in ``[0, max_value]``; the policy writes the running sums and then
-the answer after ``;``::
-
-    prompt:      17+25+9=
-    completion:  17+25=42,42+9=51;51<eos>
+"""The built-in verifiable task: chain addition with a short worked solution (``17+25+9=`` ->
+``17+25=42,42+9=51;51<eos>``).
 
 Only the text after the last ``;`` is graded (exact match), so the worked part is the policy's own
-business -- as in real math RL, where only the boxed answer is checked. Completions are mostly
-copies (operands from the prompt, partial sums from the line before) plus one small addition per
-step: long enough that rollout dominates a step, and copy-heavy, so speculative drafts (n-gram,
-online) have something to accept, as they do on real reasoning traces.
-
-Problems are generated from ``(seed, position)`` alone, so the stream can resume at any position.
-A fixed ~10% of all problems (by a hash of the prompt) is held out for evaluation and never trained on.
+business, as in real math RL. Completions are mostly copies plus one small addition per step: long
+enough that rollout dominates a step, and copy-heavy, so speculative drafts have something to accept.
+Problems come from ``(seed, position)`` alone, so the stream can resume anywhere; a fixed ~10% (by a
+hash of the prompt) is held out.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""Reading ``--data``: JSONL, parquet or a ``datasets`` folder, in the formats of the field.
-
-A file is read into rows (dicts); the data format names the prompt and answer columns and how the
-final answer is taken from the answer column:
-
-============== ======================== ==================================================
-format         columns (default keys)   gold final answer
-============== ======================== ==================================================
-prompt_answer  ``prompt``, ``answer``   the answer as given (a ``prompt`` that is a list of
-                                        messages is chat, as TRL's conversational format)
-messages       ``messages`` [,``answer``] ``answer`` if present, else the last assistant
-                                        message's final answer (``\\boxed{}``, ``####``, all)
-gsm8k          ``question``, ``answer`` the text after the last ``####``
-math           ``problem``, ``solution`` the content of the last ``\\boxed{...}``
-============== ======================== ==================================================
-
-``task.format: auto`` picks the format from the first row's columns; ``task.prompt_key`` /
-``task.answer_key`` rename the columns. parquet and ``save_to_disk`` folders need pyarrow /
-datasets (``pip install -e '.[data]'`` in a checkout, ``pip install 'grpo-parts[data]'`` by name),
-imported only when such data is read.
+"""Reading ``--data``: JSONL, parquet or a ``datasets`` folder, in the formats of the field
+(``prompt_answer``, ``messages``, ``gsm8k``, ``math``; ``auto`` picks one from the first row's
+columns). Each format's columns and gold answer: docs/training.md, "Data formats". parquet and
+``save_to_disk`` folders need the ``[data]`` extra, imported only when such data is read.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Named answer graders: ``grade(completion, answer) -> bool``, chosen by ``task.grader``.
-
-- ``exact``: the completion's final answer -- the last ``\\boxed{...}``, else the text after the last
-  ``####``, else the whole completion -- equals the answer (both stripped);
-- ``after_delimiter``: the text after the last ``task.delimiter`` (``;``, ``####``, ``answer:``, ...)
-  equals the answer; a completion without the delimiter is wrong (the built-in tasks grade so, with ``;``);
-- ``boxed``: the content of the last ``\\boxed{...}`` equals the answer; no box is wrong;
-- ``last_number``: the last number in the completion equals the answer's number (``1,000`` = ``1000``,
-  ``2.50`` = ``2.5``);
-- ``math_verify``: math-verify's symbolic comparison (``pip install -e '.[math]'`` in a checkout,
-  ``pip install 'grpo-parts[math]'`` by name).
-
-A gold answer is compared as given; the data loader has already reduced GSM8K/MATH solutions to their
-final answers (:mod:`.formats`).
+"""Named answer graders: ``grade(completion, answer) -> bool``, chosen by ``task.grader`` (``exact``,
+``after_delimiter``, ``boxed``, ``last_number``, ``math_verify``; each rule and ``auto``'s choice:
+docs/training.md, "Graders"). A gold answer is compared as given; the data loader has already
+reduced GSM8K/MATH solutions to their final answers (:mod:`.formats`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Real data (``--data``): the task of a user's problems -- formats, chat rendering, the grader.
-
-The file is read by :mod:`.formats` (JSONL, parquet, a ``save_to_disk`` folder; prompt/answer,
-``messages``, GSM8K, MATH). Chat prompts are rendered with the tokenizer's chat template. Every
-prompt and answer is checked against the tokenizer: characters it cannot encode (a character-level
-tokenizer's ``<unk>``) are refused with their counts, or with ``task.unknown_chars: warn`` reported
-once. The grader (:mod:`.graders`) is ``task.grader``, or by default chosen from the data:
-
-- prompts of a built-in task (its instruction, or ``a+b+c=``): ``after_delimiter ';'``, as that task;
-- GSM8K: ``after_delimiter '####'``; MATH: ``math_verify`` if installed, else ``boxed``;
-- prompt/answer and messages: ``math_verify`` if installed, else ``exact``.
+"""Real data (``--data``): the task of a user's problems -- formats (:mod:`.formats`), chat
+rendering with the tokenizer's template, and the grader (:mod:`.graders`: ``task.grader``, or chosen
+from the data). Characters the tokenizer cannot encode are refused with their counts (or, with
+``task.unknown_chars: warn``, reported once). docs/training.md, "Real use: your model, your data".
 """
 
 from __future__ import annotations
@@ -26,14 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import GRPOPartsError
 from .data import Problem
 from .formats import Record, load_records
-from .graders import (
-    MATH_INSTALL,
-    describe,
-    exact_match,
-    final_answer,
-    make_grader,
-    math_verify_installed,
-)
+from .graders import MATH_INSTALL, describe, exact_match, final_answer, make_grader, math_verify_installed
 from .reasoning import INSTRUCTION
 
 __all__ = ["DataConfig", "JsonlTask", "MATH_INSTALL", "exact_match", "final_answer", "load_jsonl"]

@@ -1,23 +1,14 @@
 """A built-in task shaped like reasoning RL: a long shared instruction and long-tailed worked solutions.
 
-Real GRPO prompts carry an instruction (identical within a group, usually across the whole batch)
-before the question, and real completions have long-tailed lengths: most rows finish early, a few
-run long, so the end of every rollout runs at low concurrency. This task has that shape::
-
-    prompt:      <instruction, 85 characters> 3+5+2+7=
-    completion:  8+2+7=10+7=17;17<eos>
-
-The solution *reduces* the sum one line at a time: each line adds the first two terms and copies
-the rest, until one number is left; the answer follows ``;``. A problem of ``n`` terms has ``n - 1``
-lines of shrinking length, so the completion grows about quadratically with ``n`` (``n = 7``: ~50
-tokens, ``n = 14``: ~200): most problems have ``terms`` in ``[min_terms, max_terms]``, and every
-``long_every``-th problem of the stream (and that share of the held-out set) has
-``[long_min_terms, long_max_terms]`` terms -- the long tail of every rollout batch. Each line copies
-most of the line before, as worked solutions restate what they carry forward, so a draft that
-looks up the row's own text (n-gram / suffix) has a lot to accept in the tail.
+Real GRPO prompts share an instruction, and real completions have long-tailed lengths, so the end of
+every rollout runs at low concurrency. Here the solution *reduces* the sum one line at a time (add
+the first two terms, copy the rest), so its length grows about quadratically with the terms, and
+every ``long_every``-th problem is long: the tail of every rollout batch. Each line copies most of
+the line before, so a draft that looks up the row's own text has a lot to accept in the tail.
 
 Only the text after the last ``;`` is graded (exact match). Problems come from ``(seed, position)``;
-~10% of all problems (by a hash of the prompt) are held out, the same set for every seed.
+~10% (by a hash of the prompt) are held out, the same for every seed. Shape and lengths:
+docs/training.md, "The built-in tasks".
 """
 
 from __future__ import annotations

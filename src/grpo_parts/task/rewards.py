@@ -1,15 +1,8 @@
-"""Reward functions with TRL's signature, ``--reward module:function[@weight]``.
-
-As TRL's ``GRPOTrainer`` calls them: ``fn(prompts=..., completions=..., completion_ids=...,
-trainer_state=..., log_extra=..., log_metric=..., **columns) -> list[float | None]``, one reward per
-completion; ``prompts`` / ``completions`` are strings, or for chat data the prompt's messages and
-``[{"role": "assistant", "content": text}]``; ``columns`` are the data row's columns (every one but
-``prompt``, one value per completion; ``answer`` alone for a built-in task); ``trainer_state`` has ``global_step`` and
-``max_steps``. ``None`` means "not applicable": that function is left out of the row's weighted sum
-(all None: 0). ``module`` is imported from the working directory too, or is a ``path/to/file.py``.
-
-An import failure or a signature that cannot take these arguments is a one-line error before the run
-starts; a wrong return value, one naming the function when it is called.
+"""Reward functions with TRL's signature, ``--reward module:function[@weight]``, called as TRL's
+``GRPOTrainer`` calls them: ``fn(prompts=..., completions=..., completion_ids=..., trainer_state=...,
+log_extra=..., log_metric=..., **columns) -> list[float | None]`` (the arguments and the weighted sum:
+docs/training.md, "Reward functions"). An import failure or a signature that cannot take these
+arguments is a one-line error before the run starts; a wrong return value, one naming the function.
 """
 
 from __future__ import annotations

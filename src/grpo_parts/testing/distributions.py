@@ -1,12 +1,10 @@
 """Helpers for statistical equivalence tests of samplers (reference, speculative, vLLM).
 
-A sampler is correct when the sequences it emits are distributed exactly as plain autoregressive
-sampling from the policy (temperature, then top-k, then top-p). On a tiny-vocabulary model that
-distribution can be *enumerated*: :func:`sequence_distribution` scores every ``V**L`` continuation
-of a prompt with one plain forward and processes each step's logits with :func:`processed_probs`,
-an independent NumPy implementation of the logit processing (it does not call
-``grpo_parts.decoding``, so it also checks that module). :func:`chi_square_gof` then tests
-observed samples against it.
+A sampler is correct when its sequences are distributed exactly as plain autoregressive sampling
+(temperature, then top-k, then top-p). On a tiny-vocabulary model that distribution can be
+enumerated (:func:`sequence_distribution`, with :func:`processed_probs`: an independent NumPy logit
+processing, so ``grpo_parts.decoding`` is checked too) and samples tested against it
+(:func:`chi_square_gof`).
 
 Typical use::
 

@@ -283,13 +283,9 @@ def _run(args: argparse.Namespace) -> int:
 
         cfg = config_from_args(args)
         seeds = getattr(args, "seeds", 1)
-        ablate = getattr(args, "ablate", False)
-        arms = getattr(args, "arms", None)
-        res = (
-            compare_seeds(cfg, seeds, json_path=args.json, ablate=ablate, arms=arms)
-            if seeds > 1
-            else compare(cfg, json_path=args.json, ablate=ablate, arms=arms)
-        )
+        kw: dict[str, Any] = {"ablate": getattr(args, "ablate", False), "arms": getattr(args, "arms", None)}
+        kw["json_path"] = args.json
+        res = compare_seeds(cfg, seeds, **kw) if seeds > 1 else compare(cfg, **kw)
         print(res["markdown"])
         return 0
     from .lifecycle.run import resume_config, train
@@ -314,11 +310,8 @@ def headline(s: dict[str, Any], run_dir: Path) -> str:
         return "-" if v is None else f"{v:.3f}"
 
     n = s.get("final_evals", 0)
-    what = (
-        f"mean of the last {n} evaluations; the last: {acc(s['last_accuracy'])}"
-        if n > 1
-        else "one evaluation"
-    )
+    last = f"mean of the last {n} evaluations; the last: {acc(s['last_accuracy'])}"
+    what = last if n > 1 else "one evaluation"
     return (
         f"held-out accuracy {acc(s['initial_accuracy'])} -> {acc(s['final_accuracy'])} ({what}) in "
         f"{s['steps']} steps ({s['wall_time_s']:.0f} s training); report: {run_dir / 'report.md'}"

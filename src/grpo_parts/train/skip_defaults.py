@@ -1,19 +1,12 @@
 """What ``grpo-parts train`` does about prompt skipping when the config does not say: decided here,
-once, for the config (:class:`~.config.TrainConfig` calls :func:`apply_skip_defaults` before it
-validates) and the ``--compare`` arms, and the run's first lines say it (:func:`skip_notes`).
+once, for the config (:func:`apply_skip_defaults`, before validation) and the ``--compare`` arms, and
+said in the run's first lines (:func:`skip_notes`).
 
-- **Its settings.** ``history`` behind this door takes :data:`TRAIN_HISTORY_KWARGS` under the
-  given ``parts.prompt_skip_kwargs``: on the finite pool with a hard tail, the arm that reached the
-  target as soon as any and ended low least often (docs/results.md). The frameworks fill their
-  steps too, with the skipper's own defaults (GRESO's rule).
-- **Its loss.** With skipping on and ``loss.agg`` not given, the loss is :data:`SKIP_DEFAULT_AGG`
-  with ``norm_constant = max_new_tokens``: token-mean divides by the drawn batch's token count, which
-  is unknown for skipped prompts.
-- **On by default on finite data** (``--data``, or a built-in task's ``task.train_size``), where a
-  prompt comes back every epoch and its history can say it teaches nothing: ``history`` unless
-  ``parts.prompt_skip`` is given. Where the advantage or a given ``loss.agg`` cannot keep skipping
-  unbiased, it stays off and the run says why in one line (:func:`skip_notes`). The
-  built-in stream draws a fresh problem every step, so nothing would ever be skipped there.
+- ``history`` takes :data:`TRAIN_HISTORY_KWARGS` under the given ``parts.prompt_skip_kwargs``;
+- with skipping on and ``loss.agg`` not given, the loss is :data:`SKIP_DEFAULT_AGG`;
+- on by default on finite data (``--data``, or ``task.train_size``), where a prompt comes back every
+  epoch; off (with one line saying why) where the advantage or a given ``loss.agg`` cannot keep it
+  unbiased. The built-in stream draws a fresh problem every step: nothing would be skipped there.
 """
 
 from __future__ import annotations
@@ -34,11 +27,8 @@ log = logging.getLogger("grpo_parts.train")
 #: Its gradient is token-mean's full-batch gradient times a positive per-step scale (total tokens /
 #: (rows x max_new_tokens)), and with ``1 / p`` weights its estimate is unbiased (core/unbiased.py).
 SKIP_DEFAULT_AGG = "seq-mean-token-sum-norm"
-#: ``history``'s settings behind ``grpo-parts train`` when not given (the arm ``cppo+skip_strong``):
-#: a lower exploration base that adapts faster towards a lower zero-variance share, and the step
-#: keeps its prompt count by drawing more (``fill``), chosen over rolling out only the kept prompts
-#: (``step_size: fewer``) by docs/results.md ("Which arm is fastest"). The frameworks fill too, with
-#: the skipper's own defaults (GRESO's rule).
+#: ``history``'s settings behind ``grpo-parts train`` when not given (the arm ``cppo+skip_strong``,
+#: filling its steps): chosen by docs/results.md, "Which arm is fastest"
 STRONG_RULE: dict[str, Any] = {"keep_base": 0.3, "base_step": 0.02, "target_share": 0.15}
 TRAIN_HISTORY_KWARGS: dict[str, Any] = {**STRONG_RULE, "step_size": "fill"}
 #: ``parts.prompt_skip`` on finite data when not given

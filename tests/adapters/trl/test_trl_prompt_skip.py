@@ -234,9 +234,7 @@ def test_the_skippers_history_and_dppos_generator_survive_trls_checkpoint(
         per_device_train_batch_size=16, loss_type="grpo", max_steps=2, output_dir=str(tmp_path),
         save_strategy="steps", save_steps=1, save_only_model=False,
     )  # fmt: skip
-    parts: dict[str, Any] = dict(
-        prompt_skip="history", filter="dppo", filter_kwargs={"pruning_rate": 0.5}
-    )
+    parts: dict[str, Any] = dict(prompt_skip="history", filter="dppo", filter_kwargs={"pruning_rate": 0.5})
     set_seed(0)
     first, _ = _tiny.run(GRPOPartsTrainer, base, args, **parts)
     saved = torch.load(tmp_path / "checkpoint-1" / STATE_FILE, weights_only=True)

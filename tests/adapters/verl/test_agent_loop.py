@@ -242,7 +242,7 @@ def test_concurrent_requests_are_batched_and_match_one_by_one():
     together = asyncio.run(concurrent())
     assert max(server.batch_sizes) > 1  # several requests went through one sampler call
     for p, out in zip(prompts, together):
-        alone = server.generate_batch([p], greedy)[0]
+        alone = server.generate_batch(greedy, [p])[0]
         assert out.token_ids == alone.token_ids
         torch.testing.assert_close(
             torch.tensor(out.log_probs), torch.tensor(alone.log_probs), rtol=0, atol=1e-9

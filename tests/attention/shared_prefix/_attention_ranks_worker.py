@@ -103,23 +103,33 @@ def run_case(model: torch.nn.Module, name: str, rank: int) -> dict[str, Any]:
     return res
 
 
+def start_rank() -> tuple[int, int]:
+    """Join the gloo group ``multirank.run_ranks`` set up (its environment), one torch thread per
+    rank; ``(rank, world size)``."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    torch.set_num_threads(1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def finish_rank(results: dict[str, Any], out: Path) -> None:
+    """Save this rank's results where ``multirank.run_ranks`` reads them, once every rank got here."""
+    torch.save(results, out / f"rank{dist.get_rank()}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
+    rank, _ = start_rank()
     model = exact_norms(tiny_causal_lm("qwen2", vocab_size=32, num_kv_heads=2, dtype=torch.float64, seed=0))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    results = {name: run_case(model, name, rank) for name in CASES}
-    torch.save(results, out / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank({name: run_case(model, name, rank) for name in CASES}, out)
 
 
 if __name__ == "__main__":

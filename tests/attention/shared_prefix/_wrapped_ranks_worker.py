@@ -18,7 +18,6 @@ import contextlib
 import copy
 import sys
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _attention_helpers import exact_norms  # noqa: E402
-from _attention_ranks_worker import make_batch  # noqa: E402
+from _attention_ranks_worker import finish_rank, make_batch, start_rank  # noqa: E402
 
 from grpo_parts.attention import LogprobBatch  # noqa: E402
 from grpo_parts.attention.reference import RepeatedPrefixAttention  # noqa: E402
@@ -241,13 +240,8 @@ def run_kind(kind: str, rank: int, world: int) -> dict[str, Any]:
 
 def main() -> None:
     out_dir, kinds = Path(sys.argv[1]), sys.argv[2].split(",")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    results = {kind: run_kind(kind, rank, world) for kind in kinds}
-    torch.save(results, out_dir / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    rank, world = start_rank()
+    finish_rank({kind: run_kind(kind, rank, world) for kind in kinds}, out_dir)
 
 
 if __name__ == "__main__":

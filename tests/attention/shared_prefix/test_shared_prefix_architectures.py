@@ -106,6 +106,18 @@ def test_equivalent_to_reference(case):  # type: ignore[no-untyped-def]
     assert_equivalent(model, batch, case["kernel"], tol=tolerance(name), **case["chunks"])
 
 
+def variant_batch(name: str, max_completion: int = 6) -> LogprobBatch:
+    """Groups of 3, 1 and 2 rows (seeded), no longer than variant ``name``'s context."""
+    return random_batch(
+        torch.Generator().manual_seed(3),
+        [3, 1, 2],
+        vocab=48,
+        max_prompt=6,
+        max_completion=max_completion,
+        max_total=VARIANTS.get(name, (0, 0, None))[2],
+    )
+
+
 @pytest.mark.parametrize("name", [*MLA, *POSITIONS])
 def test_every_class(name):  # type: ignore[no-untyped-def]
     """Each class with each kernel (flex: no grad), or its specific refusal."""
@@ -119,15 +131,7 @@ def test_every_class(name):  # type: ignore[no-untyped-def]
         num_kv_heads=4 if name in MLA else 2,
         **model_kwargs(name),
     )
-    context = VARIANTS.get(name, (0, 0, None))[2]
-    batch = random_batch(
-        torch.Generator().manual_seed(3),
-        [3, 1, 2],
-        vocab=48,
-        max_prompt=6,
-        max_completion=6,
-        max_total=context,
-    )
+    batch = variant_batch(name)
     why = refusal(name)
     if why is not None:
         assert any(why in r for r in SharedPrefixAttention().not_supported_reasons(model, batch))

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from _attention_helpers import VARIANTS, exact_model, random_batch, variant_family
+from _attention_helpers import exact_model, variant_family
 from test_shared_prefix import FAMILIES, TOL_FP32_ROUTER, assert_equivalent
 from test_shared_prefix import tolerance as family_tolerance
-from test_shared_prefix_architectures import MLA, POSITIONS, model_kwargs
+from test_shared_prefix_architectures import MLA, POSITIONS, model_kwargs, variant_batch
 from test_shared_prefix_architectures import tolerance as class_tolerance
 
 from grpo_parts.attention.shared_prefix import guard as guard_module
@@ -71,15 +71,7 @@ ARCHITECTURES = _builders()
 
 
 def _batch(name: str) -> Any:
-    longest = VARIANTS.get(name, (0, 0, None))[2]
-    return random_batch(
-        torch.Generator().manual_seed(3),
-        [3, 1, 2],
-        vocab=48,
-        max_prompt=6,
-        max_completion=5,
-        max_total=longest,
-    )
+    return variant_batch(name, max_completion=5)
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))

@@ -6,12 +6,13 @@ import time
 from collections.abc import Callable
 
 import pytest
-from .test_decode_attention import _policy  # a GQA llama (2 KV heads for 4 query heads)
 
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.speculative.calibration import _best_times, calibration_context
 from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
+
+from .test_decode_attention import _policy  # a GQA llama (2 KV heads for 4 query heads)
 
 
 def test_context_grows_as_rows_finish() -> None:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from .test_decode_attention import plain_attention  # the float64 reference both kernels are checked against
 
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
@@ -17,6 +16,8 @@ from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.sampler.speculative.decode_attention import DecodeLayout, grouped_query_attention
 from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.tiny import tiny_causal_lm
+
+from .test_decode_attention import plain_attention  # the float64 reference both kernels are checked against
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)

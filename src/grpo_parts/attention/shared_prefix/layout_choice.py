@@ -16,6 +16,7 @@ import torch
 
 from ...compat import config_values
 from .facts import GroupFacts
+from .layout import LayoutSettings
 
 
 @dataclass(frozen=True)
@@ -161,14 +162,14 @@ def auto_costs(
     grid_slots: float,
     free: GroupFacts,
     config: Any,
-    kernel: str,
-    varlen: bool,
+    build: LayoutSettings,
 ) -> tuple[LayoutCost, LayoutCost, float]:
     """``(grid, padding-free, weight)`` for :func:`choose_layout`, from the :class:`.facts.GroupFacts`
-    each layout would share prefixes over (``grid``'s may be sub-groups of ``free``'s): the
-    padding-free attention is dense with ``varlen=False`` (masked eager or SDPA); ``eager``
-    computes whole squares."""
-    dense, eager = kernel in ("eager", "sdpa") and not varlen, kernel == "eager"
+    each layout would share prefixes over (``grid``'s may be sub-groups of ``free``'s) and the
+    layouts' settings ``build``: the padding-free attention is dense with
+    ``varlen=False`` (masked eager or SDPA); ``eager`` computes whole squares."""
+    kernel = build.kernel
+    dense, eager = kernel in ("eager", "sdpa") and not build.varlen, kernel == "eager"
     return (
         grid_cost(grid, chunks, grid_slots, eager),
         padding_free_cost(free, dense, eager),

@@ -55,10 +55,6 @@ class PlanSettings:
     config: Any
     build: LayoutSettings
 
-    @property
-    def kernel(self) -> str:
-        return self.build.kernel
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -84,7 +80,7 @@ class Plan:
 
     @property
     def kernel(self) -> str:
-        return self.settings.kernel
+        return self.settings.build.kernel
 
     @property
     def model_calls(self) -> int:
@@ -122,7 +118,7 @@ class Plan:
             "repeated_slots": self.repeated_slots,
             "model_calls": self.model_calls,
             "empty_calls": self.empty_calls,
-            "kernel": s.kernel,
+            "kernel": s.build.kernel,
             "kernel_choice": s.kernel_why,
             "layout": self.layout,
             "layout_choice": self.layout_why,
@@ -149,13 +145,7 @@ def make_plan(
         grid_facts, group_index = facts.from_rows(split, facts.prompt_row, facts.completion), split.to(device)
     chunks, info = grid_calls(grid_facts, settings.chunk_overhead_tokens, settings.max_chunks, packed)
     grid, free, weight = auto_costs(
-        grid_facts,
-        chunks,
-        info[PLAN_GRID_SLOTS],
-        facts,
-        settings.config,
-        settings.kernel,
-        settings.build.varlen,
+        grid_facts, chunks, info[PLAN_GRID_SLOTS], facts, settings.config, settings.build
     )
     layout, why = choose_layout(settings.layout, grid, free, weight)
     if layout == "padding_free":  # one call over the batch's own groups

@@ -1,18 +1,11 @@
 """``--compare --ablate``: each optimized part alone, and the step speedup its isolated gains predict.
 
-The comparison's own ``amdahl_bound`` uses the phase ratios measured *with all parts on*, so it
-equals the measured step speedup up to what the optimized arm adds outside the named phases; it
-cannot show parts that undo each other (e.g. CPPO keeping two rows of a group leaves shared-prefix
-attention less to share). The ablation measures that. Next to ``reference`` and ``optimized`` it
-runs one arm per optimized part -- the reference with only that part swapped in -- in the same
-alternation, so each part's phase ratios are measured alone on the same workload and machine load.
-
-Composed as independent speedups, a phase's predicted optimized time is
-``ref_phase * prod_part(part_phase / ref_phase)`` (a part that leaves a phase alone contributes a
-ratio of ~1); ``amdahl_isolated = t_ref / (sum of predicted phases + other_ref)`` and
-``composition = step_speedup / amdahl_isolated`` (1 = the parts keep their isolated gains together,
-< 1 = they interfere). Each arm's final accuracy is reported too: a part that should not change what
-is learnt (sampler, attention) lands near the reference, and the filter arm shows CPPO's own effect.
+The comparison's own ``amdahl_bound`` uses phase ratios measured with all parts on, so it cannot
+show parts that undo each other (CPPO keeping two rows of a group leaves shared-prefix attention
+less to share). The ablation runs one arm per optimized part -- the reference with only that part
+swapped in -- in the same alternation, composes the isolated phase ratios into ``amdahl_isolated``
+and reports ``composition = step_speedup / amdahl_isolated`` (1: the parts keep their gains
+together; < 1: they interfere) and each arm's final accuracy (docs/training.md, "--compare").
 """
 
 from __future__ import annotations

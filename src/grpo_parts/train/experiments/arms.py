@@ -1,17 +1,10 @@
 """``grpo-parts train --compare --arms ...``: the arms of a comparison, by name, from one table, and
-what they are compared on.
+what they are compared on (:func:`arm_summary`; every arm: docs/training.md, "--compare").
 
-``reference`` and ``optimized`` are today's default pair (every reference part vs the configured
-parts). The filter arms keep the configured sampler and attention and change only what is trained
-and rolled out: no filter, CPPO, ``dppo`` (unbiased pruning), and each behind history prompt
-skipping, in both ways a skip can pay: the step keeps its size by drawing more prompts (``+skip``) or
-rolls out fewer prompts (``+skip_fewer``, cheaper steps). When an arm skips prompts and ``loss.agg`` was left at its default, every
-arm trains the loss skipping trains (:data:`~..skip_defaults.SKIP_DEFAULT_AGG` with ``norm_constant =
-max_new_tokens``), so the arms differ in their parts only.
-
-Per arm (:func:`arm_summary`): time and steps to the target held-out accuracy, rollout tokens (the
-run's sum and the sum until the target), the mean share of zero-variance groups among the rolled-out
-ones, the share of drawn prompts skipped, and the final accuracy.
+``reference`` and ``optimized`` are the default pair (every reference part vs the configured parts).
+The filter arms keep the configured sampler and attention and change only what is trained and
+rolled out. When an arm skips prompts and ``loss.agg`` was left at its default, every arm trains the
+loss skipping trains (:data:`~..skip_defaults.SKIP_DEFAULT_AGG`), so the arms differ in their parts only.
 """
 
 from __future__ import annotations

@@ -114,10 +114,8 @@ def compare_seeds(
     """:func:`compare` for ``seeds`` consecutive seeds (``config.seed``, ``config.seed + 1``, ...),
     each in ``<run>/seed<S>``, plus ``<run>/compare_seeds.{json,md}``.
 
-    Time to target moves by several steps between seeds (evaluation every ``eval_every`` steps on a
-    finite held-out set), so one seed says little; the aggregate reports the median speedup to
-    target, the mean per-step speedup and the mean final-accuracy difference. ``passes``: median
-    speedup >= 3 and the mean difference within 3 points or better (>= -0.03), as for one seed.
+    Time to target moves by several steps between seeds, so one seed says little: the aggregate
+    (:mod:`.seeds`) reports medians and means over them.
     """
     if seeds < 1:
         raise GRPOPartsError(f"seeds: expected >= 1, got {seeds}")

@@ -1,12 +1,8 @@
 """Per-phase breakdown of reference vs optimized steps, and the step speedup Amdahl's law predicts.
 
-A step's phases (``metrics.jsonl`` columns): ``rollout`` (sampler calls), ``logprobs`` (old-policy
-and reference log-probs), ``update`` (policy forward/backward and optimizer steps), ``draft`` (a
-learnable draft's update); ``other`` is the rest (tokenising, rewards, advantages, filter).
-
-``amdahl_bound`` is the step speedup predicted from the named phases' measured ratios with ``other``
-left as the reference's: ``t_ref / (sum_i t_opt_i + other_ref)``. The measured step speedup falls
-below it by exactly what the optimized arm adds to ``other`` (e.g. the filter's own cost).
+Phases (``metrics.jsonl`` columns): ``rollout``, ``logprobs``, ``update``, ``draft``, and ``other``
+(tokenising, rewards, advantages, filter). ``amdahl_bound = t_ref / (sum_i t_opt_i + other_ref)``:
+the measured step speedup falls below it by exactly what the optimized arm adds to ``other``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Checkpoints: ``checkpoints/step-NNNNNN/`` folders, written atomically; ``checkpoints/last`` names the newest.
 
-A checkpoint folder holds
-
-- ``policy.safetensors`` (and ``draft.safetensors`` for a draft with weights, the EAGLE head): module weights;
-- ``state.pt``: everything else :meth:`GRPOTrainer.state_dict` returns -- optimizer, RNG states, step
-  counters, data position, the draft's history and optimizer -- as tensors and plain containers only.
-  It is read with ``torch.load(weights_only=True)``: resuming never unpickles arbitrary objects;
-- ``checkpoint.json``: the step, the config the run was made with, and the size of every file.
-
-A checkpoint is written into ``.step-NNNNNN.tmp/`` (every file fsynced) and then renamed, so a kill
-during a write leaves the previous checkpoint as it was. The previous one is also kept: a checkpoint
-damaged later (a full disk, a bad copy) still leaves one to resume from, and the error names it.
+A folder holds the module weights (``policy.safetensors``, ``draft.safetensors``), ``state.pt``
+(everything else :meth:`GRPOTrainer.state_dict` returns, tensors and plain containers only: read
+with ``torch.load(weights_only=True)``, so resuming never unpickles arbitrary objects) and
+``checkpoint.json`` (step, config, file sizes). It is written into ``.step-NNNNNN.tmp/``, fsynced,
+then renamed, so a kill leaves the previous checkpoint as it was; the previous one is also kept, for
+a checkpoint damaged later (docs/training.md, "Stopping and resuming").
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Stopping a run cleanly on Ctrl-C (SIGINT) or SIGTERM.
 
-While a run trains, the first signal only asks it to stop: the step in progress finishes (its
-metrics row written), it is checkpointed, ``status.json`` says ``interrupted``, and the command
-exits 130 (SIGINT) or 143 (SIGTERM) with one line naming the resume command. A second signal stops
-at once, mid-step, and the newest checkpoint on disk is what resumes.
-
-Why not stop mid-step on the first signal: a step changes the RNG, the data position, the draft,
-the policy and the optimizer at different moments, and only a finished step resumes exactly.
+The first signal lets the step in progress finish (a step changes the RNG, data position, draft,
+policy and optimizer at different moments, and only a finished step resumes exactly), checkpoints
+it, marks the folder ``interrupted`` and exits 130 / 143 naming the resume command. A second signal
+stops at once, mid-step; the newest checkpoint on disk is what resumes.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """A whole run: set up, train with a progress bar, evaluate, checkpoint, report, export the model.
 
-The run folder (``out_dir/name``) is created only after the config, model, data and parts have been
-validated; a resume reads and checks its checkpoint before it touches the folder. ``status.json``
-(:mod:`.status`) says ``running`` while it trains, ``interrupted`` after Ctrl-C/SIGTERM
-(:mod:`.interrupt`: the last finished step is saved), ``failed`` (with the error) if it stops on an
-exception, and ``completed`` only at the very end -- together with ``report.md`` and ``model/`` --
-so a folder never claims success it did not reach.
-
-Resuming with more steps (``--resume RUN --steps N``) rewrites ``config.yaml`` to say ``steps: N``
-(and logs it); fewer steps than the checkpoint has done is an error, and nothing is rewritten.
+The run folder is created only after the config, model, data, parts (and, on resume, the
+checkpoint) have been validated; ``status.json`` (:mod:`.status`) says ``completed`` only at the very
+end, with ``report.md`` and ``model/``, so a folder never claims success it did not reach. Resuming
+with more steps rewrites ``config.yaml``'s ``steps``; fewer than done is an error (docs/training.md,
+"Stopping and resuming").
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""``status.json``: what a run folder is doing, replaced atomically, so any reader sees a whole file.
-
-Fields: ``status`` (``running``, ``completed``, ``interrupted``, ``failed``), ``time`` (last update,
-Unix seconds; updated every step while running), ``pid``, ``host`` and ``pid_start`` (the process
-that wrote it), ``step`` (the last completed step), ``checkpoint`` (the newest checkpoint folder,
-relative to the run folder, or null); ``interrupted`` adds ``signal`` and ``resume`` (the command),
-``failed`` adds ``error``, ``completed`` adds ``summary``.
-
-A process killed with SIGKILL cannot update the file, which then still says ``running``:
-:func:`read_status` adds ``stale`` -- true when that process is gone (checked on the same host),
-null when it ran on another host and cannot be checked from here, false when it is alive.
+"""``status.json``: what a run folder is doing (``running``, ``completed``, ``interrupted``,
+``failed``), replaced atomically, so any reader sees a whole file; its fields: docs/training.md,
+"The run folder". A process killed with SIGKILL cannot update it, so :func:`read_status` adds
+``stale``: true when the writing process is gone (checked on the same host), null when it ran on
+another host, false when it is alive.
 """
 
 from __future__ import annotations

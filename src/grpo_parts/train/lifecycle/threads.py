@@ -1,18 +1,11 @@
 """How many torch CPU threads a ``--model`` run on the CPU uses: chosen by a short calibration.
 
-torch's default (one thread per core) is often the slowest choice for GRPO on a CPU: rollout is
-hundreds of small decode forwards (a ``[rows, 1]`` batch each), where the cost of waking and joining
-threads exceeds the work, and on a shared machine every extra thread waits for a busy core. A
-forward+backward can still gain from more threads: which count wins depends on the model, the
-shapes and the load (docs/training.md, ``threads``, has the measurement), so it is measured rather
-than guessed.
-
-:func:`calibrate_threads` times both phases of a step on the loaded policy -- a decode-like forward
-(no grad, ``[rows, 1]``) and a small forward+backward -- for 1 thread and for every core, alternating
-the candidates, and estimates a step as ``max_new_tokens`` decode forwards plus the training tokens
-of one step (``rows * max_new_tokens``) at the measured per-token cost. It takes well under a second
-for small models, touches no RNG (fixed token ids, eval mode) and leaves no gradients behind.
-``threads: N`` in the config skips it (and makes float results independent of the timing).
+torch's default (one thread per core) is often the slowest for GRPO on a CPU: rollout is hundreds of
+tiny ``[rows, 1]`` decode forwards, where waking and joining threads costs more than the work, while
+a forward+backward may still gain from more threads. Which count wins depends on model, shapes and
+load (docs/training.md, ``threads``), so :func:`calibrate_threads` measures both phases for 1 thread
+and for every core and estimates a step from them; it touches no RNG and leaves no gradients behind.
+``threads: N`` in the config skips it.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Experiment trackers (``report_to``): TensorBoard, Weights & Biases, MLflow, Trackio.
 
-Each goes through its library's own API, imported only when asked for, and logs every numeric key
-of every ``metrics.jsonl`` row at its ``step`` (nested dicts as ``a/b``; a ``None`` -- a metric the
-step did not have -- is not logged) and the run's config (the effective config as YAML, and its
-flattened fields where the tracker has parameters). A library that is not installed is a one-line
-error naming its extra (``pip install -e '.[wandb]'`` in a checkout, ``pip install 'grpo-parts[wandb]'``
-by name) before anything runs
-(:func:`check_trackers`). Every tracker run is named after the run folder and resumed with it:
-``trackers.json`` in the run folder keeps the W&B / MLflow run ids and the Trackio run name.
-
-- ``tensorboard``: ``torch.utils.tensorboard.SummaryWriter`` into ``RUN/tensorboard/`` (scalars, and the
-  config as text);
-- ``wandb``: ``wandb.init(project=..., dir=RUN, config=...)``, ``run.log(row, step=step)``; its files go
-  to ``RUN/wandb/``; ``WANDB_MODE=offline`` logs without an account, ``WANDB_PROJECT`` overrides
-  ``project``;
-- ``mlflow``: ``MlflowClient`` on ``MLFLOW_TRACKING_URI`` (or MLflow's default), experiment ``project``
-  (``MLFLOW_EXPERIMENT_NAME`` overrides), the config's fields as params and ``config.yaml`` as an artifact;
-- ``trackio``: ``trackio.init(project=..., name=..., config=...)``, ``run.log(row, step=step)``; local
-  unless ``space_id`` is configured through Trackio's own environment (``TRACKIO_DIR``: where).
+Each goes through its library's own API, imported only when asked for, and logs every numeric key of
+every ``metrics.jsonl`` row at its ``step`` (nested dicts as ``a/b``; ``None`` is not logged) and the
+run's config. A missing library is a one-line error naming its extra before anything runs
+(:func:`check_trackers`). Tracker runs are named after the run folder and resumed with it: ``trackers.json``
+keeps their ids. What each tracker writes where: docs/training.md, "Experiment trackers".
 """
 
 from __future__ import annotations

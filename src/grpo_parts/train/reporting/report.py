@@ -14,6 +14,8 @@ from .metrics import accuracy_goal_met, eval_curve, summarize
 from .report_format import fmt, pyplot
 from .trace_report import write_trace
 
+WALL_TIME = "training wall time (s)"
+
 
 def plot_run(rows: list[dict[str, Any]], out_dir: Path, title: str = "") -> list[str]:
     """accuracy.png (vs step and vs wall time), step_time.png, acceptance.png; returns file names."""
@@ -40,22 +42,12 @@ def _plot_accuracy(
     curve = eval_curve(rows)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     if steps:
-        axes[0].plot(
-            [r["step"] for r in steps],
-            [r["accuracy"] for r in steps],
-            color="0.75",
-            lw=1,
-            label="train batch (sampled)",
-        )
+        x, y = [r["step"] for r in steps], [r["accuracy"] for r in steps]
+        axes[0].plot(x, y, color="0.75", lw=1, label="train batch (sampled)")
     axes[0].plot([c[0] for c in curve], [c[2] for c in curve], "o-", label="held-out")
     axes[0].set(xlabel="step", ylabel="accuracy", ylim=(0, 1), title="accuracy vs step")
     axes[1].plot([c[1] for c in curve], [c[2] for c in curve], "o-")
-    axes[1].set(
-        xlabel="training wall time (s)",
-        ylabel="held-out accuracy",
-        ylim=(0, 1),
-        title="accuracy vs wall time",
-    )
+    axes[1].set(xlabel=WALL_TIME, ylabel="held-out accuracy", ylim=(0, 1), title="accuracy vs wall time")
     axes[0].legend(loc="lower right")
     fig.suptitle(title)
     return _save(plt, fig, out_dir / "accuracy.png")
@@ -80,13 +72,8 @@ def _plot_acceptance(plt: Any, steps: list[dict[str, Any]], out_dir: Path) -> st
         ax.plot([a[0] for a in acc], [a[1] for a in acc], "o-", ms=3)
         ax.set(xlabel="step", ylabel="tokens per verification", title="speculative acceptance length")
     else:
-        ax.text(
-            0.5,
-            0.5,
-            "no speculative sampler in this run\n(1 token per policy forward)",
-            ha="center",
-            va="center",
-        )
+        text = "no speculative sampler in this run\n(1 token per policy forward)"
+        ax.text(0.5, 0.5, text, ha="center", va="center")
         ax.set(title="speculative acceptance length", xticks=[], yticks=[])
     return _save(plt, fig, out_dir / "acceptance.png")
 
@@ -216,21 +203,10 @@ def _plot_compare(
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rows in runs.items():
-        c = eval_curve(rows)
-        ax.plot(
-            [x[1] for x in c],
-            [x[2] for x in c],
-            "o-",
-            ms=3,
-            label=f"{name} ({info.get('parts', {}).get(name, '')})",
-        )
+        c, label = eval_curve(rows), f"{name} ({info.get('parts', {}).get(name, '')})"
+        ax.plot([x[1] for x in c], [x[2] for x in c], "o-", ms=3, label=label)
     ax.axhline(target, color="0.5", ls="--", lw=1, label=f"target {target:.0%}")
-    ax.set(
-        xlabel="training wall time (s)",
-        ylabel="held-out accuracy",
-        ylim=(0, 1),
-        title="reference vs optimized parts",
-    )
+    ax.set(xlabel=WALL_TIME, ylabel="held-out accuracy", ylim=(0, 1), title="reference vs optimized parts")
     ax.legend(loc="lower right", fontsize=8)
     _save(plt, fig, out_dir / "compare.png")
 

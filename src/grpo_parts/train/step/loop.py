@@ -1,20 +1,8 @@
-"""The GRPO step, composed from the four Protocols.
+"""The GRPO step, composed from the parts: rollout, reward and advantages, filter (and refill),
+old-policy and reference log-probs, draft update, policy update (docs/training.md, "The step").
 
-One :meth:`GRPOTrainer.step`:
-
-1. **rollout** -- the ``Sampler`` generates G completions for each prompt pulled from the task's stream
-   (with ``parts.prompt_skip``, drawn past a prompt skipper first, the kept ones weighted 1/p: :mod:`.prompt_skip`);
-2. **reward** -> **advantages** (:func:`grpo_parts.core.group_advantages`, per group);
-3. **filter** -- the ``CompletionFilter`` picks the rows to train on; with refill on, the
-   :class:`~grpo_parts.filter.refill.Refiller` rolls out the extra prompts it asks for;
-4. **old-policy and reference log-probs** of the kept rows through the ``AttentionBackend``, no grad;
-5. **draft update** -- a learnable draft distils from the policy's hidden states on this rollout
-   (FastGRPO trains it before the policy update, so it is one step behind);
-6. **policy update** through the ``AttentionBackend`` with :func:`grpo_parts.core.grpo_loss`, then
-   ``sampler.sync_weights``.
-
-Time is split into rollout (sampler calls), training (4-6) and other (tokenising, rewards, filter).
-Held-out evaluation is timed separately and does not count towards ``wall_time``.
+Time is split into rollout (sampler calls), training (log-probs, draft and policy updates) and other
+(tokenising, rewards, filter); held-out evaluation is timed separately, outside ``wall_time``.
 """
 
 from __future__ import annotations
@@ -82,14 +70,8 @@ class GRPOTrainer:
         eos_token_ids: tuple[int, ...],
         ref_model: torch.nn.Module | None = None,
     ):
-        self.config, self.policy, self.tokenizer, self.task, self.parts = (
-            config,
-            policy,
-            tokenizer,
-            task,
-            parts,
-        )
-        self.ref_model = ref_model
+        self.config, self.policy, self.tokenizer, self.task = config, policy, tokenizer, task
+        self.parts, self.ref_model = parts, ref_model
         self.device = next(policy.parameters()).device
         self.optimizer = torch.optim.AdamW(
             policy.parameters(), lr=config.lr, weight_decay=config.weight_decay
@@ -273,16 +255,12 @@ class GRPOTrainer:
         attn, temp = self.parts.attention, self.params.logprob_temperature
         batch = LogprobBatch.from_rollout(ro)
         with torch.no_grad():
-            old = (
-                attn.completion_logprobs(self.policy, batch, temp).logprobs
-                if self.config.old_logprobs == "recompute"
-                else ro.logprobs
-            )
-            ref = (
-                attn.completion_logprobs(self.ref_model, batch, temp).logprobs
-                if self.ref_model is not None
-                else None
-            )
+            old = ro.logprobs
+            if self.config.old_logprobs == "recompute":
+                old = attn.completion_logprobs(self.policy, batch, temp).logprobs
+            ref = None
+            if self.ref_model is not None:
+                ref = attn.completion_logprobs(self.ref_model, batch, temp).logprobs
         return old, ref
 
     def _update(self, ro: Rollout, advantages: torch.Tensor, batches: list[Minibatch]) -> dict[str, float]:
@@ -301,12 +279,8 @@ class GRPOTrainer:
         sampler_lp = ro.logprobs if cfg.loss.correction.level != "off" else None
         entropy = cfg.loss.entropy_coef > 0
         self.policy.train()
-        info: dict[str, float] = {
-            "loss": 0.0,
-            "clip_fraction": 0.0,
-            "kl": 0.0,
-            WEIGHTED_ROWS: 0.0,
-        }
+        info: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, WEIGHTED_ROWS: 0.0}
+        n = len(batches)
         for mb in batches:
             rows, w = mb.rows, mb.weights
             sub = batch.select(rows)
@@ -325,15 +299,13 @@ class GRPOTrainer:
             if cfg.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
             self.optimizer.step()
-            info["loss"] += float(out.loss.detach()) / len(batches)
-            info["clip_fraction"] += out.clip_fraction / len(batches)
-            info["kl"] += out.kl / len(batches)
+            info["loss"] += float(out.loss.detach()) / n
+            info["clip_fraction"] += out.clip_fraction / n
+            info["kl"] += out.kl / n
             if entropy:
-                info["entropy"] = info.get("entropy", 0.0) + out.entropy / len(batches)
+                info["entropy"] = info.get("entropy", 0.0) + out.entropy / n
             if sampler_lp is not None:
-                info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / len(
-                    batches
-                )
+                info["correction_mean"] = info.get("correction_mean", 0.0) + out.correction_mean / n
         self.policy.eval()
         info["time_logprobs"] = t_logprobs
         if isinstance(attn, CountsAttentionCalls):  # the padding-free kernels' calls, per path
@@ -375,11 +347,8 @@ class GRPOTrainer:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step_idx, self.data_pos, self.wall_time = (
-            int(state["step"]),
-            int(state["data_pos"]),
-            float(state["wall_time"]),
-        )
+        self.step_idx, self.data_pos = int(state["step"]), int(state["data_pos"])
+        self.wall_time = float(state["wall_time"])
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         rng = state["rng"]

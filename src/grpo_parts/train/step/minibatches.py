@@ -1,16 +1,10 @@
 """Which kept rows each optimizer step of a rollout batch trains on, and with which loss denominators.
 
-``minibatches`` optimizer steps per rollout batch, each on whole groups (shared-prefix attention
-needs a prompt's rows together):
-
-* a plain filter: the kept groups are split into ``minibatches`` minibatches, each normalised by its own
-  rows (``grpo_loss``'s defaults) -- as before;
-* a weighted filter (:class:`~grpo_parts.filter.protocol.WeighsLoss`, ``dppo``): the split is made
-  on *every rolled-out* prompt, before the draw (it does not depend on which rows were kept), and
-  each minibatch's loss takes its kept rows times their weights over the minibatch's full share of the
-  batch -- tokens / sequences of all its rolled-out rows, pruned ones and fully pruned groups
-  included. With one minibatch that is the whole batch's counts. A minibatch whose rows were all pruned
-  has gradient 0 and is skipped (no forward, no optimizer step).
+Each minibatch holds whole groups (shared-prefix attention needs a prompt's rows together). A plain
+filter's kept groups are split and each minibatch normalised by its own rows. A weighted filter
+(:class:`~grpo_parts.filter.protocol.WeighsLoss`, ``dppo``) is split on *every rolled-out* prompt,
+before the draw, and each minibatch's kept rows are weighted over the tokens / sequences of all its
+rolled-out rows; a minibatch the draw emptied is skipped (docs/training.md, "The step").
 """
 
 from __future__ import annotations

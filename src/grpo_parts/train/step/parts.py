@@ -1,12 +1,8 @@
-"""Build the five parts from :class:`~grpo_parts.parts_config.PartsConfig` by name, through :mod:`grpo_parts.build`.
-
-:func:`build_parts` stays here, a thin function over the one builder (:mod:`grpo_parts.build`:
-policy passing, kwargs checks, pydantic configs, default kwargs) with the rules of ``grpo_parts
-train`` alone: a *default* name that is not in this installation's table falls back to the
-reference with a logged note (so the default run works while optimized parts are still landing;
-the kwargs meant for the missing part are dropped), a name the user set explicitly must exist; the
-speculative sampler's ``train_draft`` is off (the loop trains the draft itself, and times it); the
-attention backend is asked ``not_supported_reasons`` for the policy and refuses clearly.
+"""Build the five parts from :class:`~grpo_parts.parts_config.PartsConfig` by name, through
+:mod:`grpo_parts.build`, with the rules of ``grpo-parts train`` alone: a *default* name missing from
+this installation falls back to the reference with a logged note (its kwargs dropped), while a name
+the user set must exist; the speculative sampler's ``train_draft`` is off (the loop trains and times
+the draft itself); the attention backend refuses a policy it cannot serve, clearly.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The trainer's side of prompt skipping (``parts.prompt_skip``): prompts drawn through a
 :class:`~grpo_parts.skip.draw.PromptDraw`, and the minibatches re-weighted for them.
 
-With a skipper that can skip (:func:`~grpo_parts.skip.protocol.skips`), each refill round of
-the step draws prompts until their inclusion probabilities fill the round, rolls out only the kept
-ones, and the loss of every optimizer step takes
-
-* ``seq_weights``: each kept row's completion-filter weight (``dppo``; 1 otherwise) times its
-  prompt's ``1 / p``;
-* ``num_seqs``: the sequence count that step would use without skipping, times ``drawn / rolled
-  out`` prompts: with every rolled-out row kept (``keep_all``, or ``dppo``'s whole-batch counts)
-  that is the drawn prompts' ``drawn x G``, fixed before the draw, which makes the estimate unbiased
-  (tests/skip/test_prompt_skip.py). Token-mean losses are refused by the config (the drawn batch's
-  token count is unknown: skipped prompts are never generated).
-
-After the fill the skipper observes every rolled-out group of the step at once (one adaptation per
-step), and the step's row gets ``prompts_drawn``, ``prompts_skipped``, ``skip_rollout_tokens_saved``
-and the skipper's ``skip_*`` diagnostics.
+Each optimizer step's loss takes ``seq_weights`` = each kept row's filter weight times its prompt's
+``1 / p``, and ``num_seqs`` = the step's sequence count without skipping times ``drawn / rolled out``
+prompts: the drawn prompts' count, fixed before the draw, which keeps the estimate unbiased
+(docs/filter.md, "Skipping prompts before rollout"). After the fill the skipper observes the step's
+groups at once (one adaptation per step), and the step's row gets the skip metrics.
 """
 
 from __future__ import annotations
