@@ -2,30 +2,14 @@
 :func:`grpo_parts.core.group_advantages`, filters completions, and refills through the samples
 generator.
 
-OpenRLHF's ``make_experience_batch`` runs the old-policy / reference (and reward-model) forwards on
-every rollout sample, then ``compute_advantages_and_returns`` (``group_norm`` for GRPO). When the
-rewards arrive with the samples (reward functions, remote RMs, agents: the usual GRPO set-up),
-:class:`GRPOPartsExperienceMaker` scores and filters **before** those forwards, so they run on the
-kept rows only (CPPO's saving). With a reward *model* the rewards exist only after the forwards;
-then the filter runs after them (it still saves the policy's forward/backward).
-
-Advantages are computed once per group on the full group (pruning never changes a kept row's
-advantage) and placed per token with OpenRLHF's own ``compute_reward`` / ``get_cumulative_returns``,
-so with the ``keep_all`` filter the output equals OpenRLHF's ``group_norm`` (or ``dr_grpo``, ``rloo``);
-the filter ranks the advantage after ``reward.clip_range``, the one the loss sees.
-
-A weighted filter (``dppo``: each kept row weighted ``1 / p``) is drawn once (no refill), rounded up
-only (re-added rows train with weight 0), and each kept row's per-token advantage is multiplied by
-its weight times ``kept rows / rolled-out rows``: OpenRLHF divides each optimizer step by its row
-count (``seq-mean-token-mean``, whole ``--train.batch_size`` steps), so every step's expected
-gradient is the full batch's mean. Settings that cannot stay unbiased are refused at construction
-(:func:`~.config.weighted_filter_reasons`); ``parts/filter/weighted_rows`` counts the weighted rows.
-
-With prompt skipping (the samples generator's ``skip_stage``, :mod:`.skipping`) every rolled-out
-group's rewards go to the skipper, and each kept row's advantage is also multiplied by its
-prompt's weight (``1 / p`` times rolled-out / drawn prompts); the kept rows are then rounded up
-only (dropping rows of a weighted step would bias it). ``last_skip_info`` holds the step's skip
-counters (``prompts_skipped``, ...).
+When the rewards arrive with the samples (reward functions, remote RMs, agents) the filter runs
+**before** OpenRLHF's old-policy / reference forwards, so they run on the kept rows only (CPPO's
+saving); with a reward *model* it runs after them. Advantages are computed once per group on the
+full group and placed per token with OpenRLHF's own ``compute_reward`` / ``get_cumulative_returns``,
+so ``keep_all`` equals OpenRLHF's ``group_norm`` (or ``dr_grpo``, ``rloo``). A weighted filter
+(``dppo``) and prompt skipping put their row weights on the advantage
+(:mod:`grpo_parts.doors.weights`, :mod:`grpo_parts.skip.stage`) and round up only.
+docs/adapters/openrlhf.md, "CompletionFilter" and "Prompt skipping".
 """
 
 from __future__ import annotations

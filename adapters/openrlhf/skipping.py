@@ -1,19 +1,9 @@
-"""Prompt skipping in OpenRLHF: the prompts OpenRLHF's dataloader yields pass a grpo_parts
-``PromptSkipper`` before vLLM sees them (issue 44 item 6).
-
-OpenRLHF draws each step's prompts in its samples generator (``_generate_vllm`` reads
-``rollout.batch_size`` prompts from the dataloader iterator). :class:`SkipStage` sits at that
-seam: it reads the dataloader's prompts one by one into the shared
-:class:`grpo_parts.skip.stage.SkipStage` (the sampling design, the row weights ``1 / p`` times
-``rolled-out / drawn``, and why OpenRLHF's per-step sequence mean (``seq-mean-token-mean``) then
-stays the drawn batch's in expectation are explained there), and only the kept prompts are
-generated. The experience maker multiplies each row's advantage by its weight (with a weighted
-filter, by both weights) and tells the skipper every rolled-out group's rewards
-(:meth:`SkipStage.observe_prompts`).
-
-Counters: ``parts/prompt_skip/prompts_skipped``, ``prompts_drawn``, ... (:meth:`SkipStage.metrics`).
-The skipper's history travels in OpenRLHF's checkpoint ``client_states`` (``.ray_actors``).
-No OpenRLHF import here.
+"""Prompt skipping in OpenRLHF: the prompts of OpenRLHF's dataloader (its samples generator reads
+``rollout.batch_size`` per step) pass the shared :class:`grpo_parts.skip.stage.SkipStage` one by
+one before vLLM sees them; only the kept ones are generated. The experience maker multiplies each
+row's advantage by its weight and tells the skipper every rolled-out group; the history travels in
+OpenRLHF's checkpoint ``client_states`` (:mod:`.ray_actors`). No OpenRLHF import here.
+docs/adapters/openrlhf.md, "Prompt skipping".
 """
 
 from __future__ import annotations

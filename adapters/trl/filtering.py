@@ -1,25 +1,12 @@
 """The completion-filter seam of :class:`~.trainer.GRPOPartsTrainer`: TRL's
-``_generate_and_score_completions`` (training batches only).
+``_generate_and_score_completions`` (training batches only). After TRL's advantages the filter
+selects rows, every per-row entry is sliced to them, ``num_items_in_batch`` recomputed and the kept
+count made a multiple of ``steps_per_generation``; TRL's no-grad old-policy / reference forwards run
+afterwards, on the kept rows only, and its completions table gets a ``kept`` column.
 
-After TRL's advantages a :class:`~grpo_parts.types.ScoredBatch` is built, the filter selects rows,
-every per-row entry of the batch is sliced to the kept rows, ``num_items_in_batch`` is recomputed
-from the kept loss tokens, and the kept count is made a multiple of ``steps_per_generation``. The
-no-grad old-policy / reference forwards TRL runs while scoring are postponed and run on the kept rows
-only. The completions table TRL logs gets a ``kept`` column.
-
-A weighted filter (``dppo``, :class:`~grpo_parts.filter.protocol.WeighsLoss`) keeps rows at random:
-each kept row's advantage is multiplied by its ``1 / p`` weight (TRL's policy losses are positively
-homogeneous in the advantage, so this scales the row's whole loss term), rows the rounding re-adds
-get weight 0, and the normaliser stays the full batch's: ``num_items_in_batch`` = the loss tokens of
-every scored row (``dapo``, ``cispo``, ``vespo``), or -- for the losses TRL normalises by the
-micro-batch's row count (``grpo``, ``sapo``, ``dr_grpo``, ``luspo``) -- the weights times
-``kept rows / scored rows``. What cannot stay unbiased is refused at construction
-(:func:`~.options.weighted_filter_reasons`). ``parts/filter/weighted_rows`` counts the rows trained
-with a weight.
-
-Rows with no loss token (``mask_truncated_completions=True`` masks a truncated completion entirely)
-carry no gradient: the filter sees them with advantage 0, so they count in the batch a pruning rate
-applies to, like any zero-advantage row, and are never kept while a row with loss tokens is pruned.
+A weighted filter (``dppo``) trains each kept row with its ``1 / p`` weight on the advantage
+(:mod:`grpo_parts.doors.weights`) and keeps the full batch's normaliser; a row with no loss token
+(``mask_truncated_completions``) ranks as a zero-advantage row. docs/adapters/trl.md, "The filter's rules".
 """
 
 from __future__ import annotations

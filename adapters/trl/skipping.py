@@ -1,31 +1,12 @@
-"""The prompt-skipping seam of :class:`~.trainer.GRPOPartsTrainer` (``prompt_skip="history"``): a
-TRL generation batch's prompts are drawn through a :class:`~grpo_parts.skip.protocol.PromptSkipper`
-before TRL generates, so prompts whose recent groups all had equal rewards are rolled out less often.
-
-**A batch.** TRL hands ``_generate_and_score_completions`` its generation batch: ``n`` prompts, each
-repeated ``num_generations`` times in a row. Their ids (:func:`~grpo_parts.skip.protocol.prompt_key`
-of the prompt) go first into the run's :class:`~grpo_parts.skip.stage.SkipStage` (every door's), then a seeded
-stream over ``train_dataset`` (``args.seed + 1``, independent of TRL's dataloader): the draw takes
-prompts while their inclusion probabilities fit ``n`` (so TRL's ``n`` prompts always, plus as many of
-the stream's as the skipped ones leave room for), keeps exactly ``n`` of them (systematic sampling),
-and TRL generates and scores those. The batch keeps its size, so TRL's chunking, gathers and
-micro-batches are untouched.
-
-**Weights.** Each rolled-out row's advantage is multiplied by its prompt's ``1 / p`` times
-``rolled out / drawn`` prompts (TRL's policy losses are positively homogeneous in the advantage, so
-this scales the row's whole loss term). With the losses TRL normalises by each micro-batch's row
-count (``grpo``, ``sapo``, ``dr_grpo``, ``luspo``) that makes every optimizer step's expectation the
-drawn batch's loss: the normaliser is the drawn prompts' ``drawn x G`` rows, fixed before the draw
-(the proof over every outcome: tests/skip/test_prompt_skip.py). A weighted completion filter
-(``dppo``) multiplies its own ``1 / p`` in. What cannot stay unbiased is refused at construction
-(:func:`skip_config_reasons`).
-
-**Learning.** After TRL's rewards the skipper observes every rolled-out group (its weighted reward
-sum, before advantages), one adaptation per generation batch. TRL's metrics get
-``parts/prompt_skip/{prompts_drawn, prompts_skipped, skip_rollout_tokens_saved, skip_max_weight, ...}``.
-
-**Checkpoints.** The skipper's history (and a ``dppo`` filter's generator) is saved into every TRL
-checkpoint folder and read back by ``train(resume_from_checkpoint=...)`` (:mod:`.checkpoint`).
+"""The prompt-skipping seam of :class:`~.trainer.GRPOPartsTrainer` (``prompt_skip="history"``): TRL's
+generation batch's ``n`` prompts, then a seeded stream over ``train_dataset`` (independent of TRL's
+dataloader), go through the run's :class:`~grpo_parts.skip.stage.SkipStage` (every door's); exactly
+``n`` are kept, so TRL's chunking, gathers and micro-batches see the size they expect. Each row's
+advantage is multiplied by its prompt's weight (TRL's policy losses are positively homogeneous in
+the advantage); with the losses TRL normalises by each micro-batch's row count the normaliser is the
+drawn batch's, fixed before the draw. What cannot stay unbiased is refused at construction
+(:func:`skip_config_reasons`). docs/adapters/trl.md ("Where each part plugs in") and docs/filter.md
+(the proof).
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
-"""``GRPOPartsTrainer``: TRL 1.16's ``GRPOTrainer`` with grpo_parts' parts plugged into its seams.
+"""``GRPOPartsTrainer``: TRL 1.16's ``GRPOTrainer`` with grpo_parts' parts plugged into its seams; each
+part is optional (``None`` = TRL's own code path, untouched):
 
-Each part is optional and independent (``None`` = TRL's own code path, untouched):
+* ``sampler`` -> ``_generate_single_turn`` (TRL's plain ``transformers.generate`` path; a learnable
+  draft trains right after each training rollout, never on eval rollouts);
+* ``attention`` -> ``_get_per_token_logps_and_entropies`` (rows regrouped by prompt content, :mod:`.rows`);
+* ``filter`` and ``prompt_skip`` -> ``_generate_and_score_completions`` (:mod:`.filtering`, :mod:`.skipping`).
 
-* ``sampler``  -> ``_generate_single_turn`` (TRL's plain ``transformers.generate`` path). The sampler's
-  ``Rollout.stats`` (e.g. speculative acceptance) go to ``self._metrics[mode]`` (``parts/sampler/...``).
-  A learnable draft is trained by the speculative sampler right after each training rollout, before
-  the policy update (FastGRPO's "one step behind"); the adapter switches that off for eval rollouts.
-* ``attention`` -> ``_get_per_token_logps_and_entropies`` (policy, old-policy and reference
-  log-probs). Rows arrive shuffled and cut into micro-batches by TRL; they are regrouped by prompt content.
-* ``filter`` -> ``_generate_and_score_completions`` (:mod:`.filtering`): after TRL's
-  advantages, every per-row entry of the batch is sliced to the kept rows, ``num_items_in_batch`` is
-  recomputed from the kept tokens, and the kept count is made a multiple of ``steps_per_generation``
-  (see :class:`~.options.TRLPartsOptions`). Training batches only; eval batches are not filtered.
-* ``prompt_skip`` -> the same seam, before TRL generates (:mod:`.skipping`): prompts whose recent
-  groups had equal rewards are skipped with an adaptive probability, the rest weighted ``1 / p``.
-
-Every optimizer step (every eval batch in evaluation) the adapter adds to TRL's metrics how many
-rollouts / forwards / filter calls went through each part and how many fell back to TRL's own path
-(``parts/<part>/{rollouts,forwards,calls,fallbacks}``); each distinct fallback reason is logged once
-at WARNING.
-
-No maths lives here: advantages and losses are TRL's, log-probs are the backend's.
+Every optimizer step (every eval batch) TRL's metrics get each part's calls and fallbacks
+(:class:`grpo_parts.counters.PartCounters`); each distinct fallback reason is logged once. No maths
+lives here: advantages and losses are TRL's, log-probs the backend's. docs/adapters/trl.md.
 """
 
 from __future__ import annotations

@@ -11,27 +11,10 @@ Each micro-batch is either computed by one backend call (:func:`.attention.run_p
 planned by the backend and agreed across the data-parallel ranks, in verl's rolled layout, then
 verl's own loss function) or handed to verl's forward when the data needs it
 (non-empty multi-modal inputs, 3-D position ids, top-k distillation, ``calculate_sum_pi_squared``,
-per-sample temperatures, a layout above ``max_padding_ratio``). What ran is counted
-(:class:`~grpo_parts.counters.PartCounters`, each fallback reason logged once) and
-reported in the micro-batch's metrics, which verl's actor update returns as ``actor/parts/...``:
-
-* ``parts/attention/forwards``, ``parts/attention/fallbacks`` -- micro-batches of this call
-  (summed per mini-batch; verl averages mini-batches);
-* ``parts/attention/logprob_forwards``, ``parts/attention/logprob_fallbacks`` -- the forward-only
-  passes (old-policy, reference) this worker process ran since the previous update, reported once
-  with the update's first micro-batch;
-* ``parts/attention/grid_tokens``, ``parts/attention/packed_tokens``,
-  ``parts/attention/padding_free_tokens`` -- tokens the shared-prefix layout ran (grid or
-  padding-free, whichever the backend's ``layout`` chose), the packed micro-batches' tokens (what remove-padding would have run) and those of a padding-free shared layout (each prompt
-  once per ``uid`` plus the completions: what verl's Prefix Grouper runs); the step's
-  ``grid_tokens / padding_free_tokens`` is the padding the grouped layout pays (1 when every
-  micro-batch ran padding-free);
-  ``parts/attention/grid_over_packed_max`` -- the largest per-micro-batch ``grid / packed`` (<= 1:
-  the plan never runs more tokens than the packed micro-batch), and
-  ``parts/attention/grid_over_padding_free_max`` the largest ``grid / padding_free``;
-* ``parts/attention/calls_<path>`` -- the padding-free layout's attention calls per path
-  (``varlen_cascade``, ``masked_sdpa``, ``varlen_eager``, ``masked_eager``, ``flex``:
-  ``SharedPrefixAttention.attention_calls``).
+per-sample temperatures, a layout above ``max_padding_ratio``). What ran is counted and reported in
+the micro-batch's metrics, which verl's actor update returns as ``actor/parts/attention/...``
+(forwards and fallbacks, the forward-only passes' ``logprob_*``, the layouts' tokens, the
+padding-free kernels' calls; docs/adapters/verl.md, "Memory").
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
-"""CompletionFilter (+ refill) for verl's default v1 trainer through its public seams only.
-
-* **Filter + refill**: verl's custom-sampler seam, ``trainer.v1.sampler.custom_sampler`` (a
-  ``ReplayBuffer`` subclass the trainer builds with its own ``refill_fn``) and
-  ``trainer.v1.sampler.sampler_kwargs`` (the filter's options)::
+"""The one filter seam behind verl: :class:`FilteringReplayBuffer`, verl's sync ``ReplayBuffer`` with a
+grpo_parts CompletionFilter (and refill) on every training sample, through verl's public
+custom-sampler seam::
 
     trainer.v1.sampler.custom_sampler.path=pkg://grpo_parts_adapters.verl.sampler
     trainer.v1.sampler.custom_sampler.name=FilteringReplayBuffer
     +trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.name=cppo
-    +trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.kwargs.k=64
 
-  ``sample`` returns only the kept rows (verl's old-policy, reference and actor passes run on them
-  only) and clears the pruned ones from TransferQueue; with ``refill`` it asks verl's ``refill_fn``
-  for more prompts and samples again until ``target_rows`` rows are kept
-  (:class:`grpo_parts.filter.refill.Refiller`).
-* **Sampler counters**: with grpo_parts' rollout backend (``rollout.name=grpo_parts``), the buffer
-  logs the servers' cumulative counters carried by the samples (``parts/sampler/weight_syncs``,
-  ``verify_steps``, ``lean_forward_calls``, ...; :func:`.rollout.sampler_metrics`), with or without
-  a filter.
-* **Advantages of the full group** (CPPO trains the kept rows on their advantage within the whole
-  group; verl's estimator sees only the kept rows): ``algorithm.adv_estimator=grpo_parts_grpo``. The
-  sampler records each kept group's full-group advantages in this process
-  (:func:`grpo_parts_adapters.verl.advantage.remember_full_groups`); the estimator, which verl runs
-  in the same trainer process, uses them for those uids.
-
-No trainer subclass and no private trainer method. The trainer mode ``grpo_parts_sync`` (:mod:`.trainer`)
-puts this same buffer around verl's own, for verl's own ``grpo`` estimator and for prompt skipping.
+``sample`` returns only the kept rows (:mod:`.kv_filter`), and with grpo_parts' rollout backend logs
+the servers' counters (``parts/sampler/*``). The ``grpo_parts_grpo`` estimator gets the kept groups'
+full-group advantages (:func:`.advantage.remember_full_groups`). The trainer mode ``grpo_parts_sync``
+(:mod:`.trainer`) puts this same buffer around verl's own, for verl's ``grpo`` estimator and for
+prompt skipping. docs/adapters/verl.md.
 """
 
 from __future__ import annotations

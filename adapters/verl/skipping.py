@@ -1,20 +1,11 @@
-"""Prompt skipping behind verl (issue 44 item 6): the trainer mode ``grpo_parts_sync`` draws each
-step's prompts past a grpo_parts ``PromptSkipper`` before they are submitted to the rollout.
-
-verl's v1 trainer reads each step's prompts in ``_next_train_batch`` (whole dataloader fetches) and
-submits them to the agent loop; the replay buffer then samples the rolled-out rows. The trainer mode
-overrides ``_next_train_batch``: the dataloader's prompts go one by one into the shared
-:class:`grpo_parts.skip.stage.SkipStage` (the sampling design, ``fill``: the step keeps
-``train_batch_size`` prompts by drawing more; the drawn ones count as consumed), and only the kept
-prompts are submitted. A skipped prompt generates nothing and weighs 0; each kept prompt's rows
-weigh ``1 / p`` times ``rolled-out / drawn`` (its ``uid`` names it), which the filter step multiplies
-into the advantage it stores per row (:func:`grpo_parts_adapters.verl.kv_filter.filter_kv_batch`);
-with verl's per-mini-batch sequence mean (``seq-mean-token-mean``) that is the drawn batch's loss in
-expectation. Every rolled-out group's rewards go back to the skipper (:meth:`VerlSkipStage.observe_rows`).
-
-The history is saved next to verl's own checkpoint (``global_step_*/grpo_parts_prompt_skip.pt``)
-and loaded on resume. Prompts read from the dataloader but not yet drawn when a checkpoint is
-written (at most one fetch) are not in verl's ``data.pt`` and are not rolled out after a resume.
+"""Prompt skipping behind verl: the trainer mode ``grpo_parts_sync`` draws each step's prompts past the
+shared :class:`grpo_parts.skip.stage.SkipStage` in ``_next_train_batch`` (whole dataloader fetches,
+one prompt at a time; ``fill``: the step keeps ``train_batch_size`` prompts), and only the kept ones
+are submitted. Each kept prompt's rows (its ``uid``) weigh ``1 / p x rolled-out / drawn``, which the
+filter step multiplies into the advantage it stores (:func:`~.kv_filter.filter_kv_batch`). The history
+is saved beside verl's checkpoint (``global_step_*/grpo_parts_prompt_skip.pt``); prompts read but
+not yet drawn at a checkpoint (at most one fetch) are not rolled out after a resume.
+docs/adapters/verl.md, "Prompt skipping".
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
-"""Trainer mode ``grpo_parts_sync``: verl's v1 sync trainer with a grpo_parts filter (and refill)
-between sampling and the old-policy / reference / actor passes.
+"""Trainer mode ``grpo_parts_sync``: verl's v1 sync trainer with the one filtering buffer
+(:class:`~.sampler.FilteringReplayBuffer`) around its own, and prompt skipping before the rollout.
 
-Enable with ``trainer.use_v1=True trainer.v1.trainer_mode=grpo_parts_sync +grpo_parts.filter.name=cppo
-+grpo_parts.filter.kwargs.k=8`` (see docs/adapters/verl.md). The trainer puts the one filtering buffer
-(:class:`~.sampler.FilteringReplayBuffer`) around its replay buffer, so that ``sample`` returns only the kept rows: pruning happens *before* ``_compute_old_log_prob``, so the
-old-policy, reference and actor passes run on the kept rows only, and dropped rows are cleared
-from TransferQueue. With ``refill_rounds > 0`` it asks the rollout for ``extra_prompts_wanted`` more prompts
-(``_add_prompts_to_generate``) and samples again, still inside the sampling phase (the rollout
-replicas are awake), until ``target_rows`` rows are kept or ``refill_rounds`` extra rounds ran
-(:class:`grpo_parts.filter.refill.Refiller`). Rewards must be known at sampling time (rule-based
-reward or ``reward.reward_model.enable_resource_pool=True``), exactly as for verl's DAPO filter.
+``trainer.use_v1=True trainer.v1.trainer_mode=grpo_parts_sync +grpo_parts.filter.name=cppo``: the
+filter runs before ``_compute_old_log_prob`` (the policy passes see the kept rows only), and
+``_compute_advantage`` runs verl's own step, then writes back the full-group advantages the filter
+stored (verl's estimator, seeing only the kept rows, would re-normalise inside them). Prompt
+skipping (``+grpo_parts.filter.prompt_skip=history``, :mod:`.skipping`) draws each step's prompts in
+``_next_train_batch``; the skipper's history is saved beside verl's checkpoint. Settings under which
+verl would train on anything else are refused at start. docs/adapters/verl.md.
 
-Advantages: the filter ranks rows by their GRPO advantage within the *full* group and stores it per
-kept row; ``_compute_advantage`` runs verl's own step (rollout correction, metrics) and then
-writes those full-group advantages back, because verl's estimator, seeing only the kept rows,
-would re-normalise inside them (CPPO trains on the full-group advantages). Settings under which
-verl would train on anything else (a non-GRPO estimator, KL in the reward) are refused at start.
-
-Prompt skipping (``+grpo_parts.filter.prompt_skip=history``, :mod:`.skipping`): the mode's
-``_next_train_batch`` draws each step's prompts past the skipper before they are submitted, the
-filter step multiplies each kept row's stored advantage by its prompt's weight and tells the
-skipper every rolled-out group, and the skipper's history is saved beside verl's checkpoint.
-
-This module imports verl (and TransferQueue) at import time; the plugin imports it only when verl's
-v1 trainer is importable.
+Imports verl and TransferQueue; the plugin imports it only when verl's v1 trainer is importable.
 """
 
 from __future__ import annotations

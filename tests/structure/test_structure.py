@@ -111,6 +111,8 @@ def test_tests_mirror_the_source_tree() -> None:
     assert not stray, "test modules in a folder that mirrors no package (nor is cross-cutting): " + ", ".join(
         stray
     )
+    gone = sorted(f for f in CROSS_CUTTING if not (tests / f).is_dir())
+    assert not gone, f"CROSS_CUTTING names folders tests/ no longer has: {gone}"
 
 
 def test_no_planner_outside_the_backend_package() -> None:

@@ -185,13 +185,11 @@ def grpo_loss(
 ) -> LossOutput:
     """The GRPO-family loss. ``advantages`` is ``[N]`` (one per completion) or ``[N, T]``.
 
-    Per token: the ``config.policy`` term (:mod:`grpo_parts.core.policy`), times the rollout-correction
-    weight (``rollout_logps``: the sampler's log-probs), plus ``kl_coef * KL(logp, ref_logp)``
-    (``ref_logps``); aggregated by ``config.agg``; minus ``entropy_coef`` times the aggregated
-    ``entropy: [N, T]`` (differentiable, from the same forward as ``logps``).
-
-    ``seq_weights: [N]`` (``FilterResult.weights``) multiply every term of their row and require the
-    full batch's ``num_tokens`` / ``num_seqs``: E[loss] is the full batch's (:func:`weighted_loss_reasons`).
+    Per token: the ``config.policy`` term times the rollout-correction weight (``rollout_logps``),
+    plus the KL to ``ref_logps``; aggregated by ``config.agg``; minus the entropy bonus (``entropy``
+    from the same forward as ``logps``): docs/core_maths.md, "The loss". ``seq_weights: [N]`` multiply
+    every term of their row and need the full batch's ``num_tokens`` / ``num_seqs``
+    (:func:`weighted_loss_reasons`).
     """
     cfg = config or LossConfig()
     adv = _check_inputs(logps, old_logps, advantages, mask, ref_logps, entropy, rollout_logps)

@@ -277,15 +277,12 @@ def fill_rollouts(
     pad_token_id: int = 0,
     kl_logprobs: Callable[[Rollout], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> FilledBatch[P]:
-    """Pull prompts from ``prompts``, ``sample`` them (one :class:`Rollout` with ``group_index``
-    numbering the given prompts), score with ``reward(prompts, rollout) -> [N]``, compute group
-    advantages (:func:`grpo_parts.core.group_advantages`), filter and refill to ``refiller.target_size``.
+    """Pull prompts, ``sample`` them (one :class:`Rollout` per round), score with ``reward(prompts,
+    rollout) -> [N]``, compute group advantages, filter and refill to ``refiller.target_size``.
 
-    The advantages that rank the rows are the ones returned (and trained on): batch statistics
-    (``norm="batch"``, REINFORCE++ whitening) are those of each round's rollout. With KL in the
-    reward (``advantage_config.kl_coef > 0``), ``kl_logprobs(rollout) -> (old, ref)`` gives every
-    row's rollout-time and reference log-probs before filtering, and the filter sees the
-    KL-penalised rewards (so "zero variance" means what the estimator saw).
+    The advantages that rank the rows are the ones trained on (batch statistics: each round's). With
+    KL in the reward, ``kl_logprobs(rollout) -> (old, ref)`` gives every row's log-probs before
+    filtering, so the filter sees the KL-penalised rewards the estimator saw.
     """
     cfg = advantage_config or AdvantageConfig()
     if cfg.kl_coef > 0 and kl_logprobs is None:

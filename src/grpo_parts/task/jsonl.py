@@ -173,7 +173,7 @@ class JsonlTask:
         tokenizer: Any = None,
         model: str = "the model",
     ) -> JsonlTask:
-        """Read, split, render (chat) and check the data; choose the grader (see the module docstring)."""
+        """Read, split, render (chat) and check the data; choose the grader (docs/training.md, "Graders")."""
         cfg = config or DataConfig()
         records, fmt = load_records(data, cfg.format, cfg.prompt_key, cfg.answer_key)
         if eval_data is not None:

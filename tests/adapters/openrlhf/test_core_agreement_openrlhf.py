@@ -20,20 +20,16 @@ these tests run (never skip) in CI.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from _openrlhf_helpers import openrlhf_args
+from core_cases import F64, TOL, Case, assert_close, cases, grpo_loss_and_grads, loss_and_grads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core"))  # the shared hypothesis cases
-from core_cases import F64, TOL, Case, assert_close, cases, grpo_loss_and_grads, loss_and_grads  # noqa: E402
-
-from grpo_parts.core import (  # noqa: E402
+from grpo_parts.core import (
     AdvantageConfig,
     CorrectionConfig,
     LossConfig,

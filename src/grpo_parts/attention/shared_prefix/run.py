@@ -29,7 +29,7 @@ from ..reference import completion_output
 from .chunking import empty_call_batch
 from .guard import layout_shortfall, model_kind, refusing
 from .layout import LAYOUT_KWARG, GroupedInputs, LayoutSettings, build_grids, build_grouped_inputs
-from .padding_free import build_padding_free_inputs
+from .padding_free import PaddingFreeLayout, build_padding_free_inputs
 from .plan import Plan
 
 #: name under which the attention function is registered with transformers
@@ -123,8 +123,8 @@ class PlanRun:
     def _call(self, batch: LogprobBatch, grouped: GroupedInputs, entropy: bool) -> LogprobOutput:
         """One model call on ``batch``, laid out as ``grouped``."""
         kept = grouped_forward(self.model, grouped)  # raises NotSupportedError for what the model breaks
-        masks = getattr(grouped.layout, "masks", None)  # the padding-free layout's attention calls
-        if masks is not None:
+        if isinstance(grouped.layout, PaddingFreeLayout):  # its attention calls per path
+            masks = grouped.layout.masks
             self.attention_calls.update(masks.calls)
             self.masked_why += [w for w in masks.why if w not in self.masked_why]
         with refusing("un-grouping the logits", self.model):

@@ -326,11 +326,9 @@ def train(
 
 @contextmanager
 def setup_frozen() -> Iterator[None]:
-    """Everything set-up created (imported modules, the policy, tokenizer, task, parts) moved out of
-    the garbage collector's view for the run (``gc.freeze``), and back after. Otherwise every full
-    collection walks them all, inside whichever step it lands (docs/speculative.md has the
-    measurement). Applies to the reference and the optimized arm alike. A caller that
-    froze objects itself keeps its own arrangement (``gc.unfreeze`` would release those too)."""
+    """Everything set-up created moved out of the garbage collector's view for the run (``gc.freeze``;
+    otherwise every full collection walks it all, inside whichever step it lands: docs/speculative.md),
+    for both arms alike. A caller that froze objects itself keeps its own arrangement."""
     if gc.get_freeze_count():
         yield
         return
