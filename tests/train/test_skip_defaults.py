@@ -1,14 +1,20 @@
 """What ``grpo-parts train`` does about prompt skipping when the config does not say
-(``grpo_parts.train.skip_defaults``): on by default on finite data, off on the built-in stream, off
-with a one-line reason where the given loss cannot be unbiased, and ``history`` with this door's
-measured settings under the given ones and skipping's unbiased loss."""
+(``grpo_parts.train.skip_defaults``): opt-in, with one line on finite data saying so (and why this
+config could not take it, where it could not), and ``history`` with this door's measured settings
+under the given ones and skipping's unbiased loss."""
 
 from __future__ import annotations
 
 import pytest
 
 from grpo_parts.train.config import TrainConfig, load_config
-from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, TRAIN_HISTORY_KWARGS, finite_data, skip_notes
+from grpo_parts.train.skip_defaults import (
+    EVIDENCE,
+    SKIP_DEFAULT_AGG,
+    TRAIN_HISTORY_KWARGS,
+    finite_data,
+    skip_notes,
+)
 
 FINITE = [{"task.train_size": 48}, {"data": "problems.jsonl"}]
 
@@ -21,15 +27,14 @@ def test_skipping_is_off_on_the_built_in_stream() -> None:
 
 
 @pytest.mark.parametrize("overrides", FINITE, ids=["pool", "data_file"])
-def test_skipping_is_on_by_default_on_finite_data(overrides: dict[str, object]) -> None:
+def test_skipping_is_opt_in_on_finite_data_and_the_run_says_so(overrides: dict[str, object]) -> None:
     cfg = load_config(overrides=overrides)
-    assert finite_data(cfg) and cfg.parts.prompt_skip == "history"
-    assert cfg.parts.prompt_skip_kwargs == TRAIN_HISTORY_KWARGS
-    assert (cfg.loss.agg, cfg.loss.norm_constant) == (SKIP_DEFAULT_AGG, cfg.max_new_tokens)
+    assert finite_data(cfg) and cfg.parts.prompt_skip == "none" and cfg.loss.agg == "token-mean"
     (line,) = skip_notes(cfg)
-    assert line.endswith("; on by default on finite data (parts.prompt_skip=none turns it off)")
+    assert line.startswith("parts.prompt_skip: off (opt-in: ") and EVIDENCE in line
+    assert line.endswith("--set parts.prompt_skip=history turns it on") and "\n" not in line
     off = load_config(overrides={**overrides, "parts.prompt_skip": "none"})
-    assert off.parts.prompt_skip == "none" and off.loss.agg == "token-mean" and skip_notes(off) == []
+    assert off.parts.prompt_skip == "none" and skip_notes(off) == []  # the user said so: nothing to add
 
 
 @pytest.mark.parametrize(
@@ -37,12 +42,11 @@ def test_skipping_is_on_by_default_on_finite_data(overrides: dict[str, object]) 
     [["loss.agg=token-mean"], ["advantage.norm=batch"]],
     ids=["token_mean_given", "batch_norm"],
 )
-def test_finite_data_stays_off_in_one_line_where_skipping_cannot_be_unbiased(sets: list[str]) -> None:
+def test_the_line_says_where_this_config_could_not_take_skipping(sets: list[str]) -> None:
     cfg = load_config(overrides=FINITE[0], sets=sets)
     assert cfg.parts.prompt_skip == "none"
     (line,) = skip_notes(cfg)
-    assert line.startswith("parts.prompt_skip: off on this finite data, where it is on by default: ")
-    assert "expected" in line and "\n" not in line
+    assert ", though not with this config: " in line and "expected" in line and "\n" not in line
 
 
 def test_history_behind_this_door_takes_the_measured_settings_under_the_given_ones() -> None:

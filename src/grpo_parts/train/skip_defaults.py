@@ -4,9 +4,9 @@ said in the run's first lines (:func:`skip_notes`).
 
 - ``history`` takes :data:`TRAIN_HISTORY_KWARGS` under the given ``parts.prompt_skip_kwargs``;
 - with skipping on and ``loss.agg`` not given, the loss is :data:`SKIP_DEFAULT_AGG`;
-- on by default on finite data (``--data``, or ``task.train_size``), where a prompt comes back every
-  epoch; off (with one line saying why) where the advantage or a given ``loss.agg`` cannot keep it
-  unbiased. The built-in stream draws a fresh problem every step: nothing would be skipped there.
+- opt-in everywhere (``parts.prompt_skip=history``): on fresh seeds of the finite pools it did not
+  reach the target sooner nor end as high as the same run with skipping off (docs/results.md, "The
+  finite-data default"), so a finite-data run says so in one line and leaves it off.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ SKIP_DEFAULT_AGG = "seq-mean-token-sum-norm"
 #: filling its steps): chosen by docs/results.md, "Which arm is fastest"
 STRONG_RULE: dict[str, Any] = {"keep_base": 0.3, "base_step": 0.02, "target_share": 0.15}
 TRAIN_HISTORY_KWARGS: dict[str, Any] = {**STRONG_RULE, "step_size": "fill"}
-#: ``parts.prompt_skip`` on finite data when not given
-FINITE_DATA_SKIP = "history"
+#: where the evidence for the finite-data default lives (the run's line points at it)
+EVIDENCE = "docs/results.md#the-finite-data-default-54"
 
 
 def skip_default_loss(loss: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
@@ -91,24 +91,14 @@ def skip_refusals(data: Any, max_new_tokens: int) -> list[str] | None:
         return None
 
 
-def default_refusals(data: Any, max_new_tokens: int) -> list[str] | None:
-    """Why :data:`FINITE_DATA_SKIP` does not switch on by default for a config (or its fields as
-    given): ``[]``, it does (finite data, and skipping can stay unbiased); the reasons, it stays off;
-    None, not finite data, or a section is invalid (its field reports it)."""
-    return skip_refusals(data, max_new_tokens) if finite_data(data) else None
-
-
 def apply_skip_defaults(data: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
-    """``data`` (the config's fields as given, ``task`` filled in) with :data:`FINITE_DATA_SKIP` on
-    finite data when ``parts.prompt_skip`` is not given and skipping can be unbiased there; and, when
-    ``parts.prompt_skip`` is ``history``, :data:`TRAIN_HISTORY_KWARGS` under the given kwargs and
-    skipping's loss when ``loss.agg`` is not given. ``max_new_tokens``: the field's default."""
+    """``data`` (the config's fields as given, ``task`` filled in), and when ``parts.prompt_skip`` is
+    ``history``, :data:`TRAIN_HISTORY_KWARGS` under the given kwargs and skipping's loss when
+    ``loss.agg`` is not given. ``max_new_tokens``: the field's default."""
     parts = _given(data.get("parts"))
     if parts is None:
         return data
-    fields, names = parts
-    if "prompt_skip" not in names and default_refusals(data, max_new_tokens) == []:
-        fields["prompt_skip"] = FINITE_DATA_SKIP
+    fields, _ = parts
     loss = _skip_loss(data, max_new_tokens)
     if fields.get("prompt_skip", "none") == "none" or loss is None:
         return data
@@ -120,16 +110,19 @@ def apply_skip_defaults(data: dict[str, Any], max_new_tokens: int) -> dict[str, 
 
 
 def skip_notes(config: Any) -> list[str]:
-    """The loss prompt skipping trains, or why it is off on finite data, where it is on by default
-    (one line, logged; config.yaml holds the same settings); ``config``: a validated ``TrainConfig``
-    (not imported here: the config module imports this one)."""
+    """The loss prompt skipping trains, or, on finite data where it was not asked for, that it is
+    opt-in and why (one line, logged; config.yaml holds the same settings); ``config``: a validated
+    ``TrainConfig`` (not imported here: the config module imports this one)."""
     if config.parts.prompt_skip == "none":
-        # off where it would be on by default, had skipping's loss been unbiased (an explicit
-        # parts.prompt_skip=none with a loss skipping could train says nothing)
-        reasons = default_refusals(config, config.max_new_tokens) or []
-        if not reasons:
-            return []
-        line = f"parts.prompt_skip: off on this finite data, where it is on by default: {reasons[0]}"
+        if not finite_data(config) or "prompt_skip" in config.parts.model_fields_set:
+            return []  # nothing could be skipped, or the user said so
+        line = (
+            "parts.prompt_skip: off (opt-in: on fresh seeds skipping by default did not reach the "
+            f"target sooner nor end as high, {EVIDENCE}); --set parts.prompt_skip=history turns it on"
+        )
+        reasons = skip_refusals(config, config.max_new_tokens) or []
+        if reasons:
+            line += f", though not with this config: {reasons[0]}"
     else:
         loss = config.loss
         line = f"parts.prompt_skip={config.parts.prompt_skip!r}: loss.agg={loss.agg!r}"
@@ -138,7 +131,5 @@ def skip_notes(config: Any) -> list[str]:
                 f", norm_constant={loss.norm_constant:g} (a normaliser fixed before the draw: token-mean's "
                 "drawn-batch token count is unknown for skipped prompts; same gradient direction per step)"
             )
-        if finite_data(config):
-            line += "; on by default on finite data (parts.prompt_skip=none turns it off)"
     log.info(line)
     return [line]

@@ -35,7 +35,7 @@ def test_arms_change_only_the_filter_and_skipping_and_share_one_loss() -> None:
 
 
 def test_skip_on_and_off_arms_train_what_a_user_who_says_only_that_gets() -> None:
-    cfg = load_config(overrides={"task.train_size": 48})  # finite data: skipping on by default
+    cfg = load_config(overrides={"task.train_size": 48})  # finite data (skipping opt-in)
     arms = arm_configs(cfg, ["skip_on", "skip_off", "cppo+skip"])
     on, off = arms["skip_on"], arms["skip_off"]
     assert on.parts.prompt_skip == "history" and on.parts.prompt_skip_kwargs == TRAIN_HISTORY_KWARGS

@@ -2,8 +2,8 @@
 once per group instead of once per completion, with the same log-probs and gradients as
 :class:`~grpo_parts.attention.reference.RepeatedPrefixAttention`.
 
-``completion_logprobs`` reads check -> plan -> run: the capability check (here and
-:mod:`.guard`), one :class:`~.plan.Plan` of the call (:mod:`.plan`: kernel, layout, model calls),
+``completion_logprobs`` reads check -> plan -> run: the capability check (:mod:`.guard`; the
+kernel is chosen here), one :class:`~.plan.Plan` of the call (:mod:`.plan`: kernel, layout, model calls),
 and its run (:mod:`.run`): the rows regrouped by ``group_index`` (:mod:`.layout`,
 :mod:`.padding_free`), the model run with this package's attention function (:mod:`.kernels`)
 selected for the duration of the call, logits only where they predict a completion token (the last
