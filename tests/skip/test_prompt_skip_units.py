@@ -382,7 +382,7 @@ def test_a_framework_door_not_asked_to_skip_says_it_is_opt_in(caplog: pytest.Log
             ) is None  # fmt: skip
     (line,) = [r.getMessage() for r in caplog.records]
     assert line == (
-        "grpo_parts: prompt skipping is opt-in here (grpo_parts.prompt_skip=history; on by default only "
-        "behind grpo-parts train on finite data, where it chooses the loss); this run would refuse it: "
+        "grpo_parts: prompt skipping is opt-in (grpo_parts.prompt_skip=history turns it on); this run "
+        "would refuse it: "
         "loss.agg='token-mean': divides by ...; expected ..."
     )

@@ -1,18 +1,9 @@
-"""The ``AttentionBackend`` Protocol, at two levels.
-
-1. Trainer level -- :meth:`AttentionBackend.completion_logprobs`: per-token log-probs (and
-   optionally entropies) of the completions of a batch of groups, given a model. This is what
-   TRL's ``_get_per_token_logps_and_entropies``, verl's ``compute_log_prob`` and OpenRLHF's
-   ``Actor.forward`` call; GRPO runs it three times (policy with grad, old policy and reference
-   without).
-2. Kernel level -- :meth:`AttentionBackend.register_kernel`: the attention function a backend
-   registers with transformers' ``AttentionInterface`` (``attn_implementation=<name>``), or None
-   when the backend uses the model's own attention.
+"""The ``AttentionBackend`` Protocol, at two levels: per-token completion log-probs for a trainer
+(:meth:`AttentionBackend.completion_logprobs`, what TRL, verl and OpenRLHF call three times per GRPO
+step) and the transformers attention function a backend registers (:meth:`AttentionBackend.register_kernel`).
 
 Optional abilities a backend *declares* by having the members (checked with ``isinstance``):
-:class:`ReportsPlan` (how its last call split the batch; keys ``PLAN_*``), :class:`CountsAttentionCalls`
-(attention calls per path), :class:`RankAgreeing` (the ranks that must agree on its model calls) and
-:class:`Plans` (plans each call before running it, so adapters can agree on the plan across ranks).
+:class:`ReportsPlan`, :class:`CountsAttentionCalls`, :class:`RankAgreeing` and :class:`Plans`.
 """
 
 from __future__ import annotations

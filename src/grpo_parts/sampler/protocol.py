@@ -1,12 +1,7 @@
 """The ``Sampler`` Protocol: roll out G completions per prompt and return the policy's log-probs.
 
-Implementations: ``reference.ReferenceSampler`` (plain batched KV-cache sampling). Optimized
-samplers (speculative, vLLM) add files here without changing these signatures.
-
 Optional abilities a sampler *declares* by having the members (checked with ``isinstance``):
-:class:`TrainsDraft` (builds a learnable draft's training batch from a rollout) and
-:class:`TracesDecode` (keeps a per-decode-step trace of its last rollout). ``Rollout.stats`` keys
-shared between samplers and readers are in :mod:`grpo_parts.sampler.stats`.
+:class:`TrainsDraft` and :class:`TracesDecode`. Shared ``Rollout.stats`` keys: :mod:`grpo_parts.sampler.stats`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Reference sampler: plain batched autoregressive sampling with a KV cache.
 
-One policy forward per emitted token for all rows still generating. This is the baseline every
-speedup is measured against, so it is deliberately lean (no logits-processor stack, prefill computes
-only the last position's logits, finished rows leave the batch) -- docs/results.md shows it is at
-least as fast as ``generate``.
-
-The policy may be wrapped (DDP, FSDP1, DeepSpeed's engine) or sharded (FSDP2, ZeRO-3):
-:func:`grpo_parts.wrappers.generation_model` says what each generates with. Sharded across ranks,
-the ranks run their forwards together -- a rank whose rows have all finished keeps running one-token
-forwards, one all-reduce per step deciding when every rank is done -- so that each forward's
-all-gather meets its peers on every rank.
+The baseline every speedup is measured against, so deliberately lean (docs/results.md: at least as
+fast as ``generate``). Sharded policies (FSDP2, ZeRO-3) run their forwards together across ranks: a
+rank whose rows have all finished keeps running one-token forwards until an all-reduce says every
+rank is done, so each forward's all-gather meets its peers.
 """
 
 from __future__ import annotations

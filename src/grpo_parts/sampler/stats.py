@@ -1,9 +1,7 @@
 """The keys of ``Rollout.stats`` that more than one module writes or reads.
 
-A sampler reports per-rollout numbers in ``Rollout.stats`` (a ``dict[str, float]``); the trainer
-averages or sums them into the step's metrics under the **same names** (``metrics.jsonl``, the TRL
-adapter's ``parts/sampler/<key>``), so these strings are also metric names users see: never rename
-one. The plain samplers report none of them.
+They are also the metric names users see (``metrics.jsonl``, TRL's ``parts/sampler/<key>``): never
+rename one. The plain samplers report none of them.
 """
 
 from __future__ import annotations

@@ -31,14 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def off_note(setting: str, reasons: list[str]) -> str:
-    """The one line a framework door logs when prompt skipping was not asked for: why it is not on
-    by default there (``grpo-parts train`` turns it on on finite data, where it also chooses the loss;
-    a framework's loss is the user's, and its defaults cannot stay unbiased under skipping), and what
-    turns it on. ``setting``: the door's switch; ``reasons``: what this run's config would refuse."""
-    line = (
-        f"grpo_parts: prompt skipping is opt-in here ({setting}=history; on by default only behind "
-        "grpo-parts train on finite data, where it chooses the loss)"
-    )
+    """The one line a framework door logs when prompt skipping was not asked for: it is opt-in behind
+    every door (docs/results.md, "The finite-data default"), what turns it on, and whether this run's
+    loss (the user's) could stay unbiased under it. ``setting``: the door's switch; ``reasons``: what
+    this run's config would refuse."""
+    line = f"grpo_parts: prompt skipping is opt-in ({setting}=history turns it on)"
     if reasons:
         return f"{line}; this run would refuse it: {reasons[0]}"
     return f"{line}; this run's loss would stay unbiased under it"

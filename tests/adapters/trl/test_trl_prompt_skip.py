@@ -199,16 +199,13 @@ def test_none_and_a_skipper_that_never_skips_leave_trl_as_is(base: torch.nn.Modu
 def test_skipping_not_asked_for_says_in_one_line_it_is_opt_in_here(
     base: torch.nn.Module, caplog: pytest.LogCaptureFixture, loss: str, tail: str
 ) -> None:
-    """Only grpo-parts train turns skipping on by default (on finite data, where it chooses the loss):
-    behind TRL the loss is the user's, so the trainer says it is off, how to turn it on, and whether
-    this run's loss could take it."""
+    """Skipping is opt-in behind every door: behind TRL the loss is the user's, so the trainer says it
+    is off, how to turn it on, and whether this run's loss could take it."""
     with caplog.at_level("INFO", logger="grpo_parts.skip.stage"):
         tr = _tiny.build(GRPOPartsTrainer, base, _tiny.config(loss_type=loss))
     assert tr.gp_skipper is None
     (line,) = [r.getMessage() for r in caplog.records if "prompt skipping" in r.getMessage()]
-    assert line.startswith(
-        "grpo_parts: prompt skipping is opt-in here (prompt_skip=history; on by default only"
-    )
+    assert line.startswith("grpo_parts: prompt skipping is opt-in (prompt_skip=history turns it on)")
     assert tail in line
 
 

@@ -1,20 +1,10 @@
-"""Shared-prefix attention backend (Prefix Grouper, arXiv 2506.05433): each prompt is encoded
-once per group instead of once per completion, with the same log-probs and gradients as
+"""Shared-prefix attention backend (Prefix Grouper, arXiv 2506.05433): each prompt is encoded once
+per group, with the same log-probs and gradients as
 :class:`~grpo_parts.attention.reference.RepeatedPrefixAttention`.
 
-``completion_logprobs`` reads check -> plan -> run: the capability check (:mod:`.guard`; the
-kernel is chosen here), one :class:`~.plan.Plan` of the call (:mod:`.plan`: kernel, layout, model calls),
-and its run (:mod:`.run`): the rows regrouped by ``group_index`` (:mod:`.layout`,
-:mod:`.padding_free`), the model run with this package's attention function (:mod:`.kernels`)
-selected for the duration of the call, logits only where they predict a completion token (the last
-prefix token's logit is shared by every completion of the group), un-grouped and merged.
-
-The layout reaches the attention function as an extra keyword argument of ``model(...)``, which
-transformers forwards to every ``AttentionInterface`` function. A 4-D placeholder
-``attention_mask`` makes transformers skip building a dense mask that the kernels would ignore.
-Architectures where that does not hold are refused, never computed wrong (:mod:`.guard`): after
-every forward each decoder layer must have received the layout, checked once per model on a
-one-token probe by :meth:`SharedPrefixAttention.not_supported_reasons` too.
+``completion_logprobs`` reads check (:mod:`.guard`; the kernel is chosen here) -> plan (:mod:`.plan`)
+-> run (:mod:`.run`). Architectures where the layout cannot reach every layer are refused, never
+computed wrong (docs/attention.md, "The guard").
 """
 
 from __future__ import annotations

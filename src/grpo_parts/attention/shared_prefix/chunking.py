@@ -1,24 +1,10 @@
 """Split a batch's groups into a few grids, so that long-tailed completions do not pad every slot.
 
-One grid (:mod:`.layout`) gives every group ``G`` slots of ``S`` tokens, ``G`` the largest group and
-``S`` the longest completion in the batch. With long-tailed completion lengths (most rows finish
-early, a few run long) or uneven groups (CPPO keeps 0..G rows of a group), most of that grid is
-padding -- it can hold more token slots than the reference's ``N x (P + S)`` rows. Rows of different
-groups never attend to each other, so the groups can be split into several grids, each run as its
-own forward, with the same log-probs and gradients.
-
-:func:`chunk_plan` sorts the groups by their longest completion and cuts that order into at most
-``max_chunks`` contiguous chunks, minimising the grid token slots plus ``overhead_tokens`` per extra
-forward (dynamic programming over the cut points, vectorised over the groups). A negative overhead
-splits as far as ``max_chunks`` and the number of groups allow (tests use it to force the split).
-
-**Several processes** (FSDP, DeepSpeed ZeRO, DDP) run collectives in every forward (parameter
-all-gathers) and backward (gradient reductions): a rank that runs more model calls than another
-waits for it forever. :meth:`.plan.Plan.agreed` makes the ranks agree -- one all-reduce of the
-largest grid count -- and each rank then plans up to that many grids for itself (smaller grids, no
-extra cost: the calls run anyway) and pads the rest with *empty calls*, a one-token prefix and
-completion whose log-probs enter the result multiplied by zero (so their backward runs the same
-collectives and adds nothing).
+Rows of different groups never attend to each other, so the groups can run as several forwards with
+the same log-probs and gradients. :func:`chunk_plan` cuts the groups, sorted by longest completion,
+into at most ``max_chunks`` grids minimising token slots plus ``overhead_tokens`` per extra forward
+(a negative overhead forces the split, for tests). Ranks agree on the call count with empty calls
+(:meth:`.plan.Plan.agreed`): docs/attention.md, "Several grids when completions are long-tailed".
 """
 
 from __future__ import annotations

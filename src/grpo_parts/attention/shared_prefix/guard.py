@@ -1,23 +1,10 @@
 """What keeps the shared-prefix backend from computing wrong numbers silently.
 
-The grid layout (:mod:`.layout`) is only correct if *every* token mixer of the model is an
-attention layer that receives the layout. Three checks, from cheapest to strongest:
-
-1. :func:`model_reasons` and :func:`architecture_reasons` -- before any forward, from the config and the module tree: ALiBi
-   (its bias is built from the row's token indices, not each sequence's positions), layer types
-   other than full/sliding attention (linear attention, state-space, convolution, chunked), token
-   mixers that are not attention (state-space / recurrent / short-convolution modules), attention
-   temperature tuning by row index, a forward without ``position_ids``, a rotary embedding whose
-   frequencies might follow the row length (:func:`rotary_reasons`).
-2. the kernel (:func:`~grpo_parts.attention.shared_prefix.kernels.shared_prefix_attention`) refuses any keyword
-   argument it does not implement and records, in ``layout.receipts``, every attention module that
-   received the layout.
-3. :func:`layout_shortfall` after every forward: each decoder layer must contain a module that
-   received the layout. A layer that does not pass keyword arguments on to its attention, or an
-   attention that does not dispatch through transformers' ``AttentionInterface``, ran over the whole
-   grid row with the placeholder mask (log-probs off by ~1, no error); it is named in the
-   :class:`~grpo_parts.errors.NotSupportedError`. The backend also runs this check once per model
-   on a one-token probe before the first real forward (``not_supported_reasons``).
+The layout is only correct if *every* token mixer is an attention layer that receives it. Three
+checks, cheapest first: :func:`model_reasons` / :func:`architecture_reasons` from the config and
+module tree; the kernel refusing keyword arguments it does not implement and recording
+``layout.receipts``; :func:`layout_shortfall` after every forward (a layer that missed the layout ran
+over the whole grid row, log-probs off by ~1, no error). docs/attention.md, "The guard".
 """
 
 from __future__ import annotations

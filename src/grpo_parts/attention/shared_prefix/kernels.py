@@ -1,29 +1,10 @@
 """Shared-prefix attention kernels for the grid layout of :mod:`.layout`.
 
-Every kernel computes, for each group row ``[prefix | s_1 | ... | s_G]``:
-
-* prefix queries attend causally to the prefix;
-* suffix ``i`` queries attend to the whole (real) prefix and causally to suffix ``i`` only.
-
-None copies the prefix K/V per suffix. ``eager`` and ``sdpa`` are *cascade* kernels: they attend to
-the prefix (all G*S suffix queries of a group against the group's prefix K/V in one matmul) and to
-the own suffix (a batched causal attention over ``[B*G, S]``) separately, then merge the two
-partial softmaxes with their log-sum-exp. ``flex`` expresses the same pattern as a block-sparse
-mask (FlexAttention reads each prefix K/V block once per query block). The ``sdpa`` kernel's
-autograd Function lives in :mod:`.cascade`.
-
-=========  ==========================================  ===========================================
-kernel     how                                         supports
-=========  ==========================================  ===========================================
-eager      matmul + logsumexp merge, plain autograd    everything incl. logit soft-capping and
-                                                       attention sinks; any device/dtype;
-                                                       materialises scores
-sdpa       PyTorch's CPU flash-attention ops, merged   CPU, float32/float64/bfloat16; no
-           in a custom autograd Function whose         soft-capping; O(L) memory per head
-           backward reuses the merged output + LSE
-flex       FlexAttention ``mask_mod`` (+ ``score_mod``  soft-capping; on CPU forward only
-           for soft-capping)                           (torch has no CPU flex backward)
-=========  ==========================================  ===========================================
+Per group row ``[prefix | s_1 | ... | s_G]``: prefix queries attend causally to the prefix, suffix
+``i`` queries to the whole real prefix and causally to suffix ``i`` only; no kernel copies the prefix
+K/V per suffix. ``eager`` and ``sdpa`` (autograd Function in :mod:`.cascade`) merge the prefix and
+own-suffix partial softmaxes by log-sum-exp; ``flex`` is a block-sparse mask. What each supports:
+the kernel table in docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Shared-prefix layout: regroup a :class:`LogprobBatch` into one row per prompt, and back.
 
-Each group (the rows sharing a ``group_index``) becomes one row of a grid::
-
-    [ prefix (Pp, right-padded) | slot 0 (S) | slot 1 (S) | ... | slot G-1 (S) ]
-
-``Pp`` is the longest prompt, ``S`` the longest completion and ``G`` the largest group in the
-batch; shorter prompts/completions and missing slots are padding. Position ids count real tokens,
-as in the reference: prefix ``0..p-1``, every slot ``p..p+len-1``. Every padding token gets the
-largest position id of the *reference's* batch (``max_position``: the longest row's last token), so
-each forward's largest position id is the reference's -- RoPE variants that choose their frequencies
-from it (``dynamic`` NTK, ``longrope``: Phi-3.5/Phi-4-mini) see what the reference sees, and no
-position exceeds the model's context (learned absolute positions). A grid without any padding whose
-own rows end below ``max_position`` (a split grid of short rows) gets one padding column at the end
-of its prefix to carry it. Padding is never attended by a real token, so its positions change
-nothing else. The kernels
-(:mod:`.kernels`) read :class:`PrefixLayout` to know where the segments are; because every row
-has the same segment boundaries they can batch all groups and all slots in a few tensor ops.
-
-Padding inside the prefix is put at its *end* (right-padded), so the prefix's causal
-self-attention never sees a pad key from a real query; only suffix -> prefix attention needs a key
-mask (and only when prompt lengths differ).
+Each group becomes one grid row ``[ prefix (Pp, right-padded) | slot 0 (S) | ... | slot G-1 (S) ]``.
+Position ids count real tokens as in the reference; padding carries the reference batch's largest
+position id (``max_position``), so RoPE variants that scale by it (dynamic NTK, longrope) see what
+the reference sees. The prefix is right-padded so its causal self-attention never sees a pad key.
+docs/attention.md, "How it works".
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Padding-free shared-prefix layout: every group's prefix once, then its completions back to back.
 
-The grid (:mod:`.layout`) gives every group ``G`` slots of the longest completion. With
-long-tailed completion lengths most of those slots are padding. This layout runs exactly the real
-tokens instead -- one row::
-
-    [ prefix_1 | s_11 | s_12 | ... | prefix_2 | s_21 | ... ]  (+ at most one padding column)
-
-Each group is a contiguous *span*. Inside a span a prefix token attends causally to the prefix; a
-token of suffix ``j`` attends to the whole prefix and causally to suffix ``j`` only; nothing
-attends across spans. Position ids count real tokens as in the reference (prefix ``0..p-1``, every
-suffix ``p..p+len-1``); the padding column, added only when the row has no padding but ends below
-the reference's largest position id, carries that id (as the grid's padding does, :mod:`.layout`).
-Logits are kept where they predict a completion token: the last prefix token of each group (shared
-by its completions) and every suffix token but the last -- one logit row per completion token.
-
-Kernels (``PaddingFreeLayout.kernel``): ``sdpa`` runs the *varlen cascade* (:mod:`.varlen`: per
-span, all queries against the prefix, each completion against itself in length buckets, PyTorch's
-CPU flash ops merged by log-sum-exp; about ``P^2/2 + sum_j S_j (P + S_j/2)`` scores per span
-instead of ``(P + sum_j S_j)^2``); with ``varlen=False``, or where :func:`varlen_reasons` refuses
-it, ``sdpa`` is PyTorch's ``scaled_dot_product_attention`` with an explicit boolean mask per span
-(counted in ``calls["masked_sdpa"]`` with the reason, never silently). ``eager`` (soft-capping,
-sinks) runs the same varlen plan in plain PyTorch ops (:mod:`.varlen_eager`, ``calls["varlen_eager"]``;
-about ``P^2 + sum_j S_j (P + S_j)`` scores), with ``varlen=False`` the span mask
-(``calls["masked_eager"]``); ``flex`` is one FlexAttention call over the row with the same pattern as
-a block-sparse mask (the CUDA choice; forward-only on CPU).
-:func:`.layout_choice.choose_layout` picks grid or padding-free (:data:`LAYOUTS`).
+One row ``[ prefix_1 | s_11 | s_12 | ... | prefix_2 | s_21 | ... ]`` (+ at most one padding column
+carrying the reference's largest position id); nothing attends across a group's span. Logits are
+kept where they predict a completion token. The kernels per ``PaddingFreeLayout.kernel`` (varlen
+cascade, varlen eager, masked fallbacks counted in ``calls``, flex) and :data:`LAYOUTS`:
+docs/attention.md, "The padding-free layout".
 """
 
 from __future__ import annotations

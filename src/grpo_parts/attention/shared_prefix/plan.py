@@ -1,26 +1,13 @@
 """One plan per shared-prefix call: every decision about a batch, made once, before any forward.
 
-A call of :meth:`~.backend.SharedPrefixAttention.completion_logprobs` reads **check -> plan -> run
--> merge**. :func:`make_plan` is the plan: one host sync over the batch (:meth:`GroupFacts.of`)
-gives the group facts every decision reads, and one frozen :class:`Plan` holds
+:func:`make_plan` reads the group facts in one host sync and returns a frozen :class:`Plan`: kernel,
+layout (:mod:`.layout_choice`), the model calls (:mod:`.chunking`) with the empty calls that keep
+ranks in step (:meth:`Plan.agreed`), token counts and :meth:`Plan.info`. The run decides nothing.
+Adapters that agree on more than the call count plan without agreement, make their one all-reduce
+and call :meth:`Plan.agreed`; no planner lives outside this package.
 
-* the kernel and why (chosen by the backend from the model, before the plan);
-* the layout and why (:mod:`.layout_choice`: grid or padding-free by estimated cost);
-* the model calls: the rows of each grid (:mod:`.chunking`), and the *empty calls* that make every
-  rank run as many model calls as the rank that runs the most (:meth:`Plan.agreed`);
-* the token count of each layout, and what the call logs (:meth:`Plan.info`).
-
-The run (:mod:`.run`) executes a plan and decides nothing. Adapters that must agree with other
-ranks on more than the call count (verl's engine hook and OpenRLHF's actor also agree on falling back
-to the framework's own forward) ask for a plan without agreement, make their one all-reduce, and
-call :meth:`Plan.agreed` with the result; no planner lives outside this package.
-
-``packed=True`` is for callers that run packed rows today (verl's remove-padding micro-batches,
-OpenRLHF's ``packing_samples``): the grid then cuts each group into sub-groups of similar
-completion length (:func:`.chunking.split_long_tails`) and, where its grids would still hold more
-tokens than the packed rows, splits them with no per-forward overhead, up to one grid per
-sub-group -- so ``Plan.tokens`` never exceeds the packed tokens (``max_chunks`` gives way to that
-bound, as verl's remove-padding and OpenRLHF's packed forwards promise it).
+``packed=True`` (verl's remove-padding, OpenRLHF's ``packing_samples``) guarantees ``Plan.tokens``
+never exceeds the packed tokens (docs/attention.md, "Sub-groups for long tails inside a group").
 """
 
 from __future__ import annotations

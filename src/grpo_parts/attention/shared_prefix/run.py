@@ -1,15 +1,8 @@
 """Run a :class:`.plan.Plan`: each model call's layout built, one forward each, un-grouped, merged.
 
-Nothing here decides anything: the plan says which rows each call holds, in which layout, with
-which kernel, and how many empty calls keep the ranks in step. Rows of different groups never
-attend to each other, so running the groups as several calls and un-permuting the rows gives the
-reference's log-probs and gradients; every call's largest position id is the whole batch's, as in
-the reference's one forward (:mod:`.layout`).
-
-The forward runs the model with this package's attention function (:data:`KERNEL_NAME`) selected
-for its duration and checks that every decoder layer received the layout (:func:`grouped_forward`);
-the backend's capability check runs the same forward once per model on a one-token probe
-(:func:`probe_reasons`).
+Nothing here decides anything. The forward selects this package's attention function
+(:data:`KERNEL_NAME`) for its duration and checks every decoder layer received the layout
+(:func:`grouped_forward`); :func:`probe_reasons` runs it once per model on a one-token probe.
 """
 
 from __future__ import annotations

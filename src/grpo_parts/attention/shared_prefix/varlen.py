@@ -1,22 +1,11 @@
 """The padding-free layout's ``sdpa`` kernel: a *varlen cascade* of PyTorch's CPU flash ops.
 
-A span of the padding-free row (:mod:`.padding_free`) is ``[prefix (P) | s_1 | ... | s_G]``. A dense
-mask over the span costs ``(P + sum_j S_j)^2`` scores per head and layer; this kernel costs about
-``P^2/2 + sum_j S_j (P + S_j/2)``:
-
-(a) every query of the span against the span's prefix keys: one flash call with ``is_causal``
-    (top-left aligned: a prefix query sees the prefix causally, a suffix query all of it);
-(b) each completion against itself, causal: completions of similar length (over all spans of the
-    row) are *bucketed* -- sorted, a bucket's shortest at least ``1 / (1 + slack)`` of its longest --
-    and padded at the END to the bucket's longest, one flash call per bucket. Exact: under a causal
-    mask a real query never sees end padding; padded queries' outputs are discarded and their
-    gradient is zero;
-(c) (a) and (b) merged by log-sum-exp.
-
-Backward reuses :class:`.cascade._Cascade`'s argument: the flash backward of each part, given the
-*merged* output and LSE, yields that part's share of the joint softmax's gradient. Padded queries
-of a bucket get a zero output gradient and their own bucket LSE (so every recomputed probability is
-finite). Grouped-query KV heads are repeated per flash call (prefix, bucket), never for the row.
+Per span ``[prefix (P) | s_1 | ... | s_G]``, about ``P^2/2 + sum_j S_j (P + S_j/2)`` scores instead of
+``(P + sum_j S_j)^2``: (a) every query against the prefix keys, one causal flash call; (b) each
+completion against itself, in length buckets end-padded to the bucket's longest (exact under the
+causal mask); (c) merged by log-sum-exp. Backward reuses :class:`.cascade._Cascade`'s argument;
+padded queries get a zero output gradient and their own bucket LSE (so every recomputed probability
+is finite). docs/attention.md, "The padding-free layout".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """The padding-free layout's ``eager`` kernel: the varlen plan (:mod:`.varlen`) in plain PyTorch ops.
 
-For models the CPU flash ops cannot run -- attention logit soft-capping (Gemma-2), attention sinks
-(gpt-oss) -- or when the user picks ``eager``. A dense mask over a span ``[prefix (P) | s_1 | ... |
-s_G]`` costs ``(P + sum_j S_j)^2`` scores per head and layer; this kernel costs ``P^2 + sum_j S_j
-(P + S_j)`` (eager computes whole squares and masks them; bucket padding aside):
-
-(a) per span, the prefix queries against the prefix keys, causal;
-(b) per length bucket of the plan (completions of all spans, end-padded to the bucket's longest),
-    each completion's queries against its span's prefix keys *and* its own keys, causal, as ONE
-    softmax over the concatenated key axis -- so soft-capping (elementwise, before the mask) and a
-    sink (one extra logit per head in the normaliser, no value) are exactly the reference's.
-
-A bucket may hold completions of different spans: each completion gathers its own span's prefix
-keys, end-padded to the bucket's longest prefix with a key mask. That is simpler than splitting
-buckets per span (one call per bucket as in the cascade) and exact (masked keys get probability 0);
-its cost -- the gathered keys and the padded prefix columns -- is bounded by the scores tensor the
-bucket materialises anyway. End padding is exact as in :mod:`.varlen`: under the causal mask a real
-query never sees a padded key, padded queries' outputs are dropped (zero gradient). Grouped-query
-heads are folded (``[n, Hkv, rep, S, D]`` against broadcast keys), never repeated. Autograd does the
-backward.
+For soft-capping (Gemma-2), attention sinks (gpt-oss), or by choice. Per length bucket, each
+completion's queries see its span's prefix keys *and* its own keys in ONE softmax, so soft-capping
+and sinks are exactly the reference's. Buckets may mix spans (each gathers its own prefix keys with
+a key mask); grouped-query heads are folded, never repeated; autograd does the backward.
+docs/attention.md, "The padding-free layout".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Start-up timing of the speculative sampler's costs on the running machine (FastGRPO's verification
-budget ``C``, measured): the policy's cached forward of ``A x T`` tokens (:func:`calibrate_policy`,
-the decode loop's own forwards) and the draft's proposal (:func:`calibrate_draft`), into a
-:class:`~.cost_model.CostModel` that online step times then refine (:func:`calibrate`)."""
+"""Start-up timing of the speculative sampler's costs on the running machine (FastGRPO's budget
+``C``, measured): :func:`calibrate_policy`, :func:`calibrate_draft`, into a
+:class:`~.cost_model.CostModel` (:func:`calibrate`).
+"""
 
 from __future__ import annotations
 

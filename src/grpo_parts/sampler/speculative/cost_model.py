@@ -1,13 +1,9 @@
 """Concurrency-aware draft sizing: how many tokens to draft when ``A`` rows are still generating.
 
-One speculative step with draft length ``k`` costs ``t_verify(A, k + 1) + t_draft(A, k)`` and emits
-on average ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens per row (Leviathan et al.), ``a`` being the
-per-token acceptance rate. Plain decoding (``k = 0``) emits 1 token per row for ``t_verify(A, 1)``.
-We pick the ``k`` with the most tokens per second, so ``k`` shrinks as the batch grows (verifying
-more tokens per row stops being free once the hardware is busy) and grows again as rows finish;
-``k = 0`` switches speculation off. This replaces FastGRPO's hand-set verification budget ``C``:
-``t_verify`` is *measured* on the running machine at start-up (:mod:`.calibration`), never a
-constant, and ``t_draft`` is measured at start-up and refined online from every draft call.
+A step with draft length ``k`` costs ``t_verify(A, k + 1) + t_draft(A, k)`` and emits
+``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens per row; the ``k`` with the most tokens per second wins
+(``k = 0``: plain decoding). Unlike FastGRPO's hand-set budget ``C``, the costs are measured on the
+running machine (:mod:`.calibration`) and refined online. docs/speculative.md, "The cost model".
 """
 
 from __future__ import annotations

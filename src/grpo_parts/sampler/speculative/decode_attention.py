@@ -1,28 +1,11 @@
 """Decode attention that reads each group's prompt K/V once (speculative sampler).
 
-The speculative sampler prefills each prompt once and copies its KV cache to the prompt's ``G``
-rows, so the first ``P`` cache columns (the left-padded prompt) of all rows of a group hold the
-same keys and values. The decode loop never moves those columns (crop and tree compaction touch
-the last block only; hole compaction gathers columns ``>= P`` only), so a decode forward may read
-them from one row per group: :func:`shared_prompt_attention` scores the prompt columns with the
-group's queries stacked (one ``[G' * T, D] @ [D, P]`` matmul per group and KV head instead of
-``G'`` of ``[T, D] @ [D, P]``, ``G'`` = the group's rows still active), the completion columns per
-row, and takes one softmax over both with the forward's own mask (holes, tree masks, left padding).
-Exact up to float rounding.
-
-Every other decode forward of a GQA policy (fewer KV heads than query heads) runs
-:func:`grouped_query_attention`: transformers' sdpa and eager attention copy each layer's whole
-K/V cache per query head (``repeat_kv``) whenever a mask is given -- every step of a left-padded
-batch -- which at batch 64 cost a quarter of a decode forward (docs/speculative.md); folding the
-query heads that share a KV head into one SDPA call reads the cache as it is.
-
-It runs as a transformers ``AttentionInterface`` function (:data:`KERNEL_NAME`, selected on the
-policy for the decode loop only and restored after it, :func:`decode_attention_reasons` says for
-which models) that receives the rollout's :class:`DecodeLayout` as the forward keyword argument
-:data:`LAYOUT_KWARG`. A forward without the layout (prefill, the draft, anything else) and a call
-the cost rule or the kernel's checks turn down run the model's own attention; the layout counts
-the calls per path (``plain_gqa``: the plain calls served by the grouped path), which the
-rollout reports.
+The first ``P`` cache columns (the prompt) are identical within a group and never moved by the decode
+loop, so :func:`shared_prompt_attention` scores them with the group's queries stacked and the
+completion columns per row, in one softmax with the forward's own mask. Other GQA decode forwards
+run :func:`grouped_query_attention` (no per-head ``repeat_kv`` copy of the cache). Registered as
+:data:`KERNEL_NAME`, fed the :class:`DecodeLayout` as :data:`LAYOUT_KWARG`; anything else runs the
+model's own attention. docs/speculative.md, "Decode attention over the shared prompt".
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The speculative sampler's decode loop state: one rollout's buffers and the rows still generating.
 
-:class:`DecodeState` owns the output buffers of every row (tokens, log-probs, counts) and the
-per-active-row decoding state, in cache order: the policy's KV cache and its attention mask (with
-*holes*: ``mask == 0`` columns of rejected draft tokens), each row's next position, last token, and
-the policy features its draft has not seen yet. The steps that change it:
-
-* :meth:`DecodeState.prefill` -- one prefill per prompt, copied to its ``G`` rows;
-* :meth:`DecodeState.plain_step` -- one token per row, as lean as the reference sampler;
-* :meth:`DecodeState.emit` -- write the tokens a verification emitted (cut after EOS and at
-  ``max_new_tokens``) and mark finished rows;
-* :meth:`DecodeState.drop_finished` -- finished rows leave the batch and the cache at once (live
-  rows from the end of the batch move into their slots: a copy of those rows, not of the cache);
-* :meth:`DecodeState.release` -- crop columns every surviving row rejected, compact when holes
-  exceed a fraction of the cache.
+:class:`DecodeState` owns every row's outputs and the active rows' KV cache (with *holes*), mask,
+positions, last tokens and unseen policy features; ``prefill``, ``plain_step``, ``emit``,
+``drop_finished`` and ``release`` change it.
 """
 
 from __future__ import annotations

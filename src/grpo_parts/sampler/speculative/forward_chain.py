@@ -1,21 +1,11 @@
 """What a policy's instance-replaced ``forward`` does around its class's own forward.
 
-Trainers replace ``model.forward`` on the instance with wrappers that, for a decode forward, change
-nothing but the numeric context:
-
-* accelerate's ``Accelerator.prepare`` with mixed precision (``bf16`` / ``fp16``; TRL's default on
-  every device): ``convert_outputs_to_fp32(autocast(forward))`` -- the forward runs under a
-  ``torch.autocast`` instance and its half-precision output tensors come back as float32
-  (``accelerate.utils.operations.ConvertOutputsToFp32``);
-* TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, installed by every ``GRPOTrainer``):
-  ``_fused_forward(*args, fused_lm_head=False, ...)`` calls the forward it replaced unchanged unless
-  the caller passes ``fused_lm_head=True`` (the decode loop never does).
-
-The lean decode forward (:mod:`.lean_forward`) calls the policy's weights instead of its forward, so
-it must reproduce what such a chain does: :func:`forward_chain` walks the chain down to the class's
-forward and returns the :class:`ForwardChain` to apply (the same autocast instances entered, outputs
-converted to float32), or why it cannot (a layer it does not recognise). The layers are recognised by
-their module and qualified name, so neither accelerate nor TRL is imported here.
+Trainers wrap ``model.forward`` on the instance with layers that change only the numeric context
+of a decode forward: accelerate's mixed-precision ``convert_outputs_to_fp32(autocast(forward))`` and
+TRL's fused LM head (a no-op unless ``fused_lm_head=True``). The lean forward calls the weights, not
+the forward, so :func:`forward_chain` walks that chain and returns the :class:`ForwardChain` to apply,
+or why it cannot. Layers are recognised by module and qualified name: neither accelerate nor TRL is
+imported here.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """A lean cached forward of Llama-family policies for the speculative sampler's decode loop.
 
-A decode forward of a small policy is mostly framework overhead, not arithmetic: transformers'
-``LlamaForCausalLM`` runs per forward an output-capturing decorator, a config-defaults decorator,
-mask creation through the masking utilities and per layer three module calls with keyword
-plumbing, a large share of a small policy's forward on a CPU (docs/results.md, "Lean decode
-forward"). The decode loop's verifications are many such small forwards, so this path
-calls the policy's *own weights, rotary module, KV cache and attention function* with the modeling
-code's maths in the same order (:mod:`grpo_parts.decoding.lean_layer`), and nothing else:
-
-    h = embed(ids); cos, sin = rotary(h, pos)
-    per layer: x = rms(h); q, k, v = proj(x) [, q/k norm]; rope; K, V = cache.update(k, v)
-               h += o(attn(q, K, V, mask)); h += down(act(gate(rms(h))) * up(rms(h)))
-    logits = lm_head(rms(h))
-
-The layer itself is :func:`grpo_parts.decoding.lean_layer.lean_layer` (shared with the EAGLE head's drafting
-path). Exact up to float rounding (tests/sampler/speculative/test_lean_forward.py compares logits, hidden states and
-the cache with the model's own forward in float64 for every supported architecture). Which models:
-:func:`lean_forward_reasons` lists why a model is not served (architecture outside the table,
-wrapped or quantised projections, hooks, sliding windows, an attention implementation other than
-SDPA); the decode loop then runs the model's own forward and counts which path ran.
+A small policy's decode forward is mostly transformers' per-call overhead (docs/results.md, "Lean
+decode forward"), so this path calls the policy's own weights, rotary module, KV cache and attention
+function with the modeling code's maths in the same order (:mod:`grpo_parts.decoding.lean_layer`).
+Exact up to float rounding; :func:`lean_forward_reasons` says which models it does not serve.
+docs/speculative.md, "Decode forwards without the framework's overhead".
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Which policies the speculative sampler can serve exactly, read from the model's config.
 
-* **Recurrent / convolutional layers** (Mamba, Mamba-2, Nemotron-H, Jamba, Bamba, Zamba,
-  Falcon-H1, Qwen3-Next's linear attention, LFM2's convolutions, RecurrentGemma, RWKV): their
-  cache is a running state, not one entry per token, so it cannot be rolled back to the accepted
-  prefix of a verified draft (nor can a rejected token be left as a masked hole). Refused at
-  construction, with the layer kinds found.
-* **Sliding-window attention** (Mistral, Gemma2/3, Cohere2, GPT-OSS, Exaone4, Qwen2 with
-  ``use_sliding_window``): transformers applies the window by *cache column* (and
-  ``DynamicSlidingWindowLayer`` keeps only the last ``W - 1`` columns), so cache holes and left
-  padding would count against it. The sampler serves such a model exactly while every row's
-  prompt width + ``max_new_tokens`` fits in ``W - 1`` columns: it compacts the cache (gathering
-  each row's live entries to the right) before a forward would pass ``W - 1`` columns, so the
-  window never drops or hides a real entry. Longer rollouts are refused with the numbers.
-* **Weights sharded across processes** (FSDP1, FSDP2, DeepSpeed ZeRO-3): refused
-  (:func:`sharded_reasons`). Whole weights under a wrapper (DDP, ZeRO-0/1/2) are served.
+Recurrent / convolutional layers are refused (their cache cannot roll back to an accepted prefix);
+sliding-window models are served while prompt + ``max_new_tokens`` fits in ``W - 1`` cache columns
+(the window counts cache columns, holes included); weights sharded across processes are refused
+(:func:`sharded_reasons`). docs/speculative.md, "Models served".
 """
 
 from __future__ import annotations

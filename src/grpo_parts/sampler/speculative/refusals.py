@@ -1,13 +1,9 @@
 """Never silently off: why a rollout's decode loop could not take its fast paths.
 
-The decode loop has two paths that stand in for the policy's own per-forward work: the lean forward
-(:mod:`.lean_forward`) and the shared-prompt decode attention (:mod:`.decode_attention`). Each is
-checked per rollout against the policy as the trainer hands it over (wrapped forwards, hooks, the
-attention implementation selected, the rollout's group size). Where one cannot run for a reason
-other than the config turning it off, :class:`PathRefusals` logs each distinct set of reasons
-once per sampler, and the rollout counts it (``Rollout.stats``: :data:`~..stats.LEAN_FORWARD_REFUSED`,
-:data:`~..stats.DECODE_ATTENTION_REFUSED`, 1 per rollout), so a trainer that loses a path shows it
-in its metrics (the TRL adapter's ``parts/sampler/lean_forward_refused``, ``metrics.jsonl``).
+The lean forward and the shared-prompt decode attention are checked per rollout against the policy
+as the trainer hands it over. :class:`PathRefusals` logs each distinct set of reasons once per
+sampler and the rollout counts it (:data:`~..stats.LEAN_FORWARD_REFUSED`,
+:data:`~..stats.DECODE_ATTENTION_REFUSED`), so a lost path shows in the metrics.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Concurrency-aware speculative sampler (FastGRPO, arXiv 2509.21792), lossless and batched.
 
-Per step, for the ``A`` rows still generating:
-
-1. the :class:`~.cost_model.CostModel` picks a draft length ``k`` from ``A`` and the online
-   acceptance estimate (``k = 0`` is plain decoding: speculation off where it would not pay);
-2. the draft proposes ``k`` tokens per row; the policy scores ``[last, d_1 .. d_k]`` in one cached
-   forward; :func:`~.verify.verify_chain` accepts a prefix of each row's chain by residual rejection
-   sampling and draws one more token (correction or bonus), so each row emits ``n_a + 1`` tokens;
-3. EOS inside the emitted chain stops the row there, and no row emits more than
-   ``max_new_tokens``; finished rows leave the batch (and both KV caches) at once.
-
-**Per-row acceptance without filler.** Rows accept different counts. The KV entries of rejected
-tokens stay in the policy's cache as *holes*: their attention-mask column is set to 0, and every
-forward passes explicit ``position_ids`` (a row's next position is its own real length), so a hole
-is invisible to attention and never shifts positions. Columns that every row rejected are cropped
-at once; when holes exceed ``compact_waste`` of the cache it is compacted (each row's live entries
-gathered to the right). No row ever computes or attends to another row's filler.
+Per step, for the rows still generating: the cost model picks a draft length (0 = plain decoding),
+the policy scores the draft in one cached forward, :mod:`.verify` accepts a prefix per row, and
+finished rows leave the batch and both KV caches. Rejected tokens stay in the cache as masked
+*holes* with explicit ``position_ids``, so rows accept different counts without filler.
+docs/speculative.md, "What one step does" and "Per-row acceptance: holes, not filler".
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """What the speculative sampler did at every decode step of its last rollout, and why.
 
-Per decode step: the rows still generating (``active``), the draft length the cost model chose
-(``k``, 0 = plain decoding), the mean tokens each row emitted (``tokens``: accepted drafts + 1;
-exactly 1 for a plain step), the online acceptance estimate, and the cost model's numbers behind
-a plain step (k = 0): the predicted time of a plain step and of a step drafting one token, and
-the break-even acceptance (the smallest acceptance at which drafting one token beats plain
-decoding; >= 1 means speculation cannot pay at that batch size whatever the draft).
+docs/speculative.md, "What it did, per decode step", names the fields.
 """
 
 from __future__ import annotations

