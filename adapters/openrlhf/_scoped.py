@@ -1,21 +1,11 @@
 """Run OpenRLHF's own code with some of *its* names bound to grpo_parts classes, without touching
-any module, class or builtin that other code sees.
+any module, class or builtin that other code sees (OpenRLHF 0.11.2 takes no classes as arguments).
 
-OpenRLHF 0.11.2 has no way to pass classes in: ``cli/train_ppo_ray.py`` builds its parser inside
-``if __name__ == "__main__"`` and its ``train()`` names ``PolicyModelActor``,
-``ReferenceModelActor``, ``create_vllm_engines`` and (by a local import) ``PPOTrainer``; the model
-actors build ``Actor(...)``; ``create_vllm_engines`` builds ``RolloutRayActor``. Instead of
-assigning those module attributes (which every other user of the module would see), two scoped
-tools are used:
-
-* :func:`run_entry_script` executes an entry script exactly as shipped (as ``runpy`` does), in a
-  fresh namespace whose ``__import__`` hands *that script's* import statements a private view of
-  the named modules, with the given attributes replaced. Imports made by any other module, and the
-  modules themselves, are untouched.
-* :func:`with_globals` returns a copy of one function whose global names are looked up in a copy of
-  its module's namespace with a few names replaced; the original function and module stay as they
-  are.
-"""
+* :func:`run_entry_script` executes an entry script as shipped (as ``runpy`` does) in a namespace
+  whose ``__import__`` hands *that script's* imports a private view of the named modules, with the
+  given attributes replaced.
+* :func:`with_globals` copies one function with its globals looked up in a copy of its module's
+  namespace with a few names replaced."""
 
 from __future__ import annotations
 

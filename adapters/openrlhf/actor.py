@@ -1,17 +1,10 @@
 """A grpo_parts :class:`~grpo_parts.attention.protocol.AttentionBackend` inside OpenRLHF's ``Actor.forward``.
 
-:class:`GRPOPartsActor` is OpenRLHF's ``Actor`` (built the same way, with the same arguments: the
-grpo_parts model actors construct it where OpenRLHF constructs ``Actor``). Until
-:meth:`GRPOPartsActor.use_backend` gives it a backend it *is* OpenRLHF's actor; afterwards its
-``forward`` takes the same arguments and returns the same ``action_log_probs: [B, A]`` (and
-``output.entropy: [B, T-1]`` when asked), computed by the backend on the rows regrouped by prompt
-(:mod:`.layout`). Padded and ``packing_samples`` actors get the same call: OpenRLHF packs inside
-``forward``, and the backend does its own layout.
-
-Calls the backend cannot serve (ring attention, multimodal inputs, full-logit requests) run
-OpenRLHF's own forward. :attr:`GRPOPartsActor.counters` counts both kinds per step
-(``parts/attention/forwards``, ``parts/attention/fallbacks``; each reason logged once).
-"""
+:class:`GRPOPartsActor` is OpenRLHF's ``Actor`` (same construction); after
+:meth:`GRPOPartsActor.use_backend` its ``forward`` returns the same ``action_log_probs: [B, A]`` (and
+``output.entropy``), computed by the backend on the rows regrouped by prompt (:mod:`.layout`). Calls
+the backend cannot serve run OpenRLHF's own forward, counted in :attr:`GRPOPartsActor.counters`.
+docs/adapters/openrlhf.md, "AttentionBackend"."""
 
 from __future__ import annotations
 
@@ -69,12 +62,10 @@ class GRPOPartsActor(Actor):
         return self
 
     def _plan(self, layout: Any) -> tuple[Any, str | None]:
-        """``(the backend's plan or None, fallback reason)`` for a call regrouped by prompt. A backend
-        that plans (the shared-prefix one) plans it as packed rows (``packed=True``: sub-groups of
-        similar completion length, grids split until they hold no more than the packed tokens where
-        a split can do it; the ranks agree afterwards, :meth:`_plan_call`); with
-        ``--ds.packing_samples`` a plan that still runs more tokens than the packed rows runs
-        OpenRLHF's packed forward instead (counted). Adds to :attr:`tokens`."""
+        """``(the backend's plan or None, fallback reason)`` for a call regrouped by prompt, planned as
+        packed rows (the ranks agree afterwards, :meth:`_plan_call`); with ``--ds.packing_samples`` a plan
+        that runs more tokens than the packed rows runs OpenRLHF's packed forward instead (counted). Adds to
+        :attr:`tokens`."""
         backend = self.grpo_backend
         if not isinstance(backend, Plans):
             return None, None

@@ -1,23 +1,12 @@
 """Sampler in OpenRLHF: an ``AgentExecutor`` (``--train.agent_func_path``) that rolls out with a
 grpo_parts :class:`~grpo_parts.sampler.protocol.Sampler` instead of the vLLM engine.
 
-OpenRLHF's rollout actor calls ``execute(prompt, ...)`` once per completion, ``n_samples_per_prompt``
-times concurrently for one prompt (``asyncio.gather``). The executor queues the concurrent calls and
-serves them with **one** ``Sampler.generate`` (``group_size`` = the number of identical prompts), so
-group-aware samplers (speculative decoding with sibling drafts) see whole groups. Each call returns
-the dict OpenRLHF's ``SamplesGenerator._process_response_into_experience`` reads, with
-``extra_logs[SAMPLER_MARK]`` set so the trainer counts the rollout (``parts/sampler/rollouts``).
-
-OpenRLHF instantiates ``AgentExecutor()`` without arguments, so an agent file subclasses
-:class:`GRPOPartsAgentExecutor` (docs/adapters/openrlhf.md has the file). The sampler runs on its
-own transformers copy of the policy inside the rollout actor. That copy is a
-:class:`~grpo_parts.doors.policy_copy.PolicyCopy`: under the launcher, the rollout actor
-(:mod:`.rollout`) receives OpenRLHF's weight broadcast in vLLM's place and hands it to
-:meth:`GRPOPartsAgentExecutor.load_weights`. A rollout from a copy that has not received the actor's
-weights since its last update is refused in one line (``StaleWeightsError``) unless the executor
-was built with ``allow_frozen=True``; ``parts/sampler/weight_syncs`` and
-``parts/sampler/frozen_rollouts`` go to ``extra_logs`` with the rollout's other stats.
-"""
+OpenRLHF calls ``execute`` once per completion, ``n_samples_per_prompt`` times concurrently; the
+executor serves the concurrent calls with **one** ``Sampler.generate`` so group-aware samplers see
+whole groups, and marks each result (``extra_logs[SAMPLER_MARK]``) so the trainer counts it. Its
+policy copy is a :class:`~grpo_parts.doors.policy_copy.PolicyCopy` fed by OpenRLHF's weight broadcast
+(:mod:`.rollout`); a rollout from stale weights is refused unless ``allow_frozen=True``.
+docs/adapters/openrlhf.md, "Sampler" (with the agent file)."""
 
 from __future__ import annotations
 
@@ -129,12 +118,10 @@ class RolloutGate:
 
 
 class GRPOPartsAgentExecutor(AgentExecutorBase):
-    """``sampler``: a grpo_parts Sampler (or a zero-argument factory, called on first use inside the
-    rollout actor). ``reward_fn(queries, prompts, labels)``: OpenRLHF's reward-function signature,
-    returning ``{"rewards": tensor, "scores": tensor, "extra_logs": dict}``; None = no reward.
-    ``seed``: sampling is reproducible per executor. ``allow_frozen``: serve rollouts from weights
-    that do not follow the trained policy (debugging, evaluating a fixed checkpoint; counted as
-    ``parts/sampler/frozen_rollouts``); by default such a rollout is refused."""
+    """``sampler``: a grpo_parts Sampler or a zero-argument factory (called on first use in the rollout
+    actor). ``reward_fn(queries, prompts, labels)``: OpenRLHF's reward-function signature; None = no
+    reward. ``seed``: reproducible sampling per executor. ``allow_frozen``: serve rollouts from weights
+    that do not follow the trained policy (counted as ``parts/sampler/frozen_rollouts``)."""
 
     def __init__(
         self,
@@ -209,10 +196,7 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
         eos = hf_tokenizer.eos_token_id
         eos_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
         pad = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else (eos_ids or (0,))[0]
-        key = (
-            sampling_params_from_vllm(sampling_params, len(ids), max_length, eos_ids, pad, 1),
-            max_length,
-        )
+        key = (sampling_params_from_vllm(sampling_params, len(ids), max_length, eos_ids, pad, 1), max_length)
         completion, logps, truncated, stats = await self.batcher.submit(key, ids)
         # the rollout's Rollout.stats (lean_forward_calls, ...): OpenRLHF copies extra_logs into
         # Experience.info, which it logs; the mark counts the rollout (parts/sampler/rollouts)

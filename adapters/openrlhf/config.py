@@ -105,11 +105,9 @@ NOT_OFFERED = {
 
 class OpenRLHFPartsConfig(PartsConfig):
     """The one :class:`~grpo_parts.parts_config.PartsConfig` as the ``--grpo_parts.*`` flags give it,
-    plus the settings only this door has (``speculative_config``, ``draft_sync``,
-    ``check_first_batch``). Defaults reproduce plain OpenRLHF exactly. Flag strings are read as the
-    shared fields: ``attention none`` = OpenRLHF's own forward (``reference`` is grpo_parts' reference
-    backend, as behind every door),
-    ``group_rows auto|on|off`` = None/True/False."""
+    plus this door's own settings (``speculative_config``, ``draft_sync``, ``check_first_batch``).
+    Defaults reproduce plain OpenRLHF. ``attention none`` = OpenRLHF's own forward; ``group_rows
+    auto|on|off`` = None/True/False."""
 
     speculative_config: dict[str, Any] = Field(default_factory=dict)
     draft_sync: str = "none"
@@ -235,11 +233,9 @@ def skip_reasons(args: Any, refill_rounds: int) -> list[str]:
 
 
 def weighted_filter_reasons(filt: Any, args: Any, refill_rounds: int) -> list[str]:
-    """Why OpenRLHF cannot train the weighted filter ``filt`` (``dppo``: kept rows weighted ``1 / p``)
-    unbiased under ``args`` (empty for a plain filter). The experience maker multiplies each kept
-    row's per-token advantage by its weight times ``kept rows / rolled-out rows`` -- exact for
-    OpenRLHF's PPO / GSPO / dual-clip losses (positively homogeneous in the advantage) and its
-    per-step sequence count (whole ``--train.batch_size`` steps); what cannot stay so is refused."""
+    """Why OpenRLHF cannot train the weighted filter ``filt`` (``dppo``) unbiased under ``args`` (empty
+    for a plain filter): the rule of docs/filter.md, "Unbiased pruning (`dppo`)", on OpenRLHF's losses
+    and its per-step sequence count (whole ``--train.batch_size`` steps)."""
     if not isinstance(filt, WeighsLoss):
         return []
     kl = float(args.algo.kl.init_coef or 0.0)

@@ -1,16 +1,8 @@
 """CompletionFilter in OpenRLHF: a ``RemoteExperienceMaker`` that computes GRPO advantages with
 :func:`grpo_parts.core.group_advantages`, filters completions, and refills through the samples
-generator.
-
-When the rewards arrive with the samples (reward functions, remote RMs, agents) the filter runs
-**before** OpenRLHF's old-policy / reference forwards, so they run on the kept rows only (CPPO's
-saving); with a reward *model* it runs after them. Advantages are computed once per group on the
-full group and placed per token with OpenRLHF's own ``compute_reward`` / ``get_cumulative_returns``,
-so ``keep_all`` equals OpenRLHF's ``group_norm`` (or ``dr_grpo``, ``rloo``). A weighted filter
-(``dppo``) and prompt skipping put their row weights on the advantage
-(:mod:`grpo_parts.doors.weights`, :mod:`grpo_parts.skip.stage`) and round up only.
-docs/adapters/openrlhf.md, "CompletionFilter" and "Prompt skipping".
-"""
+generator. With rewards from functions, remote RMs or agents the filter runs before the
+old-policy / reference forwards (CPPO's saving); with a reward model, after them. ``keep_all``
+equals OpenRLHF's ``group_norm``. docs/adapters/openrlhf.md, "CompletionFilter" and "Prompt skipping"."""
 
 from __future__ import annotations
 
@@ -69,15 +61,9 @@ def group_index_of(samples: list[Experience], group_size: int) -> torch.Tensor:
 
 
 class GRPOPartsExperienceMaker(RemoteExperienceMaker):
-    """``RemoteExperienceMaker`` with a grpo_parts ``CompletionFilter``.
-
-    ``completion_filter``: any grpo_parts filter (default keep-all = plain OpenRLHF).
-    ``samples_generator`` / ``generate_kwargs``: the trainer's, used to refill (a
-    :class:`~.samples.GRPOPartsSamplesGenerator`); ``refill_rounds``: extra rollout rounds allowed
-    per step (0 = train on what the filter kept). ``counters``: where filter calls are counted
-    (``parts/filter/calls``). ``last_info`` holds the last step's filter diagnostics (kept
-    fraction, refill prompts).
-    """
+    """``RemoteExperienceMaker`` with a grpo_parts ``CompletionFilter`` (default keep-all = plain
+    OpenRLHF). ``samples_generator`` / ``generate_kwargs`` refill up to ``refill_rounds`` extra rounds;
+    ``counters`` counts filter calls; ``last_info`` holds the last step's filter diagnostics."""
 
     def __init__(
         self,
@@ -251,10 +237,8 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
 
     def free_gpu_for_vllm(self) -> None:
         """Before a refill wakes sleeping vLLM engines: leave the GPU as OpenRLHF's loop leaves it
-        before generation. Under ``--ds.enable_sleep`` the DeepSpeed states of the trained models
-        are offloaded (``offload_states``; a no-op when ``ppo_train`` already offloaded them), and
-        with ``--train.colocate_all`` the model actors empty their CUDA caches, as
-        ``make_experience`` does between colocated forwards."""
+        before generation (DeepSpeed states offloaded, CUDA caches emptied when colocated;
+        docs/adapters/openrlhf.md, "CompletionFilter")."""
         trained = [g for g in (self.actor_model_group, self.critic_model_group) if g is not None]
         if self.args.ds.enable_sleep:
             _wait([r for g in trained for r in g.async_run_method(method_name="offload_states")])
@@ -297,10 +281,9 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         return self.compute_advantages_and_returns(self.split_for_ranks(kept, keep_index=True))
 
     def split_for_ranks(self, rows: list[Experience], keep_index: bool = False) -> list[Experience]:
-        """Micro-batches of ``--rollout.micro_batch_size`` rows, cut per rank: OpenRLHF hands the
-        list to its ranks in ``len / dp_size`` consecutive pieces (``async_run_method_batch``), so
-        each rank gets one equal contiguous share of the kept rows (prompts stay together). With
-        ``--train.dynamic_batch_enable`` OpenRLHF balances the experiences itself."""
+        """Micro-batches of ``--rollout.micro_batch_size`` rows, one equal contiguous share of the kept
+        rows per rank, in the order ``async_run_method_batch`` hands them out (docs/adapters/openrlhf.md,
+        "CompletionFilter", several ranks)."""
         if self.args.train.dynamic_batch_enable or len(rows) % self.dp_size:
             return self.split_rollout_samples(rows) if not keep_index else self._micro(rows)
         if not keep_index:

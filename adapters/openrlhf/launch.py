@@ -1,15 +1,10 @@
 """Launch OpenRLHF's GRPO with grpo_parts: ``python -m grpo_parts_adapters.openrlhf.launch [flags]``.
 
-This is the entry script: every flag of ``openrlhf.cli.train_ppo_ray`` works unchanged (OpenRLHF's
-own parser, validation and ``train()`` run as shipped), plus the ``grpo_parts`` argument group
-(``--grpo_parts.*``, see ``--help`` and :data:`.config.FLAGS`). OpenRLHF 0.11.2 takes no classes
-as arguments, so the script runs with *its own* imports of ``argparse.ArgumentParser``,
-``PolicyModelActor``, ``ReferenceModelActor``, ``create_vllm_engines`` and ``PPOTrainer`` resolving
-to the grpo_parts subclasses (:mod:`._scoped`): no module attribute, class or builtin is
-reassigned, so nothing else in the process (or in Ray's workers) sees a change. Ray ships the
-subclasses to the workers, and the parts config travels in ``strategy.args.grpo_parts``. With every
-``--grpo_parts.*`` flag at its default the run is plain OpenRLHF GRPO.
-"""
+Every flag of ``openrlhf.cli.train_ppo_ray`` works unchanged, plus ``--grpo_parts.*``
+(:data:`.config.FLAGS`). The script runs with *its own* imports resolving to the grpo_parts
+subclasses (:mod:`._scoped`), so nothing else in the process or in Ray's workers sees a change; the
+parts config travels in ``strategy.args.grpo_parts``. With every flag at its default the run is plain
+OpenRLHF GRPO. docs/adapters/openrlhf.md, "Launch"."""
 
 from __future__ import annotations
 
@@ -22,13 +17,7 @@ from typing import Any, NoReturn
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 
 from ._scoped import run_entry_script
-from .config import (
-    ADVANTAGE_CONFIGS,
-    FLAGS,
-    OpenRLHFPartsConfig,
-    skip_reasons,
-    weighted_filter_reasons,
-)
+from .config import ADVANTAGE_CONFIGS, FLAGS, OpenRLHFPartsConfig, skip_reasons, weighted_filter_reasons
 
 OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
 PROG = "python -m grpo_parts_adapters.openrlhf.launch"

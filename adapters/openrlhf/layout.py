@@ -1,21 +1,10 @@
 """OpenRLHF's batch layout <-> grpo_parts' :class:`~grpo_parts.attention.protocol.LogprobBatch`.
 
-OpenRLHF 0.11.2 hands ``Actor.forward`` (and the reference model) three tensors:
-
-* ``sequences: [B, T]`` prompt + response token ids, **right-padded** (a row's real tokens are
-  contiguous; they are marked by ``attention_mask: [B, T]``);
-* ``action_mask: [B, A]`` over the *targets* of the last ``A`` log-prob positions: column ``k``
-  says whether the token at padded position ``T - A + k`` is an action (a generated token).
-  Multi-turn agents interleave environment tokens (mask 0) with actions.
-
-The actor returns ``action_log_probs: [B, A]``: ``log p(sequences[:, T - A + k] | earlier tokens)``
-times ``action_mask``. Here a row's *prefix* is every real token before its first action and its
-*completion* every real token from the first action on (environment tokens included, so they are
-attended to; their log-probs are masked out by ``action_mask`` afterwards). Rows with identical
-prefixes form a group: that is what a shared-prefix backend encodes once.
-
-Pure torch (no OpenRLHF import), so it is unit-tested without OpenRLHF.
-"""
+OpenRLHF 0.11.2 hands ``Actor.forward`` right-padded ``sequences: [B, T]`` with ``attention_mask``,
+and ``action_mask: [B, A]`` over the targets of the last ``A`` positions (multi-turn agents
+interleave environment tokens, mask 0). A row's *prefix* is every real token before its first
+action, its *completion* every real token from there on (environment tokens included, masked out
+afterwards); rows with identical prefixes form a group. Pure torch, tested without OpenRLHF."""
 
 from __future__ import annotations
 
@@ -29,13 +18,9 @@ from grpo_parts.errors import GRPOPartsError, check_tensor
 
 @dataclass(frozen=True)
 class OpenRLHFLayout:
-    """How the rows of a :class:`LogprobBatch` map back to OpenRLHF's ``[B, T]`` tensors.
-
-    ``rows: [K]`` the OpenRLHF rows that have at least one completion token (the others contribute
-    only zeros); ``target_pos: [K, C]`` for completion token ``c`` of kept row ``k``, the index into
-    OpenRLHF's ``log_probs[:, :-1]`` (``= padded position - 1``), or ``T - 1`` (a scratch column
-    that is dropped) for padding.
-    """
+    """How the rows of a :class:`LogprobBatch` map back to OpenRLHF's ``[B, T]`` tensors: ``rows: [K]``
+    the rows with a completion token; ``target_pos: [K, C]`` the index into ``log_probs[:, :-1]`` of
+    completion token ``c`` of row ``k``, or the dropped scratch column ``T - 1`` for padding."""
 
     batch: LogprobBatch
     rows: torch.Tensor

@@ -1,23 +1,13 @@
-"""The Ray actor / trainer classes the launcher's entry script uses instead of OpenRLHF's.
+"""The Ray actor / trainer classes the launcher's entry script uses instead of OpenRLHF's; each
+subclasses OpenRLHF's class and reads :class:`~.config.OpenRLHFPartsConfig` from
+``strategy.args.grpo_parts``.
 
-Each subclasses OpenRLHF's class (the original behind its ``@ray.remote`` wrapper) and reads the
-:class:`~.config.OpenRLHFPartsConfig` from ``strategy.args.grpo_parts``, which Ray ships with the strategy:
-
-* :class:`GRPOPartsPolicyModelActor` / :class:`GRPOPartsReferenceModelActor`: OpenRLHF's
-  ``init_model_from_pretrained`` as shipped, building a :class:`~.actor.GRPOPartsActor` where it
-  builds ``Actor`` (same arguments); afterwards the attention backend is given to it (policy
-  forward+backward, old-policy and reference forwards), and the policy's replay buffer keeps groups
-  in one micro-batch (:class:`~.replay.GroupedReplayBuffer`) when ``group_rows`` says so.
-  ``grpo_parts_counters()`` returns (and resets) the actor's per-step forward counts.
-* :class:`GRPOPartsPPOTrainer`: a :class:`~.samples.GRPOPartsSamplesGenerator` and a
-  :class:`~.experience.GRPOPartsExperienceMaker` (filter + refill) in place of OpenRLHF's; skips
-  steps where the filter kept nothing; adds ``grpo_parts/*`` and the per-step part counters
-  (``parts/<part>/<calls>``, ``parts/<part>/fallbacks``, summed over the model actors) to the step's
-  status dict, the one OpenRLHF logs and sends to wandb / TensorBoard. When the engines are
-  grpo_parts rollout actors (:mod:`.rollout`), it broadcasts the actor's weights once before the
-  first rollout (OpenRLHF does only after updates) and marks their policy copies stale before each
-  actor update, so a rollout the broadcast did not follow is refused.
-"""
+* :class:`GRPOPartsPolicyModelActor` / :class:`GRPOPartsReferenceModelActor` build a
+  :class:`~.actor.GRPOPartsActor` where OpenRLHF builds ``Actor`` and give it the attention backend;
+  the policy's replay buffer keeps groups together (:class:`~.replay.GroupedReplayBuffer`).
+* :class:`GRPOPartsPPOTrainer` uses the grpo_parts samples generator and experience maker, skips
+  steps where the filter kept nothing, logs the part counters, and with grpo_parts rollout actors
+  broadcasts the weights before the first rollout and marks copies stale before each update."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Training micro-batches that keep a prompt's completions together (for shared-prefix attention).
 
-OpenRLHF's ``NaiveReplayBuffer`` stores single samples and its ``DataLoader`` shuffles them into
-``--train.micro_batch_size`` micro-batches, so completions of one prompt rarely share a micro-batch
-and a shared-prefix backend has nothing to share in the policy forward/backward.
-:class:`GroupedReplayBuffer` makes each dataset item a whole micro-batch, cut from the samples in
-the order they arrived (OpenRLHF appends them prompt-major), so ``ppo_train``'s shuffle permutes
-micro-batches instead of samples. Same samples, same per-step loss normalisation; only which samples
-share a micro-batch (and hence an optimizer step window) changes. Not for ``--train.dynamic_batch_enable``
-(which builds its own length-balanced micro-batches).
-"""
+OpenRLHF's ``DataLoader`` shuffles single samples into micro-batches, so a prompt's completions rarely
+share one. :class:`GroupedReplayBuffer` makes each item a whole micro-batch cut in arrival order
+(prompt-major), so the shuffle permutes micro-batches: same samples and loss normalisation. Not for
+``--train.dynamic_batch_enable``. docs/adapters/openrlhf.md, "AttentionBackend"."""
 
 from __future__ import annotations
 

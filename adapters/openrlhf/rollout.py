@@ -1,25 +1,12 @@
 """The rollout actor the launcher builds for an agent file: OpenRLHF's weight broadcast reaches a
 grpo_parts sampler.
 
-OpenRLHF 0.11.2 keeps the policy in two places: the DeepSpeed actor trains it, and each vLLM engine
-(``RolloutRayActor``) holds a copy in its vLLM worker(s). After every update
-``ActorPPOTrainer.broadcast_to_vllm`` sends each parameter to the engines: it calls
-``engine.update_weight.remote(name, dtype, shape, empty_cache=<last one>)`` (or
-``update_weight_cuda_ipc`` when colocated with NCCL), and the engine forwards it to its workers
-(``collective_rpc``), which receive the tensor on the sync group that
-``ActorPPOTrainer._init_vllm_sync_group`` built (actor = rank 0, engine ``i``'s worker = rank
-``i * tp + 1``; vLLM's PyNccl on a stateless group, or ``ray.util.collective`` with
-``--vllm.sync_with_ray``). The agent executor lives in the engine actor, not in the workers, so a
-grpo_parts sampler's own copy never saw those tensors.
-
-:class:`RolloutParts` is what ``create_vllm_engines`` builds when ``--train.agent_func_path`` is given.
-It loads the agent file as OpenRLHF does; for any executor but :class:`~.agent.GRPOPartsAgentExecutor`
-it is OpenRLHF's engine, unchanged. For ours it builds no vLLM engine (the sampler does the
-rollouts) and takes the vLLM worker's rank in the sync group itself (:class:`WeightReceiver`): each
-``update_weight`` receives one parameter, the last one loads the whole stream into the executor's
-policy copy. The trainer (:mod:`.ray_actors`) broadcasts once before the first rollout and marks the
-copies stale before each actor update, so a rollout from old weights is refused, never served.
-"""
+OpenRLHF's ``broadcast_to_vllm`` sends each updated parameter to the vLLM workers, not to the engine
+actor where the agent executor lives. :class:`RolloutParts` is what ``create_vllm_engines`` builds
+with ``--train.agent_func_path``: OpenRLHF's engine for any other executor; for
+:class:`~.agent.GRPOPartsAgentExecutor` no vLLM engine, and it takes the vLLM worker's rank in the
+sync group itself (:class:`WeightReceiver`), loading the whole stream into the executor's policy
+copy. docs/adapters/openrlhf.md, "Sampler"."""
 
 from __future__ import annotations
 

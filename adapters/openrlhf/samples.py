@@ -1,26 +1,12 @@
-"""The trainer's samples generator, able to generate for a given number of prompts (CPPO refill).
+"""The trainer's samples generator, able to generate for a given number of prompts (refill).
 
-:class:`GRPOPartsSamplesGenerator` is OpenRLHF's ``SamplesGenerator`` (same constructor, same
-``generate_samples``) plus :meth:`~GRPOPartsSamplesGenerator.generate_prompts`, which the
-experience maker calls to refill slots the filter freed. It draws from the same prompt stream
-(``SamplesGenerator``'s dataloader iterator, so refill prompts are not seen twice in an episode)
-through the same vLLM dispatch ``generate_samples`` uses, and wakes / sleeps the vLLM engines the
-way ``generate_samples`` does, after a ``before_wake`` callback that frees the GPU the way
-OpenRLHF's own loop has it freed before generation (DeepSpeed states offloaded under
-``--ds.enable_sleep``, caches emptied when colocated).
-
-A refill can drain the prompt stream. OpenRLHF's ``generate_samples`` would then silently start
-the dataloader over inside the same episode; here the next call reports the episode exhausted
-instead (``([], None, 0, True)``), so ``fit`` ends the episode as it does when its own call drains it.
-
-With a prompt skipper (``skip_stage``, :mod:`.skipping`), each training step's prompts pass it
-before vLLM: :meth:`~GRPOPartsSamplesGenerator._generate_vllm` generates only the kept ones and
-reports the drawn ones as consumed (evaluation is never skipped).
-
-It also counts the rollouts that went through a grpo_parts sampler (``parts/sampler/rollouts``):
-samples whose agent executor is :class:`~.agent.GRPOPartsAgentExecutor` (it marks them), or every
-vLLM sample when the engines run a grpo_parts ``speculative_config``.
-"""
+:class:`GRPOPartsSamplesGenerator` is OpenRLHF's ``SamplesGenerator`` plus
+:meth:`~GRPOPartsSamplesGenerator.generate_prompts`, which draws from the same prompt stream through
+the same vLLM dispatch (waking / sleeping the engines after ``before_wake`` frees the GPU). A refill
+that drains the stream makes the next call report the episode exhausted (``([], None, 0, True)``)
+instead of restarting the dataloader. With ``skip_stage`` (:mod:`.skipping`) each training step's
+prompts pass the skipper before vLLM. Counts rollouts through a grpo_parts sampler
+(``parts/sampler/rollouts``). docs/adapters/openrlhf.md, "CompletionFilter"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 """Speculative decoding in OpenRLHF's vLLM engines, with draft weight sync.
 
-OpenRLHF's ``create_vllm_engines`` builds each ``RolloutRayActor`` from a fixed set of keyword
-arguments, all of which reach ``vllm.AsyncEngineArgs``. :func:`create_vllm_engines_with` wraps it so
-every engine also gets ``speculative_config`` (vLLM's own format: ``{"method": "ngram", ...}``,
-``{"method": "eagle", "model": ..., "num_speculative_tokens": k}``, ...) and, when the draft shares
-weights with the policy, the worker extension :class:`GRPOPartsWorkerWrap`.
-
-Draft weight sync: OpenRLHF broadcasts every policy parameter to the engines after each update
-(``update_weight`` on the worker extension), into the *target* model only. With
-``draft_sync="shared"`` :class:`GRPOPartsWorkerWrap` also loads the parameters an EAGLE/MTP draft
-shares with the policy (token embedding, LM head) into the drafter, so the draft never reads stale
-embeddings. n-gram drafts need no sync. Pushing separately trained draft weights (online draft
-learning) is not wired here. Everything in this module except the kwargs plumbing needs a GPU and
-vLLM; the CPU tests check the plumbing only (docs/adapters/openrlhf.md, scripts/gpu/openrlhf_gpu_smoke.sh).
-
-With an agent file (``--train.agent_func_path``) :func:`create_vllm_engines_with` also builds the
-launcher's rollout actor class (:mod:`.rollout`) in place of ``RolloutRayActor``.
-"""
+:func:`create_vllm_engines_with` gives every engine vLLM's own ``speculative_config`` and, with
+``draft_sync="shared"``, the worker extension :class:`GRPOPartsWorkerWrap`, which loads the
+parameters an EAGLE/MTP draft shares with the policy from OpenRLHF's broadcast into the drafter.
+Online-trained draft weights are not pushed. With an agent file it builds :mod:`.rollout`'s actor in
+place of ``RolloutRayActor``. Only the kwargs plumbing is CPU-tested. docs/adapters/openrlhf.md, "Sampler"."""
 
 from __future__ import annotations
 
@@ -62,12 +50,9 @@ class _ActorClassWithKwargs:
 
 
 def create_vllm_engines_with(parts: OpenRLHFPartsConfig, rollout_class: Any = None) -> Callable[..., Any]:
-    """``create_vllm_engines`` (same signature) that adds :func:`engine_kwargs` to every engine and,
-    when an agent file is given (``agent_func_path``), builds ``rollout_class`` (default
-    :data:`.rollout.GRPOPartsRolloutActor`: OpenRLHF's engine, or for a grpo_parts executor a
-    rollout actor that takes OpenRLHF's weight broadcast). OpenRLHF's function runs as shipped,
-    reading ``RolloutRayActor`` from a private copy of its module namespace
-    (:func:`._scoped.with_globals`); the module itself is not changed."""
+    """``create_vllm_engines`` (same signature) with :func:`engine_kwargs` on every engine and, given
+    ``agent_func_path``, ``rollout_class`` in place of ``RolloutRayActor``; OpenRLHF's function runs as
+    shipped on a private copy of its module namespace (:func:`._scoped.with_globals`)."""
     from openrlhf.trainer.ray import vllm_engine
 
     extra = engine_kwargs(parts)

@@ -1,19 +1,10 @@
-"""grpo_parts in TRL 1.16's ``GRPOTrainer``: ``pip install -e '.[trl]'`` in a checkout (by name:
-``pip install 'grpo-parts[trl]'``).
+"""grpo_parts in TRL 1.16's ``GRPOTrainer`` (``pip install -e '.[trl]'``)::
 
-::
-
-    from grpo_parts_adapters.trl import GRPOPartsTrainer
     trainer = GRPOPartsTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
-                               processing_class=tok, sampler="speculative", draft="ngram",
-                               attention="shared_prefix", filter="cppo",
-                               filter_kwargs={"pruning_rate": 0.5})
-    # or the one parts configuration every door reads (grpo_parts.parts_config):
-    trainer = GRPOPartsTrainer(..., parts=PartsConfig(filter="cppo", refill_rounds=1))
+                               processing_class=tok, sampler="speculative", attention="shared_prefix",
+                               parts=PartsConfig(filter="cppo", refill_rounds=1))
 
-TRL is imported on first use of :class:`GRPOPartsTrainer` / :func:`make_trainer`, not by this package.
-See docs/adapters/trl.md.
-"""
+TRL is imported on first use of :class:`GRPOPartsTrainer` / :func:`make_trainer`. docs/adapters/trl.md."""
 
 from __future__ import annotations
 

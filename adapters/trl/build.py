@@ -20,8 +20,6 @@ def build_part(kind: str, spec: Any, model: torch.nn.Module, kwargs: dict[str, A
     """An instance (or ``None``: TRL's own path) stays as is; a name is built by
     :func:`grpo_parts.build.build_part` on the policy ``model`` with ``kwargs`` (a sampler's
     ``kwargs`` may carry its ``draft`` instance)."""
-    if kind not in parts_build.PART_KINDS:
-        raise GRPOPartsError(f"kind: expected one of {list(parts_build.PART_KINDS)}, got {kind!r}")
     kw = dict(kwargs or {})
     draft = kw.pop("draft", None) if kind == "sampler" and isinstance(spec, str) else None
     return parts_build.build_part(kind, spec, model, kwargs=kw, draft=draft)

@@ -1,13 +1,7 @@
-"""grpo_parts' own state in TRL's checkpoints: the prompt skipper's history and a random completion
-filter's generator (``dppo``), so a resumed run skips and draws as the uninterrupted one would
-have, instead of starting with an empty history (every prompt kept with ``p = 1``: unbiased, only
-slower).
-
-Through TRL's extension points only: a ``TrainerCallback`` whose ``on_save`` writes
-:data:`STATE_FILE` into the ``checkpoint-<step>`` folder the Trainer has just written, and
-:meth:`GRPOPartsTrainer.train` reading it back from ``resume_from_checkpoint`` (a path, or ``True``:
-the last checkpoint in ``output_dir``, as the Trainer resolves it) before TRL's own resume.
-"""
+"""grpo_parts' own state in TRL's checkpoints: the prompt skipper's history and a random filter's
+generator, so a resumed run skips and draws as the uninterrupted one would have. A
+``TrainerCallback`` writes :data:`STATE_FILE` into each ``checkpoint-<step>`` folder;
+:meth:`GRPOPartsTrainer.train` reads it back from ``resume_from_checkpoint`` before TRL's own resume."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The completion-filter seam of :class:`~.trainer.GRPOPartsTrainer`: TRL's
 ``_generate_and_score_completions`` (training batches only). After TRL's advantages the filter
-selects rows, every per-row entry is sliced to them, ``num_items_in_batch`` recomputed and the kept
-count made a multiple of ``steps_per_generation``; TRL's no-grad old-policy / reference forwards run
-afterwards, on the kept rows only, and its completions table gets a ``kept`` column.
-
-A weighted filter (``dppo``) trains each kept row with its ``1 / p`` weight on the advantage
-(:mod:`grpo_parts.doors.weights`) and keeps the full batch's normaliser; a row with no loss token
-(``mask_truncated_completions``) ranks as a zero-advantage row. docs/adapters/trl.md, "The filter's rules".
-"""
+selects rows, every per-row entry is sliced to them and the kept count rounded to
+``steps_per_generation``; the old-policy / reference forwards then run on the kept rows only.
+docs/adapters/trl.md, "The filter's rules"."""
 
 from __future__ import annotations
 

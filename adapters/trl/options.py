@@ -19,26 +19,12 @@ from grpo_parts.parts_config import KnownFields, PartsConfig
 
 
 class TRLPartsOptions(KnownFields):
-    """How the adapter applies the parts: the settings only the TRL door has. Which parts run, and
-    the settings every door shares (``refill_rounds``, ``kept_rounding``, ``group_rows``), are the
-    one :class:`~grpo_parts.parts_config.PartsConfig` (``GRPOPartsTrainer(parts=...)``).
-
-    ``strict``: a part that cannot apply to the trainer's config raises
-    :class:`~grpo_parts.errors.NotSupportedError` listing the reasons (default); ``False`` logs the
-    reasons once and leaves that part of TRL untouched.
-
-    ``defer_logprobs``: run the old-policy / reference forwards after the filter, on the kept rows
-    only (CPPO's saving). Turned off automatically where TRL needs them before the filter (vLLM
-    importance-sampling correction) or computes them inside a PEFT adapter context.
-
-    ``refill_target_size`` (default: the generation batch's size), ``max_refill_prompts``,
-    ``refill_seed`` (default ``args.seed + 1``): with ``parts.refill_rounds > 0`` the extra prompts
-    are drawn from ``train_dataset`` in a seeded order independent of TRL's dataloader, until the kept
-    batch has ``refill_target_size`` rows or the rounds ran out. Single process, map-style datasets.
-
-    ``allow_untested_trl``: the adapter overrides private ``GRPOTrainer`` methods, so a TRL outside
-    :data:`TESTED_TRL` is refused at construction; ``True`` tries anyway, with a warning.
-    """
+    """The settings only the TRL door has; which parts run and the shared settings are the one
+    :class:`~grpo_parts.parts_config.PartsConfig` (``GRPOPartsTrainer(parts=...)``). ``strict``: raise
+    :class:`~grpo_parts.errors.NotSupportedError` when a part cannot apply (``False``: log and leave that
+    part of TRL untouched). ``defer_logprobs``: run the old-policy / reference forwards after the filter.
+    ``refill_*``: the seeded refill stream over ``train_dataset``. ``allow_untested_trl``: try a TRL
+    outside :data:`TESTED_TRL`, with a warning. docs/adapters/trl.md, "The filter's rules"."""
 
     strict: bool = True
     defer_logprobs: bool = True
@@ -277,10 +263,8 @@ def draw_dependent(trainer: Any) -> tuple[Fact, ...]:
 
 
 def weighted_filter_reasons(trainer: Any, parts: PartsConfig) -> list[str]:
-    """Why a weighted filter (``dppo``: kept rows weighted ``1 / p``) cannot train this trainer's
-    loss unbiased: the rule of :mod:`grpo_parts.core.unbiased` on TRL's facts. The adapter multiplies
-    each kept row's advantage by its weight -- exact for every TRL policy loss, which is positively
-    homogeneous in the advantage -- and keeps the full batch's normaliser."""
+    """Why a weighted filter (``dppo``) cannot train this trainer's loss unbiased: the rule of
+    :mod:`grpo_parts.core.unbiased` on TRL's facts (docs/filter.md, "Unbiased pruning (`dppo`)")."""
     loss = _get(trainer, "loss_type")
     normaliser = draw_dependent(trainer)
     if loss is not None and loss not in ROW_NORMALISED_LOSSES + TOKEN_NORMALISED_LOSSES:

@@ -1,15 +1,6 @@
-"""Row bookkeeping between TRL's batches and grpo_parts' types (no TRL import, no maths).
-
-* :func:`prompt_runs` -- TRL repeats every prompt ``G`` times in a row; recover ``(unique prompts, G)``.
-* :func:`group_by_prompt` -- after TRL's shuffle and chunking, rows of a group are scattered:
-  identify groups by the content of their (left-padded) prompt.
-* :func:`regrouped_logprobs` -- run an :class:`~grpo_parts.attention.AttentionBackend` on TRL's
-  ``(input_ids, attention_mask, logits_to_keep)`` with rows regrouped by prompt, results in TRL's order.
-* :func:`round_kept` -- make the kept count a multiple of ``steps_per_generation``.
-* :func:`drop_no_loss_rows` -- rows without loss tokens never stay kept while loss rows are pruned.
-* :func:`concat_batches` -- stack TRL batch dicts of different widths (refill rounds).
-* :func:`regroup_microbatches` -- re-cut TRL's shuffled micro-batches with each prompt's rows together.
-"""
+"""Row bookkeeping between TRL's batches and grpo_parts' types (no TRL import, no maths): recover
+TRL's prompt runs and groups, run a backend on TRL's rows regrouped by prompt, round and stack kept
+batches, and re-cut micro-batches with each prompt's rows together."""
 
 from __future__ import annotations
 
@@ -156,21 +147,13 @@ def regrouped_logprobs(
     compute_entropy: bool,
     batch_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """TRL's ``_get_per_token_logps_and_entropies`` contract through a grpo_parts backend.
+    """TRL's ``_get_per_token_logps_and_entropies`` contract through a grpo_parts backend, on rows sorted
+    by group in chunks of whole groups of about ``batch_size`` rows (TRL's memory bound).
 
-    ``input_ids = [left-padded prompt | right-padded completion]`` with ``logits_to_keep`` completion
-    columns. Rows are sorted by group and cut into chunks of whole groups of about ``batch_size``
-    rows (TRL's memory bound), so a shared-prefix backend sees every group in one piece.
-
-    Rows whose completion is fully masked (TRL's ``mask_truncated_completions`` zeroes the attention
-    mask of truncated completions) have nothing to score: they skip the backend and get log-prob and
-    entropy 0 at every position, which is what TRL's own forward returns there (its fused LM head
-    zeroes masked positions). A batch with no such row left gives zeros without a forward (no graph:
-    under grad the caller must run TRL's own forward so that ``backward`` has one).
-
-    With several processes every rank makes as many backend calls as the rank that makes the most
-    (:func:`_extra_calls`); a batch with no row left makes none, so then no rank may call this (the
-    trainer has every rank run TRL's own forward)."""
+    Fully masked rows (``mask_truncated_completions``) skip the backend and get 0, as TRL's forward
+    returns; a batch with no row left gives zeros without a graph, so under grad, and with several
+    processes on every rank, the caller must run TRL's own forward instead. Every rank makes as many
+    backend calls as the rank that makes the most (:func:`_extra_calls`)."""
     n, width = input_ids.shape
     p = width - logits_to_keep
     if p < 1:

@@ -1,13 +1,10 @@
 """The prompt-skipping seam of :class:`~.trainer.GRPOPartsTrainer` (``prompt_skip="history"``): TRL's
-generation batch's ``n`` prompts, then a seeded stream over ``train_dataset`` (independent of TRL's
-dataloader), go through the run's :class:`~grpo_parts.skip.stage.SkipStage` (every door's); exactly
-``n`` are kept, so TRL's chunking, gathers and micro-batches see the size they expect. Each row's
-advantage is multiplied by its prompt's weight (TRL's policy losses are positively homogeneous in
-the advantage); with the losses TRL normalises by each micro-batch's row count the normaliser is the
-drawn batch's, fixed before the draw. What cannot stay unbiased is refused at construction
-(:func:`skip_config_reasons`). docs/adapters/trl.md ("Where each part plugs in") and docs/filter.md
-(the proof).
-"""
+generation batch's prompts, then a seeded stream over ``train_dataset``, go through the shared
+:class:`~grpo_parts.skip.stage.SkipStage`; exactly as many are kept as TRL expects. Each row's
+advantage is multiplied by its prompt's weight (TRL's losses are positively homogeneous in it; the
+normaliser is the drawn batch's, fixed before the draw); what cannot stay unbiased is refused at
+construction (:func:`skip_config_reasons`). docs/adapters/trl.md ("Where each part plugs in"),
+docs/filter.md."""
 
 from __future__ import annotations
 

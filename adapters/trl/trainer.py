@@ -1,15 +1,8 @@
-"""``GRPOPartsTrainer``: TRL 1.16's ``GRPOTrainer`` with grpo_parts' parts plugged into its seams; each
-part is optional (``None`` = TRL's own code path, untouched):
-
-* ``sampler`` -> ``_generate_single_turn`` (TRL's plain ``transformers.generate`` path; a learnable
-  draft trains right after each training rollout, never on eval rollouts);
-* ``attention`` -> ``_get_per_token_logps_and_entropies`` (rows regrouped by prompt content, :mod:`.rows`);
-* ``filter`` and ``prompt_skip`` -> ``_generate_and_score_completions`` (:mod:`.filtering`, :mod:`.skipping`).
-
-Every optimizer step (every eval batch) TRL's metrics get each part's calls and fallbacks
-(:class:`grpo_parts.counters.PartCounters`); each distinct fallback reason is logged once. No maths
-lives here: advantages and losses are TRL's, log-probs the backend's. docs/adapters/trl.md.
-"""
+"""``GRPOPartsTrainer``: TRL 1.16's ``GRPOTrainer`` with grpo_parts' parts in its seams (``None`` =
+TRL's own code path): ``sampler`` -> ``_generate_single_turn``, ``attention`` ->
+``_get_per_token_logps_and_entropies`` (:mod:`.rows`), ``filter`` and ``prompt_skip`` ->
+``_generate_and_score_completions`` (:mod:`.filtering`, :mod:`.skipping`). Each part's calls and
+fallbacks go to TRL's metrics. docs/adapters/trl.md, "Where each part plugs in"."""
 
 from __future__ import annotations
 
@@ -325,12 +318,9 @@ class GRPOPartsTrainer(FilterSeam):
         return logps, ents, None
 
     def _gp_all_masked(self, completion_mask: torch.Tensor) -> str | None:
-        """Why this call runs TRL's own forward when a batch has every completion masked
-        (``mask_truncated_completions``), else None. Nothing is left to score, but under grad
-        ``backward`` needs a graph (TRL's forward gives the all-zero log-probs connected to the
-        model). With several processes (one all-reduce per call) every rank falls back when any rank
-        has such a batch: the backend would make no model call there, and every rank must make the
-        same calls (ZeRO-3 / FSDP gather parameters in each forward, the backends agree on plans)."""
+        """Why this call runs TRL's own forward when every completion is masked, else None: under grad
+        ``backward`` needs a graph, and with several processes every rank falls back when any does (every
+        rank must make the same model calls)."""
         dead = not bool(completion_mask.any())
         attention = self.gp_attention
         group = attention.rank_group if isinstance(attention, RankAgreeing) else None
@@ -350,12 +340,9 @@ class GRPOPartsTrainer(FilterSeam):
 
     @contextmanager
     def _gp_kernel_scope(self) -> Iterator[None]:
-        """Keep the backend's attention function selected on the policy for a whole training step.
-
-        A backend selects its kernel only around its own forward; with gradient checkpointing the
-        layers are re-run during ``backward``, after that scope ended, and would recompute with the
-        model's default attention. Outside a backend forward the kernel must behave as the default
-        (the shared-prefix kernel falls back to SDPA when no layout is passed)."""
+        """Keep the backend's attention function on the policy for a whole training step: gradient
+        checkpointing re-runs the layers in ``backward``, after the backend's own scope ended. Outside a
+        backend forward the kernel behaves as the default."""
         name = self.gp_attention.register_kernel() if self.gp_attention is not None else None
         if not name:
             yield

@@ -1,16 +1,10 @@
 """The ``grpo_parts_grpo`` advantage estimator: verl's estimator signature around
 :func:`grpo_parts.core.group_advantages`.
 
-verl calls a registered estimator as ``fn(token_level_rewards, response_mask, config, index=uid)``
-and expects ``(advantages, returns)``, both ``[B, T]``, the per-sequence advantage broadcast over
-the response tokens. Differences from verl's own ``grpo`` (documented in docs/adapters/verl.md):
-an all-equal group gets exactly 0 (verl: ``(r - mean) / eps`` which can be ~1e-10 after rounding in
-the mean) and a singleton group gets 0 (verl: ``r / (1 + eps)``).
-
-With the filtering sampler (:mod:`.sampler`), rows whose ``uid`` the sampler kept from a larger
-group get their advantage within that *full* group (:func:`remember_full_groups`): verl computes
-advantages after sampling, on the kept rows only.
-"""
+verl calls it as ``fn(token_level_rewards, response_mask, config, index=uid)`` and expects
+``(advantages, returns)``, both ``[B, T]``. All-equal and singleton groups get exactly 0 (verl's
+``grpo``: about ``1e-10`` and ``r / (1 + eps)``). Rows the filtering sampler kept from a larger group
+get their advantage within the full group (:func:`remember_full_groups`)."""
 
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
 """Agent loop ``grpo_parts_agent``: a verl ``AgentLoopBase`` that samples with grpo_parts.
 
-verl runs one agent loop per completion (prompts are already repeated ``rollout.n`` times) inside
-``AgentLoopWorker`` Ray actors, talking to the rollout servers through ``server_manager.generate``.
-This loop has two back ends, chosen by the ``sampler`` argument (set it in the agent-loop YAML
-given to ``actor_rollout_ref.rollout.agent.agent_loop_config_path``):
-
-* ``sampler: server`` (default) -- verl's rollout servers (vLLM / SGLang). Speculative decoding
-  is then vLLM's, configured by :mod:`.speculative`.
-* ``sampler: <grpo_parts sampler name>`` (``reference``, ``speculative``, ...) -- a grpo_parts
-  ``Sampler`` run in the agent-loop worker process through :class:`SamplerServer`, on the model
-  built by ``model_factory`` (``"module:function"``; default: ``AutoModelForCausalLM`` from
-  ``actor_rollout_ref.model.path``), with ``sampler_kwargs`` (e.g. the speculative sampler's
-  ``decode_shared_prompt``). One model per worker process; concurrent requests are generated in
-  batches, identical prompts as one group (:class:`SamplerServer`). verl's weight sync never
-  reaches that copy, so this path refuses every rollout (one line, naming the reason) unless the
-  agent-loop YAML sets ``allow_frozen: true`` (sampling from a fixed checkpoint on purpose:
-  debugging, evaluation; counted as ``frozen_rollouts``). To train with grpo_parts' sampler, make
-  it verl's rollout backend instead: ``actor_rollout_ref.rollout.name=grpo_parts``
-  (:mod:`.rollout`), which receives the actor's weights after every update.
-
-Either way the output is verl's ``AgentLoopOutput`` with ``response_logprobs`` (the policy's
-log-probs of the sampled tokens), which verl's manager pads and batches.
-"""
+``sampler: server`` (default) uses verl's vLLM/SGLang servers (speculative decoding: :mod:`.speculative`);
+``sampler: <grpo_parts sampler name>`` runs a grpo_parts ``Sampler`` in the agent-loop worker
+(:class:`SamplerServer`) on the model ``model_factory`` builds. verl's weight sync never reaches that
+copy, so it refuses every rollout unless ``allow_frozen: true``; to train with grpo_parts' sampler
+use the rollout backend (:mod:`.rollout`). Either way the output is verl's ``AgentLoopOutput`` with
+``response_logprobs``. docs/adapters/verl.md, "Agent loop ``grpo_parts_agent``"."""
 
 from __future__ import annotations
 
@@ -62,14 +46,9 @@ def sampling_params_from_verl(
 
 class SamplerServer:
     """verl's ``generate(request_id, *, prompt_ids, sampling_params, ...) -> TokenOutput`` served by a
-    grpo_parts ``Sampler``.
-
-    verl calls agent loops once per completion, concurrently; requests that are waiting when the
-    sampler becomes free (and share sampling parameters; gathered for ``gather_s`` without a new
-    one) are generated as *one* batch of up to ``max_batch`` rows, identical prompts as one group
-    (:class:`grpo_parts.doors.serving.RequestBatcher`), so the sampler sees the real concurrency
-    (which FastGRPO's draft sizing is about) and the groups.
-    """
+    grpo_parts ``Sampler``: requests waiting when the sampler is free go as one batch of up to
+    ``max_batch`` rows, identical prompts as one group (:class:`grpo_parts.doors.serving.RequestBatcher`),
+    so the sampler sees the real concurrency and the groups."""
 
     def __init__(
         self,

@@ -1,16 +1,9 @@
 """Shared-prefix log-probs for verl's packed micro-batches, grouped by ``uid``.
 
-verl's FSDP engine receives a micro-batch as nested tensors: ``input_ids`` holds every sequence
-``[prompt | response]`` back to back (``cu_seqlens = input_ids.offsets()``), and its forward returns
-per-token log-probs in a *rolled* layout: position ``j`` of a sequence holds
-``log p(token j+1 | tokens <= j)``. :func:`packed_call` unpacks the sequences with a response into one
-:class:`LogprobBatch` grouped by ``uid``, :func:`run_packed` hands it to any grpo_parts
-``AttentionBackend`` (``shared_prefix`` encodes each prompt once per group; the engine hook passes
-the backend's plan, agreed across the data-parallel ranks) and rolls the result into verl's layout. Positions that do not predict a response token (the prompt,
-the last token) are 0: verl's losses and metrics mask them with ``response_mask``.
-
-The engine hook that calls this from verl's ``forward_step`` is :mod:`.engine`.
-"""
+:func:`packed_call` unpacks verl's nested ``input_ids`` into one :class:`LogprobBatch` grouped by
+``uid``; :func:`run_packed` hands it to a grpo_parts ``AttentionBackend`` and rolls the result into
+verl's layout (position ``j`` holds ``log p(token j+1 | tokens <= j)``; non-response positions are 0,
+masked by verl's ``response_mask``). Called from verl's ``forward_step`` by :mod:`.engine`."""
 
 from __future__ import annotations
 

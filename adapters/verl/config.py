@@ -1,27 +1,11 @@
 """verl config keys that switch grpo_parts' shared-prefix log-probs on, per engine (actor, reference).
 
-verl builds ``actor_rollout_ref.actor`` and ``actor_rollout_ref.ref`` with Hydra from their
-``_target_`` dataclass, which rejects unknown keys. :class:`FSDPActorConfig` is verl's
-``FSDPActorConfig`` plus one field, ``grpo_parts`` (:class:`EngineOptions`), so the switch is an
-ordinary Hydra override list (see :func:`hydra_overrides` and docs/adapters/verl.md)::
-
-    actor_rollout_ref.actor._target_=grpo_parts_adapters.verl.config.FSDPActorConfig
-    +actor_rollout_ref.actor.grpo_parts.attention=shared_prefix
-    actor_rollout_ref.ref._target_=grpo_parts_adapters.verl.config.FSDPActorConfig
-    +actor_rollout_ref.ref.grpo_parts.attention=shared_prefix
-
-The options travel with the engine config this actor/ref config hands to its FSDP engine
-(``engine_config.grpo_parts``), the way verl itself hands the strategy over; the critic's config is
-verl's ``CriticConfig`` and never carries them. Settings the shared-prefix path cannot honour are
-refused here, when verl builds the config (the driver's ``validate_config`` for the actor, worker
-start-up for the reference), with the reason -- never once per micro-batch.
-
-A config that switches attention on is where the engine is set up in a verl worker (Hydra builds
-it from ``_target_`` before the engine; nothing else of ours runs there), so
-:meth:`FSDPActorConfig.__post_init__` installs the engine hook explicitly
-(:func:`.engine.install_engine_hook`, idempotent). The options themselves live in :mod:`.options`,
-which the engine reads: the engine does not import this module.
-"""
+:class:`FSDPActorConfig` is verl's ``FSDPActorConfig`` plus one field, ``grpo_parts``
+(:class:`EngineOptions`), because Hydra's ``_target_`` dataclass rejects unknown keys; the options
+reach the FSDP engine as ``engine_config.grpo_parts``. Settings the shared-prefix path cannot honour
+are refused here, once, when verl builds the config. Hydra builds this config in the worker before
+the engine (nothing else of ours runs there), so ``__post_init__`` installs the engine hook
+(:func:`.engine.install_engine_hook`, idempotent). docs/adapters/verl.md, the attention part."""
 
 from __future__ import annotations
 

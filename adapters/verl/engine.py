@@ -1,21 +1,11 @@
 """Shared-prefix log-probs inside verl's FSDP engine, for the engines whose config asks for them.
 
 verl 0.9.1 has no hook between an engine's micro-batch and its model forward, so
-:func:`install_engine_hook` puts a dispatcher in front of ``FSDPEngineWithLMHead.forward_step``. The
-dispatcher runs grpo_parts only for an engine whose ``engine_config`` carries
-:class:`~.options.EngineOptions` with ``attention`` set -- the actor and reference engines built from
-:class:`~.config.FSDPActorConfig` -- and only for language-model engines: a value-head (critic)
-engine, or any engine without the options, runs verl's own ``forward_step`` unchanged.
-
-Each micro-batch is either computed by one backend call (:func:`.attention.run_packed`: uid-grouped,
-planned by the backend and agreed across the data-parallel ranks, in verl's rolled layout, then
-verl's own loss function) or handed to verl's forward when the data needs it
-(non-empty multi-modal inputs, 3-D position ids, top-k distillation, ``calculate_sum_pi_squared``,
-per-sample temperatures, a layout above ``max_padding_ratio``). What ran is counted and reported in
-the micro-batch's metrics, which verl's actor update returns as ``actor/parts/attention/...``
-(forwards and fallbacks, the forward-only passes' ``logprob_*``, the layouts' tokens, the
-padding-free kernels' calls; docs/adapters/verl.md, "Memory").
-"""
+:func:`install_engine_hook` puts a dispatcher in front of ``FSDPEngineWithLMHead.forward_step``. It
+runs grpo_parts only for language-model engines carrying :class:`~.options.EngineOptions` with
+``attention`` set; others run verl's ``forward_step`` unchanged. A micro-batch the backend cannot
+serve goes to verl's forward; what ran is counted in the micro-batch's metrics
+(``actor/parts/attention/...``). docs/adapters/verl.md, the attention part and "Memory"."""
 
 from __future__ import annotations
 
@@ -93,10 +83,8 @@ def _parts(micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 
 def _dispatch_on_layout(model: Any) -> None:
     """Make the model's own attention function run the shared-prefix kernel whenever the layout
-    keyword is present. The backend selects its kernel only for the duration of the forward, but
-    verl enables gradient checkpointing by default, which re-runs each layer's forward during
-    ``loss.backward()`` -- after the selection is undone -- with the same keyword arguments. Without
-    the layout keyword the wrapped function is the original (verl's own forwards are unchanged)."""
+    keyword is present: verl's gradient checkpointing re-runs each layer in ``backward``, after the
+    backend's kernel selection is undone. Without the keyword the original function runs."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -1,13 +1,9 @@
 """``+grpo_parts.filter.*``: the filter's options in a verl config (:class:`FilterOptions`), the checks
 that say what verl cannot keep unbiased, and the scored batch a filter sees.
 
-GRPO advantages come from :func:`grpo_parts.core.group_advantages` (groups = ``uid``); any grpo_parts
-filter (``cppo``, ``zero_variance`` (DAPO), ``pods``, ...) chosen by name selects the rows
-(:mod:`.kv_filter`). Nothing here re-ranks rows itself: the only row choice made on this side is
-rounding the kept count to a multiple verl needs (mini-batch or data-parallel size), in the
-filter-independent priority order of :mod:`grpo_parts.filter.rounding`. verl's legacy
-(``main_ppo_v0``) loop has no seam for a filter and gets none.
-"""
+Advantages come from :func:`grpo_parts.core.group_advantages` (groups = ``uid``); the named filter
+selects the rows (:mod:`.kv_filter`). The only row choice made here is rounding the kept count to a
+multiple verl needs (:mod:`grpo_parts.filter.rounding`). verl's ``main_ppo_v0`` loop has no filter seam."""
 
 from __future__ import annotations
 
@@ -51,36 +47,14 @@ VERL_KEYS = {
 
 
 class FilterOptions(KnownFields):
-    """``+grpo_parts.filter.*`` in a verl config.
-
-    ``name``/``kwargs``: a grpo_parts filter (``cppo`` with ``{k: 4}`` or ``{pruning_rate: 0.75}``,
-    ``zero_variance``, ``pods`` with ``{m: 4}``). ``target_rows``: completions to train on per step
-    (None = whatever the filter keeps). ``refill``: roll out more prompts until ``target_rows`` are
-    kept, up to ``refill_rounds`` extra rounds (v1 trainer only; 0: no refill). ``refill_multiple`` (else ``train_batch_size``, else 1): round refill
-    requests up to a multiple of this -- verl submits prompts in whole fetches of
-    ``data.gen_batch_size or data.train_batch_size``, and the sampler seam does not see ``data``, so
-    :func:`grpo_parts_adapters.verl.sampler.hydra_overrides` interpolates both.
-    ``multiple_of``/``kept_rounding``: make the kept count a multiple of this, ``up`` or ``down``. :attr:`parts` is these options as the one
-    :class:`~grpo_parts.parts_config.PartsConfig` every door reads (``name`` -> ``filter``, ``kwargs``
-    -> ``filter_kwargs``).
-
-    Data parallelism: ``ppo_mini_batch_size`` x ``rollout_n`` (rows per optimizer step) and
-    ``n_gpus_per_node`` x ``nnodes`` (the ranks) join ``multiple_of`` in :attr:`batch_multiple`, the
-    least common multiple the kept count is rounded to (``hydra_overrides`` interpolates all four
-    from verl's config), so verl's ``_balance_batch`` cuts it into equal per-rank shares of whole
-    mini-batches and adds no padding rows. Without token balancing (``*_use_dynamic_bsz``), each rank's
-    old-policy and reference log-prob passes cut its rows into ``*_log_prob_micro_batch_size_per_gpu``
-    micro-batches, which verl asserts divide them: those x the ranks join the multiple too. ``target_rows``
-    must be a multiple of it.
-
-    ``loss_agg_mode``, ``loss_scale_factor``, ``use_kl_loss``, ``entropy_coeff``, ``policy_loss_mode``:
-    the actor's loss settings (verl's defaults; ``hydra_overrides`` and the trainer mode read verl's
-    own), which a weighted filter (``dppo``) checks: :func:`weighted_filter_reasons`.
-
-    ``prompt_skip`` / ``prompt_skip_kwargs``: a prompt skipper before rollout (``history``; trainer
-    mode ``grpo_parts_sync`` only, :mod:`.skipping`), checked by :func:`skip_reasons`; with no
-    ``name`` the filter is ``keep_all``.
-    """
+    """``+grpo_parts.filter.*`` in a verl config: a grpo_parts filter (``name``/``kwargs``), its refill
+    (``target_rows``, ``refill_rounds``, ``refill_multiple``), the rounding of the kept count
+    (``multiple_of``, ``kept_rounding`` and the data-parallel keys in :attr:`batch_multiple`), the
+    actor's loss settings a weighted filter checks (:func:`weighted_filter_reasons`) and prompt skipping
+    (``prompt_skip``, trainer mode ``grpo_parts_sync`` only; :func:`skip_reasons`). :attr:`parts` is
+    these options as the one :class:`~grpo_parts.parts_config.PartsConfig`. :data:`VERL_KEYS` are
+    interpolated from verl's config by ``sampler.hydra_overrides``, since the sampler seam does not see
+    ``data``. docs/adapters/verl.md, "Switching each part on" (filter, weighted filter, several ranks)."""
 
     name: str = DOOR_DEFAULTS["verl"]["filter"]
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -195,10 +169,9 @@ def _refill_fact(o: FilterOptions) -> Fact | None:
 
 
 def weighted_filter_reasons(filt: Any, options: FilterOptions, needs_step: bool = True) -> list[str]:
-    """Why verl cannot train the weighted filter ``filt`` (``dppo``) unbiased under ``options``
-    (empty for a plain filter). The adapter multiplies each kept row's advantage by its ``1 / p``
-    weight times ``padded kept rows / rolled-out rows`` (:func:`grpo_parts.doors.weights.weighted_rows`);
-    ``needs_step``: the padding is verl's, so the mini-batch rows must be known."""
+    """Why verl cannot train the weighted filter ``filt`` (``dppo``) unbiased under ``options`` (empty
+    for a plain filter; docs/filter.md, "Unbiased pruning (`dppo`)"). ``needs_step``: verl pads the kept
+    rows, so the mini-batch rows must be known."""
     if not isinstance(filt, WeighsLoss):
         return []
     unscaled, normaliser = _loss_facts(options)

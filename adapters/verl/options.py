@@ -1,10 +1,6 @@
-"""``actor_rollout_ref.{actor,ref}.grpo_parts.*``: the attention options one verl engine carries.
-
-:class:`EngineOptions` travel from :class:`~.config.FSDPActorConfig` (which verl builds from
-Hydra) to the FSDP engine as ``engine_config.grpo_parts``; :mod:`.engine` reads them back with
-:func:`options_of`. This module imports neither of them (nor verl), so the engine and the config
-both depend on it and not on each other's options.
-"""
+"""``actor_rollout_ref.{actor,ref}.grpo_parts.*``: the attention options one verl engine carries,
+from :class:`~.config.FSDPActorConfig` to the engine (:func:`options_of`). Imports neither (nor
+verl), so the engine and the config depend on it and not on each other."""
 
 from __future__ import annotations
 
@@ -37,19 +33,8 @@ def hydra_value(value: Any) -> str:
 
 
 class EngineOptions(KnownFields):
-    """``actor_rollout_ref.{actor,ref}.grpo_parts.*``.
-
-    ``attention``: a grpo_parts attention backend (``shared_prefix``; ``reference`` re-encodes the
-    prompt per row, for checking) or None (verl's own forward). ``kernel``: the shared-prefix
-    kernel (``auto``, ``sdpa``, ``flex``, ``eager``). ``max_padding_ratio``:
-    run verl's own packed forward for a micro-batch whose grouped layouts would hold more than this
-    many times its packed tokens (None: never). ``max_chunks`` / ``chunk_overhead_tokens``: the
-    shared-prefix backend's grid splitting inside each call (:mod:`grpo_parts.attention.shared_prefix.chunking`;
-    the data-parallel ranks agree on the number of model calls). ``layout``: the shared-prefix
-    layout (``auto``, ``grid``, ``padding_free``; docs/attention.md). ``varlen``: the padding-free
-    layout's varlen cascade kernel (False: the masked kernel, for A/B checks; counted as
-    ``calls_masked_sdpa`` / ``calls_masked_eager``). See docs/adapters/verl.md, "Memory".
-    """
+    """``actor_rollout_ref.{actor,ref}.grpo_parts.*``; the key table is in docs/adapters/verl.md (the
+    attention part). ``attention=None`` runs verl's own forward."""
 
     attention: str | None = None
     kernel: str = "auto"

@@ -1,22 +1,11 @@
 """verl plugin entry: importing this module registers every grpo_parts part with verl.
 
-verl imports it through any of its own mechanisms:
-
-* the ``verl.plugins`` entry point this package installs (loaded by ``import verl`` in every
-  process, Ray workers included; ``VERL_USE_EXTERNAL_PLUGINS=none`` turns discovery off);
-* ``VERL_USE_EXTERNAL_MODULES=grpo_parts_adapters.verl.plugin``;
-* ``actor_rollout_ref.model.external_lib=grpo_parts_adapters.verl.plugin`` (imported when the
-  model config is built: enough for the estimator and agent loop, but too late for
-  ``trainer.v1.trainer_mode``, which is looked up first -- use one of the two above for that).
-
-The shared-prefix attention part needs no registration: the config keys of
-:mod:`grpo_parts_adapters.verl.config` switch it on per engine (``_target_`` names our config class,
-which Hydra imports).
-
-Registering is the point of this module, so it happens on import; each part is registered on its
-own and a part whose verl seam cannot be imported (e.g. no TransferQueue for the v1 trainer) is
-skipped with a warning instead of breaking ``import verl``. :data:`STATUS` says what happened.
-"""
+verl imports it through the ``verl.plugins`` entry point, ``VERL_USE_EXTERNAL_MODULES`` or
+``actor_rollout_ref.model.external_lib`` (too late for ``trainer.v1.trainer_mode``);
+docs/adapters/verl.md, "Loading the plugin". Registering is the point, so it happens on import; a
+part whose verl seam cannot be imported is skipped with a warning instead of breaking ``import
+verl``, and :data:`STATUS` says what happened. Shared-prefix attention needs no registration (its
+config class is named by ``_target_``)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,13 @@
 """grpo_parts' sampler as a verl rollout backend: ``actor_rollout_ref.rollout.name=grpo_parts``.
 
-verl 0.9.1 picks its rollout by name from two registries, one per side of the weight sync:
-
-* the **replica** (:class:`GRPOPartsReplica`, in ``RolloutReplicaRegistry``): verl's
-  ``LLMServerManager`` launches one per rollout world, and the replica starts one server actor per
-  node (:class:`GRPOPartsServer`, named ``grpo_parts_server_<replica>_<node>``). The server holds a
-  transformers copy of the policy and a grpo_parts ``Sampler`` (speculative by default, with online
-  draft training), and answers verl's token-in/token-out ``generate`` -- verl's own agent loops
-  (``single_turn_agent``, tools, ...) call it through ``server_manager.generate`` as they call vLLM.
-  No vLLM or SGLang server is started.
-* the **worker-side adapter** (:class:`GRPOPartsRollout`, in verl's ``get_rollout_class`` table):
-  verl builds it inside each actor worker (hybrid engine) and, after every actor update (and after
-  loading a checkpoint on resume: the sync trainer's ``on_init_end``), hands it the actor's weights
-  through its naive checkpoint engine (``update_weights(per_tensor_param)``). The adapter streams them
-  to its replica's server in buckets of ``checkpoint_engine.update_weights_bucket_megabytes``.
-
-The server's :class:`~grpo_parts.doors.policy_copy.PolicyCopy` decides whether a rollout may run:
-verl puts replicas to sleep after sampling (before the actor update), which marks the copy stale,
-and a completed sync makes it fresh; a ``generate`` on a stale copy is refused in one line
-(``allow_frozen: true`` opts out, counted). Options (``actor_rollout_ref.rollout.engine_kwargs.grpo_parts``,
-:class:`RolloutOptions`): ``sampler``, ``draft``, ``sampler_kwargs``, ``allow_frozen``, ``max_batch``.
-
-Registered by name by :mod:`.plugin` in every process that imports verl (the trainer, Ray workers);
-both tables are verl's own extension points (``RolloutReplicaRegistry.register`` and the
-``get_rollout_class`` table, which gains a key); nothing of verl is replaced.
-"""
+verl 0.9.1 picks a rollout by name from two registries, one per side of the weight sync: the
+replica (:class:`GRPOPartsReplica`, ``RolloutReplicaRegistry``) starts one :class:`GRPOPartsServer`
+per node that answers verl's token-in/token-out ``generate`` with a grpo_parts ``Sampler`` (no vLLM
+or SGLang server); the worker-side adapter (:class:`GRPOPartsRollout`, ``get_rollout_class``) gets
+the actor's weights from verl's naive checkpoint engine and streams them to its replica's server.
+The server's :class:`~grpo_parts.doors.policy_copy.PolicyCopy` refuses a ``generate`` on a stale
+copy unless ``allow_frozen``. Registered by :mod:`.plugin`. docs/adapters/verl.md, "Sampler /
+DraftModel: the rollout backend"."""
 
 from __future__ import annotations
 
@@ -58,13 +41,10 @@ OPTIONS_KEY = "grpo_parts"
 
 
 class RolloutOptions(BaseModel):
-    """``actor_rollout_ref.rollout.engine_kwargs.grpo_parts.*``. ``sampler``: a grpo_parts sampler by
-    name; ``draft``: its draft by name (``ngram``, ``eagle``, ...; None for samplers without one); ``sampler_kwargs``: the
-    sampler's config keys; ``allow_frozen``: serve rollouts from weights the actor never sent (for
-    debugging only); ``follow_actor=False`` (with ``allow_frozen``): drop the actor's syncs and
-    sample from the checkpoint at ``model.path`` all run (a control run); ``sync_log``: a JSONL file
-    the server appends one line to per sync (step, syncs, a float64 checksum of the weights the actor
-    sent and of the copy after loading); ``max_batch``: the most requests one sampler call serves."""
+    """``actor_rollout_ref.rollout.engine_kwargs.grpo_parts.*``: ``sampler`` and ``draft`` by name,
+    ``sampler_kwargs``, ``allow_frozen`` (debugging only), ``follow_actor=False`` (with ``allow_frozen``:
+    a control run that drops the syncs), ``sync_log`` (a JSONL line per sync with checksums of both
+    sides), ``max_batch`` (requests per sampler call)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -267,10 +247,6 @@ class GRPOPartsServer:
     def counters(self) -> dict[str, float]:
         """:meth:`totals` restricted to counts (rates and seconds do not add up across rollouts)."""
         return {k: v for k, v in self.totals().items() if k in COUNTERS}
-
-    def policy_state(self) -> dict[str, torch.Tensor]:
-        """The copy's weights (tests compare them with the actor's)."""
-        return {k: v.detach().clone() for k, v in self.copy.model.state_dict().items()}
 
 
 class GRPOPartsReplica(RolloutReplica):

@@ -1,17 +1,9 @@
 """The one filter seam behind verl: :class:`FilteringReplayBuffer`, verl's sync ``ReplayBuffer`` with a
-grpo_parts CompletionFilter (and refill) on every training sample, through verl's public
-custom-sampler seam::
+grpo_parts CompletionFilter (and refill), through verl's custom-sampler seam (:func:`hydra_overrides`).
 
-    trainer.v1.sampler.custom_sampler.path=pkg://grpo_parts_adapters.verl.sampler
-    trainer.v1.sampler.custom_sampler.name=FilteringReplayBuffer
-    +trainer.v1.sampler.sampler_kwargs.grpo_parts_filter.name=cppo
-
-``sample`` returns only the kept rows (:mod:`.kv_filter`), and with grpo_parts' rollout backend logs
-the servers' counters (``parts/sampler/*``). The ``grpo_parts_grpo`` estimator gets the kept groups'
-full-group advantages (:func:`.advantage.remember_full_groups`). The trainer mode ``grpo_parts_sync``
-(:mod:`.trainer`) puts this same buffer around verl's own, for verl's ``grpo`` estimator and for
-prompt skipping. docs/adapters/verl.md.
-"""
+``sample`` returns only the kept rows (:mod:`.kv_filter`) and logs the rollout servers' counters
+(``parts/sampler/*``); ``grpo_parts_grpo`` gets the kept groups' full-group advantages. The trainer
+mode ``grpo_parts_sync`` (:mod:`.trainer`) puts this buffer around verl's own. docs/adapters/verl.md."""
 
 from __future__ import annotations
 
@@ -47,11 +39,9 @@ def options_from_sampler_kwargs(sampler_kwargs: Any) -> FilterOptions | None:
 
 
 class FilteringReplayBuffer(ReplayBuffer):
-    """verl's sync ``ReplayBuffer`` + a grpo_parts CompletionFilter on every training sample: the one
-    filter seam behind verl. verl builds it from ``trainer.v1.sampler.custom_sampler`` (the options
-    in ``sampler_kwargs``; the ``grpo_parts_grpo`` estimator gets the kept groups' full-group
-    advantages); the trainer mode ``grpo_parts_sync`` puts it :meth:`around` verl's own buffer
-    (the advantages restored after verl's estimator, and prompt skipping before the rollout)."""
+    """verl's sync ``ReplayBuffer`` + a grpo_parts CompletionFilter on every training sample, built by
+    verl from ``trainer.v1.sampler.custom_sampler`` or put :meth:`around` verl's own buffer by the
+    trainer mode ``grpo_parts_sync``."""
 
     #: the trainer mode's prompt skipping stage (None: every prompt rolled out)
     grpo_parts_skip: VerlSkipStage | None = None
@@ -159,11 +149,8 @@ def buffer_overrides() -> list[str]:
 
 def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **options: Any) -> list[str]:
     """The Hydra overrides of ``python -m verl.trainer.main_ppo`` that switch the filter on under
-    verl's default trainer (with ``algorithm.adv_estimator=grpo_parts_grpo``); ``options`` are
-    further :class:`~.filtering.FilterOptions` keys. ``refill_multiple`` / ``train_batch_size``
-    default to verl's ``data.gen_batch_size`` / ``data.train_batch_size``, and the data-parallel
-    rounding keys (``filtering.VERL_KEYS``: mini-batch, ranks, log-prob micro-batches) to
-    verl's own (Hydra interpolations), as are the actor's loss settings a weighted filter checks."""
+    verl's default trainer; ``options`` are further :class:`~.filtering.FilterOptions` keys, and the
+    keys of ``filtering.VERL_KEYS`` default to Hydra interpolations of verl's own."""
     # the refill granularity, what the kept count is rounded to (FilterOptions.batch_multiple:
     # mini-batches, ranks, log-prob micro-batches) and the actor's loss settings a weighted filter
     # checks, from verl's own keys

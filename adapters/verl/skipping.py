@@ -1,12 +1,8 @@
-"""Prompt skipping behind verl: the trainer mode ``grpo_parts_sync`` draws each step's prompts past the
-shared :class:`grpo_parts.skip.stage.SkipStage` in ``_next_train_batch`` (whole dataloader fetches,
-one prompt at a time; ``fill``: the step keeps ``train_batch_size`` prompts), and only the kept ones
-are submitted. Each kept prompt's rows (its ``uid``) weigh ``1 / p x rolled-out / drawn``, which the
-filter step multiplies into the advantage it stores (:func:`~.kv_filter.filter_kv_batch`). The history
-is saved beside verl's checkpoint (``global_step_*/grpo_parts_prompt_skip.pt``); prompts read but
-not yet drawn at a checkpoint (at most one fetch) are not rolled out after a resume.
-docs/adapters/verl.md, "Prompt skipping".
-"""
+"""Prompt skipping behind verl: trainer mode ``grpo_parts_sync`` draws each step's prompts past the
+shared :class:`grpo_parts.skip.stage.SkipStage` in ``_next_train_batch``; only kept ones are
+submitted, and the filter step multiplies each kept row's weight into its advantage
+(:func:`~.kv_filter.filter_kv_batch`). The history is saved beside verl's checkpoint.
+docs/adapters/verl.md, "Prompt skipping"."""
 
 from __future__ import annotations
 

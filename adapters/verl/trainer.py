@@ -1,16 +1,11 @@
 """Trainer mode ``grpo_parts_sync``: verl's v1 sync trainer with the one filtering buffer
 (:class:`~.sampler.FilteringReplayBuffer`) around its own, and prompt skipping before the rollout.
 
-``trainer.use_v1=True trainer.v1.trainer_mode=grpo_parts_sync +grpo_parts.filter.name=cppo``: the
-filter runs before ``_compute_old_log_prob`` (the policy passes see the kept rows only), and
-``_compute_advantage`` runs verl's own step, then writes back the full-group advantages the filter
-stored (verl's estimator, seeing only the kept rows, would re-normalise inside them). Prompt
-skipping (``+grpo_parts.filter.prompt_skip=history``, :mod:`.skipping`) draws each step's prompts in
-``_next_train_batch``; the skipper's history is saved beside verl's checkpoint. Settings under which
-verl would train on anything else are refused at start. docs/adapters/verl.md.
-
-Imports verl and TransferQueue; the plugin imports it only when verl's v1 trainer is importable.
-"""
+The filter runs before ``_compute_old_log_prob``; ``_compute_advantage`` runs verl's step, then writes
+back the full-group advantages the filter stored (verl's estimator would re-normalise within the
+kept rows). Settings under which verl would train on anything else are refused at start.
+docs/adapters/verl.md. Imports verl and TransferQueue; the plugin imports it only when verl's v1
+trainer is importable."""
 
 from __future__ import annotations
 

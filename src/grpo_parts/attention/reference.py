@@ -1,11 +1,7 @@
 """Reference attention backend: every completion re-encodes its prompt (the standard GRPO path).
 
-Each row is ``[left-padded prompt | right-padded completion]``, run through the model as-is with
-its own attention implementation. Positions count real tokens only, as during sampling, so the
-log-probs equal the sampler's. The logit predicting completion token t sits at position P + t - 1.
-
-``model`` may be wrapped (DDP, FSDP1, DeepSpeed's engine): the inner model's config is checked and
-the forward runs through the wrapper (:mod:`grpo_parts.wrappers`).
+Rows ``[left-padded prompt | right-padded completion]`` run through the model's own attention with
+positions counting real tokens, as during sampling, so the log-probs equal the sampler's.
 """
 
 from __future__ import annotations

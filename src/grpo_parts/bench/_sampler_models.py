@@ -1,7 +1,6 @@
-"""The policies and drafts ``grpo-parts bench sampler`` measures: a random qwen2 of a given size, or a
-policy SFT-trained on the built-in task (``--policy task``) with a small LM draft trained the same way;
-and transformers ``generate`` as a sampler (the yardstick).
-Trained weights are cached (``--cache-dir``) as plain state dicts, read back with ``weights_only=True``.
+"""The policies and drafts ``grpo-parts bench sampler`` measures (a random qwen2, or one SFT-trained on
+the built-in task with a small LM draft) and transformers ``generate`` as a sampler. Trained weights
+are cached (``--cache-dir``) as plain state dicts, read back with ``weights_only=True``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """``grpo-parts bench attention``: shared-prefix vs repeated-prefix forward+backward.
 
-For each point (G completions of one prompt of length P, each S tokens) it times one
-forward+backward of ``sum(w * logprobs)`` through a small Qwen2-style model, three ways:
-
-* ``reference``: :class:`RepeatedPrefixAttention` (G rows of P+S tokens, transformers SDPA);
-* ``shared``: :class:`SharedPrefixAttention` (one row of P+G*S tokens, cascade kernel);
-* ``dense``: the same single row with a dense 4-D mask through transformers SDPA (what a direct
-  port of the Prefix Grouper layout without a dedicated kernel costs).
-
-Peak memory: torch's CPU allocator events recorded by ``torch.profiler`` (``profile_memory=True``)
-during a separate forward+backward; peak = max running sum of allocated minus freed bytes, i.e.
-the activation/gradient memory on top of what existed before the step (parameters excluded).
+Per point (G completions of one P-token prompt, S tokens each) one forward+backward of
+``sum(w * logprobs)`` through a small Qwen2-style model: ``reference`` (:class:`RepeatedPrefixAttention`),
+``shared`` (:class:`SharedPrefixAttention`) and ``dense`` (the shared row with a dense 4-D mask through
+SDPA: the Prefix Grouper layout without a dedicated kernel). Peak memory: the max running sum of
+torch's CPU allocator events (``torch.profiler``) in a separate step, parameters excluded.
 """
 
 from __future__ import annotations

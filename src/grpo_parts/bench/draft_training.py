@@ -1,8 +1,5 @@
 """Draft construction and warm-up for ``grpo-parts bench sampler``, and the task policy and text
-batches it trains (the policy-drift experiment that also uses them is
-scripts/measure/draft_drift.py).
-
-The task is the built-in chain-addition task (:mod:`grpo_parts.task`).
+batches it trains on (:mod:`grpo_parts.task`; also used by scripts/measure/draft_drift.py).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """``grpo-parts bench filter``: time of the training phase vs CPPO pruning rate.
 
-The training phase is what pruning shrinks: the old-policy forward, the reference forward and the
-policy forward/backward (:func:`grpo_parts.core.grpo_loss` through the reference
-``AttentionBackend``), all on the kept rows, in micro-batches of a fixed size as TRL/verl do. The
-filter itself and :func:`~grpo_parts.filter.apply.apply_filter` are inside the timed region;
-rollout, rewards and the optimizer step are not (pruning does not change them). Each point reports
-``speedup`` = time(P = 0) / time(P) next to the ideal ``1 / (1 - P)``.
-
-The batch is synthetic but shaped like a GRPO step: B prompts x G completions, left-padded prompts
-of varying length, right-padded completions of varying length, continuous rewards (so every group
-has variance and the kept count is exactly ``N - floor(P * N)``).
+Timed: what pruning shrinks -- the old-policy and reference forwards and the policy forward/backward
+on the kept rows, in fixed-size micro-batches, plus the filter and
+:func:`~grpo_parts.filter.apply.apply_filter`; not rollout, rewards or the optimizer step. ``speedup``
+= time(P = 0) / time(P), next to the ideal ``1 / (1 - P)``. The synthetic batch has continuous
+rewards, so every group has variance and exactly ``N - floor(P * N)`` rows are kept.
 """
 
 from __future__ import annotations

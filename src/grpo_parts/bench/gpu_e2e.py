@@ -1,19 +1,10 @@
 """``grpo-parts bench e2e --preset NAME``: GRPO throughput per arm on a policy shaped like a real LLM.
 
-Nothing is downloaded. The policy is built from a config shaped like the preset's model (random
-init, the built-in reasoning task's character tokenizer inside a vocabulary of the real model's
-size), given a short SFT on the task on the device (so that completions have the task's shape:
-a long shared instruction, long-tailed worked solutions), saved to a temporary folder, and then
-each arm runs a few GRPO steps through ``grpo-parts train``'s own trainer:
-
-- ``reference``: every part its reference implementation;
-- ``optimized``: the default parts (speculative sampler + n-gram draft, shared-prefix attention, CPPO);
-- ``vllm``: the vLLM sampler with the optimized attention and filter, when vllm is installed.
-
-Reported per arm (NeMo-RL style): generated tokens/s/GPU (rollout tokens over the whole step time),
-rollout tokens/s, mean step time after the first (warm-up) step, the phase shares of the step, and
-mean completion length; with the model, parameter count, context length and G. ``tiny`` is a CPU
-preset for the tests.
+Nothing is downloaded: a random policy shaped like the preset's model (the built-in task's tokenizer
+inside the real vocabulary size) gets a short SFT on the task, then each arm (``reference``,
+``optimized``, ``vllm`` when installed) runs a few GRPO steps through ``grpo-parts train``'s trainer.
+Reported per arm (NeMo-RL style): generated tokens/s/GPU, rollout tokens/s, mean step time after the
+warm-up step, phase shares, mean completion length. ``tiny`` is a CPU preset for the tests.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """``grpo-parts bench sampler``: tokens/s of samplers vs the reference sampler and transformers ``generate``.
 
-Every sampler runs on the same policy, prompts, ``max_new_tokens`` and sampling settings. With a
-random policy there is no EOS, so every row emits exactly ``max_new_tokens`` tokens (equal work for
-everyone). With ``--policy task`` rows stop at the task's EOS, as in training: text past EOS is out
-of the policy's distribution (near-uniform, which no draft can predict), so forcing it would measure
-nothing real. Every sampler draws from the same distribution, so the expected work is equal; the
-ratio is of emitted tokens per second. Each point is
-the best of ``--repeats`` timed runs after one warm-up run; the samplers' runs are interleaved
-round-robin. ``--clock cpu`` times process CPU time instead of wall time (steadier on a shared box).
+Every sampler runs on the same policy, prompts and settings. A random policy has no EOS (every row
+emits ``max_new_tokens``); ``--policy task`` rows stop at the task's EOS, as in training (text past
+EOS is out of distribution, so forcing it would measure nothing real). Each point is the best of
+``--repeats`` runs after a warm-up, interleaved round-robin; ``--clock cpu`` times process CPU time.
 
-Adding a sampler (e.g. the speculative one): write a factory ``(policy, args) -> list[BenchSampler]``
-and add it to :data:`FACTORIES` (one factory may return several rows, e.g. one per draft). Rows whose
-factory raises ``ImportError`` / ``NotSupportedError`` are skipped with a note.
-
-JSON (``--json PATH``): ``{"setup": {...}, "points": [...]}``; each point has the keys
-``sampler``, ``draft``, ``shape`` (speculative rows: ``chains`` or ``trees``; ``tree_steps`` /
-``verify_steps`` count the verifications that used trees, ``sampled_tree_steps`` those of trees of
-sampled children, verified by recursive rejection sampling), ``batch``, ``mode``, ``tokens_per_s``, ``speedup`` (vs the reference sampler,
-same batch and mode), ``ratio_vs_generate``, ``accepted_per_verify`` (None when not speculative),
-``seconds``, ``tokens``.
+Adding a sampler: a factory ``(policy, args) -> list[BenchSampler]`` in :data:`FACTORIES`; rows whose
+factory raises ``ImportError`` / ``NotSupportedError`` are skipped with a note. JSON (``--json``):
+``{"setup": {...}, "points": [...]}``, a point per row as :func:`_row_point` and
+:func:`_measure_point` build it (``speedup``: vs the reference sampler, same batch and mode).
 """
 
 from __future__ import annotations

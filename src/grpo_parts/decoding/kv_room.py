@@ -1,13 +1,9 @@
 """In-place KV cache buffers for the speculative sampler and its drafts (re-exported by ``compat``).
 
-``DynamicLayer.update`` appends with ``torch.cat`` (a copy of the whole cache per forward) and
-``batch_select_indices`` gathers every row of every layer when a row leaves the batch. Layers
-converted by :func:`reserve_cache_room` keep their keys and values as prefix views of buffers with
-room to append in place, and :func:`drop_cache_rows` removes finished rows by moving the few live
-rows from the end of the batch into their slots (a view of the buffers' first rows remains), so the
-cost of a drop is the rows moved, not the whole cache. Values are bit-identical to transformers'.
-The layer API used (``keys``/``values``/``update``/``batch_select_indices``) is the same in every
-transformers release in range (``compat``).
+:func:`reserve_cache_room` lets ``DynamicLayer`` s append in place instead of ``torch.cat``'s copy
+per forward; :func:`drop_cache_rows` removes finished rows by moving the few live rows from the end
+of the batch into their slots instead of gathering every row. Bit-identical to transformers'
+(docs/speculative.md, "Appends in place" and "Row drops move, not gather").
 """
 
 from __future__ import annotations
@@ -20,11 +16,9 @@ import torch
 #: columns of room a cache layer's buffers get beyond what they hold (then regrown): at least this,
 #: and at least :data:`ROOM_FRACTION` of the columns held (up to :data:`ROOM_MAX`)
 CACHE_ROOM = 16
-#: regrowth is geometric: a buffer gets room for a quarter of what it holds, so a rollout that
-#: appends ``T`` columns to a ``P``-column cache copies it ~``log(1 + T/P) / log(1.25)`` times, not
-#: once per :data:`CACHE_ROOM` columns. The room costs little elsewhere: finished rows leave by
-#: moving the rows that take their slots (:func:`drop_cache_rows`), not by gathering every buffer
-#: with its room (measured: docs/results.md; the log's "Geometric KV room, buffers from the prefill on")
+#: regrowth is geometric (a quarter of what a buffer holds), so a rollout copies its cache
+#: ~``log(1 + T/P) / log(1.25)`` times, not once per :data:`CACHE_ROOM` columns (docs/results.md;
+#: the log's "Geometric KV room, buffers from the prefill on")
 ROOM_FRACTION = 0.25
 #: ... but never more than this many columns: a long GPU cache gets a small share of extra memory,
 #: and is still copied only once per this many appended columns
@@ -35,8 +29,7 @@ def reserve_cache_room(cache: Any, slack: int) -> int:
     """Let every plain ``DynamicLayer`` of ``cache`` append in place: its keys and values become
     views of buffers (made now for layers that hold tensors, else at their first append) with room
     for at least ``slack`` more columns (:func:`_grow`), so a forward writes its new columns
-    instead of copying the whole cache (``DynamicLayer.update`` is ``torch.cat``: on a small model's
-    batched decode step that copy costs as much as attention itself). ``crop`` (a slice) keeps the
+    instead of copying the whole cache (``DynamicLayer.update`` is ``torch.cat``). ``crop`` (a slice) keeps the
     buffer; anything that replaces the tensors (row selection, compaction) gets a new buffer at the
     next append. Values are bit-identical to ``torch.cat``'s. Sliding-window and other layer types
     are left alone. Returns how many layers were converted (the caller counts it)."""
@@ -57,8 +50,7 @@ def reserve_cache_room(cache: Any, slack: int) -> int:
             and keys.dim() == 4
             and ly._buffers() is None
         ):
-            # buffers now (a prefill's cache): the first decode step must not pay for copying the
-            # prompt's cache, which made it look several times its cost to the online step timing
+            # buffers now (a prefill's cache): the first decode step must not pay for copying it
             ly._use(_grow(keys, 0, ly._room), _grow(values, 0, ly._room), keys.shape[2])
         done += 1
     return done

@@ -1,15 +1,10 @@
 """One Llama-family decoder layer as plain tensor operations (the sampler's lean forward and the
 EAGLE head's drafting path share it, so it lives below both packages).
 
-The layer is the modeling code's maths in the same order -- RMSNorm in float32, q/k/v
-projections (Qwen3: per-head q/k RMSNorm before the rotation), rotary embedding, the cache's
-``update``, the attention function the model would call, o projection, residual, RMSNorm, SwiGLU
-MLP, residual -- without the module calls and keyword plumbing around it, which on a CPU cost as
-much as a small layer's arithmetic. Two steps take fewer calls for the same result: the RMSNorm
-body is torch's ``rms_norm`` (equal up to float rounding), and ``rotate_half(x) * sin`` is
-``roll(x, D/2) * signed_sin`` (the same products bitwise). :func:`layer_reasons` says which layers it may stand in for:
-plain ``nn.Linear`` projections (not LoRA-wrapped, quantised or sharded ones) and the RMSNorm
-classes of :data:`RMS_NORMS`; anything else must run its own forward.
+The modeling code's maths in the same order, without the module calls and keyword plumbing (which
+on a CPU cost as much as a small layer's arithmetic). Two steps take fewer calls for the same
+result: torch's ``rms_norm`` (equal up to float rounding) and ``roll(x, D/2) * signed_sin`` for
+``rotate_half(x) * sin`` (bitwise). :func:`layer_reasons` says which layers it may stand in for.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """EAGLE-style draft head with online learning (EAGLE, arXiv 2401.15077; FastGRPO, arXiv 2509.21792).
 
-The head predicts the policy's next last-layer feature: at position ``t + 1`` its input is
-``fc(concat(embed(x_{t+1}), f_t))`` -- the embedding of the token the policy just emitted and the
-policy's feature that predicted it -- fed through **one decoder layer** of the policy's own family
-(built from the policy's config, so attention, RoPE and norms match) and the family's final norm.
-The policy's **frozen** embedding and lm_head are shared (read from the bound policy, never
-trained here), so a draft token costs one small layer plus the lm_head.
-
-Drafting keeps a KV cache per row: each ``propose`` first feeds the policy's *true* features of the
-tokens verified since the last call (``DraftContext.new_hidden``), then drafts ``k`` tokens
-autoregressively on its own predicted features; those ``k - 1`` speculative entries are cropped at
-the next call. Rows feeding fewer true features than others leave masked holes (explicit positions,
-as in the speculative sampler).
-
-Online learning (:meth:`EagleDraft.update`): after each rollout, on the policy's features and logits
-at the rollout's positions, ``feature_weight * SmoothL1(f_hat_{t+1}, f_{t+1}) + ce_weight *
-softCE(lm_head(f_hat_{t+1}), softmax(policy logits_{t+1}))`` (2.0 and 0.1 in FastGRPO), AdamW.
-``unroll = 2`` adds a second pass that feeds the head its own predicted features (what drafting
-does beyond the first token), which raises acceptance at depth.
+The head predicts the policy's next last-layer feature from ``fc(concat(embed(x_{t+1}), f_t))``
+through one decoder layer of the policy's own family, sharing the policy's frozen embedding and
+lm_head. It keeps a KV cache per row (:mod:`.kv_state`) and learns after each rollout
+(:meth:`EagleDraft.update`). docs/speculative.md, "Drafts": the head, its loss and defaults.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """KV-cache bookkeeping shared by the KV-cached drafts (the EAGLE head and the small LM).
 
-A draft keeps one cache per rollout. Rows accept different counts, so a call feeds each row's new
-entries right-aligned, and a row with fewer leaves masked *holes* (``mask == 0``; callers pass
-explicit positions, so a hole never shifts one). Each call also appends ``k - 1`` speculative
-entries, which the next call crops: the verified tokens replace them.
+Rows accept different counts, so a call feeds each row's new entries right-aligned and shorter rows
+leave masked *holes* (explicit positions, so a hole never shifts one); the ``k - 1`` speculative
+entries a call appends are cropped by the next.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """N-gram / suffix draft: no weights, no sync, nothing to train.
 
-A row's continuation is looked up in the token sequences most likely to repeat it: its own prompt
-and its own text so far, its **sibling completions** in the group (GRPO samples G completions of
-the same prompt, which share long stretches), and **earlier rollouts of the same prompt** (kept
-across rollouts, keyed by the prompt's tokens). The longest suffix of the row (``max_ngram`` down
-to ``min_ngram`` tokens) found in that pool proposes the tokens that followed one of its
-occurrences; the lookup is chained until ``k`` tokens are drafted. Where the occurrences disagree
-on the next token, the one whose preceding text agrees longest with the row's wins, then the row's
-own text, then the most recent (before: the most recent, often a sibling at the same line that had
-mis-copied a term where the row's own previous line held the right one).
-
-Proposals are deterministic (``probs=None``): the verifier treats them as point masses, which keeps
-verification exact at any temperature (accept ``d`` with probability ``p(d)``, else resample from
-``p`` without ``d``). Rows with no match propose their last token repeated (cheap filler that the
-verifier simply rejects; the cost model sees the low acceptance and drafts less).
+A row's longest suffix (``max_ngram`` down to ``min_ngram`` tokens) is looked up in its prompt, its
+own text, its sibling completions and earlier rollouts of the same prompt; the lookup chains until
+``k`` tokens are drafted. Where occurrences disagree, the longest agreeing preceding text wins, then
+the row's own text, then the most recent (docs/speculative.md, "N-gram draft in the tail").
+Proposals are point masses (``probs=None``), so verification stays exact at any temperature; rows
+with no match repeat their last token (the cost model sees the low acceptance and drafts less).
 """
 
 from __future__ import annotations
@@ -57,14 +49,8 @@ class _Pool:
         return sid
 
     def extend(self, sid: int, tokens: list[int]) -> None:
-        seq, index, ranked, lo, hi, keep = (
-            self.seqs[sid],
-            self.index,
-            self._ranked,
-            self.lo,
-            self.hi,
-            self.keep,
-        )
+        seq, index, ranked = self.seqs[sid], self.index, self._ranked
+        lo, hi, keep = self.lo, self.hi, self.keep
         for tok in tokens:
             e = len(seq)  # the n-grams ending at e now have a continuation: ``tok``
             for n in range(lo, min(hi, e) + 1):

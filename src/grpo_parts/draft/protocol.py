@@ -1,9 +1,5 @@
-"""The ``DraftModel`` Protocol: propose tokens for a speculative sampler to verify.
-
-A draft sees the rows still generating (their token ids so far, and optionally the policy's last
-hidden state, for EAGLE-style heads) and proposes ``num_tokens`` tokens per row with the
-distribution it drew them from. The speculative sampler verifies them losslessly against the
-policy. Learnable drafts are trained after each rollout with :meth:`DraftModel.update`.
+"""The ``DraftModel`` Protocol: propose tokens, with the distribution drawn from, for a speculative
+sampler to verify losslessly; learnable drafts train after each rollout (:meth:`DraftModel.update`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Reference draft: a frozen small causal LM.
+"""Reference draft: a frozen small causal LM sharing the policy's tokenizer.
 
-Deliberately simple: every ``propose`` re-encodes the full context (no KV cache), so it is
-obviously correct; optimized drafts keep caches. It must share the policy's tokenizer (vocab).
+Every ``propose`` re-encodes the full context (no KV cache), so it is obviously correct.
 """
 
 from __future__ import annotations

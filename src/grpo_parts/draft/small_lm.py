@@ -1,16 +1,7 @@
 """A frozen small causal LM draft with a KV cache (the optimized form of :class:`FrozenLMDraft`).
 
-:class:`~grpo_parts.draft.reference.FrozenLMDraft` re-encodes each row's whole context for every
-draft token, which is obviously correct but grows with context length and batch. This draft keeps
-one KV cache per rollout, as the EAGLE head does:
-
-* each ``propose`` first feeds the tokens verified since the row's previous call (rows accept
-  different counts, so the new tokens are right-aligned and shorter rows leave masked *holes*, with
-  explicit positions so a hole never shifts a position), then drafts ``k`` tokens autoregressively;
-* its ``k - 1`` speculative entries are cropped at the next call, where the verified tokens
-  replace them; rows that finished leave the cache; holes beyond half the cache are compacted.
-
-Its proposals are the same distributions as :class:`FrozenLMDraft`'s (tested), only cheaper.
+Same proposals as :class:`~grpo_parts.draft.reference.FrozenLMDraft` (tested), cached as the EAGLE
+head is (:mod:`.kv_state`); holes beyond half the cache are compacted.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Building draft trees: EAGLE-2-style top-K expansion for the model drafts (EAGLE head, small LM).
 
-:func:`topk_tree` grows a tree level by level from the root's draft distribution: the ``K`` best
-tokens (by cumulative draft log-probability) of every level are kept as candidates and become the
-next level's frontier; each frontier node is fed to the draft once (:class:`Frontier`, the draft's
-``expand`` callback) to get its children's distribution. At the end the best ``N`` candidates by
-cumulative log-probability form the tree (a child never scores above its parent, so the selection
-is closed under ancestors). The tree is deterministic given the context: verified by
-sample-then-match (:mod:`grpo_parts.sampler.speculative.tree_verify`), which makes it exactly lossless.
+:func:`topk_tree` keeps the ``K`` best tokens of every level (cumulative draft log-probability) as the
+next frontier, feeding each frontier node to the draft once (:class:`Frontier`), then keeps the best
+``N`` candidates (closed under ancestors: a child never scores above its parent). The tree is
+deterministic given the context, so sample-then-match verifies it losslessly.
 """
 
 from __future__ import annotations

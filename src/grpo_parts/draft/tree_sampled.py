@@ -1,22 +1,9 @@
 """Draft trees whose children are **sampled** from the draft (EAGLE head, small LM).
 
-The tree's *shape* is fixed before anything is drawn: :func:`tree_shape` picks the ``N`` rank
-paths (``(r_1, .., r_d)``: the ``r_1``-th drawn child of the root, its ``r_2``-th drawn child, ...)
-with the largest estimated probability of lying on the accepted path, under a fixed per-rank
-acceptance profile (Sequoia-style), within the budget's depth and width. Then, level by level, every
-node with children in the shape is fed to the draft once (the :class:`~.tree.Frontier` /
-``expand`` interface the top-K builder uses) and its ``w`` children are drawn **without
-replacement** from the draft's processed distribution ``q`` there (Gumbel-top-``w`` on ``log q``:
-exactly ``w`` sequential draws without replacement, in draw order).
-
-**Why the shape rule keeps verification exact.** Recursive rejection sampling without replacement
-(:func:`~grpo_parts.sampler.speculative.tree_verify.verify_sampled_tree`) emits a token distributed as the
-policy's ``p`` at a node for *any* number ``w`` of children, provided the children are ``w``
-sequential draws without replacement from the ``q`` it is given. Here ``w`` depends only on the
-node's rank path (never on drawn values), and each node's children are drawn from ``q`` at that
-node's own context; so, given everything emitted so far, every emitted token is distributed as
-plain sampling. EAGLE-2's "keep the best ``N`` nodes by cumulative draft probability" would decide
-which sampled children exist *from their values* and bias the output (tests show it fails).
+:func:`tree_shape` fixes the shape (rank paths, Sequoia-style) *before* anything is drawn; each
+node's ``w`` children are then drawn without replacement from ``q`` (Gumbel-top-``w``). The shape
+must not depend on drawn values, or recursive rejection sampling would no longer emit the policy's
+``p`` (EAGLE-2's best-``N`` selection fails the tests). docs/speculative.md, "Sampled trees".
 """
 
 from __future__ import annotations

@@ -62,8 +62,7 @@ class ReferenceSampler:
         return check_model(self.model)
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        # The reference sampler samples from the training module itself; a different module means
-        # the caller wants us to follow it.
+        # samples from the training module itself (nothing to copy); a different module is followed
         if policy is not self.model:
             self.model = policy
 

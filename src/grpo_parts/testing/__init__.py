@@ -1,8 +1,7 @@
-"""A public testing kit for sampler and draft authors: enumerate a tiny model's exact sequence
-distribution and chi-square test samples against it (:mod:`.distributions`; ``from
-grpo_parts.testing import chi_square_gof``). No product module imports it. The deliberately broken
-verifiers that prove the losslessness tests have teeth, and the door tests' fixtures, live with the
-tests (tests/oracles.py, tests/door_fixtures.py)."""
+"""A public testing kit for sampler and draft authors: exact sequence distributions of a tiny model
+and a chi-square test against them (:mod:`.distributions`). No product module imports it; the broken
+verifiers and door fixtures live with the tests (tests/oracles.py, tests/door_fixtures.py).
+"""
 
 from __future__ import annotations
 

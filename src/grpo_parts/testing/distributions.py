@@ -1,12 +1,9 @@
 """Helpers for statistical equivalence tests of samplers (reference, speculative, vLLM).
 
-A sampler is correct when its sequences are distributed exactly as plain autoregressive sampling
-(temperature, then top-k, then top-p). On a tiny-vocabulary model that distribution can be
-enumerated (:func:`sequence_distribution`, with :func:`processed_probs`: an independent NumPy logit
-processing, so ``grpo_parts.decoding`` is checked too) and samples tested against it
-(:func:`chi_square_gof`).
-
-Typical use::
+A sampler is correct when its sequences are distributed exactly as plain sampling (temperature, then
+top-k, then top-p). On a tiny-vocabulary model :func:`sequence_distribution` enumerates that
+distribution (with :func:`processed_probs`, an independent NumPy logit processing) and
+:func:`chi_square_gof` tests samples against it::
 
     probs = sequence_distribution(model, prompt, length=2, temperature=1.0)   # [V**2]
     codes = encode_sequences(rollout.completion_ids[:, :2], vocab_size)        # [N]

@@ -41,11 +41,7 @@ class GroupFacts:
     def of(batch: LogprobBatch) -> GroupFacts:
         """The facts of ``batch`` in one device-to-host copy."""
         cols = torch.stack(
-            [
-                batch.group_index.long(),
-                batch.prompt_mask.long().sum(-1),
-                batch.completion_mask.long().sum(-1),
-            ]
+            [batch.group_index.long(), batch.prompt_mask.long().sum(-1), batch.completion_mask.long().sum(-1)]
         ).cpu()
         return GroupFacts.from_rows(cols[0], cols[1], cols[2])
 

@@ -160,13 +160,7 @@ def kwarg_reasons(module: torch.nn.Module, kwargs: dict[str, Any], *, fallback: 
 
 
 def kernel_reasons(
-    kernel: str,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    softcap: bool,
-    grad: bool,
-    sinks: bool = False,
+    kernel: str, *, device: torch.device, dtype: torch.dtype, softcap: bool, grad: bool, sinks: bool = False
 ) -> list[str]:
     """Why ``kernel`` cannot run with these properties (empty = it can)."""
     if kernel == "eager":
@@ -227,8 +221,7 @@ def _fallback_attention(
         )  # type: ignore[no-any-return]
     if own is not None:
         raise NotSupportedError(
-            "shared_prefix fallback",
-            [f"{_where(module)}: no attention function for {own!r} to fall back to"],
+            "shared_prefix fallback", [f"{_where(module)}: no attention function for {own!r} to fall back to"]
         )
     reasons = kwarg_reasons(module, kwargs, fallback=True)
     if named["softcap"] is not None:

@@ -48,7 +48,7 @@ class PrefixLayout:
     attention never spans more tokens than this (used to check sliding windows).
 
     ``receipts``: the attention modules that received this layout, appended by the kernel on each
-    call; after the forward, :func:`~grpo_parts.attention.shared_prefix.guard.check_layout_reached` requires one
+    call; after the forward, :func:`~grpo_parts.attention.shared_prefix.guard.layout_shortfall` requires one
     in every decoder layer (a layer that ran without the layout attended over the whole grid row).
     """
 
@@ -137,10 +137,8 @@ def _compact_prompts(batch: LogprobBatch, pm: torch.Tensor, pp: int, pad_token_i
 def _group_rows(
     batch: LogprobBatch, pm: torch.Tensor, plen_row: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(row_group, order, starts, rep, sizes)``: each row's group (ascending ``group_index``), the
-    rows in group order (stable: slots in order of appearance), where each group starts in that order,
-    its first row (whose prompt is the group's prefix) and its size. Refuses a group whose rows carry
-    different prompts (one prefix per group); both layouts build on this."""
+    """:class:`Rows`' ``(row_group, order, starts, rep, sizes)``; refuses a group whose rows carry
+    different prompts (one prefix per group)."""
     uniq, row_group = torch.unique(batch.group_index, return_inverse=True)
     b = int(uniq.numel())
     order = torch.sort(row_group, stable=True).indices
@@ -207,10 +205,8 @@ def _kept_columns(
 
 @dataclass(frozen=True)
 class LayoutSettings:
-    """What building a layout reads of the backend's settings (one object, passed whole: the
-    plan.s :attr:`.plan.PlanSettings.build`): the attention ``kernel``, the model's context
-    ``max_positions`` (None: none), the pad id of empty slots, the grid ``sdpa`` kernel's
-    ``tile_elems`` / ``suffix_flash_min`` and the padding-free layout's ``varlen`` kernels."""
+    """What building a layout reads of the backend's settings (:attr:`.plan.PlanSettings.build`):
+    ``max_positions`` is the model's context (None: none), ``pad_token_id`` fills empty slots."""
 
     kernel: str = "sdpa"
     max_positions: int | None = None

@@ -1,11 +1,8 @@
-"""``layout="auto"``: grid or padding-free by estimated cost, model tokens plus attention scores.
-
-With the varlen plan (the padding-free ``sdpa`` kernel's cascade, ``eager``'s
-:mod:`.varlen_eager`) the padding-free layout never computes more scores than the grid under the
-same kernel (every completion padded to at most the grid's longest), so fewer tokens decide; with a
-dense per-span mask (``varlen=False``) its ``(P + sum_j S_j)^2`` scores can outweigh the tokens it
-saves, and the grid's cascade wins. ``eager`` computes whole score squares (it masks them), the
-flash calls causal halves. Scores are weighed against tokens by FLOPs (:func:`score_weight`)."""
+"""``layout="auto"``: grid or padding-free by estimated cost, model tokens plus attention scores
+weighed by FLOPs (:func:`score_weight`). With the varlen kernels the padding-free layout never
+computes more scores than the grid, so tokens decide; with a dense per-span mask (``varlen=False``)
+its scores can outweigh the tokens it saves. docs/attention.md, "Which layout runs".
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Shared-prefix log-probs for *packed* (padding-free) batches, as verl's remove-padding path and
-OpenRLHF's ``--ds.packing_samples`` feed them: one row holding every sequence ``[prompt_n |
-completion_n]`` back to back, delimited by ``cu_seqlens``.
+OpenRLHF's ``--ds.packing_samples`` feed them (sequences back to back, delimited by ``cu_seqlens``).
 
-:func:`packed_completion_logprobs` unpacks into a :class:`LogprobBatch` (prompts left-padded,
-completions right-padded; index maps only, no per-token Python loop), runs any
-``AttentionBackend`` (shared-prefix by default) and packs the result back, so an adapter can
-swap it in for the model forward that computes per-token log-probs.
+:func:`packed_completion_logprobs` unpacks into a :class:`LogprobBatch` (index maps, no per-token
+loop), runs any ``AttentionBackend`` and packs the result back.
 """
 
 from __future__ import annotations

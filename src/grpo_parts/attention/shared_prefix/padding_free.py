@@ -25,9 +25,7 @@ LAYOUTS: tuple[str, ...] = ("grid", "padding_free")
 
 class _Masks:
     """Per-call cache of the kernel's masks and varlen plan (built on the first layer, reused by the
-    others) and what ran: ``calls`` counts attention calls per path (``varlen_cascade``,
-    ``masked_sdpa``, ``varlen_eager``, ``masked_eager``, ``flex``), ``why`` says why ``masked_sdpa``
-    ran. Not a dict or
+    others); ``calls``: attention calls per path, ``why``: why ``masked_sdpa`` ran. Not a dict or
     dataclass, so FSDP2's input casting passes it through like :class:`~.layout.Receipts`."""
 
     def __init__(self) -> None:

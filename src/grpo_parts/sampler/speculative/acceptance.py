@@ -43,14 +43,10 @@ class AcceptanceEstimate:
     (used for the trace, the trees' prior and as the prior of the per-depth rates).
 
     ``r_d``: the fraction of rows that accepted draft position ``d`` among those that accepted
-    ``d - 1``. Real acceptance is not geometric -- the n-gram draft's copies match long or fail at
-    one spot, EAGLE's accuracy falls with depth, and the wide phase differs from the tail -- and one
-    global rate over-credited long chains (a ceiling of 12 drafted ``k`` ~ 9-11 in the main job's
-    tail and made it slower). A bucket's counts shrink towards the pooled counts (``prior_weight``
-    steps' worth), which shrink towards the prior ``min(rate, pooled r_{d-1})``; a depth no row has
-    reached yet is priced at that prior, and the chain may be at most one position deeper than the deepest
-    depth measured (in that bucket or pooled), so each longer ``k`` is tried one step at a time and
-    then judged on its own measurement.
+    ``d - 1`` (real acceptance is not geometric: docs/speculative.md, "N-gram draft in the tail").
+    A bucket's counts shrink towards the pooled counts (``prior_weight`` steps' worth), which shrink
+    towards the prior ``min(rate, pooled r_{d-1})``; a chain may be at most one position deeper than
+    the deepest depth measured, so each longer ``k`` is tried one step at a time.
     """
 
     prior: float = 0.6

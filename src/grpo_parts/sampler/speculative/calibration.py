@@ -51,9 +51,8 @@ def calibrate(
     return cost
 
 
-#: a start-up forward at least this long is timed once: the repeats guard short forwards against
-#: timer and scheduler noise, while the main job's widest forwards made up most of its
-#: calibration; online step times rescale every prediction anyway
+#: a start-up forward at least this long is timed once (repeats guard only short forwards against
+#: noise; online step times rescale every prediction anyway)
 LONG_FORWARD_S = 0.02
 
 
@@ -160,14 +159,10 @@ def calibrate_policy(
 
     The forwards are the decode loop's: the cache appends in place (``reserve_cache_room``) and,
     with ``layout(A)`` (a :class:`~.decode_attention.DecodeLayout` for ``A`` rows, or None), they
-    carry the decode attention's layout, so the caller selects that kernel around the call. Timed
-    with the model's own attention and a copying cache, the curve in ``T`` came out flatter than
-    the decode loop's own: online rescaling fixes the level but keeps the calibrated shape, and
-    the flat shape made the wide phase draft too long (docs/results.md; the log's "Calibration
-    on the decode loop's own forwards").
-
-    Minimum of ``repeats`` runs after a warm-up: the minimum is the least disturbed by other
-    processes sharing the machine.
+    carry the decode attention's layout, so the caller selects that kernel around the call: online
+    rescaling keeps the calibrated *shape* in ``T``, so it must be the loop's own (the log's
+    "Calibration on the decode loop's own forwards"). Minimum of ``repeats`` runs after a warm-up
+    (the least disturbed by other processes).
     """
     device = next(model.parameters()).device
     vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
@@ -202,10 +197,9 @@ def calibrate_policy(
     return table
 
 
-#: context of the draft's start-up timing: the untimed first proposal indexes (n-gram) or encodes
-#: (EAGLE, small LM) the whole context of every row, which at the main job's context was most of
-#: the n-gram's calibration, while a proposal's own cost hardly depends on it (and every real
-#: draft call refines the estimate, :meth:`CostModel.observe_draft`)
+#: context of the draft's start-up timing: kept short, since a proposal's cost hardly depends on it
+#: while the untimed first proposal indexes or encodes all of it (:meth:`CostModel.observe_draft`
+#: refines the estimate)
 DRAFT_CONTEXT = 64
 
 

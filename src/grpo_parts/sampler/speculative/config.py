@@ -18,9 +18,7 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # 6: higher ceilings raised the main job's tail tokens per verification but not its speed, also
-    # with chains priced by measured per-depth acceptance (docs/results.md; the log's "The n-gram
-    # draft in the main job's tail" and "Chains priced by measured per-depth acceptance")
+    # 6: higher ceilings did not pay (docs/results.md; the log's "Chains priced by measured per-depth acceptance")
     max_draft_tokens: int = Field(6, ge=1, le=32)
     draft_tokens: int | None = Field(None, ge=0, le=32)
     calibrate_repeats: int = Field(2, ge=1)
@@ -51,12 +49,8 @@ class SpeculativeConfig(BaseModel):
     tree_nodes: int | None = Field(
         None, ge=1, le=128, description="fix a draft tree of this many nodes per row (tests, ablations)"
     )
-    # 0 by default: on this project's 2-core CPU trees have not beaten chains in tokens per second in
-    # any measurement (docs/results.md, Sampler; the log's "Trees vs chains on the main job" and
-    # "Sampled EAGLE trees"): n-gram trees (point masses, sample-then-match) accept too little per
-    # level; sampled EAGLE / small-LM trees accept more than chains but their wider verification
-    # costs about what the extra tokens save. Opt in with e.g. 32 (the cost
-    # model then weighs trees of 4-32 nodes against chains and plain decoding).
+    # 0: trees have not beaten chains on CPU in any measurement (docs/speculative.md, "Trees are off
+    # by default"; docs/results.md, Sampler). Opt in with e.g. 32.
     max_tree_nodes: int = Field(
         0, ge=0, le=128, description="largest tree the cost model may pick per row (0: chains only)"
     )

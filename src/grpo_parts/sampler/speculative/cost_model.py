@@ -52,14 +52,10 @@ class CostModel:
     verify: dict[int, list[float]]
     draft_fixed: dict[int, float] = field(default_factory=dict)
     draft_per_token: dict[int, float] = field(default_factory=dict)
-    #: per-step sampler bookkeeping beyond the forward and the draft per (calibrated batch size,
-    #: speculative?), measured online; 0 where not measured yet. Speculative steps: seconds per
-    #: verified position (the residual grows with ``k + 1``: verification maths, sampling, the
-    #: forward's cost over holes and housekeeping; one constant per step under-priced long
-    #: verifications of many rows, so long drafts ran there at a loss). Per batch size, because a
-    #: residual measured at many rows added to a one-row plain step made plain decoding look far
-    #: dearer there, so the tail of a wide rollout drafted at a loss (docs/results.md; the log's
-    #: "Robust step-time corrections, collector paused in decode loops")
+    #: per-step bookkeeping beyond the forward and the draft per (calibrated batch size, speculative?),
+    #: measured online (0 until then); speculative steps: seconds per verified position, as it grows
+    #: with ``k + 1``. Per batch size and per position: docs/results.md; the log's "Robust step-time
+    #: corrections, collector paused in decode loops"
     overhead: dict[tuple[int, bool], float] = field(default_factory=dict)
     #: EMA weight of :meth:`observe_draft` (draft times are short and steady)
     ema: float = 0.8
@@ -119,10 +115,8 @@ class CostModel:
         per-``k`` measurement would let timing noise on one step lock in a worse draft length).
 
         Both are lower medians of the last :data:`RECENT` measurements and a prior, not running
-        means: one step disturbed by the host set the ratio to a multiple of its prediction and
-        priced speculation out at that batch size for the rest of the run, since only rare probes
-        measured it again (docs/results.md; the log's "Robust step-time corrections"). Now one
-        outlier moves nothing, two in a row set the new level, and two probes undo a stale one."""
+        means, so one outlier moves nothing and two in a row set the new level (docs/results.md; the
+        log's "Robust step-time corrections")."""
         key = (self.bucket(a), k > 0)
         ratio = seconds / max(self._predict(a, k) if predicted is None else predicted, 1e-9)
         t = k + 1 if tokens is None else tokens
@@ -245,9 +239,7 @@ def batch_grid(max_rows: int) -> list[int]:
 
 
 def token_grid(max_tokens: int) -> list[int]:
-    """Tokens per row timed at start-up: 1 and 2 (where a CPU matmul leaves its matrix-vector path,
-    the steepest step of the curve), then doubling to ``max_tokens``; between them the cost is
-    interpolated, and online step times rescale it. Each point is a forward per batch size and
-    repeat: the first rollout of the main job spent more time calibrating than decoding (the log's
-    "Calibration on the decode loop's own forwards")."""
+    """Tokens per row timed at start-up: 1 and 2 (where a CPU matmul leaves its matrix-vector path),
+    then doubling to ``max_tokens``; interpolated between, rescaled online. Few points: each costs a
+    forward per batch size and repeat (the log's "Calibration on the decode loop's own forwards")."""
     return sorted({t for t in (1, 2, 4, 8, 16, 32, 64, max_tokens) if t <= max_tokens})

@@ -27,9 +27,8 @@ KERNEL_NAME = "grpo_decode_shared_prompt"
 LAYOUT_KWARG = "grpo_decode_layout"
 #: attention implementations whose decode attention the kernel reproduces (plain causal softmax)
 OWN_IMPLEMENTATIONS = ("sdpa", "eager")
-#: cost rule (measured per call on the main job's shapes: docs/results.md; the log's "Decode
-#: attention over the shared prompt"): the shared path
-#: pays when the active rows per group average at least this many ...
+#: cost rule (docs/results.md; the log's "Decode attention over the shared prompt"): the shared
+#: path pays when the active rows per group average at least this many ...
 MIN_ROWS_PER_GROUP = 4.0
 #: ... and at least this many rows are active (below, SDPA's per-row cost is small enough)
 MIN_ROWS = 64
@@ -150,10 +149,8 @@ class DecodeRows(Protocol):
 
 @contextlib.contextmanager
 def shared_prompt_decoding(st: DecodeRows, reasons: list[str], mode: str) -> Iterator[None]:
-    """For the block (the decode loop): give ``st`` a :class:`DecodeLayout` and select the kernel on
-    the policy, restoring the policy's own attention afterwards, unless ``mode == "off"`` or the
-    kernel cannot reproduce the model's attention (:func:`kernel_reasons`). The shared-prompt path
-    runs when nothing stands against it (``reasons`` empty; ``mode == "always"``: no cost rule);
+    """For the block (the decode loop): :func:`decode_kernel`, and give ``st`` a :class:`DecodeLayout`.
+    The shared-prompt path runs when ``reasons`` is empty (``mode == "always"``: no cost rule);
     otherwise the kernel still serves the GQA forwards without copying K/V per head."""
     with decode_kernel(st.model, mode) as on:
         if on:

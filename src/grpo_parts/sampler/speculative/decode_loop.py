@@ -12,12 +12,7 @@ from typing import Any
 
 import torch
 
-from ...compat import (
-    cache_kwarg,
-    crop_cache,
-    output_cache,
-    repeat_cache_rows,
-)
+from ...compat import cache_kwarg, crop_cache, output_cache, repeat_cache_rows
 from ...core import token_logprobs
 from ...decoding import (
     CACHE_ROOM,
@@ -76,8 +71,6 @@ class DecodeState:
     #: the active rows change; the first ``width`` cache columns (the prompt) are never moved
     layout: DecodeLayout | None = None
     layout_act: torch.Tensor | None = None
-    #: times finished rows left the batch (each moved only the rows that took their slots)
-    drops: int = 0
     #: the lean forward (None: the model's own forward); forwards per path so far
     lean: LeanForward | None = None
     forwards: dict[str, int] = field(default_factory=lambda: {"lean": 0, "model": 0})
@@ -151,7 +144,6 @@ class DecodeState:
         self.act, self.mask, self.next_pos = self.act[sel], self.mask[sel], self.next_pos[sel]
         self.last, self.num_new = self.last[sel], self.num_new[sel]
         self.h_parts = [torch.cat(self.h_parts, 1)[sel]] if self.h_parts else []
-        self.drops += 1
         return True
 
     def remaining(self) -> int:

@@ -39,7 +39,7 @@ from .tree_verify import SampledTreeVerifier, TreeVerifier, verify_sampled_tree,
 from .verify import Verifier, verify_chain
 
 log = logging.getLogger("grpo_parts.sampler")
-__all__ = ["SpeculativeConfig", "SpeculativeSampler"]  # the config lives in speculative_config.py
+__all__ = ["SpeculativeConfig", "SpeculativeSampler"]
 
 
 class SpeculativeSampler:
@@ -64,12 +64,8 @@ class SpeculativeSampler:
         if reasons:
             raise NotSupportedError(self.name, reasons)
         self.policy = model  # as given (maybe wrapped); self.model: what the decode loop runs
-        self.model, self.draft, self.config, self.verifier = (
-            inner_model(model),
-            draft,
-            config or SpeculativeConfig(),
-            verifier,
-        )
+        self.model, self.draft, self.verifier = inner_model(model), draft, verifier
+        self.config = config or SpeculativeConfig()
         self.tree_verifier = tree_verifier
         self.sampled_tree_verifier = sampled_tree_verifier  # for trees of sampled children
         self.tree_acceptance = TreeAcceptance(decay=self.config.acceptance_decay)
@@ -77,7 +73,6 @@ class SpeculativeSampler:
         self._tree_reasons = self.tree_reasons()
         self.acceptance = AcceptanceEstimate(self.config.acceptance_prior, decay=self.config.acceptance_decay)
         self.cost: CostModel | None = None
-        self.last_draft_metrics: dict[str, float] = {}
         #: why the last rollout's decode forwards ran the model's own forward (empty: the lean one)
         self.lean_forward_reasons: list[str] = []
         self.refusals = PathRefusals()  # what the last rollout could not run, and why (logged, counted)
@@ -148,10 +143,8 @@ class SpeculativeSampler:
         if k > 0:
             self._probe_gap[b] = self.config.probe_every
         elif steps - self._last_probe.get(b, 0) >= gap:
-            # probe so a better draft is noticed, backing off exponentially while probes keep failing
-            # (so "off" costs next to nothing) -- also where the calibrated costs say no draft can
-            # pay: a probe's measured step time corrects a disturbed calibration (which otherwise
-            # kept an EAGLE sampler plain for a whole bench run at batch 1: docs/results.md, Sampler)
+            # probe so a better draft (or a disturbed calibration) is noticed, backing off
+            # exponentially while probes keep failing, so "off" costs next to nothing
             k, self._last_probe[b] = 1, steps
             self._probe_gap[b] = min(2 * gap, 1024)
         return k
@@ -165,11 +158,9 @@ class SpeculativeSampler:
     def generate(
         self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:
-        # inference_mode skips autograd bookkeeping in every decode step (as the reference sampler
-        # does); its tensors cannot enter autograd, so the outputs are cloned out of it before the
-        # rollout is assembled and the draft trains on it.
-        # the model's own attention under a training kernel an adapter left selected (TRL generates
-        # inside its training step): the decode kernels and the lean forward select over it
+        # inference_mode as the reference sampler (outputs cloned out of it for autograd); the
+        # model's own attention under a training kernel an adapter left selected (TRL generates
+        # inside its training step)
         with torch.inference_mode(), collector_paused(), own_attention_selected(self.model):
             parts = self._decode(prompts, params, generator)
         parts = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in parts)

@@ -87,18 +87,10 @@ def verify_sampled_tree(
     *,
     probs: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recursive rejection sampling without replacement down each row's sampled tree.
-
-    At the current node (start: the root, column 0) the residual target is ``p`` (the policy's
-    processed distribution at the node's column) and the residual proposal ``q`` (the draft's, which
-    all its children were drawn from, in node order). Child ``x`` is accepted with probability
-    ``min(1, p(x) / q(x))``: then move to it and repeat. On rejection ``p <- norm(max(p - q, 0))``
-    and ``q <- q`` with ``x`` removed, renormalized; a child with no ``q`` mass left (drawn past
-    ``q``'s support) is skipped. When every child is rejected, emit a draw from the residual ``p``;
-    at a leaf, from ``p`` (the bonus). Each step is an exact rejection sampler for ``p`` given any
-    ``q`` the draws really came from, so the emitted token is distributed as ``p``; with one child
-    this is :func:`~grpo_parts.sampler.speculative.verify.verify_chain`'s residual rule. Greedy: sample-then-match.
-    """
+    """Recursive rejection sampling without replacement down each row's sampled tree (the rule and
+    why it is exact: docs/speculative.md, "Sampled trees"). A child with no ``q`` mass left (drawn
+    past ``q``'s support) is skipped; with one child this is
+    :func:`~grpo_parts.sampler.speculative.verify.verify_chain`'s residual rule."""
     return recursive_rejection_sampling(logits, tokens, parents, probs, params, generator, renormalize_q=True)
 
 
