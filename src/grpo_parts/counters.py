@@ -31,11 +31,9 @@ FRAMEWORK_PREFIX = "parts"
 WEIGHTED_ROWS = "weighted_rows"
 #: the share of a batch's rows a filter kept
 KEPT_FRACTION = "kept_fraction"
-#: rows a filter saw, kept, and the step's target (verl); rows scored and kept (TRL)
-ROWS_IN, ROWS_KEPT, TARGET_ROWS = "rows_in", "rows_kept", "target_rows"
+#: rows a filter kept and the step's target (verl); rows scored and kept (TRL)
+ROWS_KEPT, TARGET_ROWS = "rows_kept", "target_rows"
 ROWS_SCORED, NUM_KEPT = "rows_scored", "num_kept"
-#: the prompts a filter asked for beyond the batch (verl's legacy loop)
-EXTRA_PROMPTS_WANTED = "extra_prompts_wanted"
 #: the mean reward of every rolled-out row (verl's own ``critic/score`` is over the kept rows)
 SCORE_MEAN_ROLLED_OUT = "score_mean_rolled_out"
 #: steps whose filter kept nothing (verl trains a zero-advantage mini-batch; OpenRLHF skips the step)
@@ -79,12 +77,10 @@ PART_OF: dict[str, str] = {
         (
             WEIGHTED_ROWS,
             KEPT_FRACTION,
-            ROWS_IN,
             ROWS_KEPT,
             TARGET_ROWS,
             ROWS_SCORED,
             NUM_KEPT,
-            EXTRA_PROMPTS_WANTED,
             SCORE_MEAN_ROLLED_OUT,
             EMPTY_BATCH_STEPS,
             SKIPPED_STEPS,

@@ -1,25 +1,9 @@
 """One parts configuration for every door: which implementation of each Protocol runs, its kwargs,
 and the three settings every door shares (refill, rounding the kept rows, keeping a prompt's rows
-together). Frozen pydantic, extra fields refused.
-
-Each door maps its own way of saying it into this one class, and only adds its defaults
-(:data:`DOOR_DEFAULTS`) and the settings no other door has:
-
-======================  ==========================================  ===============================
-door                    how a user gives it                         door-only settings
-======================  ==========================================  ===============================
-``grpo-parts train``    ``--set parts.*`` / YAML ``parts:``         (none)
-TRL                     ``GRPOPartsTrainer(parts=PartsConfig(...))``  ``TRLPartsOptions``
-                        or the part keywords (``sampler=`` ...)
-verl                    ``+grpo_parts.filter.*`` / engine Hydra     ``FilterOptions`` (verl's
-                        keys (``FilterOptions.parts``,              batch sizes), ``EngineOptions``
-                        ``EngineOptions.parts``)
-OpenRLHF                ``--grpo_parts.*`` flags                    ``OpenRLHFPartsConfig``
-======================  ==========================================  ===============================
-
-``None`` for ``sampler`` / ``attention`` means *the door's own path* (TRL's ``generate``, verl's
-rollout, OpenRLHF's vLLM engines and forward; in ``grpo-parts train`` the reference parts).
-This module imports only the skip table (when validating), so every door can import it.
+together). Each door maps its own spelling into this one class and adds only its defaults
+(:data:`DOOR_DEFAULTS`) and its door-only settings (docs/doors.md, "One parts configuration", has the
+table). ``None`` for ``sampler`` / ``attention`` means *the door's own path*. This module imports
+only the skip table (when validating), so every door can import it.
 """
 
 from __future__ import annotations
@@ -33,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 DOORS = ("train", "trl", "verl", "openrlhf")
 
 #: what each door runs when a setting is not given, the one table every door reads. ``grpo-parts
-#: train``: the optimized parts (prompt skipping on finite data: :mod:`grpo_parts.train.skip_defaults`).
-#: The framework doors run their framework's own path for every part (the parts are opt-in); verl
+#: train``: the optimized parts (prompt skipping is opt-in everywhere). The framework doors run their framework's own path for every part (the parts are opt-in); verl
 #: switches each part on by its own key, and one switched on without a name runs these: the rollout
 #: backend (``rollout.name=grpo_parts``) the sampler and draft, ``+grpo_parts.filter`` the filter.
 #: A filter's own kwargs default in :data:`grpo_parts.build.DEFAULT_KWARGS`.
