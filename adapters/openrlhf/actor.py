@@ -1,10 +1,9 @@
 """A grpo_parts :class:`~grpo_parts.attention.protocol.AttentionBackend` inside OpenRLHF's ``Actor.forward``.
 
-:class:`GRPOPartsActor` is OpenRLHF's ``Actor`` (same construction); after
-:meth:`GRPOPartsActor.use_backend` its ``forward`` returns the same ``action_log_probs: [B, A]`` (and
-``output.entropy``), computed by the backend on the rows regrouped by prompt (:mod:`.layout`). Calls
-the backend cannot serve run OpenRLHF's own forward, counted in :attr:`GRPOPartsActor.counters`.
-docs/adapters/openrlhf.md, "AttentionBackend"."""
+:class:`GRPOPartsActor` is OpenRLHF's ``Actor`` (same construction); after :meth:`GRPOPartsActor.use_backend`
+its ``forward`` returns the same ``action_log_probs: [B, A]`` (and ``output.entropy``), computed by the
+backend on the rows regrouped by prompt (:mod:`.layout`). Calls the backend cannot serve run OpenRLHF's own
+forward, counted in :attr:`GRPOPartsActor.counters`. docs/adapters/openrlhf.md, "AttentionBackend"."""
 
 from __future__ import annotations
 

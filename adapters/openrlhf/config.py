@@ -174,9 +174,8 @@ class OpenRLHFPartsConfig(PartsConfig):
         return build_filter(self.filter, kwargs=self.filter_kwargs, where="grpo_parts.filter_kwargs")
 
     def build_attention(self, model: torch.nn.Module | None = None) -> Any:
-        """The backend named by ``attention``, by :func:`grpo_parts.build.build_attention`; ``"auto"``
-        needs ``model`` and walks ``AUTO_PRIORITY`` (``attention_kwargs`` go to the backends that take
-        them)."""
+        """The backend named by ``attention``, by :func:`grpo_parts.build.build_attention`; ``"auto"`` needs
+        ``model`` and walks ``AUTO_PRIORITY`` (``attention_kwargs`` go to the backends that take them)."""
         from grpo_parts.build import build_attention
 
         if self.attention is None:

@@ -68,7 +68,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
     def __init__(
         self,
         *args: Any,
-        completion_filter: Any = None,
+        filter: Any = None,
         samples_generator: Any = None,
         generate_kwargs: dict[str, Any] | None = None,
         refill_rounds: int = 0,
@@ -93,10 +93,10 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         self.adv_config = AdvantageConfig.model_validate(
             {**base, "reward_clip": tuple(clip) if clip else None}
         )
-        self.completion_filter = build_filter("keep_all" if completion_filter is None else completion_filter)
-        reasons = weighted_filter_reasons(self.completion_filter, self.args, refill_rounds)
+        self.filter = build_filter("keep_all" if filter is None else filter)
+        reasons = weighted_filter_reasons(self.filter, self.args, refill_rounds)
         if reasons:
-            raise NotSupportedError(f"--grpo_parts.filter {self.completion_filter.name}", reasons)
+            raise NotSupportedError(f"--grpo_parts.filter {self.filter.name}", reasons)
         self.samples_generator = samples_generator
         self.generate_kwargs = dict(generate_kwargs or {})
         self.refill_rounds = refill_rounds
@@ -156,7 +156,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         target = len(samples)
         can_refill = refill and self.refill_rounds > 0 and self.samples_generator is not None
         if not can_refill:
-            res = self.completion_filter.select(scored, target_size=None)
+            res = self.filter.select(scored, target_size=None)
             self.counters.ran("filter")
             skipping = self._observe_skip(samples, scored)
             (kept,) = self._round([scored], [res.kept], weighted=res.weights is not None or skipping)
@@ -186,7 +186,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             initial_prompts=len(samples) // self.group_size,
             max_rounds=1 + self.refill_rounds,
         )
-        out = refiller.fill(self.completion_filter, produce)
+        out = refiller.fill(self.filter, produce)
         self.counters.ran("filter", n=out.rounds)
         rounded = self._round([s.round.scored for s in out.selections], [s.kept for s in out.selections])
         self.last_info = {
@@ -254,9 +254,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         if samples and all(s.rewards is not None for s in samples):
             kept = self._select(samples)  # before the old/ref forwards
             if not kept:
-                raise NothingKept(
-                    f"completion filter {self.completion_filter.name!r} kept 0 of {len(samples)} rows"
-                )
+                raise NothingKept(f"completion filter {self.filter.name!r} kept 0 of {len(samples)} rows")
             return self.compute_advantages_and_returns(self.make_experience(self.split_for_ranks(kept)))
         if self.skip_stage is not None:
             raise NotSupportedError(
@@ -275,9 +273,7 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
             )
         kept = self._select(singles, refill=False) if singles else []
         if not kept:
-            raise NothingKept(
-                f"completion filter {self.completion_filter.name!r} kept 0 of {len(singles)} rows"
-            )
+            raise NothingKept(f"completion filter {self.filter.name!r} kept 0 of {len(singles)} rows")
         return self.compute_advantages_and_returns(self.split_for_ranks(kept, keep_index=True))
 
     def split_for_ranks(self, rows: list[Experience], keep_index: bool = False) -> list[Experience]:

@@ -1,6 +1,5 @@
-"""The Ray actor / trainer classes the launcher's entry script uses instead of OpenRLHF's; each
-subclasses OpenRLHF's class and reads :class:`~.config.OpenRLHFPartsConfig` from
-``strategy.args.grpo_parts``.
+"""The Ray actor / trainer classes the launcher's entry script uses instead of OpenRLHF's; each subclasses
+OpenRLHF's class and reads :class:`~.config.OpenRLHFPartsConfig` from ``strategy.args.grpo_parts``.
 
 * :class:`GRPOPartsPolicyModelActor` / :class:`GRPOPartsReferenceModelActor` build a
   :class:`~.actor.GRPOPartsActor` where OpenRLHF builds ``Actor`` and give it the attention backend;
@@ -135,7 +134,7 @@ class TrainerParts(_Trainer):  # type: ignore[misc, valid-type]
             self.kl_ctl,
             self.strategy,
             self.tokenizer,
-            completion_filter=parts.build_filter(),
+            filter=parts.build_filter(),
             samples_generator=self.samples_generator,
             generate_kwargs=self.generate_kwargs,
             refill_rounds=parts.refill_rounds,

@@ -25,14 +25,6 @@ from .agent import GRPOPartsAgentExecutor
 _Rollout = RolloutRayActor.__ray_metadata__.modified_class.__ray_actor_class__
 
 
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-
-
 class WeightReceiver:
     """The vLLM worker's end of OpenRLHF's weight-sync group, for an executor's policy copy."""
 
@@ -75,7 +67,8 @@ class WeightReceiver:
 
     def receive(self, name: str, dtype: torch.dtype, shape: Any, last: bool) -> None:
         """One parameter of the actor's broadcast (it sends from rank 0 after calling us)."""
-        weight = torch.empty(shape, dtype=dtype, device=_device())
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        weight = torch.empty(shape, dtype=dtype, device=device)
         if self.use_ray:
             import ray.util.collective as collective
 

@@ -1,8 +1,7 @@
 """The completion-filter seam of :class:`~.trainer.GRPOPartsTrainer`: TRL's
-``_generate_and_score_completions`` (training batches only). After TRL's advantages the filter
-selects rows, every per-row entry is sliced to them and the kept count rounded to
-``steps_per_generation``; the old-policy / reference forwards then run on the kept rows only.
-docs/adapters/trl.md, "The filter's rules"."""
+``_generate_and_score_completions`` (training batches only). After TRL's advantages the filter selects rows,
+every per-row entry is sliced to them and the kept count rounded to ``steps_per_generation``; the old-policy /
+reference forwards then run on the kept rows only. docs/adapters/trl.md, "The filter's rules"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The prompt-skipping seam of :class:`~.trainer.GRPOPartsTrainer` (``prompt_skip="history"``): TRL's
 generation batch's prompts, then a seeded stream over ``train_dataset``, go through the shared
-:class:`~grpo_parts.skip.stage.SkipStage`; exactly as many are kept as TRL expects. Each row's
-advantage is multiplied by its prompt's weight (TRL's losses are positively homogeneous in it; the
-normaliser is the drawn batch's, fixed before the draw); what cannot stay unbiased is refused at
-construction (:func:`skip_config_reasons`). docs/adapters/trl.md ("Where each part plugs in"),
-docs/filter.md."""
+:class:`~grpo_parts.skip.stage.SkipStage`; exactly as many are kept as TRL expects. Each row's advantage is
+multiplied by its prompt's weight (TRL's losses are positively homogeneous in it; the normaliser is the drawn
+batch's, fixed before the draw); what cannot stay unbiased is refused at construction
+(:func:`skip_config_reasons`). docs/adapters/trl.md ("Where each part plugs in"), docs/filter.md."""
 
 from __future__ import annotations
 

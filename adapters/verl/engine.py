@@ -59,9 +59,10 @@ def fallback_reason(micro_batch: Any, opts: EngineOptions) -> str | None:
         return ", ".join(flags)
     # verl's v1 agent loop writes multi_modal_inputs={} into every text sample: only non-empty
     # inputs (what verl's own forward would pass to the model) make a micro-batch multi-modal
-    if "multi_modal_inputs" in micro_batch.keys():
-        if extract_multi_modal_inputs(micro_batch["multi_modal_inputs"]):
-            return "multi-modal inputs"
+    if "multi_modal_inputs" in micro_batch.keys() and extract_multi_modal_inputs(
+        micro_batch["multi_modal_inputs"]
+    ):
+        return "multi-modal inputs"
     if micro_batch["position_ids"].dim() == 3:
         return "3-D (multi-modal rope) position ids"
     t = micro_batch["temperature"]

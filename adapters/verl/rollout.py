@@ -221,14 +221,14 @@ class GRPOPartsServer:
     async def clear_kv_cache(self) -> None:
         return None  # the sampler keeps no cache between rollouts
 
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        return None  # sync trainer: no request is in flight at a weight sync
+
     async def release_kv_cache(self) -> None:
         return None
 
     async def resume_kv_cache(self) -> None:
         return None
-
-    async def abort_all_requests(self, reject_request: bool = False) -> None:
-        return None  # sync trainer: no request is in flight at a weight sync
 
     async def resume_generation(self) -> None:
         return None

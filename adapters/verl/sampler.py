@@ -151,9 +151,6 @@ def hydra_overrides(name: str = "cppo", kwargs: dict[str, Any] | None = None, **
     """The Hydra overrides of ``python -m verl.trainer.main_ppo`` that switch the filter on under
     verl's default trainer; ``options`` are further :class:`~.filtering.FilterOptions` keys, and the
     keys of ``filtering.VERL_KEYS`` default to Hydra interpolations of verl's own."""
-    # the refill granularity, what the kept count is rounded to (FilterOptions.batch_multiple:
-    # mini-batches, ranks, log-prob micro-batches) and the actor's loss settings a weighted filter
-    # checks, from verl's own keys
     for key, path in VERL_KEYS.items():
         options.setdefault(key, "${" + path + "}")
     FilterOptions(

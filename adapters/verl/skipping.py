@@ -1,8 +1,7 @@
-"""Prompt skipping behind verl: trainer mode ``grpo_parts_sync`` draws each step's prompts past the
-shared :class:`grpo_parts.skip.stage.SkipStage` in ``_next_train_batch``; only kept ones are
-submitted, and the filter step multiplies each kept row's weight into its advantage
-(:func:`~.kv_filter.filter_kv_batch`). The history is saved beside verl's checkpoint.
-docs/adapters/verl.md, "Prompt skipping"."""
+"""Prompt skipping behind verl: trainer mode ``grpo_parts_sync`` draws each step's prompts past the shared
+:class:`grpo_parts.skip.stage.SkipStage` in ``_next_train_batch``; only kept ones are submitted, and the
+filter step multiplies each kept row's weight into its advantage (:func:`~.kv_filter.filter_kv_batch`). The
+history is saved beside verl's checkpoint. docs/adapters/verl.md, "Prompt skipping"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Speculative decoding in verl's vLLM rollout: the config to pass, and draft-weight sync.
 
-verl 0.9.1 forwards ``engine_kwargs.vllm.speculative_config`` to vLLM but never updates an
-independent draft after launch, so :func:`sync_draft_weights` pushes a learned draft's weights to
-every vLLM worker through verl's ``collective_rpc``. The config is grpo_parts'
-:class:`~grpo_parts.sampler.vllm.VLLMSpeculative`; verl's servers start with its draft-length table
-and do not re-plan it as the draft learns. On CPU only the config and the sync call against
-stand-ins are tested; the GPU path is scripts/gpu/verl_gpu_smoke.py."""
+verl 0.9.1 forwards ``engine_kwargs.vllm.speculative_config`` to vLLM but never updates an independent draft
+after launch, so :func:`sync_draft_weights` pushes a learned draft's weights to every vLLM worker through
+verl's ``collective_rpc``. The config is grpo_parts' :class:`~grpo_parts.sampler.vllm.VLLMSpeculative`; verl's
+servers start with its draft-length table and do not re-plan it as the draft learns. On CPU only the config
+and the sync call against stand-ins are tested; the GPU path is scripts/gpu/verl_gpu_smoke.py."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Trainer mode ``grpo_parts_sync``: verl's v1 sync trainer with the one filtering buffer
 (:class:`~.sampler.FilteringReplayBuffer`) around its own, and prompt skipping before the rollout.
 
-The filter runs before ``_compute_old_log_prob``; ``_compute_advantage`` runs verl's step, then writes
-back the full-group advantages the filter stored (verl's estimator would re-normalise within the
-kept rows). Settings under which verl would train on anything else are refused at start.
-docs/adapters/verl.md. Imports verl and TransferQueue; the plugin imports it only when verl's v1
-trainer is importable."""
+The filter runs before ``_compute_old_log_prob``; ``_compute_advantage`` runs verl's step, then writes back
+the full-group advantages the filter stored (verl's estimator would re-normalise within the kept rows).
+Settings under which verl would train on anything else are refused at start. docs/adapters/verl.md. Imports
+verl and TransferQueue; the plugin imports it only when verl's v1 trainer is importable."""
 
 from __future__ import annotations
 
@@ -47,8 +46,6 @@ def filter_options_from(config: Any) -> FilterOptions | None:
         opts["name"] = "keep_all"
     norm = OmegaConf.select(config, "algorithm.norm_adv_by_std_in_grpo", default=True)
     opts.setdefault("norm_adv_by_std", bool(norm))  # follow verl's setting unless given
-    # whole mini-batches on every rank (FilterOptions.batch_multiple), and the actor's loss settings
-    # a weighted filter checks, from verl's own keys
     for key, path in VERL_KEYS.items():
         value = OmegaConf.select(config, path, default=None)
         if value is not None:

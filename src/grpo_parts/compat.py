@@ -160,9 +160,9 @@ def kv_shared_through_cache(model: torch.nn.Module) -> list[str]:
     passes them in ``shared_kv_states``, with or without a cache, which the forward declares."""
     out = []
     for name, mod in model.named_modules():
-        if getattr(mod, "is_kv_shared_layer", False) is True:
-            if "shared_kv_states" not in inspect.signature(mod.forward).parameters:
-                out.append(name)
+        is_shared = getattr(mod, "is_kv_shared_layer", False) is True
+        if is_shared and "shared_kv_states" not in inspect.signature(mod.forward).parameters:
+            out.append(name)
     return out
 
 

@@ -25,9 +25,8 @@ def ranks_of(group: Any = None) -> int:
 
 
 def agree_max(values: list[int], group: Any = None, device: torch.device | None = None) -> list[int]:
-    """The element-wise largest ``values`` over the ranks of ``group`` (one all-reduce; ``values``
-    itself on one process). The tensor lives on the CPU for gloo/MPI groups, on ``device`` otherwise
-    (NCCL)."""
+    """The element-wise largest ``values`` over the ranks of ``group`` (one all-reduce; ``values`` itself on
+    one process). The tensor lives on the CPU for gloo/MPI groups, on ``device`` otherwise (NCCL)."""
     if ranks_of(group) <= 1:
         return list(values)
     dist = torch.distributed

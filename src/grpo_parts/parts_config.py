@@ -30,9 +30,8 @@ DOOR_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 class KnownFields(BaseModel):
-    """A frozen pydantic config that refuses a field it does not have in one line naming the field
-    and the valid ones (a misspelt or earlier name included: nothing old is read). Every door's
-    config is one."""
+    """A frozen pydantic config that refuses a field it does not have in one line naming the field and the
+    valid ones (a misspelt or earlier name included: nothing old is read). Every door's config is one."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -19,7 +19,6 @@ from .config import CorrectionConfig
 
 
 def _band(x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
-    """``low <= x <= high`` with None as an open bound."""
     lo = -math.inf if low is None else low
     hi = math.inf if high is None else high
     return (x >= lo) & (x <= hi)

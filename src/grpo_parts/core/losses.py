@@ -142,13 +142,6 @@ def _check_seq_weights(
         )
 
 
-def _kl_term(
-    logps: torch.Tensor, ref_logps: torch.Tensor, ratio: torch.Tensor, cfg: LossConfig
-) -> torch.Tensor:
-    kl = kl_estimate(logps, ref_logps, cfg.kl_estimator, cfg.kl_clamp)
-    return kl * ratio if cfg.kl_ratio_weight else kl  # TRL: the unbiased reverse-KL gradient off-policy
-
-
 def _aggregate_terms(
     per_token: torch.Tensor,
     kl: torch.Tensor | None,
@@ -217,8 +210,10 @@ def grpo_loss(
     kl: torch.Tensor | None = None
     if cfg.kl_coef > 0.0:
         ref = clean(_require("ref_logps", ref_logps, "kl_coef > 0"))
-        out["kl"] = _masked_mean(kl_estimate(logps, ref, cfg.kl_estimator, cfg.kl_clamp), m)
-        kl = _kl_term(logps, ref, ratio, cfg)
+        kl = kl_estimate(logps, ref, cfg.kl_estimator, cfg.kl_clamp)
+        out["kl"] = _masked_mean(kl, m)
+        if cfg.kl_ratio_weight:  # TRL: the unbiased reverse-KL gradient off-policy
+            kl = kl * ratio
         if cfg.kl_agg == "loss":  # verl, TRL: per token, aggregated with the policy term
             per_token, kl = per_token + cfg.kl_coef * kl, None
     ent: torch.Tensor | None = None

@@ -51,11 +51,10 @@ def compact_cache(cache: Any, mask: torch.Tensor, start: int = 0) -> torch.Tenso
 
 
 def compact_block(cache: Any, order: torch.Tensor, keep: int | None = None) -> bool:
-    """Reorder the last ``B`` cache columns of every row by ``order: [A, B]`` (column indices into
-    the block), in place: used to move a verified tree's accepted path to the front of its block
-    so the rest can be cropped. With ``keep``, only the block's first ``keep`` columns are written
-    (the rest are about to be cropped or masked). False when the cache type has no
-    ``layers[i].keys/values``."""
+    """Reorder the last ``B`` cache columns of every row by ``order: [A, B]`` (column indices into the block),
+    in place: used to move a verified tree's accepted path to the front of its block so the rest can be
+    cropped. With ``keep``, only the block's first ``keep`` columns are written (the rest are about to be
+    cropped or masked). False when the cache type has no ``layers[i].keys/values``."""
     layers = cache_layers(cache)
     if layers is None:
         return False

@@ -112,8 +112,7 @@ def _room_batch_select_indices(self: Any, indices: torch.Tensor) -> None:
     bufs = self._buffers()
     if bufs is None:
         return self._room_base.batch_select_indices(self, indices)  # type: ignore[no-any-return]
-    # one gather of the buffers (the room included) instead of a gather now and a copy at the
-    # next append
+    # one gather of the buffers (the room included) instead of a gather now and a copy at the next append
     kb, vb, n = bufs
     self._use(kb[indices], vb[indices], n)
 

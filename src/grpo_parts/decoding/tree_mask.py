@@ -30,9 +30,8 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
 
 
 def tree_allowed(past: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
-    """``[A, T, P + T]`` bool: what each query of a cached forward of a tree block sees -- the live
-    past columns (``past: [A, P]``, 1 = live) and its own ancestors-or-self in the block
-    (``anc: [A, T, T]``)."""
+    """``[A, T, P + T]`` bool: what each query of a cached forward of a tree block sees -- the live past
+    columns (``past: [A, P]``, 1 = live) and its own ancestors-or-self in the block (``anc: [A, T, T]``)."""
     a, t = anc.shape[:2]
     return torch.cat([past.bool()[:, None, :].expand(a, t, -1), anc], -1)
 

@@ -6,17 +6,10 @@ runs on its own transformers copy of the policy, and that copy must receive the 
 every update through the framework's own weight-sync path, or every step samples from stale weights
 while the actor trains (an off-policy update that nothing reports).
 
-:class:`PolicyCopy` is the one place that decides it, for every door:
-
-* :meth:`load` takes the framework's ``(name, tensor)`` stream (FSDP/DeepSpeed/verl names are mapped
-  onto the copy's parameter names), copies it in, and counts the sync (``weight_syncs``);
-* :meth:`check_fresh` refuses a rollout in one line when the copy can no longer be trusted to be the
-  trained policy: it never received the actor's weights, or the framework said the actor was
-  updated (:meth:`mark_stale`) and no sync followed. ``allow_frozen=True`` is the explicit opt-in for
-  a frozen sampler (debugging, evaluation of a fixed checkpoint); such rollouts are counted as
-  ``frozen_rollouts``.
-
-Framework-free (no verl/OpenRLHF import).
+:class:`PolicyCopy` decides it for every door: :meth:`load` copies the stream in (wrapper names mapped,
+``weight_syncs``), :meth:`check_fresh` refuses a rollout from a copy that never received the actor's
+weights or missed the sync after :meth:`mark_stale`; ``allow_frozen=True`` opts in to a frozen sampler
+(debugging, evaluating a fixed checkpoint; ``frozen_rollouts``). Framework-free (no verl/OpenRLHF import).
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ def build_skipper(
     setting: str,
     reasons: Callable[[], list[str]],
 ) -> PromptSkipper | None:
-    """The skipper ``spec`` names (an instance as is), None when it keeps every prompt; refused in
-    one line under ``setting`` (the door's switch, e.g. ``--grpo_parts.prompt_skip``) when
-    ``reasons()`` names a setting under which the door's loss is not unbiased
-    (:func:`grpo_parts.skip.stage.checked_skipper`)."""
+    """The skipper ``spec`` names (an instance as is), None when it keeps every prompt; refused in one line
+    under ``setting`` (the door's switch, e.g. ``--grpo_parts.prompt_skip``) when ``reasons()`` names a
+    setting under which the door's loss is not unbiased (:func:`grpo_parts.skip.stage.checked_skipper`)."""
     skipper = build_prompt_skipper(spec, kwargs=dict(kwargs or {}) or None, where=f"{setting}_kwargs")
     return checked_skipper(skipper, door=door, setting=setting, reasons=reasons)

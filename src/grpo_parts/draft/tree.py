@@ -19,11 +19,10 @@ from .protocol import DraftProposal, TreeBudget
 
 @dataclass(frozen=True)
 class Frontier:
-    """Nodes to feed to the draft at one level. ``tokens: [A, F]`` their tokens at ``depth``
-    (children of the root: 1); ``fed_parent: [A, F]`` each node's parent among the nodes fed
-    before (index into the feeding order, ``-1`` = the root); ``anc: [A, F, M]`` ancestors-or-self
-    among all ``M`` nodes fed so far, these included (they come last); ``paths: [A, F, depth]``
-    the tokens from the root down to each node."""
+    """Nodes to feed to the draft at one level. ``tokens: [A, F]`` their tokens at ``depth`` (children of the
+    root: 1); ``fed_parent: [A, F]`` each node's parent among the nodes fed before (index into the feeding
+    order, ``-1`` = the root); ``anc: [A, F, M]`` ancestors-or-self among all ``M`` nodes fed so far, these
+    included (they come last); ``paths: [A, F, depth]`` the tokens from the root down to each node."""
 
     tokens: torch.Tensor
     depth: int

@@ -1,11 +1,9 @@
 """Apply a :class:`FilterResult`: slice the rollout and its per-row tensors to the kept rows, with
 the loss denominators that go with them (docs/filter.md, "Loss normalisation for the kept set").
 
-A deterministic filter's kept set is normalised by its own ``num_tokens`` / ``num_seqs``; a filter
-with importance weights (``dppo``) by the *whole* batch's, fixed before pruning and counted as the
-loss counts them (``apply_filter(..., loss=cfg)``; the rule: :mod:`grpo_parts.core.unbiased`). An
-empty kept set gives ``KeptBatch.is_empty``: skip the update. ``KeptBatch`` is the one type of kept
-rows (the refill's ``FilledBatch`` is one over several rounds). One round in a loop::
+A deterministic filter's kept set is normalised by its own ``num_tokens`` / ``num_seqs``; a filter with
+importance weights (``dppo``) by the *whole* batch's, fixed before pruning and counted as the loss counts
+them (``apply_filter(..., loss=cfg)``; the rule: :mod:`grpo_parts.core.unbiased`). One round in a loop::
 
     res = filt.select(ScoredBatch(rewards, advantages, rollout.group_index))
     kb = apply_filter(res, rollout, advantages, loss=cfg)

@@ -34,10 +34,8 @@ _DEFAULT_RATE = 0.5
 
 
 class DPPOFilter(BaseModel):
-    """Keep each row with probability ``clamp(|A| * t, min_keep_prob, 1)``, expected count ``k`` (or
-    ``N - floor(P * N)``), weight ``1 / p``. Give at most one of ``k`` or ``pruning_rate`` (neither:
-    ``pruning_rate = 0.5``).
-    See the module docstring for the rule, the zero-advantage choice and the sampling designs."""
+    """The module docstring's rule with expected kept count ``k`` (or ``N - floor(P * N)``); give at most
+    one of ``k`` or ``pruning_rate`` (neither: ``pruning_rate = 0.5``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: ClassVar[str] = "dppo"

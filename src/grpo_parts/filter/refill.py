@@ -146,17 +146,14 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> Rollo
 
 @dataclass(frozen=True, kw_only=True)
 class FilledBatch(KeptBatch, Generic[P]):
-    """The kept rows of every round, concatenated: a :class:`~grpo_parts.filter.apply.KeptBatch` plus
-    the rounds' bookkeeping. ``kept`` indexes the rows of every round's rollout concatenated in order;
-    ``rollout.group_index`` numbers the prompts that kept at least one row, ``0 .. len(prompts) - 1``;
-    ``rollout`` is None when nothing was kept.
+    """The kept rows of every round, concatenated: a :class:`~grpo_parts.filter.apply.KeptBatch` plus the
+    rounds' bookkeeping. ``kept`` indexes the rows of every round's rollout concatenated in order;
+    ``rollout.group_index`` numbers the prompts that kept at least one row, ``0 .. len(prompts) - 1``.
 
-    ``full_group``: each kept row's prompt among *every* rolled-out prompt (all rounds, stream
-    order), and ``group_rows`` / ``group_seqs`` / ``group_tokens`` (``[P_all]``) count each
-    rolled-out prompt's rows, rows with a completion token, and completion tokens, pruned or not:
-    the whole batch's loss denominators per prompt, known before the draw (what the trainer's
-    minibatches split, :mod:`grpo_parts.train.step.minibatches`).
-    """
+    ``full_group``: each kept row's prompt among *every* rolled-out prompt (all rounds, stream order), and
+    ``group_rows`` / ``group_seqs`` / ``group_tokens`` (``[P_all]``) count each rolled-out prompt's rows,
+    rows with a completion token, and completion tokens, pruned or not: the whole batch's loss denominators
+    per prompt, known before the draw (what :mod:`grpo_parts.train.step.minibatches` splits)."""
 
     prompts: list[P]
     outcome: RefillOutcome[Any]

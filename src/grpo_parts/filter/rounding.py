@@ -1,13 +1,11 @@
 """Rounding the kept rows: whole optimizer steps and equal shares per data-parallel rank.
 
-verl's and OpenRLHF's filter seams run once, on the whole global batch, in the controller, so which
-rows are kept is one process's decision; what data parallelism adds is arithmetic on the kept
-*count*: every rank must get the same number of rows (or the ranks hang on each other's collectives,
-or a framework silently drops the surplus), and the count must fill whole optimizer steps.
-:func:`round_to_multiple` adds the best pruned rows or drops the worst kept ones in the filters'
-priority order (:func:`grpo_parts.filter._common.priority_order`); :func:`rank_shares` cuts the kept
-rows into equal contiguous shares (a prompt's completions stay together for shared-prefix attention).
-docs/filter.md, "Several ranks (data parallelism)".
+Data parallelism adds arithmetic on the kept *count* (every rank must get as many rows, filling whole
+optimizer steps, or the ranks hang or a framework drops the surplus). :func:`round_to_multiple` adds the
+best pruned rows or drops the worst kept ones in the filters' priority order
+(:func:`grpo_parts.filter._common.priority_order`); :func:`rank_shares` cuts the kept rows into equal
+contiguous shares (a prompt's completions stay together for shared-prefix attention). docs/filter.md,
+"Several ranks (data parallelism)".
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Drawing prompts past a :class:`~.protocol.PromptSkipper`: the sampling design, and the
 stream that tops a round up with prompts the skipper keeps.
 
-To roll out ``n`` prompts, :meth:`PromptDraw.take` draws prompts while the next one's inclusion
-probability still fits (their sum stays ``<= n``), raises the probabilities to sum to exactly ``n``
-and keeps exactly ``n`` by systematic sampling (:mod:`grpo_parts.core.inclusion`); a kept prompt
-carries ``1 / p_i``. Which prompts are drawn depends on their histories only, never on the skip draw:
-they are the round's full batch, fixed before skipping. Drawing "until n are kept" instead would
-make the drawn count -- the loss normaliser -- depend on the draw, which biases the weighted
-estimate (docs/filter.md, "Skipping prompts before rollout").
+:meth:`PromptDraw.take` draws the prompts whose inclusion probabilities fit in ``n`` and keeps exactly
+``n`` by systematic sampling, each carrying ``1 / p_i``; the drawn set (the round's full batch, the
+normaliser) never depends on the skip draw, or the estimate is biased: docs/filter.md, "A round: drawn
+before skipping, topped up to `n`".
 
 :class:`PromptDraw` is framework-agnostic (any prompt type and id function); the trainer hands it to
 :func:`grpo_parts.filter.refill.fill_rollouts` as its prompt stream and afterwards reads each

@@ -1,17 +1,12 @@
 """Prompt skipping at a framework's prompt seam: one step's prompts drawn past a skipper, their
 row weights, the history, the counters -- what every framework door shares.
 
-A framework door (TRL's generation batch, OpenRLHF's samples generator, verl's trainer)
-hands them one at a time to a :class:`SkipStage`, which draws a round through
-:class:`~.draw.PromptDraw` (the same sampling design as ``grpo-parts train``: the drawn set and the
-kept count fixed before the draw; the step keeps its size by drawing more). Only the kept prompts
-are rolled out. A skipped prompt generates nothing and weighs 0; a kept one's rows weigh ``1 / p``
-times ``rolled-out / drawn prompts`` (:meth:`SkipStage.prompt_weights`), so a per-step sequence mean
-over the rolled-out rows is the drawn batch's in expectation -- the normaliser fixed before the
-draw, as in our trainer. The door multiplies each row's advantage by it and tells the stage every
-rolled-out group's rewards (:meth:`SkipStage.observe`).
-
-Only ``step_size: fill`` is served here: these frameworks train whole steps of a fixed prompt count.
+A door (TRL's generation batch, OpenRLHF's samples generator, verl's trainer) hands them to a
+:class:`SkipStage`, which draws a round through :class:`~.draw.PromptDraw` as ``grpo-parts train`` does;
+only kept prompts are rolled out, their rows weighing ``1 / p`` times ``rolled-out / drawn prompts``
+(:meth:`SkipStage.prompt_weights`: the drawn batch's normaliser in expectation). docs/filter.md, "Behind
+TRL" / "Behind OpenRLHF" / "Behind verl". Only ``step_size: fill`` is served here: these frameworks train
+whole steps of a fixed prompt count.
 """
 
 from __future__ import annotations

@@ -235,8 +235,7 @@ def _add_output_arguments(parser: argparse.ArgumentParser, compare_prefix: str) 
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, compare_prefix: str = "") -> None:
-    """The options a training run and ``grpo-parts bench e2e`` share (``--help`` lists them in this
-    order)."""
+    """The options a training run and ``grpo-parts bench e2e`` share (``--help`` lists them in this order)."""
     _add_config_arguments(parser)
     _add_hyperparameter_arguments(parser)
     _add_input_arguments(parser)

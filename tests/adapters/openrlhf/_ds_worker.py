@@ -110,7 +110,7 @@ def recording_maker(policy: Any, args: Any, strategy: Any) -> tuple[Any, Any, li
     group = LocalGroup(policy)
     maker = GRPOPartsExperienceMaker(
         group, None, None, None, FixedKLController(0.0), strategy, type("Tok", (), {"pad_token_id": 0})(),
-        completion_filter=OpenRLHFPartsConfig.from_args(args).build_filter(),
+        filter=OpenRLHFPartsConfig.from_args(args).build_filter(),
     )  # fmt: skip
     return group, maker, losses
 

@@ -108,7 +108,7 @@ def run_case(rank: int, world: int, policy: Any, name: str) -> dict[str, Any]:
     refills = Refills()
     maker = GRPOPartsExperienceMaker(
         LocalGroup(policy), None, None, None, FixedKLController(0.0), policy.strategy,
-        SimpleNamespace(pad_token_id=0), completion_filter=parts.build_filter(),
+        SimpleNamespace(pad_token_id=0), filter=parts.build_filter(),
         samples_generator=refills, refill_rounds=parts.refill_rounds, kept_rounding=parts.kept_rounding,
     )  # fmt: skip
     samples = rollout_samples(torch.Generator().manual_seed(1), G, PROMPTS, REWARDS, env_tokens=True)

@@ -41,7 +41,7 @@ def test_openrlhf_weights_each_drawn_row_over_the_rolled_out_rows(monkeypatch: p
     args = openrlhf_args(G, P, **SEQ_MEAN)  # train.batch_size 2: kept rows rounded up to even
     filt = DPPOFilter(pruning_rate=0.5, min_keep_prob=0.2, seed=4)
     results = _recording(filt)
-    maker = make_maker(fake_forwards(GRPOPartsExperienceMaker, actor), args, completion_filter=filt)
+    maker = make_maker(fake_forwards(GRPOPartsExperienceMaker, actor), args, filter=filt)
     samples = rollout_samples(torch.Generator().manual_seed(1), G, P, REWARDS)
     row_of = {tuple(s.sequences[0].tolist()): i for i, s in enumerate(samples)}
     experiences = maker.make_experience_batch(samples)
@@ -90,7 +90,7 @@ def test_openrlhf_refuses_dppo_where_it_cannot_stay_unbiased(
 
     gen = object() if not refill else type("Gen", (), {"generate_prompts": None})()
     with pytest.raises(NotSupportedError) as e:
-        make_maker(GRPOPartsExperienceMaker, openrlhf_args(G, P, **overrides), completion_filter="dppo",
+        make_maker(GRPOPartsExperienceMaker, openrlhf_args(G, P, **overrides), filter="dppo",
                    refill_rounds=refill, samples_generator=gen)  # fmt: skip
     assert needle in str(e.value) and "\n" not in str(e.value)
 

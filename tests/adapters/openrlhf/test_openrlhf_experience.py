@@ -104,7 +104,7 @@ def test_filtered_experiences_train_in_openrlhf_actor_step(monkeypatch):
     rewards = [0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.9, 0.4, 0.0]  # prompt 1 has zero variance
     args = openrlhf_args(group_size, num_prompts)
     maker_cls = fake_forwards(GRPOPartsExperienceMaker, actor)
-    maker = make_maker(maker_cls, args, completion_filter=get_filter_class("cppo")(pruning_rate=0.5))
+    maker = make_maker(maker_cls, args, filter=get_filter_class("cppo")(pruning_rate=0.5))
     samples = rollout_samples(
         torch.Generator().manual_seed(1), group_size, num_prompts, rewards, env_tokens=True
     )

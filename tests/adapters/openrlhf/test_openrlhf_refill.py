@@ -53,7 +53,7 @@ def test_refill_through_samples_generator():
     maker = make_maker(
         fake_forwards(GRPOPartsExperienceMaker, actor),
         args,
-        completion_filter=get_filter_class("cppo")(pruning_rate=0.5),
+        filter=get_filter_class("cppo")(pruning_rate=0.5),
         samples_generator=sg,
         generate_kwargs={"max_new_tokens": 8},
         refill_rounds=3,
@@ -111,7 +111,7 @@ def test_refill_wakes_vllm_only_after_deepspeed_offload(monkeypatch, ds_sleep):
         None,
         SimpleNamespace(args=args),
         SimpleNamespace(pad_token_id=0),
-        completion_filter=get_filter_class("cppo")(pruning_rate=0.5),
+        filter=get_filter_class("cppo")(pruning_rate=0.5),
         samples_generator=sg,
         refill_rounds=1,
     )

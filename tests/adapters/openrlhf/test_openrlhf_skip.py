@@ -161,7 +161,9 @@ def test_refused_where_it_cannot_stay_unbiased(
     with caplog.at_level("INFO", logger="grpo_parts.skip.stage"):
         assert skip_stage(OpenRLHFPartsConfig(refill_rounds=refill), args) is None  # off: plain OpenRLHF
     (line,) = [r.getMessage() for r in caplog.records]  # not asked for: opt-in, and what it would refuse
-    assert line.startswith("grpo_parts: prompt skipping is opt-in (grpo_parts.prompt_skip=history turns it on)")
+    assert line.startswith(
+        "grpo_parts: prompt skipping is opt-in (grpo_parts.prompt_skip=history turns it on)"
+    )
     assert f"this run would refuse it: {needle}" in line
 
 

@@ -171,10 +171,9 @@ class _Cascade(torch.autograd.Function):
 
 
 def same_head_size(fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``fn(q, k, v)`` with one head size, as the flash ops need: with multi-head latent attention
-    (MLA: DeepSeek-V2/V3, MiniCPM3; ``Dv != D``) the smaller side is zero-padded, which changes
-    neither the scores (the caller's ``scale`` is explicit) nor the output's first ``Dv`` columns,
-    nor their gradients."""
+    """``fn(q, k, v)`` with one head size, as the flash ops need: with multi-head latent attention (MLA:
+    DeepSeek-V2/V3, MiniCPM3; ``Dv != D``) the smaller side is zero-padded, which changes neither the scores
+    (the caller's ``scale`` is explicit) nor the output's first ``Dv`` columns, nor their gradients."""
     d, dv = q.shape[-1], v.shape[-1]
     if dv < d:
         return fn(q, k, torch.nn.functional.pad(v, (0, d - dv)))[..., :dv]  # type: ignore[no-any-return]

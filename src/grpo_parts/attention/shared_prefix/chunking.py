@@ -115,10 +115,9 @@ def one_grid_per_group(f: GroupFacts) -> tuple[list[torch.Tensor], dict[str, Any
 def grid_calls(
     facts: GroupFacts, overhead_tokens: int, max_chunks: int, packed: bool
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """The grids of ``facts`` (:func:`chunk_plan`); ``packed``: where they would hold more tokens
-    than the packed rows, split further with no per-forward overhead, and failing that one grid per
-    (sub-)group -- each at most its rows packed (:func:`split_long_tails`), so the plan never
-    exceeds them."""
+    """The grids of ``facts`` (:func:`chunk_plan`); ``packed``: where they would hold more tokens than the
+    packed rows, split further with no per-forward overhead, and failing that one grid per (sub-)group -- each
+    at most its rows packed (:func:`split_long_tails`), so the plan never exceeds them."""
     chunks, info = chunk_plan(facts, overhead_tokens, max_chunks)
     if packed and info[PLAN_GRID_SLOTS] > facts.packed_tokens:
         chunks, info = chunk_plan(facts, 0, max_chunks)

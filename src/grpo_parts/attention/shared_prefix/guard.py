@@ -214,12 +214,11 @@ def layout_shortfall(model: torch.nn.Module, receipts: Any) -> list[str]:
 
 
 def _through_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
-    """``(the model whose forward gets our keyword arguments, reasons)``. A PEFT model with a weight
-    adapter (LoRA and the like) passes ``logits_to_keep``, ``position_ids`` and the layout keyword
-    unchanged to its base model; prompt-learning adapters add virtual tokens and activated LoRA looks
-    for its invocation tokens in ``input_ids``, neither of which holds in the grouped layout. DDP,
-    FSDP1 and DeepSpeed's engine pass every keyword argument on to the module they wrap
-    (:func:`~grpo_parts.wrappers.inner_model`)."""
+    """``(the model whose forward gets our keyword arguments, reasons)``. A PEFT model with a weight adapter
+    (LoRA and the like) passes ``logits_to_keep``, ``position_ids`` and the layout keyword unchanged to its
+    base model; prompt-learning adapters add virtual tokens and activated LoRA looks for its invocation tokens
+    in ``input_ids``, neither of which holds in the grouped layout. DDP, FSDP1 and DeepSpeed's engine pass
+    every keyword argument on to the module they wrap (:func:`~grpo_parts.wrappers.inner_model`)."""
     model = inner_model(model)
     get_base = getattr(model, "get_base_model", None)
     cfg = getattr(model, "active_peft_config", None)

@@ -83,7 +83,7 @@ def _eager(
 
 def _flex(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, scale: float, softcap: float | None
-):
+):  # -> [B, H, L, D]
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     b, h, l_, _ = q.shape
@@ -105,16 +105,8 @@ def _flex(
         return torch.tanh(score / softcap) * softcap
 
     block = create_block_mask(mask_mod, b, None, l_, l_, device=q.device)
-    out = flex_attention(
-        q,
-        k,
-        v,
-        block_mask=block,
-        scale=scale,
-        score_mod=None if softcap is None else score_mod,
-        enable_gqa=True,
-    )
-    return out  # [B, H, L, D]
+    mod = None if softcap is None else score_mod
+    return flex_attention(q, k, v, block_mask=block, scale=scale, score_mod=mod, enable_gqa=True)
 
 
 # ------------------------------------------------------------------------------ the attention fn
@@ -150,13 +142,12 @@ def kwarg_reasons(module: torch.nn.Module, kwargs: dict[str, Any], *, fallback: 
     :data:`INERT_KWARGS`, not None, and for :data:`FALSY_KWARGS` not false): each is a refusal. In the
     SDPA ``fallback`` (no layout) the :data:`FALSY_KWARGS` are inert too, as for transformers' SDPA."""
     inert = INERT_KWARGS | FALSY_KWARGS if fallback else INERT_KWARGS
-    out = [
+    return [
         f"{_where(module)} passes keyword argument {name}={type(val).__name__} which the shared-prefix "
         "kernel does not implement"
         for name, val in kwargs.items()
         if val is not None and name not in inert and not (name in FALSY_KWARGS and not val)
     ]
-    return out
 
 
 def kernel_reasons(

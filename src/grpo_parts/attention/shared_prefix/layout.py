@@ -109,7 +109,6 @@ def _check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_context(plen_row: torch.Tensor, clen: torch.Tensor, max_positions: int | None) -> None:
-    """Every row's prompt + completion must fit the model's context."""
     if max_positions is None:
         return
     total = plen_row + clen

@@ -29,11 +29,10 @@ __all__ = ["GroupFacts", "Plan", "PlanSettings", "make_plan"]  # GroupFacts: fro
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """The backend's settings a plan reads: the kernel's choice (``kernel_why``), the requested
-    ``layout``, grid splitting (``max_chunks``, ``chunk_overhead_tokens``, :mod:`.chunking`), the
-    model's text ``config`` (score weights) and ``build``, what building either layout reads (the
-    kernel, the model's context, the grid ``sdpa`` kernel's ``tile_elems`` / ``suffix_flash_min``,
-    the padding-free ``varlen`` kernels)."""
+    """The backend's settings a plan reads: the kernel's choice (``kernel_why``), the requested ``layout``,
+    grid splitting (``max_chunks``, ``chunk_overhead_tokens``, :mod:`.chunking`), the model's text ``config``
+    (score weights) and ``build``, what building either layout reads (the kernel, the model's context, the
+    grid ``sdpa`` kernel's ``tile_elems`` / ``suffix_flash_min``, the padding-free ``varlen`` kernels)."""
 
     kernel_why: str
     layout: str
@@ -79,10 +78,9 @@ class Plan:
         return float(self.padding_free_tokens) if self.layout == "padding_free" else self.grid_slots
 
     def agreed(self, calls: int) -> Plan:
-        """This plan making ``calls`` model calls (what the ranks agreed on, at least
-        :attr:`model_calls` without empty calls): a grid re-plans with up to that many grids at no
-        overhead (the calls run anyway), and the rest are empty calls; a padding-free call is not
-        split."""
+        """This plan making ``calls`` model calls (what the ranks agreed on, at least :attr:`model_calls`
+        without empty calls): a grid re-plans with up to that many grids at no overhead (the calls run
+        anyway), and the rest are empty calls; a padding-free call is not split."""
         if calls <= len(self.calls) or self.layout != "grid":
             return replace(self, empty_calls=max(0, calls - len(self.calls)))
         chunks, info = chunk_plan(self.facts, 0, calls)

@@ -25,14 +25,13 @@ def calibrate(
     context_len: int | Callable[[int], int], prompt_len: int, repeats: int, attention: tuple[str, bool],
     max_draft: int, lean_mode: str = "auto",
 ) -> CostModel:  # fmt: skip
-    """The cost table for up to ``max_rows`` rows and ``max_tokens`` tokens per row (the longest
-    chain's or tree's verification), timed on the decode loop's forwards: rows in groups of
-    ``params.group_size`` sharing the first ``prompt_len`` cache columns, under the decode
-    attention kernel of ``attention = (mode, shared_ok)`` (``SpeculativeConfig.decode_shared_prompt``
-    and whether the shared-prompt path may run). ``context_len``: cache columns, or per batch size
-    (:func:`calibration_context`), through the lean forward where the loop will run it
-    (``lean_mode``: ``SpeculativeConfig.lean_forward``). The draft is timed proposing 1 and
-    ``max_draft`` tokens."""
+    """The cost table for up to ``max_rows`` rows and ``max_tokens`` tokens per row (the longest chain's or
+    tree's verification), timed on the decode loop's forwards: rows in groups of ``params.group_size`` sharing
+    the first ``prompt_len`` cache columns, under the decode attention kernel of
+    ``attention = (mode, shared_ok)`` (``SpeculativeConfig.decode_shared_prompt`` and whether the
+    shared-prompt path may run). ``context_len``: cache columns, or per batch size
+    (:func:`calibration_context`), through the lean forward where the loop will run it (``lean_mode``:
+    ``SpeculativeConfig.lean_forward``). The draft is timed proposing 1 and ``max_draft`` tokens."""
     mode, shared_ok = attention
     sizes, toks = batch_grid(max_rows), token_grid(max_tokens)
     calls = {"shared_prefix": 0, "plain": 0, "plain_gqa": 0}
@@ -197,9 +196,8 @@ def calibrate_policy(
     return table
 
 
-#: context of the draft's start-up timing: kept short, since a proposal's cost hardly depends on it
-#: while the untimed first proposal indexes or encodes all of it (:meth:`CostModel.observe_draft`
-#: refines the estimate)
+#: context of the draft's start-up timing: kept short, since a proposal's cost hardly depends on it while the
+#: untimed first proposal indexes or encodes all of it (:meth:`CostModel.observe_draft` refines the estimate)
 DRAFT_CONTEXT = 64
 
 

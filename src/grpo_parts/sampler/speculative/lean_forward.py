@@ -75,10 +75,9 @@ CALLED_MODULES = ("model.embed_tokens", "model.rotary_emb")
 
 
 def _module_reasons(model: Any) -> list[str]:
-    """Hooks, wrapped (LoRA, quantised, sharded) projections and unexpected norms: the path reads
-    weights directly, so anything that changes a module's call would be skipped silently. The
-    model's own forward may be replaced by wrappers :func:`.forward_chain.forward_chain` knows (the
-    lean path reproduces them)."""
+    """Hooks, wrapped (LoRA, quantised, sharded) projections and unexpected norms: the path reads weights
+    directly, so anything that changes a module's call would be skipped silently. The model's own forward may
+    be replaced by wrappers :func:`.forward_chain.forward_chain` knows (the lean path reproduces them)."""
     from torch.nn.modules import module as nn_module
 
     out: list[str] = []

@@ -158,9 +158,8 @@ class SpeculativeSampler:
     def generate(
         self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:
-        # inference_mode as the reference sampler (outputs cloned out of it for autograd); the
-        # model's own attention under a training kernel an adapter left selected (TRL generates
-        # inside its training step)
+        # inference_mode as the reference sampler (outputs cloned out of it for autograd); the model's own
+        # attention under a training kernel an adapter left selected (TRL generates inside its training step)
         with torch.inference_mode(), collector_paused(), own_attention_selected(self.model):
             parts = self._decode(prompts, params, generator)
         parts = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in parts)

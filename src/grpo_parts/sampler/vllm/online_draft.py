@@ -95,10 +95,9 @@ def cost_model_table(
     policy: torch.nn.Module, draft: torch.nn.Module | None, spec: VLLMSpeculative, max_rows: int,
     max_model_len: int, accept: float,
 ) -> tuple[list[KRange], Any]:  # fmt: skip
-    """``(table, cost model)``: the draft length per batch size ``1 .. max_rows`` that maximises
-    expected tokens per second, from the policy's and the draft's forward times on the policy's
-    device. ``draft``: the draft LM (None: ``spec.model`` is loaded for method ``draft_model``;
-    n-gram proposals cost no forward)."""
+    """``(table, cost model)``: the draft length per batch size ``1 .. max_rows`` that maximises expected
+    tokens per second, from the policy's and the draft's forward times on the policy's device. ``draft``: the
+    draft LM (None: ``spec.model`` is loaded for method ``draft_model``; n-gram proposals cost no forward)."""
     from ...draft.ngram import NGramDraft
     from ...draft.small_lm import CachedLMDraft
     from ..speculative.calibration import calibrate, calibration_context

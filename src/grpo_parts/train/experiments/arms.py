@@ -238,9 +238,8 @@ def _median_to_target(vals: list[Any]) -> float | None:
 
 
 def aggregate_arms(per_seed: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
-    """Per arm, the median over seeds of every numeric field (None where a seed has none; for the
-    to-target fields, a seed that never reached the target counts as +inf) and how many seeds
-    reached the target."""
+    """Per arm, the median over seeds of every numeric field (None where a seed has none; for the to-target
+    fields, a seed that never reached the target counts as +inf) and how many seeds reached the target."""
     from .phases import median_of
 
     arms = list(per_seed[0]["arms"])

@@ -40,18 +40,28 @@ def compare(
             raise GRPOPartsError(
                 "--ablate: compares the default arms only (reference, optimized), got --arms"
             )
-        return _compare_arms(arm_configs(config, arms), out_dir, json_path, config.target_accuracy)
-    configs = {"reference": config.with_reference_parts(), "optimized": config}
-    if ablate:
-        configs.update(ablation_configs(config))
-    sessions, results = _run_alternating(configs, out_dir)
-    rows = {arm: r.rows for arm, r in results.items()}
-    described = {arm: s.trainer.parts.describe() for arm, s in sessions.items()}
-    result = write_compare(out_dir, rows, config.target_accuracy, {"parts": described, "seed": config.seed})
+        configs = arm_configs(config, arms)
+        _, results = _run_alternating(configs, out_dir)
+        seed = next(iter(configs.values())).seed
+        result = write_arms(
+            out_dir, {a: r.rows for a, r in results.items()}, config.target_accuracy, {"seed": seed}
+        )
+        md = "arms.md"
+    else:
+        configs = {"reference": config.with_reference_parts(), "optimized": config}
+        if ablate:
+            configs.update(ablation_configs(config))
+        sessions, results = _run_alternating(configs, out_dir)
+        rows = {arm: r.rows for arm, r in results.items()}
+        described = {arm: s.trainer.parts.describe() for arm, s in sessions.items()}
+        result = write_compare(
+            out_dir, rows, config.target_accuracy, {"parts": described, "seed": config.seed}
+        )
+        md = "compare.md"
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
-    result["markdown"] = (out_dir / "compare.md").read_text() + f"\nFolder: {out_dir}\n"
+    result["markdown"] = (out_dir / md).read_text() + f"\nFolder: {out_dir}\n"
     return result
 
 
@@ -72,19 +82,6 @@ def _run_alternating(
         for s in sessions.values():
             s.fail(e)
         raise
-
-
-def _compare_arms(
-    configs: dict[str, TrainConfig], out_dir: Path, json_path: Path | None, target: float
-) -> dict[str, Any]:
-    _, results = _run_alternating(configs, out_dir)
-    seed = next(iter(configs.values())).seed
-    result = write_arms(out_dir, {a: r.rows for a, r in results.items()}, target, {"seed": seed})
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-    result["markdown"] = (out_dir / "arms.md").read_text() + f"\nFolder: {out_dir}\n"
-    return result
 
 
 def _alternate(sessions: dict[str, RunSession], steps: int, progress: bool) -> dict[str, RunResult]:
@@ -128,28 +125,17 @@ def compare_seeds(
         res.pop("markdown", None)
         per_seed.append(res)
     seed_list = list(range(config.seed, config.seed + seeds))
-    if arms is not None and tuple(arms) != DEFAULT_ARMS:
-        return _write_arms_seeds(aggregate_arms(per_seed, seed_list), out_dir, json_path)
-    result = aggregate_seeds(per_seed, config.target_accuracy, seed_list)
-    (out_dir / "compare_seeds.json").write_text(json.dumps(result, indent=2) + "\n")
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-
-    lines = seeds_markdown(result)
-    (out_dir / "compare_seeds.md").write_text("\n".join(lines) + "\n")
-    result["markdown"] = "\n".join(lines) + f"\n\nFolder: {out_dir}\n"
-    return result
-
-
-def _write_arms_seeds(result: dict[str, Any], out_dir: Path, json_path: Path | None) -> dict[str, Any]:
-    """``<run>/arms_seeds.{json,md}``: every arm's medians over the seeds."""
+    if arms is not None and tuple(arms) != DEFAULT_ARMS:  # every arm's medians over the seeds
+        result, name, markdown = aggregate_arms(per_seed, seed_list), "arms_seeds", arms_markdown
+    else:
+        result = aggregate_seeds(per_seed, config.target_accuracy, seed_list)
+        name, markdown = "compare_seeds", seeds_markdown
     text = json.dumps(result, indent=2) + "\n"
-    (out_dir / "arms_seeds.json").write_text(text)
+    (out_dir / f"{name}.json").write_text(text)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(text)
-    lines = arms_markdown(result)
-    (out_dir / "arms_seeds.md").write_text("\n".join(lines) + "\n")
+    lines = markdown(result)
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
     result["markdown"] = "\n".join(lines) + f"\n\nFolder: {out_dir}\n"
     return result

@@ -51,10 +51,9 @@ def eval_curve(rows: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
 
 
 def time_to_target(rows: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
-    """``(step, wall_time)`` when held-out accuracy first reaches ``target``: the step is the first
-    evaluation at or above it; the time is interpolated linearly between that evaluation and the one
-    before (evaluations are every few steps, so this removes most of the quantisation).
-    ``(None, None)`` if never reached."""
+    """``(step, wall_time)`` when held-out accuracy first reaches ``target``: the step is the first evaluation
+    at or above it; the time is interpolated linearly between that evaluation and the one before (evaluations
+    are every few steps, so this removes most of the quantisation). ``(None, None)`` if never reached."""
     curve = eval_curve(rows)
     for i, (step, wall, acc) in enumerate(curve):
         if acc >= target:
@@ -117,7 +116,9 @@ def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "tokens_per_s": mean("tokens_per_s"),
         ACCEPTED_PER_VERIFY: mean(ACCEPTED_PER_VERIFY),
         KEPT_FRACTION: mean(KEPT_FRACTION),
-        "decode_attention_shared_fraction": _shared_fraction(steps),
+        "decode_attention_shared_fraction": _fraction(
+            steps, DECODE_ATTENTION_SHARED_PREFIX_CALLS, DECODE_ATTENTION_PLAIN_CALLS
+        ),
         "lean_forward_fraction": _fraction(steps, LEAN_FORWARD_CALLS, MODEL_FORWARD_CALLS),
         "train_reward_last10": (
             sum(float(r["reward"]) for r in steps[-10:]) / len(steps[-10:]) if steps else None
@@ -130,9 +131,3 @@ def _fraction(steps: list[dict[str, Any]], part: str, rest: str) -> float | None
     a = sum(float(r.get(part) or 0.0) for r in steps)
     b = sum(float(r.get(rest) or 0.0) for r in steps)
     return a / (a + b) if a + b else None
-
-
-def _shared_fraction(steps: list[dict[str, Any]]) -> float | None:
-    """Share of the speculative decode loop's attention calls that read the prompt once per group
-    (None: no step counted any)."""
-    return _fraction(steps, DECODE_ATTENTION_SHARED_PREFIX_CALLS, DECODE_ATTENTION_PLAIN_CALLS)

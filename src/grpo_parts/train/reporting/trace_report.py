@@ -24,8 +24,7 @@ def write_trace(run_dir: Path, traces: dict[int, dict[str, Any]]) -> tuple[list[
         _plot(run_dir / "decode_trace.png", traces)
         files.append("decode_trace.png")
     lines = ["## Speculative decoding, per decode step", ""]
-    for s in sorted(traces):
-        lines.append(f"- step {s}: {summary_sentence(traces[s])}")
+    lines += [f"- step {s}: {summary_sentence(traces[s])}" for s in sorted(traces)]
     lines += ["", f"Draft size per decode step (step {step}; a chain of k: depth k, width 1; plain: 0):", ""]
     lines += tree_table(t)
     reason = off_reason(t)

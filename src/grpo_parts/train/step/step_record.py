@@ -28,9 +28,8 @@ class StepRecord:
 
 
 def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float | None]:
-    """A step's sampler metrics from its rollouts' ``Rollout.stats``: the mean tokens per verification
-    and the speculative decode loop's attention calls and forwards per path, summed (None: no
-    rollout reported it)."""
+    """A step's sampler metrics from its rollouts' ``Rollout.stats``: the mean tokens per verification and the
+    speculative decode loop's attention calls and forwards per path, summed (None: no rollout reported it)."""
     apv = [s[ACCEPTED_PER_VERIFY] for s in stats if ACCEPTED_PER_VERIFY in s]
     out: dict[str, float | None] = {ACCEPTED_PER_VERIFY: sum(apv) / len(apv) if apv else None}
     for key in STEP_CALL_COUNTS:
