@@ -73,6 +73,17 @@ def _kept_by_round(outcome: Any, options: FilterOptions) -> dict[int, set[int]]:
     return {id(sel.round.payload): set(rows.tolist()) for sel, rows in zip(outcome.selections, rounded)}
 
 
+def _filter_metrics(
+    outcome: Any, weighted: list[Any], kept: int, target: int, empty: bool, scores: list[torch.Tensor]
+) -> dict[str, float]:
+    counts = {**outcome.info, ROWS_KEPT: kept, EMPTY_BATCH_STEPS: empty, TARGET_ROWS: target}
+    if scores:  # every rolled-out row's reward: verl's own critic/score is over the kept rows
+        counts[SCORE_MEAN_ROLLED_OUT] = float(torch.cat(scores).mean())
+    if weighted:  # the rows trained with a weight (dppo)
+        counts[WEIGHTED_ROWS] = sum(sel.kept.numel() for sel in weighted)
+    return framework_keys("filter", counts)
+
+
 def _keep_something(
     kept: dict[int, set[int]], rounds: list[KVBatchMeta], outcome: Any, options: FilterOptions
 ) -> bool:
@@ -127,6 +138,14 @@ def _train_advantages(sel: Any, options: FilterOptions) -> tuple[torch.Tensor, A
     ), scored
 
 
+def _refiller(batch: KVBatchMeta, target: int, options: FilterOptions, more: Any) -> Refiller:
+    return Refiller(
+        target_size=target,
+        initial_prompts=max(1, len({t.get("uid", k) for k, t in zip(batch.keys, batch.tags)})),
+        max_rounds=1 + (options.refill_rounds if more is not None else 0),
+    )
+
+
 def _round_advantages(
     b: KVBatchMeta, train_adv: dict[int, Any], empty: bool, skip: VerlSkipStage | None, uid: list[Any]
 ) -> tuple[torch.Tensor | None, Any]:
@@ -174,11 +193,7 @@ def filter_kv_batch(
         return Round(payload=b, scored=scored, num_prompts=len(set(uid)))
 
     target = options.target_rows or len(batch.keys)
-    outcome = Refiller(
-        target_size=target,
-        initial_prompts=max(1, len({t.get("uid", k) for k, t in zip(batch.keys, batch.tags)})),
-        max_rounds=1 + (options.refill_rounds if more is not None else 0),
-    ).fill(filt, produce)
+    outcome = _refiller(batch, target, options, more).fill(filt, produce)
     keys: list[str] = []
     tags: list[dict] = []
     kept_by_round = _kept_by_round(outcome, options)
@@ -189,17 +204,13 @@ def filter_kv_batch(
     for b in rounds:
         adv, sc = _round_advantages(b, train_adv, empty, skip, uids[id(b)])
         kept_rows = _store_kept(b, kept_by_round.get(id(b), set()), adv, store)
-        keys += [b.keys[i] for i in kept_rows]
-        tags += [b.tags[i] for i in kept_rows]
+        for i in kept_rows:
+            keys.append(b.keys[i])
+            tags.append(b.tags[i])
         if kept_rows and return_groups and sc is not None:
             assert adv is not None
             groups.update(_full_groups(sc, uids[id(b)], kept_rows, adv, bool(weighted)))
-    counts = {**outcome.info, ROWS_KEPT: len(keys), EMPTY_BATCH_STEPS: empty, TARGET_ROWS: target}
-    if scores:  # every rolled-out row's reward: verl's own critic/score is over the kept rows
-        counts[SCORE_MEAN_ROLLED_OUT] = float(torch.cat(scores).mean())
-    if weighted:  # the rows trained with a weight (dppo)
-        counts[WEIGHTED_ROWS] = sum(sel.kept.numel() for sel in weighted)
-    metrics = framework_keys("filter", counts)
+    metrics = _filter_metrics(outcome, weighted, len(keys), target, empty, scores)
     if skip is not None:
         metrics.update(skip.step_metrics())
     out = KVBatchMeta(
