@@ -114,8 +114,8 @@ def arm_configs(config: TrainConfig, arms: list[str] | tuple[str, ...]) -> dict[
 
 def _as_user_runs(config: TrainConfig, arm: str) -> dict[str, Any]:
     """``config``'s fields as given, for an :data:`AS_USERS_RUN` arm. ``skip_off`` drops skipping's
-    default loss (a config validated on finite data carries it, whether typed or defaulted), so it
-    trains what ``parts.prompt_skip=none`` trains when ``loss.agg`` is not given."""
+    default loss (a config validated with ``parts.prompt_skip=history`` carries it, given or filled
+    in), so it trains what ``parts.prompt_skip=none`` trains when ``loss.agg`` is not given."""
     data = config.model_dump(mode="json", exclude_unset=True)
     loss = dict(data.get("loss", {}))
     if arm == "skip_off" and loss == {**loss, **skip_default_loss({}, config.max_new_tokens)}:
