@@ -230,24 +230,25 @@ def sdpa_attention_forward() -> Callable[..., Any]:
     return fn
 
 
-def _attn_configs(model: torch.nn.Module) -> list[Any]:
+def _attn_configs(model: torch.nn.Module, text_only: bool = False) -> list[Any]:
     cfg = model.config  # type: ignore[union-attr]
     out = [cfg]
     for key in getattr(cfg, "sub_configs", {}) or {}:
         sub = getattr(cfg, key, None)
-        if sub is not None:
+        if sub is not None and (not text_only or key == "text_config"):
             out.append(sub)
     return out
 
 
 @contextlib.contextmanager
-def select_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
+def select_attention(model: torch.nn.Module, name: str, text_only: bool = False) -> Iterator[None]:
     """Select the attention function ``name`` on ``model``'s config and sub-configs for the duration
     of the block, then restore each one's previous choice. Writes ``_attn_implementation_internal``
     (what the ``_attn_implementation`` property reads in every release in range) directly: the
     public ``set_attn_implementation`` re-checks the model class and recurses into sub-configs.
-    The outermost selection records each config's previous choice for :func:`own_attention`."""
-    cfgs = _attn_configs(model)
+    The outermost selection records each config's previous choice for :func:`own_attention`.
+    ``text_only``: of the sub-configs, only ``text_config`` (a VLM's vision tower keeps its own)."""
+    cfgs = _attn_configs(model, text_only)
     saved = [c._attn_implementation for c in cfgs]
     outermost = [id(c) for c in cfgs if id(c) not in _OWN_ATTENTION]
     for c, s in zip(cfgs, saved):

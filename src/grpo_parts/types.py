@@ -22,6 +22,43 @@ from .errors import GRPOPartsError, check_tensor
 
 
 @dataclass(frozen=True)
+class VisionInputs:
+    """A processor's vision outputs, once per prompt: ``per_prompt[g]`` maps the model's keywords
+    (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
+    ``image_sizes``, ...) to prompt ``g``'s tensors, whose first dim runs over that prompt's images
+    (or over their patches, as the Qwen VL processors lay ``pixel_values`` out); an empty mapping for
+    a prompt without images. The prompt's token ids carry the placeholder tokens the processor
+    expanded. Rows of a batch index it by their ``group_index``, so selecting rows keeps each with
+    its own prompt's images.
+    """
+
+    per_prompt: tuple[Mapping[str, torch.Tensor], ...]
+
+    def __post_init__(self) -> None:
+        for g, inputs in enumerate(self.per_prompt):
+            for key, value in inputs.items():
+                if not isinstance(value, torch.Tensor) or value.ndim == 0:
+                    got = type(value).__name__ if not isinstance(value, torch.Tensor) else "a 0-d tensor"
+                    raise GRPOPartsError(
+                        f"VisionInputs.per_prompt[{g}][{key!r}]: expected a tensor with a first dim over "
+                        f"the prompt's images, got {got}"
+                    )
+
+    def gather(self, groups: list[int]) -> dict[str, torch.Tensor]:
+        """The model keywords of prompts ``groups`` in that order (a prompt named twice brings its
+        images twice): each key's tensors concatenated along their first dim; {} when none has images."""
+        if groups and max(groups) >= len(self.per_prompt):
+            raise GRPOPartsError(
+                f"group_index: expected values < {len(self.per_prompt)} (the prompts VisionInputs "
+                f"holds), got {max(groups)}"
+            )
+        keys = dict.fromkeys(k for g in groups for k in self.per_prompt[g])
+        return {
+            k: torch.cat([self.per_prompt[g][k] for g in groups if k in self.per_prompt[g]]) for k in keys
+        }
+
+
+@dataclass(frozen=True)
 class PromptBatch:
     """``B`` prompts to roll out. ``input_ids: [B, P]`` left-padded, ``attention_mask: [B, P]``."""
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from ..errors import GRPOPartsError, check_tensor
-from ..types import Rollout
+from ..types import Rollout, VisionInputs
 
 __all__ = [
     "PLAN_ATTENTION_CALLS",
@@ -45,7 +45,8 @@ class LogprobBatch:
     right-padded with ``completion_mask``; ``group_index: [N]`` the prompt of each row.
 
     Rows with the same ``group_index`` must carry the same prompt (a shared-prefix backend encodes
-    it once); they may arrive in any order.
+    it once); they may arrive in any order. ``vision``: the prompts' images (a vision-language
+    policy), indexed by ``group_index``; None for text.
     """
 
     prompt_ids: torch.Tensor
@@ -53,6 +54,7 @@ class LogprobBatch:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     group_index: torch.Tensor
+    vision: VisionInputs | None = None
 
     def __post_init__(self) -> None:
         check_tensor("LogprobBatch.prompt_ids", self.prompt_ids, ndim=2, dtype="int")
@@ -80,12 +82,17 @@ class LogprobBatch:
             raise GRPOPartsError(
                 f"LogprobBatch.prompt_mask: expected >= 1 prompt token per row, row {int(empty.nonzero()[0])} has 0"
             )
+        if self.vision is not None and int(self.group_index.max()) >= len(self.vision.per_prompt):
+            raise GRPOPartsError(
+                f"LogprobBatch.group_index: expected values < {len(self.vision.per_prompt)} (the prompts "
+                f"LogprobBatch.vision holds), got {int(self.group_index.max())}"
+            )
 
     def select(self, rows: torch.Tensor) -> LogprobBatch:
         """Keep ``rows: [K]`` (in that order); ``group_index`` keeps its prompt numbering."""
         return LogprobBatch(
             self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
-            self.completion_mask[rows], self.group_index[rows],
+            self.completion_mask[rows], self.group_index[rows], self.vision,
         )  # fmt: skip
 
     def split(self, calls: tuple[torch.Tensor, ...]) -> list[LogprobBatch]:

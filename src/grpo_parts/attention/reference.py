@@ -14,6 +14,7 @@ from ..core import token_logprobs
 from ..errors import GRPOPartsError
 from ..wrappers import calls_through, model_name
 from .protocol import LogprobBatch, LogprobOutput
+from .vision import row_positions, vision_reasons
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -56,7 +57,7 @@ class RepeatedPrefixAttention:
             return [f"model: expected a transformers causal LM with .config, got {model_name(model)}"]
         if getattr(cfg, "is_encoder_decoder", False):
             return [f"model: encoder-decoder models ({cfg.model_type}) are not supported"]
-        return []
+        return vision_reasons(calls_through(model)) if batch is not None and batch.vision is not None else []
 
     def register_kernel(self) -> str | None:
         return None  # uses the model's own attention implementation
@@ -75,11 +76,13 @@ class RepeatedPrefixAttention:
         p, t = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
         ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
         mask = torch.cat([batch.prompt_mask.long(), batch.completion_mask.long()], dim=1)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        # each row brings its own prompt's images (repeated per completion: what this reference is for)
+        images = {} if batch.vision is None else batch.vision.gather(batch.group_index.tolist())
+        pos, _ = row_positions(model, ids, mask, images)
         # Only the logits that predict completion tokens are needed: positions P-1 .. P+T-2.
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=t + 1).logits[
-            :, :-1
-        ]
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=t + 1, **images
+        ).logits[:, :-1]
         assert logits.shape[1] == t, (logits.shape, p, t)
         return completion_output(
             logits, batch.completion_ids, batch.completion_mask, temperature, compute_entropy

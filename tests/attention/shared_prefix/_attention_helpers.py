@@ -8,6 +8,7 @@ import torch
 
 from grpo_parts.attention.protocol import LogprobBatch
 from grpo_parts.compat import register_attention_function
+from grpo_parts.core import grpo_loss
 from grpo_parts.tiny import tiny_causal_lm
 
 
@@ -267,3 +268,16 @@ def pack(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     lens = torch.tensor([s.numel() for s in seqs])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
     return torch.cat(seqs), cu, torch.tensor(plens)
+
+
+def logps_and_grads(backend, model, batch, temperature=1.0):  # type: ignore[no-untyped-def]
+    out = backend.completion_logprobs(model, batch, temperature=temperature, compute_entropy=True)
+    n = batch.prompt_ids.shape[0]
+    adv = torch.linspace(-1.0, 1.5, n, dtype=torch.float64)
+    old = out.logprobs.detach() + 0.03 * torch.cos(
+        torch.arange(out.logprobs.numel(), dtype=torch.float64)
+    ).view_as(out.logprobs)
+    loss = grpo_loss(out.logprobs, old, adv, batch.completion_mask).loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return out, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_helpers import exact_model, random_batch
+from _attention_helpers import exact_model, logps_and_grads, random_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +14,6 @@ from grpo_parts.attention import IMPLEMENTATIONS, get_attention_class
 from grpo_parts.attention.reference import RepeatedPrefixAttention
 from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 from grpo_parts.compat import transformers_version
-from grpo_parts.core import grpo_loss
 from grpo_parts.errors import NotSupportedError
 from grpo_parts.tiny import family_missing
 
@@ -59,19 +58,6 @@ def kernels_for(family: str) -> tuple[str, ...]:
 
 
 RUNNABLE = [f for f in FAMILIES if family_missing(f) is None and refused_here(f) is None]
-
-
-def logps_and_grads(backend, model, batch, temperature=1.0):  # type: ignore[no-untyped-def]
-    out = backend.completion_logprobs(model, batch, temperature=temperature, compute_entropy=True)
-    n = batch.prompt_ids.shape[0]
-    adv = torch.linspace(-1.0, 1.5, n, dtype=torch.float64)
-    old = out.logprobs.detach() + 0.03 * torch.cos(
-        torch.arange(out.logprobs.numel(), dtype=torch.float64)
-    ).view_as(out.logprobs)
-    loss = grpo_loss(out.logprobs, old, adv, batch.completion_mask).loss
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return out, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
 def assert_equivalent(model, batch, kernel, temperature=1.0, tol=(ATOL, 0.0), **options):  # type: ignore[no-untyped-def]

@@ -18,6 +18,7 @@ from ...compat import config_values
 from ...errors import GRPOPartsError, NotSupportedError
 from ...wrappers import calls_through
 from ..protocol import PLAN_ATTENTION_CALLS, LogprobBatch, LogprobOutput
+from ..vision import vision_reasons
 from .guard import model_kind, model_reasons, refusing, text_config
 from .layout import LayoutSettings
 from .padding_free import LAYOUTS
@@ -89,7 +90,10 @@ class SharedPrefixAttention:
         reason, never an exception."""
         try:
             # the masks, not the batch: the batch itself passes through check, plan and run once each
-            return model_reasons(model, None if batch is None else (batch.prompt_mask, batch.completion_mask))
+            reasons = model_reasons(
+                model, None if batch is None else (batch.prompt_mask, batch.completion_mask)
+            )
+            return reasons + (vision_reasons(model) if batch is not None and batch.vision is not None else [])
         except (GRPOPartsError, torch.OutOfMemoryError):
             raise
         except Exception as e:  # noqa: BLE001
@@ -175,8 +179,15 @@ class SharedPrefixAttention:
             suffix_flash_min=self.suffix_flash_min, varlen=self.varlen,
         )  # fmt: skip
         max_chunks = 8 if self.max_chunks is None else self.max_chunks  # (several ranks: Plan.agreed)
+        # image prompts run in grids (the padding-free layout packs rows past the images' keywords), and
+        # keep their group numbering (packed sub-groups would renumber the prompts their images follow)
+        layout = self.layout if batch.vision is None else "grid"
+        if batch.vision is not None and packed:
+            raise NotSupportedError(
+                "shared_prefix", ["LogprobBatch.vision: packed rows with images are not served"]
+            )
         settings = PlanSettings(
-            self.last_choice, self.layout, max_chunks, self.chunk_overhead_tokens, text_config(model), build
+            self.last_choice, layout, max_chunks, self.chunk_overhead_tokens, text_config(model), build
         )
         with refusing("planning the call", model):
             return make_plan(batch, settings, packed=packed, agree=agree, rank_group=self.rank_group)

@@ -34,7 +34,7 @@ def empty_call_batch(batch: LogprobBatch) -> LogprobBatch:
     """A one-token prefix and a one-token completion taken from ``batch``'s first row (real token
     ids, so every embedding lookup is valid): what an *empty call* runs."""
     return LogprobBatch(
-        batch.prompt_ids[:1, -1:],  # left-padded: the last prompt column is real
+        batch.completion_ids[:1, :1],  # a text token (a prompt's last may be an image placeholder)
         torch.ones_like(batch.prompt_mask[:1, -1:]),
         batch.completion_ids[:1, :1],  # right-padded, >= 1 token: the first column is real
         torch.ones_like(batch.completion_mask[:1, :1]),

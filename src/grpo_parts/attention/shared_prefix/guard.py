@@ -21,6 +21,7 @@ import torch
 from ...compat import accepts_logits_to_keep, config_values, kv_shared_through_cache
 from ...errors import GRPOPartsError, NotSupportedError
 from ...wrappers import inner_model, model_name
+from ..vision import is_vision_model
 
 #: ``layout_types`` entries the layout is exact for (``sparse``/``dense`` are MLP layer types)
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "sparse", "dense"})
@@ -116,7 +117,9 @@ def position_tables(model: torch.nn.Module) -> list[tuple[str, int]]:
     get = getattr(model, "get_input_embeddings", None)
     tokens = get() if callable(get) else None
     out = []
-    for name, mod in model.named_modules():
+    # a VLM's vision tower has its own position tables, for image patches: only its decoder's count
+    decoder = model.get_decoder() if is_vision_model(model) else model  # type: ignore[operator]
+    for name, mod in decoder.named_modules():
         last = name.rsplit(".", 1)[-1]
         if (
             isinstance(mod, torch.nn.Embedding)

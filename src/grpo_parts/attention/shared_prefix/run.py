@@ -19,8 +19,10 @@ from ...errors import GRPOPartsError, NotSupportedError
 from ...wrappers import inner_model, sharding
 from ..protocol import LogprobBatch, LogprobOutput
 from ..reference import completion_output
+from ..vision import is_vision_model
 from .chunking import empty_call_batch
 from .guard import layout_shortfall, model_kind, refusing
+from .images import grid_images
 from .layout import LAYOUT_KWARG, GroupedInputs, LayoutSettings, build_grids, build_grouped_inputs
 from .padding_free import PaddingFreeLayout, build_padding_free_inputs
 from .plan import Plan
@@ -39,20 +41,28 @@ def register_attention() -> str:
     return KERNEL_NAME
 
 
-def grouped_forward(model: torch.nn.Module, grouped: GroupedInputs) -> torch.Tensor:
-    """``model`` on the grid with the shared-prefix kernel selected; the logits at ``grouped.keep``.
+def grouped_forward(
+    model: torch.nn.Module,
+    grouped: GroupedInputs,
+    images: dict[str, torch.Tensor] | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``model`` on the grid with the shared-prefix kernel selected (on a VLM, in its language model
+    only: the vision tower keeps its own attention); the logits at ``grouped.keep``. ``images`` /
+    ``position_ids``: a VLM grid's image keywords and positions (:func:`.images.grid_images`).
     Raises :class:`NotSupportedError` when a decoder layer did not receive the layout."""
     b = grouped.input_ids.shape[0]
     placeholder = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=grouped.input_ids.device)
     try:
-        with select_attention(model, KERNEL_NAME):
+        with select_attention(model, KERNEL_NAME, text_only=is_vision_model(model)):
             out = model(
                 input_ids=grouped.input_ids,
-                position_ids=grouped.position_ids,
+                position_ids=grouped.position_ids if position_ids is None else position_ids,
                 attention_mask=placeholder,  # 4-D: transformers passes it through instead of building a mask
                 logits_to_keep=grouped.keep,
                 use_cache=False,
                 **{LAYOUT_KWARG: grouped.layout},
+                **(images or {}),
             )
     except (GRPOPartsError, torch.OutOfMemoryError):
         raise  # our own refusals name their cause already; running out of memory is not the architecture
@@ -115,7 +125,10 @@ class PlanRun:
 
     def _call(self, batch: LogprobBatch, grouped: GroupedInputs, entropy: bool) -> LogprobOutput:
         """One model call on ``batch``, laid out as ``grouped``."""
-        kept = grouped_forward(self.model, grouped)  # raises NotSupportedError for what the model breaks
+        images, pos = grid_images(self.model, batch, grouped) if batch.vision is not None else (None, None)
+        kept = grouped_forward(
+            self.model, grouped, images, pos
+        )  # NotSupportedError for what the model breaks
         if isinstance(grouped.layout, PaddingFreeLayout):  # its attention calls per path
             masks = grouped.layout.masks
             self.attention_calls.update(masks.calls)

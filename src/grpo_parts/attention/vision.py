@@ -1,0 +1,81 @@
+"""What every attention backend needs to run a vision-language policy: the model keywords of a
+batch's images and the position ids generation gives its tokens.
+
+A VLM's completions are scored at the positions its sampler used: ``generate`` counts real tokens,
+and the Qwen VL family (M-RoPE) gives image tokens 3-D positions from the model's own
+``get_rope_index``, text after them continuing from the largest one. Both backends take their
+positions from :func:`row_positions`, so they agree with each other and with sampling.
+docs/attention.md, "Vision-language policies".
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ..wrappers import inner_model, model_name
+
+#: the processor keywords that carry a grid per image or video (the M-RoPE family reads them)
+GRID_KEYS = ("image_grid_thw", "video_grid_thw")
+
+
+def is_vision_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a vision-language model (its config has a ``vision_config``)."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def _rope_index_owner(model: torch.nn.Module) -> Any:
+    """The module that defines ``get_rope_index`` (the ``...Model`` under ``...ForConditionalGeneration``), or None."""
+    for m in (model, getattr(model, "model", None)):
+        if m is not None and callable(getattr(m, "get_rope_index", None)):
+            return m
+    return None
+
+
+def vision_reasons(model: torch.nn.Module) -> list[str]:
+    """Why a VLM's image prompts cannot be scored here (empty: they can). Architectures whose image
+    tokens attend to each other both ways (``token_type_ids``: Gemma 3, PaliGemma) are refused: both
+    backends score completions causally, as this check's reference does."""
+    if not is_vision_model(model):
+        return []
+    forward = inspect.signature(type(inner_model(model)).forward).parameters
+    if "token_type_ids" in forward:
+        return [
+            f"model: {model_name(model)} attends both ways inside an image (token_type_ids), which the "
+            "causal shared-prefix layout does not serve"
+        ]
+    return []
+
+
+def token_types(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``mm_token_type_ids: [N, L]`` as a processor makes them: 1 on image tokens, 2 on video tokens."""
+    cfg = model.config  # type: ignore[union-attr]
+    out = torch.zeros_like(ids, dtype=torch.int32)
+    for value, key in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(cfg, key, None)
+        if token is not None:
+            out = out.masked_fill(ids == token, value)
+    return out
+
+
+def row_positions(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(position_ids, deltas)`` for rows ``ids: [N, L]`` (``mask``: real tokens, padding on either
+    side) with their images ``inputs``: ``[3, N, L]`` from the model's ``get_rope_index`` where it has
+    one and a grid is given (``deltas: [N, 1]``, what text after the rows adds to its 1-D position),
+    else ``[N, L]`` counting real tokens (``deltas`` 0)."""
+    owner = _rope_index_owner(model)
+    text = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    zero = torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
+    grids = {k: inputs[k] for k in GRID_KEYS if k in inputs}
+    if owner is None or not grids:
+        return text, zero
+    wanted = inspect.signature(owner.get_rope_index).parameters
+    kw: dict[str, Any] = {"attention_mask": mask.long(), **grids}
+    if "mm_token_type_ids" in wanted:
+        kw["mm_token_type_ids"] = token_types(model, ids)
+    pos, deltas = owner.get_rope_index(ids, **{k: v for k, v in kw.items() if k in wanted})
+    return pos, deltas.reshape(-1, 1).to(torch.long)
