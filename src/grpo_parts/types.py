@@ -60,10 +60,12 @@ class VisionInputs:
 
 @dataclass(frozen=True)
 class PromptBatch:
-    """``B`` prompts to roll out. ``input_ids: [B, P]`` left-padded, ``attention_mask: [B, P]``."""
+    """``B`` prompts to roll out. ``input_ids: [B, P]`` left-padded, ``attention_mask: [B, P]``;
+    ``vision``: prompt ``b``'s images at ``vision.per_prompt[b]`` (a vision-language policy), or None."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    vision: VisionInputs | None = None
 
     def __post_init__(self) -> None:
         check_tensor("PromptBatch.input_ids", self.input_ids, ndim=2, dtype="int")
@@ -84,6 +86,11 @@ class PromptBatch:
         if bool((m[:, 1:] < m[:, :-1]).any()):
             raise GRPOPartsError(
                 "PromptBatch.attention_mask: expected left padding (0s then 1s) in every row"
+            )
+        if self.vision is not None and len(self.vision.per_prompt) != self.input_ids.shape[0]:
+            raise GRPOPartsError(
+                f"PromptBatch.vision: expected images for {self.input_ids.shape[0]} prompts, got "
+                f"{len(self.vision.per_prompt)}"
             )
 
     @property
@@ -123,6 +130,7 @@ class Rollout:
     group_index: torch.Tensor  # [N]
     num_prompts: int
     stats: dict[str, float] = field(default_factory=dict)
+    vision: VisionInputs | None = None  # per prompt, indexed by group_index (its rows' images)
 
     def __post_init__(self) -> None:
         n = self.prompt_ids.shape[0] if isinstance(self.prompt_ids, torch.Tensor) else -1
@@ -147,6 +155,11 @@ class Rollout:
             raise GRPOPartsError(
                 f"Rollout.group_index: expected values in [0, {self.num_prompts}), "
                 f"got range [{int(self.group_index.min())}, {int(self.group_index.max())}]"
+            )
+        if self.vision is not None and len(self.vision.per_prompt) != self.num_prompts:
+            raise GRPOPartsError(
+                f"Rollout.vision: expected images for num_prompts={self.num_prompts} prompts, got "
+                f"{len(self.vision.per_prompt)}"
             )
 
     @property

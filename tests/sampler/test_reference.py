@@ -11,6 +11,8 @@ from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.testing import chi_square_gof, encode_sequences, processed_probs, sequence_distribution
 from grpo_parts.tiny import tiny_causal_lm
+from grpo_parts.tiny_vision import tiny_image, tiny_vlm
+from grpo_parts.types import VisionInputs
 
 P_MIN = 1e-3  # derandomized seeds: a correct sampler passes deterministically; a wrong one gives p ~ 0
 
@@ -209,3 +211,69 @@ def test_decoding_runs_with_the_collector_paused(lm: torch.nn.Module, kind: str)
     finally:
         gc.enable()
         handle.remove()
+
+
+# ------------------------------------------------------------------ image prompts (a VLM policy)
+
+
+def _image_prompts(model: torch.nn.Module, images_per_prompt: list[int], seed: int) -> PromptBatch:
+    gen = torch.Generator().manual_seed(seed)
+    rows, per_prompt = [], []
+    for n in images_per_prompt:
+        ids, parts = [5], []
+        for size in range(1, n + 1):
+            tokens, inputs = tiny_image(model, size, gen)
+            ids += tokens + [6]
+            parts.append(inputs)
+        rows.append(ids)
+        per_prompt.append({k: torch.cat([p[k] for p in parts]) for k in (parts[0] if parts else {})})
+    batch = PromptBatch.from_lists(rows, pad_token_id=0)
+    return PromptBatch(batch.input_ids, batch.attention_mask, VisionInputs(tuple(per_prompt)))
+
+
+def _peaked_vlm(family: str) -> torch.nn.Module:
+    model = tiny_vlm(family, vocab_size=16, seed=3)
+    head = torch.nn.Linear(model.lm_head.in_features, 16, bias=True)
+    with torch.no_grad():  # a peaked next-token law, so that the image changes it visibly ...
+        head.weight.copy_(model.lm_head.weight * 8.0)
+        head.bias.zero_()
+        head.bias[-4:] = -1e4  # ... that never emits the image tokens (tiny_vision reserves the last 4)
+    model.lm_head = head
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_image_prompts_greedy_equals_full_forwards(family: str) -> None:
+    model = _peaked_vlm(family)
+    prompts = _image_prompts(model, [1, 2, 0], seed=0)
+    params = SamplingParams(group_size=2, max_new_tokens=4, temperature=0.0)
+    out = ReferenceSampler(model).generate(prompts, params)
+    assert out.vision is prompts.vision
+    for b in range(prompts.num_prompts):  # greedy by full forwards of the prompt alone, no cache
+        ids = prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
+        images = prompts.vision.per_prompt[b]  # type: ignore[union-attr]
+        want = []
+        for _ in range(4):
+            probs = sequence_distribution(model, ids + want, 1, temperature=0.0, images=images)
+            want.append(int(np.argmax(probs)))
+        for row in (2 * b, 2 * b + 1):
+            assert out.completion_ids[row].tolist() == want
+
+
+def test_image_prompts_sampling_law_chi_square() -> None:
+    model = _peaked_vlm("qwen2_vl")
+    prompts = _image_prompts(model, [1, 2], seed=1)
+    n = 1500
+    out = ReferenceSampler(model).generate(
+        prompts,
+        SamplingParams(group_size=n, max_new_tokens=2, temperature=1.0),
+        torch.Generator().manual_seed(5),
+    )
+    laws = []
+    for b in range(2):
+        ids = prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
+        laws.append(sequence_distribution(model, ids, 2, images=prompts.vision.per_prompt[b]))  # type: ignore[union-attr]
+    for b in range(2):
+        codes = encode_sequences(out.completion_ids[b * n : (b + 1) * n, :2], 16)
+        assert chi_square_gof(codes, laws[b]) > P_MIN  # each row samples its own prompt's law
+        assert chi_square_gof(codes, laws[1 - b]) < 1e-4  # the test has power: the prompt matters

@@ -107,6 +107,7 @@ class LogprobBatch:
             rollout.completion_ids,
             rollout.completion_mask,
             rollout.group_index,
+            rollout.vision,
         )
 
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..core import AdvantageConfig, group_advantages, kl_shaped_rewards
 from ..errors import GRPOPartsError, check_tensor
 from ..skip.protocol import DrawsPrompts
-from ..types import Rollout
+from ..types import Rollout, VisionInputs
 from ._common import extra_prompts, num_groups_present, priority_order
 from .apply import KeptBatch, loss_denominators
 from .protocol import KEPT_FRACTION, CompletionFilter, ScoredBatch
@@ -141,7 +141,12 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> Rollo
         parts["gi"].append(r.group_index + offset)
         offset += r.num_prompts
     cat = {k: torch.cat(v) for k, v in parts.items()}
-    return Rollout(cat["pi"], cat["pm"], cat["ci"], cat["cm"], cat["lp"], cat["gi"], offset)
+    # the images follow their prompts' new numbering (a rollout without images: none per prompt)
+    vision = None
+    if any(r.vision is not None for r in rollouts):
+        per = [r.vision.per_prompt if r.vision is not None else ({},) * r.num_prompts for r in rollouts]
+        vision = VisionInputs(tuple(v for p in per for v in p))
+    return Rollout(cat["pi"], cat["pm"], cat["ci"], cat["cm"], cat["lp"], cat["gi"], offset, vision=vision)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,11 +9,12 @@ rank is done, so each forward's all-gather meets its peers.
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from ..compat import cache_kwarg, output_cache, select_cache_rows
+from ..attention.vision import row_positions
+from ..compat import cache_kwarg, output_cache, repeat_cache_rows, select_cache_rows
 from ..core import token_logprobs
 from ..decoding import collector_paused, sample_tokens
 from ..distributed import agree_max
@@ -102,9 +103,46 @@ class ReferenceSampler:
             raise GRPOPartsError(
                 f"PromptBatch.input_ids: expected token ids < vocab_size={vocab}, got {int(ids.max())}"
             )
-        completion, lp = _sample(model, ids, mask, params, generator, lockstep)
+        if prompts.vision is None:
+            start = prefill(model, ids, mask)
+        else:  # each prompt and its images once, its cache then shared by its group's rows
+            start = prefill_once_per_group(model, prompts, params.group_size)
+        completion, lp = _sample(model, ids, mask, params, generator, start, lockstep)
         cmask = completion_mask_from_eos(completion, params.eos_token_ids)
-        return padded_rollout(ids, mask, group, completion, cmask, lp, params, prompts.num_prompts)
+        ro = padded_rollout(ids, mask, group, completion, cmask, lp, params, prompts.num_prompts)
+        return ro if prompts.vision is None else replace(ro, vision=prompts.vision)
+
+
+#: what decoding starts from: ``(KV cache, logits [N, V] predicting the first token, the next
+#: position ids [N, 1])``
+Start = tuple[Any, torch.Tensor, torch.Tensor]
+
+
+def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Start:
+    """Every row's (left-padded) prompt through the model; positions count real tokens only, so
+    every row's first token has position 0."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    return output_cache(out), out.logits[:, -1], pos[:, -1:] + 1
+
+
+def prefill_once_per_group(model: torch.nn.Module, prompts: PromptBatch, group_size: int) -> Start:
+    """Each prompt with its images through the model once (the vision tower included), then its
+    cache and logits repeated for its ``group_size`` rows (prompt-major, as :func:`expand_prompts`).
+    Text after the prompt continues from the positions the model gave it (M-RoPE: its delta)."""
+    assert prompts.vision is not None
+    device = next(model.parameters()).device
+    ids, mask = prompts.input_ids.to(device), prompts.attention_mask.long().to(device)
+    images = {k: v.to(device) for k, v in prompts.vision.gather(list(range(prompts.num_prompts))).items()}
+    pos, deltas = row_positions(model, ids, mask, images)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **images
+    )
+    cache = output_cache(out)
+    repeat_cache_rows(cache, group_size)
+    next_pos = mask.sum(-1, keepdim=True) + deltas.to(device)  # the text position after the prompt
+    rows = torch.arange(prompts.num_prompts, device=device).repeat_interleave(group_size)
+    return cache, out.logits[:, -1][rows], next_pos[rows]
 
 
 def _sample(
@@ -113,21 +151,18 @@ def _sample(
     mask: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
+    start: Start,
     lockstep: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill the (left-padded) prompts, then one forward per token for the rows still generating:
+    """From the prefilled prompts (``start``), one forward per token for the rows still generating:
     ``(completion [N, T], logprobs [N, T])``, ``T`` the steps taken (<= ``max_new_tokens``), the
     tokens after a row's EOS left as ``pad_token_id`` / 0. ``lockstep``: the ranks agree before each
     decode forward whether any of them still decodes (:func:`idle_steps`)."""
     device = ids.device
     n = ids.shape[0]
     eos = torch.tensor(params.eos_token_ids or (-1,), device=device)
-    # Left padding: positions count real tokens only, so every row's first token has position 0.
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache, logits = output_cache(out), out.logits[:, -1]
+    cache, logits, next_pos = start
     cache_kw = cache_kwarg(model)
-    next_pos = pos[:, -1:] + 1
 
     # Finished rows leave the batch (and the KV cache) at once, as vLLM's scheduler does; they
     # cost nothing more. (``generate`` keeps them until the last row finishes.)

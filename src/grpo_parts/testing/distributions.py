@@ -14,7 +14,7 @@ scipy is needed for the p-value (it is in the ``dev`` extra).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,12 +71,16 @@ def sequence_distribution(
     top_k: int = 0,
     top_p: float = 1.0,
     max_sequences: int = 1 << 16,
+    images: Mapping[str, torch.Tensor] | None = None,
 ) -> np.ndarray:
     """Exact probability of every length-``length`` continuation of ``prompt`` (no EOS), ``[V**length]``.
 
     Entry ``encode(t_1..t_L)`` (see :func:`encode_sequences`) is ``prod_i p(t_i | prompt, t_<i)``
     with each step's distribution from :func:`processed_probs` applied to a plain full forward
-    (no KV cache) of ``prompt + t_1..t_L``.
+    (no KV cache) of ``prompt + t_1..t_L``; ``images``: the prompt's image keywords (a VLM), given
+    with every sequence, at the positions generation uses. A continuation holding an image
+    placeholder token is not forwarded (the model would take it for an image): it gets probability
+    0, so give a model that cannot emit those tokens.
     """
     vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
     n = vocab**length
@@ -87,10 +91,14 @@ def sequence_distribution(
     device = next(model.parameters()).device
     conts = torch.as_tensor(decode_sequences(np.arange(n), vocab, length), device=device)  # [n, L]
     ids = torch.cat([torch.as_tensor(prompt, device=device).expand(n, -1), conts], dim=1)
-    logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]  # [n, L, V]: predicts t_1..t_L
+    skipped = np.zeros(n, dtype=bool)
+    if images:
+        logits, skipped = _image_prompt_logits(model, ids, len(prompt), images)
+    else:
+        logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]  # [n, L, V]: predicts t_1..t_L
     step = processed_probs(logits, temperature, top_k, top_p)  # [n, L, V]
     picked = np.take_along_axis(step, conts.cpu().numpy()[..., None], axis=-1)[..., 0]  # [n, L]
-    probs = picked.prod(-1)
+    probs = np.where(skipped, 0.0, picked.prod(-1))
     return probs / probs.sum()
 
 
@@ -162,3 +170,20 @@ def record_proposals(draft: Any, run: Callable[[], object]) -> list[torch.Tensor
     finally:
         del draft.propose
     return seen
+
+
+def _image_prompt_logits(
+    model: torch.nn.Module, ids: torch.Tensor, prompt_len: int, images: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, np.ndarray]:
+    """:func:`sequence_distribution`'s ``[n, L, V]`` logits for a VLM prompt with ``images``, and
+    which continuations hold a placeholder token (not forwarded: their logits are 0)."""
+    from ..attention.vision import row_positions, token_types
+
+    placeholder = (token_types(model, ids[:, prompt_len:]) != 0).any(-1)
+    rows = (~placeholder).nonzero().flatten()
+    each = {k: torch.cat([v.to(ids.device)] * int(rows.numel())) for k, v in images.items()}
+    pos, _ = row_positions(model, ids[rows], torch.ones_like(ids[rows]), each)
+    kept = model(input_ids=ids[rows], position_ids=pos, **each).logits[:, prompt_len - 1 : -1]
+    out = kept.new_zeros((ids.shape[0], *kept.shape[1:]))
+    out[rows] = kept
+    return out, placeholder.cpu().numpy()
