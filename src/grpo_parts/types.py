@@ -169,6 +169,16 @@ class Rollout:
     def completion_lengths(self) -> torch.Tensor:
         return self.completion_mask.long().sum(-1)
 
+    def compact_prompts(self) -> tuple[Rollout, torch.Tensor]:
+        """``(this rollout numbering only the prompts its rows hold, 0.. in ascending order of the
+        old numbers; those old numbers)``: ``group_index`` renumbered, ``vision`` with it."""
+        used, new_gi = torch.unique(self.group_index, sorted=True, return_inverse=True)
+        vision = None
+        if self.vision is not None:
+            vision = VisionInputs(tuple(self.vision.per_prompt[i] for i in used.tolist()))
+        out = replace(self, group_index=new_gi.to(torch.long), num_prompts=int(used.numel()), vision=vision)
+        return out, used
+
     def select(self, rows: torch.Tensor) -> Rollout:
         """Keep ``rows: [K]``; ``group_index`` keeps its original prompt numbering."""
         return replace(

@@ -4,6 +4,7 @@ pruning rate, deterministically, and stops cleanly when the stream runs dry."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from grpo_parts.attention.protocol import LogprobBatch
 from grpo_parts.core import group_advantages
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.cppo import TopKAbsAdvantage
@@ -19,7 +21,7 @@ from grpo_parts.filter.pods import MaxVarianceDownsample
 from grpo_parts.filter.reference import KeepAll
 from grpo_parts.filter.refill import Refiller, Round, concat_rollouts, fill_rollouts
 from grpo_parts.filter.zero_variance import ZeroVarianceGroups
-from grpo_parts.types import ScoredBatch
+from grpo_parts.types import Rollout, ScoredBatch, VisionInputs
 
 RATES = [0.5, 0.6, 0.75, 0.875, 0.9375]
 G = 16
@@ -153,3 +155,41 @@ def test_refill_has_one_name() -> None:
     for old in ("parts.refill=true", "parts.max_refill_rounds=2"):
         with pytest.raises(GRPOPartsError, match=old.split("=")[0] + ": unknown field"):
             load_config(sets=[old])
+
+
+def _with_images(prompts: list[int]) -> Rollout:
+    """fake_rollout, each prompt carrying ``p % 3`` images whose pixels hold ``p`` (0 images: none)."""
+    ro = fake_rollout(prompts, G)
+    per = tuple({"pixel_values": torch.full((p % 3, 2), float(p))} if p % 3 else {} for p in prompts)
+    return replace(ro, vision=VisionInputs(per))
+
+
+@pytest.mark.parametrize(
+    "filt", [TopKAbsAdvantage(pruning_rate=0.5), ZeroVarianceGroups(), MaxVarianceDownsample(m=5), KeepAll()]
+)
+def test_kept_rows_keep_their_own_prompts_images(filt) -> None:
+    prompts = itertools.count(1)
+    out = fill_rollouts(
+        filt, Refiller(target_size=3 * G, initial_prompts=2), prompts, _with_images, fake_reward
+    )
+    ro = out.rollout
+    assert ro is not None and ro.vision is not None and len(ro.vision.per_prompt) == ro.num_prompts
+    seen = set()
+    for row in range(ro.num_completions):
+        images = ro.vision.gather([int(ro.group_index[row])])
+        prompt = ro.prompt_ids[row][ro.prompt_mask[row].bool()]
+        # the row's prompt tells which p it came from; its images must be p's (p % 3 of them)
+        p = next(p for p in range(1, 200) if torch.equal(_prompt_of(p), prompt))
+        seen.add(p)
+        if p % 3 == 0:
+            assert images == {}
+        else:
+            assert images["pixel_values"].shape[0] == p % 3 and bool((images["pixel_values"] == p).all())
+    assert len(seen) > 1  # rows of several prompts, with different numbers of images
+    batch = LogprobBatch.from_rollout(ro)  # the training forward gets the same images
+    assert batch.vision is ro.vision
+
+
+def _prompt_of(p: int) -> torch.Tensor:
+    one = fake_rollout([p], 1)
+    return one.prompt_ids[0][one.prompt_mask[0].bool()]

@@ -238,16 +238,9 @@ def _merge_selections(
         batch, rollout, r, adv = sel.round.payload
         sub = rollout.select(sel.kept)
         # compact group ids to the prompts that kept rows, in stream order
-        used, new_gi = torch.unique(sub.group_index, sorted=True, return_inverse=True)
+        compact, used = sub.compact_prompts()
         kept_prompts.extend(batch[i] for i in used.tolist())
-        subs.append(
-            replace(
-                sub,
-                group_index=new_gi.to(torch.long),
-                num_prompts=int(used.numel()),
-                stats=dict(rollout.stats),
-            )
-        )
+        subs.append(replace(compact, stats=dict(rollout.stats)))
         rewards.append(r[sel.kept])
         advs.append(adv[sel.kept])
         w = sel.weights

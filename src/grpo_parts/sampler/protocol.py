@@ -15,6 +15,7 @@ from ..draft.protocol import DraftTrainingBatch
 from ..types import PromptBatch, Rollout
 
 __all__ = [
+    "IMAGE_PROMPTS_REASON",
     "DecodeTraceView",
     "PromptBatch",
     "Rollout",
@@ -23,6 +24,12 @@ __all__ = [
     "TracesDecode",
     "TrainsDraft",
 ]
+
+#: why a sampler other than the reference refuses a :class:`PromptBatch` with images (one line for all)
+IMAGE_PROMPTS_REASON = (
+    "PromptBatch.vision: image prompts are rolled out by the reference sampler only so far "
+    "(docs/attention.md, 'Vision-language policies')"
+)
 
 
 @runtime_checkable

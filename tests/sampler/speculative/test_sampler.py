@@ -12,11 +12,13 @@ from grpo_parts.draft.eagle import EagleDraft
 from grpo_parts.draft.ngram import NGramDraft
 from grpo_parts.draft.reference import FrozenLMDraft
 from grpo_parts.draft.small_lm import CachedLMDraft
+from grpo_parts.errors import NotSupportedError
 from grpo_parts.sampler.protocol import PromptBatch, Sampler, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.testing import chi_square_gof, encode_sequences, sequence_distribution
 from grpo_parts.tiny import tiny_causal_lm
+from grpo_parts.types import VisionInputs
 
 V = 8
 
@@ -195,3 +197,10 @@ def test_plain_and_speculative_steps_interleave(policy: torch.nn.Module) -> None
     out = spec.generate(prompts, params)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     assert out.stats["plain_steps"] > 0 and out.stats["verify_steps"] > 0
+
+
+def test_image_prompts_are_refused_with_the_reason(policy: torch.nn.Module) -> None:
+    text = PromptBatch.from_lists([[1, 2]], 0)
+    images = PromptBatch(text.input_ids, text.attention_mask, VisionInputs(({},)))
+    with pytest.raises(NotSupportedError, match="image prompts are rolled out by the reference sampler only"):
+        SpeculativeSampler(policy, NGramDraft()).generate(images, SamplingParams(max_new_tokens=2))

@@ -198,3 +198,12 @@ except NotSupportedError as err:
     assert (
         "REFUSED: vllm cannot run here: vLLM cannot start an engine in a process where numba" in done.stdout
     )
+
+
+def test_image_prompts_are_refused_with_the_reason(sampler: VLLMSampler) -> None:
+    from grpo_parts.types import VisionInputs
+
+    text = PromptBatch.from_lists([[1, 2]], pad_token_id=0)
+    images = PromptBatch(text.input_ids, text.attention_mask, VisionInputs(({},)))
+    with pytest.raises(NotSupportedError, match="image prompts are rolled out by the reference sampler only"):
+        sampler.generate(images, SamplingParams(group_size=1, max_new_tokens=2))
