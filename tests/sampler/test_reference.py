@@ -3,6 +3,8 @@ right sampling distribution (chi-square goodness of fit against an enumerated ex
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -277,3 +279,22 @@ def test_image_prompts_sampling_law_chi_square() -> None:
         codes = encode_sequences(out.completion_ids[b * n : (b + 1) * n, :2], 16)
         assert chi_square_gof(codes, laws[b]) > P_MIN  # each row samples its own prompt's law
         assert chi_square_gof(codes, laws[1 - b]) < 1e-4  # the test has power: the prompt matters
+
+
+def test_image_prompts_never_sample_a_placeholder_token() -> None:
+    model = tiny_vlm("qwen2_vl", vocab_size=16, seed=3)
+    image_token = int(model.config.image_token_id)
+    head = torch.nn.Linear(model.lm_head.in_features, 16, bias=True)
+    with torch.no_grad():  # a policy that all but insists on the image token: logit 5, the rest 0
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[image_token] = 5.0
+    model.lm_head = head
+    prompts = _image_prompts(model, [1, 2], seed=2)
+    out = ReferenceSampler(model).generate(
+        prompts, SamplingParams(group_size=50, max_new_tokens=3, temperature=1.0)
+    )
+    assert not bool((out.completion_ids == image_token).any())
+    # the log-probs recorded stay the policy's own, what the training forward computes
+    own = -math.log(15 + math.exp(5.0))
+    torch.testing.assert_close(out.logprobs, torch.full_like(out.logprobs, own))

@@ -14,7 +14,7 @@ from ..core import token_logprobs
 from ..errors import GRPOPartsError
 from ..wrappers import calls_through, model_name
 from .protocol import LogprobBatch, LogprobOutput
-from .vision import row_positions, vision_reasons
+from .vision import image_batch_reasons, row_positions
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -57,7 +57,7 @@ class RepeatedPrefixAttention:
             return [f"model: expected a transformers causal LM with .config, got {model_name(model)}"]
         if getattr(cfg, "is_encoder_decoder", False):
             return [f"model: encoder-decoder models ({cfg.model_type}) are not supported"]
-        return vision_reasons(calls_through(model)) if batch is not None and batch.vision is not None else []
+        return image_batch_reasons(calls_through(model), batch)
 
     def register_kernel(self) -> str | None:
         return None  # uses the model's own attention implementation

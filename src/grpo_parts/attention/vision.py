@@ -19,6 +19,8 @@ from ..wrappers import inner_model, model_name
 
 #: the processor keywords that carry a grid per image or video (the M-RoPE family reads them)
 GRID_KEYS = ("image_grid_thw", "video_grid_thw")
+#: config keys of the placeholder tokens a processor expands per image or video
+PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "image_token_index")
 
 
 def is_vision_model(model: torch.nn.Module) -> bool:
@@ -47,6 +49,31 @@ def vision_reasons(model: torch.nn.Module) -> list[str]:
             "causal shared-prefix layout does not serve"
         ]
     return []
+
+
+def placeholder_ids(model: torch.nn.Module) -> torch.Tensor:
+    """The model's image and video placeholder token ids (``[K]``, possibly empty). A completion
+    must not hold one: the forward that scores it with its prompt's images would take it for an
+    image, so the samplers never emit them for image prompts."""
+    cfg = model.config  # type: ignore[union-attr]
+    ids = [getattr(cfg, k, None) for k in PLACEHOLDER_KEYS]
+    return torch.tensor([int(i) for i in ids if i is not None], dtype=torch.long)
+
+
+def placeholder_reasons(
+    model: torch.nn.Module, completion_ids: torch.Tensor, mask: torch.Tensor
+) -> list[str]:
+    """Why completions ``completion_ids: [N, T]`` (real tokens where ``mask``) cannot be scored with
+    their prompts' images: a row holding an image placeholder token (empty: none does)."""
+    bad = torch.isin(completion_ids, placeholder_ids(model).to(completion_ids.device)) & mask.bool()
+    if not bool(bad.any()):
+        return []
+    row, col = (int(x) for x in bad.nonzero()[0])
+    return [
+        f"LogprobBatch.completion_ids: row {row} holds the image placeholder token "
+        f"{int(completion_ids[row, col])} at {col}, which the forward with images would take for an "
+        "image; sample image prompts without placeholder tokens (the reference sampler does)"
+    ]
 
 
 def token_types(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -79,3 +106,11 @@ def row_positions(
         kw["mm_token_type_ids"] = token_types(model, ids)
     pos, deltas = owner.get_rope_index(ids, **{k: v for k, v in kw.items() if k in wanted})
     return pos, deltas.reshape(-1, 1).to(torch.long)
+
+
+def image_batch_reasons(model: torch.nn.Module, batch: Any) -> list[str]:
+    """Why a :class:`~grpo_parts.attention.protocol.LogprobBatch` with images cannot be scored on
+    ``model`` (:func:`vision_reasons`, :func:`placeholder_reasons`); empty for a text batch."""
+    if batch is None or batch.vision is None:
+        return []
+    return vision_reasons(model) + placeholder_reasons(model, batch.completion_ids, batch.completion_mask)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..attention.vision import row_positions
+from ..attention.vision import placeholder_ids, row_positions
 from ..compat import cache_kwarg, output_cache, repeat_cache_rows, select_cache_rows
 from ..core import token_logprobs
 from ..decoding import collector_paused, sample_tokens
@@ -103,11 +103,13 @@ class ReferenceSampler:
             raise GRPOPartsError(
                 f"PromptBatch.input_ids: expected token ids < vocab_size={vocab}, got {int(ids.max())}"
             )
+        banned = None
         if prompts.vision is None:
             start = prefill(model, ids, mask)
         else:  # each prompt and its images once, its cache then shared by its group's rows
             start = prefill_once_per_group(model, prompts, params.group_size)
-        completion, lp = _sample(model, ids, mask, params, generator, start, lockstep)
+            banned = placeholder_ids(model).to(device)  # a completion holding one could not be scored
+        completion, lp = _sample(model, ids, mask, params, generator, start, lockstep, banned)
         cmask = completion_mask_from_eos(completion, params.eos_token_ids)
         ro = padded_rollout(ids, mask, group, completion, cmask, lp, params, prompts.num_prompts)
         return ro if prompts.vision is None else replace(ro, vision=prompts.vision)
@@ -153,11 +155,13 @@ def _sample(
     generator: torch.Generator | None,
     start: Start,
     lockstep: bool = False,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """From the prefilled prompts (``start``), one forward per token for the rows still generating:
     ``(completion [N, T], logprobs [N, T])``, ``T`` the steps taken (<= ``max_new_tokens``), the
     tokens after a row's EOS left as ``pad_token_id`` / 0. ``lockstep``: the ranks agree before each
-    decode forward whether any of them still decodes (:func:`idle_steps`)."""
+    decode forward whether any of them still decodes (:func:`idle_steps`). ``banned``: token ids
+    never sampled (their probability goes to the others); the log-probs stay the model's own."""
     device = ids.device
     n = ids.shape[0]
     eos = torch.tensor(params.eos_token_ids or (-1,), device=device)
@@ -173,7 +177,9 @@ def _sample(
     act = torch.arange(n, device=device)  # rollout rows still generating, in cache order
     steps = 0
     for step in range(tmax):
-        tok = sample_tokens(logits, params, generator)
+        tok = sample_tokens(
+            logits if banned is None else logits.index_fill(-1, banned, -torch.inf), params, generator
+        )
         completion[act, step] = tok
         lp[act, step] = token_logprobs(logits, tok, params.logprob_temperature).to(lp.dtype)
         steps = step + 1

@@ -165,3 +165,16 @@ def test_bad_vision_inputs_name_the_field() -> None:
     one = torch.ones(2, 1, dtype=torch.long)
     with pytest.raises(GRPOPartsError, match="LogprobBatch.group_index: expected values < 1"):
         LogprobBatch(one, one, one, one, torch.tensor([0, 1]), VisionInputs(({},)))
+
+
+def test_a_completion_holding_an_image_token_is_refused() -> None:
+    model = vlm("qwen2_vl")
+    batch = image_batch(model, torch.Generator().manual_seed(0), [[1]], [2], 2)
+    image_token = int(model.config.image_token_id)
+    bad = LogprobBatch(
+        batch.prompt_ids, batch.prompt_mask, batch.completion_ids.masked_fill(batch.completion_mask.bool(), image_token),
+        batch.completion_mask, batch.group_index, batch.vision,
+    )  # fmt: skip
+    for backend in (SharedPrefixAttention(), RepeatedPrefixAttention()):
+        reasons = backend.not_supported_reasons(model, bad)
+        assert any(f"holds the image placeholder token {image_token}" in r for r in reasons), reasons

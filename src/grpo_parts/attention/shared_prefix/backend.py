@@ -18,7 +18,7 @@ from ...compat import config_values
 from ...errors import GRPOPartsError, NotSupportedError
 from ...wrappers import calls_through
 from ..protocol import PLAN_ATTENTION_CALLS, LogprobBatch, LogprobOutput
-from ..vision import vision_reasons
+from ..vision import image_batch_reasons
 from .guard import model_kind, model_reasons, refusing, text_config
 from .layout import LayoutSettings
 from .padding_free import LAYOUTS
@@ -93,7 +93,7 @@ class SharedPrefixAttention:
             reasons = model_reasons(
                 model, None if batch is None else (batch.prompt_mask, batch.completion_mask)
             )
-            return reasons + (vision_reasons(model) if batch is not None and batch.vision is not None else [])
+            return reasons + image_batch_reasons(model, batch)
         except (GRPOPartsError, torch.OutOfMemoryError):
             raise
         except Exception as e:  # noqa: BLE001
