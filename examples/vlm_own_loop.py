@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    model = tiny_vlm("qwen2_vl", vocab_size=VOCAB, seed=args.seed).train()
+    model: Any = tiny_vlm("qwen2_vl", vocab_size=VOCAB, seed=args.seed).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sampler = build_sampler("reference", model)
     attention = build_attention("shared_prefix")

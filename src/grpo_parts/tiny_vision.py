@@ -28,7 +28,7 @@ def _qwen_text(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> dic
     )  # fmt: skip
 
 
-def _qwen_tokens(vocab: int) -> dict[str, int]:
+def _qwen_tokens(vocab: int) -> dict[str, Any]:
     return dict(
         image_token_id=vocab + IMAGE, video_token_id=vocab + VIDEO,
         vision_start_token_id=vocab + START, vision_end_token_id=vocab + END,
@@ -73,8 +73,10 @@ def _llava(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> Any:
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv)  # fmt: skip
     vision = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=2, image_size=8, patch_size=4)  # fmt: skip
-    return LlavaConfig(text_config=text, vision_config=vision, image_token_id=vocab + IMAGE,
-                       projector_hidden_act="gelu", vision_feature_layer=-1)  # fmt: skip
+    # image_token_id (image_token_index before 5.x renamed it; the config maps the old name)
+    image: dict[str, Any] = {"image_token_id": vocab + IMAGE}
+    return LlavaConfig(text_config=text, vision_config=vision, projector_hidden_act="gelu",
+                       vision_feature_layer=-1, **image)  # fmt: skip
 
 
 def _gemma3(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> Any:
@@ -84,9 +86,9 @@ def _gemma3(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> Any:
                 num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads)  # fmt: skip
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   image_size=8, patch_size=2)  # fmt: skip
+    image: dict[str, Any] = {"image_token_id": vocab + IMAGE}
     return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                        image_token_id=vocab + IMAGE, boi_token_index=vocab + START,
-                        eoi_token_index=vocab + END)  # fmt: skip
+                        boi_token_index=vocab + START, eoi_token_index=vocab + END, **image)  # fmt: skip
 
 
 #: family -> config builder ``(vocab, hidden, heads, kv_heads, layers) -> config``
@@ -117,9 +119,9 @@ def tiny_vlm(
         raise ValueError(f"family: expected one of {sorted(VLM_FAMILIES)}, got {family!r}")
     cfg = VLM_FAMILIES[family](vocab_size, hidden_size, num_heads, num_kv_heads, num_layers)
     cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 0, 1, 2
-    for sub in (getattr(cfg, "text_config", None),):
-        if sub is not None:
-            sub.pad_token_id, sub.bos_token_id, sub.eos_token_id = 0, 1, 2
+    text = getattr(cfg, "text_config", None)
+    if text is not None:
+        text.pad_token_id, text.bos_token_id, text.eos_token_id = 0, 1, 2
     torch.manual_seed(seed)
     return AutoModelForImageTextToText.from_config(cfg).to(dtype).eval()
 
@@ -130,7 +132,7 @@ def tiny_image(
     """One random image for ``model`` (from :func:`tiny_vlm`): ``(its placeholder tokens, its model
     keywords)``. ``size`` (>= 1) scales it: Qwen VL images of ``2 x 2*size`` merged patches; LLaVA's
     and Gemma 3's fixed-size image (``size`` ignored)."""
-    cfg = model.config  # type: ignore[union-attr]
+    cfg: Any = model.config
     dtype = next(model.parameters()).dtype
     vocab = cfg.get_text_config().vocab_size
     if hasattr(cfg.vision_config, "spatial_merge_size"):  # the Qwen VL family
