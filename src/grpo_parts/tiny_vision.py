@@ -23,7 +23,7 @@ def _qwen_text(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> dic
     section = [half - 2 * (half // 3), half // 3, half // 3]
     return dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=1024,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
     )  # fmt: skip
 
@@ -35,43 +35,43 @@ def _qwen_tokens(vocab: int) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def _qwen2_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> Any:
+def _qwen2_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     from transformers import Qwen2VLConfig
 
-    vision = dict(depth=1, embed_dim=16, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=2,
+    vision = dict(depth=vl, embed_dim=vh, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=2,
                   spatial_merge_size=2, temporal_patch_size=1, in_channels=3)  # fmt: skip
     return Qwen2VLConfig(text_config=_qwen_text(vocab, hidden, heads, kv, layers), vision_config=vision,
                          **_qwen_tokens(vocab))  # fmt: skip
 
 
-def _qwen2_5_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> Any:
+def _qwen2_5_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     from transformers import Qwen2_5_VLConfig
 
-    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+    vision = dict(depth=vl + 1, hidden_size=vh, intermediate_size=2 * vh, num_heads=2, out_hidden_size=hidden,
                   patch_size=2, spatial_merge_size=2, temporal_patch_size=1, in_channels=3, window_size=8,
-                  fullatt_block_indexes=[1])  # fmt: skip
+                  fullatt_block_indexes=[vl])  # fmt: skip
     return Qwen2_5_VLConfig(text_config=_qwen_text(vocab, hidden, heads, kv, layers), vision_config=vision,
                             **_qwen_tokens(vocab))  # fmt: skip
 
 
-def _qwen3_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> Any:
+def _qwen3_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     from transformers import Qwen3VLConfig
 
     text = _qwen_text(vocab, hidden, heads, kv, layers)
     text["head_dim"] = hidden // heads
     text["rope_parameters"]["mrope_interleaved"] = True
-    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+    vision = dict(depth=vl + 1, hidden_size=vh, intermediate_size=2 * vh, num_heads=2, out_hidden_size=hidden,
                   patch_size=2, spatial_merge_size=2, temporal_patch_size=1, in_channels=3,
                   num_position_embeddings=16, deepstack_visual_indexes=[0])  # fmt: skip
     return Qwen3VLConfig(text_config=text, vision_config=vision, **_qwen_tokens(vocab))
 
 
-def _llava(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> Any:
+def _llava(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     from transformers import LlavaConfig
 
     text = dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv)  # fmt: skip
-    vision = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    vision = dict(model_type="clip_vision_model", hidden_size=vh, intermediate_size=2 * vh, num_hidden_layers=vl,
                   num_attention_heads=2, image_size=8, patch_size=4)  # fmt: skip
     # image_token_id (image_token_index before 5.x renamed it; the config maps the old name)
     image: dict[str, Any] = {"image_token_id": vocab + IMAGE}
@@ -79,19 +79,19 @@ def _llava(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> Any:
                        vision_feature_layer=-1, **image)  # fmt: skip
 
 
-def _gemma3(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> Any:
+def _gemma3(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     from transformers import Gemma3Config
 
     text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads)  # fmt: skip
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    vision = dict(hidden_size=vh, intermediate_size=2 * vh, num_hidden_layers=vl, num_attention_heads=2,
                   image_size=8, patch_size=2)  # fmt: skip
     image: dict[str, Any] = {"image_token_id": vocab + IMAGE}
     return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                         boi_token_index=vocab + START, eoi_token_index=vocab + END, **image)  # fmt: skip
 
 
-#: family -> config builder ``(vocab, hidden, heads, kv_heads, layers) -> config``
+#: family -> config builder ``(vocab, hidden, heads, kv_heads, layers, vision_layers, vision_hidden) -> config``
 VLM_FAMILIES: dict[str, Callable[..., Any]] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
@@ -109,15 +109,19 @@ def tiny_vlm(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     num_layers: int = 2,
+    vision_layers: int = 1,
+    vision_hidden: int = 16,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """A randomly initialised ``family`` VLM (:data:`VLM_FAMILIES`) in ``dtype``, eval mode."""
+    """A randomly initialised ``family`` VLM (:data:`VLM_FAMILIES`) in ``dtype``, eval mode, its
+    vision tower ``vision_layers`` deep (Qwen2.5-VL / Qwen3-VL: one more) and ``vision_hidden`` wide."""
     from transformers import AutoModelForImageTextToText
 
     if family not in VLM_FAMILIES:
         raise ValueError(f"family: expected one of {sorted(VLM_FAMILIES)}, got {family!r}")
-    cfg = VLM_FAMILIES[family](vocab_size, hidden_size, num_heads, num_kv_heads, num_layers)
+    build = VLM_FAMILIES[family]
+    cfg = build(vocab_size, hidden_size, num_heads, num_kv_heads, num_layers, vision_layers, vision_hidden)
     cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 0, 1, 2
     text = getattr(cfg, "text_config", None)
     if text is not None:
@@ -127,22 +131,23 @@ def tiny_vlm(
 
 
 def tiny_image(
-    model: torch.nn.Module, size: int, gen: torch.Generator
+    model: torch.nn.Module, size: int, gen: torch.Generator, tokens: tuple[int, int] | None = None
 ) -> tuple[list[int], dict[str, torch.Tensor]]:
     """One random image for ``model`` (from :func:`tiny_vlm`): ``(its placeholder tokens, its model
-    keywords)``. ``size`` (>= 1) scales it: Qwen VL images of ``2 x 2*size`` merged patches; LLaVA's
-    and Gemma 3's fixed-size image (``size`` ignored)."""
+    keywords)``. ``size`` (>= 1) scales it: Qwen VL images of ``2 x 2*size`` merged patches (or
+    ``tokens = (rows, columns)`` of them); LLaVA's and Gemma 3's fixed-size image (``size`` ignored)."""
     cfg: Any = model.config
     dtype = next(model.parameters()).dtype
     vocab = cfg.get_text_config().vocab_size
     if hasattr(cfg.vision_config, "spatial_merge_size"):  # the Qwen VL family
         v = cfg.vision_config
         merge, t = v.spatial_merge_size, v.temporal_patch_size
-        h, w = 2 * merge, 2 * size * merge  # patches
+        rows, cols = tokens or (2, 2 * size)
+        h, w = rows * merge, cols * merge  # patches
         dim = v.in_channels * t * v.patch_size**2
         pixels = torch.randn(h * w, dim, generator=gen).to(dtype)
-        tokens = [vocab + START] + [vocab + IMAGE] * (h * w // merge**2) + [vocab + END]
-        return tokens, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, h, w]])}
+        ids = [vocab + START] + [vocab + IMAGE] * (rows * cols) + [vocab + END]
+        return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, h, w]])}
     v = cfg.vision_config
     pixels = torch.randn(1, 3, v.image_size, v.image_size, generator=gen).to(dtype)
     n = getattr(cfg, "mm_tokens_per_image", None) or (v.image_size // v.patch_size) ** 2

@@ -5,6 +5,10 @@ Per point (G completions of one P-token prompt, S tokens each) one forward+backw
 ``shared`` (:class:`SharedPrefixAttention`) and ``dense`` (the shared row with a dense 4-D mask through
 SDPA: the Prefix Grouper layout without a dedicated kernel). Peak memory: the max running sum of
 torch's CPU allocator events (``torch.profiler``) in a separate step, parameters excluded.
+
+``--vlm``: a Qwen2-VL policy instead, each prompt one square image of ``P`` image tokens between two
+16-token texts, its vision tower in every forward and backward (the reference runs it per completion,
+the shared prefix once per group); no dense variant.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from ._args import add_common
 FULL_GRID = [(g, p, s) for p in (256, 1024, 4096) for s in (64, 256, 1024) for g in (4, 8, 16)]
 ACCEPTANCE = (8, 1024, 128)
 QUICK_GRID = [(4, 256, 64), ACCEPTANCE]
+#: ``--vlm``: (G, image tokens, S)
+VLM_GRID = [(8, p, s) for p in (256, 1024) for s in (64, 256)]
+VLM_TEXT = 16  # text tokens before and after the image
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=40_000,
         help="skip points whose reference batch G*(P+S) exceeds this (memory guard; reported as skipped)",
+    )
+    parser.add_argument(
+        "--vlm",
+        action="store_true",
+        help=f"a Qwen2-VL policy, one image of P tokens per prompt, vision tower included; grid {VLM_GRID} "
+        "(--quick: its first point)",
     )
     parser.add_argument(
         "--max-dense-tokens",
@@ -126,6 +139,29 @@ def _point_batch(g: int, p: int, s: int, args: argparse.Namespace) -> tuple[Any,
     return batch, w
 
 
+def _vlm_point_batch(
+    model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Namespace
+) -> tuple[Any, torch.Tensor]:
+    """:func:`_point_batch` for ``--vlm``: one prompt of ``VLM_TEXT`` text tokens, a square image of
+    ``p`` tokens, ``VLM_TEXT`` more, with its image keywords once."""
+    from ..attention.protocol import LogprobBatch
+    from ..tiny_vision import tiny_image
+    from ..types import VisionInputs
+
+    gen = torch.Generator().manual_seed(args.seed + g * 7 + p * 13 + s)
+    side = int(round(p**0.5))
+    text = args.vocab - 4  # tiny_vision reserves the last 4 ids
+    image, inputs = tiny_image(model, 1, gen, tokens=(side, side))
+    ids = torch.randint(1, text, (VLM_TEXT,), generator=gen).tolist() + image
+    ids += torch.randint(1, text, (VLM_TEXT,), generator=gen).tolist()
+    prompt = torch.tensor([ids]).repeat(g, 1)
+    batch = LogprobBatch(
+        prompt, torch.ones_like(prompt), torch.randint(1, text, (g, s), generator=gen),
+        torch.ones(g, s, dtype=torch.long), torch.zeros(g, dtype=torch.long), VisionInputs((inputs,)),
+    )  # fmt: skip
+    return batch, torch.rand(g, s, generator=gen)
+
+
 def _train_step(
     model: torch.nn.Module, w: torch.Tensor, lp_fn: Callable[[], torch.Tensor]
 ) -> Callable[[], torch.Tensor]:
@@ -157,8 +193,14 @@ def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Nam
     from ..attention.reference import RepeatedPrefixAttention
     from ..attention.shared_prefix.backend import SharedPrefixAttention
 
-    row: dict[str, Any] = {"G": g, "P": p, "S": s, "ideal": round(ideal_ratio(g, p, s), 4)}
-    if g * (p + s) > args.max_ref_tokens:
+    batch, w = _vlm_point_batch(model, g, p, s, args) if args.vlm else _point_batch(g, p, s, args)
+    p_all = int(batch.prompt_ids.shape[1])  # --vlm: the image's tokens and the text around them
+    row: dict[str, Any] = {"G": g, "P": p_all, "S": s, "ideal": round(ideal_ratio(g, p_all, s), 4)}
+    if args.vlm:  # the tower's patches counted as tokens too: G copies in the reference, 1 shared
+        patches = int(batch.vision.per_prompt[0]["pixel_values"].shape[0])  # type: ignore[union-attr]
+        row.update(image_tokens=p, patches=patches)
+        row["ideal_with_tower"] = round(ideal_ratio(g, p_all + patches, s), 4)
+    if g * (p_all + s) > args.max_ref_tokens:
         row.update(
             speedup=None,
             memory_ratio=None,
@@ -166,13 +208,13 @@ def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Nam
             skipped=f"reference batch {g * (p + s)} tokens > --max-ref-tokens {args.max_ref_tokens}",
         )
         return row
-    batch, w = _point_batch(g, p, s, args)
+    p = p_all
     ref, shared = RepeatedPrefixAttention(), SharedPrefixAttention("auto")
     variants = {
         "ref": _train_step(model, w, lambda: ref.completion_logprobs(model, batch).logprobs),
         "shared": _train_step(model, w, lambda: shared.completion_logprobs(model, batch).logprobs),
     }
-    if p + g * s <= args.max_dense_tokens:
+    if p + g * s <= args.max_dense_tokens and not args.vlm:
         variants["dense"] = _train_step(model, w, lambda: _dense_logprobs(model, batch))
     lps = {k: f() for k, f in variants.items()}
     times = {k: _time(f, args.repeats, args.clock) for k, f in variants.items()}
@@ -198,8 +240,6 @@ def _fmt(v: Any, nd: int = 2) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from ..tiny import tiny_causal_lm
 
     if args.threads:
@@ -207,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
     grid = (
         QUICK_GRID if args.quick else sorted(set(FULL_GRID) | {ACCEPTANCE}, key=lambda t: (t[1], t[2], t[0]))
     )
+    if args.vlm:
+        return _run_grid(_vlm_model(args), VLM_GRID[:1] if args.quick else VLM_GRID, args)
     model = tiny_causal_lm(
         "qwen2",
         vocab_size=args.vocab,
@@ -226,6 +268,30 @@ def run(args: argparse.Namespace) -> int:
         f"intermediate={args.intermediate} vocab={args.vocab} float32; torch threads={torch.get_num_threads()}; "
         f"clock={args.clock}, fastest of {args.repeats} after a warm-up"
     )
+    return _run_grid(model, grid, args)
+
+
+def _vlm_model(args: argparse.Namespace) -> torch.nn.Module:
+    from ..tiny_vision import tiny_vlm
+
+    model = tiny_vlm(
+        "qwen2_vl", vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads,
+        num_kv_heads=args.kv_heads, num_layers=args.layers, vision_layers=args.layers,
+        vision_hidden=args.hidden // 2, seed=args.seed,
+    )  # fmt: skip
+    model.train()
+    print(
+        f"model: qwen2_vl hidden={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads} "
+        f"MLP {2 * args.hidden} vocab={args.vocab}, vision tower {args.layers} layers wide {args.hidden // 2} "
+        f"(2x2 patches merged per image token) float32; torch threads={torch.get_num_threads()}; "
+        f"clock={args.clock}, fastest of {args.repeats} after a warm-up"
+    )
+    return model
+
+
+def _run_grid(model: torch.nn.Module, grid: list[tuple[int, int, int]], args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     header = "   G     P     S  ideal  speedup  eff  mem_ratio  vs_dense  max|dlogp|  t_ref(s) t_shared(s)"
     rows = []
     tqdm.write(header)
@@ -236,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         diff = row["max_abs_logprob_diff"]
         tqdm.write(
-            f"{g:4d} {p:5d} {s:5d} {row['ideal']:6.2f} {_fmt(row['speedup']):>8} {_fmt(row.get('efficiency')):>4} "
+            f"{g:4d} {row['P']:5d} {s:5d} {row['ideal']:6.2f} {_fmt(row['speedup']):>8} {_fmt(row.get('efficiency')):>4} "
             f"{_fmt(row['memory_ratio']):>10} {_fmt(row.get('speedup_vs_dense')):>9} "
             f"{'-' if diff is None else format(diff, '.1e'):>10} "
             f"{_fmt(row.get('time_ref_s'), 3):>9} {_fmt(row.get('time_shared_s'), 3):>11}"
