@@ -9,7 +9,7 @@ the first half of the run). Then every early drop of at least ``--drop`` with wh
 steps between those two evaluations did: the largest ``1 / p`` weight, the share of drawn prompts
 skipped and the zero-variance share of the rolled-out groups, beside the other arm's same steps.
 
-    python scripts/measure/paired_default.py runs/compare-YYYYMMDD-HHMMSS --targets 0.44 0.46 --json out.json
+    python scripts/measure/paired_default.py runs/compare-A [runs/compare-B ...] --targets 0.44 0.46 --json out.json
 """
 
 from __future__ import annotations
@@ -113,7 +113,12 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("folder", type=Path, help="the compare run folder (holds seed8/, seed9/, ...)")
+    ap.add_argument(
+        "folders",
+        type=Path,
+        nargs="+",
+        help="compare run folders (each holds seed8/, seed9/, ...), seeds merged",
+    )
     ap.add_argument(
         "--targets", type=float, nargs="+", required=True, help="held-out accuracies to report at"
     )
@@ -122,7 +127,15 @@ def main() -> None:
     ap.add_argument("--skip-arm", default="skip_on", help="the arm that skips prompts")
     ap.add_argument("--json", type=Path, help="also write the summary and the drops here")
     args = ap.parse_args()
-    runs = compare_runs(args.folder)
+    runs: dict[int, dict[str, Rows]] = {}
+    for folder in args.folders:
+        more = compare_runs(folder)
+        twice = sorted(set(runs) & set(more))
+        if twice:
+            raise SystemExit(
+                f"folders: seed(s) {twice} appear in more than one folder; expected each seed once"
+            )
+        runs.update(more)
     result = summarize_pairs(runs, args.targets, args.margin)
     result["drops"] = drop_table(runs, args.skip_arm, args.drop)
     for arm, r in result["arms"].items():

@@ -154,3 +154,25 @@ def tiny_image(
     if getattr(cfg, "boi_token_index", None) is not None:
         return [vocab + START] + [vocab + IMAGE] * n + [vocab + END], {"pixel_values": pixels}
     return [vocab + IMAGE] * n, {"pixel_values": pixels}
+
+
+def tiny_video(
+    model: torch.nn.Module, frames: int, gen: torch.Generator
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """One random video of ``frames`` frames (``2 x 2`` merged patches each) for a Qwen VL
+    :func:`tiny_vlm`, laid out as its processor does: one block of video tokens (Qwen2-VL,
+    Qwen2.5-VL) or one block per frame (Qwen3-VL, whose processor puts a timestamp before each:
+    one text token here)."""
+    cfg: Any = model.config
+    v = cfg.vision_config
+    vocab = cfg.get_text_config().vocab_size
+    merge, rows, cols = v.spatial_merge_size, 2, 2
+    h, w = rows * merge, cols * merge
+    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    pixels = torch.randn(frames * h * w, dim, generator=gen).to(next(model.parameters()).dtype)
+    block = [vocab + START] + [vocab + VIDEO] * (rows * cols) + [vocab + END]
+    if cfg.model_type.startswith("qwen3"):
+        tokens = [tok for f in range(frames) for tok in [3 + f] + block]  # "<timestamp>" then the frame
+    else:
+        tokens = [vocab + START] + [vocab + VIDEO] * (frames * rows * cols) + [vocab + END]
+    return tokens, {"pixel_values_videos": pixels, "video_grid_thw": torch.tensor([[frames, h, w]])}

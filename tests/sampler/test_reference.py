@@ -4,6 +4,7 @@ right sampling distribution (chi-square goodness of fit against an enumerated ex
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.testing import chi_square_gof, encode_sequences, processed_probs, sequence_distribution
 from grpo_parts.tiny import tiny_causal_lm
-from grpo_parts.tiny_vision import tiny_image, tiny_vlm
+from grpo_parts.tiny_vision import tiny_image, tiny_video, tiny_vlm
 from grpo_parts.types import VisionInputs
 
 P_MIN = 1e-3  # derandomized seeds: a correct sampler passes deterministically; a wrong one gives p ~ 0
@@ -233,7 +234,7 @@ def _image_prompts(model: torch.nn.Module, images_per_prompt: list[int], seed: i
     return PromptBatch(batch.input_ids, batch.attention_mask, VisionInputs(tuple(per_prompt)))
 
 
-def _peaked_vlm(family: str) -> torch.nn.Module:
+def _peaked_vlm(family: str) -> Any:
     model = tiny_vlm(family, vocab_size=16, seed=3)
     head = torch.nn.Linear(model.lm_head.in_features, 16, bias=True)
     with torch.no_grad():  # a peaked next-token law, so that the image changes it visibly ...
@@ -298,3 +299,23 @@ def test_image_prompts_never_sample_a_placeholder_token() -> None:
     # the log-probs recorded stay the policy's own, what the training forward computes
     own = -math.log(15 + math.exp(5.0))
     torch.testing.assert_close(out.logprobs, torch.full_like(out.logprobs, own))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_video_prompts_greedy_equals_full_forwards(family: str) -> None:
+    # the text after a video continues where the model's own positions put it (Qwen2.5-VL: below
+    # the frames' temporal positions), in decoding as in the full forward
+    model = _peaked_vlm(family)
+    tokens, video = tiny_video(model, 2, torch.Generator().manual_seed(0))
+    ids = [5, *tokens]
+    text = PromptBatch.from_lists([ids, [5, 6]], pad_token_id=0)
+    prompts = PromptBatch(text.input_ids, text.attention_mask, VisionInputs((video, {})))
+    out = ReferenceSampler(model).generate(
+        prompts, SamplingParams(group_size=1, max_new_tokens=4, temperature=0.0)
+    )
+    want: list[int] = []
+    for _ in range(4):
+        want.append(
+            int(np.argmax(sequence_distribution(model, ids + want, 1, temperature=0.0, images=video)))
+        )
+    assert out.completion_ids[0].tolist() == want

@@ -100,12 +100,25 @@ def row_positions(
     grids = {k: inputs[k] for k in GRID_KEYS if k in inputs}
     if owner is None or not grids:
         return text, zero
+    # one text token appended after each row's real tokens: where the model puts text that follows
+    # the row (a completion). Not "largest position + 1": Qwen2.5-VL spaces a video's frames in time,
+    # and the text after it continues from the frame grid, below the frames' temporal positions.
+    taken = set(placeholder_ids(model).tolist())
+    text_id = next(t for t in range(len(taken) + 1) if t not in taken)
+    ids1 = torch.cat([ids, torch.full_like(ids[:, :1], text_id)], dim=1)
+    mask1 = torch.cat([mask.long(), torch.ones_like(mask[:, :1], dtype=torch.long)], dim=1)
     wanted = inspect.signature(owner.get_rope_index).parameters
-    kw: dict[str, Any] = {"attention_mask": mask.long(), **grids}
+    kw: dict[str, Any] = {"attention_mask": mask1, **grids}
+    videos = grids.get("video_grid_thw")
+    if "second_per_grid_ts" in wanted and videos is not None:
+        # Qwen2.5-VL's processor gives each video's seconds per frame grid; its default when absent
+        # runs out after sequence-length many videos: one second each, as that default means
+        kw["second_per_grid_ts"] = inputs.get("second_per_grid_ts", torch.ones(videos.shape[0]))
     if "mm_token_type_ids" in wanted:
-        kw["mm_token_type_ids"] = token_types(model, ids)
-    pos, deltas = owner.get_rope_index(ids, **{k: v for k, v in kw.items() if k in wanted})
-    return pos, deltas.reshape(-1, 1).to(torch.long)
+        kw["mm_token_type_ids"] = token_types(model, ids1)
+    pos1, _ = owner.get_rope_index(ids1, **{k: v for k, v in kw.items() if k in wanted})
+    after = pos1[0, :, -1] - mask.long().sum(-1)  # 1-D position of the next text token is the count
+    return pos1[:, :, :-1], after.reshape(-1, 1).to(torch.long)
 
 
 def image_batch_reasons(model: torch.nn.Module, batch: Any) -> list[str]:

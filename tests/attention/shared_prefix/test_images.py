@@ -3,8 +3,8 @@ group, the vision tower run once per group) against the reference (each image re
 completion), float64, log-probs, entropies and gradients, vision tower included.
 
 Hypothesis draws the family (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL with deepstack; plain
-positions: LLaVA), images per prompt, image sizes, text around them, groups, padding, kernel and
-forced splits into several grids. Gemma 3 (bidirectional attention inside an image) is refused.
+positions: LLaVA), images per prompt, image sizes, videos (the Qwen VL family, each processor's
+layout), text around them, groups, padding, kernel and forced splits into several grids. Gemma 3 (bidirectional attention inside an image) is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from grpo_parts.attention.protocol import LogprobBatch
 from grpo_parts.attention.reference import RepeatedPrefixAttention
 from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
-from grpo_parts.tiny_vision import tiny_image, tiny_vlm
+from grpo_parts.tiny_vision import tiny_image, tiny_video, tiny_vlm
 from grpo_parts.types import VisionInputs
 
 #: Qwen VL vision towers apply their rotary embedding in float32 (``q.float()``), so the vision
@@ -42,8 +42,9 @@ def image_batch(
     groups: list[int],
     max_completion: int,
 ) -> LogprobBatch:
-    """``prompts[g]``: image sizes (0 for text only) of prompt ``g`` (text between and around them);
-    ``groups[g]`` completions each; rows shuffled, prompts left-padded, completions right-padded."""
+    """``prompts[g]``: image sizes of prompt ``g`` (text between and around them), a negative entry
+    a video of that many frames; ``groups[g]`` completions each; rows shuffled, prompts left-padded,
+    completions right-padded."""
 
     def text(n: int) -> list[int]:  # ordinary tokens: never a special or image token
         return torch.randint(3, VOCAB - 4, (n,), generator=gen).tolist()
@@ -52,11 +53,11 @@ def image_batch(
     for sizes in prompts:
         row, parts = text(int(torch.randint(1, 4, (1,), generator=gen))), []
         for size in sizes:
-            tokens, inputs = tiny_image(model, size, gen)
+            tokens, inputs = tiny_image(model, size, gen) if size > 0 else tiny_video(model, -size, gen)
             row += tokens + text(int(torch.randint(0, 3, (1,), generator=gen)))
             parts.append(inputs)
         ids.append(row)
-        per_prompt.append({k: torch.cat([p[k] for p in parts]) for k in (parts[0] if parts else {})})
+        per_prompt.append({k: torch.cat([p[k] for p in parts if k in p]) for p in parts for k in p})
     rows = [g for g, n in enumerate(groups) for _ in range(n)]
     rows = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
     p = max(map(len, ids))
@@ -100,6 +101,7 @@ def assert_same(model: torch.nn.Module, batch: LogprobBatch, backend: SharedPref
     max_completion=st.integers(1, 4),
     kernel=st.sampled_from(["sdpa", "eager"]),
     split=st.booleans(),
+    video=st.sampled_from([0, 1, 2]),
     seed=st.integers(0, 2**16),
 )
 def test_image_prompts_equal_the_reference(
@@ -109,8 +111,11 @@ def test_image_prompts_equal_the_reference(
     max_completion: int,
     kernel: str,
     split: bool,
+    video: int,
     seed: int,
 ) -> None:
+    if video and family.startswith("qwen"):  # the Qwen VL family takes videos: the first prompt gets one
+        prompts = [prompts[0] + [-video], *prompts[1:]]
     model = vlm(family, seed)
     batch = image_batch(
         model, torch.Generator().manual_seed(seed), prompts, group_size[: len(prompts)], max_completion
@@ -178,3 +183,12 @@ def test_a_completion_holding_an_image_token_is_refused() -> None:
     for backend in (SharedPrefixAttention(), RepeatedPrefixAttention()):
         reasons = backend.not_supported_reasons(model, bad)
         assert any(f"holds the image placeholder token {image_token}" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_an_image_and_a_video_in_one_prompt(family: str) -> None:
+    # Qwen2.5-VL spaces a video's frames in time: the text after it continues from its frame grid,
+    # not from the largest position (vision.row_positions asks the model where text goes)
+    model = vlm(family)
+    batch = image_batch(model, torch.Generator().manual_seed(3), [[1, -2], [], [2]], [3, 2, 1], 3)
+    assert_same(model, batch, SharedPrefixAttention("eager"))
