@@ -1,22 +1,28 @@
 """Your own GRPO loop for a vision-language policy: each image encoded once per group.
 
     python examples/vlm_own_loop.py --json /tmp/vlm.json
+    torchrun --nproc_per_node 2 examples/vlm_own_loop.py --json /tmp/vlm.json   # DDP, gloo, CPU
 
 A tiny Qwen2-VL (random weights, built from a config) learns to answer "how many images?" with
 token ``3 + count``. Each step: roll out with the reference sampler (each prompt and its images
 prefilled once, the cache shared by its group), reward, group advantages, CPPO keeps half the rows,
 the shared-prefix attention scores the kept rows with each prompt's images once per group (the
-vision tower runs once per prompt, not once per completion), grpo_loss, backward, step.
+vision tower runs once per prompt, not once per completion), grpo_loss, backward, step. Under DDP
+every rank draws its own prompts (different image counts, so different shapes); the attention
+backend makes the ranks agree on the number of forwards and the forwards run through the wrapper.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from grpo_parts.attention import LogprobBatch
 from grpo_parts.build import build_attention, build_filter, build_sampler
@@ -60,15 +66,20 @@ def image_prompts(model: torch.nn.Module, counts: list[int], gen: torch.Generato
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.manual_seed(args.seed)
     model: Any = tiny_vlm("qwen2_vl", vocab_size=VOCAB, seed=args.seed).train()
+    wrapped: Any = DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    sampler = build_sampler("reference", model)
+    sampler = build_sampler("reference", model)  # samples from the weights being trained
     attention = build_attention("shared_prefix")
     completion_filter = build_filter("cppo", kwargs={"pruning_rate": 0.5})
     params = SamplingParams(group_size=args.group_size, max_new_tokens=2, temperature=1.0, pad_token_id=0)
     loss_config = LossConfig()
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own prompts
     tower_calls: list[int] = []
     model.model.visual.register_forward_hook(lambda m, a, o: tower_calls.append(int(a[0].shape[0])))
     records: list[dict[str, Any]] = []
@@ -90,19 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         batch = kept.rollout
         assert batch is not None and batch.vision is not None  # the kept rows keep their images
         tower_calls.clear()
-        logps = attention.completion_logprobs(model, LogprobBatch.from_rollout(batch)).logprobs
+        logps = attention.completion_logprobs(wrapped, LogprobBatch.from_rollout(batch)).logprobs
         patches = sum(tower_calls)  # what the vision tower ran on in the training forward
         out = grpo_loss(
             logps, batch.logprobs.float(), kept.advantages, batch.completion_mask, loss_config,
             num_tokens=kept.num_tokens, num_seqs=kept.num_seqs,
         )  # fmt: skip
         optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        out.loss.backward()  # DDP all-reduces the gradients here
         optimizer.step()
         repeated = sum(
             int(batch.vision.gather([g])["pixel_values"].shape[0]) for g in batch.group_index.tolist()
         )
         record = {
+            "rank": rank,
             "step": step,
             "loss": out.loss.item(),
             "reward": float(rewards.mean()),
@@ -115,14 +127,20 @@ def main(argv: list[str] | None = None) -> int:
         }
         records.append(record)
         print(
-            f"step {step}: reward {record['reward']:.3f} loss {record['loss']:+.4f} kept {kept.size}/"
+            f"[rank {rank}] step {step}: reward {record['reward']:.3f} loss {record['loss']:+.4f} kept {kept.size}/"
             f"{rollout.num_completions} vision tower {patches} patches (per completion: {repeated}) "
             f"{record['seconds']:.2f}s",
             flush=True,
         )
-    if args.json:
+    gathered: list[Any] = [records]
+    if distributed:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, records)
+    if args.json and rank == 0:
         with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump({"world_size": world, "ranks": gathered}, f, indent=1)
+    if distributed:
+        dist.destroy_process_group()
     return 0
 
 
