@@ -2,9 +2,9 @@
 batch's images and the position ids generation gives its tokens.
 
 A VLM's completions are scored at the positions its sampler used: ``generate`` counts real tokens,
-and the Qwen VL family (M-RoPE) gives image tokens 3-D positions from the model's own
-``get_rope_index``, text after them continuing from the largest one. Both backends take their
-positions from :func:`row_positions`, so they agree with each other and with sampling.
+and the Qwen VL family (M-RoPE) gives image and video tokens 3-D positions from the model's own
+``get_rope_index``, text after them where that function puts it. Both backends and the reference
+sampler take their positions from :func:`row_positions`, so they agree with each other.
 docs/attention.md, "Vision-language policies".
 """
 
