@@ -189,8 +189,8 @@ def _sample(
         if bool(fin.any()):
             keep = (~fin).nonzero().squeeze(1)
             if keep.numel() == 0:
-                if lockstep:
-                    idle_steps(model, ids[:1, -1:], tmax - 1 - step)
+                if lockstep:  # with a sampled token: never an image placeholder (a prompt's may be)
+                    idle_steps(model, tok[:1, None], tmax - 1 - step)
                 break
             act, tok, mask, next_pos = act[keep], tok[keep], mask[keep], next_pos[keep]
             select_cache_rows(cache, keep)
