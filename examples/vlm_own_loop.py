@@ -3,7 +3,7 @@
     python examples/vlm_own_loop.py --json /tmp/vlm.json
     torchrun --nproc_per_node 2 examples/vlm_own_loop.py --json /tmp/vlm.json   # DDP, gloo, CPU
 
-A tiny Qwen2-VL (random weights, built from a config) learns to answer "how many images?" with
+A tiny Qwen2.5-VL (random weights, built from a config) learns to answer "how many images?" with
 token ``3 + count``. Each step: roll out with the reference sampler (each prompt and its images
 prefilled once, the cache shared by its group), reward, group advantages, CPPO keeps half the rows,
 the shared-prefix attention scores the kept rows with each prompt's images once per group (the
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.manual_seed(args.seed)
-    model: Any = tiny_vlm("qwen2_vl", vocab_size=VOCAB, seed=args.seed).train()
+    model: Any = tiny_vlm("qwen2_5_vl", vocab_size=VOCAB, seed=args.seed).train()
     wrapped: Any = DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sampler = build_sampler("reference", model)  # samples from the weights being trained

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .compat import transformers_version
+
 #: token ids the tiny configs reserve at the top of the vocabulary (``vocab_size`` >= 16)
 IMAGE, VIDEO, START, END = -4, -3, -2, -1
 
@@ -21,10 +23,14 @@ IMAGE, VIDEO, START, END = -4, -3, -2, -1
 def _qwen_text(vocab: int, hidden: int, heads: int, kv: int, layers: int) -> dict[str, Any]:
     half = hidden // heads // 2  # M-RoPE splits the rotary half of a head into (t, h, w) sections
     section = [half - 2 * (half // 3), half // 3, half // 3]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    if transformers_version() < (5, 0):  # 4.x: rope_scaling, its type "mrope"
+        rope = {"rope_scaling": {"type": "mrope", "mrope_section": section}, "rope_theta": 10000.0}
+    else:
+        rope = {"rope_parameters": rope}
     return dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192, **rope,
     )  # fmt: skip
 
 
@@ -59,7 +65,7 @@ def _qwen3_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int
 
     text = _qwen_text(vocab, hidden, heads, kv, layers)
     text["head_dim"] = hidden // heads
-    text["rope_parameters"]["mrope_interleaved"] = True
+    (text.get("rope_parameters") or text["rope_scaling"])["mrope_interleaved"] = True
     vision = dict(depth=vl + 1, hidden_size=vh, intermediate_size=2 * vh, num_heads=2, out_hidden_size=hidden,
                   patch_size=2, spatial_merge_size=2, temporal_patch_size=1, in_channels=3,
                   num_position_embeddings=16, deepstack_visual_indexes=[0])  # fmt: skip
@@ -99,6 +105,21 @@ VLM_FAMILIES: dict[str, Callable[..., Any]] = {
     "llava": _llava,
     "gemma3": _gemma3,
 }
+
+
+#: family -> the config class it needs (absent from older transformers: Qwen3-VL before 4.57)
+_CONFIG_CLASSES = {
+    "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig",
+    "llava": "LlavaConfig", "gemma3": "Gemma3Config",
+}  # fmt: skip
+
+
+def vlm_family_missing(family: str) -> str | None:
+    """Why ``family`` cannot be built with the installed transformers, or None."""
+    import transformers
+
+    cls = _CONFIG_CLASSES[family]
+    return None if hasattr(transformers, cls) else f"transformers {transformers.__version__} has no {cls}"
 
 
 def tiny_vlm(

@@ -79,10 +79,11 @@ class RepeatedPrefixAttention:
         # each row brings its own prompt's images (repeated per completion: what this reference is for)
         images = {} if batch.vision is None else batch.vision.gather(batch.group_index.tolist())
         pos, _ = row_positions(model, ids, mask, images)
-        # Only the logits that predict completion tokens are needed: positions P-1 .. P+T-2.
+        # Only the logits that predict completion tokens are needed: positions P-1 .. P+T-2 (sliced
+        # here too: a forward may ignore logits_to_keep, as transformers 4.x Qwen2-VL's does)
         logits = model(
             input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=t + 1, **images
-        ).logits[:, :-1]
+        ).logits[:, -(t + 1) : -1]
         assert logits.shape[1] == t, (logits.shape, p, t)
         return completion_output(
             logits, batch.completion_ids, batch.completion_mask, temperature, compute_entropy

@@ -74,6 +74,13 @@ KNOWN_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "longrope"
 _ROTARY: weakref.WeakKeyDictionary[torch.nn.Module, list[str]] = weakref.WeakKeyDictionary()
 
 
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The modules the shared-prefix layout runs through: a VLM's language model (its vision tower
+    has its own rotary embeddings and position tables, for image patches, run outside the layout),
+    else the whole model."""
+    return model.get_decoder() if is_vision_model(model) else model  # type: ignore[operator,no-any-return]
+
+
 def rotary_reasons(model: torch.nn.Module, kind: str) -> list[str]:
     """Rotary embeddings whose cos/sin could differ between the grid and the reference: one that takes
     no ``position_ids`` (its tables follow the sequence length, which the grid changes) or has a rope
@@ -82,7 +89,7 @@ def rotary_reasons(model: torch.nn.Module, kind: str) -> list[str]:
     if key in _ROTARY:
         return _ROTARY[key]
     out = []
-    for name, mod in model.named_modules():
+    for name, mod in decoder_of(model).named_modules():
         if "Rotary" not in type(mod).__name__:
             continue
         where = f"model: {kind}: rotary embedding {name} ({type(mod).__name__})"
@@ -117,9 +124,7 @@ def position_tables(model: torch.nn.Module) -> list[tuple[str, int]]:
     get = getattr(model, "get_input_embeddings", None)
     tokens = get() if callable(get) else None
     out = []
-    # a VLM's vision tower has its own position tables, for image patches: only its decoder's count
-    decoder = model.get_decoder() if is_vision_model(model) else model  # type: ignore[operator]
-    for name, mod in decoder.named_modules():
+    for name, mod in decoder_of(model).named_modules():
         last = name.rsplit(".", 1)[-1]
         if (
             isinstance(mod, torch.nn.Embedding)
