@@ -155,6 +155,11 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
+#: the start of the TRL door's refusal of a VLM, per part (the parts serve image prompts in your own
+#: loop: docs/attention.md, "Vision-language policies"; this door does not pass TRL's images yet)
+VLM_NOT_YET = "through this door yet (grpo_parts serves image prompts in your own loop: docs/attention.md)"
+
+
 def sampler_config_reasons(trainer: Any) -> list[str]:
     """Why a grpo_parts sampler cannot replace TRL's generation for this trainer (empty = it can).
 
@@ -175,7 +180,9 @@ def sampler_config_reasons(trainer: Any) -> list[str]:
             "rollout_func is set: TRL calls it instead of _generate_single_turn; drop one of the two"
         )
     if _get(trainer, "_is_vlm", False):
-        reasons.append("multimodal (vision-language) model: grpo_parts samplers are text-only")
+        reasons.append(
+            f"multimodal (vision-language) model: TRL's images do not reach the sampler {VLM_NOT_YET}"
+        )
     if _get(trainer, "min_p") is not None:
         reasons.append(
             f"min_p={_get(trainer, 'min_p')}: not implemented by grpo_parts samplers; set min_p=None"
@@ -198,7 +205,9 @@ def attention_config_reasons(trainer: Any) -> list[str]:
     """Why a grpo_parts attention backend cannot compute this trainer's log-probs."""
     reasons = []
     if _get(trainer, "_is_vlm", False):
-        reasons.append("multimodal (vision-language) model: pixel inputs do not go through LogprobBatch")
+        reasons.append(
+            f"multimodal (vision-language) model: TRL's pixel inputs do not reach the attention backend {VLM_NOT_YET}"
+        )
     if _get(trainer, "aux_loss_enabled", False):
         reasons.append(
             "MoE router aux loss (router_aux_loss_coef): TRL needs the router logits of its own forward"
@@ -210,7 +219,9 @@ def filter_config_reasons(trainer: Any, parts: PartsConfig) -> list[str]:
     """Why a completion filter cannot prune this trainer's generation batches."""
     reasons = []
     if _get(trainer, "_is_vlm", False):
-        reasons.append("multimodal (vision-language) model: image tensors are indexed per image, not per row")
+        reasons.append(
+            f"multimodal (vision-language) model: the filter does not slice TRL's per-image tensors {VLM_NOT_YET}"
+        )
     if parts.refill_rounds:
         acc = _get(trainer, "accelerator")
         if acc is not None and _get(acc, "num_processes", 1) > 1:

@@ -27,6 +27,7 @@ from grpo_parts.wrappers import calls_through
 from .filtering import FilterSeam
 from .options import (
     PART_KEYWORDS,
+    VLM_NOT_YET,
     PartsConfig,
     TRLPartsOptions,
     attention_config_reasons,
@@ -238,7 +239,8 @@ class GRPOPartsTrainer(FilterSeam):
             )
         if images is not None or multimodal_fields:
             raise NotSupportedError(
-                "sampler", ["got images / multimodal fields: grpo_parts samplers are text-only"]
+                "sampler",
+                [f"got images / multimodal fields: TRL's images do not reach the sampler {VLM_NOT_YET}"],
             )
         unique, group_size = prompt_runs(prompt_ids, num_generations)
         params = self._gp_sampling_params(group_size)
