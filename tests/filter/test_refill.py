@@ -17,6 +17,7 @@ from grpo_parts.attention.protocol import LogprobBatch
 from grpo_parts.core import group_advantages
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.cppo import TopKAbsAdvantage
+from grpo_parts.filter.dppo import DPPOFilter
 from grpo_parts.filter.pods import MaxVarianceDownsample
 from grpo_parts.filter.reference import KeepAll
 from grpo_parts.filter.refill import Refiller, Round, concat_rollouts, fill_rollouts
@@ -165,13 +166,16 @@ def _with_images(prompts: list[int]) -> Rollout:
 
 
 @pytest.mark.parametrize(
-    "filt", [TopKAbsAdvantage(pruning_rate=0.5), ZeroVarianceGroups(), MaxVarianceDownsample(m=5), KeepAll()]
-)
+    "filt",
+    [TopKAbsAdvantage(pruning_rate=0.5), ZeroVarianceGroups(), MaxVarianceDownsample(m=5), KeepAll(),
+     DPPOFilter(pruning_rate=0.5)],
+)  # fmt: skip
 def test_kept_rows_keep_their_own_prompts_images(filt) -> None:
     prompts = itertools.count(1)
-    out = fill_rollouts(
-        filt, Refiller(target_size=3 * G, initial_prompts=2), prompts, _with_images, fake_reward
-    )
+    # dppo's weights fix its batch: one round, no refill
+    rounds = {"max_rounds": 1} if filt.name == "dppo" else {}
+    refiller = Refiller(target_size=3 * G, initial_prompts=2, **rounds)
+    out = fill_rollouts(filt, refiller, prompts, _with_images, fake_reward)
     ro = out.rollout
     assert ro is not None and ro.vision is not None and len(ro.vision.per_prompt) == ro.num_prompts
     seen = set()
