@@ -208,3 +208,22 @@ def test_an_image_and_a_video_in_one_prompt(family: str) -> None:
     model = vlm(family)
     batch = image_batch(model, torch.Generator().manual_seed(3), [[1, -2], [], [2]], [3, 2, 1], 3)
     assert_same(model, batch, SharedPrefixAttention("eager"))
+
+
+def test_an_empty_call_runs_the_vision_tower() -> None:
+    # ranks that make extra (empty) calls to match another rank's count run the tower in them too:
+    # a sharded tower gathers its weights once per call on every rank
+    from grpo_parts.attention.shared_prefix.chunking import empty_call_batch
+
+    model = vlm("qwen2_5_vl")
+    batch = image_batch(model, torch.Generator().manual_seed(0), [[1], [2]], [2, 2], 3)
+    empty = empty_call_batch(batch)
+    assert empty.vision is batch.vision and empty.completion_ids.shape == (1, 1)
+    calls: list[int] = []
+    hook = model.model.visual.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    try:
+        with torch.no_grad():
+            SharedPrefixAttention("eager").completion_logprobs(model, empty)
+    finally:
+        hook.remove()
+    assert len(calls) == 1

@@ -32,11 +32,18 @@ MAX_PLANNED_GROUPS = 1024
 
 def empty_call_batch(batch: LogprobBatch) -> LogprobBatch:
     """A one-token prefix and a one-token completion taken from ``batch``'s first row (real token
-    ids, so every embedding lookup is valid): what an *empty call* runs."""
+    ids, so every embedding lookup is valid): what an *empty call* runs. With images, the first
+    row's whole prompt and its images instead, so the vision tower runs in it as in a real call
+    (sharded ranks gather its weights once per call)."""
+    if batch.vision is not None:
+        return LogprobBatch(
+            batch.prompt_ids[:1], batch.prompt_mask[:1], batch.completion_ids[:1, :1],
+            torch.ones_like(batch.completion_mask[:1, :1]), batch.group_index[:1], batch.vision,
+        )  # fmt: skip
     return LogprobBatch(
-        batch.completion_ids[:1, :1],  # a text token (a prompt's last may be an image placeholder)
+        batch.completion_ids[:1, :1],  # a text token (right-padded completions: the first is real)
         torch.ones_like(batch.prompt_mask[:1, -1:]),
-        batch.completion_ids[:1, :1],  # right-padded, >= 1 token: the first column is real
+        batch.completion_ids[:1, :1],
         torch.ones_like(batch.completion_mask[:1, :1]),
         torch.zeros_like(batch.group_index[:1]),
     )
