@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU check for the first device lent (<= 8 minutes on one H200): every GPU number this project
+# One GPU check for the first device lent (<= 8.5 minutes on one H200): every GPU number this project
 # lacks, in one run. Writes $OUT/gpu_check.json and $OUT/gpu_check.md (a summary), plus each step's
 # log and outputs under $OUT (default /tmp/grpo_parts_gpu_check).
 #
@@ -10,6 +10,8 @@
 # Steps (each under its own time limit, seconds; a failed or timed-out step is recorded and the
 # next one runs; the exit status is 1 when any step failed):
 #   e2e          grpo-parts bench e2e --device cuda --preset h200 (tokens/s/GPU per arm)     215
+#   vlm_attention grpo-parts bench attention --vlm --device cuda: Qwen2-VL prompts of 256 and
+#                1,024 image tokens, shared prefix against the reference, vision tower included  25
 #   verl_prefix  scripts/measure/verl_prefix_bench.py: verl padded/packed forward, verl's own Prefix
 #                Grouper (flash-attn) and grpo_parts' shared prefix, one FSDP engine           60
 #   vllm         the vLLM sampler tests (tests/sampler/vllm) on the GPU build of vLLM             40
@@ -35,6 +37,7 @@ cd "$REPO"
 # name | limit (s) | command (run with bash -c, from the repository root)
 PLAN=(
   "e2e|215|grpo-parts bench e2e --device cuda --preset h200 --json $OUT/e2e.json"
+  "vlm_attention|25|grpo-parts bench attention --vlm --device cuda --repeats 3 --json $OUT/attention_vlm.json"
   "verl_prefix|60|$PY scripts/measure/verl_prefix_bench.py --repeats 3 --model $OUT/verl_prefix_model"
   "vllm|40|$PY -m pytest -q -x -p no:cacheprovider tests/sampler/vllm"
   "vllm_online|35|$PY scripts/gpu/vllm_online_draft.py --rollouts 6 --json $OUT/vllm_online.json"
@@ -61,6 +64,7 @@ if [ "$DRY" = 1 ]; then
   echo "checks (no GPU):"
   check imports "$PY -c 'import torch, grpo_parts, grpo_parts_adapters; from grpo_parts.bench import gpu_e2e; assert \"h200\" in gpu_e2e.PRESETS'"
   check e2e_args "grpo-parts bench e2e --help | grep -q -- --preset"
+  check vlm_attention_args "grpo-parts bench attention --help | grep -q -- --device && grpo-parts bench attention --help | grep -q -- --vlm"
   check verl_prefix_args "$PY scripts/measure/verl_prefix_bench.py --help > /dev/null"
   check vllm_online_configs "$PY scripts/gpu/vllm_online_draft.py --dry-run"
   check openrlhf_script "bash -n scripts/gpu/openrlhf_gpu_smoke.sh && $PY scripts/gpu/openrlhf_smoke_check.py --help > /dev/null"

@@ -21,6 +21,7 @@ from typing import Any
 #: step -> the file its result is read from (relative to OUT); others: the last JSON line of its log
 RESULT_FILES = {
     "e2e": "e2e.json",
+    "vlm_attention": "attention_vlm.json",
     "vllm_online": "vllm_online.json",
     "verl_smoke": "verl_smoke.json",
     "openrlhf": "openrlhf_smoke.json",
@@ -60,6 +61,13 @@ def step_result(out: Path, name: str) -> Any:
 
 def headline(name: str, result: Any) -> str:
     """One line of numbers per step for the markdown summary."""
+    if name == "vlm_attention" and isinstance(result, list):  # the attention bench's points
+        return "; ".join(
+            f"{r.get('image_tokens')} image tokens, S={r.get('S')}: {r.get('speedup') or float('nan'):.2f}x, "
+            f"memory {r.get('memory_ratio') or float('nan'):.2f}x"
+            for r in result
+            if isinstance(r, dict)
+        )
     if not isinstance(result, dict):
         return ""
     if name == "e2e" and "arms" in result:

@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip points whose reference batch G*(P+S) exceeds this (memory guard; reported as skipped)",
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the model and batches, e.g. cuda (default: %(default)s); on CUDA the peak "
+        "memory is torch.cuda.max_memory_allocated above the weights",
+    )
+    parser.add_argument(
         "--vlm",
         action="store_true",
         help=f"a Qwen2-VL policy, one image of P tokens per prompt, vision tower included; grid {VLM_GRID} "
@@ -71,7 +77,14 @@ def ideal_ratio(g: int, p: int, s: int) -> float:
     return g * (p + s) / (p + g * s)
 
 
-def _peak_bytes(fn: Callable[[], Any]) -> int:
+def _peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    if device.type == "cuda":  # the allocator's own peak, above what is allocated before the step
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -105,13 +118,15 @@ def _dense_logprobs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     gi = build_grouped_inputs(batch)
     lay = gi.layout
     length = lay.row_len
-    idx = torch.arange(length)
+    idx = torch.arange(length, device=gi.input_ids.device)
     seg = torch.where(idx < lay.prefix_len, 0, (idx - lay.prefix_len) // max(lay.slot_len, 1) + 1)
     allowed = ((seg[None, :] == seg[:, None]) & (idx[None, :] <= idx[:, None])) | (
         (seg[None, :] == 0) & (seg[:, None] > 0)
     )
     dtype = next(model.parameters()).dtype
-    mask = torch.zeros(length, length, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = torch.zeros(length, length, dtype=dtype, device=idx.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
     mask = mask.expand(gi.input_ids.shape[0], 1, length, length)
     out = model(
         input_ids=gi.input_ids, position_ids=gi.position_ids, attention_mask=mask, logits_to_keep=gi.keep
@@ -165,15 +180,34 @@ def _vlm_point_batch(
 def _train_step(
     model: torch.nn.Module, w: torch.Tensor, lp_fn: Callable[[], torch.Tensor]
 ) -> Callable[[], torch.Tensor]:
-    """One forward+backward of ``sum(w * logprobs)`` with ``lp_fn``'s logprobs; returns them."""
+    """One forward+backward of ``sum(w * logprobs)`` with ``lp_fn``'s logprobs; returns them (on
+    CUDA after the device finished, so a timer around it measures the step)."""
 
     def f() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         lp = lp_fn()
         (lp * w).sum().backward()
+        if lp.device.type == "cuda":
+            torch.cuda.synchronize(lp.device)
         return lp.detach()
 
     return f
+
+
+def _to(batch: Any, w: torch.Tensor, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """``batch`` (a LogprobBatch, its images too) and the weights ``w`` on ``device``."""
+    from dataclasses import replace
+
+    from ..types import VisionInputs
+
+    moved = {
+        f: getattr(batch, f).to(device)
+        for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "group_index")
+    }
+    if batch.vision is not None:
+        per = tuple({k: v.to(device) for k, v in p.items()} for p in batch.vision.per_prompt)
+        moved["vision"] = VisionInputs(per)
+    return replace(batch, **moved), w.to(device)
 
 
 def _dense_columns(
@@ -194,6 +228,8 @@ def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Nam
     from ..attention.shared_prefix.backend import SharedPrefixAttention
 
     batch, w = _vlm_point_batch(model, g, p, s, args) if args.vlm else _point_batch(g, p, s, args)
+    device = next(model.parameters()).device
+    batch, w = _to(batch, w, device)
     p_all = int(batch.prompt_ids.shape[1])  # --vlm: the image's tokens and the text around them
     row: dict[str, Any] = {"G": g, "P": p_all, "S": s, "ideal": round(ideal_ratio(g, p_all, s), 4)}
     if args.vlm:  # the tower's patches counted as tokens too: G copies in the reference, 1 shared
@@ -218,7 +254,7 @@ def run_point(model: torch.nn.Module, g: int, p: int, s: int, args: argparse.Nam
         variants["dense"] = _train_step(model, w, lambda: _dense_logprobs(model, batch))
     lps = {k: f() for k, f in variants.items()}
     times = {k: _time(f, args.repeats, args.clock) for k, f in variants.items()}
-    peaks = {k: _peak_bytes(f) for k, f in variants.items()}
+    peaks = {k: _peak_bytes(f, device) for k, f in variants.items()}
     row.update(
         speedup=round(times["ref"] / times["shared"], 4),
         memory_ratio=round(peaks["ref"] / max(peaks["shared"], 1), 4),
@@ -262,7 +298,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         attn_implementation="sdpa",
     )
-    model.train()  # attention_dropout is 0, so train mode changes nothing but is what a policy update uses
+    model.to(
+        args.device
+    ).train()  # attention_dropout is 0: train mode changes nothing but is what an update uses
     print(
         f"model: qwen2 hidden={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads} "
         f"intermediate={args.intermediate} vocab={args.vocab} float32; torch threads={torch.get_num_threads()}; "
@@ -279,11 +317,11 @@ def _vlm_model(args: argparse.Namespace) -> torch.nn.Module:
         num_kv_heads=args.kv_heads, num_layers=args.layers, vision_layers=args.layers,
         vision_hidden=args.hidden // 2, seed=args.seed,
     )  # fmt: skip
-    model.train()
+    model.to(args.device).train()
     print(
         f"model: qwen2_vl hidden={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads} "
         f"MLP {2 * args.hidden} vocab={args.vocab}, vision tower {args.layers} layers wide {args.hidden // 2} "
-        f"(2x2 patches merged per image token) float32; torch threads={torch.get_num_threads()}; "
+        f"(2x2 patches merged per image token) float32 on {args.device}; torch threads={torch.get_num_threads()}; "
         f"clock={args.clock}, fastest of {args.repeats} after a warm-up"
     )
     return model
