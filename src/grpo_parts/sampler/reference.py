@@ -107,7 +107,11 @@ class ReferenceSampler:
         if prompts.vision is None:
             start = prefill(model, ids, mask)
         else:  # each prompt and its images once, its cache then shared by its group's rows
-            start = prefill_once_per_group(model, prompts, params.group_size)
+            images = prompts.vision.gather(list(range(prompts.num_prompts)))
+            start = prefill(
+                model, prompts.input_ids.to(device), prompts.attention_mask.long().to(device),
+                {k: v.to(device) for k, v in images.items()}, params.group_size,
+            )  # fmt: skip
             banned = placeholder_ids(model).to(device)  # a completion holding one could not be scored
         completion, lp = _sample(model, ids, mask, params, generator, start, lockstep, banned)
         cmask = completion_mask_from_eos(completion, params.eos_token_ids)
@@ -120,31 +124,29 @@ class ReferenceSampler:
 Start = tuple[Any, torch.Tensor, torch.Tensor]
 
 
-def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Start:
-    """Every row's (left-padded) prompt through the model; positions count real tokens only, so
-    every row's first token has position 0."""
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    return output_cache(out), out.logits[:, -1], pos[:, -1:] + 1
-
-
-def prefill_once_per_group(model: torch.nn.Module, prompts: PromptBatch, group_size: int) -> Start:
-    """Each prompt with its images through the model once (the vision tower included), then its
-    cache and logits repeated for its ``group_size`` rows (prompt-major, as :func:`expand_prompts`).
-    Text after the prompt continues from the positions the model gave it (M-RoPE: its delta)."""
-    assert prompts.vision is not None
-    device = next(model.parameters()).device
-    ids, mask = prompts.input_ids.to(device), prompts.attention_mask.long().to(device)
-    images = {k: v.to(device) for k, v in prompts.vision.gather(list(range(prompts.num_prompts))).items()}
+def prefill(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    images: dict[str, torch.Tensor] | None = None,
+    repeats: int = 1,
+) -> Start:
+    """The (left-padded) prompts ``ids`` with their ``images`` through the model once, at the
+    positions generation gives them (:func:`~grpo_parts.attention.vision.row_positions`: counting real
+    tokens, so every row's first token has position 0; M-RoPE's from the model), then each row's
+    cache, logits and next text position repeated ``repeats`` times (prompt-major, as
+    :func:`expand_prompts`): a group's rows share its prompt's one prefill."""
+    images = images or {}
     pos, deltas = row_positions(model, ids, mask, images)
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **images
     )
-    cache = output_cache(out)
-    repeat_cache_rows(cache, group_size)
-    next_pos = mask.sum(-1, keepdim=True) + deltas.to(device)  # the text position after the prompt
-    rows = torch.arange(prompts.num_prompts, device=device).repeat_interleave(group_size)
-    return cache, out.logits[:, -1][rows], next_pos[rows]
+    cache, logits = output_cache(out), out.logits[:, -1]
+    next_pos = mask.sum(-1, keepdim=True) + deltas.to(mask.device)  # the text position after the prompt
+    if repeats > 1:
+        repeat_cache_rows(cache, repeats)
+        logits, next_pos = logits.repeat_interleave(repeats, 0), next_pos.repeat_interleave(repeats, 0)
+    return cache, logits, next_pos
 
 
 def _sample(

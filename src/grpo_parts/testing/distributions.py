@@ -177,9 +177,9 @@ def _image_prompt_logits(
 ) -> tuple[torch.Tensor, np.ndarray]:
     """:func:`sequence_distribution`'s ``[n, L, V]`` logits for a VLM prompt with ``images``, and
     which continuations hold a placeholder token (not forwarded: their logits are 0)."""
-    from ..attention.vision import row_positions, token_types
+    from ..attention.vision import placeholder_ids, row_positions
 
-    placeholder = (token_types(model, ids[:, prompt_len:]) != 0).any(-1)
+    placeholder = torch.isin(ids[:, prompt_len:], placeholder_ids(model).to(ids.device)).any(-1)
     rows = (~placeholder).nonzero().flatten()
     each = {k: torch.cat([v.to(ids.device)] * int(rows.numel())) for k, v in images.items()}
     pos, _ = row_positions(model, ids[rows], torch.ones_like(ids[rows]), each)

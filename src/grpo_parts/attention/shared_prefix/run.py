@@ -126,9 +126,8 @@ class PlanRun:
     def _call(self, batch: LogprobBatch, grouped: GroupedInputs, entropy: bool) -> LogprobOutput:
         """One model call on ``batch``, laid out as ``grouped``."""
         images, pos = grid_images(self.model, batch, grouped) if batch.vision is not None else (None, None)
-        kept = grouped_forward(
-            self.model, grouped, images, pos
-        )  # NotSupportedError for what the model breaks
+        # raises NotSupportedError for what the model breaks
+        kept = grouped_forward(self.model, grouped, images, pos)
         if isinstance(grouped.layout, PaddingFreeLayout):  # its attention calls per path
             masks = grouped.layout.masks
             self.attention_calls.update(masks.calls)
