@@ -80,6 +80,15 @@ def test_calls_through_parameters_fall_back_to_the_wrapper():  # type: ignore[no
     assert list(view.parameters()) == list(wrapper.parameters())
 
 
+def test_calls_through_shadows_none_of_the_models_attributes():  # type: ignore[no-untyped-def]
+    """``view.model`` is the inner model's ``.model`` submodule, as unwrapped (a VLM's
+    ``get_rope_index`` lives there: a view that answered with the whole model put a wrapped VLM's
+    completions at text positions, caught by tests/adapters/trl/test_trl_vlm_ranks.py)."""
+    inner = tiny_causal_lm("llama", vocab_size=48)
+    view = CallsThrough(torch.nn.Module(), inner)
+    assert view.model is inner.model and inner_model(view) is inner
+
+
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 def test_transformers_model_goes_below_peft():  # type: ignore[no-untyped-def]
     from peft import LoraConfig, get_peft_model

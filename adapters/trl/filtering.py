@@ -223,9 +223,10 @@ class FilterSeam(SkipSeam):
             sub = select_rows(batch, rows, rnd.scored.size)
             for key, (model, ids, mask, keep, bs, mm) in calls.items():
                 idx = rows.to(ids.device)
+                images = select_rows(mm, rows, rnd.scored.size)  # each kept row's own images
                 with torch.no_grad():
                     sub[key] = self._get_per_token_logps_and_entropies(
-                        model, ids[idx], mask[idx], keep, bs, **mm
+                        model, ids[idx], mask[idx], keep, bs, **images
                     )[0]
             parts.append(sub)
         return parts, flags

@@ -155,9 +155,8 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
-#: the start of the TRL door's refusal of a VLM, per part (the parts serve image prompts in your own
-#: loop: docs/attention.md, "Vision-language policies"; this door does not pass TRL's images yet)
-VLM_NOT_YET = "through this door yet (grpo_parts serves image prompts in your own loop: docs/attention.md)"
+#: why the sampler refuses TRL's tool-calling loop when tool responses carry images
+TOOL_IMAGES = "images inside completions are not served yet (docs/adapters/trl.md, 'Vision-language models')"
 
 
 def sampler_config_reasons(trainer: Any) -> list[str]:
@@ -178,10 +177,6 @@ def sampler_config_reasons(trainer: Any) -> list[str]:
     if _get(trainer, "rollout_func") is not None:
         reasons.append(
             "rollout_func is set: TRL calls it instead of _generate_single_turn; drop one of the two"
-        )
-    if _get(trainer, "_is_vlm", False):
-        reasons.append(
-            f"multimodal (vision-language) model: TRL's images do not reach the sampler {VLM_NOT_YET}"
         )
     if _get(trainer, "min_p") is not None:
         reasons.append(
@@ -204,10 +199,6 @@ def sampler_config_reasons(trainer: Any) -> list[str]:
 def attention_config_reasons(trainer: Any) -> list[str]:
     """Why a grpo_parts attention backend cannot compute this trainer's log-probs."""
     reasons = []
-    if _get(trainer, "_is_vlm", False):
-        reasons.append(
-            f"multimodal (vision-language) model: TRL's pixel inputs do not reach the attention backend {VLM_NOT_YET}"
-        )
     if _get(trainer, "aux_loss_enabled", False):
         reasons.append(
             "MoE router aux loss (router_aux_loss_coef): TRL needs the router logits of its own forward"
@@ -218,10 +209,6 @@ def attention_config_reasons(trainer: Any) -> list[str]:
 def filter_config_reasons(trainer: Any, parts: PartsConfig) -> list[str]:
     """Why a completion filter cannot prune this trainer's generation batches."""
     reasons = []
-    if _get(trainer, "_is_vlm", False):
-        reasons.append(
-            f"multimodal (vision-language) model: the filter does not slice TRL's per-image tensors {VLM_NOT_YET}"
-        )
     if parts.refill_rounds:
         acc = _get(trainer, "accelerator")
         if acc is not None and _get(acc, "num_processes", 1) > 1:

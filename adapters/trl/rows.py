@@ -12,19 +12,40 @@ import torch
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch, RankAgreeing
 from grpo_parts.attention.shared_prefix.chunking import empty_call_batch
 from grpo_parts.doors.agreement import agree_fallback
+from grpo_parts.doors.vision import image_groups, same_images
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.rounding import round_to_multiple
-from grpo_parts.types import ScoredBatch
+from grpo_parts.types import VISION_KEYS, ScoredBatch, VisionInputs
 
 
-def prompt_runs(prompt_ids: Sequence[Sequence[int]], group_size: int) -> tuple[list[list[int]], int]:
+def prompt_runs(
+    prompt_ids: Sequence[Sequence[int]], group_size: int, images: VisionInputs | None = None
+) -> tuple[list[list[int]], int]:
     """``(unique_prompts, group_size)`` when the rows are runs of ``group_size`` identical prompts
-    (TRL's order), else ``(rows, 1)`` (every row its own group: still correct, just no sharing)."""
+    (TRL's order; with ``images``, one per row, identical images too), else ``(rows, 1)`` (every row
+    its own group: still correct, just no sharing)."""
     rows = [list(p) for p in prompt_ids]
     g = group_size
-    if g > 1 and len(rows) % g == 0 and all(rows[i] == rows[i - i % g] for i in range(len(rows))):
+
+    def same(i: int, j: int) -> bool:
+        return rows[i] == rows[j] and (
+            images is None or same_images(images.per_prompt[i], images.per_prompt[j])
+        )
+
+    if g > 1 and len(rows) % g == 0 and all(same(i, i - i % g) for i in range(len(rows))):
         return [rows[i] for i in range(0, len(rows), g)], g
     return rows, 1
+
+
+def image_rows(multimodal: dict[str, Any], num_rows: int) -> tuple[VisionInputs | None, str | None]:
+    """``(each row's images or None, why they cannot be served or None)`` from the multimodal
+    keywords TRL passes its forward (``pixel_values``, ``image_grid_thw``, ``num_images``, ...; the
+    token flags are rebuilt by the backends from the placeholder tokens, and a model that takes
+    ``token_type_ids`` is refused at set-up)."""
+    try:
+        return VisionInputs.per_row(multimodal, num_rows), None
+    except GRPOPartsError as e:
+        return None, str(e)
 
 
 def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -46,6 +67,7 @@ def _live_rows_logprobs(
     temperature: float,
     compute_entropy: bool,
     batch_size: int | None,
+    images: VisionInputs | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`regrouped_logprobs` of the ``live`` rows only (those with a completion token), zeros
     at every position of the others; all zeros, without a forward, when no row is live."""
@@ -63,6 +85,7 @@ def _live_rows_logprobs(
         temperature,
         compute_entropy,
         batch_size,
+        None if images is None else VisionInputs(tuple(images.per_prompt[i] for i in idx.tolist())),
     )
     lp = lp.new_zeros(n, logits_to_keep).index_copy(0, idx, lp)
     ent = None if ent is None else ent.new_zeros(n, logits_to_keep).index_copy(0, idx, ent)
@@ -97,6 +120,7 @@ def _call_chunks(
     chunks: list[torch.Tensor],
     temperature: float,
     compute_entropy: bool,
+    vision: VisionInputs | None,
 ) -> tuple[list[torch.Tensor], list[Any], LogprobBatch | None]:
     """One backend call per chunk of rows (``p``: prompt columns): the log-probs and entropies of
     each call, and the last call's batch (what empty calls are shaped after, :func:`_with_empty_calls`;
@@ -107,7 +131,12 @@ def _call_chunks(
     batch = None
     for rows in chunks:
         batch = LogprobBatch(
-            prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows], group[rows]
+            prompt_ids[rows],
+            prompt_mask[rows],
+            completion_ids[rows],
+            completion_mask[rows],
+            group[rows],
+            vision,
         )
         res = backend.completion_logprobs(
             model, batch, temperature=temperature, compute_entropy=compute_entropy
@@ -146,9 +175,12 @@ def regrouped_logprobs(
     temperature: float,
     compute_entropy: bool,
     batch_size: int | None = None,
+    images: VisionInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TRL's ``_get_per_token_logps_and_entropies`` contract through a grpo_parts backend, on rows sorted
-    by group in chunks of whole groups of about ``batch_size`` rows (TRL's memory bound).
+    by group in chunks of whole groups of about ``batch_size`` rows (TRL's memory bound). ``images``:
+    each row's images (a vision-language policy; rows share a group when their prompt tokens and their
+    images are equal), or None.
 
     Fully masked rows (``mask_truncated_completions``) skip the backend and get 0, as TRL's forward
     returns; a batch with no row left gives zeros without a graph, so under grad, and with several
@@ -172,12 +204,16 @@ def regrouped_logprobs(
             temperature,
             compute_entropy,
             batch_size,
+            images,
         )
     group = group_by_prompt(input_ids[:, :p], attention_mask[:, :p])
+    vision = None
+    if images is not None:
+        group, vision = image_groups(group, images)
     order, chunks = _group_chunks(group, batch_size)
     extra = _extra_calls(backend, len(chunks), input_ids.device)  # before any call: collectives
     out_logps, out_ents, batch = _call_chunks(
-        backend, model, input_ids, attention_mask, p, group, chunks, temperature, compute_entropy
+        backend, model, input_ids, attention_mask, p, group, chunks, temperature, compute_entropy, vision
     )
     inv = torch.empty_like(order)
     inv[order] = torch.arange(n, device=order.device)
@@ -247,7 +283,12 @@ def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict
     out: dict[str, Any] = {}
     for key in keys:
         vals = [b[key] for b in batches]
-        if vals[0] is None:
+        if key in VISION_KEYS:  # flat over each batch's images: the images of all, in row order
+            given = [v for v in vals if v is not None]
+            out[key] = torch.cat(given) if given else None
+        elif key in TOKEN_TYPE_KEYS and vals[0] is not None:
+            out[key] = _concat_token_types(vals, [b["prompt_ids"].shape[1] for b in batches])
+        elif vals[0] is None:
             out[key] = None
         elif isinstance(vals[0], list):
             out[key] = [x for v in vals for x in v]
@@ -273,6 +314,24 @@ def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict
     return out
 
 
+#: TRL's per-token image flags over prompt and completion (``[N, P + C]``, 0 on completions)
+TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
+
+
+def _concat_token_types(vals: Sequence[torch.Tensor], prompt_widths: Sequence[int]) -> torch.Tensor:
+    """Stack ``[N_i, P_i + C_i]`` token flags: the prompt part re-left-padded, the completion part
+    re-right-padded, with 0 (text)."""
+    p = max(prompt_widths)
+    c = max(v.shape[1] - w for v, w in zip(vals, prompt_widths))
+    F = torch.nn.functional
+    return torch.cat(
+        [
+            torch.cat([F.pad(v[:, :w], (p - w, 0)), F.pad(v[:, w:], (0, c - (v.shape[1] - w)))], dim=1)
+            for v, w in zip(vals, prompt_widths)
+        ]
+    )
+
+
 def regroup_microbatches(
     chunks: Sequence[dict[str, Any]], generator: torch.Generator
 ) -> list[dict[str, Any]]:
@@ -282,7 +341,13 @@ def regroup_microbatches(
     from ``generator`` (rows inside a group keep their order), and the result is split into as many
     equal chunks again. Every per-row entry moves with its row; 0-d tensors and ``None`` are kept."""
     size = int(chunks[0]["completion_ids"].shape[0])
-    keys = list(chunks[0])
+    # each row's images ride with it (TRL lays them out flat per micro-batch)
+    per_chunk = [VisionInputs.per_row(c, size) for c in chunks]
+    images = None
+    flat = [k for k in VISION_KEYS if k in chunks[0]]
+    if per_chunk[0] is not None:
+        images = VisionInputs(tuple(m for v in per_chunk if v is not None for m in v.per_prompt))
+    keys = [k for k in chunks[0] if images is None or k not in (*flat, "num_images")]
     batch: dict[str, Any] = {}
     for key in keys:
         vals = [c[key] for c in chunks]
@@ -314,5 +379,7 @@ def regroup_microbatches(
                 chunk[key] = [value[j] for j in rows.tolist()]
             else:
                 chunk[key] = value
+        if images is not None:
+            chunk.update(images.flat(rows.tolist(), flat))
         out.append(chunk)
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,13 +22,14 @@ from grpo_parts.distributed import ranks_of
 from grpo_parts.doors.agreement import agree_fallback
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.filter.protocol import WeighsLoss
-from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
+from grpo_parts.sampler.protocol import PromptBatch, SamplingParams, image_prompt_reasons
+from grpo_parts.types import VisionInputs
 from grpo_parts.wrappers import calls_through
 
 from .filtering import FilterSeam
 from .options import (
     PART_KEYWORDS,
-    VLM_NOT_YET,
+    TOOL_IMAGES,
     PartsConfig,
     TRLPartsOptions,
     attention_config_reasons,
@@ -38,7 +40,7 @@ from .options import (
     trl_parts,
     weighted_filter_reasons,
 )
-from .rows import prompt_runs, regroup_microbatches, regrouped_logprobs
+from .rows import image_rows, prompt_runs, regroup_microbatches, regrouped_logprobs
 from .skipping import accept_skipper
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,8 @@ class GRPOPartsTrainer(FilterSeam):
             d = skw.pop("draft")  # a draft instance in sampler_kwargs, as before
         s = build_part("sampler", sampler, policy, kwargs=skw, draft=d, where="sampler_kwargs")
         s_reasons = sampler_config_reasons(self)
+        if s is not None and self._is_vlm:
+            s_reasons += image_prompt_reasons(s)
         if s is not None and not s_reasons:
             s_reasons = list(
                 s.not_supported_reasons(self._gp_sampling_params(int(self.num_generations or 1)))
@@ -237,13 +241,15 @@ class GRPOPartsTrainer(FilterSeam):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        if images is not None or multimodal_fields:
-            raise NotSupportedError(
-                "sampler",
-                [f"got images / multimodal fields: TRL's images do not reach the sampler {VLM_NOT_YET}"],
-            )
-        unique, group_size = prompt_runs(prompt_ids, num_generations)
+        if has_tool_images:
+            raise NotSupportedError("sampler", ["tool responses with images: " + TOOL_IMAGES])
+        counts = [len(i) if i else 0 for i in images] if images is not None else None
+        rows = VisionInputs.per_row(
+            {**multimodal_fields, "num_images": counts}, len(prompt_ids)
+        ) if images is not None else None  # fmt: skip
+        unique, group_size = prompt_runs(prompt_ids, num_generations, rows)
         params = self._gp_sampling_params(group_size)
+        vision = None if rows is None else VisionInputs(rows.per_prompt[::group_size])
         policy = self.accelerator.unwrap_model(self.model)
         self.gp_sampler.sync_weights(policy)
         mode = self._gp_mode()
@@ -253,9 +259,8 @@ class GRPOPartsTrainer(FilterSeam):
             # no torch.no_grad() here: samplers disable grad themselves, and an online draft trains
             # (with grad) at the end of generate, on this rollout, before the policy update
             with self._gp_no_draft_training(mode):
-                rollout = self.gp_sampler.generate(
-                    PromptBatch.from_lists(unique, params.pad_token_id), params
-                )
+                batch = PromptBatch.from_lists(unique, params.pad_token_id)
+                rollout = self.gp_sampler.generate(replace(batch, vision=vision), params)
         finally:
             policy.train(was_training)
         self._gp_log("sampler", rollout.stats)
@@ -292,12 +297,12 @@ class GRPOPartsTrainer(FilterSeam):
         if self.gp_attention is None:
             self._gp_count("attention", served=False)
             return super()._get_per_token_logps_and_entropies(*args, compute_aux_loss, **multimodal)
-        used = sorted(k for k, v in multimodal.items() if v is not None)
-        if compute_aux_loss or used:
-            raise NotSupportedError(
-                "attention", [f"TRL passed {used or ['compute_aux_loss']}: text-only, no MoE aux loss"]
-            )
-        reason = self._gp_all_masked(attention_mask[:, -logits_to_keep:])
+        if compute_aux_loss:
+            raise NotSupportedError("attention", ["TRL passed compute_aux_loss: no MoE aux loss"])
+        images, reason = image_rows(multimodal, input_ids.shape[0])
+        if reason and self.parts_options.strict:
+            raise NotSupportedError("attention", [reason])
+        reason = reason or self._gp_all_masked(attention_mask[:, -logits_to_keep:])
         if reason:
             self._gp_counters.fell_back("attention", reason, mode=self._gp_mode())
             return super()._get_per_token_logps_and_entropies(*args, compute_aux_loss, **multimodal)
@@ -314,6 +319,7 @@ class GRPOPartsTrainer(FilterSeam):
                 self.temperature,
                 compute_entropy,
                 batch_size,
+                images,
             )
         ran = attention_calls(self.gp_attention) - before
         self._gp_log("attention", {ATTENTION_CALLS + k: v for k, v in ran.items()})

@@ -230,8 +230,12 @@ def sdpa_attention_forward() -> Callable[..., Any]:
     return fn
 
 
-def _attn_configs(model: torch.nn.Module, text_only: bool = False) -> list[Any]:
+def _attn_configs(model: torch.nn.Module) -> list[Any]:
+    """The configs whose attention choice a selection writes: the model's and its sub-configs', of
+    a vision-language model's only ``text_config`` (its vision tower keeps its own attention: the
+    kernels here serve the text decoder's rows)."""
     cfg = model.config  # type: ignore[union-attr]
+    text_only = getattr(cfg, "vision_config", None) is not None
     out = [cfg]
     for key in getattr(cfg, "sub_configs", {}) or {}:
         sub = getattr(cfg, key, None)
@@ -241,14 +245,14 @@ def _attn_configs(model: torch.nn.Module, text_only: bool = False) -> list[Any]:
 
 
 @contextlib.contextmanager
-def select_attention(model: torch.nn.Module, name: str, text_only: bool = False) -> Iterator[None]:
+def select_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
     """Select the attention function ``name`` on ``model``'s config and sub-configs for the duration
     of the block, then restore each one's previous choice. Writes ``_attn_implementation_internal``
     (what the ``_attn_implementation`` property reads in every release in range) directly: the
     public ``set_attn_implementation`` re-checks the model class and recurses into sub-configs.
     The outermost selection records each config's previous choice for :func:`own_attention`.
-    ``text_only``: of the sub-configs, only ``text_config`` (a VLM's vision tower keeps its own)."""
-    cfgs = _attn_configs(model, text_only)
+    A VLM's vision tower keeps its own (:func:`_attn_configs`)."""
+    cfgs = _attn_configs(model)
     saved = [c._attn_implementation for c in cfgs]
     outermost = [id(c) for c in cfgs if id(c) not in _OWN_ATTENTION]
     for c, s in zip(cfgs, saved):

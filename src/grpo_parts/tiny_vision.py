@@ -197,3 +197,80 @@ def tiny_video(
     else:
         tokens = [vocab + START] + [vocab + VIDEO] * (frames * rows * cols) + [vocab + END]
     return tokens, {"pixel_values_videos": pixels, "video_grid_thw": torch.tensor([[frames, h, w]])}
+
+
+#: the tiny processors' words (filler ids pad the vocabulary up to the placeholder tokens)
+PROCESSOR_WORDS = "a b c d e f g h i j k l m n o p q r s t u v w x y z user assistant : how many what".split()
+_CHAT = (
+    "{% for m in messages %}{{ m['role'] }} : {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}IMAGE{% else %}{{ c['text'] }}{% endif %} "
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+def tiny_processor(model: torch.nn.Module) -> Any:
+    """An offline processor for a Qwen2-VL / Qwen2.5-VL or LLaVA :func:`tiny_vlm` (what TRL takes as
+    ``processing_class``): a word-level tokenizer over :data:`PROCESSOR_WORDS` whose top ids are the
+    model's placeholder tokens, the family's image processor sized to the tiny vision tower, and a
+    chat template that renders an image part as the family does. Images only: the Qwen video
+    processor needs torchvision, which the CPU test set-up does not install."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    cfg: Any = model.config
+    vocab = cfg.get_text_config().vocab_size
+    qwen = hasattr(cfg.vision_config, "spatial_merge_size")
+    specials = (
+        ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
+        if qwen
+        else ["<image>", "<unused_video>", "<unused_start>", "<unused_end>"]
+    )
+    fill = vocab - 3 - len(PROCESSOR_WORDS) - len(specials)
+    if fill < 0:
+        raise ValueError(f"model: expected a vocabulary of >= {vocab - fill} tokens, got {vocab}")
+    words = [*PROCESSOR_WORDS, *(f"w{i}" for i in range(fill))]
+    ids = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {w: 3 + i for i, w in enumerate(words)}
+    ids |= {t: vocab + k for t, k in zip(specials, (IMAGE, VIDEO, START, END))}
+    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        additional_special_tokens=specials, padding_side="left",
+    )  # fmt: skip
+    image = "<|vision_start|><|image_pad|><|vision_end|>" if qwen else "<image>"
+    return _qwen_processor(cfg, tokenizer, image) if qwen else _llava_processor(cfg, tokenizer)
+
+
+def _qwen_processor(cfg: Any, tokenizer: Any, image: str) -> Any:
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwenVLProcessor(Qwen2VLProcessor):  # type: ignore[misc]
+        """Qwen2-VL's processor without its video processor (which needs torchvision)."""
+
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    v = cfg.vision_config
+    factor = v.patch_size * v.spatial_merge_size
+    images = Qwen2VLImageProcessor(
+        patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size,
+        size={"shortest_edge": factor * factor, "longest_edge": 16 * factor * factor},
+    )  # fmt: skip
+    return ImageOnlyQwenVLProcessor(images, tokenizer, chat_template=_CHAT.replace("IMAGE", image))
+
+
+def _llava_processor(cfg: Any, tokenizer: Any) -> Any:
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    v = cfg.vision_config
+    size = {"height": v.image_size, "width": v.image_size}
+    images = CLIPImageProcessor(size=size, crop_size=size, do_center_crop=False)
+    return LlavaProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=v.patch_size,
+        vision_feature_select_strategy="full", image_token="<image>", chat_template=_CHAT.replace("IMAGE", "<image>"),
+        num_additional_image_tokens=0,
+    )  # fmt: skip

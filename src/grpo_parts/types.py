@@ -20,6 +20,31 @@ import torch
 
 from .errors import GRPOPartsError, check_tensor
 
+#: processor outputs aligned with the tokens, not vision inputs (rebuilt from the token ids)
+TOKEN_ALIGNED_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+#: processor outputs with one entry per image: split by images per prompt (videos are not split
+#: here: build their prompts' entries yourself)
+PER_IMAGE_KEYS = ("image_grid_thw", "image_sizes")
+#: the processor outputs :meth:`VisionInputs.from_processor` splits
+VISION_KEYS = ("pixel_values", *PER_IMAGE_KEYS)
+#: image outputs of other layouts (tiles, patch masks: Idefics, LFM2-VL, InternVL, Gemma 3n), refused
+UNSPLIT_IMAGE_KEYS = ("pixel_attention_mask", "spatial_shapes", "num_tiles", "image_position_ids")
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    """A processor output as one tensor: a list of per-image arrays (an unbatched processor's
+    ``pixel_values``) stacked, anything else as it is."""
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float, list)):
+        return torch.stack([torch.as_tensor(v) for v in value])
+    return torch.as_tensor(value)
+
+
+def _image_count(inputs: Mapping[str, torch.Tensor]) -> int:
+    """How many images one prompt's vision inputs hold: a per-image key's length, else one
+    ``pixel_values`` row per image (LLaVA's layout)."""
+    key = next((k for k in PER_IMAGE_KEYS if k in inputs), "pixel_values")
+    return int(inputs[key].shape[0]) if key in inputs else 0
+
 
 @dataclass(frozen=True)
 class VisionInputs:
@@ -43,6 +68,70 @@ class VisionInputs:
                         f"VisionInputs.per_prompt[{g}][{key!r}]: expected a tensor with a first dim over "
                         f"the prompt's images, got {got}"
                     )
+
+    @classmethod
+    def from_processor(cls, outputs: Mapping[str, Any], images_per_prompt: list[int]) -> VisionInputs:
+        """Split a processor's batched vision outputs (``pixel_values`` and the keys beside it, as
+        ``processor(images=..., text=...)`` lays them out for ``len(images_per_prompt)`` prompts)
+        per prompt. ``pixel_values`` runs over patches (the Qwen VL family: ``image_grid_thw`` gives
+        each image's ``t*h*w``) or over images (LLaVA: one row per image); ``image_sizes`` and the
+        grids run over images. Token-aligned keys (``input_ids``, ``attention_mask``,
+        ``mm_token_type_ids``, ``token_type_ids``) are not vision inputs and are left out; a key
+        laid out any other way is refused with one line."""
+        vision = {k: v for k, v in outputs.items() if k not in TOKEN_ALIGNED_KEYS and v is not None}
+        pixels = vision.pop("pixel_values", None)
+        pixels = None if pixels is None else _as_tensor(pixels)
+        n_images = sum(images_per_prompt)
+        per_image: dict[str, list[torch.Tensor]] = {}
+        for key, value in vision.items():
+            t = _as_tensor(value)
+            if key not in PER_IMAGE_KEYS or t.ndim == 0 or t.shape[0] != n_images:
+                raise GRPOPartsError(
+                    f"{key}: expected one of {list(PER_IMAGE_KEYS)} with a first dim over the "
+                    f"{n_images} images, got shape {list(t.shape)} (a layout grpo_parts does not split)"
+                )
+            per_image[key] = list(t.split(images_per_prompt))
+        if pixels is not None:
+            grids = per_image.get("image_grid_thw")
+            rows = [int(g.prod(-1).sum()) for g in grids] if grids is not None else images_per_prompt
+            if pixels.shape[0] != sum(rows):
+                what = "the images' grids" if grids is not None else "the images"
+                raise GRPOPartsError(
+                    f"pixel_values: expected {sum(rows)} rows ({what}), got {pixels.shape[0]}"
+                )
+            per_image["pixel_values"] = list(pixels.split(rows))
+        return cls(
+            tuple(
+                {k: v[b] for k, v in per_image.items()} if n else {} for b, n in enumerate(images_per_prompt)
+            )
+        )
+
+    @classmethod
+    def per_row(cls, fields: Mapping[str, Any], num_rows: int) -> VisionInputs | None:
+        """The images of each of ``num_rows`` rows from a framework's flat processor outputs
+        (:meth:`from_processor`; ``fields["num_images"]`` per row where given, else one image per
+        row), or None when ``fields`` carry no vision input."""
+        other = [k for k in UNSPLIT_IMAGE_KEYS if fields.get(k) is not None]
+        if other:
+            raise GRPOPartsError(
+                f"{other[0]}: an image layout grpo_parts does not split per row (it splits "
+                f"{list(VISION_KEYS)} by num_images)"
+            )
+        if not any(fields.get(k) is not None for k in VISION_KEYS):
+            return None
+        given = fields.get("num_images")
+        counts = [int(n) for n in given] if given is not None else [1] * num_rows
+        if len(counts) != num_rows:
+            raise GRPOPartsError(f"num_images: expected one count per row ({num_rows}), got {len(counts)}")
+        return cls.from_processor({k: fields[k] for k in VISION_KEYS if fields.get(k) is not None}, counts)
+
+    def flat(self, rows: list[int], keys: list[str]) -> dict[str, Any]:
+        """Rows ``rows``' images laid out flat as a processor does (:meth:`gather`), ``keys`` each
+        present (None where no kept row has one), and ``num_images`` per row."""
+        out: dict[str, Any] = dict.fromkeys(keys)
+        out.update(self.gather(rows))
+        out["num_images"] = [_image_count(self.per_prompt[r]) for r in rows]
+        return out
 
     def gather(self, groups: list[int]) -> dict[str, torch.Tensor]:
         """The model keywords of prompts ``groups`` in that order (a prompt named twice brings its

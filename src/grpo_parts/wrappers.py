@@ -46,25 +46,27 @@ class CallsThrough:
     around it -- as the framework's own forward calls the module it holds. ``parameters()`` are the
     wrapper's where the inner model has none of its own (FSDP1 keeps them in flat parameters)."""
 
+    # its own attributes are named so that they shadow none of the model's: ``view.model`` must be
+    # the inner model's ``.model`` submodule (a VLM's ``get_rope_index`` lives there), as unwrapped
     def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module) -> None:
-        object.__setattr__(self, "wrapper", wrapper)
-        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "_calls_wrapper", wrapper)
+        object.__setattr__(self, "_calls_model", model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.wrapper(*args, **kwargs)
+        return self._calls_wrapper(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
+        return getattr(self._calls_model, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.model, name, value)
+        setattr(self._calls_model, name, value)
 
     def parameters(self, recurse: bool = True) -> Any:
         return (p for _, p in self.named_parameters(recurse=recurse))
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        own = list(self.model.named_parameters(*args, **kwargs))
-        return iter(own) if own else self.wrapper.named_parameters(*args, **kwargs)
+        own = list(self._calls_model.named_parameters(*args, **kwargs))
+        return iter(own) if own else self._calls_wrapper.named_parameters(*args, **kwargs)
 
 
 def wrapper_kind(module: Any) -> str | None:
@@ -85,7 +87,7 @@ def is_wrapper(module: Any) -> bool:
 def _unwrap_once(module: Any) -> Any:
     kind = wrapper_kind(module)
     if kind == "calls-through":
-        return module.model
+        return module._calls_model
     if kind == "FSDP1":
         return module._fsdp_wrapped_module
     if kind == "torch.compile":

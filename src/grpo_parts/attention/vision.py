@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..wrappers import inner_model, model_name
+from ..wrappers import inner_model, model_name, transformers_model
 
 #: the processor keywords that carry a grid per image or video (the M-RoPE family reads them)
 GRID_KEYS = ("image_grid_thw", "video_grid_thw")
@@ -29,8 +29,11 @@ def is_vision_model(model: torch.nn.Module) -> bool:
 
 
 def _rope_index_owner(model: torch.nn.Module) -> Any:
-    """The module that defines ``get_rope_index`` (the ``...Model`` under ``...ForConditionalGeneration``), or None."""
-    for m in (model, getattr(model, "model", None)):
+    """The module that defines ``get_rope_index`` (the ``...Model`` under ``...ForConditionalGeneration``), or None.
+    Asked of the model under its wrappers: a :class:`~grpo_parts.wrappers.CallsThrough`'s own
+    ``model`` attribute is the whole inner model, not its ``.model`` submodule."""
+    inner = transformers_model(model)
+    for m in (inner, getattr(inner, "model", None)):
         if m is not None and callable(getattr(m, "get_rope_index", None)):
             return m
     return None

@@ -25,7 +25,7 @@ import torch
 from ..core import LossConfig
 from ..core.unbiased import full_batch_denominators
 from ..errors import GRPOPartsError, check_tensor
-from ..types import FilterResult, Rollout
+from ..types import VISION_KEYS, FilterResult, Rollout, VisionInputs
 
 __all__ = ["KeptBatch", "apply_filter", "loss_denominators", "select_rows"]
 
@@ -121,12 +121,20 @@ def apply_filter(
 
 def select_rows(batch: Mapping[str, Any], kept: torch.Tensor, num_rows: int) -> dict[str, Any]:
     """Slice every per-row entry of a framework's batch dict (TRL's ``inputs``: tensors whose first
-    dim is ``num_rows``, or lists of that length) to ``kept``; other entries are passed through."""
+    dim is ``num_rows``, or lists of that length) to ``kept``, and its flat image entries to the
+    kept rows' images (:meth:`~grpo_parts.types.VisionInputs.per_row`); other entries are passed
+    through."""
     _check_kept(kept, num_rows)
     idx = kept.tolist()
     out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == num_rows:
+    # a processor's flat image entries (pixel_values over the batch's images or patches, a grid per
+    # image) do not run over rows: each kept row takes its own images, counted in num_images
+    images = VisionInputs.per_row(batch, num_rows)
+    flat = images.flat(idx, [k for k in VISION_KEYS if k in batch]) if images is not None else {}
+    for key, value in batch.items():  # in the batch's key order (TRL splits by its first tensor)
+        if key in flat:
+            out[key] = flat[key]
+        elif isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == num_rows:
             out[key] = value[kept.to(value.device)]
         elif isinstance(value, (list, tuple)) and len(value) == num_rows:
             out[key] = type(value)(value[i] for i in idx)

@@ -16,6 +16,7 @@ from ..types import PromptBatch, Rollout
 
 __all__ = [
     "IMAGE_PROMPTS_REASON",
+    "image_prompt_reasons",
     "DecodeTraceView",
     "PromptBatch",
     "Rollout",
@@ -30,6 +31,12 @@ IMAGE_PROMPTS_REASON = (
     "PromptBatch.vision: image prompts are rolled out by the reference sampler only so far "
     "(docs/attention.md, 'Vision-language policies')"
 )
+
+
+def image_prompt_reasons(sampler: object) -> list[str]:
+    """Why ``sampler`` cannot roll out image prompts (empty: it can). A sampler declares that it
+    can with a class attribute ``takes_images = True``."""
+    return [] if getattr(sampler, "takes_images", False) else [IMAGE_PROMPTS_REASON]
 
 
 @runtime_checkable

@@ -52,6 +52,8 @@ class ReferenceSampler:
     (see the module docstring)."""
 
     name: ClassVar[str] = "reference"
+    #: rolls out image prompts (:func:`~.protocol.image_prompt_reasons`)
+    takes_images: ClassVar[bool] = True
 
     def __init__(self, model: torch.nn.Module):
         reasons = check_model(model)

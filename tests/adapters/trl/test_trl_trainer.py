@@ -224,7 +224,7 @@ def test_config_reasons_name_the_setting() -> None:
         use_vllm=True, args=SimpleNamespace(vllm_mode="server", generation_kwargs=None), _is_vlm=True
     )
     assert any("vllm_mode='server'" in r for r in sampler_config_reasons(t))
-    assert any("multimodal" in r for r in attention_config_reasons(t))
+    assert not any("multimodal" in r for r in attention_config_reasons(t))  # VLMs are served (#55)
 
 
 def test_eval_batches_are_not_filtered_and_do_not_train_the_draft(base: torch.nn.Module) -> None:

@@ -19,7 +19,6 @@ from ...errors import GRPOPartsError, NotSupportedError
 from ...wrappers import inner_model, sharding
 from ..protocol import LogprobBatch, LogprobOutput
 from ..reference import completion_output
-from ..vision import is_vision_model
 from .chunking import empty_call_batch
 from .guard import layout_shortfall, model_kind, refusing
 from .images import grid_images
@@ -54,7 +53,7 @@ def grouped_forward(
     b = grouped.input_ids.shape[0]
     placeholder = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=grouped.input_ids.device)
     try:
-        with select_attention(model, KERNEL_NAME, text_only=is_vision_model(model)):
+        with select_attention(model, KERNEL_NAME):
             out = model(
                 input_ids=grouped.input_ids,
                 position_ids=grouped.position_ids if position_ids is None else position_ids,

@@ -23,7 +23,7 @@ from ...draft.protocol import DraftModel, DraftTrainingBatch, TreeBudget, TreeDr
 from ...errors import NotSupportedError
 from ...wrappers import inner_model
 from .. import stats as keys
-from ..protocol import IMAGE_PROMPTS_REASON, PromptBatch, Rollout, SamplingParams
+from ..protocol import PromptBatch, Rollout, SamplingParams, image_prompt_reasons
 from ..reference import check_model, completion_mask_from_eos, expand_prompts, padded_rollout
 from .calibration import calibrate, calibration_context
 from .config import SpeculativeConfig
@@ -171,7 +171,7 @@ class SpeculativeSampler:
     ) -> tuple[Any, ...]:
         reasons = self.not_supported_reasons(params)
         if prompts.vision is not None:
-            reasons.append(IMAGE_PROMPTS_REASON)
+            reasons += image_prompt_reasons(self)
         if reasons:
             raise NotSupportedError(self.name, reasons)
         model, draft = self.model, self.draft

@@ -18,7 +18,7 @@ import torch
 
 from ...core import token_logprobs
 from ...errors import GRPOPartsError, NotSupportedError, install_hint
-from ..protocol import IMAGE_PROMPTS_REASON, PromptBatch, Rollout, SamplingParams
+from ..protocol import PromptBatch, Rollout, SamplingParams, image_prompt_reasons
 from ..reference import check_model, completion_mask_from_eos, expand_prompts, padded_rollout
 from .config import KRange, VLLMConfig
 from .online_draft import OnlineLMDraft, apply_table, cost_model_table
@@ -212,7 +212,7 @@ class VLLMSampler:
     ) -> Rollout:
         reasons = self.not_supported_reasons(params)
         if prompts.vision is not None:
-            reasons.append(IMAGE_PROMPTS_REASON)
+            reasons += image_prompt_reasons(self)
         if reasons:
             raise NotSupportedError("vllm", reasons)
         from vllm import SamplingParams as VSamplingParams
