@@ -114,7 +114,11 @@ class GRPOPartsActor(Actor):
         if ring_attn_group is not None:
             out.append("ring attention (--ds.ring_attn_size > 1) splits sequences across ranks")
         if mm_inputs or getattr(self, "is_vlm", False):
-            out.append("multimodal inputs")
+            out.append(
+                "multimodal inputs: OpenRLHF merges its samples' images flat before the actor's forward, "
+                "with no count per row to give each row its own (grpo_parts serves VLMs through TRL, "
+                "verl's engine and your own loop: docs/attention.md)"
+            )
         return out
 
     def _plan_call(

@@ -189,7 +189,11 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
         images: Any = None,
     ) -> dict[str, Any]:
         if images:
-            raise NotImplementedError("GRPOPartsAgentExecutor: multimodal prompts are not supported")
+            raise NotImplementedError(
+                "GRPOPartsAgentExecutor: image prompts are not rolled out through this door (it "
+                "tokenizes text only; grpo_parts rolls image prompts out with the reference sampler in "
+                "TRL and your own loop: docs/attention.md)"
+            )
         ids = hf_tokenizer(text=prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][
             0
         ].tolist()

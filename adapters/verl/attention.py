@@ -8,7 +8,7 @@ masked by verl's ``response_mask``). Called from verl's ``forward_step`` by :mod
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -16,7 +16,9 @@ import torch
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch
 from grpo_parts.attention.shared_prefix.packed import unpack
 from grpo_parts.build import build_attention
+from grpo_parts.doors.vision import image_groups
 from grpo_parts.errors import GRPOPartsError, check_tensor
+from grpo_parts.types import VisionInputs
 
 from .advantage import uid_to_group_index
 
@@ -69,13 +71,22 @@ def packed_call(
     cu_seqlens: torch.Tensor,
     response_lens: torch.Tensor,
     group_keys: Sequence[Any] | None = None,
+    images: VisionInputs | None = None,
 ) -> PackedCall | None:
     """The backend call of a packed micro-batch (``input_ids: [nnz]`` or ``[1, nnz]``, ``cu_seqlens:
-    [B + 1]``, ``response_lens: [B]``, ``group_keys``: verl's ``uid`` per sequence); None when no
-    sequence has a response token (nothing to score)."""
+    [B + 1]``, ``response_lens: [B]``, ``group_keys``: verl's ``uid`` per sequence, ``images``: each
+    sequence's vision inputs, verl's ``multi_modal_inputs``); None when no sequence has a response
+    token (nothing to score). Rows share a group when their uid *and* their images are equal."""
     ids, cu, resp, lens = _checked_packing(input_ids, cu_seqlens, response_lens)
     plen = lens - resp
     gi = group_index(ids, cu, plen, group_keys)
+    vision = None
+    if images is not None:
+        if len(images.per_prompt) != plen.numel():
+            raise GRPOPartsError(
+                f"multi_modal_inputs: expected one entry per sequence ({plen.numel()}), got {len(images.per_prompt)}"
+            )
+        gi, vision = image_groups(gi, images)
     has = resp > 0
     if not bool(has.any()):
         return None
@@ -83,6 +94,7 @@ def packed_call(
     tok = has[seq]
     sub_cu = torch.cat([cu.new_zeros(1), lens[has].cumsum(0)])
     batch, rows, cols = unpack(ids[tok], sub_cu, plen[has], gi[has])
+    batch = replace(batch, vision=vision)
     off = torch.arange(ids.numel(), device=ids.device) - cu[:-1][seq]
     where = (off >= plen[seq]).nonzero().reshape(-1)  # completion tokens, in packed order
     return PackedCall(batch, (rows, cols), where, ids.numel())

@@ -33,6 +33,8 @@ from grpo_parts.counters import (
     framework_key,
 )
 from grpo_parts.doors.agreement import agree_fallback
+from grpo_parts.errors import NotSupportedError
+from grpo_parts.types import VisionInputs
 
 from .attention import PackedCall, packed_call, run_packed, scalar_temperature
 from .options import EngineOptions, options_of
@@ -51,24 +53,30 @@ def _flags(micro_batch: Any, *keys: str) -> list[str]:
 
 
 def fallback_reason(micro_batch: Any, opts: EngineOptions) -> str | None:
-    """Why this micro-batch must run verl's own forward (None: grpo_parts computes it)."""
-    from verl.utils.model import extract_multi_modal_inputs
-
+    """Why this micro-batch must run verl's own forward (None: grpo_parts computes it). Images are
+    served (:func:`_images`); their 3-D position ids are the backend's own, from the model's
+    ``get_rope_index`` as verl's data path computes them."""
     flags = _flags(micro_batch, "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared")
     if flags:
         return ", ".join(flags)
-    # verl's v1 agent loop writes multi_modal_inputs={} into every text sample: only non-empty
-    # inputs (what verl's own forward would pass to the model) make a micro-batch multi-modal
-    if "multi_modal_inputs" in micro_batch.keys() and extract_multi_modal_inputs(
-        micro_batch["multi_modal_inputs"]
-    ):
-        return "multi-modal inputs"
-    if micro_batch["position_ids"].dim() == 3:
-        return "3-D (multi-modal rope) position ids"
     t = micro_batch["temperature"]
     if isinstance(t, torch.Tensor) and t.numel() > 1 and bool((t != t.reshape(-1)[0]).any()):
         return "per-sample temperatures"
     return None
+
+
+def _images(micro_batch: Any, device: torch.device) -> VisionInputs | None:
+    """Each sequence's ``multi_modal_inputs`` (verl stores one dict per sample, ``{}`` for text: the
+    v1 agent loop writes it into every text sample) as :class:`VisionInputs`; None when every one
+    is empty (a text micro-batch)."""
+    if "multi_modal_inputs" not in micro_batch.keys():
+        return None
+    items = micro_batch["multi_modal_inputs"]
+    items = items.tolist() if hasattr(items, "tolist") else list(items)
+    per = [dict(getattr(x, "data", x) or {}) for x in items]
+    if not any(per):
+        return None
+    return VisionInputs(tuple({k: torch.as_tensor(v).to(device) for k, v in m.items()} for m in per))
 
 
 def _parts(micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Any] | None]:
@@ -91,7 +99,6 @@ def _dispatch_on_layout(model: Any) -> None:
 
     from grpo_parts.attention.shared_prefix.kernels import shared_prefix_attention
     from grpo_parts.attention.shared_prefix.layout import LAYOUT_KWARG
-    from grpo_parts.errors import NotSupportedError
 
     name = model.config._attn_implementation
     if name not in ALL_ATTENTION_FUNCTIONS:
@@ -108,8 +115,12 @@ def _dispatch_on_layout(model: Any) -> None:
     def attention(
         module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kw: Any
     ) -> Any:
-        if kw.get(LAYOUT_KWARG) is not None:
+        if kw.get(LAYOUT_KWARG) is not None and getattr(module, "is_causal", True):
             return shared_prefix_attention(module, query, key, value, attention_mask, *args, **kw)
+        # a VLM's vision tower shares the attention name and gets the forward's keywords too: its
+        # own (non-causal) attention runs; a decoder layer that skipped the kernel is caught by the
+        # layout's receipts (layout_shortfall), never served silently
+        kw.pop(LAYOUT_KWARG, None)
         return current(module, query, key, value, attention_mask, *args, **kw)
 
     attention._grpo_parts_original = current  # type: ignore[attr-defined]
@@ -120,8 +131,6 @@ def _engine_state(engine: Any, opts: EngineOptions) -> Any:
     """Per-engine backend, built (and the engine checked) on its first micro-batch."""
     state = engine.__dict__.get(_STATE_ATTR)
     if state is None or state[0] is not opts:
-        from grpo_parts.errors import NotSupportedError
-
         reasons = []
         if getattr(engine, "use_ulysses_sp", False):
             reasons.append("Ulysses sequence parallelism (refused at config time; engine built around it)")
@@ -195,15 +204,21 @@ def _prepare(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[_Prepa
     """``(the micro-batch's call and plan, reason)``: why it must run verl's forward instead
     (``None``: it need not). The plan is this rank's own; :func:`_agree` makes the ranks agree."""
     ids, cu, resp, keys = _parts(micro_batch)
-    call = packed_call(ids, cu, resp, keys)
+    call = packed_call(ids, cu, resp, keys, _images(micro_batch, ids.device))
     if call is None:
         return None, "no sequence of the micro-batch has a response token"
     backend = _engine_state(engine, opts)
-    plan = (
-        backend.plan(engine.module, call.batch, packed=True, agree=False)
-        if isinstance(backend, Plans)
-        else None
-    )
+    # image prompts run in grids of whole prompts, never bounded as packed rows (max_padding_ratio
+    # below still compares the grid with verl's packed tokens)
+    packed = call.batch.vision is None
+    try:
+        plan = (
+            backend.plan(engine.module, call.batch, packed=packed, agree=False)
+            if isinstance(backend, Plans)
+            else None
+        )
+    except NotSupportedError as e:
+        return None, str(e)
     prepared = _Prepared(call, plan, cu)
     grid, packed, _ = prepared.tokens()
     if opts.max_padding_ratio is not None and grid > opts.max_padding_ratio * packed:

@@ -143,7 +143,6 @@ def test_dispatcher_feeds_verl_ppo_loss(cpu, verl_forward, model, backend, tempe
 
 
 FALLBACKS = {
-    "multi-modal inputs": dict(mm=[{"pixel_values": torch.ones(2, 3)}] + [{}] * (len(ROWS) - 1)),
     "distillation_use_topk": dict(distillation_use_topk=True),
     "calculate_sum_pi_squared": dict(calculate_sum_pi_squared=True),
     "per-sample temperatures": dict(temperature=torch.tensor([1.0, 0.5, 1.0, 1.0, 1.0])),
@@ -256,3 +255,55 @@ def test_engines_without_options_and_critics_run_verls_forward_uncounted(cpu, ve
         assert out["metrics"] == {"verl": 1.0}
     assert len(verl_forward) == 2
     assert hook.COUNTERS.total("attention") + hook.COUNTERS.total("attention", "fallbacks") == before
+
+
+def test_image_micro_batches_are_served_with_each_rows_own_images(cpu, verl_forward):
+    """verl's ``multi_modal_inputs`` (one dict per sample, as its data path stores a Qwen2-VL
+    processor's outputs): grpo_parts scores each response with its own prompt's images, once per
+    uid and image, equal to the model's own forward on each row with its images (float64); a uid
+    with another image (same text) is its own group."""
+    from grpo_parts.attention.vision import token_types
+    from grpo_parts.tiny_vision import tiny_image, tiny_vlm
+
+    vlm = tiny_vlm("qwen2_vl", dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    (img_a, kw_a), (img_b, kw_b) = tiny_image(vlm, 1, gen), tiny_image(vlm, 2, gen)
+    _, kw_c = tiny_image(vlm, 1, gen)  # the size of a, other pixels
+    prompts = {"a": ([5] + img_a + [6, 7], kw_a), "b": ([8] + img_b, kw_b), "c": ([5] + img_a + [6, 7], kw_c)}
+    rows = [
+        ("a", [9, 10]),
+        ("b", [13, 14, 15]),
+        ("a", [8]),
+        ("c", [16, 17]),
+        ("b", [16]),
+        ("a", [20, 21, 22]),
+    ]
+    nested = tu.nested_tensor_from_tensor_list
+    resp = [torch.tensor(r) for _, r in rows]
+    full = [torch.tensor(prompts[u][0] + r) for u, r in rows]
+    mb = tu.get_tensordict(
+        {
+            "input_ids": nested(full),
+            "position_ids": nested([torch.arange(len(x)) for x in full]),
+            "prompts": nested([torch.tensor(prompts[u][0]) for u, _ in rows]),
+            "responses": nested(resp),
+            "response_mask": nested([torch.ones_like(x) for x in resp]),
+            "uid": [u for u, _ in rows],
+        },
+        non_tensor_dict={"temperature": 1.0, "calculate_entropy": False, "use_remove_padding": True},
+    )
+    mb["multi_modal_inputs"] = NonTensorStack(*[dict(prompts[u][1]) for u, _ in rows])
+    for backend in ("shared_prefix", "reference"):
+        engine = StandInEngine(vlm, EngineOptions(attention=backend))
+        _, out = engine.forward_step(mb, None, forward_only=True)
+        assert not verl_forward, backend  # served, not handed to verl's forward
+        got = no_padding_2_padding(out["model_output"]["log_probs"], mb)
+        for i, ((u, r), x) in enumerate(zip(rows, full)):
+            with torch.no_grad():
+                types = token_types(vlm, x[None])
+                logits = vlm(input_ids=x[None], mm_token_type_ids=types, **prompts[u][1]).logits[0].double()
+            want = logits.log_softmax(-1)[len(x) - len(r) - 1 : -1].gather(-1, torch.tensor(r)[:, None])[:, 0]
+            torch.testing.assert_close(
+                got[i, : len(r)], want, rtol=0, atol=1e-9, msg=lambda m, i=i: f"row {i}: {m}"
+            )
+    assert hook.COUNTERS.total("attention") >= 2 and hook.COUNTERS.total("attention", "fallbacks") == 0
