@@ -210,10 +210,10 @@ def _prepare(engine: Any, micro_batch: Any, opts: EngineOptions) -> tuple[_Prepa
     backend = _engine_state(engine, opts)
     # image prompts run in grids of whole prompts, never bounded as packed rows (max_padding_ratio
     # below still compares the grid with verl's packed tokens)
-    packed = call.batch.vision is None
+    rows_bound = call.batch.vision is None
     try:
         plan = (
-            backend.plan(engine.module, call.batch, packed=packed, agree=False)
+            backend.plan(engine.module, call.batch, packed=rows_bound, agree=False)
             if isinstance(backend, Plans)
             else None
         )
