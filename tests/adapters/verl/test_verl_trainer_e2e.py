@@ -92,6 +92,7 @@ def test_verl_trainer_every_part_on_follows_the_actor_and_resumes(tmp_path: Path
     assert resumed["sent_checksum"] != pytest.approx(syncs[0]["sent_checksum"], rel=1e-9)
 
 
+@pytest.mark.slow  # ~3 min of CI's budget; the EAGLE draft and dppo also run behind verl's agent loop and advantage seams
 def test_verl_trainer_eagle_draft_trains_on_the_current_policy(tmp_path: Path) -> None:
     log = tmp_path / "syncs.jsonl"
     extra = [
@@ -109,6 +110,7 @@ def test_verl_trainer_eagle_draft_trains_on_the_current_policy(tmp_path: Path) -
     assert totals["draft_updates"] > 0 and totals["weight_syncs"] >= 2
 
 
+@pytest.mark.slow  # the control of the sync check (~2.5 min): opt-in, -m slow
 def test_verl_trainer_without_syncs_drifts_off_policy(tmp_path: Path) -> None:
     """Control: the same run with the sampler frozen at the checkpoint (explicit opt-in, counted)."""
     log = tmp_path / "syncs.jsonl"
