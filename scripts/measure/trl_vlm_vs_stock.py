@@ -85,7 +85,7 @@ def run_child(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     parts = {"sampler": "reference", "attention": "shared_prefix"} if arm == "parts" else {}
     cls = GRPOPartsTrainer if arm == "parts" else GRPOTrainer
     trainer = cls(
-        model=model, reward_funcs=_reward, args=config, processing_class=tiny_processor(model),
+        model=model, reward_funcs=_reward, args=config, processing_class=tiny_processor(model, max_image_tokens=args.image_tokens),
         train_dataset=_dataset(args.prompts * args.steps, args.image_tokens, seed), **parts,
     )  # fmt: skip
     trainer.train()

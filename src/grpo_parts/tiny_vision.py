@@ -208,12 +208,13 @@ _CHAT = (
 )
 
 
-def tiny_processor(model: torch.nn.Module) -> Any:
+def tiny_processor(model: torch.nn.Module, max_image_tokens: int = 16) -> Any:
     """An offline processor for a Qwen2-VL / Qwen2.5-VL or LLaVA :func:`tiny_vlm` (what TRL takes as
     ``processing_class``): a word-level tokenizer over :data:`PROCESSOR_WORDS` whose top ids are the
     model's placeholder tokens, the family's image processor sized to the tiny vision tower, and a
-    chat template that renders an image part as the family does. Images only: the Qwen video
-    processor needs torchvision, which the CPU test set-up does not install."""
+    chat template that renders an image part as the family does. A Qwen VL image is resized to at
+    most ``max_image_tokens`` merged patches (LLaVA's to its tower's fixed size). Images only: the
+    Qwen video processor needs torchvision, which the CPU test set-up does not install."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -238,10 +239,12 @@ def tiny_processor(model: torch.nn.Module) -> Any:
         additional_special_tokens=specials, padding_side="left",
     )  # fmt: skip
     image = "<|vision_start|><|image_pad|><|vision_end|>" if qwen else "<image>"
-    return _qwen_processor(cfg, tokenizer, image) if qwen else _llava_processor(cfg, tokenizer)
+    if qwen:
+        return _qwen_processor(cfg, tokenizer, image, max_image_tokens)
+    return _llava_processor(cfg, tokenizer)
 
 
-def _qwen_processor(cfg: Any, tokenizer: Any, image: str) -> Any:
+def _qwen_processor(cfg: Any, tokenizer: Any, image: str, max_tokens: int) -> Any:
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
@@ -258,7 +261,7 @@ def _qwen_processor(cfg: Any, tokenizer: Any, image: str) -> Any:
     factor = v.patch_size * v.spatial_merge_size
     images = Qwen2VLImageProcessor(
         patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size,
-        size={"shortest_edge": factor * factor, "longest_edge": 16 * factor * factor},
+        size={"shortest_edge": factor * factor, "longest_edge": max_tokens * factor * factor},  # pixels
     )  # fmt: skip
     return ImageOnlyQwenVLProcessor(images, tokenizer, chat_template=_CHAT.replace("IMAGE", image))
 
