@@ -51,32 +51,51 @@ def _dataset(n: int = 8) -> Any:
     )
 
 
+def _multi_image_dataset(n: int = 8) -> Any:
+    """``n`` rows in TRL's ``images`` format: one or two images per prompt, of several sizes."""
+    import numpy as np
+    from datasets import Dataset
+
+    rng = np.random.default_rng(1)
+    counts = [1, 2, 2, 1]
+    sizes = [(8, 8), (8, 12), (12, 8), (8, 16)]
+    rows = []
+    for i in range(n):
+        k = counts[i % 4]
+        content = [{"type": "image"}] * k + [{"type": "text", "text": ["how many a", "what b c"][i % 2]}]
+        rows.append(([{"role": "user", "content": content}], [_image(rng, *sizes[(i + j) % 4]) for j in range(k)]))
+    return Dataset.from_dict({"prompt": [r[0] for r in rows], "images": [r[1] for r in rows]})
+
+
 def _reward(completions: list[Any], **kwargs: Any) -> list[float]:
     """TRL's conversational completions (``[{"role": "assistant", "content": ...}]``) scored as text."""
     return _tiny.reward([c[0]["content"] for c in completions])
 
 
-def _trainer(family: str, cls: Any = GRPOPartsTrainer, steps: int = 1, **parts: Any) -> Any:
+def _trainer(
+    family: str, cls: Any = GRPOPartsTrainer, steps: int = 1, data: Any = None, **parts: Any
+) -> Any:
     model = tiny_vlm(family, dtype=torch.float64)
     args = _tiny.config(
         per_device_train_batch_size=8, num_generations=4, max_steps=steps, gradient_accumulation_steps=2
     )
     return cls(
-        model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+        model=model, reward_funcs=_reward, args=args, train_dataset=_dataset() if data is None else data,
         processing_class=tiny_processor(model), **parts,
     )  # fmt: skip
 
 
-def _forward_inputs(tr: Any) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, Any]]:
-    """Eight rows as TRL scores them: four prompts with their images, two completions each (random
-    text tokens), TRL's processor outputs and the completion mask right-padded."""
-    ds = _dataset(4)
+def _forward_inputs(tr: Any, multi: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, Any]]:
+    """Eight rows as TRL scores them: four prompts with their images (``multi``: one or two each),
+    two completions each (random text tokens), TRL's processor outputs and the completion mask
+    right-padded."""
+    ds = _multi_image_dataset(4) if multi else _dataset(4)
     proc = tr.processing_class
     rows = [i for i in range(4) for _ in range(2)]
     from trl.data_utils import apply_chat_template
 
     texts = [apply_chat_template({"prompt": ds[i]["prompt"]}, proc)["prompt"] for i in rows]
-    images = [[ds[i]["image"]] for i in rows]
+    images = [ds[i]["images"] if multi else [ds[i]["image"]] for i in rows]
     inputs = proc(images=images, text=texts, padding=True, return_tensors="pt")
     gen = torch.Generator().manual_seed(0)
     completion = torch.randint(3, 30, (len(rows), 5), generator=gen)
@@ -87,7 +106,7 @@ def _forward_inputs(tr: Any) -> tuple[torch.Tensor, torch.Tensor, int, dict[str,
     mm = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     if "mm_token_type_ids" in mm:
         mm["mm_token_type_ids"] = torch.cat([mm["mm_token_type_ids"], torch.zeros_like(completion)], dim=1)
-    mm["num_images"] = [1] * len(rows)
+    mm["num_images"] = [len(x) for x in images]
     return ids, mask, completion.shape[1], mm
 
 
@@ -100,15 +119,15 @@ def _scores(tr: Any, fn: Any, mm: dict[str, Any], ids: torch.Tensor, mask: torch
     return logps.detach().double(), grads
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_attention_equals_trls_forward_with_images(family: str) -> None:
-    """On TRL's VLM rows the shared-prefix backend's log-probs and every gradient (the vision
+@pytest.mark.parametrize(("family", "multi"), [(f, False) for f in FAMILIES] + [("qwen2_vl", True)])
+def test_attention_equals_trls_forward_with_images(family: str, multi: bool) -> None:
+    """On TRL's VLM rows (one image per prompt, or one or two) the shared-prefix backend's log-probs and every gradient (the vision
     tower's included) equal the reference backend's (each row with its images repeated) in float64,
     and TRL's own forward to float32 rounding (its fused LM head sums in float32)."""
     from grpo_parts.build import build_attention
 
     tr = _trainer(family, attention="shared_prefix")
-    ids, mask, keep, mm = _forward_inputs(tr)
+    ids, mask, keep, mm = _forward_inputs(tr, multi)
     live = mask[:, -keep:].bool()
     parts = _scores(tr, tr._get_per_token_logps_and_entropies, mm, ids, mask, keep)
     assert tr._gp_counters.total("attention") >= 1 and tr._gp_counters.total("attention", "fallbacks") == 0
@@ -131,12 +150,16 @@ def test_attention_equals_trls_forward_with_images(family: str) -> None:
             assert err <= gtol, (n, err)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_part_serves_an_image_dataset(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "images"), [(f, "image") for f in FAMILIES] + [("qwen2_vl", "images")]
+)
+def test_every_part_serves_an_image_dataset(family: str, images: str, tmp_path: Path) -> None:
     """Reference sampler, shared-prefix attention, CPPO with a refill round, TRL's micro-batches
-    regrouped by prompt: two steps on an image dataset, every part counted, nothing fell back."""
+    regrouped by prompt: two steps on an image dataset (TRL's ``image`` column, or ``images`` with
+    one or two per prompt), every part counted, nothing fell back."""
     tr = _trainer(
-        family, steps=2, sampler="reference", attention="shared_prefix",
+        family, steps=2, data=_multi_image_dataset() if images == "images" else None,
+        sampler="reference", attention="shared_prefix",
         filter="cppo", filter_kwargs={"pruning_rate": 0.5}, parts={"refill_rounds": 1},
     )  # fmt: skip
     assert tr._gp_group_rows and not tr.parts_refused
