@@ -22,7 +22,7 @@ from verl.workers.rollout.replica import TokenOutput
 from grpo_parts import build as parts_build
 from grpo_parts.doors.policy_copy import PolicyCopy
 from grpo_parts.doors.serving import RequestBatcher, sample_requests
-from grpo_parts.errors import GRPOPartsError
+from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.sampler.protocol import Sampler, SamplingParams
 
 NAME = "grpo_parts_agent"
@@ -102,8 +102,30 @@ class SamplerServer:
         ]
 
     async def generate(
-        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: Any = None,
+        video_data: Any = None,
+        audio_data: Any = None,
+        **_: Any,
     ) -> TokenOutput:
+        media = [
+            n
+            for n, v in (("image_data", image_data), ("video_data", video_data), ("audio_data", audio_data))
+            if v
+        ]
+        if media:  # sampling the token ids alone would roll out without the images: never silently
+            raise NotSupportedError(
+                "grpo_parts verl rollout",
+                [
+                    f"verl passed {', '.join(media)} with the prompt: this server rolls out token ids only "
+                    "and would sample without them; use verl's vLLM/SGLang rollout for a vision-language "
+                    "policy (the engine hook serves its log-probs: docs/adapters/verl.md)"
+                ],
+            )
         return await self.batcher.submit(self.params(sampling_params), prompt_ids)
 
 

@@ -164,10 +164,12 @@ class GRPOPartsServer:
         self.replica_rank = replica_rank
 
     async def generate(
-        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **media: Any
     ) -> TokenOutput:
         self.copy.check_fresh()
-        out = await self.server.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+        out = await self.server.generate(
+            request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **media
+        )  # image_data / video_data / audio_data: refused there, never dropped
         extra = dict(out.extra_fields)
         stats = {**extra.get("grpo_parts_stats", {}), **self.copy.counters()}
         totals = {TOTALS_REPLICA: float(self.replica_rank), **self.counters()}

@@ -63,7 +63,9 @@ def _multi_image_dataset(n: int = 8) -> Any:
     for i in range(n):
         k = counts[i % 4]
         content = [{"type": "image"}] * k + [{"type": "text", "text": ["how many a", "what b c"][i % 2]}]
-        rows.append(([{"role": "user", "content": content}], [_image(rng, *sizes[(i + j) % 4]) for j in range(k)]))
+        rows.append(
+            ([{"role": "user", "content": content}], [_image(rng, *sizes[(i + j) % 4]) for j in range(k)])
+        )
     return Dataset.from_dict({"prompt": [r[0] for r in rows], "images": [r[1] for r in rows]})
 
 
@@ -72,9 +74,7 @@ def _reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return _tiny.reward([c[0]["content"] for c in completions])
 
 
-def _trainer(
-    family: str, cls: Any = GRPOPartsTrainer, steps: int = 1, data: Any = None, **parts: Any
-) -> Any:
+def _trainer(family: str, cls: Any = GRPOPartsTrainer, steps: int = 1, data: Any = None, **parts: Any) -> Any:
     model = tiny_vlm(family, dtype=torch.float64)
     args = _tiny.config(
         per_device_train_batch_size=8, num_generations=4, max_steps=steps, gradient_accumulation_steps=2
@@ -150,9 +150,7 @@ def test_attention_equals_trls_forward_with_images(family: str, multi: bool) -> 
             assert err <= gtol, (n, err)
 
 
-@pytest.mark.parametrize(
-    ("family", "images"), [(f, "image") for f in FAMILIES] + [("qwen2_vl", "images")]
-)
+@pytest.mark.parametrize(("family", "images"), [(f, "image") for f in FAMILIES] + [("qwen2_vl", "images")])
 def test_every_part_serves_an_image_dataset(family: str, images: str, tmp_path: Path) -> None:
     """Reference sampler, shared-prefix attention, CPPO with a refill round, TRL's micro-batches
     regrouped by prompt: two steps on an image dataset (TRL's ``image`` column, or ``images`` with

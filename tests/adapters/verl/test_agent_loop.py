@@ -368,3 +368,16 @@ def test_in_process_sampler_refuses_a_rollout_verl_never_syncs():
     asyncio.run(frozen())
     (server,) = [v for k, v in ours._LOCAL_SERVERS.items() if k[0] == factory and k[1] == "reference"]
     assert server.totals["frozen_rollouts"] >= 1
+
+
+def test_media_with_a_prompt_is_refused_never_dropped():
+    """verl's server ``generate`` carries ``image_data`` / ``video_data`` for a vision-language
+    policy: the grpo_parts server rolls out token ids only, so it refuses them in one line instead
+    of sampling without the images."""
+    from grpo_parts.errors import NotSupportedError
+
+    server = ours.SamplerServer(ReferenceSampler(tiny_model()), (1,), 0, RESPONSE_LEN)
+    with pytest.raises(NotSupportedError, match="verl passed image_data with the prompt"):
+        asyncio.run(server.generate("r0", prompt_ids=[3, 4], sampling_params={}, image_data=[object()]))
+    out = asyncio.run(server.generate("r1", prompt_ids=[3, 4], sampling_params={}, image_data=None))
+    assert len(out.token_ids) >= 1  # text prompts are served as before
