@@ -94,6 +94,24 @@ def test_missing_model_path_fails_before_creating_a_run_folder(tmp_path: Path, t
     assert not (tmp_path / "runs" / "x").exists()
 
 
+def test_a_vision_language_model_is_refused_in_one_line_before_a_run_folder(
+    tmp_path: Path, tiny_overrides: Any
+) -> None:
+    """A VLM checkpoint (#55: served through TRL's door and your own loop, not this trainer yet)
+    gets one line naming what it is and where it trains, never a loader's traceback."""
+    from grpo_parts.tiny_vision import tiny_processor, tiny_vlm
+
+    model = tiny_vlm("llava")
+    model.save_pretrained(tmp_path / "vlm")
+    tiny_processor(model).save_pretrained(tmp_path / "vlm")
+    cfg = load_config(overrides=tiny_overrides(tmp_path / "vlm", tmp_path / "runs", name="x"))
+    with pytest.raises(
+        GRPOPartsError, match="is a vision-language model .llava.; grpo-parts train runs text"
+    ):
+        train(cfg)
+    assert not (tmp_path / "runs" / "x").exists()
+
+
 def test_malformed_jsonl_fails_with_the_line_and_no_run_folder(
     tiny_model_dir: Path, tmp_path: Path, tiny_overrides: Any
 ) -> None:

@@ -87,10 +87,18 @@ def load_model(
         with hf_progress(progress):
             tok = _load_tokenizer(path) or AutoTokenizer.from_pretrained(path, local_files_only=True)
             config = AutoConfig.from_pretrained(path, local_files_only=True)
+            if getattr(config, "vision_config", None) is not None:
+                raise GRPOPartsError(
+                    f"model: {str(path)!r} is a vision-language model ({config.model_type}); grpo-parts "
+                    "train runs text policies only so far: train a VLM with TRL's GRPOPartsTrainer or "
+                    "your own loop (docs/adapters/trl.md, 'Vision-language models'; examples/vlm_own_loop.py)"
+                )
             attn = compat.attn_implementation(compat.causal_lm_class(config))  # sdpa where supported
             model = AutoModelForCausalLM.from_pretrained(
                 path, config=config, dtype=dtype, local_files_only=True, attn_implementation=attn
             )
+    except GRPOPartsError:
+        raise  # already one line naming the field
     except (OSError, ValueError) as e:
         raise GRPOPartsError(f"model: could not load {str(path)!r}: {e}") from None
     if tok.pad_token_id is None:
