@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +26,9 @@ from grpo_parts.counters import (
     framework_keys,
 )
 from grpo_parts.doors.agreement import agree_fallback
-from grpo_parts.errors import NotSupportedError
+from grpo_parts.doors.vision import image_groups, images_per_row
+from grpo_parts.errors import GRPOPartsError, NotSupportedError
+from grpo_parts.types import TOKEN_ALIGNED_KEYS, VISION_KEYS, VisionInputs
 from grpo_parts.wrappers import calls_through, transformers_model
 
 from .layout import scatter_to_openrlhf, to_logprob_batch
@@ -68,7 +71,9 @@ class GRPOPartsActor(Actor):
         backend = self.grpo_backend
         if not isinstance(backend, Plans):
             return None, None
-        plan = backend.plan(transformers_model(self.model), layout.batch, packed=True, agree=False)
+        # image prompts run in grids of whole prompts (never bounded as packed rows)
+        rows_bound = layout.batch.vision is None
+        plan = backend.plan(transformers_model(self.model), layout.batch, packed=rows_bound, agree=False)
         self.tokens.update(
             {
                 GRID_TOKENS: int(plan.tokens),
@@ -113,16 +118,32 @@ class GRPOPartsActor(Actor):
             out.append("caller wants full logits (allgather_logits)")
         if ring_attn_group is not None:
             out.append("ring attention (--ds.ring_attn_size > 1) splits sequences across ranks")
-        if mm_inputs or getattr(self, "is_vlm", False):
-            out.append(
-                "multimodal inputs: OpenRLHF merges its samples' images flat before the actor's forward, "
-                "with no count per row to give each row its own (grpo_parts serves VLMs through TRL, "
-                "verl's engine and your own loop: docs/attention.md)"
-            )
+        other = sorted(
+            k for k, v in mm_inputs.items() if v is not None and k not in (*VISION_KEYS, *TOKEN_ALIGNED_KEYS)
+        )
+        if other:
+            out.append(f"multimodal inputs {other}: an image layout grpo_parts does not split per row")
         return out
 
+    def _images(self, sequences: torch.Tensor, attention_mask: Any, mm_inputs: dict) -> tuple[Any, list[str]]:
+        """``(each row's images or None, reasons)``: OpenRLHF merges its samples' images flat; each
+        row's share is read off its image tokens (:func:`grpo_parts.doors.vision.images_per_row`)."""
+        if attention_mask is None or not any(mm_inputs.get(k) is not None for k in VISION_KEYS):
+            return None, []
+        model = transformers_model(self.model)
+        try:
+            counts = images_per_row(model, sequences, attention_mask, mm_inputs)
+            return VisionInputs.per_row({**mm_inputs, "num_images": counts}, sequences.shape[0]), []
+        except GRPOPartsError as e:
+            return None, [str(e)]
+
     def _plan_call(
-        self, sequences: torch.Tensor, action_mask: Any, attention_mask: Any, reasons: list[str]
+        self,
+        sequences: torch.Tensor,
+        action_mask: Any,
+        attention_mask: Any,
+        reasons: list[str],
+        images: Any = None,
     ) -> tuple[Any, Any, list[str]]:
         """``(layout, plan, reasons)``: the call regrouped by prompt and planned (:meth:`_plan`), or
         layout None and why OpenRLHF's forward runs it instead. ``reasons``: the caller's refusals so
@@ -132,6 +153,12 @@ class GRPOPartsActor(Actor):
         if attention_mask is None:
             reasons.append("no attention_mask")
         layout = None if reasons else to_logprob_batch(sequences, attention_mask, action_mask)  # type: ignore[arg-type]
+        if layout is not None and images is not None:  # rows share a group when tokens and images are equal
+            gi, vision = image_groups(
+                layout.batch.group_index,
+                VisionInputs(tuple(images.per_prompt[r] for r in layout.rows.tolist())),
+            )
+            layout = replace(layout, batch=replace(layout.batch, group_index=gi, vision=vision))
         plan = None
         if layout is not None:
             plan, reason = self._plan(layout)
@@ -198,7 +225,9 @@ class GRPOPartsActor(Actor):
         reasons = self._call_reasons(
             action_mask, return_logprobs, allgather_logits, ring_attn_group, mm_inputs
         )
-        layout, plan, reasons = self._plan_call(sequences, action_mask, attention_mask, reasons)
+        images, why = self._images(sequences, attention_mask, mm_inputs)
+        reasons += why
+        layout, plan, reasons = self._plan_call(sequences, action_mask, attention_mask, reasons, images)
         if layout is None:
             self.counters.fell_back("attention", "; ".join(reasons or ["no row has an action token"]))
             return super().forward(sequences, action_mask, attention_mask, **plain_call)

@@ -282,3 +282,53 @@ def test_the_backends_cost_choice_decides_the_padding_free_call(kernel, varlen, 
     assert backend.last_plan["layout"] == expected and tokens["parts/attention/padding_free_tokens"] == 163
     # the grid: the long row and the seven short ones as two sub-groups, (2 + 21) + (2 + 7 x 20)
     assert tokens["parts/attention/grid_tokens"] == (163 if expected == "padding_free" else 165)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_vision_language_rows_equal_openrlhfs_vlm_forward(family):
+    """OpenRLHF merges its samples' images flat (``merge_mm_train_inputs``) before the actor's
+    forward; the actor reads each row's share off its image tokens and the shared-prefix backend
+    scores every row with its own images: log-probs and gradients equal OpenRLHF's own VLM forward
+    (``is_vlm``: the model computes its positions), float64. Two prompts share a text, not an image."""
+    from openrlhf.models import Actor
+
+    from grpo_parts.attention.shared_prefix import SharedPrefixAttention
+    from grpo_parts.tiny_vision import tiny_image, tiny_vlm, vlm_family_missing
+
+    if vlm_family_missing(family):
+        pytest.skip(vlm_family_missing(family))
+    model = tiny_vlm(family, dtype=torch.float64)
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    imgs = [tiny_image(model, 1, gen) for _ in range(2)]
+    prompts = [[5, *imgs[0][0], 6], [5, *imgs[1][0], 6]]  # one text, two images
+    rows = [(0, [9, 10]), (0, [11]), (1, [12, 13, 14]), (1, [15, 16])]
+    width = max(len(prompts[p]) + len(c) for p, c in rows)
+    seq = torch.zeros(len(rows), width, dtype=torch.long)
+    att = torch.zeros_like(seq)
+    am = torch.zeros(len(rows), width - 1, dtype=torch.bool)
+    for i, (p, c) in enumerate(rows):
+        toks = prompts[p] + c
+        seq[i, width - len(toks) :] = torch.tensor(toks)  # left padding, as OpenRLHF's samples
+        att[i, width - len(toks) :] = 1
+        am[i, width - 1 - len(c) :] = True
+    mm = {k: torch.cat([imgs[p][1][k] for p, _ in rows]) for k in imgs[0][1]}
+    weights = torch.randn(am.shape, generator=gen, dtype=torch.float64)
+
+    def run(actor):
+        model.zero_grad(set_to_none=True)
+        lp = actor(seq, am, attention_mask=att, **dict(mm))
+        (lp * weights).sum().backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = Actor(KeepFloat64(model), temperature=1.0)
+    plain.packing_samples, plain.is_vlm, plain._vlm_config = False, True, model.config
+    ours = parts_actor(model, SharedPrefixAttention(), 1.0, False)
+    ours.is_vlm, ours._vlm_config = True, model.config
+    ref, got = run(plain), run(ours)
+    assert ours.counters.flush() == {"parts/attention/forwards": 1.0, "parts/attention/fallbacks": 0.0}
+    torch.testing.assert_close(got[0], ref[0], atol=1e-9, rtol=0)
+    scale = max(float(g.abs().max()) for g in ref[1].values())
+    assert ref[1].keys() == got[1].keys() and any("vision" in n or "visual" in n for n in ref[1])
+    for n, g in ref[1].items():
+        assert float((got[1][n] - g).abs().max()) <= 1e-6 * scale, n
