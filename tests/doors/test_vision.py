@@ -110,3 +110,22 @@ def test_rows_with_one_text_and_different_images_are_different_groups() -> None:
         None,
         0.0,
     ]
+
+
+def test_images_per_row_reads_each_rows_share_off_its_image_tokens() -> None:
+    """OpenRLHF merges images flat: row r's images are the next ones whose grids fill its image
+    tokens; a batch whose tokens and images do not add up is refused in one line."""
+    from grpo_parts.doors.vision import images_per_row
+    from grpo_parts.tiny_vision import tiny_vlm
+
+    model = tiny_vlm("qwen2_vl")
+    img = model.config.image_token_id
+    ids = torch.tensor(
+        [[5, img, img, 6, img, img, img, img], [0, 0, 0, 0, 5, 6, 7, 8], [0, 0, 0, 5, img, img, 9, 9]]
+    )
+    mask = (ids != 0).long()
+    grids = torch.tensor([[1, 2, 4], [1, 4, 4], [1, 2, 4]])  # 2, 4, 2 tokens after the 2x2 merge
+    fields = {"pixel_values": torch.zeros(int(grids.prod(-1).sum()), 3), "image_grid_thw": grids}
+    assert images_per_row(model, ids, mask, fields) == [2, 0, 1]
+    with pytest.raises(GRPOPartsError, match="row 2 holds 2 image tokens, its images in order make 0"):
+        images_per_row(model, ids, mask, {**fields, "image_grid_thw": grids[[0, 0, 2]]})
