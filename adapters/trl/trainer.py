@@ -302,7 +302,7 @@ class GRPOPartsTrainer(FilterSeam):
         images, reason = image_rows(multimodal, input_ids.shape[0])
         if reason and self.parts_options.strict:
             raise NotSupportedError("attention", [reason])
-        reason = reason or self._gp_all_masked(attention_mask[:, -logits_to_keep:])
+        reason = self._gp_all_masked(attention_mask[:, -logits_to_keep:], reason)  # ranks agree
         if reason:
             self._gp_counters.fell_back("attention", reason, mode=self._gp_mode())
             return super()._get_per_token_logps_and_entropies(*args, compute_aux_loss, **multimodal)
@@ -325,10 +325,11 @@ class GRPOPartsTrainer(FilterSeam):
         self._gp_log("attention", {ATTENTION_CALLS + k: v for k, v in ran.items()})
         return logps, ents, None
 
-    def _gp_all_masked(self, completion_mask: torch.Tensor) -> str | None:
-        """Why this call runs TRL's own forward when every completion is masked, else None: under grad
-        ``backward`` needs a graph, and with several processes every rank falls back when any does (every
-        rank must make the same model calls)."""
+    def _gp_all_masked(self, completion_mask: torch.Tensor, reason: str | None = None) -> str | None:
+        """Why this call runs TRL's own forward -- ``reason`` (this rank's own, e.g. an image layout
+        it cannot split), or every completion masked -- else None: under grad ``backward`` needs a
+        graph, and with several processes every rank falls back when any does (every rank must make
+        the same model calls)."""
         dead = not bool(completion_mask.any())
         attention = self.gp_attention
         group = attention.rank_group if isinstance(attention, RankAgreeing) else None
@@ -336,10 +337,10 @@ class GRPOPartsTrainer(FilterSeam):
             "a batch whose every completion is masked (mask_truncated_completions) on this or another "
             "data-parallel rank: every rank runs TRL's own forward for it"
         )
-        own = None
-        if dead and ranks_of(group) > 1:
+        own = reason
+        if own is None and dead and ranks_of(group) > 1:
             own = every
-        elif dead and torch.is_grad_enabled():
+        elif own is None and dead and torch.is_grad_enabled():
             own = (
                 "a micro-batch whose every completion is masked (mask_truncated_completions) runs TRL's "
                 "own forward, so that backward has a graph"
