@@ -14,6 +14,7 @@ from grpo_parts.attention.shared_prefix.chunking import empty_call_batch
 from grpo_parts.doors.agreement import agree_fallback
 from grpo_parts.doors.vision import image_groups, same_images
 from grpo_parts.errors import GRPOPartsError
+from grpo_parts.filter.apply import select_rows
 from grpo_parts.filter.rounding import round_to_multiple
 from grpo_parts.types import VISION_KEYS, ScoredBatch, VisionInputs
 
@@ -284,8 +285,7 @@ def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict
     for key in keys:
         vals = [b[key] for b in batches]
         if key in VISION_KEYS:  # flat over each batch's images: the images of all, in row order
-            given = [v for v in vals if v is not None]
-            out[key] = torch.cat(given) if given else None
+            out[key] = _flat_images(vals)
         elif key in TOKEN_TYPE_KEYS and vals[0] is not None:
             out[key] = _concat_token_types(vals, [b["prompt_ids"].shape[1] for b in batches])
         elif vals[0] is None:
@@ -312,6 +312,13 @@ def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict
                 "refill supports text-only batches (set refill_rounds=0)"
             )
     return out
+
+
+def _flat_images(vals: Sequence[Any]) -> torch.Tensor | None:
+    """Batches' flat image entries (``pixel_values``, a grid per image) stacked in row order; None
+    when no batch has images."""
+    given = [v for v in vals if v is not None]
+    return torch.cat(given) if given else None
 
 
 #: TRL's per-token image flags over prompt and completion (``[N, P + C]``, 0 on completions)
@@ -341,18 +348,13 @@ def regroup_microbatches(
     from ``generator`` (rows inside a group keep their order), and the result is split into as many
     equal chunks again. Every per-row entry moves with its row; 0-d tensors and ``None`` are kept."""
     size = int(chunks[0]["completion_ids"].shape[0])
-    # each row's images ride with it (TRL lays them out flat per micro-batch)
-    per_chunk = [VisionInputs.per_row(c, size) for c in chunks]
-    images = None
-    flat = [k for k in VISION_KEYS if k in chunks[0]]
-    if per_chunk[0] is not None:
-        images = VisionInputs(tuple(m for v in per_chunk if v is not None for m in v.per_prompt))
-    keys = [k for k in chunks[0] if images is None or k not in (*flat, "num_images")]
     batch: dict[str, Any] = {}
-    for key in keys:
+    for key in chunks[0]:
         vals = [c[key] for c in chunks]
         v0 = vals[0]
-        if v0 is None or (isinstance(v0, torch.Tensor) and v0.ndim == 0):
+        if key in VISION_KEYS:  # flat over each chunk's images: each row's stay with it (select_rows)
+            batch[key] = _flat_images(vals)
+        elif v0 is None or (isinstance(v0, torch.Tensor) and v0.ndim == 0):
             batch[key] = v0
         elif isinstance(v0, torch.Tensor) and v0.shape[0] == size:
             batch[key] = torch.cat(vals)
@@ -368,18 +370,5 @@ def regroup_microbatches(
     rank = torch.empty(num_groups, dtype=torch.long)
     rank[torch.randperm(num_groups, generator=generator)] = torch.arange(num_groups)
     order = torch.sort(rank[group.cpu()], stable=True).indices
-    out = []
-    for i in range(len(chunks)):
-        rows = order[i * size : (i + 1) * size]
-        chunk: dict[str, Any] = {}
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.ndim >= 1:
-                chunk[key] = value[rows.to(value.device)]
-            elif isinstance(value, list):
-                chunk[key] = [value[j] for j in rows.tolist()]
-            else:
-                chunk[key] = value
-        if images is not None:
-            chunk.update(images.flat(rows.tolist(), flat))
-        out.append(chunk)
-    return out
+    total = size * len(chunks)
+    return [select_rows(batch, order[i * size : (i + 1) * size], total) for i in range(len(chunks))]

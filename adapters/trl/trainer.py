@@ -302,7 +302,7 @@ class GRPOPartsTrainer(FilterSeam):
         images, reason = image_rows(multimodal, input_ids.shape[0])
         if reason and self.parts_options.strict:
             raise NotSupportedError("attention", [reason])
-        reason = self._gp_all_masked(attention_mask[:, -logits_to_keep:], reason)  # ranks agree
+        reason = self._gp_agreed_fallback(attention_mask[:, -logits_to_keep:], reason)
         if reason:
             self._gp_counters.fell_back("attention", reason, mode=self._gp_mode())
             return super()._get_per_token_logps_and_entropies(*args, compute_aux_loss, **multimodal)
@@ -325,7 +325,7 @@ class GRPOPartsTrainer(FilterSeam):
         self._gp_log("attention", {ATTENTION_CALLS + k: v for k, v in ran.items()})
         return logps, ents, None
 
-    def _gp_all_masked(self, completion_mask: torch.Tensor, reason: str | None = None) -> str | None:
+    def _gp_agreed_fallback(self, completion_mask: torch.Tensor, reason: str | None = None) -> str | None:
         """Why this call runs TRL's own forward -- ``reason`` (this rank's own, e.g. an image layout
         it cannot split), or every completion masked -- else None: under grad ``backward`` needs a
         graph, and with several processes every rank falls back when any does (every rank must make
