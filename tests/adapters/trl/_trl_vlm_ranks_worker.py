@@ -2,7 +2,8 @@
 multirank.run_ranks): TRL's real ``GRPOTrainer.train()`` under accelerate's DDP on a two-rank gloo
 group, a tiny float32 Qwen2-VL, its processor and an image dataset; TRL deals each rank other
 prompts and images (other widths and patch counts). Three runs: stock TRL and ``GRPOPartsTrainer``
-with the shared-prefix backend, both on scripted completions (the same rows), for their gradients;
+with the shared-prefix backend, both on the text ranks test's scripted completions
+(``_trl_ranks_worker._classes``: the same rows), for their gradients;
 then every part on (reference sampler, shared prefix, CPPO) for its counters.
 """
 
@@ -19,33 +20,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def _scripted(prompt_ids: list[list[int]]) -> list[list[int]]:
-    """Fixed completions of 1-4 text tokens and EOS (1), drawn from the prompt."""
-    out = []
-    for i, p in enumerate(prompt_ids):
-        n = 1 + (sum(p) + 3 * i) % 4
-        out.append([3 + (sum(p) * 7 + 5 * i + 3 * k) % 26 for k in range(n)] + [1])
-    return out
-
-
-def _classes() -> tuple[type, type]:
-    from grpo_parts_adapters.trl import GRPOPartsTrainer
-    from trl import GRPOTrainer
-
-    class Stock(GRPOTrainer):
-        def _generate_single_turn(self, prompt_ids, *a, **k):  # type: ignore[no-untyped-def]
-            return _scripted(prompt_ids), None
-
-    class Parts(GRPOPartsTrainer):
-        def _generate_single_turn(self, prompt_ids, *a, **k):  # type: ignore[no-untyped-def]
-            return _scripted(prompt_ids), None
-
-    return Stock, Parts
-
-
 def run(kind: str) -> dict[str, Any]:
     """``kind``: ``stock`` / ``attention`` (scripted completions) / ``every`` (every part on)."""
     import trl_tiny as tiny
+    from _trl_ranks_worker import _classes  # stock and parts on the same scripted completions
     from grpo_parts_adapters.trl import GRPOPartsTrainer
     from test_trl_vlm import _dataset, _reward
     from transformers import TrainerCallback, set_seed
