@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from grpo_parts.decoding import SamplingParams, sampling_probs
-from grpo_parts.sampler.speculative.tree_verify import policy_draws, recursive_rejection_sampling, walk_tree
+from grpo_parts.sampler.speculative.tree_verify import policy_draws, verify_sampled_tree, walk_tree
 
 __all__ = ["always_accept", "rrs_without_q_update", "tree_always_accept"]
 
@@ -57,6 +57,4 @@ def rrs_without_q_update(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A wrong sampled-tree verifier (after a rejection ``q`` keeps the tried child's mass, as if the
     children were drawn *with* replacement): the chi-square tests must reject it."""
-    return recursive_rejection_sampling(
-        logits, tokens, parents, probs, params, generator, renormalize_q=False
-    )
+    return verify_sampled_tree(logits, tokens, parents, params, generator, probs=probs, renormalize_q=False)

@@ -212,19 +212,16 @@ def test_trl_build_part_is_the_builder(policy: torch.nn.Module, counted: list[st
 
 def test_verl_builds_through_the_builder(policy: torch.nn.Module, counted: list[str]) -> None:
     pytest.importorskip("verl")
-    from grpo_parts_adapters.verl.attention import resolve_backend
     from grpo_parts_adapters.verl.filtering import FilterOptions
     from grpo_parts_adapters.verl.options import EngineOptions
 
     FilterOptions(name="zero_variance").build()
     FilterOptions(name="cppo", kwargs={"k": 2}).build()
     EngineOptions(attention="shared_prefix", kernel="sdpa").backend()
-    resolve_backend("reference")
     assert counted == [
         "filter:zero_variance",
         "filter:cppo",
         "attention:shared_prefix",
-        "attention:reference",
     ]
     agent_loop = pytest.importorskip("grpo_parts_adapters.verl.agent_loop")
     counted.clear()

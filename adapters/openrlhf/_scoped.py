@@ -1,11 +1,7 @@
-"""Run OpenRLHF's own code with some of *its* names bound to grpo_parts classes, without touching
-any module, class or builtin that other code sees (OpenRLHF 0.11.2 takes no classes as arguments).
-
-* :func:`run_entry_script` executes an entry script as shipped (as ``runpy`` does) in a namespace
-  whose ``__import__`` hands *that script's* imports a private view of the named modules, with the
-  given attributes replaced.
-* :func:`with_globals` copies one function with its globals looked up in a copy of its module's
-  namespace with a few names replaced."""
+"""Run OpenRLHF's own code with some of *its* names bound to grpo_parts classes, without touching any module,
+class or builtin that other code sees (OpenRLHF 0.11.2 takes no classes as arguments):
+:func:`run_entry_script` runs an entry script as shipped, its imports seeing views of the named modules with
+the given attributes replaced; :func:`with_globals` copies one function with a few of its globals replaced."""
 
 from __future__ import annotations
 
@@ -59,10 +55,9 @@ def scoped_builtins(overrides: Overrides, views: dict[str, types.ModuleType] | N
 def run_entry_script(
     module_name: str, overrides: Overrides, views: dict[str, types.ModuleType] | None = None
 ) -> dict[str, Any]:
-    """Run ``python -m module_name`` in this process (``runpy.run_module(..., run_name="__main__")``,
-    ``sys`` untouched) with the script's own imports seeing ``overrides``. Functions the script
-    defines keep the scoped ``__import__``, so imports inside them (e.g. ``train()``'s
-    ``from openrlhf.trainer.ppo_trainer import PPOTrainer``) see it too."""
+    """Run ``python -m module_name`` in this process (``runpy.run_module``, ``run_name="__main__"``,
+    ``sys`` untouched) with the script's own imports seeing ``overrides``; functions the script defines
+    keep the scoped ``__import__``, so imports inside them (e.g. ``train()``'s ``PPOTrainer``) see it too."""
     return runpy.run_module(
         module_name,
         init_globals={"__builtins__": scoped_builtins(overrides, views)},

@@ -1,9 +1,7 @@
-"""A grpo_parts :class:`~grpo_parts.attention.protocol.AttentionBackend` inside OpenRLHF's ``Actor.forward``.
-
-:class:`GRPOPartsActor` is OpenRLHF's ``Actor`` (same construction); after :meth:`GRPOPartsActor.use_backend`
-its ``forward`` returns the same ``action_log_probs: [B, A]`` (and ``output.entropy``), computed by the
-backend on the rows regrouped by prompt (:mod:`.layout`). Calls the backend cannot serve run OpenRLHF's own
-forward, counted in :attr:`GRPOPartsActor.counters`. docs/adapters/openrlhf.md, "AttentionBackend"."""
+"""A grpo_parts ``AttentionBackend`` inside OpenRLHF's ``Actor.forward``: after
+:meth:`GRPOPartsActor.use_backend`, ``forward`` returns the same ``action_log_probs: [B, A]`` (and
+``output.entropy``), computed by the backend on the rows regrouped by prompt (:mod:`.layout`); calls it
+cannot serve run OpenRLHF's own forward, counted. docs/adapters/openrlhf.md, "AttentionBackend"."""
 
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ from grpo_parts.counters import (
     PACKED_TOKENS,
     PADDING_FREE_TOKENS,
     PartCounters,
-    framework_key,
     framework_keys,
 )
 from grpo_parts.doors.agreement import agree_fallback
@@ -66,21 +63,16 @@ class GRPOPartsActor(Actor):
     def _plan(self, layout: Any) -> tuple[Any, str | None]:
         """``(the backend's plan or None, fallback reason)`` for a call regrouped by prompt, planned as
         packed rows (the ranks agree afterwards, :meth:`_plan_call`); with ``--ds.packing_samples`` a plan
-        that runs more tokens than the packed rows runs OpenRLHF's packed forward instead (counted). Adds to
-        :attr:`tokens`."""
+        that runs more tokens than the packed rows runs OpenRLHF's packed forward. Adds to :attr:`tokens`."""
         backend = self.grpo_backend
         if not isinstance(backend, Plans):
             return None, None
         # image prompts run in grids of whole prompts (never bounded as packed rows)
         rows_bound = layout.batch.vision is None
         plan = backend.plan(transformers_model(self.model), layout.batch, packed=rows_bound, agree=False)
-        self.tokens.update(
-            {
-                GRID_TOKENS: int(plan.tokens),
-                PACKED_TOKENS: plan.packed_tokens,
-                PADDING_FREE_TOKENS: plan.padding_free_tokens,
-            }
-        )
+        self.tokens[GRID_TOKENS] += int(plan.tokens)
+        self.tokens[PACKED_TOKENS] += plan.packed_tokens
+        self.tokens[PADDING_FREE_TOKENS] += plan.padding_free_tokens
         if self.packing_samples and plan.tokens > plan.packed_tokens:
             return (
                 plan,
@@ -97,9 +89,7 @@ class GRPOPartsActor(Actor):
         backend = self.grpo_backend
         calls = Counter(backend.attention_calls if isinstance(backend, CountsAttentionCalls) else {})
         seen = self.__dict__.get("_calls_seen", Counter())
-        out.update(
-            {framework_key("attention", ATTENTION_CALLS + k): float(v) for k, v in (calls - seen).items()}
-        )
+        out.update(framework_keys("attention", {ATTENTION_CALLS + k: v for k, v in (calls - seen).items()}))
         self.__dict__["_calls_seen"] = calls
         return out
 
@@ -145,11 +135,10 @@ class GRPOPartsActor(Actor):
         reasons: list[str],
         images: Any = None,
     ) -> tuple[Any, Any, list[str]]:
-        """``(layout, plan, reasons)``: the call regrouped by prompt and planned (:meth:`_plan`), or
-        layout None and why OpenRLHF's forward runs it instead. ``reasons``: the caller's refusals so
-        far. The ranks agree in one all-reduce: all fall back together, or all make
-        as many model calls as the rank that makes the most (the plan padded with empty calls;
-        :func:`grpo_parts.doors.agreement.agree_fallback`)."""
+        """``(layout, plan, reasons)``: the call regrouped by prompt and planned (:meth:`_plan`), or layout
+        None and why OpenRLHF's forward runs it instead (``reasons``: the caller's refusals so far). The ranks
+        agree in one all-reduce (:func:`grpo_parts.doors.agreement.agree_fallback`): all fall back together,
+        or all make as many model calls as the rank that makes the most (the plan padded with empty calls)."""
         if attention_mask is None:
             reasons.append("no attention_mask")
         layout = None if reasons else to_logprob_batch(sequences, attention_mask, action_mask)  # type: ignore[arg-type]

@@ -1,12 +1,9 @@
 """Sampler in OpenRLHF: an ``AgentExecutor`` (``--train.agent_func_path``) that rolls out with a
-grpo_parts :class:`~grpo_parts.sampler.protocol.Sampler` instead of the vLLM engine.
-
-OpenRLHF calls ``execute`` once per completion, ``n_samples_per_prompt`` times concurrently; the
-executor serves the concurrent calls with **one** ``Sampler.generate`` so group-aware samplers see
-whole groups, and marks each result (``extra_logs[SAMPLER_MARK]``) so the trainer counts it. Its
-policy copy is a :class:`~grpo_parts.doors.policy_copy.PolicyCopy` fed by OpenRLHF's weight broadcast
-(:mod:`.rollout`); a rollout from stale weights is refused unless ``allow_frozen=True``.
-docs/adapters/openrlhf.md, "Sampler" (with the agent file)."""
+grpo_parts :class:`~grpo_parts.sampler.protocol.Sampler` instead of the vLLM engine. OpenRLHF calls
+``execute`` once per completion, ``n_samples_per_prompt`` times concurrently; the executor serves the
+concurrent calls with **one** ``Sampler.generate`` so group-aware samplers see whole groups. Its policy
+copy is fed by OpenRLHF's weight broadcast (:mod:`.rollout`); a rollout from stale weights is refused
+unless ``allow_frozen=True``. docs/adapters/openrlhf.md, "Sampler" (with the agent file)."""
 
 from __future__ import annotations
 
@@ -29,7 +26,6 @@ from grpo_parts.wrappers import transformers_model
 #: ``extra_logs`` key marking a response as sampled by grpo_parts (OpenRLHF copies it into
 #: ``Experience.info``; :class:`~.samples.GRPOPartsSamplesGenerator` counts and removes it).
 SAMPLER_MARK = "grpo_parts_sampler"
-#: ``extra_logs`` prefix of the rollout's ``Rollout.stats`` (e.g. ``parts/sampler/lean_forward_calls``)
 #: one request's answer: completion ids, their log-probs, truncated, the rollout's stats
 _Result = tuple[list[int], list[float], bool, dict[str, float]]
 #: named in refusals
@@ -174,10 +170,6 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
         """Copy ``policy``'s parameters in (outside OpenRLHF's broadcast, e.g. in a test)."""
         self.load_weights(policy.named_parameters())
 
-    def weight_counters(self) -> dict[str, float]:
-        """``weight_syncs`` / ``frozen_rollouts`` so far (reported as ``parts/sampler/<key>``)."""
-        return self.policy_copy.counters()
-
     async def execute(
         self,
         prompt: str,
@@ -194,9 +186,8 @@ class GRPOPartsAgentExecutor(AgentExecutorBase):
                 "tokenizes text only; grpo_parts rolls image prompts out with the reference sampler in "
                 "TRL and your own loop: docs/attention.md)"
             )
-        ids = hf_tokenizer(text=prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][
-            0
-        ].tolist()
+        encoded = hf_tokenizer(text=prompt, add_special_tokens=False, return_tensors="pt")
+        ids = encoded["input_ids"][0].tolist()
         eos = hf_tokenizer.eos_token_id
         eos_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
         pad = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else (eos_ids or (0,))[0]

@@ -1,10 +1,7 @@
-"""Which grpo_parts run inside OpenRLHF, as one validated config.
-
-The launcher adds ``--grpo_parts.*`` flags to OpenRLHF's own parser; OpenRLHF's ``hierarchize``
-turns them into ``args.grpo_parts`` (a namespace), which travels to every Ray actor inside
-``strategy.args``. :meth:`OpenRLHFPartsConfig.from_args` reads it back there, so nothing depends on
-environment variables or global state.
-"""
+"""Which grpo_parts run inside OpenRLHF, as one validated config. The launcher adds ``--grpo_parts.*``
+flags to OpenRLHF's parser; its ``hierarchize`` makes them ``args.grpo_parts``, which travels to every Ray
+actor in ``strategy.args``, where :meth:`OpenRLHFPartsConfig.from_args` reads it back (no environment
+variables, no global state)."""
 
 from __future__ import annotations
 
@@ -165,8 +162,6 @@ class OpenRLHFPartsConfig(PartsConfig):
             return cls()
         return cls(**{k: v for k, v in vars(ns).items() if v is not None})
 
-    # ----------------------------------------------------------------------------- builders
-
     def build_filter(self) -> Any:
         """The filter named by ``filter``, by :func:`grpo_parts.build.build_filter`."""
         from grpo_parts.build import build_filter
@@ -207,18 +202,22 @@ def _unscaled_facts(args: Any) -> list[Fact]:
     return out
 
 
+def _loss_facts(args: Any, refill_rounds: int, source: str, **kw: Any) -> WeightedLossFacts:
+    """OpenRLHF's facts for the rule of :mod:`grpo_parts.core.unbiased` (``kw``: the source's own)."""
+    return WeightedLossFacts(
+        source=source,
+        refill=("--grpo_parts.refill_rounds > 0", "use 0") if refill_rounds > 0 else None,
+        unscaled=tuple(_unscaled_facts(args)),
+        normaliser_from_draw=tuple(_normaliser_facts(args)),
+        **kw,
+    )
+
+
 def skip_reasons(args: Any, refill_rounds: int) -> list[str]:
     """Why OpenRLHF cannot skip prompts with ``1 / p`` weights unbiased under ``args``: the rule of
     :mod:`grpo_parts.core.unbiased` on OpenRLHF's facts, plus the settings whose prompt stream the
     skipping stage does not own (OpenRLHF's own dynamic filtering, a vLLM batch larger than a step)."""
-    facts = WeightedLossFacts(
-        source="prompt skipping",
-        normaliser="drawn",
-        refill=("--grpo_parts.refill_rounds > 0", "use 0") if refill_rounds > 0 else None,
-        unscaled=tuple(_unscaled_facts(args)),
-        normaliser_from_draw=tuple(_normaliser_facts(args)),
-    )
-    reasons = refusal_reasons(facts)
+    reasons = refusal_reasons(_loss_facts(args, refill_rounds, "prompt skipping", normaliser="drawn"))
     if args.algo.dynamic_filtering_enable:
         reasons.append(
             "--algo.dynamic_filtering_enable: OpenRLHF's own filter re-draws prompts after the skip draw; turn it off"
@@ -238,15 +237,8 @@ def weighted_filter_reasons(filt: Any, args: Any, refill_rounds: int) -> list[st
     if not isinstance(filt, WeighsLoss):
         return []
     kl = float(args.algo.kl.init_coef or 0.0)
-    facts = WeightedLossFacts(
-        source="dppo",
-        refill=("--grpo_parts.refill_rounds > 0", "use 0") if refill_rounds > 0 else None,
-        unscaled=tuple(_unscaled_facts(args)),
-        normaliser_from_draw=tuple(_normaliser_facts(args)),
-    )
-    reasons = refusal_reasons(facts)
-    if (
-        kl > 0 and not args.algo.kl.use_loss
-    ):  # KL in the reward: scaled with the advantage, but rows with A = 0 still carry it
+    reasons = refusal_reasons(_loss_facts(args, refill_rounds, "dppo"))
+    # KL in the reward: scaled with the advantage, but rows with A = 0 still carry it
+    if kl > 0 and not args.algo.kl.use_loss:
         reasons += filt.loss_not_supported_reasons(LossConfig(kl_coef=kl))
     return reasons

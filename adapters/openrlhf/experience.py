@@ -1,8 +1,8 @@
 """CompletionFilter in OpenRLHF: a ``RemoteExperienceMaker`` that computes GRPO advantages with
-:func:`grpo_parts.core.group_advantages`, filters completions, and refills through the samples
-generator. With rewards from functions, remote RMs or agents the filter runs before the
-old-policy / reference forwards (CPPO's saving); with a reward model, after them. ``keep_all``
-equals OpenRLHF's ``group_norm``. docs/adapters/openrlhf.md, "CompletionFilter" and "Prompt skipping"."""
+:func:`grpo_parts.core.group_advantages`, filters completions and refills through the samples generator.
+With rewards from functions, remote RMs or agents the filter runs before the old-policy / reference
+forwards (CPPO's saving); with a reward model, after them. ``keep_all`` equals OpenRLHF's ``group_norm``.
+docs/adapters/openrlhf.md, "CompletionFilter" and "Prompt skipping"."""
 
 from __future__ import annotations
 
@@ -29,15 +29,14 @@ from .config import ADVANTAGE_CONFIGS, skip_reasons, weighted_filter_reasons
 
 logger = logging.getLogger(__name__)
 
+#: per-sample scalar advantage, and weight x kept / rolled-out rows (a weighted filter), in Experience.info
 _ADV_KEY = "grpo_parts_advantage"
-_W_KEY = (
-    "grpo_parts_weight"  # per-sample weight x kept / rolled-out rows (a weighted filter), in Experience.info
-)
+_W_KEY = "grpo_parts_weight"
 
 
 class NothingKept(GRPOPartsError):
     """The filter kept no completion of this step (e.g. every group had equal rewards): the
-    trainer skips the update instead of training on an empty batch."""  # per-sample scalar advantage, carried in Experience.info
+    trainer skips the update instead of training on an empty batch."""
 
 
 def group_index_of(samples: list[Experience], group_size: int) -> torch.Tensor:
@@ -48,7 +47,7 @@ def group_index_of(samples: list[Experience], group_size: int) -> torch.Tensor:
         raise GRPOPartsError(
             f"rollout samples: expected a multiple of n_samples_per_prompt={group_size} rows, got {n}"
         )
-    prompts = [p for s in samples for p in (s.prompts or [])]
+    prompts = _row_prompts(samples)
     if len(prompts) == n:
         for g in range(n // group_size):
             run = prompts[g * group_size : (g + 1) * group_size]
@@ -126,8 +125,6 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
         """Kept rows are rounded to this: whole ``--train.batch_size`` optimizer steps, which also
         gives every rank the same number of micro-batches (OpenRLHF's ``accumulated_gradient``)."""
         return batch_multiple(int(self.args.train.batch_size), self.dp_size)
-
-    # ----------------------------------------------------------------------------- scoring
 
     def score(self, samples: list[Experience]) -> ScoredBatch:
         """Shape the rewards as OpenRLHF does (>= float32, length penalties; in place, once) and
@@ -257,12 +254,8 @@ class GRPOPartsExperienceMaker(RemoteExperienceMaker):
                 raise NothingKept(f"completion filter {self.filter.name!r} kept 0 of {len(samples)} rows")
             return self.compute_advantages_and_returns(self.make_experience(self.split_for_ranks(kept)))
         if self.skip_stage is not None:
-            raise NotSupportedError(
-                "--grpo_parts.prompt_skip",
-                [
-                    "the rewards come from a reward model after the forwards; prompt skipping needs them with the samples"
-                ],
-            )
+            why = "the rewards come from a reward model after the forwards; prompt skipping needs them with the samples"
+            raise NotSupportedError("--grpo_parts.prompt_skip", [why])
         # rewards come from a reward model: forwards first, then score and filter
         experiences = self.make_experience(self.split_rollout_samples(samples))
         singles = [one for e in experiences for one in _split(e)]

@@ -1,9 +1,7 @@
 """Launch OpenRLHF's GRPO with grpo_parts: ``python -m grpo_parts_adapters.openrlhf.launch [flags]``.
-
-Every flag of ``openrlhf.cli.train_ppo_ray`` works unchanged, plus ``--grpo_parts.*``
-(:data:`.config.FLAGS`). The script runs with *its own* imports resolving to the grpo_parts
-subclasses (:mod:`._scoped`), so nothing else in the process or in Ray's workers sees a change; the
-parts config travels in ``strategy.args.grpo_parts``. With every flag at its default the run is plain
+Every flag of ``openrlhf.cli.train_ppo_ray`` works unchanged, plus ``--grpo_parts.*`` (:data:`.config.FLAGS`).
+The script runs with *its own* imports resolving to the grpo_parts subclasses (:mod:`._scoped`), so nothing
+else in the process or in Ray's workers sees a change; with every flag at its default the run is plain
 OpenRLHF GRPO. docs/adapters/openrlhf.md, "Launch"."""
 
 from __future__ import annotations

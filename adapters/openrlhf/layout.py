@@ -1,10 +1,9 @@
 """OpenRLHF's batch layout <-> grpo_parts' :class:`~grpo_parts.attention.protocol.LogprobBatch`.
-
-OpenRLHF 0.11.2 hands ``Actor.forward`` right-padded ``sequences: [B, T]`` with ``attention_mask``,
-and ``action_mask: [B, A]`` over the targets of the last ``A`` positions (multi-turn agents
-interleave environment tokens, mask 0). A row's *prefix* is every real token before its first
-action, its *completion* every real token from there on (environment tokens included, masked out
-afterwards); rows with identical prefixes form a group. Pure torch, tested without OpenRLHF."""
+OpenRLHF 0.11.2 hands ``Actor.forward`` right-padded ``sequences: [B, T]`` with ``attention_mask``, and
+``action_mask: [B, A]`` over the targets of the last ``A`` positions (multi-turn agents interleave
+environment tokens, mask 0). A row's *prefix* is every real token before its first action, its
+*completion* every real token from there on (environment tokens included, masked out afterwards); rows
+with identical prefixes form a group. Pure torch, tested without OpenRLHF."""
 
 from __future__ import annotations
 
@@ -53,8 +52,9 @@ def to_logprob_batch(
     first_k = act.long().argmax(1)
     first_pos = t - a + first_k  # padded position of the first action token
     last_pos = t - a + (a - 1 - act.long().flip(1).argmax(1))
-    if bool((has_action & ((first_pos < start + 1) | (last_pos >= start + length))).any()):
-        row = int((has_action & ((first_pos < start + 1) | (last_pos >= start + length))).nonzero()[0])
+    outside = (has_action & ((first_pos < start + 1) | (last_pos >= start + length))).nonzero()
+    if outside.numel():
+        row = int(outside[0])
         raise GRPOPartsError(
             f"action_mask: row {row} marks actions outside its real tokens after the first "
             f"(real tokens at [{int(start[row])}, {int(start[row] + length[row])}), "
@@ -100,8 +100,6 @@ def scatter_to_openrlhf(values: torch.Tensor, layout: OpenRLHFLayout, num_action
     (the last ``A`` columns of ``log_probs[:, :-1]``), zeros elsewhere, differentiable."""
     b, t = layout.num_rows, layout.seq_len
     k = layout.rows.numel()
-    full = values.new_zeros(k, t)  # column t - 1 is the scratch column for padding
-    full = full.scatter(1, layout.target_pos, values)
-    out = values.new_zeros(b, t)
-    out = out.index_copy(0, layout.rows, full)
+    full = values.new_zeros(k, t).scatter(1, layout.target_pos, values)  # column t - 1: scratch for padding
+    out = values.new_zeros(b, t).index_copy(0, layout.rows, full)
     return out[:, : t - 1][:, t - 1 - num_actions :]

@@ -1,12 +1,8 @@
-"""The Ray actor / trainer classes the launcher's entry script uses instead of OpenRLHF's; each subclasses
-OpenRLHF's class and reads :class:`~.config.OpenRLHFPartsConfig` from ``strategy.args.grpo_parts``.
-
-* :class:`GRPOPartsPolicyModelActor` / :class:`GRPOPartsReferenceModelActor` build a
-  :class:`~.actor.GRPOPartsActor` where OpenRLHF builds ``Actor`` and give it the attention backend;
-  the policy's replay buffer keeps groups together (:class:`~.replay.GroupedReplayBuffer`).
-* :class:`GRPOPartsPPOTrainer` uses the grpo_parts samples generator and experience maker, skips
-  steps where the filter kept nothing, logs the part counters, and with grpo_parts rollout actors
-  broadcasts the weights before the first rollout and marks copies stale before each update."""
+"""The Ray actor / trainer classes the launcher's entry script uses instead of OpenRLHF's (each reads
+:class:`~.config.OpenRLHFPartsConfig` from ``strategy.args.grpo_parts``): model actors with a
+:class:`~.actor.GRPOPartsActor` and grouped micro-batches (:class:`~.replay.GroupedReplayBuffer`); a
+trainer with the grpo_parts samples generator and experience maker that skips steps where the filter
+kept nothing, logs the part counters and keeps grpo_parts rollout actors' copies in step with the actor."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Training micro-batches that keep a prompt's completions together (for shared-prefix attention).
-
 OpenRLHF's ``DataLoader`` shuffles single samples into micro-batches, so a prompt's completions rarely
-share one. :class:`GroupedReplayBuffer` makes each item a whole micro-batch cut in arrival order
+share one; :class:`GroupedReplayBuffer` makes each item a whole micro-batch cut in arrival order
 (prompt-major), so the shuffle permutes micro-batches: same samples and loss normalisation. Not for
 ``--train.dynamic_batch_enable``. docs/adapters/openrlhf.md, "AttentionBackend"."""
 
@@ -21,12 +20,7 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.dynamic_batch:
-            raise GRPOPartsError(
-                "GroupedReplayBuffer: --train.dynamic_batch_enable builds its own micro-batches"
-            )
-        self.micro_batch_size: int = int(self.sample_batch_size)  # type: ignore[has-type]
-        self.sample_batch_size = 1
+        self._group()
 
     @classmethod
     def replacing(cls, buffer: NaiveReplayBuffer) -> GroupedReplayBuffer:
@@ -34,12 +28,16 @@ class GroupedReplayBuffer(NaiveReplayBuffer):
         CUDA calls."""
         new = cls.__new__(cls)
         new.__dict__.update(buffer.__dict__)
-        if new.dynamic_batch:
+        new._group()
+        return new
+
+    def _group(self) -> None:
+        if self.dynamic_batch:
             raise GRPOPartsError(
                 "GroupedReplayBuffer: --train.dynamic_batch_enable builds its own micro-batches"
             )
-        new.micro_batch_size, new.sample_batch_size = buffer.sample_batch_size, 1
-        return new
+        self.micro_batch_size: int = int(self.sample_batch_size)  # type: ignore[has-type]
+        self.sample_batch_size = 1
 
     def __len__(self) -> int:
         return len(self.items) // self.micro_batch_size  # drop_last, as OpenRLHF's loader does

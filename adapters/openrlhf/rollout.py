@@ -1,12 +1,9 @@
-"""The rollout actor the launcher builds for an agent file: OpenRLHF's weight broadcast reaches a
-grpo_parts sampler.
-
-OpenRLHF's ``broadcast_to_vllm`` sends each updated parameter to the vLLM workers, not to the engine
-actor where the agent executor lives. :class:`RolloutParts` is what ``create_vllm_engines`` builds
-with ``--train.agent_func_path``: OpenRLHF's engine for any other executor; for
-:class:`~.agent.GRPOPartsAgentExecutor` no vLLM engine, and it takes the vLLM worker's rank in the
-sync group itself (:class:`WeightReceiver`), loading the whole stream into the executor's policy
-copy. docs/adapters/openrlhf.md, "Sampler"."""
+"""The rollout actor the launcher builds for an agent file, so that OpenRLHF's weight broadcast reaches a
+grpo_parts sampler: ``broadcast_to_vllm`` sends each updated parameter to the vLLM workers, not to the
+engine actor where the agent executor lives. For :class:`~.agent.GRPOPartsAgentExecutor`,
+:class:`RolloutParts` starts no vLLM engine and takes the vLLM worker's rank in the sync group itself
+(:class:`WeightReceiver`), loading the whole stream into the executor's policy copy; any other executor
+gets OpenRLHF's engine. docs/adapters/openrlhf.md, "Sampler"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""The trainer's samples generator, able to generate for a given number of prompts (refill).
-
-:class:`GRPOPartsSamplesGenerator` is OpenRLHF's ``SamplesGenerator`` plus
-:meth:`~GRPOPartsSamplesGenerator.generate_prompts`, which draws from the same prompt stream through
-the same vLLM dispatch (waking / sleeping the engines after ``before_wake`` frees the GPU). A refill
-that drains the stream makes the next call report the episode exhausted (``([], None, 0, True)``)
-instead of restarting the dataloader. With ``skip_stage`` (:mod:`.skipping`) each training step's
-prompts pass the skipper before vLLM. Counts rollouts through a grpo_parts sampler
-(``parts/sampler/rollouts``). docs/adapters/openrlhf.md, "CompletionFilter"."""
+"""The trainer's samples generator: OpenRLHF's ``SamplesGenerator`` plus
+:meth:`~GRPOPartsSamplesGenerator.generate_prompts` (refill) from the same prompt stream through the same
+vLLM dispatch. A refill that drains the stream makes the next call report the episode exhausted instead
+of restarting the dataloader. With ``skip_stage`` (:mod:`.skipping`) each training step's prompts pass
+the skipper before vLLM. docs/adapters/openrlhf.md, "CompletionFilter"."""
 
 from __future__ import annotations
 
@@ -26,10 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 class GRPOPartsSamplesGenerator(SamplesGenerator):
-    """``SamplesGenerator`` with :meth:`generate_prompts` (refill) and rollout counting.
-
-    ``counters``: where rollouts are counted (the trainer's, flushed per step);
-    ``speculative``: the vLLM engines run a grpo_parts ``speculative_config``."""
+    """``SamplesGenerator`` with :meth:`generate_prompts` (refill) and rollout counting in ``counters``
+    (the trainer's, flushed per step); ``speculative``: the vLLM engines run a grpo_parts
+    ``speculative_config``."""
 
     def __init__(
         self,

@@ -1,10 +1,7 @@
-"""Prompt skipping in OpenRLHF: the prompts of OpenRLHF's dataloader (its samples generator reads
-``rollout.batch_size`` per step) pass the shared :class:`grpo_parts.skip.stage.SkipStage` one by
-one before vLLM sees them; only the kept ones are generated. The experience maker multiplies each
-row's advantage by its weight and tells the skipper every rolled-out group; the history travels in
-OpenRLHF's checkpoint ``client_states`` (:mod:`.ray_actors`). No OpenRLHF import here.
-docs/adapters/openrlhf.md, "Prompt skipping".
-"""
+"""Prompt skipping in OpenRLHF: the prompts of OpenRLHF's dataloader pass the shared
+:class:`grpo_parts.skip.stage.SkipStage` one by one before vLLM sees them; only the kept ones are generated.
+The experience maker weighs and observes the rows; the history travels in OpenRLHF's checkpoint
+``client_states`` (:mod:`.ray_actors`). No OpenRLHF import. docs/adapters/openrlhf.md, "Prompt skipping"."""
 
 from __future__ import annotations
 
@@ -48,9 +45,8 @@ class FlatPrompts(Iterator[Item]):
 
 
 class SkipStage(BaseStage[Item]):
-    """The skipping stage of one OpenRLHF run (:class:`grpo_parts.skip.stage.SkipStage` over the
-    dataloader's prompts): :meth:`take` a step's prompts, then :meth:`row_weights` /
-    :meth:`observe` / :meth:`metrics` for that step."""
+    """The skipping stage of one OpenRLHF run over the dataloader's prompts: :meth:`take` a step's prompts,
+    then :meth:`row_weights` / :meth:`observe` / :meth:`metrics` for that step."""
 
     def __init__(self, skipper: PromptSkipper, group_size: int) -> None:
         self.flat = FlatPrompts()

@@ -1,10 +1,8 @@
-"""Speculative decoding in OpenRLHF's vLLM engines, with draft weight sync.
-
-:func:`create_vllm_engines_with` gives every engine vLLM's own ``speculative_config`` and, with
-``draft_sync="shared"``, the worker extension :class:`GRPOPartsWorkerWrap`, which loads the
-parameters an EAGLE/MTP draft shares with the policy from OpenRLHF's broadcast into the drafter.
-Online-trained draft weights are not pushed. With an agent file it builds :mod:`.rollout`'s actor in
-place of ``RolloutRayActor``. Only the kwargs plumbing is CPU-tested. docs/adapters/openrlhf.md, "Sampler"."""
+"""Speculative decoding in OpenRLHF's vLLM engines: :func:`create_vllm_engines_with` gives every engine
+vLLM's own ``speculative_config`` and, with ``draft_sync="shared"``, the worker extension
+:class:`GRPOPartsWorkerWrap`, which loads the parameters an EAGLE/MTP draft shares with the policy from
+OpenRLHF's broadcast into the drafter (online-trained draft weights are not pushed); with an agent file,
+:mod:`.rollout`'s actor in place of ``RolloutRayActor``. docs/adapters/openrlhf.md, "Sampler"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""grpo_parts' own state in TRL's checkpoints: the prompt skipper's history and a random filter's
-generator, so a resumed run skips and draws as the uninterrupted one would have. A
-``TrainerCallback`` writes :data:`STATE_FILE` into each ``checkpoint-<step>`` folder;
-:meth:`GRPOPartsTrainer.train` reads it back from ``resume_from_checkpoint`` before TRL's own resume."""
+"""grpo_parts' own state in TRL's checkpoints (the prompt skipper's history, a random filter's generator),
+so a resumed run skips and draws as the uninterrupted one would have: a ``TrainerCallback`` writes
+:data:`STATE_FILE` into each ``checkpoint-<step>`` folder; ``train`` reads it back before TRL's resume."""
 
 from __future__ import annotations
 

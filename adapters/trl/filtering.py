@@ -283,15 +283,9 @@ class FilterSeam(SkipSeam):
         row_w = self._gp_row_weights(rounds, kept, drawn)
         no_loss: list[torch.Tensor] = [self._gp_loss_mask(c.payload[0]).sum(-1) == 0 for c in rounds]
         kept = drop_no_loss_rows(kept, no_loss)
-        kept, changed = round_kept(
-            [c.scored for c in rounds],
-            kept,
-            self.args.steps_per_generation,  # type: ignore[attr-defined]
-            "down"
-            if self.parts_config.kept_rounding == "down" and not weighted
-            else "up",  # dropping drawn rows: biased
-            no_loss,
-        )
+        spg = self.args.steps_per_generation  # type: ignore[attr-defined]
+        down = self.parts_config.kept_rounding == "down" and not weighted  # dropping drawn rows: biased
+        kept, changed = round_kept([c.scored for c in rounds], kept, spg, "down" if down else "up", no_loss)
         parts, flags = self._gp_kept_parts(rounds, kept)
         self._gp_log_kept(flags)
         batch = concat_batches(parts, int(self._tokenizer.pad_token_id))

@@ -1,9 +1,6 @@
-"""Options of the TRL adapter (no TRL import here) and the config checks that say why a part cannot
-apply to a user's TRL setup.
-
-The checks read plain attributes of a ``GRPOTrainer`` (``use_vllm``, ``rollout_func``, ``_is_vlm``...)
-so they run on a real trainer as well as on a stand-in object in tests.
-"""
+"""Options of the TRL adapter and the config checks that say why a part cannot apply to a user's TRL
+setup. No TRL import: the checks read plain ``GRPOTrainer`` attributes (``use_vllm``, ``_is_vlm``...),
+so they run on a stand-in object in tests too."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from typing import Any
 from pydantic import Field
 
 from grpo_parts.core.unbiased import Fact, WeightedLossFacts, refusal_reasons
-from grpo_parts.errors import GRPOPartsError
+from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.parts_config import KnownFields, PartsConfig
 
 
@@ -47,11 +44,10 @@ PART_KEYWORDS = tuple(
 def trl_parts(
     parts: PartsConfig | Mapping[str, Any] | None, keywords: Mapping[str, Any]
 ) -> tuple[PartsConfig, dict[str, Any]]:
-    """This trainer's one :class:`PartsConfig` and the part keywords to build from.
-
-    ``parts`` (the shared config) and the part keywords (:data:`PART_KEYWORDS`: a name or an
-    instance) are two ways to give a setting; each setting may come from one of them only (both are
-    refused with one line). An instance stays a keyword (the config records no name for it)."""
+    """This trainer's one :class:`PartsConfig` and the part keywords to build from. ``parts`` (the shared
+    config) and the part keywords (:data:`PART_KEYWORDS`: a name or an instance) are two ways to give a
+    setting; each setting may come from one of them only (both are refused with one line). An instance
+    stays a keyword (the config records no name for it)."""
     given = (
         parts.model_dump(include=parts.model_fields_set)
         if isinstance(parts, PartsConfig)
@@ -112,8 +108,6 @@ def check_trl_version(options: TRLPartsOptions, version: str | None = None) -> N
     if not reasons:
         return
     if not options.allow_untested_trl:
-        from grpo_parts.errors import NotSupportedError
-
         raise NotSupportedError("grpo_parts_adapters.trl", reasons)
     logging.getLogger("grpo_parts_adapters.trl.trainer").warning(
         "grpo_parts: allow_untested_trl=True: %s", reasons[0]
@@ -121,11 +115,10 @@ def check_trl_version(options: TRLPartsOptions, version: str | None = None) -> N
 
 
 def group_rows_reasons(trainer: Any) -> tuple[list[str], list[str]]:
-    """What re-cutting TRL's micro-batches by prompt group (``group_rows``) would change, as
-    ``(loss, steps)``: ``loss`` -- options whose loss depends on which rows share a micro-batch;
-    ``steps`` -- the rows of one generation batch are spread over several optimizer steps, so which
-    row trains in which step would change. Both empty: the same loss, gradients and parameters as
-    TRL's own order, up to float rounding."""
+    """What re-cutting TRL's micro-batches by prompt group (``group_rows``) would change, ``(loss, steps)``:
+    ``loss`` -- options whose loss depends on which rows share a micro-batch; ``steps`` -- the rows of one
+    generation batch are spread over several optimizer steps, so which row trains in which step would
+    change. Both empty: the same loss, gradients and parameters as TRL's own order, up to float rounding."""
     args = _get(trainer, "args")
     loss = []
     q = _get(trainer, "top_entropy_quantile", 1.0)
@@ -160,10 +153,9 @@ TOOL_IMAGES = "images inside completions are not served yet (docs/adapters/trl.m
 
 
 def sampler_config_reasons(trainer: Any) -> list[str]:
-    """Why a grpo_parts sampler cannot replace TRL's generation for this trainer (empty = it can).
-
-    The sampler replaces ``GRPOTrainer._generate_single_turn``'s plain ``transformers.generate`` path:
-    it samples in-process from the training model with TRL's temperature / top-p / top-k."""
+    """Why a grpo_parts sampler cannot replace TRL's generation for this trainer (empty = it can): it
+    replaces ``_generate_single_turn``'s plain ``transformers.generate`` path, sampling in-process from the
+    training model with TRL's temperature / top-p / top-k."""
     reasons = []
     args = _get(trainer, "args")
     if _get(trainer, "use_vllm", False):
@@ -198,12 +190,9 @@ def sampler_config_reasons(trainer: Any) -> list[str]:
 
 def attention_config_reasons(trainer: Any) -> list[str]:
     """Why a grpo_parts attention backend cannot compute this trainer's log-probs."""
-    reasons = []
-    if _get(trainer, "aux_loss_enabled", False):
-        reasons.append(
-            "MoE router aux loss (router_aux_loss_coef): TRL needs the router logits of its own forward"
-        )
-    return reasons
+    if not _get(trainer, "aux_loss_enabled", False):
+        return []
+    return ["MoE router aux loss (router_aux_loss_coef): TRL needs the router logits of its own forward"]
 
 
 def filter_config_reasons(trainer: Any, parts: PartsConfig) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 
 from grpo_parts.attention.protocol import AttentionBackend, LogprobBatch, RankAgreeing
 from grpo_parts.attention.shared_prefix.chunking import empty_call_batch
-from grpo_parts.doors.agreement import agree_fallback
+from grpo_parts.distributed import agree_on_calls
 from grpo_parts.doors.vision import image_groups, same_images
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.filter.apply import select_rows
@@ -38,59 +38,12 @@ def prompt_runs(
     return rows, 1
 
 
-def image_rows(multimodal: dict[str, Any], num_rows: int) -> tuple[VisionInputs | None, str | None]:
-    """``(each row's images or None, why they cannot be served or None)`` from the multimodal
-    keywords TRL passes its forward (``pixel_values``, ``image_grid_thw``, ``num_images``, ...; the
-    token flags are rebuilt by the backends from the placeholder tokens, and a model that takes
-    ``token_type_ids`` is refused at set-up)."""
-    try:
-        return VisionInputs.per_row(multimodal, num_rows), None
-    except GRPOPartsError as e:
-        return None, str(e)
-
-
 def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """``group_index: [N]``: rows with the same real prompt tokens (and padding) share a group.
-
-    Two dataset rows with the same prompt land in the same group; that is harmless (and cheaper):
-    a shared-prefix backend only needs rows of a group to carry the same prompt."""
+    """``group_index: [N]``: rows with the same real prompt tokens (and padding) share a group. Two dataset
+    rows with the same prompt land in the same group; that is harmless (and cheaper): a shared-prefix
+    backend only needs rows of a group to carry the same prompt."""
     key = prompt_ids.masked_fill(prompt_mask == 0, -1)
     return torch.unique(key, dim=0, return_inverse=True)[1].to(torch.long)
-
-
-def _live_rows_logprobs(
-    live: torch.Tensor,
-    backend: AttentionBackend,
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    logits_to_keep: int,
-    temperature: float,
-    compute_entropy: bool,
-    batch_size: int | None,
-    images: VisionInputs | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`regrouped_logprobs` of the ``live`` rows only (those with a completion token), zeros
-    at every position of the others; all zeros, without a forward, when no row is live."""
-    n = input_ids.shape[0]
-    if not bool(live.any()):
-        zeros = torch.zeros(n, logits_to_keep, device=input_ids.device)
-        return zeros, (zeros.clone() if compute_entropy else None)
-    idx = live.nonzero().flatten()
-    lp, ent = regrouped_logprobs(
-        backend,
-        model,
-        input_ids[idx],
-        attention_mask[idx],
-        logits_to_keep,
-        temperature,
-        compute_entropy,
-        batch_size,
-        None if images is None else VisionInputs(tuple(images.per_prompt[i] for i in idx.tolist())),
-    )
-    lp = lp.new_zeros(n, logits_to_keep).index_copy(0, idx, lp)
-    ent = None if ent is None else ent.new_zeros(n, logits_to_keep).index_copy(0, idx, ent)
-    return lp, ent
 
 
 def _group_chunks(group: torch.Tensor, batch_size: int | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -126,19 +79,11 @@ def _call_chunks(
     """One backend call per chunk of rows (``p``: prompt columns): the log-probs and entropies of
     each call, and the last call's batch (what empty calls are shaped after, :func:`_with_empty_calls`;
     None without chunks)."""
-    prompt_ids, prompt_mask = input_ids[:, :p], attention_mask[:, :p]
-    completion_ids, completion_mask = input_ids[:, p:], attention_mask[:, p:]
     out_logps, out_ents = [], []
     batch = None
     for rows in chunks:
-        batch = LogprobBatch(
-            prompt_ids[rows],
-            prompt_mask[rows],
-            completion_ids[rows],
-            completion_mask[rows],
-            group[rows],
-            vision,
-        )
+        ids, mask = input_ids[rows], attention_mask[rows]
+        batch = LogprobBatch(ids[:, :p], mask[:, :p], ids[:, p:], mask[:, p:], group[rows], vision)
         res = backend.completion_logprobs(
             model, batch, temperature=temperature, compute_entropy=compute_entropy
         )
@@ -179,14 +124,12 @@ def regrouped_logprobs(
     images: VisionInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TRL's ``_get_per_token_logps_and_entropies`` contract through a grpo_parts backend, on rows sorted
-    by group in chunks of whole groups of about ``batch_size`` rows (TRL's memory bound). ``images``:
-    each row's images (a vision-language policy; rows share a group when their prompt tokens and their
-    images are equal), or None.
-
-    Fully masked rows (``mask_truncated_completions``) skip the backend and get 0, as TRL's forward
-    returns; a batch with no row left gives zeros without a graph, so under grad, and with several
-    processes on every rank, the caller must run TRL's own forward instead. Every rank makes as many
-    backend calls as the rank that makes the most (:func:`_extra_calls`)."""
+    by group in chunks of whole groups of about ``batch_size`` rows (TRL's memory bound); ``images``: each
+    row's images, or None (rows share a group when their prompt tokens and images are equal). Fully masked
+    rows (``mask_truncated_completions``) skip the backend and get 0, as TRL's forward returns; a batch with
+    no row left gives zeros without a graph, so under grad, and with several processes on every rank, the
+    caller must run TRL's own forward instead. Every rank makes as many backend calls as the rank that
+    makes the most (:func:`_extra_calls`)."""
     n, width = input_ids.shape
     p = width - logits_to_keep
     if p < 1:
@@ -194,19 +137,18 @@ def regrouped_logprobs(
             f"logits_to_keep: expected < input width {width} (a prompt is needed), got {logits_to_keep}"
         )
     live = attention_mask[:, p:].bool().any(-1)
-    if not bool(live.all()):
-        return _live_rows_logprobs(
-            live,
-            backend,
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            temperature,
-            compute_entropy,
-            batch_size,
-            images,
+    if not bool(live.all()):  # the live rows only, zeros at every position of the others
+        if not bool(live.any()):
+            zeros = torch.zeros(n, logits_to_keep, device=input_ids.device)
+            return zeros, (zeros.clone() if compute_entropy else None)
+        idx = live.nonzero().flatten()
+        ids, mask = input_ids[idx], attention_mask[idx]
+        sub = None if images is None else VisionInputs(tuple(images.per_prompt[i] for i in idx.tolist()))
+        lp, ent = regrouped_logprobs(
+            backend, model, ids, mask, logits_to_keep, temperature, compute_entropy, batch_size, sub
         )
+        lp = lp.new_zeros(n, logits_to_keep).index_copy(0, idx, lp)
+        return lp, (None if ent is None else ent.new_zeros(n, logits_to_keep).index_copy(0, idx, ent))
     group = group_by_prompt(input_ids[:, :p], attention_mask[:, :p])
     vision = None
     if images is not None:
@@ -234,7 +176,7 @@ def _extra_calls(backend: Any, calls: int, device: torch.device) -> int:
     collectives (ZeRO-3 / FSDP gather parameters in each forward, the backends agree on their plans),
     and a rank's chunk count depends on how its groups fall: TRL deals rows, not groups, to the ranks."""
     group = backend.rank_group if isinstance(backend, RankAgreeing) else None
-    return agree_fallback(None, calls, group, device, other="")[1] - calls
+    return agree_on_calls(calls, group, device) - calls
 
 
 def round_kept(
@@ -342,11 +284,10 @@ def _concat_token_types(vals: Sequence[torch.Tensor], prompt_widths: Sequence[in
 def regroup_microbatches(
     chunks: Sequence[dict[str, Any]], generator: torch.Generator
 ) -> list[dict[str, Any]]:
-    """Re-cut TRL's shuffled, equally split micro-batches so that each prompt's rows are adjacent.
-
-    The chunks are stacked back, groups (rows with the same prompt) are put in a random order drawn
-    from ``generator`` (rows inside a group keep their order), and the result is split into as many
-    equal chunks again. Every per-row entry moves with its row; 0-d tensors and ``None`` are kept."""
+    """Re-cut TRL's shuffled, equally split micro-batches so that each prompt's rows are adjacent: the
+    chunks are stacked back, groups (rows with the same prompt) put in a random order drawn from
+    ``generator`` (rows inside a group keep their order) and split into as many equal chunks again. Every
+    per-row entry moves with its row; 0-d tensors and ``None`` are kept."""
     size = int(chunks[0]["completion_ids"].shape[0])
     batch: dict[str, Any] = {}
     for key in chunks[0]:

@@ -1,9 +1,8 @@
-"""The prompt-skipping seam of :class:`~.trainer.GRPOPartsTrainer` (``prompt_skip="history"``): TRL's
-generation batch's prompts, then a seeded stream over ``train_dataset``, go through the shared
-:class:`~grpo_parts.skip.stage.SkipStage`; exactly as many are kept as TRL expects. Each row's advantage is
-multiplied by its prompt's weight (TRL's losses are positively homogeneous in it; the normaliser is the drawn
-batch's, fixed before the draw); what cannot stay unbiased is refused at construction
-(:func:`skip_config_reasons`). docs/adapters/trl.md ("Where each part plugs in"), docs/filter.md."""
+"""The prompt-skipping seam of :class:`~.trainer.GRPOPartsTrainer`: TRL's generation batch's prompts, then
+a seeded stream over ``train_dataset``, go through the shared :class:`~grpo_parts.skip.stage.SkipStage`,
+keeping exactly as many as TRL expects. Each row's advantage is multiplied by its prompt's weight (TRL's
+losses are positively homogeneous in it; the normaliser is the drawn batch's, fixed before the draw); what
+cannot stay unbiased is refused at construction. docs/adapters/trl.md, docs/filter.md."""
 
 from __future__ import annotations
 
@@ -37,12 +36,8 @@ def skip_config_reasons(trainer: Any, parts: PartsConfig) -> list[str]:
         tokens = ((f"loss_type={loss!r}", f"use one of {list(ROW_NORMALISED_LOSSES)}"),)
     stats: tuple[Fact, ...] = ()
     if get("scale_rewards") == "batch" or get("multi_objective_aggregation") == "normalize_then_sum":
-        stats = (
-            (
-                "scale_rewards='batch' / multi_objective_aggregation='normalize_then_sum'",
-                "use scale_rewards='group' or 'none'",
-            ),
-        )
+        batch_wide = "scale_rewards='batch' / multi_objective_aggregation='normalize_then_sum'"
+        stats = ((batch_wide, "use scale_rewards='group' or 'none'"),)
     facts = WeightedLossFacts(
         source="prompt skipping",
         normaliser="drawn",
@@ -69,10 +64,9 @@ def skip_config_reasons(trainer: Any, parts: PartsConfig) -> list[str]:
 
 
 def accept_skipper(trainer: SkipSeam, spec: Any, kwargs: dict[str, Any] | None) -> PromptSkipper | None:
-    """The skipper ``spec`` names (``None``, ``"none"``, ``"history"`` or an instance), or None where
-    it never skips, with the run's :class:`~grpo_parts.skip.stage.SkipStage` (``_gp_stage``); where
-    this trainer's config cannot keep it unbiased: refused (``parts_options.strict``), else logged
-    at WARNING and every prompt rolled out."""
+    """The skipper ``spec`` names (``None``, ``"none"``, ``"history"`` or an instance; None where it never
+    skips), with the run's :class:`~grpo_parts.skip.stage.SkipStage` (``_gp_stage``). Where this trainer's
+    config cannot keep it unbiased: refused (``parts_options.strict``), else logged, all prompts kept."""
     trainer._gp_stage, trainer._gp_skip = None, None
     try:
         skipper = build_skipper(
@@ -164,8 +158,8 @@ class SkipSeam(StateSeam):
             )
         stage.draw.stream.batch = list(inputs[::g])  # type: ignore[attr-defined]
         rows = [copy.deepcopy(row) for row in stage.take_round(len(inputs) // g) for _ in range(g)]
-        self._gp_skip = stage.weights_for([row_prompt_key(r) for r in rows])
         self._gp_skip_ids = [row_prompt_key(r) for r in rows]
+        self._gp_skip = stage.weights_for(self._gp_skip_ids)
         return rows
 
     def _gp_skip_observe(self, rewards: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:

@@ -1,8 +1,7 @@
-"""``GRPOPartsTrainer``: TRL 1.16's ``GRPOTrainer`` with grpo_parts' parts in its seams (``None`` =
-TRL's own code path): ``sampler`` -> ``_generate_single_turn``, ``attention`` ->
-``_get_per_token_logps_and_entropies`` (:mod:`.rows`), ``filter`` and ``prompt_skip`` ->
-``_generate_and_score_completions`` (:mod:`.filtering`, :mod:`.skipping`). Each part's calls and
-fallbacks go to TRL's metrics. docs/adapters/trl.md, "Where each part plugs in"."""
+"""``GRPOPartsTrainer``: TRL 1.16's ``GRPOTrainer`` with grpo_parts' parts in its seams (``None``: TRL's own
+path): ``sampler`` -> ``_generate_single_turn``; ``attention`` -> ``_get_per_token_logps_and_entropies``
+(:mod:`.rows`); ``filter``, ``prompt_skip`` -> ``_generate_and_score_completions`` (:mod:`.filtering`,
+:mod:`.skipping`); calls and fallbacks in TRL's metrics. docs/adapters/trl.md, "Where each part plugs in"."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ from .options import (
     trl_parts,
     weighted_filter_reasons,
 )
-from .rows import image_rows, prompt_runs, regroup_microbatches, regrouped_logprobs
+from .rows import prompt_runs, regroup_microbatches, regrouped_logprobs
 from .skipping import accept_skipper
 
 logger = logging.getLogger(__name__)
@@ -61,10 +60,9 @@ def _training(model: torch.nn.Module) -> Iterator[None]:
 
 
 class GRPOPartsTrainer(FilterSeam):
-    """``GRPOTrainer(*args, **kwargs)`` plus the part keywords (:data:`~.options.PART_KEYWORDS`:
-    ``sampler``, ``draft``, ``attention``, ``filter``, ``prompt_skip``, each ``None``, a registered
-    name or an instance, and their ``*_kwargs`` for construction by name), ``parts`` (the one
-    :class:`PartsConfig`) and ``parts_options``."""
+    """``GRPOTrainer(*args, **kwargs)`` plus the part keywords (:data:`~.options.PART_KEYWORDS`: ``sampler``,
+    ``draft``, ``attention``, ``filter``, ``prompt_skip``, each ``None``, a registered name or an instance,
+    with ``*_kwargs`` for construction by name), ``parts`` (:class:`PartsConfig`) and ``parts_options``."""
 
     def __init__(
         self,
@@ -90,7 +88,6 @@ class GRPOPartsTrainer(FilterSeam):
         self._gp_stream: Iterator[dict[str, Any]] | None = None
         policy = self.accelerator.unwrap_model(self.model)
 
-        # every part by grpo_parts.build (the same builder as grpo_parts_adapters.trl.build.build_part)
         self.gp_sampler = self._gp_build_sampler(
             policy, kw["sampler"], kw["draft"], kw["sampler_kwargs"], kw["draft_kwargs"]
         )
@@ -108,8 +105,6 @@ class GRPOPartsTrainer(FilterSeam):
         self.gp_filter = self._gp_accept("filter", f, f_reasons)
         self.gp_skipper = accept_skipper(self, kw["prompt_skip"], kw["prompt_skip_kwargs"])
         self._gp_group_rows = self._gp_resolve_group_rows()
-
-    # ------------------------------------------------------------------------------------- helpers
 
     def _gp_build_sampler(
         self,
@@ -142,16 +137,13 @@ class GRPOPartsTrainer(FilterSeam):
         return build_part("attention", spec, policy, kwargs=kwargs, where="attention_kwargs")
 
     def _gp_auto_attention(self, policy: torch.nn.Module, kwargs: dict[str, Any] | None) -> Any:
-        """``attention="auto"``: the backend :func:`grpo_parts.build.choose_attention` chooses for
-        this model (checked in train mode), built; ``None`` (TRL's own forward) when TRL's config
-        rules every backend out. The choice is logged there, at INFO; anything but the first of
-        ``AUTO_PRIORITY`` also at WARNING, with the reasons, and its forwards count as fallbacks."""
-        config_reasons = attention_config_reasons(self)
-        if config_reasons:
-            self.parts_choice["attention"] = "TRL's own forward: " + "; ".join(config_reasons)
-            self._gp_off["attention"] = "attention='auto' uses TRL's own forward: " + "; ".join(
-                config_reasons
-            )
+        """``attention="auto"``: the backend :func:`grpo_parts.build.choose_attention` picks (checked in
+        train mode), built, or ``None`` when TRL's config rules every backend out. Any but the first of
+        ``AUTO_PRIORITY`` is logged at WARNING with the reasons; its forwards count as fallbacks."""
+        why = "; ".join(attention_config_reasons(self))
+        if why:
+            self.parts_choice["attention"] = "TRL's own forward: " + why
+            self._gp_off["attention"] = "attention='auto' uses TRL's own forward: " + why
             self._gp_counters.note("attention", self._gp_off["attention"])
             return None
         with _training(policy):
@@ -282,12 +274,7 @@ class GRPOPartsTrainer(FilterSeam):
         compute_aux_loss=False,
         **multimodal,
     ):
-        if (
-            self._gp_deferring
-            and not torch.is_grad_enabled()
-            and not compute_entropy
-            and not compute_aux_loss
-        ):
+        if self._gp_deferring and not torch.is_grad_enabled() and not (compute_entropy or compute_aux_loss):
             # old-policy / reference forward inside TRL's scoring: postpone it to after the filter
             placeholder = torch.zeros(input_ids.shape[0], logits_to_keep, device=input_ids.device)
             call = (model, input_ids, attention_mask, logits_to_keep, batch_size, multimodal)
@@ -299,7 +286,14 @@ class GRPOPartsTrainer(FilterSeam):
             return super()._get_per_token_logps_and_entropies(*args, compute_aux_loss, **multimodal)
         if compute_aux_loss:
             raise NotSupportedError("attention", ["TRL passed compute_aux_loss: no MoE aux loss"])
-        images, reason = image_rows(multimodal, input_ids.shape[0])
+        # each row's images from TRL's multimodal keywords (the backends rebuild the token flags from
+        # the placeholder tokens; a model that takes token_type_ids is refused at set-up)
+        images: VisionInputs | None = None
+        reason: str | None = None
+        try:
+            images = VisionInputs.per_row(multimodal, input_ids.shape[0])
+        except GRPOPartsError as e:
+            reason = str(e)
         if reason and self.parts_options.strict:
             raise NotSupportedError("attention", [reason])
         reason = self._gp_agreed_fallback(attention_mask[:, -logits_to_keep:], reason)
@@ -326,26 +320,23 @@ class GRPOPartsTrainer(FilterSeam):
         return logps, ents, None
 
     def _gp_agreed_fallback(self, completion_mask: torch.Tensor, reason: str | None = None) -> str | None:
-        """Why this call runs TRL's own forward -- ``reason`` (this rank's own, e.g. an image layout
-        it cannot split), or every completion masked -- else None: under grad ``backward`` needs a
-        graph, and with several processes every rank falls back when any does (every rank must make
-        the same model calls)."""
+        """Why this call runs TRL's own forward -- ``reason`` (this rank's own, e.g. an image layout it cannot
+        split), or every completion masked -- else None: under grad ``backward`` needs a graph, and with
+        several processes every rank falls back when any does (every rank must make the same model calls)."""
         dead = not bool(completion_mask.any())
-        attention = self.gp_attention
-        group = attention.rank_group if isinstance(attention, RankAgreeing) else None
+        group = self.gp_attention.rank_group if isinstance(self.gp_attention, RankAgreeing) else None
         every = (
             "a batch whose every completion is masked (mask_truncated_completions) on this or another "
             "data-parallel rank: every rank runs TRL's own forward for it"
         )
-        own = reason
-        if own is None and dead and ranks_of(group) > 1:
-            own = every
-        elif own is None and dead and torch.is_grad_enabled():
-            own = (
+        if reason is None and dead and ranks_of(group) > 1:
+            reason = every
+        elif reason is None and dead and torch.is_grad_enabled():
+            reason = (
                 "a micro-batch whose every completion is masked (mask_truncated_completions) runs TRL's "
                 "own forward, so that backward has a graph"
             )
-        return agree_fallback(own, 0, group, completion_mask.device, other=every)[0]
+        return agree_fallback(reason, 0, group, completion_mask.device, other=every)[0]
 
     @contextmanager
     def _gp_kernel_scope(self) -> Iterator[None]:

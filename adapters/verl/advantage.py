@@ -1,10 +1,8 @@
-"""The ``grpo_parts_grpo`` advantage estimator: verl's estimator signature around
-:func:`grpo_parts.core.group_advantages`.
-
-verl calls it as ``fn(token_level_rewards, response_mask, config, index=uid)`` and expects
-``(advantages, returns)``, both ``[B, T]``. All-equal and singleton groups get exactly 0 (verl's
-``grpo``: about ``1e-10`` and ``r / (1 + eps)``). Rows the filtering sampler kept from a larger group
-get their advantage within the full group (:func:`remember_full_groups`)."""
+"""The ``grpo_parts_grpo`` advantage estimator: :func:`grpo_parts.core.group_advantages` behind verl's
+estimator signature, ``fn(token_level_rewards, response_mask, config, index=uid) -> (advantages,
+returns)``, both ``[B, T]``. All-equal and singleton groups get exactly 0 (verl's ``grpo``: about
+``1e-10`` and ``r / (1 + eps)``). Rows the filtering sampler kept from a larger group get their
+advantage within the full group (:func:`remember_full_groups`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""Agent loop ``grpo_parts_agent``: a verl ``AgentLoopBase`` that samples with grpo_parts.
-
-``sampler: server`` (default) uses verl's vLLM/SGLang servers (speculative decoding: :mod:`.speculative`);
-``sampler: <grpo_parts sampler name>`` runs a grpo_parts ``Sampler`` in the agent-loop worker
-(:class:`SamplerServer`) on the model ``model_factory`` builds. verl's weight sync never reaches that
-copy, so it refuses every rollout unless ``allow_frozen: true``; to train with grpo_parts' sampler
-use the rollout backend (:mod:`.rollout`). Either way the output is verl's ``AgentLoopOutput`` with
-``response_logprobs``. docs/adapters/verl.md, "Agent loop ``grpo_parts_agent``"."""
+"""Agent loop ``grpo_parts_agent``: a verl ``AgentLoopBase`` that samples with grpo_parts. ``sampler:
+server`` (default) uses verl's vLLM/SGLang servers (speculative decoding: :mod:`.speculative`); ``sampler:
+<name>`` runs a grpo_parts ``Sampler`` in the agent-loop worker (:class:`SamplerServer`) on the model
+``model_factory`` builds. verl's weight sync never reaches that copy, so it refuses every rollout unless
+``allow_frozen: true``; to train with grpo_parts' sampler use the rollout backend (:mod:`.rollout`).
+docs/adapters/verl.md, "Agent loop ``grpo_parts_agent``"."""
 
 from __future__ import annotations
 
@@ -45,10 +43,9 @@ def sampling_params_from_verl(
 
 
 class SamplerServer:
-    """verl's ``generate(request_id, *, prompt_ids, sampling_params, ...) -> TokenOutput`` served by a
-    grpo_parts ``Sampler``: requests waiting when the sampler is free go as one batch of up to
-    ``max_batch`` rows, identical prompts as one group (:class:`grpo_parts.doors.serving.RequestBatcher`),
-    so the sampler sees the real concurrency and the groups."""
+    """verl's ``generate(request_id, *, prompt_ids, sampling_params, ...) -> TokenOutput`` by a grpo_parts
+    ``Sampler``: the requests waiting when it is free go as one batch of up to ``max_batch`` rows, identical
+    prompts as one group (:class:`grpo_parts.doors.serving.RequestBatcher`), so it sees the real groups."""
 
     def __init__(
         self,
@@ -63,16 +60,12 @@ class SamplerServer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_new_tokens = max_new_tokens
-        self.stats: dict[str, float] = {}
         #: every rollout's ``Rollout.stats`` summed (``lean_forward_calls``, ...) and ``rollouts``
         self.totals: Counter[str] = Counter()
         self.batch_sizes: list[int] = []
         self.batcher: RequestBatcher[SamplingParams, TokenOutput] = RequestBatcher(
             self.generate_batch, gather_s, max_batch
         )
-
-    def sync_weights(self, policy: torch.nn.Module) -> None:
-        self.sampler.sync_weights(policy)
 
     def params(self, sampling_params: dict[str, Any]) -> SamplingParams:
         return sampling_params_from_verl(
@@ -86,7 +79,6 @@ class SamplerServer:
         (:func:`grpo_parts.doors.serving.sample_requests`)."""
         gen = None if seed is None else torch.Generator().manual_seed(seed)
         answers, rollout = sample_requests(self.sampler, prompts, params, gen)
-        self.stats = dict(rollout.stats)
         self.totals.update(rollout.stats)
         self.totals["rollouts"] += 1
         self.batch_sizes.append(len(prompts))
@@ -102,30 +94,16 @@ class SamplerServer:
         ]
 
     async def generate(
-        self,
-        request_id: str,
-        *,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        image_data: Any = None,
-        video_data: Any = None,
-        audio_data: Any = None,
-        **_: Any,
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **extra: Any
     ) -> TokenOutput:
-        media = [
-            n
-            for n, v in (("image_data", image_data), ("video_data", video_data), ("audio_data", audio_data))
-            if v
-        ]
+        media = [k for k in ("image_data", "video_data", "audio_data") if extra.get(k)]
         if media:  # sampling the token ids alone would roll out without the images: never silently
-            raise NotSupportedError(
-                "grpo_parts verl rollout",
-                [
-                    f"verl passed {', '.join(media)} with the prompt: this server rolls out token ids only "
-                    "and would sample without them; use verl's vLLM/SGLang rollout for a vision-language "
-                    "policy (the engine hook serves its log-probs: docs/adapters/verl.md)"
-                ],
+            why = (
+                f"verl passed {', '.join(media)} with the prompt: this server rolls out token ids only "
+                "and would sample without them; use verl's vLLM/SGLang rollout for a vision-language "
+                "policy (the engine hook serves its log-probs: docs/adapters/verl.md)"
             )
+            raise NotSupportedError("grpo_parts verl rollout", [why])
         return await self.batcher.submit(self.params(sampling_params), prompt_ids)
 
 
@@ -140,8 +118,8 @@ _LOCAL_SERVERS: dict[tuple[str, str, str], SamplerServer] = {}  # one model per 
 _COPIES: dict[tuple[str, str, str], PolicyCopy] = {}  # their policy copies (never synced by verl)
 
 
-def _plain(kwargs: Any) -> dict[str, Any]:
-    """``sampler_kwargs`` as verl's hydra hands them (a ``DictConfig``) or a dict, as a plain dict."""
+def plain_dict(kwargs: Any) -> dict[str, Any]:
+    """A verl config node (a hydra ``DictConfig``), a mapping or None as a plain dict with ``str`` keys."""
     if kwargs is None:
         return {}
     from omegaconf import OmegaConf
@@ -154,10 +132,9 @@ def build_sampler(
     name: str, model: torch.nn.Module, draft: str | None = None, draft_factory: str | None = None,
     sampler_kwargs: dict[str, Any] | None = None,
 ) -> Sampler:  # fmt: skip
-    """A grpo_parts sampler by name (:func:`grpo_parts.build.build_sampler`, with ``sampler_kwargs``).
-    Samplers that take a draft get ``draft_factory(policy)`` (``"module:function"``) or, without a
-    factory, the draft ``draft`` by name (:func:`grpo_parts.build.build_draft`: on the policy when its
-    constructor takes a model, e.g. ``frozen_lm``, with no arguments otherwise)."""
+    """A grpo_parts sampler by name (:func:`grpo_parts.build.build_sampler`, with ``sampler_kwargs``); one
+    that takes a draft gets ``draft_factory(policy)`` (``"module:function"``) or else the draft ``draft`` by
+    name (:func:`grpo_parts.build.build_draft`: on the policy when it takes a model, e.g. ``frozen_lm``)."""
     if draft_factory is not None:
         made = _load(draft_factory)(model)
     else:
@@ -182,11 +159,10 @@ class GrpoPartsAgentLoop(AgentLoopBase):
     ):
         super().__init__(*args, **kwargs)
         self.allow_frozen = bool(allow_frozen)
-        self.prompt_length = self.rollout_config.prompt_length
         self.response_length = self.rollout_config.response_length
         self.sampler_name, self.draft_name, self.draft_factory = sampler, draft, draft_factory
         self.model_factory = model_factory
-        self.sampler_kwargs = _plain(sampler_kwargs)
+        self.sampler_kwargs = plain_dict(sampler_kwargs)
 
     def _local_server(self) -> SamplerServer:
         path = str(self.config.actor_rollout_ref.model.path)
@@ -233,8 +209,7 @@ class GrpoPartsAgentLoop(AgentLoopBase):
         elapsed = loop.time() - t0
         n = min(len(out.token_ids), self.response_length)
         logprobs = list(out.log_probs[:n]) if out.log_probs else None
-        extra = dict(out.extra_fields)
-        extra.update({"turn_scores": [], "tool_rewards": []})
+        extra = {**out.extra_fields, "turn_scores": [], "tool_rewards": []}
         return AgentLoopOutput(
             prompt_ids=list(prompt_ids),
             response_ids=list(out.token_ids[:n]),

@@ -1,9 +1,7 @@
-"""Shared-prefix log-probs for verl's packed micro-batches, grouped by ``uid``.
-
-:func:`packed_call` unpacks verl's nested ``input_ids`` into one :class:`LogprobBatch` grouped by
-``uid``; :func:`run_packed` hands it to a grpo_parts ``AttentionBackend`` and rolls the result into
-verl's layout (position ``j`` holds ``log p(token j+1 | tokens <= j)``; non-response positions are 0,
-masked by verl's ``response_mask``). Called from verl's ``forward_step`` by :mod:`.engine`."""
+"""Shared-prefix log-probs for verl's packed micro-batches, grouped by ``uid``: :func:`packed_call`
+unpacks verl's nested ``input_ids`` into one :class:`LogprobBatch`; :func:`run_packed` runs it and rolls
+the result into verl's layout (position ``j`` holds ``log p(token j+1 | tokens <= j)``; non-response
+positions are 0, masked by verl's ``response_mask``). :mod:`.engine` calls them from ``forward_step``."""
 
 from __future__ import annotations
 
@@ -100,11 +98,6 @@ def packed_call(
     return PackedCall(batch, (rows, cols), where, ids.numel())
 
 
-def resolve_backend(backend: str | AttentionBackend) -> AttentionBackend:
-    """A backend by name (built by :func:`grpo_parts.build.build_attention`), or the instance as is."""
-    return build_attention(backend)
-
-
 def scalar_temperature(temperature: float | torch.Tensor) -> float:
     if isinstance(temperature, torch.Tensor):
         flat = temperature.reshape(-1)
@@ -174,13 +167,12 @@ def packed_logprobs(
     backend: str | AttentionBackend = "shared_prefix",
     compute_entropy: bool = False,
 ) -> PackedLogprobs:
-    """Log-probs (and entropies) of every response token of a packed micro-batch, in verl's rolled
-    layout ``[nnz]``: one backend call (:func:`packed_call`, :func:`run_packed`). ``input_ids: [nnz]``
-    (or ``[1, nnz]``), ``cu_seqlens: [B + 1]``, ``response_lens: [B]``; sequences with an empty
-    response contribute zeros (a micro-batch without any response token: zeros, no forward)."""
+    """Log-probs (and entropies) of every response token of a packed micro-batch in verl's rolled layout
+    ``[nnz]``, in one backend call (``input_ids: [nnz]`` or ``[1, nnz]``, ``cu_seqlens: [B + 1]``,
+    ``response_lens: [B]``); empty responses get zeros (no response token at all: zeros, no forward)."""
     temp = scalar_temperature(temperature)
     call = packed_call(input_ids, cu_seqlens, response_lens, group_keys)
     if call is None:
         zeros = torch.zeros(input_ids.numel(), device=input_ids.device)
         return PackedLogprobs(zeros, zeros.clone() if compute_entropy else None)
-    return run_packed(model, call, resolve_backend(backend), temp, compute_entropy)
+    return run_packed(model, call, build_attention(backend), temp, compute_entropy)

@@ -1,22 +1,21 @@
-"""verl config keys that switch grpo_parts' shared-prefix log-probs on, per engine (actor, reference).
-
-:class:`FSDPActorConfig` is verl's ``FSDPActorConfig`` plus one field, ``grpo_parts``
-(:class:`EngineOptions`), because Hydra's ``_target_`` dataclass rejects unknown keys; the options
-reach the FSDP engine as ``engine_config.grpo_parts``. Settings the shared-prefix path cannot honour
-are refused here, once, when verl builds the config. Hydra builds this config in the worker before
-the engine (nothing else of ours runs there), so ``__post_init__`` installs the engine hook
-(:func:`.engine.install_engine_hook`, idempotent). docs/adapters/verl.md, the attention part."""
+"""verl config keys that switch grpo_parts' shared-prefix log-probs on, per engine (actor, reference):
+:class:`FSDPActorConfig` is verl's ``FSDPActorConfig`` plus ``grpo_parts`` (:class:`EngineOptions`; Hydra's
+``_target_`` dataclass rejects unknown keys), which reaches the FSDP engine as ``engine_config.grpo_parts``.
+Settings the shared-prefix path cannot honour are refused once, when verl builds the config; Hydra builds
+it in the worker before the engine (nothing else of ours runs there), so ``__post_init__`` installs the
+engine hook. docs/adapters/verl.md, the attention part."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from verl.workers.config import FSDPActorConfig as _VerlFSDPActorConfig
 
 from grpo_parts.errors import NotSupportedError
 
-from .options import ENGINE_ATTR, EngineOptions, options_of
+from .options import ENGINE_ATTR, EngineOptions, hydra_value, options_of
 
 TARGET = "grpo_parts_adapters.verl.config.FSDPActorConfig"
 
@@ -54,11 +53,7 @@ def startup_reasons(config: Any, model_config: Any = None) -> list[str]:
         )
     fused = getattr(config, "use_fused_kernels", False)
     if model_config is not None:
-        get = (
-            model_config.get
-            if hasattr(model_config, "get")
-            else lambda k, d=None: getattr(model_config, k, d)
-        )
+        get = getattr(model_config, "get", None) or partial(getattr, model_config)
         fused = fused or bool(get("use_fused_kernels", False))
     if fused:
         reasons.append(
@@ -105,8 +100,6 @@ def hydra_overrides(
     out = []
     for role in roles:
         out.append(f"actor_rollout_ref.{role}._target_={TARGET}")
-        out.append(
-            f"+actor_rollout_ref.{role}.grpo_parts.attention={'null' if attention is None else attention}"
-        )
+        out.append(f"+actor_rollout_ref.{role}.grpo_parts.attention={hydra_value(attention)}")
         out += [f"+actor_rollout_ref.{role}.grpo_parts.{k}={v}" for k, v in options.items()]
     return out

@@ -1,10 +1,7 @@
-"""Shared-prefix log-probs inside verl's FSDP engine, for the engines whose config asks for them.
-
-verl 0.9.1 has no hook between an engine's micro-batch and its model forward, so
-:func:`install_engine_hook` puts a dispatcher in front of ``FSDPEngineWithLMHead.forward_step``. It
-runs grpo_parts only for language-model engines carrying :class:`~.options.EngineOptions` with
-``attention`` set; others run verl's ``forward_step`` unchanged. A micro-batch the backend cannot
-serve goes to verl's forward; what ran is counted in the micro-batch's metrics
+"""Shared-prefix log-probs inside verl's FSDP engine, for the engines whose config asks for them: verl 0.9.1
+has no hook between an engine's micro-batch and its model forward, so :func:`install_engine_hook` puts a
+dispatcher in front of ``FSDPEngineWithLMHead.forward_step``. Other engines, and micro-batches the backend
+cannot serve, run verl's forward; what ran is counted in the micro-batch's metrics
 (``actor/parts/attention/...``). docs/adapters/verl.md, the attention part and "Memory"."""
 
 from __future__ import annotations
@@ -46,17 +43,14 @@ _STATE_ATTR = "_grpo_parts_attention"
 _pending_logprob = False
 
 
-def _flags(micro_batch: Any, *keys: str) -> list[str]:
-    from verl.utils import tensordict_utils as tu
-
-    return [k for k in keys if tu.get_non_tensor_data(data=micro_batch, key=k, default=False)]
-
-
 def fallback_reason(micro_batch: Any, opts: EngineOptions) -> str | None:
     """Why this micro-batch must run verl's own forward (None: grpo_parts computes it). Images are
     served (:func:`_images`); their 3-D position ids are the backend's own, from the model's
     ``get_rope_index`` as verl's data path computes them."""
-    flags = _flags(micro_batch, "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared")
+    from verl.utils import tensordict_utils as tu
+
+    keys = ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared")
+    flags = [k for k in keys if tu.get_non_tensor_data(data=micro_batch, key=k, default=False)]
     if flags:
         return ", ".join(flags)
     t = micro_batch["temperature"]
@@ -150,36 +144,30 @@ def _engine_state(engine: Any, opts: EngineOptions) -> Any:
     return state[1]
 
 
-def _sum(value: float) -> Any:
+def _metric(value: float, how: str = "SUM") -> Any:
     from verl.utils.metric.utils import AggregationType, Metric
 
-    return Metric(aggregation=AggregationType.SUM, value=float(value))
-
-
-def _max(value: float) -> Any:
-    from verl.utils.metric.utils import AggregationType, Metric
-
-    return Metric(aggregation=AggregationType.MAX, value=float(value))
+    return Metric(aggregation=AggregationType[how], value=float(value))
 
 
 def _report(metrics: dict, ran: bool, forward_only: bool, tokens: tuple[float, int, int] | None) -> dict:
     global _pending_logprob
     out = dict(metrics)
     key = partial(framework_key, "attention")
-    out[key(PART_UNITS["attention"])] = _sum(ran)
-    out[key(FALLBACKS)] = _sum(not ran)
+    out[key(PART_UNITS["attention"])] = _metric(ran)
+    out[key(FALLBACKS)] = _metric(not ran)
     if tokens is not None:
-        out[key(GRID_TOKENS)] = _sum(tokens[0])
-        out[key(PACKED_TOKENS)] = _sum(tokens[1])
-        out[key(PADDING_FREE_TOKENS)] = _sum(tokens[2])
-        out[key(GRID_OVER_PACKED_MAX)] = _max(tokens[0] / max(1, tokens[1]))
-        out[key(GRID_OVER_PADDING_FREE_MAX)] = _max(tokens[0] / max(1, tokens[2]))
+        out[key(GRID_TOKENS)] = _metric(tokens[0])
+        out[key(PACKED_TOKENS)] = _metric(tokens[1])
+        out[key(PADDING_FREE_TOKENS)] = _metric(tokens[2])
+        out[key(GRID_OVER_PACKED_MAX)] = _metric(tokens[0] / max(1, tokens[1]), "MAX")
+        out[key(GRID_OVER_PADDING_FREE_MAX)] = _metric(tokens[0] / max(1, tokens[2]), "MAX")
     if forward_only:
         _pending_logprob = True
     elif _pending_logprob:
         _pending_logprob = False
         for k, v in COUNTERS.flush("logprob").items():
-            out[key(LOGPROB + k.rsplit("/", 1)[1])] = _sum(v)
+            out[key(LOGPROB + k.rsplit("/", 1)[1])] = _metric(v)
     COUNTERS.flush("train")
     return out
 
@@ -243,9 +231,8 @@ def _forward_step(
         else torch.autocast(device_type=get_device_name(), dtype=dtype)
     )
     with ctx:
-        temperature = micro_batch["temperature"]
         before = attention_calls(backend)
-        temp = scalar_temperature(temperature)
+        temp = scalar_temperature(micro_batch["temperature"])
         out = run_packed(engine.module, prepared.call, backend, temp, bool(entropy), prepared.plan)
         ran = attention_calls(backend) - before
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.log_probs, cu)}
@@ -257,10 +244,8 @@ def _forward_step(
             )
         else:
             loss, metrics = torch.tensor(1.0, device=cu.device), {}
-        metrics = {
-            **metrics,
-            **{framework_key("attention", ATTENTION_CALLS + k): _sum(v) for k, v in ran.items()},
-        }
+        calls = {framework_key("attention", ATTENTION_CALLS + k): _metric(v) for k, v in ran.items()}
+        metrics = {**metrics, **calls}
     return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
 
@@ -270,10 +255,9 @@ def install_engine_hook() -> bool:
     from verl.utils.device import get_device_id, get_device_name
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
-    current = FSDPEngineWithLMHead.forward_step
-    if hasattr(current, "_grpo_parts_original"):
+    original = FSDPEngineWithLMHead.forward_step
+    if hasattr(original, "_grpo_parts_original"):
         return False
-    original = current
 
     def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
         opts = options_of(getattr(self, "engine_config", None))

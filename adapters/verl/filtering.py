@@ -1,9 +1,6 @@
 """``+grpo_parts.filter.*``: the filter's options in a verl config (:class:`FilterOptions`), the checks
-that say what verl cannot keep unbiased, and the scored batch a filter sees.
-
-Advantages come from :func:`grpo_parts.core.group_advantages` (groups = ``uid``); the named filter
-selects the rows (:mod:`.kv_filter`). The only row choice made here is rounding the kept count to a
-multiple verl needs (:mod:`grpo_parts.filter.rounding`). verl's ``main_ppo_v0`` loop has no filter seam."""
+that say what verl cannot keep unbiased, and the scored batch a filter sees (advantages by
+:func:`grpo_parts.core.group_advantages`, groups = ``uid``). verl's ``main_ppo_v0`` has no filter seam."""
 
 from __future__ import annotations
 
@@ -49,12 +46,10 @@ VERL_KEYS = {
 class FilterOptions(KnownFields):
     """``+grpo_parts.filter.*`` in a verl config: a grpo_parts filter (``name``/``kwargs``), its refill
     (``target_rows``, ``refill_rounds``, ``refill_multiple``), the rounding of the kept count
-    (``multiple_of``, ``kept_rounding`` and the data-parallel keys in :attr:`batch_multiple`), the
-    actor's loss settings a weighted filter checks (:func:`weighted_filter_reasons`) and prompt skipping
-    (``prompt_skip``, trainer mode ``grpo_parts_sync`` only; :func:`skip_reasons`). :attr:`parts` is
-    these options as the one :class:`~grpo_parts.parts_config.PartsConfig`. :data:`VERL_KEYS` are
-    interpolated from verl's config by ``sampler.hydra_overrides``, since the sampler seam does not see
-    ``data``. docs/adapters/verl.md, "Switching each part on" (filter, weighted filter, several ranks)."""
+    (``multiple_of``, ``kept_rounding``, the data-parallel keys of :attr:`batch_multiple`), the actor's loss
+    settings a weighted filter checks (:func:`weighted_filter_reasons`) and prompt skipping (trainer mode
+    ``grpo_parts_sync`` only). :data:`VERL_KEYS` are interpolated from verl's config (the sampler seam does
+    not see ``data``). docs/adapters/verl.md, "Switching each part on"."""
 
     name: str = DOOR_DEFAULTS["verl"]["filter"]
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -139,9 +134,10 @@ HOMOGENEOUS_POLICY_LOSSES = ("vanilla", "gspo", "gpg")
 FIXED_NORMALISER_AGGS = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
 
-def _loss_facts(o: FilterOptions) -> tuple[list[Fact], list[Fact]]:
-    """``(unscaled, normaliser_from_draw)``: the actor settings under which a weight carried by the
-    advantage does not scale a row's loss, and those whose normaliser depends on the draw."""
+def _loss_facts(o: FilterOptions, source: str, **kw: Any) -> WeightedLossFacts:
+    """The facts of :mod:`grpo_parts.core.unbiased` for ``source`` (and ``kw``): the refill, the actor
+    settings under which a weight carried by the advantage does not scale a row's loss, and those whose
+    normaliser depends on the draw."""
     use = "use seq-mean-token-mean (set it in actor_rollout_ref.actor and in grpo_parts_filter.loss_agg_mode)"
     normaliser: list[Fact] = []
     if o.loss_agg_mode not in FIXED_NORMALISER_AGGS:
@@ -157,14 +153,11 @@ def _loss_facts(o: FilterOptions) -> tuple[list[Fact], list[Fact]]:
         unscaled.append((f"actor.entropy_coeff={o.entropy_coeff}", "set it to 0"))
     if o.policy_loss_mode not in HOMOGENEOUS_POLICY_LOSSES:
         unscaled.append((f"actor.policy_loss.loss_mode={o.policy_loss_mode!r}", f"a weight on the advantage scales the row's loss only for {list(HOMOGENEOUS_POLICY_LOSSES)}"))  # fmt: skip
-    return unscaled, normaliser
-
-
-def _refill_fact(o: FilterOptions) -> Fact | None:
-    return (
-        (f"refill_rounds={o.refill_rounds}", "set grpo_parts_filter.refill_rounds=0")
-        if o.refill_rounds
-        else None
+    refill: Fact | None = None
+    if o.refill_rounds:
+        refill = (f"refill_rounds={o.refill_rounds}", "set grpo_parts_filter.refill_rounds=0")
+    return WeightedLossFacts(
+        source=source, refill=refill, unscaled=tuple(unscaled), normaliser_from_draw=tuple(normaliser), **kw
     )
 
 
@@ -174,14 +167,7 @@ def weighted_filter_reasons(filt: Any, options: FilterOptions, needs_step: bool 
     rows, so the mini-batch rows must be known."""
     if not isinstance(filt, WeighsLoss):
         return []
-    unscaled, normaliser = _loss_facts(options)
-    facts = WeightedLossFacts(
-        source="dppo",
-        refill=_refill_fact(options),
-        unscaled=tuple(unscaled),
-        normaliser_from_draw=tuple(normaliser),
-    )
-    reasons = refusal_reasons(facts)
+    reasons = refusal_reasons(_loss_facts(options, "dppo"))
     if needs_step and options.ppo_mini_batch_size is None:
         reasons.append(
             "ppo_mini_batch_size / rollout_n not given: the weights fold in the padded kept rows verl "
@@ -196,15 +182,7 @@ def skip_reasons(options: FilterOptions, config: Any = None) -> list[str]:
     settings that re-draw prompts after the skip draw (DAPO's ``filter_groups``, failed-group refill)."""
     from omegaconf import OmegaConf
 
-    unscaled, normaliser = _loss_facts(options)
-    facts = WeightedLossFacts(
-        source="prompt skipping",
-        normaliser="drawn",
-        refill=_refill_fact(options),
-        unscaled=tuple(unscaled),
-        normaliser_from_draw=tuple(normaliser),
-    )
-    reasons = refusal_reasons(facts)
+    reasons = refusal_reasons(_loss_facts(options, "prompt skipping", normaliser="drawn"))
     if config is not None:
         if OmegaConf.select(config, "algorithm.filter_groups.enable", default=False):
             reasons.append("algorithm.filter_groups.enable: verl's DAPO filter re-draws prompts after the skip draw; turn it off")  # fmt: skip
@@ -223,8 +201,7 @@ def scored_batch(
     check_tensor("rewards", rewards, ndim=1, dtype="float")
     if len(uid) != rewards.shape[0]:
         raise GRPOPartsError(f"uid: expected {rewards.shape[0]} entries (one per row), got {len(uid)}")
-    gi, _ = uid_to_group_index(uid)
-    gi = gi.to(rewards.device)
+    gi = uid_to_group_index(uid)[0].to(rewards.device)
     adv = group_advantages(rewards, gi, adv_config or AdvantageConfig())
     lengths = None if response_mask is None else response_mask.long().sum(-1)
     return ScoredBatch(rewards=rewards, advantages=adv, group_index=gi, completion_lengths=lengths)

@@ -1,8 +1,7 @@
 """The grpo_parts filter on one sampled verl v1 batch (TransferQueue), the core of the one filter seam
 (:class:`~.sampler.FilteringReplayBuffer`): scored on full groups, filtered, refilled, rounded to
 whole mini-batches on every rank, the dropped rows cleared from TransferQueue and each kept row's
-full-group advantage stored beside it (``grpo_parts_seq_advantage``).
-"""
+full-group advantage stored beside it (``grpo_parts_seq_advantage``)."""
 
 from __future__ import annotations
 
@@ -169,11 +168,11 @@ def filter_kv_batch(
     return_groups: bool = False,
     skip: VerlSkipStage | None = None,
 ) -> Any:
-    """Filter one sampled v1 batch; ``more(n_prompts) -> KVBatchMeta | None`` rolls out and samples
-    ``n`` more prompts (refill). Dropped rows are cleared from ``store`` (TransferQueue). Returns
-    ``(kept batch, metrics)``, plus with ``return_groups`` ``{uid: (rewards, advantages)}`` of the
-    full group of every uid with a kept row. With prompt ``skip`` (no refill), every rolled-out
-    group is observed and each kept row's stored advantage is multiplied by its prompt's weight."""
+    """Filter one sampled v1 batch; ``more(n_prompts) -> KVBatchMeta | None`` rolls out and samples ``n``
+    more prompts (refill); dropped rows are cleared from ``store`` (TransferQueue). Returns ``(kept batch,
+    metrics)``, plus with ``return_groups`` the full groups of the kept uids (:func:`_full_groups`). With
+    prompt ``skip`` (no refill) every rolled-out group is observed and each kept row's stored advantage is
+    multiplied by its prompt's weight."""
     rounds: list[KVBatchMeta] = []
     uids: dict[int, list[Any]] = {}
     scores: list[torch.Tensor] = []
@@ -204,9 +203,8 @@ def filter_kv_batch(
     for b in rounds:
         adv, sc = _round_advantages(b, train_adv, empty, skip, uids[id(b)])
         kept_rows = _store_kept(b, kept_by_round.get(id(b), set()), adv, store)
-        for i in kept_rows:
-            keys.append(b.keys[i])
-            tags.append(b.tags[i])
+        keys += [b.keys[i] for i in kept_rows]
+        tags += [b.tags[i] for i in kept_rows]
         if kept_rows and return_groups and sc is not None:
             assert adv is not None
             groups.update(_full_groups(sc, uids[id(b)], kept_rows, adv, bool(weighted)))

@@ -61,15 +61,8 @@ class EngineOptions(KnownFields):
     def parts(self) -> PartsConfig:
         """These options as the one parts configuration (``attention``; the shared-prefix keys are
         its ``attention_kwargs``)."""
-        kwargs: dict[str, Any] = {}
-        if self.attention == "shared_prefix":
-            kwargs = {
-                "kernel": self.kernel,
-                "max_chunks": self.max_chunks,
-                "chunk_overhead_tokens": self.chunk_overhead_tokens,
-                "layout": self.layout,
-                "varlen": self.varlen,
-            }
+        shared_prefix_keys = {"kernel", "max_chunks", "chunk_overhead_tokens", "layout", "varlen"}
+        kwargs = self.model_dump(include=shared_prefix_keys) if self.attention == "shared_prefix" else {}
         return PartsConfig(attention=self.attention, attention_kwargs=kwargs)
 
     def backend(self) -> Any:

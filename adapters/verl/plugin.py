@@ -1,10 +1,8 @@
-"""verl plugin entry: importing this module registers every grpo_parts part with verl.
-
-verl imports it through the ``verl.plugins`` entry point, ``VERL_USE_EXTERNAL_MODULES`` or
-``actor_rollout_ref.model.external_lib`` (too late for ``trainer.v1.trainer_mode``); docs/adapters/verl.md,
-"Loading the plugin". Registering is the point, so it happens on import; a part whose verl seam cannot be
-imported is skipped with a warning instead of breaking ``import verl``, and :data:`STATUS` says what happened.
-Shared-prefix attention needs no registration (its config class is named by ``_target_``)."""
+"""verl plugin entry: importing this module registers every grpo_parts part with verl (through the
+``verl.plugins`` entry point, ``VERL_USE_EXTERNAL_MODULES`` or ``actor_rollout_ref.model.external_lib``,
+which is too late for ``trainer.v1.trainer_mode``; docs/adapters/verl.md, "Loading the plugin"). A part
+whose verl seam cannot be imported is skipped with a warning instead of breaking ``import verl``;
+:data:`STATUS` says what happened."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""grpo_parts' sampler as a verl rollout backend: ``actor_rollout_ref.rollout.name=grpo_parts``.
-
-verl 0.9.1 picks a rollout by name from two registries, one per side of the weight sync: the
-replica (:class:`GRPOPartsReplica`, ``RolloutReplicaRegistry``) starts one :class:`GRPOPartsServer`
-per node that answers verl's token-in/token-out ``generate`` with a grpo_parts ``Sampler`` (no vLLM
-or SGLang server); the worker-side adapter (:class:`GRPOPartsRollout`, ``get_rollout_class``) gets
-the actor's weights from verl's naive checkpoint engine and streams them to its replica's server.
-The server's :class:`~grpo_parts.doors.policy_copy.PolicyCopy` refuses a ``generate`` on a stale
-copy unless ``allow_frozen``. Registered by :mod:`.plugin`. docs/adapters/verl.md, "Sampler /
-DraftModel: the rollout backend"."""
+"""grpo_parts' sampler as a verl rollout backend: ``actor_rollout_ref.rollout.name=grpo_parts``. verl 0.9.1
+picks a rollout by name from two registries, one per side of the weight sync: :class:`GRPOPartsReplica`
+starts one :class:`GRPOPartsServer` per node, answering verl's ``generate`` with a grpo_parts ``Sampler``
+on a :class:`~grpo_parts.doors.policy_copy.PolicyCopy` that refuses to sample while stale unless
+``allow_frozen``; :class:`GRPOPartsRollout` streams the actor's weights to it from verl's naive checkpoint
+engine. docs/adapters/verl.md, "Sampler / DraftModel: the rollout backend"."""
 
 from __future__ import annotations
 
@@ -30,7 +26,7 @@ from grpo_parts.errors import GRPOPartsError
 from grpo_parts.parts_config import DOOR_DEFAULTS
 from grpo_parts.sampler.stats import DRAFT_UPDATES, PLAIN_STEPS, SAMPLED_TREE_STEPS, STEP_CALL_COUNTS
 
-from .agent_loop import SamplerServer, build_sampler
+from .agent_loop import SamplerServer, build_sampler, plain_dict
 from .options import ROLLOUT_NAME, hydra_value
 
 logger = logging.getLogger(__name__)
@@ -66,13 +62,9 @@ class RolloutOptions(BaseModel):
 
     @classmethod
     def from_rollout_config(cls, config: Any) -> RolloutOptions:
-        raw = (getattr(config, "engine_kwargs", None) or {}).get(OPTIONS_KEY) or {}
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(raw):
-            raw = OmegaConf.to_container(raw, resolve=True)
+        raw = plain_dict((getattr(config, "engine_kwargs", None) or {}).get(OPTIONS_KEY))
         try:
-            return cls(**{str(k): v for k, v in dict(raw).items()})
+            return cls(**raw)
         except Exception as e:  # pydantic names the field and the value
             raise GRPOPartsError(f"actor_rollout_ref.rollout.engine_kwargs.{OPTIONS_KEY}: {e}") from None
 
@@ -81,17 +73,8 @@ class RolloutOptions(BaseModel):
 TOTALS_FIELD = "grpo_parts_totals"
 TOTALS_REPLICA = "replica"
 #: what a sample carries to verl's metrics: the sampler's call counts and the weight-sync counters
-COUNTERS = frozenset(
-    (
-        *STEP_CALL_COUNTS,
-        PLAIN_STEPS,
-        SAMPLED_TREE_STEPS,
-        DRAFT_UPDATES,
-        "rollouts",
-        *PolicyCopy.COUNTERS,
-        "ignored_syncs",
-    )
-)
+_COUNTED = (PLAIN_STEPS, SAMPLED_TREE_STEPS, DRAFT_UPDATES, "rollouts", "ignored_syncs")
+COUNTERS = frozenset((*STEP_CALL_COUNTS, *_COUNTED, *PolicyCopy.COUNTERS))
 
 
 def sampler_metrics(extra_fields: Iterable[Any]) -> dict[str, float]:
@@ -217,29 +200,13 @@ class GRPOPartsServer:
         # until the sync that follows the update
         self.copy.mark_stale("the actor was updated after the last sync (verl put the rollout to sleep)")
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        return None  # weights stay resident (CPU / small models); freshness is the sync's business
+    async def _nothing_to_do(self, *args: Any, **kwargs: Any) -> None:
+        """The lifecycle calls with no work here: weights stay resident (CPU / small models; freshness
+        is the sync's business), the sampler keeps no cache between rollouts, and under the sync
+        trainer no request is in flight at a weight sync."""
 
-    async def clear_kv_cache(self) -> None:
-        return None  # the sampler keeps no cache between rollouts
-
-    async def abort_all_requests(self, reject_request: bool = False) -> None:
-        return None  # sync trainer: no request is in flight at a weight sync
-
-    async def release_kv_cache(self) -> None:
-        return None
-
-    async def resume_kv_cache(self) -> None:
-        return None
-
-    async def resume_generation(self) -> None:
-        return None
-
-    async def start_profile(self, **kwargs: Any) -> None:
-        return None
-
-    async def stop_profile(self) -> None:
-        return None
+    wake_up = clear_kv_cache = abort_all_requests = release_kv_cache = _nothing_to_do
+    resume_kv_cache = resume_generation = start_profile = stop_profile = _nothing_to_do
 
     def totals(self) -> dict[str, float]:
         """Every rollout's stats summed, plus the weight-sync counters."""
@@ -315,11 +282,8 @@ class GRPOPartsRollout(BaseRollout):
     def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1) -> None:
         super().__init__(config, model_config, device_mesh)
         rank = int(os.environ.get("RANK", "0"))
-        world = (
-            self.config.tensor_model_parallel_size
-            * self.config.data_parallel_size
-            * self.config.pipeline_model_parallel_size
-        )
+        c = self.config
+        world = c.tensor_model_parallel_size * c.data_parallel_size * c.pipeline_model_parallel_size
         local_world = int(os.environ.get("RAY_LOCAL_WORLD_SIZE", str(world)))
         self.replica_rank = rank // world if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % world

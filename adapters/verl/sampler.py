@@ -1,9 +1,7 @@
 """The one filter seam behind verl: :class:`FilteringReplayBuffer`, verl's sync ``ReplayBuffer`` with a
-grpo_parts CompletionFilter (and refill), through verl's custom-sampler seam (:func:`hydra_overrides`).
-
-``sample`` returns only the kept rows (:mod:`.kv_filter`) and logs the rollout servers' counters
-(``parts/sampler/*``); ``grpo_parts_grpo`` gets the kept groups' full-group advantages. The trainer
-mode ``grpo_parts_sync`` (:mod:`.trainer`) puts this buffer around verl's own. docs/adapters/verl.md."""
+grpo_parts CompletionFilter (and refill), through verl's custom-sampler seam (:func:`hydra_overrides`) or
+around verl's own buffer (trainer mode ``grpo_parts_sync``). ``sample`` returns only the kept rows
+(:mod:`.kv_filter`) and logs the rollout servers' counters (``parts/sampler/*``). docs/adapters/verl.md."""
 
 from __future__ import annotations
 
@@ -90,8 +88,13 @@ class FilteringReplayBuffer(ReplayBuffer):
 
     def _sampler_metrics(self, batch: KVBatchMeta) -> dict[str, float]:
         """The rollout backend's counters (``rollout.name=grpo_parts``) carried by the samples."""
+        if not batch.keys:
+            return {}
         try:
-            extras = _read_extra_fields(self._store, batch)
+            data = self._store.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"]
+            )
+            extras = list(data["extra_fields"]) if "extra_fields" in data.keys() else []
         except Exception:  # another rollout backend stores no such field: nothing to count
             return {}
         return sampler_metrics(extras)
@@ -127,15 +130,6 @@ class FilteringReplayBuffer(ReplayBuffer):
             remember_full_groups(full, norm_adv_by_std=opts.norm_adv_by_std)
         metrics.update(fmetrics)
         return kept, metrics
-
-
-def _read_extra_fields(store: Any, batch: KVBatchMeta) -> list[Any]:
-    if not batch.keys:
-        return []
-    data = store.kv_batch_get(
-        keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"]
-    )
-    return list(data["extra_fields"]) if "extra_fields" in data.keys() else []
 
 
 def buffer_overrides() -> list[str]:

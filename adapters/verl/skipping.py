@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from grpo_parts.counters import framework_key
+from grpo_parts.counters import framework_keys
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.skip.protocol import PromptId, PromptSkipper, prompt_id
 from grpo_parts.skip.stage import SkipStage
@@ -100,8 +100,7 @@ class VerlSkipStage(SkipStage[Row]):
 
     def step_metrics(self) -> dict[str, float]:
         """``parts/prompt_skip/*`` of the step (``prompts_skipped``, ``prompts_drawn``, ...)."""
-        info = self.metrics(fallback_length=self.mean_length)
-        return {framework_key("prompt_skip", k): v for k, v in info.items()}
+        return framework_keys("prompt_skip", self.metrics(fallback_length=self.mean_length))
 
     def save(self, folder: str) -> None:
         torch.save(self.state_dict(), os.path.join(folder, STATE_FILE))

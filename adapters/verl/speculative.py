@@ -1,10 +1,8 @@
-"""Speculative decoding in verl's vLLM rollout: the config to pass, and draft-weight sync.
-
-verl 0.9.1 forwards ``engine_kwargs.vllm.speculative_config`` to vLLM but never updates an independent draft
-after launch, so :func:`sync_draft_weights` pushes a learned draft's weights to every vLLM worker through
-verl's ``collective_rpc``. The config is grpo_parts' :class:`~grpo_parts.sampler.vllm.VLLMSpeculative`; verl's
-servers start with its draft-length table and do not re-plan it as the draft learns. On CPU only the config
-and the sync call against stand-ins are tested; the GPU path is scripts/gpu/verl_gpu_smoke.py."""
+"""Speculative decoding in verl's vLLM rollout: the config to pass, and draft-weight sync. verl 0.9.1
+forwards ``engine_kwargs.vllm.speculative_config`` to vLLM but never updates an independent draft after
+launch, so :func:`sync_draft_weights` pushes a learned draft's weights to every vLLM worker through
+``collective_rpc``; the servers keep the draft-length table they started with. GPU path:
+scripts/gpu/verl_gpu_smoke.py."""
 
 from __future__ import annotations
 
@@ -28,10 +26,9 @@ def hydra_overrides(
     spec: VLLMSpeculative, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, policy: torch.nn.Module | None = None
 ) -> list[str]:
     """``+key=value`` overrides of ``python -m verl.trainer.main_ppo`` that put ``spec`` into verl's
-    ``rollout.engine_kwargs.vllm.speculative_config`` (verl passes it to every vLLM server).
-    ``max_num_seqs``: verl's ``rollout.max_num_seqs`` (the table's range). With
-    ``k_schedule="cost_model"`` the draft length per batch size is timed here on ``policy`` (and the
-    draft LM, on the policy's device: run it where the rollout runs)."""
+    ``rollout.engine_kwargs.vllm.speculative_config``; ``max_num_seqs``: verl's ``rollout.max_num_seqs`` (the
+    table's range). With ``k_schedule="cost_model"`` the draft length per batch size is timed here on
+    ``policy`` (and the draft LM, on the policy's device: run it where the rollout runs)."""
     cfg = spec.to_vllm(max_num_seqs)
     if spec.k_schedule == "cost_model":
         if policy is None:

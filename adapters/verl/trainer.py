@@ -1,10 +1,8 @@
 """Trainer mode ``grpo_parts_sync``: verl's v1 sync trainer with the one filtering buffer
-(:class:`~.sampler.FilteringReplayBuffer`) around its own, and prompt skipping before the rollout.
-
-The filter runs before ``_compute_old_log_prob``; ``_compute_advantage`` runs verl's step, then writes back
-the full-group advantages the filter stored (verl's estimator would re-normalise within the kept rows).
-Settings under which verl would train on anything else are refused at start. docs/adapters/verl.md. Imports
-verl and TransferQueue; the plugin imports it only when verl's v1 trainer is importable."""
+(:class:`~.sampler.FilteringReplayBuffer`) around its own, so the filter runs before
+``_compute_old_log_prob``, and prompt skipping before the rollout. ``_compute_advantage`` runs verl's
+step, then writes back the full-group advantages the filter stored (verl's estimator would re-normalise
+within the kept rows); what would train on anything else is refused at start. docs/adapters/verl.md."""
 
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from grpo_parts.doors.skipping import build_skipper
+from grpo_parts.errors import NotSupportedError
 
 from .filtering import VERL_KEYS, FilterOptions, skip_reasons
 from .kv_filter import check_weighted, restore_group_advantages
@@ -56,8 +55,6 @@ def filter_options_from(config: Any) -> FilterOptions | None:
 def check_algorithm(config: Any) -> None:
     """The filter ranks and trains on GRPO outcome advantages of the full groups: refuse settings
     under which verl would train on something else."""
-    from grpo_parts.errors import NotSupportedError
-
     reasons = []
     est = OmegaConf.select(config, "algorithm.adv_estimator", default="grpo")
     if est not in ("grpo", "grpo_parts_grpo"):
@@ -92,16 +89,12 @@ class GrpoPartsSyncTrainer(PPOTrainerSync):
     skipping before the rollout (:mod:`.skipping`)."""
 
     def __init__(self, config: Any):
-        self.grpo_parts_filter_options = filter_options_from(config)
-        self.grpo_parts_filter = (
-            None if self.grpo_parts_filter_options is None else self.grpo_parts_filter_options.build()
-        )
+        self.grpo_parts_filter_options = opts = filter_options_from(config)
+        self.grpo_parts_filter = None if opts is None else opts.build()
         if self.grpo_parts_filter is not None:
             check_algorithm(config)
-            check_weighted(self.grpo_parts_filter, self.grpo_parts_filter_options)
-        self.grpo_parts_skip = build_skip_stage(
-            self.grpo_parts_filter_options, config, lambda: self._fetch_one_gen_batch()
-        )
+            check_weighted(self.grpo_parts_filter, opts)
+        self.grpo_parts_skip = build_skip_stage(opts, config, lambda: self._fetch_one_gen_batch())
         super().__init__(config)
 
     def _next_train_batch(self, num_prompts: int | None = None) -> Any:
@@ -136,9 +129,8 @@ class GrpoPartsSyncTrainer(PPOTrainerSync):
         return restore_group_advantages(batch)
 
     def _build_replay_buffer(self) -> Any:
-        # verl branches on ``trainer_mode == "sync"`` in several places (replay buffer class, refill,
-        # checkpoint restore); this mode *is* the sync trainer, so it answers "sync" from here on.
-        # (``PPOTrainer.__init__`` sets trainer_mode just before calling this method.)
+        # verl branches on ``trainer_mode == "sync"`` (replay buffer class, refill, checkpoint restore)
+        # and sets trainer_mode just before calling this method: this mode *is* the sync trainer
         self.trainer_mode = "sync"
         inner = super()._build_replay_buffer()
         if self.grpo_parts_filter_options is None:

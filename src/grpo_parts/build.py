@@ -301,8 +301,7 @@ def build_filter(
 def build_prompt_skipper(
     spec: str | PromptSkipper, *, kwargs: Mapping[str, Any] | None = None, where: str = "prompt_skip_kwargs"
 ) -> PromptSkipper:
-    """The prompt skipper ``spec`` names in ``grpo_parts.skip.IMPLEMENTATIONS`` (an instance as is):
-    ``none`` (roll out every prompt) or ``history`` (skip zero-variance streaks, weights ``1 / p``)."""
+    """The prompt skipper ``spec`` names in ``grpo_parts.skip.IMPLEMENTATIONS`` (an instance as is)."""
     if not isinstance(spec, str):
         _no_kwargs("prompt_skip", kwargs, where)
         return spec

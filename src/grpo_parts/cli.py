@@ -1,8 +1,7 @@
 """``grpo-parts`` command line. Subcommands are looked up in small tables and imported lazily.
 
 Each bench module ``grpo_parts.bench.<name>`` exposes ``add_arguments(parser)`` and ``run(args) -> int``;
-the train module ``grpo_parts.train.cli`` does the same. A command given without its subcommand
-(``grpo-parts``, ``grpo-parts bench``) prints its help, listing the subcommands, and exits 2.
+the train module ``grpo_parts.train.cli`` does the same.
 """
 
 from __future__ import annotations

@@ -32,8 +32,6 @@ def transformers_version() -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------ KV cache
-
-
 def new_dynamic_cache() -> Any:
     """An empty ``DynamicCache`` (no config: layers are added as the model fills them; every release)."""
     from transformers import DynamicCache
@@ -113,8 +111,6 @@ def output_cache(out: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------- config
-
-
 def per_layer_configs(config: Any) -> list[Any] | None:
     """The per-layer configs of a heterogeneous config (``config.per_layer_config``, 5.15+; Gemma 4
     from 5.16), or None for a homogeneous config or an older release."""
@@ -167,8 +163,6 @@ def kv_shared_through_cache(model: torch.nn.Module) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------- attention
-
-
 def register_attention_function(name: str, fn: Callable[..., Any], mask: str = "sdpa") -> None:
     """Register ``fn`` with ``AttentionInterface`` and transformers' own ``mask`` builder (``"sdpa"``:
     boolean, ``"eager"``: additive) with ``AttentionMaskInterface``, both under ``name``. The mask
@@ -327,8 +321,6 @@ def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- tokenizer
-
-
 def portable_tokenizer_config(folder: str | Path) -> None:
     """Make a saved fast tokenizer loadable by every release in range. 5.x's ``save_pretrained``
     writes ``"tokenizer_class": "TokenizersBackend"``, a class 4.x's ``AutoTokenizer`` does not know

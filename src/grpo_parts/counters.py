@@ -73,40 +73,16 @@ PART_UNITS: dict[str, str] = {"sampler": "rollouts", "attention": "forwards", "f
 
 #: counter -> the part it belongs to (for the framework doors' ``parts/<part>/`` prefix)
 PART_OF: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            WEIGHTED_ROWS,
-            KEPT_FRACTION,
-            ROWS_KEPT,
-            TARGET_ROWS,
-            ROWS_SCORED,
-            NUM_KEPT,
-            SCORE_MEAN_ROLLED_OUT,
-            EMPTY_BATCH_STEPS,
-            SKIPPED_STEPS,
-            ROUNDED_ROWS,
-            ROUNDING,
-            NO_LOSS_ROWS,
-            REFILL_PROMPTS,
-        ),
-        "filter",
-    ),  # fmt: skip
+    **dict.fromkeys((WEIGHTED_ROWS, KEPT_FRACTION, ROWS_KEPT, TARGET_ROWS, ROWS_SCORED, NUM_KEPT,
+                     SCORE_MEAN_ROLLED_OUT, EMPTY_BATCH_STEPS, SKIPPED_STEPS, ROUNDED_ROWS, ROUNDING,
+                     NO_LOSS_ROWS, REFILL_PROMPTS), "filter"),
     PROMPTS_SKIPPED: "prompt_skip",
     PROMPTS_DRAWN: "prompt_skip",
-    **dict.fromkeys(
-        (
-            GRID_TOKENS,
-            PACKED_TOKENS,
-            PADDING_FREE_TOKENS,
-            GRID_OVER_PACKED_MAX,
-            GRID_OVER_PADDING_FREE_MAX,
-            FIRST_BATCH_DIFF,
-        ),
-        "attention",
-    ),  # fmt: skip
+    **dict.fromkeys((GRID_TOKENS, PACKED_TOKENS, PADDING_FREE_TOKENS, GRID_OVER_PACKED_MAX,
+                     GRID_OVER_PADDING_FREE_MAX, FIRST_BATCH_DIFF), "attention"),
     WEIGHT_SYNCS: "sampler",
     FROZEN_ROLLOUTS: "sampler",
-}
+}  # fmt: skip
 
 
 def framework_key(part: str, name: str) -> str:
@@ -185,9 +161,7 @@ class PartCounters:
 
 
 def attention_calls(backend: Any) -> Counter[str]:
-    """A copy of an attention backend's attention calls per path so far (``varlen_cascade``,
-    ``masked_sdpa``, ...: ``SharedPrefixAttention.attention_calls``, its padding-free layout's
-    kernels); empty for a backend that counts none. Adapters log the difference of two reads as
-    ``parts/attention/calls_<path>`` (:data:`ATTENTION_CALLS`)."""
+    """A copy of ``backend``'s attention calls per path so far (``CountsAttentionCalls``; empty for a
+    backend that counts none): adapters log the difference of two reads (:data:`ATTENTION_CALLS`)."""
     calls = getattr(backend, "attention_calls", None)
     return Counter(calls) if isinstance(calls, Mapping) else Counter()

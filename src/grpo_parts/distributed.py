@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["agree_max", "agree_on_calls", "ranks_of"]
-
 
 def ranks_of(group: Any = None) -> int:
     """Processes in ``group`` (default: every process) that must agree on the number of model calls;

@@ -21,8 +21,7 @@ class NotSupportedError(GRPOPartsError):
 
 
 def install_hint(extra: str) -> str:
-    """How to install the optional extra ``extra``, both ways: the command that works from a checkout
-    of this repository and the one that installs the package by name."""
+    """How to install the optional extra ``extra``, from a checkout and by package name."""
     return f"pip install -e '.[{extra}]' in a checkout, or pip install 'grpo-parts[{extra}]'"
 
 
@@ -39,11 +38,8 @@ def check_tensor(
     dtype: torch.dtype | Sequence[torch.dtype] | str | None = None,
     allow_empty: bool = False,
 ) -> torch.Tensor:
-    """Validate ``t`` and return it.
-
-    ``shape`` entries of ``None`` match any size. ``dtype`` may be a dtype, a list of dtypes,
-    or one of the strings ``"float"``, ``"int"``, ``"bool_or_int"``.
-    """
+    """``t``, validated: ``shape`` entries of ``None`` match any size; ``dtype`` is a dtype, a list of
+    dtypes, or one of ``"float"``, ``"int"``, ``"bool_or_int"``."""
     if not isinstance(t, torch.Tensor):
         raise GRPOPartsError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.ndim != ndim:

@@ -108,6 +108,3 @@ class PartsConfig(KnownFields):
             for key, instead in offered.items()
             if getattr(self, key) != getattr(default, key)
         ]
-
-
-__all__ = ["DOORS", "DOOR_DEFAULTS", "KnownFields", "PartsConfig"]

@@ -60,10 +60,8 @@ class Choice:
     refused: dict[str, list[str]] = field(default_factory=dict)
 
     def explain(self) -> str:
-        lines = [f"chose {self.name!r}"]
-        for n, reasons in self.refused.items():
-            lines.append(f"refused {n!r}: " + "; ".join(reasons))
-        return "\n".join(lines)
+        refused = [f"refused {n!r}: " + "; ".join(reasons) for n, reasons in self.refused.items()]
+        return "\n".join([f"chose {self.name!r}", *refused])
 
 
 def choose(

@@ -98,8 +98,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def family_missing(family: str) -> str | None:
-    """Why ``family`` cannot be built with the installed transformers (its config class is absent),
-    or None."""
+    """Why ``family`` cannot be built with the installed transformers (no config class), or None."""
     import importlib
 
     import transformers
@@ -172,15 +171,11 @@ _QWEN2_ONLY = ("model_type", "architectures", "use_sliding_window", "sliding_win
 
 
 def qwen2_as_llama(model: torch.nn.Module) -> torch.nn.Module:
-    """The same function as a ``LlamaForCausalLM`` (``attention_bias=True``, ``o_proj`` bias 0).
-
-    Why: from transformers 5, ``AutoTokenizer`` loads every ``qwen2`` folder with Qwen2's own
-    tokenizer class, whatever ``tokenizer_config.json`` declares, and that class drops the spaces of
-    the built-in character tokenizer. A llama folder keeps its declared class, so the shipped warm
-    starts and every run's ``model/`` export load correctly with ``AutoTokenizer`` and vLLM.
-    Qwen2 is llama with q/k/v biases; llama's ``attention_bias`` adds those plus an ``o_proj`` bias,
-    which is set to 0, so the logits are the same.
-    """
+    """The same function as a ``LlamaForCausalLM``: qwen2 is llama with q/k/v biases, which llama's
+    ``attention_bias`` adds with an ``o_proj`` bias, set to 0. Why: from transformers 5 ``AutoTokenizer``
+    loads a ``qwen2`` folder with Qwen2's own tokenizer class, whatever ``tokenizer_config.json`` declares,
+    which drops the spaces of the built-in character tokenizer; a llama folder keeps its declared class
+    (the shipped warm starts and every run's ``model/`` export load with ``AutoTokenizer`` and vLLM)."""
     import transformers
 
     src: Any = model.config

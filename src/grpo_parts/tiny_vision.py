@@ -41,84 +41,68 @@ def _qwen_tokens(vocab: int) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def _qwen2_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
-    from transformers import Qwen2VLConfig
-
+def _qwen2_vl(cls: Any, vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     vision = dict(depth=vl, embed_dim=vh, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=2,
                   spatial_merge_size=2, temporal_patch_size=1, in_channels=3)  # fmt: skip
-    return Qwen2VLConfig(text_config=_qwen_text(vocab, hidden, heads, kv, layers), vision_config=vision,
-                         **_qwen_tokens(vocab))  # fmt: skip
+    text = _qwen_text(vocab, hidden, heads, kv, layers)
+    return cls(text_config=text, vision_config=vision, **_qwen_tokens(vocab))
 
 
-def _qwen2_5_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
-    from transformers import Qwen2_5_VLConfig
-
+def _qwen2_5_vl(cls: Any, vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     vision = dict(depth=vl + 1, hidden_size=vh, intermediate_size=2 * vh, num_heads=2, out_hidden_size=hidden,
                   patch_size=2, spatial_merge_size=2, temporal_patch_size=1, in_channels=3, window_size=8,
                   fullatt_block_indexes=[vl])  # fmt: skip
-    return Qwen2_5_VLConfig(text_config=_qwen_text(vocab, hidden, heads, kv, layers), vision_config=vision,
-                            **_qwen_tokens(vocab))  # fmt: skip
+    text = _qwen_text(vocab, hidden, heads, kv, layers)
+    return cls(text_config=text, vision_config=vision, **_qwen_tokens(vocab))
 
 
-def _qwen3_vl(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
-    from transformers import Qwen3VLConfig
-
+def _qwen3_vl(cls: Any, vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     text = _qwen_text(vocab, hidden, heads, kv, layers)
     text["head_dim"] = hidden // heads
     (text.get("rope_parameters") or text["rope_scaling"])["mrope_interleaved"] = True
     vision = dict(depth=vl + 1, hidden_size=vh, intermediate_size=2 * vh, num_heads=2, out_hidden_size=hidden,
                   patch_size=2, spatial_merge_size=2, temporal_patch_size=1, in_channels=3,
                   num_position_embeddings=16, deepstack_visual_indexes=[0])  # fmt: skip
-    return Qwen3VLConfig(text_config=text, vision_config=vision, **_qwen_tokens(vocab))
+    return cls(text_config=text, vision_config=vision, **_qwen_tokens(vocab))
 
 
-def _llava(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
-    from transformers import LlavaConfig
-
+def _llava(cls: Any, vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     text = dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv)  # fmt: skip
     vision = dict(model_type="clip_vision_model", hidden_size=vh, intermediate_size=2 * vh, num_hidden_layers=vl,
                   num_attention_heads=2, image_size=8, patch_size=4)  # fmt: skip
     # image_token_id (image_token_index before 5.x renamed it; the config maps the old name)
     image: dict[str, Any] = {"image_token_id": vocab + IMAGE}
-    return LlavaConfig(text_config=text, vision_config=vision, projector_hidden_act="gelu",
-                       vision_feature_layer=-1, **image)  # fmt: skip
+    return cls(text_config=text, vision_config=vision, projector_hidden_act="gelu", vision_feature_layer=-1,
+               **image)  # fmt: skip
 
 
-def _gemma3(vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
-    from transformers import Gemma3Config
-
+def _gemma3(cls: Any, vocab: int, hidden: int, heads: int, kv: int, layers: int, vl: int, vh: int) -> Any:
     text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads)  # fmt: skip
     vision = dict(hidden_size=vh, intermediate_size=2 * vh, num_hidden_layers=vl, num_attention_heads=2,
                   image_size=8, patch_size=2)  # fmt: skip
     image: dict[str, Any] = {"image_token_id": vocab + IMAGE}
-    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                        boi_token_index=vocab + START, eoi_token_index=vocab + END, **image)  # fmt: skip
+    return cls(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab + START,
+               eoi_token_index=vocab + END, **image)  # fmt: skip
 
 
-#: family -> config builder ``(vocab, hidden, heads, kv_heads, layers, vision_layers, vision_hidden) -> config``
-VLM_FAMILIES: dict[str, Callable[..., Any]] = {
-    "qwen2_vl": _qwen2_vl,
-    "qwen2_5_vl": _qwen2_5_vl,
-    "qwen3_vl": _qwen3_vl,
-    "llava": _llava,
-    "gemma3": _gemma3,
+#: family -> (its transformers config class, absent from older releases: Qwen3-VL before 4.57; the builder
+#: ``(that class, vocab, hidden, heads, kv_heads, layers, vision_layers, vision_hidden) -> config``)
+VLM_FAMILIES: dict[str, tuple[str, Callable[..., Any]]] = {
+    "qwen2_vl": ("Qwen2VLConfig", _qwen2_vl),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", _qwen2_5_vl),
+    "qwen3_vl": ("Qwen3VLConfig", _qwen3_vl),
+    "llava": ("LlavaConfig", _llava),
+    "gemma3": ("Gemma3Config", _gemma3),
 }
-
-
-#: family -> the config class it needs (absent from older transformers: Qwen3-VL before 4.57)
-_CONFIG_CLASSES = {
-    "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig",
-    "llava": "LlavaConfig", "gemma3": "Gemma3Config",
-}  # fmt: skip
 
 
 def vlm_family_missing(family: str) -> str | None:
     """Why ``family`` cannot be built with the installed transformers, or None."""
     import transformers
 
-    cls = _CONFIG_CLASSES[family]
+    cls = VLM_FAMILIES[family][0]
     return None if hasattr(transformers, cls) else f"transformers {transformers.__version__} has no {cls}"
 
 
@@ -137,18 +121,19 @@ def tiny_vlm(
 ) -> torch.nn.Module:
     """A randomly initialised ``family`` VLM (:data:`VLM_FAMILIES`) in ``dtype``, eval mode, its
     vision tower ``vision_layers`` deep (Qwen2.5-VL / Qwen3-VL: one more) and ``vision_hidden`` wide."""
-    from transformers import AutoModelForImageTextToText
+    import transformers
 
     if family not in VLM_FAMILIES:
         raise ValueError(f"family: expected one of {sorted(VLM_FAMILIES)}, got {family!r}")
-    build = VLM_FAMILIES[family]
-    cfg = build(vocab_size, hidden_size, num_heads, num_kv_heads, num_layers, vision_layers, vision_hidden)
+    name, build = VLM_FAMILIES[family]
+    sizes = (vocab_size, hidden_size, num_heads, num_kv_heads, num_layers, vision_layers, vision_hidden)
+    cfg = build(getattr(transformers, name), *sizes)
     cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 0, 1, 2
     text = getattr(cfg, "text_config", None)
     if text is not None:
         text.pad_token_id, text.bos_token_id, text.eos_token_id = 0, 1, 2
     torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(cfg).to(dtype).eval()
+    return transformers.AutoModelForImageTextToText.from_config(cfg).to(dtype).eval()
 
 
 def tiny_image(
@@ -199,8 +184,11 @@ def tiny_video(
     return tokens, {"pixel_values_videos": pixels, "video_grid_thw": torch.tensor([[frames, h, w]])}
 
 
-#: the tiny processors' words (filler ids pad the vocabulary up to the placeholder tokens)
-PROCESSOR_WORDS = "a b c d e f g h i j k l m n o p q r s t u v w x y z user assistant : how many what".split()
+#: the tiny processors' words, the vision task's answers (1-9) included (filler ids pad the
+#: vocabulary up to the placeholder tokens)
+PROCESSOR_WORDS = (
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z user assistant : how many what 1 2 3 4 5 6 7 8 9"
+).split()
 _CHAT = (
     "{% for m in messages %}{{ m['role'] }} : {% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for c in m['content'] %}{% if c['type'] == 'image' %}IMAGE{% else %}{{ c['text'] }}{% endif %} "

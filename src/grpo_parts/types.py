@@ -75,9 +75,8 @@ class VisionInputs:
         ``processor(images=..., text=...)`` lays them out for ``len(images_per_prompt)`` prompts)
         per prompt. ``pixel_values`` runs over patches (the Qwen VL family: ``image_grid_thw`` gives
         each image's ``t*h*w``) or over images (LLaVA: one row per image); ``image_sizes`` and the
-        grids run over images. Token-aligned keys (``input_ids``, ``attention_mask``,
-        ``mm_token_type_ids``, ``token_type_ids``) are not vision inputs and are left out; a key
-        laid out any other way is refused with one line."""
+        grids run over images. :data:`TOKEN_ALIGNED_KEYS` are left out; a key laid out any other way
+        is refused with one line."""
         vision = {k: v for k, v in outputs.items() if k not in TOKEN_ALIGNED_KEYS and v is not None}
         pixels = vision.pop("pixel_values", None)
         pixels = None if pixels is None else _as_tensor(pixels)
@@ -158,12 +157,8 @@ class PromptBatch:
 
     def __post_init__(self) -> None:
         check_tensor("PromptBatch.input_ids", self.input_ids, ndim=2, dtype="int")
-        check_tensor(
-            "PromptBatch.attention_mask",
-            self.attention_mask,
-            shape=list(self.input_ids.shape),
-            dtype="bool_or_int",
-        )
+        b, p = self.input_ids.shape
+        check_tensor("PromptBatch.attention_mask", self.attention_mask, shape=[b, p], dtype="bool_or_int")
         lens = self.attention_mask.sum(-1)
         if bool((lens == 0).any()):
             row = int((lens == 0).nonzero()[0])
@@ -222,11 +217,9 @@ class Rollout:
     vision: VisionInputs | None = None  # per prompt, indexed by group_index (its rows' images)
 
     def __post_init__(self) -> None:
-        n = self.prompt_ids.shape[0] if isinstance(self.prompt_ids, torch.Tensor) else -1
         check_tensor("Rollout.prompt_ids", self.prompt_ids, ndim=2, dtype="int")
-        check_tensor(
-            "Rollout.prompt_mask", self.prompt_mask, shape=list(self.prompt_ids.shape), dtype="bool_or_int"
-        )
+        n, p = self.prompt_ids.shape
+        check_tensor("Rollout.prompt_mask", self.prompt_mask, shape=[n, p], dtype="bool_or_int")
         check_tensor(
             "Rollout.completion_ids", self.completion_ids, shape=[n, None], dtype="int", allow_empty=True
         )

@@ -16,19 +16,6 @@ import torch
 
 from .distributed import ranks_of
 
-__all__ = [
-    "CallsThrough",
-    "calls_through",
-    "generation_model",
-    "inner_model",
-    "is_wrapper",
-    "model_name",
-    "sharding",
-    "transformers_model",
-    "wrapper_chain",
-    "wrapper_kind",
-]
-
 #: class name (anywhere in the wrapper's MRO) -> the name this module reports. Matched by name so
 #: that DeepSpeed (and its subclasses: the hybrid and pipeline engines) is never imported here.
 WRAPPERS = {

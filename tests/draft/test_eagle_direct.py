@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_parts.draft.eagle import DIRECT_LAYER_FAMILIES, EagleDraft
+from grpo_parts.decoding.lean_layer import ARCHITECTURES
+from grpo_parts.draft.eagle import EagleDraft
 from grpo_parts.sampler.protocol import PromptBatch, SamplingParams
 from grpo_parts.sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
 from grpo_parts.testing import record_proposals
@@ -23,7 +24,7 @@ def _record(
     )
 
 
-@pytest.mark.parametrize("family", sorted(DIRECT_LAYER_FAMILIES))
+@pytest.mark.parametrize("family", sorted(ARCHITECTURES))
 def test_direct_layer_path_matches_the_model(family: str) -> None:
     policy = tiny_causal_lm(
         family, vocab_size=16, hidden_size=32, num_layers=2, num_heads=4, dtype=torch.float64

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpo_parts.errors import GRPOPartsError
+from grpo_parts.task.formats import load_records
 from grpo_parts.task.jsonl import (
     MATH_INSTALL,
     DataConfig,
@@ -15,7 +16,6 @@ from grpo_parts.task.jsonl import (
     choose_grader,
     exact_match,
     final_answer,
-    load_jsonl,
 )
 
 
@@ -29,7 +29,7 @@ def test_loads_records_and_skips_blank_lines(tmp_path: Path) -> None:
         tmp_path / "d.jsonl",
         [json.dumps({"prompt": "1+1=", "answer": 2}), "", json.dumps({"prompt": "x", "answer": "y"})],
     )
-    probs = load_jsonl(f)
+    probs, _ = load_records(f, "prompt_answer")
     assert [(p.prompt, p.answer) for p in probs] == [("1+1=", "2"), ("x", "y")]
 
 
@@ -46,16 +46,16 @@ def test_loads_records_and_skips_blank_lines(tmp_path: Path) -> None:
 def test_malformed_line_names_the_line_and_the_problem(tmp_path: Path, line: str, needle: str) -> None:
     f = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": "ok", "answer": "1"}), line])
     with pytest.raises(GRPOPartsError) as e:
-        load_jsonl(f)
+        load_records(f, "prompt_answer")
     assert f"{f}:2" in str(e.value)
     assert needle in str(e.value)
 
 
 def test_missing_and_empty_files(tmp_path: Path) -> None:
     with pytest.raises(GRPOPartsError, match="no such file"):
-        load_jsonl(tmp_path / "nope.jsonl")
+        load_records(tmp_path / "nope.jsonl", "prompt_answer")
     with pytest.raises(GRPOPartsError, match="no records"):
-        load_jsonl(_write(tmp_path / "e.jsonl", [""]))
+        load_records(_write(tmp_path / "e.jsonl", [""]), "prompt_answer")
 
 
 def test_final_answer_and_exact_match() -> None:

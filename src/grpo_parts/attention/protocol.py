@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from ..errors import GRPOPartsError, check_tensor
 from ..types import Rollout, VisionInputs
@@ -58,20 +59,11 @@ class LogprobBatch:
 
     def __post_init__(self) -> None:
         check_tensor("LogprobBatch.prompt_ids", self.prompt_ids, ndim=2, dtype="int")
-        n = self.prompt_ids.shape[0]
-        check_tensor(
-            "LogprobBatch.prompt_mask",
-            self.prompt_mask,
-            shape=list(self.prompt_ids.shape),
-            dtype="bool_or_int",
-        )
+        n, p = self.prompt_ids.shape
+        check_tensor("LogprobBatch.prompt_mask", self.prompt_mask, shape=[n, p], dtype="bool_or_int")
         check_tensor("LogprobBatch.completion_ids", self.completion_ids, shape=[n, None], dtype="int")
-        check_tensor(
-            "LogprobBatch.completion_mask",
-            self.completion_mask,
-            shape=list(self.completion_ids.shape),
-            dtype="bool_or_int",
-        )
+        t = self.completion_ids.shape[1]
+        check_tensor("LogprobBatch.completion_mask", self.completion_mask, shape=[n, t], dtype="bool_or_int")
         check_tensor("LogprobBatch.group_index", self.group_index, shape=[n], dtype="int")
         if int(self.group_index.min()) < 0:
             raise GRPOPartsError(
@@ -102,13 +94,9 @@ class LogprobBatch:
     @classmethod
     def from_rollout(cls, rollout: Rollout) -> LogprobBatch:
         return cls(
-            rollout.prompt_ids,
-            rollout.prompt_mask,
-            rollout.completion_ids,
-            rollout.completion_mask,
-            rollout.group_index,
-            rollout.vision,
-        )
+            rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask,
+            rollout.group_index, rollout.vision,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -124,11 +112,7 @@ class AttentionBackend(Protocol):
     name: ClassVar[str]
 
     def completion_logprobs(
-        self,
-        model: torch.nn.Module,
-        batch: LogprobBatch,
-        temperature: float = 1.0,
-        compute_entropy: bool = False,
+        self, model: nn.Module, batch: LogprobBatch, temperature: float = 1.0, compute_entropy: bool = False
     ) -> LogprobOutput:
         """Per-token ``log_softmax(logits / temperature)`` of each completion token, differentiable
         w.r.t. the model's parameters when grad is enabled."""
@@ -139,7 +123,7 @@ class AttentionBackend(Protocol):
         (idempotent) and return its name, or None when the backend needs no kernel."""
         ...
 
-    def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
+    def not_supported_reasons(self, model: nn.Module, batch: LogprobBatch | None = None) -> list[str]:
         """Why this backend cannot run ``model`` (and ``batch``, when given); empty = supported."""
         ...
 
@@ -178,16 +162,14 @@ class Plans(Protocol):
 
     layout: str
 
-    def plan(
-        self, model: torch.nn.Module, batch: LogprobBatch, *, packed: bool = False, agree: bool = True
-    ) -> Any:
+    def plan(self, model: nn.Module, batch: LogprobBatch, *, packed: bool = False, agree: bool = True) -> Any:
         """The call's plan: ``.layout``, ``.tokens``, ``.packed_tokens``, ``.model_calls``,
         ``.agreed(calls)`` (the plan making ``calls`` model calls) and ``.info()``."""
         ...
 
     def run(
         self,
-        model: torch.nn.Module,
+        model: nn.Module,
         batch: LogprobBatch,
         plan: Any,
         temperature: float = 1.0,

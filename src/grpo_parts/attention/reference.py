@@ -9,18 +9,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from ..core import token_logprobs
 from ..errors import GRPOPartsError
 from ..wrappers import calls_through, model_name
 from .protocol import LogprobBatch, LogprobOutput
 from .vision import image_batch_reasons, row_positions
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)`` over the last dim."""
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 def completion_output(
@@ -33,25 +28,20 @@ def completion_output(
     s, t = logits.shape[1], cm.shape[1]
 
     def full(x: torch.Tensor) -> torch.Tensor:  # [N, S] -> [N, T]: zero past the longest completion
-        if s == t:
-            return x.masked_fill(~cm, 0.0)
-        out = x.new_zeros(x.shape[0], t)
-        out[:, :s] = x
-        return out.masked_fill(~cm, 0.0)
+        return (x if s == t else nn.functional.pad(x, (0, t - s))).masked_fill(~cm, 0.0)
 
     logps = full(token_logprobs(logits, ids[:, :s], temperature))
     if not entropy:
         return LogprobOutput(logps, None)
-    return LogprobOutput(
-        logps,
-        full(entropy_from_logits(logits.float() if logits.dtype != torch.float64 else logits, temperature)),
-    )
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    logp = torch.log_softmax(x / temperature, dim=-1)
+    return LogprobOutput(logps, full(-(logp.exp() * logp).sum(-1)))
 
 
 class RepeatedPrefixAttention:
     name: ClassVar[str] = "reference"
 
-    def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
+    def not_supported_reasons(self, model: nn.Module, batch: LogprobBatch | None = None) -> list[str]:
         cfg = getattr(calls_through(model), "config", None)
         if cfg is None:
             return [f"model: expected a transformers causal LM with .config, got {model_name(model)}"]
@@ -63,11 +53,7 @@ class RepeatedPrefixAttention:
         return None  # uses the model's own attention implementation
 
     def completion_logprobs(
-        self,
-        model: torch.nn.Module,
-        batch: LogprobBatch,
-        temperature: float = 1.0,
-        compute_entropy: bool = False,
+        self, model: nn.Module, batch: LogprobBatch, temperature: float = 1.0, compute_entropy: bool = False
     ) -> LogprobOutput:
         model = calls_through(model)
         reasons = self.not_supported_reasons(model, batch)

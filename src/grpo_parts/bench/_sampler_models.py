@@ -1,5 +1,5 @@
-"""The policies and drafts ``grpo-parts bench sampler`` measures (a random qwen2, or one SFT-trained on
-the built-in task with a small LM draft) and transformers ``generate`` as a sampler. Trained weights
+"""The policies, prompts and drafts ``grpo-parts bench sampler`` measures (a random qwen2, or one SFT-trained
+on the built-in task with a small LM draft) and transformers ``generate`` as a sampler. Trained weights
 are cached (``--cache-dir``) as plain state dicts, read back with ``weights_only=True``.
 """
 
@@ -12,15 +12,14 @@ from typing import Any
 
 import torch
 
+from ..errors import GRPOPartsError
 from ..sampler.protocol import PromptBatch, Rollout, SamplingParams
 from ..sampler.reference import completion_mask_from_eos, expand_prompts
 
 
 class GenerateSampler:
-    """transformers ``model.generate`` behind the ``Sampler.generate`` signature (the yardstick).
-
-    It does not compute log-probs (``logprobs`` are zeros), which only favours ``generate``.
-    """
+    """transformers ``model.generate`` behind the ``Sampler.generate`` signature (the yardstick); its
+    ``logprobs`` are zeros (not computed), which only favours ``generate``."""
 
     name = "generate"
 
@@ -89,16 +88,10 @@ def make_policy(args: argparse.Namespace) -> torch.nn.Module:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     heads = max(1, args.hidden // 64)
     model = tiny_causal_lm(
-        "qwen2",
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=heads,
-        num_kv_heads=max(1, heads // 2),
-        intermediate_size=4 * args.hidden,
-        dtype=getattr(torch, dtype),
+        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
+        num_kv_heads=max(1, heads // 2), intermediate_size=4 * args.hidden, dtype=getattr(torch, dtype),
         seed=args.seed,
-    )
+    )  # fmt: skip
     return model.to(device)
 
 
@@ -115,6 +108,29 @@ def task_draft(policy: torch.nn.Module, args: argparse.Namespace, name: str) -> 
     else:
         cache_save(args, key, small.state_dict())
     return get_draft_class(name)(small.eval())
+
+
+def eos_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``SamplingParams`` keywords for the bench's policy: the task's EOS and pad ids (``--policy
+    task``, set on ``args`` by ``make_policy``), none for a random policy."""
+    if args.policy != "task":
+        return {}
+    task: BenchTask = args.bench_task
+    return dict(eos_token_ids=(task.eos,), pad_token_id=task.pad)
+
+
+def bench_prompts(args: argparse.Namespace, batch: int, group_size: int, seed: int) -> PromptBatch:
+    """The bench's ``batch // group_size`` prompts for ``seed``: task prompts (``--policy task``) or
+    random token prompts of 50-100% of ``--prompt-len``."""
+    if batch % group_size:
+        raise GRPOPartsError(f"--batches: expected multiples of --group-size={group_size}, got {batch}")
+    n = batch // group_size
+    if args.policy == "task":
+        task: BenchTask = args.bench_task
+        return PromptBatch.from_lists([task.prompt(seed * 100_000 + i) for i in range(n)], task.pad)
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, (n,), generator=g).tolist()
+    return PromptBatch.from_lists([torch.randint(1, args.vocab, (k,), generator=g).tolist() for k in lens], 0)
 
 
 def policy_key(args: argparse.Namespace) -> str:

@@ -41,35 +41,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-heads", type=int, default=2, help="key/value heads, grouped-query (default: %(default)s)"
     )
     parser.add_argument(
-        "--intermediate",
-        type=int,
-        default=1408,
+        "--intermediate", type=int, default=1408,
         help="MLP width (Qwen2 uses ~5.5x hidden; default: %(default)s)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--max-ref-tokens",
-        type=int,
-        default=40_000,
+        "--max-ref-tokens", type=int, default=40_000,
         help="skip points whose reference batch G*(P+S) exceeds this (memory guard; reported as skipped)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--device",
-        default="cpu",
+        "--device", default="cpu",
         help="torch device of the model and batches, e.g. cuda (default: %(default)s); on CUDA the peak "
         "memory is torch.cuda.max_memory_allocated above the weights",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--vlm",
-        action="store_true",
+        "--vlm", action="store_true",
         help=f"a Qwen2-VL policy, one image of P tokens per prompt, vision tower included; grid {VLM_GRID} "
         "(--quick: its first point)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--max-dense-tokens",
-        type=int,
-        default=12_000,
+        "--max-dense-tokens", type=int, default=12_000,
         help="skip the dense-mask variant above this row length",
-    )
+    )  # fmt: skip
 
 
 def ideal_ratio(g: int, p: int, s: int) -> float:
@@ -144,14 +136,10 @@ def _point_batch(g: int, p: int, s: int, args: argparse.Namespace) -> tuple[Any,
     vocab = args.vocab
     prompt = torch.randint(1, vocab, (1, p), generator=gen).repeat(g, 1)
     batch = LogprobBatch(
-        prompt,
-        torch.ones(g, p, dtype=torch.long),
-        torch.randint(1, vocab, (g, s), generator=gen),
-        torch.ones(g, s, dtype=torch.long),
-        torch.zeros(g, dtype=torch.long),
-    )
-    w = torch.rand(g, s, generator=gen)
-    return batch, w
+        prompt, torch.ones(g, p, dtype=torch.long), torch.randint(1, vocab, (g, s), generator=gen),
+        torch.ones(g, s, dtype=torch.long), torch.zeros(g, dtype=torch.long),
+    )  # fmt: skip
+    return batch, torch.rand(g, s, generator=gen)
 
 
 def _vlm_point_batch(
@@ -286,21 +274,12 @@ def run(args: argparse.Namespace) -> int:
     if args.vlm:
         return _run_grid(_vlm_model(args), VLM_GRID[:1] if args.quick else VLM_GRID, args)
     model = tiny_causal_lm(
-        "qwen2",
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        intermediate_size=args.intermediate,
-        max_position_embeddings=8192,
-        dtype=torch.float32,
-        seed=args.seed,
-        attn_implementation="sdpa",
-    )
-    model.to(
-        args.device
-    ).train()  # attention_dropout is 0: train mode changes nothing but is what an update uses
+        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+        num_kv_heads=args.kv_heads, intermediate_size=args.intermediate, max_position_embeddings=8192,
+        dtype=torch.float32, seed=args.seed, attn_implementation="sdpa",
+    )  # fmt: skip
+    # attention_dropout is 0: train mode changes nothing but is what an update uses
+    model.to(args.device).train()
     print(
         f"model: qwen2 hidden={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads} "
         f"intermediate={args.intermediate} vocab={args.vocab} float32; torch threads={torch.get_num_threads()}; "

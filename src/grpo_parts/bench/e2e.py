@@ -1,8 +1,5 @@
-"""``grpo-parts bench e2e``: reference vs optimized parts end to end (the same as ``train --compare``).
-
-JSON keys (``--json PATH``): ``target_accuracy``, ``speedup_to_target``, ``mean_step_speedup``,
-``final_accuracy_diff``, ``passes`` and ``runs.{reference,optimized}`` summaries.
-"""
+"""``grpo-parts bench e2e``: reference vs optimized parts end to end (the same as ``train --compare``);
+its JSON keys are listed in :data:`EPILOG`."""
 
 from __future__ import annotations
 

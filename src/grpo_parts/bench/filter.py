@@ -53,20 +53,14 @@ def _batch(args: argparse.Namespace, gen: torch.Generator) -> tuple[Any, torch.T
     b, g = args.prompts, args.group_size
     n, pl, tl = b * g, args.prompt_len, args.completion_len
     p_len = torch.randint(max(1, pl // 2), pl + 1, (b,), generator=gen).repeat_interleave(g)
-    prompt_ids = torch.randint(1, args.vocab, (b, pl), generator=gen).repeat_interleave(g, dim=0)
     prompt_mask = (torch.arange(pl) >= pl - p_len[:, None]).long()
+    prompt_ids = torch.randint(1, args.vocab, (b, pl), generator=gen).repeat_interleave(g, 0) * prompt_mask
     c_len = torch.randint(max(1, tl // 4), tl + 1, (n,), generator=gen)
     completion_mask = (torch.arange(tl) < c_len[:, None]).long()
     completion_ids = torch.randint(1, args.vocab, (n, tl), generator=gen) * completion_mask
     group_index = torch.arange(b).repeat_interleave(g)
     rollout = Rollout(
-        prompt_ids * prompt_mask,
-        prompt_mask,
-        completion_ids,
-        completion_mask,
-        torch.zeros(n, tl),
-        group_index,
-        b,
+        prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(n, tl), group_index, b
     )
     rewards = torch.rand(n, generator=gen)
     return rollout, rewards, group_advantages(rewards, group_index)
@@ -97,24 +91,16 @@ def _training_phase(
     kept = kb.rollout
     assert kept is not None
     micro_batches = [torch.arange(i, min(i + micro, kb.size)) for i in range(0, kb.size, micro)]
+
+    def logprobs(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        return backend.completion_logprobs(model, LogprobBatch.from_rollout(kept.select(rows))).logprobs
+
     with torch.no_grad():  # old-policy and reference forwards on the kept rows only
-        old = torch.cat(
-            [
-                backend.completion_logprobs(policy, LogprobBatch.from_rollout(kept.select(c))).logprobs
-                for c in micro_batches
-            ]
-        )
-        refl = torch.cat(
-            [
-                backend.completion_logprobs(ref, LogprobBatch.from_rollout(kept.select(c))).logprobs
-                for c in micro_batches
-            ]
-        )
+        old = torch.cat([logprobs(policy, c) for c in micro_batches])
+        refl = torch.cat([logprobs(ref, c) for c in micro_batches])
     for c in micro_batches:
-        sub = kept.select(c)
-        logps = backend.completion_logprobs(policy, LogprobBatch.from_rollout(sub)).logprobs
         out = grpo_loss(
-            logps, old[c], kb.advantages[c], sub.completion_mask, cfg, refl[c],
+            logprobs(policy, c), old[c], kb.advantages[c], kept.completion_mask[c], cfg, refl[c],
             num_tokens=kb.num_tokens, num_seqs=kb.num_seqs,
         )  # fmt: skip
         out.loss.backward()
@@ -222,13 +208,12 @@ def _points(
 
 
 def _print_points(args: argparse.Namespace, points: list[dict[str, Any]]) -> None:
-    meta = (
+    print(
         f"qwen2 tiny: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; B={args.prompts} x "
         f"G={args.group_size}; prompt <= {args.prompt_len}, completion <= {args.completion_len} tokens; "
         f"micro-batch {args.micro_batch}; scope {args.scope}; {args.repeats} repeats (median, {args.clock} clock); "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}"
     )
-    print(meta)
     print(
         f"{'P':>7} {'kept':>5} {'wall s':>8} {'cpu s':>8} {'speedup':>8} {'ideal':>6} {'of ideal':>8} {'step@65%':>8}"
     )

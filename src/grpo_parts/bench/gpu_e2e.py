@@ -107,9 +107,7 @@ def run_arm(arm: str, model_dir: Path, preset: dict[str, Any], device: str, out:
         "task": {"name": "reasoning"}, "steps": preset["steps"], "prompts_per_step": preset["prompts_per_step"],
         "group_size": preset["group_size"], "progress": False, "lr": 1e-6, "eval_every": 10_000,
     }  # fmt: skip
-    for key in ("max_new_tokens", "minibatches"):
-        if key in preset:
-            over[key] = preset[key]
+    over.update({k: preset[k] for k in ("max_new_tokens", "minibatches") if k in preset})
     parts = arm_parts(arm)
     if parts:
         over["parts"] = parts

@@ -2,8 +2,7 @@
 
 Every sampler runs on the same policy, prompts and settings. A random policy has no EOS (every row
 emits ``max_new_tokens``); ``--policy task`` rows stop at the task's EOS, as in training (text past
-EOS is out of distribution, so forcing it would measure nothing real). Each point is the best of
-``--repeats`` runs after a warm-up, interleaved round-robin; ``--clock cpu`` times process CPU time.
+EOS is out of distribution, so forcing it would measure nothing real).
 
 Adding a sampler: a factory ``(policy, args) -> list[BenchSampler]`` in :data:`FACTORIES`; rows whose
 factory raises ``ImportError`` / ``NotSupportedError`` are skipped with a note. JSON (``--json``):
@@ -30,10 +29,11 @@ from ..sampler.protocol import PromptBatch, Rollout, SamplingParams
 from ..sampler.stats import ACCEPTED_PER_VERIFY, SAMPLED_TREE_STEPS, TREE_STEPS, VERIFY_STEPS
 from ._args import add_common, ints, names
 from ._sampler_models import (
-    BenchTask,
     GenerateSampler,
+    bench_prompts,
     cache_load,
     cache_save,
+    eos_kwargs,
     make_policy,
     policy_key,
     task_draft,
@@ -68,7 +68,7 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
     LM of half the policy's width SFT-trained on the task like the policy (a random one would accept
     nothing): ``frozen_lm`` re-encodes its context per token, ``small_lm`` keeps a KV cache."""
     from ..sampler.speculative.sampler import SpeculativeConfig, SpeculativeSampler
-    from .draft_training import distill_on_text, make_draft, warm_up
+    from .draft_training import make_draft
 
     out = []
     for name in args.spec_drafts.split(","):
@@ -76,35 +76,7 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
         draft = task_draft(policy, args, name) if small else None
         draft = draft or make_draft(name, policy, args.seed)
         if draft.learnable:
-            key = f"eagle_{policy_key(args)}_text{args.spec_text_batches}_warm{args.spec_warmup}"
-            state = cache_load(args, key)
-            if state is not None:
-                draft.load_state_dict(state)
-                print(f"{name}: loaded from the bench cache ({key})")
-            else:
-                if args.policy == "task" and args.spec_text_batches > 0:
-                    t0 = time.perf_counter()
-                    losses = distill_on_text(draft, policy, args.spec_text_batches, seed=args.seed)
-                    print(
-                        f"{name}: distilled on {len(losses)} batches of task text, loss {losses[0]:.3f} -> "
-                        f"{losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)"
-                    )
-                if args.spec_warmup > 0:
-                    params = SamplingParams(
-                        group_size=4, max_new_tokens=args.max_new_tokens, **eos_kwargs(args)
-                    )
-                    hist = warm_up(
-                        draft,
-                        policy,
-                        lambda i: bench_prompts(args, 16, 4, 1000 + i),
-                        params,
-                        args.spec_warmup,
-                    )
-                    print(
-                        f"{name}: distilled on {args.spec_warmup} rollouts, accepted/verify "
-                        f"{[round(h, 2) for h in hist]}"
-                    )
-                cache_save(args, key, draft.state_dict())
+            _distil(name, draft, policy, args)
         for shape in args.spec_shapes.split(","):
             trees = args.spec_max_tree if shape == "trees" else 0
             cfg = SpeculativeConfig(
@@ -116,6 +88,31 @@ def _speculative(policy: torch.nn.Module, args: argparse.Namespace) -> list[Benc
                 continue
             out.append(BenchSampler("speculative", sampler, draft=name, shape=shape))
     return out
+
+
+def _distil(name: str, draft: Any, policy: torch.nn.Module, args: argparse.Namespace) -> None:
+    """Train a learnable draft as :func:`_speculative` says, or load it from the bench cache."""
+    from .draft_training import distill_on_text, warm_up
+
+    key = f"eagle_{policy_key(args)}_text{args.spec_text_batches}_warm{args.spec_warmup}"
+    state = cache_load(args, key)
+    if state is not None:
+        draft.load_state_dict(state)
+        print(f"{name}: loaded from the bench cache ({key})")
+        return
+    if args.policy == "task" and args.spec_text_batches > 0:
+        t0 = time.perf_counter()
+        losses = distill_on_text(draft, policy, args.spec_text_batches, seed=args.seed)
+        print(
+            f"{name}: distilled on {len(losses)} batches of task text, loss {losses[0]:.3f} -> "
+            f"{losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)"
+        )
+    if args.spec_warmup > 0:
+        params = SamplingParams(group_size=4, max_new_tokens=args.max_new_tokens, **eos_kwargs(args))
+        rounds = args.spec_warmup
+        hist = warm_up(draft, policy, lambda i: bench_prompts(args, 16, 4, 1000 + i), params, rounds)
+        print(f"{name}: distilled on {rounds} rollouts, accepted/verify {[round(h, 2) for h in hist]}")
+    cache_save(args, key, draft.state_dict())
 
 
 def _vllm(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
@@ -200,11 +197,9 @@ def _add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         help="speculative rows per draft: chains only, and/or trees weighed against chains (default: %(default)s)",
     )  # fmt: skip
     p.add_argument(
-        "--spec-max-tree",
-        type=int,
-        default=32,
+        "--spec-max-tree", type=int, default=32,
         help="largest draft tree (nodes per row) the cost model may pick",
-    )
+    )  # fmt: skip
     p.add_argument(
         "--spec-text-batches", type=int, default=150,
         help="--policy task: batches of task text a learnable draft is distilled on before the warm-up rollouts",
@@ -224,38 +219,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prompt-batches", type=int, default=1,
         help="prompt batches per point (times and tokens summed; more = steadier points)",
     )  # fmt: skip
-
-
-def make_prompts(batch: int, group_size: int, prompt_len: int, vocab: int, seed: int) -> PromptBatch:
-    if batch % group_size:
-        raise GRPOPartsError(f"--batches: expected multiples of --group-size={group_size}, got {batch}")
-    g = torch.Generator().manual_seed(seed)
-    n = batch // group_size
-    lens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (n,), generator=g).tolist()
-    prompts = [torch.randint(1, vocab, (int(n_tok),), generator=g).tolist() for n_tok in lens]
-    return PromptBatch.from_lists(prompts, pad_token_id=0)
-
-
-def eos_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``SamplingParams`` keywords for the bench's policy: the task's EOS and pad ids (``--policy
-    task``, set on ``args`` by ``make_policy``), none for a random policy."""
-    if args.policy != "task":
-        return {}
-    task: BenchTask = args.bench_task
-    return dict(eos_token_ids=(task.eos,), pad_token_id=task.pad)
-
-
-def bench_prompts(args: argparse.Namespace, batch: int, group_size: int, seed: int) -> PromptBatch:
-    """The bench's ``batch // group_size`` prompts for ``seed``: task prompts (``--policy task``) or
-    random token prompts."""
-    if args.policy != "task":
-        return make_prompts(batch, group_size, args.prompt_len, args.vocab, seed)
-    if batch % group_size:
-        raise GRPOPartsError(f"--batches: expected multiples of --group-size={group_size}, got {batch}")
-    task: BenchTask = args.bench_task
-    return PromptBatch.from_lists(
-        [task.prompt(seed * 100_000 + i) for i in range(batch // group_size)], task.pad
-    )
 
 
 def time_once(
@@ -307,9 +270,7 @@ def time_samplers(
 def _bench_rows(policy: torch.nn.Module, args: argparse.Namespace) -> list[BenchSampler]:
     """The rows of ``--samplers``, in order; a factory that cannot run here is skipped with a note."""
     rows: list[BenchSampler] = []
-    for name in args.samplers.split(","):
-        if name not in FACTORIES:
-            raise GRPOPartsError(f"--samplers: expected names from {list(FACTORIES)}, got {name!r}")
+    for name in args.samplers.split(","):  # names checked by --samplers' type
         try:
             rows += FACTORIES[name](policy, args)
         except (ImportError, GRPOPartsError) as e:  # NotSupportedError is a GRPOPartsError
@@ -319,17 +280,14 @@ def _bench_rows(policy: torch.nn.Module, args: argparse.Namespace) -> list[Bench
 
 def _setup(args: argparse.Namespace, policy: torch.nn.Module) -> dict[str, Any]:
     """The JSON ``setup``: the command that reproduces the run, the policy, machine and clock."""
+    task = args.policy == "task"
     return {
         "command": "grpo-parts bench sampler "
         + ("--quick" if args.quick else f"--batches {args.batches}")
         + f" --policy {args.policy} --hidden {args.hidden} --layers {args.layers} --samplers {args.samplers}"
         + f" --spec-drafts {args.spec_drafts} --spec-shapes {args.spec_shapes} --max-new-tokens {args.max_new_tokens} --repeats {args.repeats}"
         + f" --prompt-batches {args.prompt_batches}"
-        + (
-            f" --task-steps {args.task_steps} --spec-text-batches {args.spec_text_batches}"
-            if args.policy == "task"
-            else ""
-        ),
+        + (f" --task-steps {args.task_steps} --spec-text-batches {args.spec_text_batches}" if task else ""),
         "policy": f"qwen2 tiny_causal_lm hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
         f"params={sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M",
         "device": str(next(policy.parameters()).device),
@@ -342,16 +300,12 @@ def _setup(args: argparse.Namespace, policy: torch.nn.Module) -> dict[str, Any]:
         "prompt_len": args.prompt_len,
         "group_size": args.group_size,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "policy_kind": args.policy
-        if args.policy == "random"
-        else f"task ({args.bench_task.name}, {args.task_steps} SFT steps)",
+        "policy_kind": f"task ({args.bench_task.name}, {args.task_steps} SFT steps)" if task else args.policy,
     }
 
 
 def _mode_params(args: argparse.Namespace, mode: str) -> SamplingParams:
     """Sampling settings of ``mode`` (greedy: temperature 0; sample: temperature 1)."""
-    if mode not in ("greedy", "sample"):
-        raise GRPOPartsError(f"--modes: expected 'greedy' and/or 'sample', got {mode!r}")
     return SamplingParams(
         group_size=args.group_size,
         max_new_tokens=args.max_new_tokens,
@@ -427,8 +381,7 @@ def run(args: argparse.Namespace) -> int:
         params = _mode_params(args, mode)
         for batch in batches:
             points += _measure_point(rows, args, mode, params, batch, device)
-    print()
-    print(markdown_table(points))
+    print(f"\n{markdown_table(points)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"setup": setup, "points": points}, f, indent=1)

@@ -30,7 +30,7 @@ from .config import (
 from .correction import correction_weights
 from .kl import kl_estimate
 from .logprobs import token_logprobs
-from .losses import LossOutput, aggregate, grpo_loss, weighted_loss_reasons
+from .losses import LossOutput, aggregate, grpo_loss
 
 __all__ = [
     "AdvantageConfig",
@@ -52,5 +52,4 @@ __all__ = [
     "kl_reward_penalty",
     "kl_shaped_rewards",
     "token_logprobs",
-    "weighted_loss_reasons",
 ]

@@ -12,6 +12,8 @@ from ..errors import GRPOPartsError, check_tensor
 from .config import AdvantageConfig
 from .kl import kl_estimate
 
+_NO_KL_LOGPS = "ref_logps: expected [N, T] old and reference log-probs because kl_coef > 0, got None"
+
 
 def _check_groups(rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int | None) -> int:
     check_tensor("rewards", rewards, ndim=1, dtype="float")
@@ -53,16 +55,16 @@ def group_stats(
     return count, mean, std, zero_var
 
 
-def _centre(
+def _shaped(
     rewards: torch.Tensor, group_index: torch.Tensor, cfg: AdvantageConfig, n_groups: int
 ) -> torch.Tensor:
-    """The estimator's per-completion value before clipping, per-token KL and whitening."""
+    """The estimator's per-completion value, then OpenRLHF's clip of the shaped reward (before
+    per-token KL and whitening)."""
     count, mean, std, zero_var = group_stats(rewards, group_index, n_groups, cfg.unbiased_std)
     idx = group_index.long()
     lone = (count <= 1)[idx]
     # a lone completion: baseline 0 and scale 1 under singleton="reward" (verl), else advantage 0
-    base = torch.where(lone, torch.zeros_like(rewards), mean[idx])
-    adv = rewards - base
+    adv = torch.where(lone, rewards, rewards - mean[idx])
     if cfg.estimator == "rloo":
         # r_i - mean of the others = n / (n - 1) * (r_i - mean); verl and OpenRLHF, same value
         n = count[idx]
@@ -74,15 +76,16 @@ def _centre(
         bstd = rewards.std(unbiased=cfg.unbiased_std) if rewards.numel() > 1 else rewards.new_zeros(())
         adv = adv / (bstd + cfg.eps)
     zero = zero_var[idx] & ~lone if cfg.singleton == "reward" else zero_var[idx]
-    return torch.where(zero, torch.zeros_like(adv), adv)
+    adv = torch.where(zero, torch.zeros_like(adv), adv)
+    if cfg.reward_clip is not None:
+        adv = adv.clamp(cfg.reward_clip[0], cfg.reward_clip[1])
+    return adv
 
 
 def _whiten(values: torch.Tensor, weights: torch.Tensor, style: str) -> torch.Tensor:
     """Whiten over tokens: ``values`` ``[N]`` with token counts ``weights [N]``, or ``[N, T]`` with a mask.
-
     verl ``masked_whiten``: mean and variance divide by ``count + 1e-8``, the variance is unbiased,
-    ``rsqrt(var + 1e-8)``. OpenRLHF: exact count, biased variance, ``rsqrt(max(var, 1e-8))``.
-    """
+    ``rsqrt(var + 1e-8)``. OpenRLHF: exact count, biased variance, ``rsqrt(max(var, 1e-8))``."""
     w = weights.to(values.dtype)
     n = w.sum()
     if float(n) == 0.0:
@@ -123,21 +126,9 @@ def kl_shaped_rewards(
             "kl_placement: 'token' gives per-token advantages; use compute_advantages, got a per-completion path"
         )
     if old_logps is None or ref_logps is None:
-        raise GRPOPartsError(
-            "ref_logps: expected [N, T] old and reference log-probs because kl_coef > 0, got None"
-        )
+        raise GRPOPartsError(_NO_KL_LOGPS)
     with torch.no_grad():
         return rewards - kl_reward_penalty(old_logps, ref_logps, mask, config).sum(-1).to(rewards.dtype)
-
-
-def _shaped(
-    rewards: torch.Tensor, group_index: torch.Tensor, cfg: AdvantageConfig, n_groups: int
-) -> torch.Tensor:
-    """Estimator value, then OpenRLHF's clip of the shaped reward (before per-token KL and whitening)."""
-    adv = _centre(rewards, group_index, cfg, n_groups)
-    if cfg.reward_clip is not None:
-        adv = adv.clamp(cfg.reward_clip[0], cfg.reward_clip[1])
-    return adv
 
 
 def group_advantages(
@@ -148,12 +139,10 @@ def group_advantages(
     *,
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``advantages: [N]`` (no grad) for one scalar reward per completion.
-
-    ``lengths: [N]`` (completion token counts) is needed by ``reinforce_plus_plus_baseline``,
-    which whitens over tokens. The KL-in-reward fields are not used here: :func:`compute_advantages`
-    applies them (for ``"sequence"`` it calls this on :func:`kl_shaped_rewards`).
-    """
+    """``advantages: [N]`` (no grad) for one scalar reward per completion. ``lengths: [N]`` (completion
+    token counts) is needed by ``reinforce_plus_plus_baseline``, which whitens over tokens. The
+    KL-in-reward fields are not used here: :func:`compute_advantages` applies them (for ``"sequence"`` it
+    calls this on :func:`kl_shaped_rewards`)."""
     cfg = config or AdvantageConfig()
     n_groups = _check_groups(rewards, group_index, num_groups)
     with torch.no_grad():
@@ -178,21 +167,17 @@ def compute_advantages(
     ref_logps: torch.Tensor | None = None,
     num_groups: int | None = None,
 ) -> torch.Tensor:
-    """The full path, KL in the reward included: ``[N]``, or ``[N, T]`` for ``kl_placement="token"``.
-
-    Order (each framework's): KL ``"sequence"`` penalty into the reward -> estimator -> reward clip ->
-    KL ``"token"`` returns-to-go -> whitening (REINFORCE++-baseline). ``old_logps`` are the
-    rollout-time policy's log-probs (verl ``old_log_probs``, OpenRLHF ``action_log_probs``).
-    """
+    """The full path, KL in the reward included: ``[N]``, or ``[N, T]`` for ``kl_placement="token"``. Order
+    (each framework's): KL ``"sequence"`` penalty into the reward -> estimator -> reward clip -> KL
+    ``"token"`` returns-to-go -> whitening (REINFORCE++-baseline). ``old_logps`` are the rollout-time
+    policy's log-probs (verl ``old_log_probs``, OpenRLHF ``action_log_probs``)."""
     cfg = config or AdvantageConfig()
     check_tensor("mask", mask, shape=[rewards.shape[0], None], allow_empty=True)
     lengths = mask.sum(-1)
     if cfg.kl_coef == 0.0:
         return group_advantages(rewards, group_index, cfg, num_groups, lengths=lengths)
     if old_logps is None or ref_logps is None:
-        raise GRPOPartsError(
-            "ref_logps: expected [N, T] old and reference log-probs because kl_coef > 0, got None"
-        )
+        raise GRPOPartsError(_NO_KL_LOGPS)
     n_groups = _check_groups(rewards, group_index, num_groups)
     with torch.no_grad():
         pen = kl_reward_penalty(old_logps, ref_logps, mask, cfg)

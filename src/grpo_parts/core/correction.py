@@ -10,29 +10,19 @@ OpenRLHF ``is_correction_*`` are each one setting of :class:`CorrectionConfig`.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..errors import check_same_shape
 from .config import CorrectionConfig
 
 
-def _band(x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
-    lo = -math.inf if low is None else low
-    hi = math.inf if high is None else high
-    return (x >= lo) & (x <= hi)
-
-
 def correction_weights(
     old_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, config: CorrectionConfig
 ) -> torch.Tensor | None:
-    """``[N, T]`` weights (no grad, 0 where masked), or None when ``config.level == "off"``.
-
-    ``old_logps`` are the trainer's log-probs under the policy that sampled (recomputed), and
-    ``rollout_logps`` the sampler's own for the same tokens. NaN sampler log-probs (unavailable
-    from the engine) count as no mismatch, as TRL does.
-    """
+    """``[N, T]`` weights (no grad, 0 where masked), or None when ``config.level == "off"``. ``old_logps``
+    are the trainer's log-probs under the policy that sampled (recomputed), and ``rollout_logps`` the
+    sampler's own for the same tokens. NaN sampler log-probs (unavailable from the engine) count as no
+    mismatch, as TRL does."""
     if config.level == "off":
         return None
     check_same_shape(["old_logps", "rollout_logps", "mask"], [old_logps, rollout_logps, mask])
@@ -51,7 +41,7 @@ def correction_weights(
         if config.mode == "truncate":
             w = ratio.clamp(min=config.low, max=config.high)
         else:
-            keep = _band(ratio, config.low, config.high)
+            keep = ratio.clamp(min=config.low, max=config.high) == ratio  # inside [low, high]
             carried = ratio if config.mask_weight == "unit" else torch.exp(token_lr)
             w = torch.where(keep, carried, torch.zeros_like(carried))
         return w.expand_as(m) * m

@@ -1,12 +1,7 @@
-"""The one sampling design both unbiased parts draw with: inclusion probabilities and systematic
-sampling.
-
-Unbiased completion pruning (:mod:`grpo_parts.filter.dppo`) and prompt skipping
-(:mod:`grpo_parts.skip.draw`) both keep item ``i`` with a probability ``p_i`` and weight it
-``1 / p_i`` (Horvitz-Thompson); both need ``p = clamp(score * t, floor, 1)`` with ``sum p`` a target
-(:func:`inclusion_probabilities`, :func:`probabilities_for_target`) and a draw that keeps each item
-with exactly ``p_i`` and a fixed count (:func:`systematic_sample`). The rule that keeps the weighted
-loss unbiased is :mod:`.unbiased`'s.
+"""The one sampling design both unbiased parts draw with (:mod:`grpo_parts.filter.dppo`,
+:mod:`grpo_parts.skip.draw`): keep item ``i`` with probability ``p_i = clamp(score * t, floor, 1)``,
+``sum p`` a target, weighted ``1 / p_i`` (Horvitz-Thompson), by a draw that keeps each item with
+exactly ``p_i`` and a fixed count. The rule that keeps the weighted loss unbiased is :mod:`.unbiased`'s.
 """
 
 from __future__ import annotations
@@ -44,12 +39,10 @@ def _solve_scale(a: torch.Tensor, target: float, floor: float) -> float:
 
 
 def inclusion_probabilities(scores: torch.Tensor, target: float, floor: float) -> torch.Tensor:
-    """``p = clamp(scores * t, floor, 1)`` with ``sum p = target`` (float64, ``[n]``).
-
-    ``scores >= 0``; ``floor * n <= target <= n`` is reachable (a target below ``floor * n`` gives
-    ``floor`` everywhere). When even ``t -> inf`` falls short (rows of score 0 stuck at the floor),
-    the score-0 rows share what is left equally.
-    """
+    """``p = clamp(scores * t, floor, 1)`` with ``sum p = target`` (float64, ``[n]``). ``scores >= 0``;
+    ``floor * n <= target <= n`` is reachable (a target below ``floor * n`` gives ``floor`` everywhere).
+    When even ``t -> inf`` falls short (rows of score 0 stuck at the floor), the score-0 rows share what is
+    left equally."""
     a = scores.detach().to(torch.float64).cpu()
     n = int(a.numel())
     if n == 0 or target >= n:

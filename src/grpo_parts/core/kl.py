@@ -16,12 +16,10 @@ K3_LOG_RATIO_CLAMP = 20.0
 def kl_estimate(
     logps: torch.Tensor, ref_logps: torch.Tensor, estimator: KLEstimator = "k3", clamp: KLClamp = "k3"
 ) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref): ``[N, T] x [N, T] -> [N, T]``.
-
-    k1 = log pi - log pi_ref; k2 = 0.5 (log pi - log pi_ref)^2; k3 = exp(d) - d - 1 with
-    d = log pi_ref - log pi. ``clamp``: :data:`~.config.KLClamp` (OpenRLHF's extra k3 bound at -10
-    before exp gives the same values and gradients as verl's: k3 is beyond the final clamp there).
-    """
+    """Per-token estimate of KL(pi || pi_ref): ``[N, T] x [N, T] -> [N, T]``. k1 = log pi - log pi_ref;
+    k2 = 0.5 (log pi - log pi_ref)^2; k3 = exp(d) - d - 1 with d = log pi_ref - log pi. ``clamp``:
+    :data:`~.config.KLClamp` (OpenRLHF's extra k3 bound at -10 before exp gives the same values and
+    gradients as verl's: k3 is beyond the final clamp there)."""
     check_same_shape(["logps", "ref_logps"], [logps, ref_logps])
     if estimator == "k1":
         value = logps - ref_logps

@@ -8,11 +8,8 @@ from ..errors import GRPOPartsError, check_tensor
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` gathered at ``tokens``: ``[..., V] x [...] -> [...]``.
-
-    This is *the* definition of a per-token log-prob in grpo_parts (as in TRL and verl): temperature
-    applied, top-p / top-k not applied. Samplers return it, attention backends compute it.
-    """
+    """``log_softmax(logits / temperature)`` gathered at ``tokens``: ``[..., V] x [...] -> [...]``; as in TRL
+    and verl, temperature applied, top-p / top-k not (samplers return it, attention backends compute it)."""
     if temperature <= 0:
         raise GRPOPartsError(f"temperature: expected > 0 for log-probs, got {temperature}")
     check_tensor("tokens", tokens, shape=list(logits.shape[:-1]), dtype="int", allow_empty=True)

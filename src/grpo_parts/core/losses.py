@@ -26,14 +26,12 @@ def aggregate(
     seq_len_eps: float = 0.0,
     seq_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce ``loss_mat: [N, T]`` under ``mask: [N, T]`` to a scalar.
-
-    ``num_tokens`` / ``num_seqs`` override the denominators, so that a batch split into micro-batches
-    or pruned is normalised by the global count (TRL's ``num_items_in_batch``); fully masked rows count
-    as sequences only under ``count_empty``; an all-masked batch gives 0, not NaN. ``seq_weights: [N]``
-    multiplies each row's contribution and leaves the denominators alone (pass the full batch's).
-    Formulas: docs/core_maths.md, "Aggregation".
-    """
+    """Reduce ``loss_mat: [N, T]`` under ``mask: [N, T]`` to a scalar. ``num_tokens`` / ``num_seqs``
+    override the denominators, so that a batch split into micro-batches or pruned is normalised by the
+    global count (TRL's ``num_items_in_batch``); fully masked rows count as sequences only under
+    ``count_empty``; an all-masked batch gives 0, not NaN. ``seq_weights: [N]`` multiplies each row's
+    contribution and leaves the denominators alone (pass the full batch's). Formulas: docs/core_maths.md,
+    "Aggregation"."""
     check_tensor("loss_mat", loss_mat, ndim=2, dtype="float", allow_empty=True)
     check_tensor("mask", mask, allow_empty=True)
     check_same_shape(["loss_mat", "mask"], [loss_mat, mask])
@@ -102,13 +100,6 @@ def _masked_mean(t: torch.Tensor, m: torch.Tensor) -> float:
     return float((t.detach().to(m.dtype).expand_as(m) * m).sum() / m.sum().clamp(min=1.0))
 
 
-def weighted_loss_reasons(cfg: LossConfig) -> list[str]:
-    """Why ``cfg``'s aggregation cannot give an unbiased loss from a randomly pruned batch with
-    ``seq_weights`` (empty list = it can, given the full batch's ``num_tokens`` / ``num_seqs``): the
-    rule of :mod:`.unbiased` on ``cfg``'s facts."""
-    return refusal_reasons(loss_facts(cfg, "seq_weights"))
-
-
 def _check_seq_weights(
     w: torch.Tensor | None, n: int, cfg: LossConfig, num_tokens: float | None, num_seqs: float | None
 ) -> None:
@@ -119,23 +110,14 @@ def _check_seq_weights(
     check_tensor("seq_weights", w, shape=[n], dtype="float", allow_empty=True)
     if w.numel() and not bool((torch.isfinite(w) & (w >= 0)).all()):
         raise GRPOPartsError("seq_weights: expected finite values >= 0, got one that is not")
-    reasons = weighted_loss_reasons(cfg)
+    facts = loss_facts(cfg, "seq_weights")
+    reasons = refusal_reasons(facts)
     if reasons:
         raise GRPOPartsError(f"seq_weights: {reasons[0]}")
-    token_means = [
-        name
-        for name, on in (
-            ("agg='token-mean'", cfg.agg == "token-mean"),
-            ("kl_agg='token-mean'", cfg.kl_coef > 0 and cfg.kl_agg == "token-mean"),
-            ("entropy_agg='token-mean'", cfg.entropy_coef > 0 and cfg.entropy_agg == "token-mean"),
-        )
-        if on
-    ]
     why = "the kept rows' own count depends on which rows were kept, which biases the weighted loss"
-    if token_means and num_tokens is None:
-        raise GRPOPartsError(
-            f"seq_weights: {token_means[0]} needs num_tokens= (the full batch's token count); {why}"
-        )
+    if facts.token_normalised and num_tokens is None:
+        name = facts.token_normalised[0][0]
+        raise GRPOPartsError(f"seq_weights: {name} needs num_tokens= (the full batch's token count); {why}")
     if cfg.agg != "token-mean" and num_seqs is None:
         raise GRPOPartsError(
             f"seq_weights: agg={cfg.agg!r} needs num_seqs= (the full batch's sequence count); {why}"
@@ -176,14 +158,11 @@ def grpo_loss(
     num_seqs: float | None = None,
     seq_weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The GRPO-family loss. ``advantages`` is ``[N]`` (one per completion) or ``[N, T]``.
-
-    Per token: the ``config.policy`` term times the rollout-correction weight (``rollout_logps``),
-    plus the KL to ``ref_logps``; aggregated by ``config.agg``; minus the entropy bonus (``entropy``
-    from the same forward as ``logps``): docs/core_maths.md, "The loss". ``seq_weights: [N]`` multiply
-    every term of their row and need the full batch's ``num_tokens`` / ``num_seqs``
-    (:func:`weighted_loss_reasons`).
-    """
+    """The GRPO-family loss. ``advantages`` is ``[N]`` (one per completion) or ``[N, T]``. Per token: the
+    ``config.policy`` term times the rollout-correction weight (``rollout_logps``), plus the KL to
+    ``ref_logps``; aggregated by ``config.agg``; minus the entropy bonus (``entropy`` from the same forward
+    as ``logps``): docs/core_maths.md, "The loss". ``seq_weights: [N]`` multiply every term of their row
+    and need the full batch's ``num_tokens`` / ``num_seqs`` (:mod:`.unbiased`)."""
     cfg = config or LossConfig()
     adv = _check_inputs(logps, old_logps, advantages, mask, ref_logps, entropy, rollout_logps)
     _check_seq_weights(seq_weights, logps.shape[0], cfg, num_tokens, num_seqs)

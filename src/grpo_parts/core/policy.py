@@ -33,12 +33,6 @@ def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) 
     return per_token, ratio, clipped
 
 
-def _seq_log_ratio(log_ratio: torch.Tensor, m: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """``[N, 1]`` mean token log-ratio, clamped from above only (verl's GSPO clamp is ``max=10``)."""
-    seq = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
-    return seq if cfg.log_ratio_clamp is None else torch.clamp(seq, max=cfg.log_ratio_clamp)
-
-
 def policy_terms(
     logps: torch.Tensor, old_logps: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, cfg: LossConfig
 ) -> Terms:
@@ -46,17 +40,17 @@ def policy_terms(
     log_ratio = logps - old_logps
     if cfg.policy == "clip":
         return _clipped_objective(_token_ratio(log_ratio, cfg), adv, cfg)
-    if cfg.policy == "gspo":
-        # s_i = exp(mean_t log rho_t); its gradient reaches each token through the mean (TRL, OpenRLHF)
-        per_token, ratio, clipped = _clipped_objective(torch.exp(_seq_log_ratio(log_ratio, m, cfg)), adv, cfg)
-        return per_token.expand_as(m), ratio, clipped.expand_as(m)
-    if cfg.policy == "gspo_token":
-        # GSPO-token: value sg[s_i] per token, gradient sg[s_i] * grad logp_t (verl's ``gspo``)
-        seq = (log_ratio.detach() * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
-        mixed = logps - logps.detach() + seq
-        if cfg.log_ratio_clamp is not None:
-            mixed = torch.clamp(mixed, max=cfg.log_ratio_clamp)
-        per_token, ratio, clipped = _clipped_objective(torch.exp(mixed), adv, cfg)
+    if cfg.policy in ("gspo", "gspo_token"):
+        # gspo: s_i = exp(mean_t log rho_t), its gradient reaching each token through the mean (TRL,
+        # OpenRLHF); gspo_token: value sg[s_i] per token, gradient sg[s_i] * grad logp_t (verl's ``gspo``)
+        token = cfg.policy == "gspo_token"
+        lr = log_ratio.detach() if token else log_ratio
+        seq = (lr * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+        if token:
+            seq = logps - logps.detach() + seq
+        if cfg.log_ratio_clamp is not None:  # from above only (verl's GSPO clamp is ``max=10``)
+            seq = torch.clamp(seq, max=cfg.log_ratio_clamp)
+        per_token, ratio, clipped = _clipped_objective(torch.exp(seq), adv, cfg)
         return per_token.expand_as(m), ratio, clipped.expand_as(m)
     ratio = _token_ratio(log_ratio, cfg)
     if cfg.policy == "cispo":
@@ -68,11 +62,7 @@ def policy_terms(
         return -weight * adv * logps, ratio, (weight != ratio).expand_as(m)
     if cfg.policy == "sapo":
         # soft gate sigmoid(tau (rho - 1)) * 4 / tau: slope 1 at rho = 1, fading off-policy
-        pos, neg = (
-            torch.tensor(t, dtype=ratio.dtype, device=ratio.device)
-            for t in (cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-        )
-        tau = torch.where(adv > 0, pos, neg)
+        tau = torch.full_like(ratio, cfg.sapo_tau_neg).masked_fill(adv > 0, cfg.sapo_tau_pos)
         gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
         return -gate * adv, ratio, torch.zeros_like(m, dtype=torch.bool)
     raise ValueError(

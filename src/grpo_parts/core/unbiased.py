@@ -10,10 +10,10 @@ exactly when:
 2. **each row's term depends on its own group only** -- no advantage statistics of the whole batch
    (``batch_statistics``), which the draw changes;
 3. **the normaliser is fixed before the draw** and counts what the full batch's loss counts: a
-   filter's weights take the whole rolled-out batch's token / sequence counts (known after
-   rollout, :func:`full_batch_denominators`); skipping's take the *drawn* prompts' ``rows x G``,
-   so a token count (never generated for a skipped prompt) cannot be used, and the sequence count
-   must count rows without a completion token if any can occur (``seq_count``);
+   filter's weights take the whole rolled-out batch's token / sequence counts (known after rollout,
+   :func:`grpo_parts.filter.apply.loss_denominators`); skipping's take the *drawn* prompts'
+   ``rows x G``, so a token count (never generated for a skipped prompt) cannot be used, and the
+   sequence count must count rows without a completion token if any can occur (``seq_count``);
 4. **nothing else depends on the draw**: no refill round (how many, which rows trimmed), no
    normaliser a framework computes from the kept rows (``normaliser_from_draw``).
 
@@ -28,9 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
-__all__ = ["Fact", "WeightedLossFacts", "full_batch_denominators", "loss_facts", "refusal_reasons"]
+__all__ = ["Fact", "WeightedLossFacts", "loss_facts", "refusal_reasons"]
 
 #: a door's setting that makes a fact hold, and what to set instead: ``("beta=0.1", "set beta=0.0")``
 Fact = tuple[str, str]
@@ -39,13 +37,11 @@ Fact = tuple[str, str]
 @dataclass(frozen=True)
 class WeightedLossFacts:
     """What decides whether ``1 / p`` row weights keep a door's loss unbiased (module docstring).
-
     ``source``: what weights the rows, as messages name it (``"dppo"``, ``"prompt skipping"``).
     ``normaliser``: ``"rolled_out"`` (a filter: the whole rolled-out batch's counts) or ``"drawn"``
     (skipping: the drawn prompts' rows). ``token_normalised``: loss terms divided by a token count.
-    ``seq_count``: the setting under which the loss's sequence count skips rows without a completion
-    token, when such rows can occur (None: it counts every row, or none can occur).
-    """
+    ``seq_count``: the setting under which the loss's sequence count skips rows without a completion token,
+    when such rows can occur (None: it counts every row, or none can occur)."""
 
     source: str
     normaliser: Literal["rolled_out", "drawn"] = "rolled_out"
@@ -103,13 +99,9 @@ def loss_facts(
     p = prefix
     draw_dependent: list[Fact] = []
     if loss.agg == "seq-mean-token-sum-norm" and loss.norm_constant is None:
-        draw_dependent.append(
-            (
-                f"{p}agg='seq-mean-token-sum-norm' without {p}norm_constant",
-                f"its default is the padded width of the kept rows; set {p}norm_constant (Dr. GRPO: the max "
-                "completion length)",
-            )
-        )
+        setting = f"{p}agg='seq-mean-token-sum-norm' without {p}norm_constant"
+        width = f"its default is the padded width of the kept rows; set {p}norm_constant"
+        draw_dependent.append((setting, f"{width} (Dr. GRPO: the max completion length)"))
     fix = f"expected {p}agg 'seq-mean-token-mean', or 'seq-mean-token-sum-norm' with {p}norm_constant"
     tokens = [
         (f"{p}{name}='token-mean'", fix)
@@ -130,11 +122,3 @@ def loss_facts(
         token_normalised=tuple(tokens),
         seq_count=seq,
     )
-
-
-def full_batch_denominators(completion_mask: torch.Tensor, count_empty: bool) -> tuple[float, float]:
-    """``(num_tokens, num_seqs)`` of a whole batch as the loss counts them: masked-in tokens, and rows
-    -- every row with ``count_empty`` (``LossConfig.seq_count="all"``), else rows with >= 1 token."""
-    m = completion_mask.long()
-    rows = m.shape[0] if count_empty else int((m.sum(-1) > 0).sum())
-    return float(m.sum()), float(rows)

@@ -1,6 +1,4 @@
-"""Decoding primitives shared by the samplers (``grpo_parts.sampler``) and the drafts
-(``grpo_parts.draft``), so that neither package imports the other's internals.
-"""
+"""Decoding primitives shared by the samplers and the drafts, so neither imports the other's internals."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""KV-cache row operations on right-aligned rows with masked *holes*: :func:`right_align`,
-:func:`compact_cache` (live entries to the right end) and :func:`compact_block` (a verified tree's
-accepted path to the front of its block). The cache-class differences across transformers releases
-stay in :mod:`grpo_parts.compat`; in-place append buffers are :mod:`.kv_room`."""
+"""KV-cache row operations on right-aligned rows with masked *holes*; the cache-class differences
+across transformers releases stay in :mod:`grpo_parts.compat`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""In-place KV cache buffers for the speculative sampler and its drafts (re-exported by ``compat``).
-
-:func:`reserve_cache_room` lets ``DynamicLayer`` s append in place instead of ``torch.cat``'s copy
-per forward; :func:`drop_cache_rows` removes finished rows by moving the few live rows from the end
-of the batch into their slots instead of gathering every row. Bit-identical to transformers'
-(docs/speculative.md, "Appends in place" and "Row drops move, not gather").
+"""In-place KV cache buffers for the speculative sampler and its drafts (re-exported by ``compat``),
+bit-identical to transformers' (docs/speculative.md, "Appends in place" and "Row drops move, not gather").
 """
 
 from __future__ import annotations
@@ -28,11 +24,10 @@ ROOM_MAX = 256
 def reserve_cache_room(cache: Any, slack: int) -> int:
     """Let every plain ``DynamicLayer`` of ``cache`` append in place: its keys and values become
     views of buffers (made now for layers that hold tensors, else at their first append) with room
-    for at least ``slack`` more columns (:func:`_grow`), so a forward writes its new columns
-    instead of copying the whole cache (``DynamicLayer.update`` is ``torch.cat``). ``crop`` (a slice) keeps the
-    buffer; anything that replaces the tensors (row selection, compaction) gets a new buffer at the
-    next append. Values are bit-identical to ``torch.cat``'s. Sliding-window and other layer types
-    are left alone. Returns how many layers were converted (the caller counts it)."""
+    for at least ``slack`` more columns (:func:`_grow`), so a forward writes its new columns instead
+    of copying the whole cache (``DynamicLayer.update`` is ``torch.cat``). ``crop`` (a slice) keeps
+    the buffer; anything that replaces the tensors (row selection, compaction) gets a new buffer at
+    the next append. Other layer types are left alone. Returns how many layers were converted."""
     layers = getattr(cache, "layers", None) or []
     done = 0
     for ly in layers:
@@ -134,19 +129,16 @@ def _room_move_rows(self: Any, dst: torch.Tensor, src: torch.Tensor, rows: int) 
 def _room_class(base: Any) -> Any:
     """``base`` (a cache layer class) with the in-place methods above, under its own name; one
     class per base."""
-    return type(
-        base.__name__,
-        (base,),
-        {
-            "update": _room_update,
-            "batch_select_indices": _room_batch_select_indices,
-            "move_rows": _room_move_rows,
-            "_buffers": _room_buffers,
-            "_use": _room_use,
-            "_grpo_parts_room": True,
-            "_room_base": base,
-        },
-    )
+    attrs = {
+        "update": _room_update,
+        "batch_select_indices": _room_batch_select_indices,
+        "move_rows": _room_move_rows,
+        "_buffers": _room_buffers,
+        "_use": _room_use,
+        "_grpo_parts_room": True,
+        "_room_base": base,
+    }
+    return type(base.__name__, (base,), attrs)
 
 
 def drop_cache_rows(cache: Any, keep: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,7 @@
 EAGLE head's drafting path share it, so it lives below both packages).
 
 The modeling code's maths in the same order, without the module calls and keyword plumbing (which
-on a CPU cost as much as a small layer's arithmetic). Two steps take fewer calls for the same
-result: torch's ``rms_norm`` (equal up to float rounding) and ``roll(x, D/2) * signed_sin`` for
-``rotate_half(x) * sin`` (bitwise). :func:`layer_reasons` says which layers it may stand in for.
+on a CPU cost as much as a small layer's arithmetic).
 """
 
 from __future__ import annotations
@@ -73,11 +71,10 @@ def lean_layer(
     shape = (a, t, -1, at.head_dim)
     q, k = F.linear(x, at.q_proj.weight, at.q_proj.bias), F.linear(x, at.k_proj.weight, at.k_proj.bias)
     v = F.linear(x, at.v_proj.weight, at.v_proj.bias).view(shape).transpose(1, 2)
+    q, k = q.view(shape), k.view(shape)
     if qk_norm:
-        q, k = rms_norm(q.view(shape), at.q_norm), rms_norm(k.view(shape), at.k_norm)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-    else:
-        q, k = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
+        q, k = rms_norm(q, at.q_norm), rms_norm(k, at.k_norm)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     q, k = _rotate(q, *rope), _rotate(k, *rope)
     k, v = cache.update(k, v, idx)
     o, _ = attention(at, q, k, v, mask, dropout=0.0, scaling=at.scaling, **extra)

@@ -1,6 +1,5 @@
-"""How to sample (:class:`SamplingParams`) and the logit processing every sampler and draft
-applies: temperature, then top-k, then top-p (:func:`sampling_probs`), exactly as the reference
-sampler, and drawing from it (:func:`draw`)."""
+"""How to sample (:class:`SamplingParams`), the logit processing every sampler and draft applies, and
+drawing from it."""
 
 from __future__ import annotations
 
@@ -42,7 +41,6 @@ class SamplingParams(BaseModel):
         return 1.0 if self.greedy else self.temperature
 
 
-# ---------------------------------------------------------------- logit processing
 def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p on ``logits: [..., V]``; removed tokens get ``-inf``.
 

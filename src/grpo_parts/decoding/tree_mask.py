@@ -1,6 +1,4 @@
-"""Draft-tree masks: which block columns each tree node sees (:func:`tree_ancestors`), which cache
-columns (:func:`tree_allowed`), and the additive attention mask of a cached tree forward
-(:func:`tree_attention_mask`)."""
+"""Draft-tree masks: which block and cache columns each tree node sees, as booleans or additive masks."""
 
 from __future__ import annotations
 
@@ -17,9 +15,8 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     a, n = parents.shape
     dev = parents.device
     anc = torch.eye(n + 1, dtype=torch.bool, device=dev).expand(a, -1, -1).clone()
-    up = torch.cat(
-        [torch.zeros(a, 1, dtype=torch.long, device=dev), parents + 1], 1
-    )  # column -> parent column
+    root = torch.zeros(a, 1, dtype=torch.long, device=dev)
+    up = torch.cat([root, parents + 1], 1)  # column -> parent column
     cur = up
     for _ in range(n):
         anc.scatter_(2, cur[..., None], True)

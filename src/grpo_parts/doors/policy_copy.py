@@ -6,10 +6,8 @@ runs on its own transformers copy of the policy, and that copy must receive the 
 every update through the framework's own weight-sync path, or every step samples from stale weights
 while the actor trains (an off-policy update that nothing reports).
 
-:class:`PolicyCopy` decides it for every door: :meth:`load` copies the stream in (wrapper names mapped,
-``weight_syncs``), :meth:`check_fresh` refuses a rollout from a copy that never received the actor's
-weights or missed the sync after :meth:`mark_stale`; ``allow_frozen=True`` opts in to a frozen sampler
-(debugging, evaluating a fixed checkpoint; ``frozen_rollouts``). Framework-free (no verl/OpenRLHF import).
+:class:`PolicyCopy` decides it for every door, framework-free (no verl/OpenRLHF import);
+``allow_frozen=True`` opts in to a frozen sampler (debugging, evaluating a fixed checkpoint).
 """
 
 from __future__ import annotations
@@ -51,11 +49,8 @@ class PolicyCopy:
     COUNTERS = (WEIGHT_SYNCS, FROZEN_ROLLOUTS)
 
     def __init__(self, model: torch.nn.Module, *, door: str, allow_frozen: bool = False) -> None:
-        self.model = model
-        self.door = door
-        self.allow_frozen = allow_frozen
-        self.syncs = 0
-        self.frozen_rollouts = 0
+        self.model, self.door, self.allow_frozen = model, door, allow_frozen
+        self.syncs = self.frozen_rollouts = 0
         self._stale_since: str | None = "it was loaded from disk and has not received the actor's weights"
         self._targets = self._named_targets(model)
         self._loading: set[str] = set()

@@ -32,8 +32,7 @@ def image_groups(group: torch.Tensor, rows: VisionInputs) -> tuple[torch.Tensor,
     out = []
     for i, g in enumerate(group.tolist()):
         found = next(
-            (k for k in by_text.get(g, []) if same_images(rows.per_prompt[reps[k]], rows.per_prompt[i])),
-            None,
+            (k for k in by_text.get(g, []) if same_images(rows.per_prompt[reps[k]], rows.per_prompt[i])), None
         )
         if found is None:
             found = len(reps)
@@ -66,11 +65,8 @@ def images_per_row(
         merge = int(getattr(cfg.vision_config, "spatial_merge_size", 1)) ** 2
         sizes = (torch.as_tensor(grid).prod(-1) // merge).tolist()
     else:
-        n = (
-            int(torch.as_tensor(fields["pixel_values"]).shape[0])
-            if fields.get("pixel_values") is not None
-            else 0
-        )
+        pixels = fields.get("pixel_values")
+        n = 0 if pixels is None else int(torch.as_tensor(pixels).shape[0])
         each = sum(per_row) // n if n else 0
         sizes = [each] * n
     counts, k = [], 0

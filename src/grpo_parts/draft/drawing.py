@@ -14,12 +14,9 @@ from .tree_sampled import sampled_tree
 
 
 def draw_chain(
-    logits: torch.Tensor,
-    step: Callable[[int, torch.Tensor], torch.Tensor],
-    num_tokens: int,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-) -> DraftProposal:
+    logits: torch.Tensor, step: Callable[[int, torch.Tensor], torch.Tensor], num_tokens: int,
+    params: SamplingParams, generator: torch.Generator | None,
+) -> DraftProposal:  # fmt: skip
     """``num_tokens`` tokens per row, each drawn (greedy: the argmax) from the processed
     distribution of ``logits: [A, V]``, then of ``step(i, drawn)`` -- the next logits once the
     ``i``-th tokens ``[A]`` are fed -- with the distributions they came from."""
@@ -35,13 +32,9 @@ def draw_chain(
 
 
 def draw_tree(
-    root: torch.Tensor,
-    expand: Expand,
-    budget: TreeBudget,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    sampled: bool,
-) -> DraftProposal:
+    root: torch.Tensor, expand: Expand, budget: TreeBudget, params: SamplingParams,
+    generator: torch.Generator | None, sampled: bool,
+) -> DraftProposal:  # fmt: skip
     """Children sampled in a fixed shape (:func:`~.tree_sampled.sampled_tree`) when ``sampled``,
     else (and always when greedy) EAGLE-2's top-K expansion (:func:`~.tree.topk_tree`)."""
     if sampled and not params.greedy:

@@ -1,9 +1,6 @@
-"""EAGLE-style draft head with online learning (EAGLE, arXiv 2401.15077; FastGRPO, arXiv 2509.21792).
-
-The head predicts the policy's next last-layer feature from ``fc(concat(embed(x_{t+1}), f_t))``
-through one decoder layer of the policy's own family, sharing the policy's frozen embedding and
-lm_head. It keeps a KV cache per row (:mod:`.kv_state`) and learns after each rollout
-(:meth:`EagleDraft.update`). docs/speculative.md, "Drafts": the head, its loss and defaults.
+"""EAGLE-style draft head with online learning (EAGLE, arXiv 2401.15077; FastGRPO, arXiv 2509.21792):
+it predicts the policy's next last-layer feature from ``fc(concat(embed(x_{t+1}), f_t))``, KV-cached per
+row (:mod:`.kv_state`). docs/speculative.md, "Drafts": the head, its loss and defaults.
 """
 
 from __future__ import annotations
@@ -55,16 +52,12 @@ def _body_config(policy: torch.nn.Module) -> Any:
     return type(cfg).from_dict(d)
 
 
-#: families whose decoder layer the cached drafting path may call directly (``rotary_emb`` ->
-#: ``layers`` -> ``norm``, nothing else in the model's forward); others go through the model.
-DIRECT_LAYER_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
-
-
 class EagleHead(torch.nn.Module):
     """``fc(concat(embed, feature))`` -> one decoder layer + final norm of the policy's family.
 
     Drafting (a KV cache, no grad) calls the decoder layer directly with a boolean 4-D mask for
-    the families in :data:`DIRECT_LAYER_FAMILIES`: on a CPU the model wrapper's mask building and
+    the Llama-layer families (:data:`~grpo_parts.decoding.lean_layer.ARCHITECTURES`, whose forward is
+    ``rotary_emb`` -> ``layers`` -> ``norm``): on a CPU the model wrapper's mask building and
     output plumbing are a large share of a 1-layer call, which the head pays once per draft token
     (docs/results.md, Draft models; the log's "Throughput: speculative vs reference").
     Training (no cache) always goes through the model.
@@ -82,19 +75,15 @@ class EagleHead(torch.nn.Module):
         self.body = transformers.AutoModel.from_config(_body_config(policy), attn_implementation=attn)
         self.body.to(device=p.device, dtype=p.dtype)
         # the boolean mask below is what the sdpa kernel takes (eager wants an additive one)
-        self.direct = getattr(cfg, "model_type", None) in DIRECT_LAYER_FAMILIES and attn == "sdpa"
+        self.direct = getattr(cfg, "model_type", None) in ARCHITECTURES and attn == "sdpa"
         # ... and its layers run as plain tensor operations where they are the Llama layer
         self.qk_norm = ARCHITECTURES.get(getattr(cfg, "model_type", None) or "", False)
         self.lean = self.direct and not layer_reasons(self.body.layers, self.qk_norm)
 
     def forward(
-        self,
-        emb: torch.Tensor,
-        feat: torch.Tensor,
-        cache: Any = None,
-        tree: torch.Tensor | None = None,
+        self, emb: torch.Tensor, feat: torch.Tensor, cache: Any = None, tree: torch.Tensor | None = None,
         **kw: Any,
-    ) -> Any:
+    ) -> Any:  # fmt: skip
         """``cache``: the head's KV cache (passed to the body under :func:`~grpo_parts.compat.cache_kwarg`).
         ``tree: [A, q, past + q]`` bool: which columns each query sees (a draft tree's mask),
         instead of the causal mask over ``attention_mask``."""
@@ -190,7 +179,6 @@ class EagleDraft:
             return [f"hidden size: head built for {self.head.fc.out_features}, policy has {h}"]
         return []
 
-    # ------------------------------------------------------------------ drafting
     def reset(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_index: torch.Tensor) -> None:
         self._kv = DraftKVState(torch.arange(prompts.shape[0], device=prompts.device))
 
@@ -202,12 +190,9 @@ class EagleDraft:
 
     @torch.no_grad()
     def propose(
-        self,
-        context: DraftContext,
-        num_tokens: int,
-        params: SamplingParams,
+        self, context: DraftContext, num_tokens: int, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
+    ) -> DraftProposal:  # fmt: skip
         kv, h = self._feed_true(context)
 
         def step(i: int, d: torch.Tensor) -> torch.Tensor:
@@ -250,16 +235,11 @@ class EagleDraft:
 
     @torch.no_grad()
     def propose_tree(
-        self,
-        context: DraftContext,
-        budget: TreeBudget,
-        params: SamplingParams,
+        self, context: DraftContext, budget: TreeBudget, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
-        """Sampled children in a fixed shape (:func:`~.tree_sampled.sampled_tree`), or EAGLE-2's
-        dynamic tree when greedy or ``sampled_trees=False`` (top-K expansion by cumulative draft
-        log-probability, best ``N`` nodes kept); one head call per level (the level's expanded
-        nodes fed together under a tree mask)."""
+    ) -> DraftProposal:  # fmt: skip
+        """One head call per level: the level's expanded nodes fed together under a tree mask (the
+        tree's kind: :func:`~.drawing.draw_tree`)."""
         kv, h_root = self._feed_true(context)
         past = kv.mask.shape[1]
         feats: list[torch.Tensor] = []  # the head's output at every fed node, in feeding order
@@ -289,7 +269,6 @@ class EagleDraft:
     ) -> None:
         self._kv = None  # free the rollout's cache
 
-    # ------------------------------------------------------------------ online learning
     def loss(self, batch: DraftTrainingBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The distillation loss on ``batch`` (optionally only ``rows``), differentiable."""
         if batch.hidden is None or batch.target_logits is None:
@@ -299,7 +278,8 @@ class EagleDraft:
         sl = slice(None) if rows is None else rows
         ids, feat, tl = batch.input_ids[sl], batch.hidden[sl], batch.target_logits[sl]
         attn = (torch.ones_like(ids) if batch.attention_mask is None else batch.attention_mask[sl]).long()
-        w = (batch.loss_mask[sl][:, 1:] * attn[:, 1:] * attn[:, :-1]).to(feat.dtype)  # pairs (t, t+1)
+        pair = attn[:, 1:] * attn[:, :-1]  # pairs (t, t+1)
+        w = (batch.loss_mask[sl][:, 1:] * pair).to(feat.dtype)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, 1:]
         emb = self.embed(ids[:, 1:]).detach()  # type: ignore[operator]
         target_f = feat[:, 1:]
@@ -307,18 +287,15 @@ class EagleDraft:
         inp = feat[:, :-1]
         total = feat.new_zeros(())
         denom = w.sum().clamp(min=1.0)
-        for _ in range(self.config.unroll):
-            pred = self.head(
-                emb, inp, attention_mask=attn[:, 1:] * attn[:, :-1], position_ids=pos
-            ).last_hidden_state
+        cfg = self.config
+        for _ in range(cfg.unroll):
+            pred = self.head(emb, inp, attention_mask=pair, position_ids=pos).last_hidden_state
             f_loss = torch.nn.functional.smooth_l1_loss(pred, target_f, reduction="none").mean(-1)
             logq = torch.log_softmax(self._logits(pred).to(feat.dtype), -1)
             ce = -(target_p * logq).sum(-1)
-            total = (
-                total + ((self.config.feature_weight * f_loss + self.config.ce_weight * ce) * w).sum() / denom
-            )
+            total = total + ((cfg.feature_weight * f_loss + cfg.ce_weight * ce) * w).sum() / denom
             inp = torch.cat([feat[:, :1], pred[:, :-1]], 1)  # next pass: the head's own features
-        return total / self.config.unroll
+        return total / cfg.unroll
 
     @torch.enable_grad()  # the sampler calls this from inside its no_grad rollout
     def update(self, batch: DraftTrainingBatch) -> dict[str, float]:

@@ -75,10 +75,8 @@ class _Pool:
         return old if own is None else (old + own)[-self.keep :]
 
     def continuation(self, tail: list[int], k: int, own: int = -1) -> list[int]:
-        """Chain the best occurrence of the longest matching suffix until ``k`` tokens: where the
-        occurrences disagree on what follows, the one whose preceding text agrees longest with
-        ``tail`` (then the row's own sequence ``own``, then the most recent): ``max_ngram`` tokens
-        often fail to place a row within a line that repeats with small changes."""
+        """Chain the best occurrence (:meth:`_best`) of the longest matching suffix until ``k`` tokens
+        (``max_ngram`` tokens often fail to place a row within a line that repeats with small changes)."""
         out: list[int] = []
         while len(out) < k:
             ctx = tail + out
@@ -200,11 +198,9 @@ class NGramDraft(StatelessDraft):
         is built at the first proposal for one of its rows: indexing every prompt at reset was a
         measurable share of a wide rollout that the cost model decodes plainly (the n-gram draft
         rarely pays there; docs/results.md, Sampler) -- now nothing."""
-        self._pools, self._keys, self._row_sid, self._row_group = {}, {}, {}, {}
-        self._row_prompt = {}
-        rows = prompts.tolist()
-        masks = prompt_mask.long().tolist()
-        for r, (ids, m, g) in enumerate(zip(rows, masks, group_index.tolist())):
+        self._pools, self._keys, self._row_sid, self._row_group, self._row_prompt = {}, {}, {}, {}, {}
+        rows = zip(prompts.tolist(), prompt_mask.long().tolist(), group_index.tolist())
+        for r, (ids, m, g) in enumerate(rows):
             prompt = [t for t, keep in zip(ids, m) if keep]
             self._keys.setdefault(g, tuple(prompt))
             self._row_prompt[r], self._row_group[r] = prompt, g
@@ -255,28 +251,20 @@ class NGramDraft(StatelessDraft):
         return out
 
     def propose(
-        self,
-        context: DraftContext,
-        num_tokens: int,
-        params: SamplingParams,
+        self, context: DraftContext, num_tokens: int, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
-        k = num_tokens
-        tokens = context.tokens
-        out = torch.empty(tokens.shape[0], k, dtype=torch.long)
+    ) -> DraftProposal:  # fmt: skip
+        out = torch.empty(context.tokens.shape[0], num_tokens, dtype=torch.long)
         for a, ((pool, seq), r) in enumerate(zip(self._sync(context), context.rows.tolist())):
-            cont = pool.continuation(seq[-AGREE:], k, self._row_sid[r])
+            cont = pool.continuation(seq[-AGREE:], num_tokens, self._row_sid[r])
             fill = cont[-1] if cont else seq[-1]
-            out[a] = torch.tensor(cont + [fill] * (k - len(cont)), dtype=torch.long)
-        return DraftProposal(out.to(tokens.device), None)
+            out[a] = torch.tensor(cont + [fill] * (num_tokens - len(cont)), dtype=torch.long)
+        return DraftProposal(out.to(context.tokens.device), None)
 
     def propose_tree(
-        self,
-        context: DraftContext,
-        budget: TreeBudget,
-        params: SamplingParams,
+        self, context: DraftContext, budget: TreeBudget, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
+    ) -> DraftProposal:  # fmt: skip
         """Every distinct continuation the pool holds for the row's suffix is a branch (own text,
         siblings, earlier rollouts of the prompt), ranked by count and recency; rows with fewer
         than ``budget.nodes`` real nodes are padded with a chain repeating their last token."""

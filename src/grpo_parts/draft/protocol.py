@@ -173,12 +173,9 @@ class DraftModel(Protocol):
         ...
 
     def propose(
-        self,
-        context: DraftContext,
-        num_tokens: int,
-        params: SamplingParams,
+        self, context: DraftContext, num_tokens: int, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
+    ) -> DraftProposal:  # fmt: skip
         """Draft ``num_tokens`` tokens for every row of ``context``."""
         ...
 
@@ -214,12 +211,9 @@ class TreeDraftModel(DraftModel, Protocol):
     ``propose_tree`` is served with chains)."""
 
     def propose_tree(
-        self,
-        context: DraftContext,
-        budget: TreeBudget,
-        params: SamplingParams,
+        self, context: DraftContext, budget: TreeBudget, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
+    ) -> DraftProposal:  # fmt: skip
         """At most ``budget.nodes`` nodes per row (every row the same count ``N``), each row's
         tree of depth <= ``budget.depth`` and width <= ``budget.width``; ``parents`` set."""
         ...

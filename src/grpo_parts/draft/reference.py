@@ -25,41 +25,33 @@ class FrozenLMDraft(StatelessDraft):
             raise GRPOPartsError(
                 f"model: expected a transformers causal LM with .config, got {type(model).__name__}"
             )
-        self.model = model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        self.model = model.eval().requires_grad_(False)
 
     def not_supported_reasons(self, policy: torch.nn.Module, params: SamplingParams) -> list[str]:
-        reasons = []
         head: Any = inner_model(policy).get_output_embeddings()  # (a wrapped policy: its inner model)
         pv = getattr(head, "out_features", None) or head.weight.shape[0]  # (a sharded weight: out_features)
         dv = self.model.get_output_embeddings().weight.shape[0]  # type: ignore[operator, union-attr]
         if pv != dv:
-            reasons.append(f"vocab size: draft has {dv} logits, policy has {pv}; they must share a tokenizer")
-        return reasons
+            return [f"vocab size: draft has {dv} logits, policy has {pv}; they must share a tokenizer"]
+        return []
 
     def _next_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The next-token logits ``[R, V]`` after each row of ``ids`` (left-padded by ``mask``)."""
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[
-            :, -1
-        ]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+        return out.logits[:, -1]
 
     @staticmethod
     def _mask(context: DraftContext) -> torch.Tensor:
         width = context.tokens.shape[1]
-        return (
-            torch.arange(width, device=context.tokens.device)[None, :] >= (width - context.lengths)[:, None]
-        ).long()
+        col = torch.arange(width, device=context.tokens.device)
+        return (col[None, :] >= (width - context.lengths)[:, None]).long()
 
     @torch.no_grad()  # not inference_mode: rollout tensors feed autograd later
     def propose(
-        self,
-        context: DraftContext,
-        num_tokens: int,
-        params: SamplingParams,
+        self, context: DraftContext, num_tokens: int, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
+    ) -> DraftProposal:  # fmt: skip
         tokens, mask = context.tokens, self._mask(context)
 
         def step(i: int, tok: torch.Tensor) -> torch.Tensor:
@@ -72,12 +64,9 @@ class FrozenLMDraft(StatelessDraft):
 
     @torch.no_grad()
     def propose_tree(
-        self,
-        context: DraftContext,
-        budget: TreeBudget,
-        params: SamplingParams,
+        self, context: DraftContext, budget: TreeBudget, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
+    ) -> DraftProposal:  # fmt: skip
         """Top-K expansion; every frontier node's context (prompt + path) is re-encoded in full."""
         tokens, mask = context.tokens, self._mask(context)
         a = tokens.shape[0]

@@ -1,8 +1,5 @@
-"""A frozen small causal LM draft with a KV cache (the optimized form of :class:`FrozenLMDraft`).
-
-Same proposals as :class:`~grpo_parts.draft.reference.FrozenLMDraft` (tested), cached as the EAGLE
-head is (:mod:`.kv_state`); holes beyond half the cache are compacted.
-"""
+"""The KV-cached form of :class:`~grpo_parts.draft.reference.FrozenLMDraft`: the same proposals
+(tested), cached as the EAGLE head is (:mod:`.kv_state`)."""
 
 from __future__ import annotations
 
@@ -20,9 +17,8 @@ from .tree import Frontier
 
 
 class CachedLMDraft(FrozenLMDraft):
-    """``CachedLMDraft(small_model)``: a frozen small LM sharing the policy's tokenizer, KV-cached.
-    ``sampled_trees``: trees of children sampled from it (recursive rejection sampling verifies
-    them), else top-K trees (always when greedy)."""
+    """``CachedLMDraft(small_model)``: a frozen small LM sharing the policy's tokenizer, KV-cached;
+    ``sampled_trees``: the kind of tree (:func:`~.drawing.draw_tree`)."""
 
     name: ClassVar[str] = "small_lm"
 
@@ -51,12 +47,9 @@ class CachedLMDraft(FrozenLMDraft):
 
     @torch.no_grad()
     def propose(
-        self,
-        context: DraftContext,
-        num_tokens: int,
-        params: SamplingParams,
+        self, context: DraftContext, num_tokens: int, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
+    ) -> DraftProposal:  # fmt: skip
         kv, logits = self._feed_new(context)
 
         def step(i: int, d: torch.Tensor) -> torch.Tensor:
@@ -83,14 +76,10 @@ class CachedLMDraft(FrozenLMDraft):
 
     @torch.no_grad()
     def propose_tree(
-        self,
-        context: DraftContext,
-        budget: TreeBudget,
-        params: SamplingParams,
+        self, context: DraftContext, budget: TreeBudget, params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> DraftProposal:
-        """Sampled children in a fixed shape (:func:`~.tree_sampled.sampled_tree`), or top-K
-        expansion (EAGLE-2 style) when greedy; one cached forward per level under a tree mask."""
+    ) -> DraftProposal:  # fmt: skip
+        """One cached forward per level under a tree mask (the tree's kind: :func:`~.drawing.draw_tree`)."""
         kv, root = self._feed_new(context)
         past = kv.mask.shape[1]
         dtype = next(self.model.parameters()).dtype

@@ -66,12 +66,9 @@ def draw_without_replacement(q: torch.Tensor, w: int, generator: torch.Generator
 
 
 def sampled_tree(
-    root_logits: torch.Tensor,
-    expand: Expand,
-    budget: TreeBudget,
-    params: SamplingParams,
+    root_logits: torch.Tensor, expand: Expand, budget: TreeBudget, params: SamplingParams,
     generator: torch.Generator | None,
-) -> DraftProposal:
+) -> DraftProposal:  # fmt: skip
     """A fixed-shape tree (:func:`tree_shape`) of sampled children from the root's draft logits
     ``[A, V]``; ``probs[:, i]`` is the ``q`` node ``i`` was drawn from (its parent's)."""
     a, v = root_logits.shape
@@ -108,13 +105,8 @@ def sampled_tree(
                 paths[f, d - 1] = j
                 j, d = parents[j], d - 1
         fed_parent = torch.tensor([slot.get(parents[i], -1) for i in level], device=dev)
-        fr = Frontier(
-            tokens[:, level],
-            depth,
-            fed_parent.expand(a, -1),
-            anc.expand(a, -1, -1),
-            tokens[:, paths.reshape(-1).to(dev)].view(a, len(level), depth),
-        )
+        path_tokens = tokens[:, paths.reshape(-1).to(dev)].view(a, len(level), depth)
+        fr = Frontier(tokens[:, level], depth, fed_parent.expand(a, -1), anc.expand(a, -1, -1), path_tokens)
         draw_children(sampling_probs(expand(fr), params), level)
     shape = torch.tensor(parents, dtype=torch.long, device=dev).expand(a, -1)
     return DraftProposal(tokens, probs, shape, sampled=True)

@@ -1,5 +1,5 @@
-"""Pieces shared by the filters: the priority order (tie rule), zero-variance rows, pruning counts
-the ``extra_prompts_wanted`` estimate and the result of an empty batch.
+"""Pieces shared by the filters: the priority order (tie rule), zero-variance rows, pruning counts,
+the ``extra_prompts_wanted`` estimate and the result of an empty or a filtered batch.
 
 Priority order (the tie rule every filter and the refill trim use): rows of zero-variance groups
 come last; otherwise larger ``|advantage|`` first; equal ``|advantage|`` -> lower row index first.
@@ -33,14 +33,10 @@ def check_count_or_rate(name: str, count: int | None, pruning_rate: float | None
         )
 
 
-def num_pruned(n: int, pruning_rate: float) -> int:
-    """How many of ``n`` rows a pruning rate ``P`` removes: ``floor(P * n)`` (never more than a
-    fraction P is pruned, so the kept count is ``n - floor(P * n) = ceil((1 - P) * n)``)."""
-    return int(math.floor(pruning_rate * n + _FLOOR_EPS))
-
-
 def num_kept(n: int, pruning_rate: float) -> int:
-    return n - num_pruned(n, pruning_rate)
+    """How many of ``n`` rows a pruning rate ``P`` keeps: ``n - floor(P * n) = ceil((1 - P) * n)``
+    (never more than a fraction P is pruned)."""
+    return n - int(math.floor(pruning_rate * n + _FLOOR_EPS))
 
 
 def zero_variance_rows(batch: ScoredBatch) -> torch.Tensor:
@@ -95,3 +91,14 @@ def extra_prompts(kept: int, target_size: int | None, num_prompts: int, nominal_
 def kept_mask_to_rows(mask: torch.Tensor) -> torch.Tensor:
     """``[N]`` bool -> ascending int64 row indices (what ``FilterResult.kept`` wants)."""
     return mask.nonzero().flatten().to(torch.long)
+
+
+def kept_result(
+    keep: torch.Tensor, target_size: int | None, num_prompts: int, nominal_per_prompt: float, **info: float
+) -> FilterResult:
+    """The result keeping the rows flagged in ``keep: [N]`` (N > 0), asking for the prompts that would
+    fill ``target_size`` (:func:`extra_prompts`), with the info every filter writes and ``info``."""
+    kept = kept_mask_to_rows(keep)
+    n, k = int(keep.numel()), int(kept.numel())
+    extra = extra_prompts(k, target_size, num_prompts, nominal_per_prompt)
+    return FilterResult(kept, extra, {KEPT_FRACTION: k / n, NUM_KEPT: float(k), "num_rows": float(n), **info})

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from ..core import LossConfig
-from ..core.unbiased import full_batch_denominators
 from ..errors import GRPOPartsError, check_tensor
 from ..types import VISION_KEYS, FilterResult, Rollout, VisionInputs
 
@@ -34,7 +33,9 @@ def loss_denominators(completion_mask: torch.Tensor, count_empty: bool = False) 
     """``(num_tokens, num_seqs)`` of a batch, as :func:`grpo_parts.core.aggregate` counts them:
     masked-in tokens, and rows with at least one masked-in token (every row with ``count_empty``,
     ``LossConfig.seq_count="all"``)."""
-    return full_batch_denominators(completion_mask, count_empty)
+    m = completion_mask.long()
+    rows = m.shape[0] if count_empty else int((m.sum(-1) > 0).sum())
+    return float(m.sum()), float(rows)
 
 
 def _check_kept(kept: torch.Tensor, n: int) -> None:
@@ -103,19 +104,17 @@ def apply_filter(
     if result.is_empty:
         return KeptBatch(None, advantages[kept], kept, 0.0, 0.0, *rows, weights=weights)
     sub = rollout.select(kept)
-    count_empty = loss is not None and loss.seq_count == "all"
-    if weights is None:
-        num_tokens, num_seqs = loss_denominators(sub.completion_mask, count_empty)
-        return KeptBatch(sub, advantages[kept], kept, num_tokens, num_seqs, *rows, weights=weights)
-    empty = int((rollout.completion_mask.sum(-1) == 0).sum())
+    empty = int((rollout.completion_mask.sum(-1) == 0).sum()) if weights is not None else 0
     if loss is None and empty:
         raise GRPOPartsError(
             f"apply_filter(loss=...): a weighted result's batch has {empty} row(s) without a completion token, "
             "which the full batch's sequence count includes only under LossConfig.seq_count='all'; expected "
             "the LossConfig grpo_loss runs with, got None"
         )
-    # weighted (unbiased) estimate: the full batch's denominators, fixed before pruning
-    num_tokens, num_seqs = loss_denominators(rollout.completion_mask, count_empty)
+    # the kept set's own denominators; a weighted (unbiased) estimate: the full batch's, fixed before pruning
+    counted = sub if weights is None else rollout
+    count_empty = loss is not None and loss.seq_count == "all"
+    num_tokens, num_seqs = loss_denominators(counted.completion_mask, count_empty)
     return KeptBatch(sub, advantages[kept], kept, num_tokens, num_seqs, *rows, weights=weights)
 
 

@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._common import (
     check_count_or_rate,
-    extra_prompts,
-    kept_mask_to_rows,
+    kept_result,
     nothing_kept,
     num_groups_present,
     num_kept,
@@ -25,15 +24,13 @@ from ._common import (
     rank_in_group,
     zero_variance_rows,
 )
-from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
+from .protocol import FilterResult, ScoredBatch
 
 
 class TopKAbsAdvantage(BaseModel):
     """Keep the top-k rows by ``|advantage|``. Give exactly one of ``k`` or ``pruning_rate``.
-
-    ``min_per_group``: every group with non-zero advantages keeps at least this many rows (as many
-    as it has, if fewer); the minimum wins over ``k``, so the kept count can exceed ``k``.
-    """
+    ``min_per_group``: every group with non-zero advantages keeps at least this many rows (as many as it
+    has, if fewer); the minimum wins over ``k``, so the kept count can exceed ``k``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: ClassVar[str] = "cppo"
@@ -68,9 +65,7 @@ class TopKAbsAdvantage(BaseModel):
         if n == 0:
             return nothing_kept()
         zv = zero_variance_rows(batch)
-        eligible = torch.ones(n, dtype=torch.bool, device=zv.device)
-        if self.drop_zero_advantage:
-            eligible = ~zv & (batch.advantages != 0)
+        eligible = ~zv & (batch.advantages != 0) if self.drop_zero_advantage else torch.ones_like(zv)
         order = priority_order(batch, zv)
         rows, rank = rank_in_group(batch, order)
         # Ineligible rows of a group sort after its eligible ones (|A| = 0 is the smallest), so
@@ -97,14 +92,6 @@ class TopKAbsAdvantage(BaseModel):
                 rest = order[(eligible & ~keep)[order]]
                 keep[rest[:budget]] = True
         keep &= eligible
-        kept = kept_mask_to_rows(keep)
-        k_n = int(kept.numel())
-        extra = extra_prompts(k_n, target_size, n_prompts, self._nominal_per_prompt(n, n_prompts))
-        info = {
-            KEPT_FRACTION: k_n / n,
-            NUM_KEPT: float(k_n),
-            "num_rows": float(n),
-            "zero_variance_rows": float(zv.sum()),
-            "num_groups": float(n_prompts),
-        }
-        return FilterResult(kept, extra, info)
+        nominal = self._nominal_per_prompt(n, n_prompts)
+        info = {"zero_variance_rows": float(zv.sum()), "num_groups": float(n_prompts)}
+        return kept_result(keep, target_size, n_prompts, nominal, **info)

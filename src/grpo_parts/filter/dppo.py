@@ -59,14 +59,12 @@ class DPPOFilter(BaseModel):
     def model_post_init(self, context: Any, /) -> None:
         self._generator = torch.Generator().manual_seed(self.seed)
 
-    # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self._generator.get_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._generator.set_state(state["generator"])
 
-    # ------------------------------------------------------------------ support
     def not_supported_reasons(self, batch: ScoredBatch) -> list[str]:
         if batch.size and not bool(torch.isfinite(batch.advantages).all()):
             return ["advantages: expected finite values (dppo's keep probabilities scale with |A|), got inf"]
@@ -82,7 +80,6 @@ class DPPOFilter(BaseModel):
             facts = replace(facts, unkept=((f"drop_zero_advantage=True with {term}", fix),))
         return [f"dppo: {r}" for r in refusal_reasons(facts)]
 
-    # ------------------------------------------------------------------ the rule
     def target_kept(self, num_rows: int) -> int:
         """The kept count aimed for before the floor: ``k``, or ``N - floor(P * N)``."""
         if self.k is not None:

@@ -16,14 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._common import (
     check_count_or_rate,
-    extra_prompts,
-    kept_mask_to_rows,
+    kept_result,
     nothing_kept,
     num_groups_present,
     num_kept,
     zero_variance_rows,
 )
-from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
+from .protocol import FilterResult, ScoredBatch
 
 
 def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
@@ -79,9 +78,6 @@ class MaxVarianceDownsample(BaseModel):
             if self.drop_zero_variance and bool(zv[rows[0]]):
                 continue
             keep[rows[max_variance_subset(rewards[rows], self._m_for(rows.numel()))]] = True
-        kept = kept_mask_to_rows(keep).to(batch.rewards.device)
         n_prompts = num_groups_present(batch)
-        k_n = int(kept.numel())
         nominal = float(self._m_for(round(n / n_prompts)))
-        extra = extra_prompts(k_n, target_size, n_prompts, nominal)
-        return FilterResult(kept, extra, {KEPT_FRACTION: k_n / n, NUM_KEPT: float(k_n), "num_rows": float(n)})
+        return kept_result(keep.to(batch.rewards.device), target_size, n_prompts, nominal)

@@ -19,6 +19,4 @@ class KeepAll:
 
     def select(self, batch: ScoredBatch, target_size: int | None = None) -> FilterResult:
         kept = torch.arange(batch.size, dtype=torch.long, device=batch.rewards.device)
-        return FilterResult(
-            kept=kept, extra_prompts_wanted=0, info={KEPT_FRACTION: 1.0 if batch.size else 0.0}
-        )
+        return FilterResult(kept, 0, {KEPT_FRACTION: 1.0 if batch.size else 0.0})

@@ -12,6 +12,7 @@ the draw, would bias the importance-weighted estimate.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
@@ -107,18 +108,13 @@ class Refiller(BaseModel):
             kept_total += int(kept.numel())
             if res.weights is not None:
                 break  # a weighted draw: no trim and no refill (both would bias it)
+            nominal = rolled.scored.size / max(1, rolled.num_prompts)
             want = res.extra_prompts_wanted or extra_prompts(
-                int(res.kept.numel()),
-                deficit,
-                num_groups_present(rolled.scored),
-                rolled.scored.size / max(1, rolled.num_prompts),
+                int(res.kept.numel()), deficit, num_groups_present(rolled.scored), nominal
             )
         info = {"rounds": float(rounds), "prompts_used": float(prompts_used), "rows_generated": float(rows)}
         info[KEPT_FRACTION] = kept_total / rows if rows else 0.0
         return RefillOutcome(selections, kept_total, self.target_size, rounds, prompts_used, rows, info)
-
-
-# ------------------------------------------------------------------------------ Rollout convenience
 
 
 def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> Rollout:
@@ -154,7 +150,6 @@ class FilledBatch(KeptBatch, Generic[P]):
     """The kept rows of every round, concatenated: a :class:`~grpo_parts.filter.apply.KeptBatch` plus the
     rounds' bookkeeping. ``kept`` indexes the rows of every round's rollout concatenated in order;
     ``rollout.group_index`` numbers the prompts that kept at least one row, ``0 .. len(prompts) - 1``.
-
     ``full_group``: each kept row's prompt among *every* rolled-out prompt (all rounds, stream order), and
     ``group_rows`` / ``group_seqs`` / ``group_tokens`` (``[P_all]``) count each rolled-out prompt's rows,
     rows with a completion token, and completion tokens, pruned or not: the whole batch's loss denominators
@@ -187,13 +182,7 @@ def _take(prompts: Iterator[P], n: int) -> list[P]:
     once (a prompt skipper's :class:`~grpo_parts.skip.draw.PromptDraw`) hands out its round."""
     if isinstance(prompts, DrawsPrompts):
         return list(prompts.take(n))
-    batch: list[P] = []
-    for _ in range(n):
-        try:
-            batch.append(next(prompts))
-        except StopIteration:
-            break
-    return batch
+    return list(itertools.islice(prompts, n))
 
 
 def _score_round(
@@ -273,12 +262,10 @@ def fill_rollouts(
     kl_logprobs: Callable[[Rollout], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> FilledBatch[P]:
     """Pull prompts, ``sample`` them (one :class:`Rollout` per round), score with ``reward(prompts,
-    rollout) -> [N]``, compute group advantages, filter and refill to ``refiller.target_size``.
-
-    The advantages that rank the rows are the ones trained on (batch statistics: each round's). With
-    KL in the reward, ``kl_logprobs(rollout) -> (old, ref)`` gives every row's log-probs before
-    filtering, so the filter sees the KL-penalised rewards the estimator saw.
-    """
+    rollout) -> [N]``, compute group advantages, filter and refill to ``refiller.target_size``. The
+    advantages that rank the rows are the ones trained on (batch statistics: each round's). With KL in
+    the reward, ``kl_logprobs(rollout) -> (old, ref)`` gives every row's log-probs before filtering, so
+    the filter sees the KL-penalised rewards the estimator saw."""
     cfg = advantage_config or AdvantageConfig()
     if cfg.kl_coef > 0 and kl_logprobs is None:
         raise GRPOPartsError(

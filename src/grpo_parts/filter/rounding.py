@@ -61,15 +61,12 @@ def round_to_multiple(
     last: Sequence[torch.Tensor] | None = None,
     field: str = "multiple",
 ) -> tuple[list[torch.Tensor], int]:
-    """Make ``sum(len(k) for k in kept)`` a positive multiple of ``multiple``.
-
-    ``scored[i]`` / ``kept[i]``: one refill round's scored rows and the rows kept of it.
-    ``"up"`` adds pruned rows, ``"down"`` removes kept rows (``"down"`` adds when fewer
-    than ``multiple`` rows are kept), in the filters' priority order (zero-variance rows last,
-    larger ``|A|`` first, lower row first), latest round first; rows flagged in ``last`` (one bool
-    mask per round, e.g. rows with no loss token) rank after every other row. Refuses, naming
-    ``field``, when the rounds hold fewer than ``multiple`` rows. Returns the new kept lists and
-    the signed change."""
+    """Make ``sum(len(k) for k in kept)`` a positive multiple of ``multiple`` (``scored[i]`` /
+    ``kept[i]``: one refill round's scored rows and the rows kept of it). ``"up"`` adds pruned rows,
+    ``"down"`` removes kept rows (adds when fewer than ``multiple`` are kept), in the filters' priority
+    order, latest round first; rows flagged in ``last`` (one bool mask per round, e.g. rows with no loss
+    token) rank after every other row. Refuses, naming ``field``, when the rounds hold fewer than
+    ``multiple`` rows. Returns the new kept lists and the signed change."""
     kept = [k.clone() for k in kept]
     total = sum(int(k.numel()) for k in kept)
     rem = total % multiple
@@ -81,16 +78,14 @@ def round_to_multiple(
             if need == 0:
                 break
             order = _priority(scored[i], None if last is None else last[i])
-            rank = torch.empty_like(order)
-            rank[order] = torch.arange(order.numel(), device=order.device)
+            rank = torch.argsort(order)  # the inverse permutation: each row's place in ``order``
             k = kept[i]
             worst_first = k[torch.argsort(rank[k], descending=True)]
             n_drop = min(need, int(k.numel()))
             kept[i] = torch.sort(worst_first[n_drop:]).values
             need -= n_drop
         return kept, -rem
-    need = multiple - rem if total > 0 else multiple
-    added = 0
+    added = need = multiple - rem if total > 0 else multiple
     for i in reversed(range(len(kept))):
         if need == 0:
             break
@@ -100,7 +95,6 @@ def round_to_multiple(
         take = order[~is_kept[order]][:need]
         kept[i] = torch.sort(torch.cat([kept[i], take])).values
         need -= int(take.numel())
-        added += int(take.numel())
     if need:
         rows = sum(s.size for s in scored)
         raise GRPOPartsError(

@@ -13,8 +13,8 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ._common import extra_prompts, kept_mask_to_rows, nothing_kept, num_groups_present, zero_variance_rows
-from .protocol import KEPT_FRACTION, NUM_KEPT, FilterResult, ScoredBatch
+from ._common import kept_result, nothing_kept, num_groups_present, zero_variance_rows
+from .protocol import FilterResult, ScoredBatch
 
 
 class ZeroVarianceGroups(BaseModel):
@@ -31,18 +31,9 @@ class ZeroVarianceGroups(BaseModel):
         if n == 0:
             return nothing_kept()
         zv = zero_variance_rows(batch)
-        kept = kept_mask_to_rows(~zv)
         n_prompts = num_groups_present(batch)
-        k_n = int(kept.numel())
+        kept_groups = int(torch.unique(batch.group_index[~zv]).numel())
+        info = {"num_groups": float(n_prompts), "dropped_groups": float(n_prompts - kept_groups)}
         # Nominal yield when every group was dropped: a whole group per prompt (optimistic; the
         # refill loop keeps asking until the target is met or its round limit is reached).
-        extra = extra_prompts(k_n, target_size, n_prompts, n / n_prompts)
-        kept_groups = int(torch.unique(batch.group_index[kept]).numel()) if k_n else 0
-        info = {
-            KEPT_FRACTION: k_n / n,
-            NUM_KEPT: float(k_n),
-            "num_rows": float(n),
-            "num_groups": float(n_prompts),
-            "dropped_groups": float(n_prompts - kept_groups),
-        }
-        return FilterResult(kept, extra, info)
+        return kept_result(~zv, target_size, n_prompts, n / n_prompts, **info)

@@ -1,9 +1,8 @@
 """Reference sampler: plain batched autoregressive sampling with a KV cache.
 
 The baseline every speedup is measured against, so deliberately lean (docs/results.md: at least as
-fast as ``generate``). Sharded policies (FSDP2, ZeRO-3) run their forwards together across ranks: a
-rank whose rows have all finished keeps running one-token forwards until an all-reduce says every
-rank is done, so each forward's all-gather meets its peers.
+fast as ``generate``). Sharded policies (FSDP2, ZeRO-3) run their forwards together across ranks
+(:func:`idle_steps`).
 """
 
 from __future__ import annotations
@@ -34,17 +33,12 @@ def expand_prompts(prompts: PromptBatch, group_size: int) -> tuple[torch.Tensor,
 def check_model(model: torch.nn.Module) -> list[str]:
     """Reasons a module cannot be sampled from like a transformers causal LM (empty = fine); a
     wrapped model is checked by its inner model (:func:`~grpo_parts.wrappers.inner_model`)."""
-    reasons = []
     cfg = getattr(inner_model(model), "config", None)
     if cfg is None:
-        reasons.append(
-            f"model: expected a transformers PreTrainedModel with .config, got {model_name(model)}"
-        )
-    elif getattr(cfg, "is_encoder_decoder", False):
-        reasons.append(
-            f"model: encoder-decoder models ({cfg.model_type}) are not supported, only decoder-only LMs"
-        )
-    return reasons
+        return [f"model: expected a transformers PreTrainedModel with .config, got {model_name(model)}"]
+    if getattr(cfg, "is_encoder_decoder", False):
+        return [f"model: encoder-decoder models ({cfg.model_type}) are not supported, only decoder-only LMs"]
+    return []
 
 
 class ReferenceSampler:
@@ -65,9 +59,7 @@ class ReferenceSampler:
         return check_model(self.model)
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        # samples from the training module itself (nothing to copy); a different module is followed
-        if policy is not self.model:
-            self.model = policy
+        self.model = policy  # samples from the training module itself (nothing to copy)
 
     def generate(
         self, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None = None
@@ -80,26 +72,15 @@ class ReferenceSampler:
         plain = model is self.model and sharding(model) is None
         with torch.inference_mode() if plain else torch.no_grad(), collector_paused():
             ro = self._generate(model, lockstep, prompts, params, generator)
-        return replace(
-            ro,
-            **{
-                f.name: getattr(ro, f.name).clone()
-                for f in fields(ro)
-                if isinstance(getattr(ro, f.name), torch.Tensor)
-            },
-        )
+        values = {f.name: getattr(ro, f.name) for f in fields(ro)}
+        return replace(ro, **{k: v.clone() for k, v in values.items() if isinstance(v, torch.Tensor)})
 
     def _generate(
-        self,
-        model: torch.nn.Module,
-        lockstep: bool,
-        prompts: PromptBatch,
-        params: SamplingParams,
+        self, model: torch.nn.Module, lockstep: bool, prompts: PromptBatch, params: SamplingParams,
         generator: torch.Generator | None,
-    ) -> Rollout:
+    ) -> Rollout:  # fmt: skip
         device = next(model.parameters()).device
-        ids, mask, group = expand_prompts(prompts, params.group_size)
-        ids, mask, group = ids.to(device), mask.to(device), group.to(device)
+        ids, mask, group = (t.to(device) for t in expand_prompts(prompts, params.group_size))
         vocab = getattr(model.config, "vocab_size", None)
         if vocab is not None and int(ids.max()) >= vocab:
             raise GRPOPartsError(
@@ -127,12 +108,9 @@ Start = tuple[Any, torch.Tensor, torch.Tensor]
 
 
 def prefill(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    images: dict[str, torch.Tensor] | None = None,
-    repeats: int = 1,
-) -> Start:
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+    images: dict[str, torch.Tensor] | None = None, repeats: int = 1,
+) -> Start:  # fmt: skip
     """The (left-padded) prompts ``ids`` with their ``images`` through the model once, at the
     positions generation gives them (:func:`~grpo_parts.attention.vision.row_positions`: counting real
     tokens, so every row's first token has position 0; M-RoPE's from the model), then each row's
@@ -152,15 +130,10 @@ def prefill(
 
 
 def _sample(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    start: Start,
-    lockstep: bool = False,
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+    generator: torch.Generator | None, start: Start, lockstep: bool = False,
     banned: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """From the prefilled prompts (``start``), one forward per token for the rows still generating:
     ``(completion [N, T], logprobs [N, T])``, ``T`` the steps taken (<= ``max_new_tokens``), the
     tokens after a row's EOS left as ``pad_token_id`` / 0. ``lockstep``: the ranks agree before each
@@ -202,12 +175,9 @@ def _sample(
         if lockstep:
             agree_max([1], device=device)  # this rank decodes on: see idle_steps
         out = model(
-            input_ids=tok[:, None],
-            attention_mask=mask,
-            position_ids=next_pos,
-            use_cache=True,
+            input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
             **{cache_kw: cache},
-        )
+        )  # fmt: skip
         cache, logits = output_cache(out), out.logits[:, -1]
         next_pos = next_pos + 1
     return completion[:, :steps], lp[:, :steps]

@@ -1,8 +1,6 @@
-"""The keys of ``Rollout.stats`` that more than one module writes or reads.
-
-They are also the metric names users see (``metrics.jsonl``, TRL's ``parts/sampler/<key>``): never
-rename one. The plain samplers report none of them.
-"""
+"""The keys of ``Rollout.stats`` that more than one module writes or reads, also the metric names
+users see (``metrics.jsonl``, TRL's ``parts/sampler/<key>``): never rename one. The plain samplers
+report none of them."""
 
 from __future__ import annotations
 
@@ -67,23 +65,15 @@ def speculative_stats(counts: dict[str, float], acceptance_estimate: float) -> d
     ``drafted`` (draft tokens verified), ``accepted`` (of those, accepted), ``emitted_spec`` (tokens
     emitted by verifications) and ``row_verifies`` (rows x verifications)."""
     rv = max(counts["row_verifies"], 1.0)
+    steps = (VERIFY_STEPS, PLAIN_STEPS, TREE_STEPS, SAMPLED_TREE_STEPS)
+    calls = (KV_IN_PLACE_LAYERS, *DECODE_ATTENTION_CALLS.values(), LEAN_FORWARD_CALLS, MODEL_FORWARD_CALLS)
     return {
         ACCEPTED_PER_VERIFY: counts["emitted_spec"] / rv if counts["row_verifies"] else 1.0,
         DRAFT_ACCEPT_RATE: counts["accepted"] / max(counts["drafted"], 1.0),
         MEAN_DRAFT_TOKENS: counts["drafted"] / rv,
-        VERIFY_STEPS: counts[VERIFY_STEPS],
-        PLAIN_STEPS: counts[PLAIN_STEPS],
-        TREE_STEPS: counts[TREE_STEPS],
-        # of the tree steps, those verified by recursive rejection sampling (sampled children)
-        SAMPLED_TREE_STEPS: counts[SAMPLED_TREE_STEPS],
+        **{key: counts[key] for key in steps},
         ACCEPTANCE_ESTIMATE: acceptance_estimate,
-        KV_IN_PLACE_LAYERS: counts[KV_IN_PLACE_LAYERS],
-        # attention calls (layers x forwards) of the decode loop per path (both 0: not selected)
-        **{key: counts[key] for key in DECODE_ATTENTION_CALLS.values()},
-        # decode forwards per path (lean: the policy's weights called directly; model: its own
-        # forward, for the sampler's ``lean_forward_reasons``)
-        LEAN_FORWARD_CALLS: counts[LEAN_FORWARD_CALLS],
-        MODEL_FORWARD_CALLS: counts[MODEL_FORWARD_CALLS],
+        **{key: counts[key] for key in calls},
         # a path the loop could not take (the sampler logged why): never silently off
         LEAN_FORWARD_REFUSED: counts.get(LEAN_FORWARD_REFUSED, 0.0),
         DECODE_ATTENTION_REFUSED: counts.get(DECODE_ATTENTION_REFUSED, 0.0),

@@ -1,10 +1,7 @@
-"""Drawing prompts past a :class:`~.protocol.PromptSkipper`: the sampling design, and the
-stream that tops a round up with prompts the skipper keeps.
-
-:meth:`PromptDraw.take` draws the prompts whose inclusion probabilities fit in ``n`` and keeps exactly
-``n`` by systematic sampling, each carrying ``1 / p_i``; the drawn set (the round's full batch, the
-normaliser) never depends on the skip draw, or the estimate is biased: docs/filter.md, "A round: drawn
-before skipping, topped up to `n`".
+"""Drawing prompts past a :class:`~.protocol.PromptSkipper`: :meth:`PromptDraw.take` draws the prompts
+whose inclusion probabilities fit in ``n`` and keeps exactly ``n`` by systematic sampling, each
+carrying ``1 / p_i``; the drawn set (the round's full batch, the normaliser) never depends on the skip
+draw, or the estimate is biased: docs/filter.md, "A round: drawn before skipping, topped up to `n`".
 
 :class:`PromptDraw` is framework-agnostic (any prompt type and id function); the trainer hands it to
 :func:`grpo_parts.filter.refill.fill_rollouts` as its prompt stream and afterwards reads each
@@ -142,7 +139,6 @@ class PromptDraw(Iterator[P], Generic[P]):
         """Whether a prompt read from the stream waits for the next round (one that did not fit)."""
         return self._ahead is not None
 
-    # ------------------------------------------------------------------ after the fill
     @property
     def num_drawn(self) -> int:
         return sum(r.drawn for r in self.rounds)

@@ -46,12 +46,7 @@ class PromptRecord:
     @property
     def streak(self) -> int:
         """Zero-variance groups in a row, most recent first."""
-        n = 0
-        for f in reversed(self.flags):
-            if not f:
-                break
-            n += 1
-        return n
+        return next((i for i, f in enumerate(reversed(self.flags)) if not f), len(self.flags))
 
 
 class HistorySkipper(BaseModel):
@@ -114,7 +109,6 @@ class HistorySkipper(BaseModel):
         self._base = self.keep_base
         self._generator = torch.Generator().manual_seed(self.seed)
 
-    # ------------------------------------------------------------------ the rule
     @property
     def base(self) -> float:
         """The current exploration base ``p_e`` (adapted by :meth:`observe`)."""
@@ -138,7 +132,6 @@ class HistorySkipper(BaseModel):
         generator: torch.Generator | None = None,
         target: float | None = None,
     ) -> SkipDecision:
-        """Keep each drawn prompt with its probability (scaled to sum to ``target`` when above it)."""
         raw = torch.tensor([self.inclusion_probability(i) for i in prompt_ids], dtype=torch.float64)
         p = probabilities_for_target(raw, target, self.min_keep_prob)
         kept = systematic_sample(p, self._generator if generator is None else generator).nonzero().flatten()
@@ -153,7 +146,6 @@ class HistorySkipper(BaseModel):
         }
         return SkipDecision(kept, weights, p, info)
 
-    # ------------------------------------------------------------------ learning from rewards
     def observe(
         self,
         prompt_ids: Sequence[PromptId],
@@ -177,41 +169,32 @@ class HistorySkipper(BaseModel):
                 continue
             observed += 1
             zero += int(rmin == rmax)
-            self._remember(int(pid), rmin == rmax, var, mean, length)
-            self._count_passes(int(pid), mean * count, int(count))
+            self._remember(int(pid), rmin == rmax, var, mean, length, int(count))
         self._adapt(zero / observed if observed else 0.0)
 
-    def _remember(self, pid: PromptId, zero: bool, var: float, mean: float, length: float) -> None:
+    def _remember(self, pid: PromptId, zero: bool, var: float, mean: float, length: float, rows: int) -> None:
         rec = self._records.pop(pid, None) or PromptRecord()
         rec.flags = (rec.flags + [zero])[-self.window :]
         rec.variance, rec.mean_reward, rec.seen = var, mean, rec.seen + 1
         if not math.isnan(length):
             rec.length = length
+        keep = 1.0 - 1.0 / self.window
+        rec.passes, rec.trials, rec.group = keep * rec.passes + mean * rows, keep * rec.trials + rows, rows
         self._records[pid] = rec  # most recently observed last
         while len(self._records) > self.capacity:
             del self._records[next(iter(self._records))]
-
-    def _count_passes(self, pid: PromptId, passes: float, rows: int) -> None:
-        rec = self._records.get(pid)
-        if rec is None:  # (forgotten at once: capacity)
-            return
-        keep = 1.0 - 1.0 / self.window
-        rec.passes, rec.trials, rec.group = keep * rec.passes + passes, keep * rec.trials + rows, rows
 
     def _adapt(self, zero_share: float) -> None:
         drawn, skipped = self._pending
         skip_share = skipped / drawn if drawn else 0.0
         self._last_share = zero_share if self.target == "zero_variance" else skip_share
         if self.base_step > 0:
-            if self.target == "zero_variance":
-                skip_more = zero_share >= self.target_share
-            else:
-                skip_more = skip_share < self.target_share
+            zero_target = self.target == "zero_variance"
+            skip_more = zero_share >= self.target_share if zero_target else skip_share < self.target_share
             step = -self.base_step if skip_more else self.base_step
             self._base = min(self.max_base, max(self.min_base, self._base + step))
         self._pending = [0.0, 0.0]
 
-    # ------------------------------------------------------------------ diagnostics
     def history_stats(self) -> dict[str, float]:
         return {
             "history_size": float(len(self._records)),
@@ -223,7 +206,6 @@ class HistorySkipper(BaseModel):
         rec = self._records.get(int(prompt_id))
         return None if rec is None or math.isnan(rec.length) else rec.length
 
-    # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Tensors and floats only (``torch.load(weights_only=True)`` reads them)."""
         recs = list(self._records.items())

@@ -8,9 +8,7 @@ prompts' sequence count), the expected loss and gradient are those of the whole 
 (docs/filter.md, "Skipping prompts before rollout"; tests/skip/test_prompt_skip.py proves it).
 
 Prompts are named by a stable integer id (:func:`prompt_key`: a hash of the prompt's text, or the
-problem's index in the dataset). :class:`DrawsPrompts` is the ability of a prompt stream to hand
-out a *round* of kept prompts at once (:class:`grpo_parts.skip.draw.PromptDraw`), which the
-refill (:func:`grpo_parts.filter.refill.fill_rollouts`) uses instead of pulling one at a time.
+problem's index in the dataset).
 """
 
 from __future__ import annotations
@@ -60,12 +58,10 @@ def prompt_id(prompt: Any) -> PromptId:
 
 @dataclass(frozen=True)
 class SkipDecision:
-    """The outcome of :meth:`PromptSkipper.decide` on ``D`` drawn prompts.
-
-    ``kept: [K]`` int64 positions (into the drawn list, ascending) of the prompts to roll out;
-    ``weights: [K]`` float64 ``1 / p`` of each, or None (every prompt kept, weight 1: the reference);
-    ``probabilities: [D]`` float64, every drawn prompt's inclusion probability ``p`` (> 0).
-    """
+    """The outcome of :meth:`PromptSkipper.decide` on ``D`` drawn prompts. ``kept: [K]`` int64 positions
+    (into the drawn list, ascending) of the prompts to roll out; ``weights: [K]`` float64 ``1 / p`` of
+    each, or None (every prompt kept, weight 1: the reference); ``probabilities: [D]`` float64, every drawn
+    prompt's inclusion probability ``p`` (> 0)."""
 
     kept: torch.Tensor
     weights: torch.Tensor | None
@@ -79,11 +75,7 @@ class SkipDecision:
         check_tensor("SkipDecision.kept", self.kept, ndim=1, dtype=torch.long, allow_empty=True)
         if self.weights is not None:
             check_tensor(
-                "SkipDecision.weights",
-                self.weights,
-                shape=[self.kept.numel()],
-                dtype="float",
-                allow_empty=True,
+                "SkipDecision.weights", self.weights, shape=[len(self.kept)], dtype="float", allow_empty=True
             )
         if self.kept.numel() > 1 and bool((self.kept[1:] <= self.kept[:-1]).any()):
             raise GRPOPartsError("SkipDecision.kept: expected strictly ascending positions")
@@ -103,11 +95,9 @@ class SkipDecision:
 @runtime_checkable
 class PromptSkipper(Protocol):
     """Decide, before rollout, which drawn prompts to roll out; learn from the rewards after.
-
-    ``min_keep_prob`` (> 0; 1 = never skips) floors every inclusion probability and bounds a round's
-    draw (``n / min_keep_prob``); ``step_size`` and ``min_rollout_share`` say how a skip pays
-    (:class:`~.draw.PromptDraw`; docs/filter.md, "Skipping prompts before rollout").
-    """
+    ``min_keep_prob`` (> 0; 1 = never skips) floors every inclusion probability and bounds a round's draw
+    (``n / min_keep_prob``); ``step_size`` and ``min_rollout_share`` say how a skip pays
+    (:class:`~.draw.PromptDraw`; docs/filter.md, "Skipping prompts before rollout")."""
 
     name: ClassVar[str]
     min_keep_prob: float
@@ -170,7 +160,8 @@ class PeeksPrompts(Protocol[P_co]):
 
 @runtime_checkable
 class DrawsPrompts(Protocol[P_co]):
-    """A prompt stream that hands out a round of ``n`` prompts at once (after skipping)."""
+    """A prompt stream that hands out a round of ``n`` prompts at once, after skipping
+    (:class:`~.draw.PromptDraw`; :func:`grpo_parts.filter.refill.fill_rollouts` takes such a round)."""
 
     def take(self, n: int) -> Sequence[P_co]:
         """Up to ``n`` prompts to roll out (fewer when the stream runs out)."""

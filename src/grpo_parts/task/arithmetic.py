@@ -4,8 +4,6 @@
 Only the text after the last ``;`` is graded (exact match), so the worked part is the policy's own
 business, as in real math RL. Completions are mostly copies plus one small addition per step: long
 enough that rollout dominates a step, and copy-heavy, so speculative drafts have something to accept.
-Problems come from ``(seed, position)`` alone, so the stream can resume anywhere; a fixed ~10% (by a
-hash of the prompt) is held out.
 """
 
 from __future__ import annotations

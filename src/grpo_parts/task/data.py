@@ -1,7 +1,5 @@
 """Problems, what the built-in tasks share, turning problems into token batches and completions back
-into text, plus held-out evaluation.
-
-Works with any transformers tokenizer (the built-in character tokenizer is one).
+into text (any transformers tokenizer), plus held-out evaluation.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import torch
 
 from ..errors import GRPOPartsError
 from ..sampler.protocol import PromptBatch, SamplingParams
-from ..types import Rollout
+from ..types import Rollout, VisionInputs
 from .graders import after_delimiter
 
 #: consecutive draws without a new held-out problem after which the pool counts as exhausted
@@ -27,12 +25,14 @@ _EXHAUSTED_AFTER = 100_000
 @dataclass(frozen=True)
 class Problem:
     """A prompt (as the tokenizer sees it) and its gold final answer; ``columns``: the data row it came
-    from and ``messages``: its chat prompt, for reward functions (not compared)."""
+    from and ``messages``: its chat prompt, for reward functions; ``images``: the images its prompt's
+    placeholders stand for, in order, as the policy's processor takes them (none of these compared)."""
 
     prompt: str
     answer: str
     columns: dict[str, Any] | None = field(default=None, compare=False, repr=False)
     messages: list[dict[str, Any]] | None = field(default=None, compare=False, repr=False)
+    images: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
 
 class Task(Protocol):
@@ -92,11 +92,8 @@ class GeneratedTask:
                 return p
 
     def held_out(self, draw: Callable[[int], Problem]) -> list[Problem]:
-        """``config.num_eval`` distinct held-out problems, ``draw(i)`` proposing a candidate for the i-th.
-
-        A small task (few terms, small digits) has few distinct held-out problems; asking for more is a
-        config error, said in one line, instead of a loop that never ends.
-        """
+        """``config.num_eval`` distinct held-out problems, ``draw(i)`` proposing a candidate for the i-th;
+        asking a small task for more than it has is a config error said in one line, not an endless loop."""
         out: list[Problem] = []
         seen: set[str] = set()
         misses = 0
@@ -132,12 +129,21 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str]) -> PromptBatch:
     return PromptBatch.from_lists(ids, pad_token_id=int(pad))
 
 
+def encode_problems(tokenizer: Any, problems: Sequence[Problem]) -> PromptBatch:
+    """The problems' prompts as :func:`encode_prompts` makes them; when any has images, ``tokenizer``
+    is the policy's processor (``processor(text=..., images=...)`` expands each placeholder) and each
+    prompt's images ride along once in ``PromptBatch.vision``."""
+    if not any(p.images for p in problems):
+        return encode_prompts(getattr(tokenizer, "tokenizer", tokenizer), [p.prompt for p in problems])
+    images = [image for p in problems for image in p.images]
+    out = tokenizer(text=[p.prompt for p in problems], images=images, padding=True, return_tensors="pt")
+    vision = VisionInputs.from_processor(out, [len(p.images) for p in problems])
+    return PromptBatch(out["input_ids"], out["attention_mask"], vision)
+
+
 def decode_completions(tokenizer: Any, rollout: Rollout) -> list[str]:
     """The text of every completion (masked tokens and special tokens such as EOS dropped)."""
-    out = []
-    for ids, m in zip(rollout.completion_ids.tolist(), rollout.completion_mask.tolist()):
-        out.append(tokenizer.decode([t for t, k in zip(ids, m) if k], skip_special_tokens=True))
-    return out
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids(rollout)]
 
 
 @torch.no_grad()
@@ -151,12 +157,13 @@ def eval_accuracy(
     record: list[tuple[str, Problem, float]] | None = None,
 ) -> float:
     """Fraction of ``problems`` answered correctly by one completion each (greedy if params say so);
-    ``record`` receives each ``(completion, problem, reward)``."""
+    ``record`` receives each ``(completion, problem, reward)``. ``tokenizer``: the policy's processor
+    when the problems have images (:func:`encode_problems`)."""
     one = params.model_copy(update={"group_size": 1})
     correct = 0.0
     for start in range(0, len(problems), batch_size):
         chunk = list(problems[start : start + batch_size])
-        rollout = sampler.generate(encode_prompts(tokenizer, [p.prompt for p in chunk]), one)
+        rollout = sampler.generate(encode_problems(tokenizer, chunk), one)
         texts = decode_completions(tokenizer, rollout)
         rewards = [task.reward(t, p) for t, p in zip(texts, chunk)]
         correct += sum(rewards)

@@ -7,12 +7,13 @@ columns). Each format's columns and gold answer: docs/training.md, "Data formats
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import GRPOPartsError, install_hint
 from .graders import after_delimiter, final_answer, last_boxed
+from .images import IMAGE_COLUMNS, image_parts, row_images
 
 #: how to install what parquet / datasets folders need, from a checkout of this repository
 DATA_INSTALL = install_hint("data")
@@ -29,12 +30,13 @@ FORMAT_KEYS = {
 @dataclass
 class Record:
     """One problem as read: the prompt (text, or chat messages still to render), the gold final
-    answer, and every column of its row (passed to reward functions)."""
+    answer, every column of its row (passed to reward functions) and its images (:mod:`.images`)."""
 
     prompt: str | list[dict[str, Any]]
     answer: str
     columns: dict[str, Any]
     where: str
+    images: list[Any] = field(default_factory=list)
 
 
 def _need(module: str, what: str) -> Any:
@@ -113,26 +115,35 @@ def detect_format(row: dict[str, Any], fmt: str, prompt_key: str | None) -> str:
     )
 
 
+def _is_part(p: Any) -> bool:
+    return isinstance(p, dict) and (p.get("type") == "image" or isinstance(p.get("text"), str))
+
+
+def _is_message(m: Any) -> bool:
+    content = m.get("content") if isinstance(m, dict) else None
+    parts = isinstance(content, list) and all(map(_is_part, content))  # text and image parts
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(content, str) or parts)
+
+
 def _messages(where: str, key: str, value: Any) -> list[dict[str, Any]]:
-    ok = (
-        isinstance(value, list)
-        and value
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value
-        )
-    )
-    if not ok:
+    if not (isinstance(value, list) and value and all(map(_is_message, value))):
         raise GRPOPartsError(
-            f"{where}: {key!r} must be a non-empty list of {{'role': str, 'content': str}} messages, got {value!r:.80}"
+            f"{where}: {key!r} must be a non-empty list of {{'role': str, 'content': str or parts}} messages, "
+            f"got {value!r:.80}"
         )
     return [dict(m) for m in value]
 
 
 def to_record(
-    where: str, row: dict[str, Any], fmt: str, prompt_key: str | None, answer_key: str | None
+    where: str,
+    row: dict[str, Any],
+    fmt: str,
+    prompt_key: str | None,
+    answer_key: str | None,
+    base: Path = Path("."),
 ) -> Record:
-    """One row in format ``fmt`` as a :class:`Record`; a bad row raises an error naming ``where``."""
+    """One row in format ``fmt`` as a :class:`Record` (image paths relative to ``base``); a bad row
+    raises an error naming ``where``."""
     pkey, akey = prompt_key or FORMAT_KEYS[fmt][0], answer_key or FORMAT_KEYS[fmt][1]
     if pkey not in row or (akey not in row and fmt != "messages"):
         missing = [k for k in (pkey, akey) if k not in row]
@@ -144,9 +155,13 @@ def to_record(
     if isinstance(prompt, list) or fmt == "messages":
         prompt = _messages(where, pkey, prompt)
         if answer is None:
-            if prompt[-1]["role"] != "assistant" or len(prompt) < 2:
+            if (
+                prompt[-1]["role"] != "assistant"
+                or len(prompt) < 2
+                or not isinstance(prompt[-1]["content"], str)
+            ):
                 raise GRPOPartsError(
-                    f"{where}: no {akey!r} and no final assistant message to take the answer from; expected one of them"
+                    f"{where}: no {akey!r} and no final assistant text message to take the answer from; expected one of them"
                 )
             answer, prompt = final_answer(prompt[-1]["content"]), prompt[:-1]
     elif not isinstance(prompt, str) or not prompt.strip():
@@ -170,7 +185,21 @@ def to_record(
                 "expected '... \\boxed{42}' (or task.format: prompt_answer)"
             )
         answer = boxed
-    return Record(prompt, answer.strip(), row, where)
+    return Record(prompt, answer.strip(), row, where, _images(where, row, prompt, base))
+
+
+def _images(where: str, row: dict[str, Any], prompt: str | list[dict[str, Any]], base: Path) -> list[Any]:
+    """The row's images, each with its place in the chat prompt (an image part per image, in order)."""
+    if not any(row.get(k) is not None for k in IMAGE_COLUMNS):
+        return []
+    images = row_images(row, base, where)
+    parts = image_parts(prompt) if isinstance(prompt, list) else 0
+    if parts != len(images):
+        raise GRPOPartsError(
+            f"{where}: {len(images)} image(s) but {parts} {{'type': 'image'}} part(s) in the chat prompt; "
+            "expected one image part per image, in order (TRL's conversational image format)"
+        )
+    return images
 
 
 def load_records(
@@ -182,4 +211,5 @@ def load_records(
     if not rows:
         raise GRPOPartsError(f"data: {str(p)!r} has no records")
     fmt = detect_format(rows[0][1], fmt, prompt_key)
-    return [to_record(w, r, fmt, prompt_key, answer_key) for w, r in rows], fmt
+    base = p if p.is_dir() else p.parent
+    return [to_record(w, r, fmt, prompt_key, answer_key, base) for w, r in rows], fmt

@@ -22,7 +22,7 @@ from .formats import Record, load_records
 from .graders import MATH_INSTALL, describe, exact_match, final_answer, make_grader, math_verify_installed
 from .reasoning import INSTRUCTION
 
-__all__ = ["DataConfig", "JsonlTask", "MATH_INSTALL", "exact_match", "final_answer", "load_jsonl"]
+__all__ = ["DataConfig", "JsonlTask", "MATH_INSTALL", "exact_match", "final_answer"]
 
 log = logging.getLogger("grpo_parts.train")
 
@@ -49,12 +49,6 @@ class DataConfig(BaseModel):
     unknown_chars: Literal["error", "warn"] = Field(
         "error", description="characters the tokenizer cannot encode: refuse the data, or warn once"
     )
-
-
-def load_jsonl(path: Path | str) -> list[Problem]:
-    """Prompt/answer problems of a JSONL file (any bad line raises an error naming it)."""
-    records, _ = load_records(path, "prompt_answer")
-    return [Problem(str(r.prompt), r.answer, r.columns) for r in records]
 
 
 def builtin_task_of(prompts: Sequence[str]) -> str | None:
@@ -87,9 +81,15 @@ def choose_grader(cfg: DataConfig, fmt: str, builtin: str | None) -> tuple[str, 
 
 
 def render(records: list[Record], tokenizer: Any, model: str) -> list[Problem]:
-    """Problems with chat prompts rendered by the tokenizer's chat template (None: no template)."""
+    """Problems with chat prompts rendered by the tokenizer's chat template (None: no template);
+    ``tokenizer`` is a vision-language model's processor for records with images."""
     out = []
     for r in records:
+        if r.images and not hasattr(tokenizer, "image_processor"):
+            raise GRPOPartsError(
+                f"data: {r.where} has images, but {model!r} is a text model; expected a vision-language "
+                "checkpoint (--model) whose processor takes them, or records without images"
+            )
         if isinstance(r.prompt, str):
             out.append(Problem(r.prompt, r.answer, r.columns))
             continue
@@ -100,10 +100,11 @@ def render(records: list[Record], tokenizer: Any, model: str) -> list[Problem]:
                 "or prompt/answer records"
             )
         text = tokenizer.apply_chat_template(r.prompt, tokenize=False, add_generation_prompt=True)
-        bos = getattr(tokenizer, "bos_token", None)
-        if bos and text.startswith(bos) and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]:
+        tok = getattr(tokenizer, "tokenizer", tokenizer)  # a processor renders, its tokenizer encodes
+        bos = getattr(tok, "bos_token", None)
+        if bos and text.startswith(bos) and tok("").input_ids[:1] == [tok.bos_token_id]:
             text = text[len(bos) :]  # the tokenizer adds BOS itself when the prompt is encoded
-        out.append(Problem(text, r.answer, r.columns, r.prompt))
+        out.append(Problem(text, r.answer, r.columns, r.prompt, tuple(r.images)))
     return out
 
 
@@ -186,7 +187,8 @@ class JsonlTask:
             train = [r for i, r in enumerate(records) if i not in held]
             evals = [records[i] for i in sorted(held)]
         train_p, eval_p = render(train, tokenizer, model), render(evals, tokenizer, model)
-        note = None if tokenizer is None else check_chars(tokenizer, train_p + eval_p, cfg.unknown_chars)
+        text_tok = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+        note = None if text_tok is None else check_chars(text_tok, train_p + eval_p, cfg.unknown_chars)
         grader, delimiter, why = choose_grader(cfg, fmt, builtin_task_of([p.prompt for p in train_p]))
         task = cls(train_p, eval_p, seed, make_grader(grader, delimiter), describe(grader, delimiter))
         task.format = fmt

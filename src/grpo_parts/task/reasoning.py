@@ -4,11 +4,8 @@ Real GRPO prompts share an instruction, and real completions have long-tailed le
 every rollout runs at low concurrency. Here the solution *reduces* the sum one line at a time (add
 the first two terms, copy the rest), so its length grows about quadratically with the terms, and
 every ``long_every``-th problem is long: the tail of every rollout batch. Each line copies most of
-the line before, so a draft that looks up the row's own text has a lot to accept in the tail.
-
-Only the text after the last ``;`` is graded (exact match). Problems come from ``(seed, position)``;
-~10% (by a hash of the prompt) are held out, the same for every seed. Shape and lengths:
-docs/training.md, "The built-in tasks".
+the line before, so a draft that looks up the row's own text has a lot to accept in the tail. Shape
+and lengths: docs/training.md, "The built-in tasks".
 """
 
 from __future__ import annotations

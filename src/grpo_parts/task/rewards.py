@@ -130,14 +130,9 @@ class RewardedTask:
         """The weighted sum of the reward functions for each completion (TRL's nansum)."""
         n = len(completions)
         chat = all(p.messages is not None for p in problems)
-        columns: dict[str, list[Any]] = {}
-        for p in problems:
-            for k in p.columns or {"answer": p.answer}:
-                columns.setdefault(k, [])
-        for p in problems:
-            row = p.columns or {"answer": p.answer}
-            for k, vals in columns.items():
-                vals.append(row.get(k))
+        rows = [p.columns or {"answer": p.answer} for p in problems]
+        keys = dict.fromkeys(k for row in rows for k in row)  # first-seen order
+        columns = {k: [row.get(k) for row in rows] for k in keys}
         columns.pop("prompt", None)  # as TRL: passed as prompts
         kwargs = {
             "prompts": [p.messages for p in problems] if chat else [p.prompt for p in problems],
@@ -152,11 +147,10 @@ class RewardedTask:
         }
         per = [_call(rf, kwargs, n) for rf in self.functions]
         self.last_per_function = {rf.name: _nanmean(vals) for rf, vals in zip(self.functions, per)}
-        total = []
-        for i in range(n):
-            terms = [rf.weight * vals[i] for rf, vals in zip(self.functions, per) if not math.isnan(vals[i])]
-            total.append(sum(terms))
-        return total
+        return [
+            sum(rf.weight * vals[i] for rf, vals in zip(self.functions, per) if not math.isnan(vals[i]))
+            for i in range(n)
+        ]
 
 
 def _nanmean(values: list[float]) -> float:

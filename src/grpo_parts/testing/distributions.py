@@ -26,18 +26,13 @@ from ..errors import GRPOPartsError
 def processed_probs(
     logits: np.ndarray | torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
 ) -> np.ndarray:
-    """The sampling distribution over the last axis, computed independently in float64 NumPy.
-
-    Temperature scales logits; top-k keeps tokens whose logit is >= the k-th largest (ties kept);
-    top-p keeps the smallest prefix of tokens sorted by probability whose mass reaches ``top_p``
-    (a token is kept when the mass of strictly more-likely tokens is < ``top_p``).
-    ``temperature == 0`` gives a one-hot at the argmax.
-    """
-    x = (
-        logits.detach().double().cpu().numpy()
-        if isinstance(logits, torch.Tensor)
-        else np.asarray(logits, np.float64)
-    )
+    """The sampling distribution over the last axis, computed independently in float64 NumPy:
+    temperature scales logits; top-k keeps tokens whose logit is >= the k-th largest (ties kept); top-p
+    keeps the smallest prefix of tokens sorted by probability whose mass reaches ``top_p`` (a token is
+    kept when the mass of strictly more-likely tokens is < ``top_p``); ``temperature == 0``: argmax."""
+    if isinstance(logits, torch.Tensor):
+        logits = logits.detach().double().cpu().numpy()
+    x = np.asarray(logits, np.float64)
     flat = x.reshape(-1, x.shape[-1])
     out = np.zeros_like(flat)
     for r, row in enumerate(flat):
@@ -74,14 +69,11 @@ def sequence_distribution(
     images: Mapping[str, torch.Tensor] | None = None,
 ) -> np.ndarray:
     """Exact probability of every length-``length`` continuation of ``prompt`` (no EOS), ``[V**length]``.
-
-    Entry ``encode(t_1..t_L)`` (see :func:`encode_sequences`) is ``prod_i p(t_i | prompt, t_<i)``
-    with each step's distribution from :func:`processed_probs` applied to a plain full forward
-    (no KV cache) of ``prompt + t_1..t_L``; ``images``: the prompt's image keywords (a VLM), given
-    with every sequence, at the positions generation uses. A continuation holding an image
-    placeholder token is not forwarded (the model would take it for an image): it gets probability
-    0, so give a model that cannot emit those tokens.
-    """
+    Entry ``encode(t_1..t_L)`` (see :func:`encode_sequences`) is ``prod_i p(t_i | prompt, t_<i)`` with each
+    step's distribution from :func:`processed_probs` applied to a plain full forward (no KV cache) of
+    ``prompt + t_1..t_L``; ``images``: the prompt's image keywords (a VLM), given with every sequence, at
+    the positions generation uses. A continuation holding an image placeholder token is not forwarded (the
+    model would take it for an image): it gets probability 0, so give a model that cannot emit those."""
     vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
     n = vocab**length
     if n > max_sequences:
@@ -125,11 +117,9 @@ def chi_square_gof(
     samples: Sequence[int] | np.ndarray | torch.Tensor, probs: np.ndarray, min_expected: float = 5.0
 ) -> float:
     """p-value of Pearson's chi-square goodness-of-fit test of category ``samples`` against ``probs``.
-
-    Categories with expected count < ``min_expected`` are pooled (the test's usual validity rule).
-    A sample in a category of probability exactly 0 (e.g. a token top-k removed) returns 0.0:
-    no amount of luck explains it. Returns 1.0 when pooling leaves a single category.
-    """
+    Categories with expected count < ``min_expected`` are pooled (the test's usual validity rule). A sample
+    in a category of probability exactly 0 (e.g. a token top-k removed) returns 0.0: no amount of luck
+    explains it. Returns 1.0 when pooling leaves a single category."""
     from scipy.stats import chisquare
 
     s = samples.cpu().numpy() if isinstance(samples, torch.Tensor) else np.asarray(samples)

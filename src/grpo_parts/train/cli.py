@@ -1,8 +1,4 @@
-"""``grpo-parts train``: GRPO training, on the built-in task by default, a local model + JSONL for real use.
-
-The command's examples are :data:`EXAMPLES` (its ``--help`` epilog). The main job's runtime is
-:data:`MAIN_JOB_RUNTIME`, the one figure README.md and docs/training.md quote (tests/test_cli_help.py).
-"""
+"""``grpo-parts train``: GRPO training on the built-in task by default, a local model + JSONL for real use."""
 
 from __future__ import annotations
 
@@ -16,9 +12,10 @@ from typing import Any
 
 from ..errors import GRPOPartsError
 from .flags import FLAGS, NO_DRAFT, check_flags
+from .reporting.report_format import fmt
 
 #: How long ``grpo-parts train`` (the main job, default settings) takes; quoted verbatim in README.md,
-#: docs/training.md and ``--help``. Re-measure and update all three through this constant.
+#: docs/training.md and ``--help`` (tests/test_cli_help.py): re-measure and update all three here.
 MAIN_JOB_RUNTIME = "about 70 s on an idle 2-core CPU"
 
 DESCRIPTION = (
@@ -53,7 +50,6 @@ PART_FLAGS = {
 
 
 def part_names(part: str) -> list[str]:
-    """The names in ``grpo_parts.<part>.IMPLEMENTATIONS`` (plus ``none`` for the draft)."""
     names = sorted(importlib.import_module(f"grpo_parts.{part}").IMPLEMENTATIONS)
     return [*names, NO_DRAFT] if part == "draft" else names
 
@@ -130,7 +126,6 @@ def _run_default(field: str) -> Any:
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the config comes from: a YAML file, then dotted overrides."""
     parser.add_argument(
         "--config", type=Path, metavar="FILE", help="YAML file with TrainConfig fields (see docs/training.md)"
     )
@@ -145,7 +140,6 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_hyperparameter_arguments(parser: argparse.ArgumentParser) -> None:
-    """The run's length, seed, group size and learning rate."""
     from .config import TrainConfig
 
     parser.add_argument(
@@ -166,7 +160,6 @@ def _add_hyperparameter_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the run reads and writes: run folder, model, data, rewards, device."""
     parser.add_argument("--name", help="run folder name (default: a timestamp)")
     parser.add_argument("--out-dir", type=Path, help="parent folder of runs (default: runs)")
     parser.add_argument(
@@ -196,7 +189,6 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_part_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per swappable part (:data:`PART_FLAGS`), its choices the part's registry."""
     from ..parts_config import DOOR_DEFAULTS
 
     for part, what in PART_FLAGS.items():
@@ -211,7 +203,6 @@ def _add_part_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser, compare_prefix: str) -> None:
-    """What the run reports and where: target accuracy, trackers, comparison JSON, seeds, verbosity."""
     parser.add_argument(
         "--target",
         type=float,
@@ -304,15 +295,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def headline(s: dict[str, Any], run_dir: Path) -> str:
     """The one stdout line of a finished run: the final accuracy says what it averages, and the last one."""
-
-    def acc(v: float | None) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
     n = s.get("final_evals", 0)
-    last = f"mean of the last {n} evaluations; the last: {acc(s['last_accuracy'])}"
+    last = f"mean of the last {n} evaluations; the last: {fmt(s['last_accuracy'])}"
     what = last if n > 1 else "one evaluation"
     return (
-        f"held-out accuracy {acc(s['initial_accuracy'])} -> {acc(s['final_accuracy'])} ({what}) in "
+        f"held-out accuracy {fmt(s['initial_accuracy'])} -> {fmt(s['final_accuracy'])} ({what}) in "
         f"{s['steps']} steps ({s['wall_time_s']:.0f} s training); report: {run_dir / 'report.md'}"
     )
 

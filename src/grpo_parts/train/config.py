@@ -1,9 +1,5 @@
 """Training configuration: one pydantic model, loadable from YAML and overridable from the CLI.
-
-Every value is validated on construction, so a bad value fails before anything is written to disk.
-Parts are chosen by name from each subpackage's ``IMPLEMENTATIONS`` table; the defaults are the
-optimized parts, and :data:`REFERENCE_PARTS` switches every part back to its reference.
-"""
+Every value is validated on construction, so a bad value fails before anything is written to disk."""
 
 from __future__ import annotations
 
@@ -21,6 +17,7 @@ from ..task.arithmetic import ArithmeticConfig
 from ..task.jsonl import DataConfig
 from ..task.reasoning import ReasoningConfig
 from ..task.rewards import parse_reward_spec
+from ..task.vision import VisionConfig
 from .skip_defaults import apply_skip_defaults
 
 #: The built-in task a config without ``task.name`` trains on.
@@ -32,6 +29,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "reasoning": {"max_new_tokens": 320, "steps": 15, "eval_every": 3},
     # --data (task.name: data) keeps the defaults it had before it had a task section of its own
     "data": {"max_new_tokens": 320, "steps": 15, "eval_every": 3},
+    # the answer is one token (the sampler for image prompts: step.parts.build_parts)
+    "vision": {"max_new_tokens": 4, "steps": 150, "eval_every": 10, "lr": 1e-3, "target_accuracy": 0.8},
 }
 
 #: The reference implementation of each part (the plain GRPO path).
@@ -45,9 +44,8 @@ REFERENCE_PARTS: dict[str, Any] = {
 
 
 def train_parts(data: Any) -> Any:
-    """``parts`` as ``grpo-parts train`` reads it (before the field validates it as the shared
-    :class:`~grpo_parts.parts_config.PartsConfig`): this door's defaults (the optimized parts,
-    ``DOOR_DEFAULTS["train"]``) under the given fields."""
+    """``parts`` with this door's defaults (``DOOR_DEFAULTS["train"]``: the optimized parts) under the
+    given fields, before the field validates it as the shared :class:`PartsConfig`."""
     if isinstance(data, PartsConfig):
         return PartsConfig.for_door("train", data)
     if not isinstance(data, dict):
@@ -56,11 +54,12 @@ def train_parts(data: Any) -> Any:
 
 
 class TrainConfig(BaseModel):
-    """A GRPO run. ``model``/``data`` = None means the built-in task and its committed warm start."""
+    """A GRPO run. ``model``/``data`` = None means the built-in task and its committed warm start.
+    Every field's meaning: docs/training.md, "Every field" (tests/train/test_docs_fields.py checks)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str | None = Field(None, description="run folder name under out_dir (default: a timestamp)")
+    name: str | None = None  # default: a timestamp
     out_dir: Path = Path("runs")
     seed: int = Field(0, ge=0)
     steps: int = Field(40, ge=1, le=10_000_000)
@@ -71,93 +70,36 @@ class TrainConfig(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     lr: float = Field(1e-4, gt=0.0, le=1.0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "linear",
-        description="learning rate over the steps: decayed from lr towards 0 at the last step (linear, "
-        "TRL's default; cosine), or constant",
-    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"  # TRL's default
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(1.0, gt=0.0)
-    minibatches: int = Field(1, ge=1, le=1024, description="optimizer steps per rollout batch")
-    old_logprobs: Literal["recompute", "sampler"] = Field(
-        "recompute",
-        description="recompute old-policy log-probs through the attention backend, or reuse the sampler's",
-    )
+    minibatches: int = Field(1, ge=1, le=1024)
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
-    parts: PartsConfig = Field(
-        default_factory=lambda: PartsConfig.for_door("train"),
-        description="which part runs for each Protocol (grpo_parts.parts_config.PartsConfig, the one "
-        "parts configuration of every door; this door's defaults are the optimized parts)",
+    # the one parts configuration of every door, with this door's defaults: the optimized parts
+    parts: PartsConfig = Field(default_factory=lambda: PartsConfig.for_door("train"))
+    task: ArithmeticConfig | ReasoningConfig | DataConfig | VisionConfig = Field(
+        default_factory=ReasoningConfig, discriminator="name"
     )
-    task: ArithmeticConfig | ReasoningConfig | DataConfig = Field(
-        default_factory=ReasoningConfig,
-        discriminator="name",
-        description="the built-in task: task.name = reasoning (default: a long shared instruction, "
-        "long-tailed worked solutions) or arithmetic (short chain addition); with --data: task.name = data "
-        "(its format, columns and grader)",
-    )
-    rewards: list[str] = Field(
-        default_factory=list,
-        description="reward functions 'module:function' or 'module:function@weight' with TRL's signature "
-        "(completions, **kwargs) -> list[float]; their weighted sum replaces the grader's reward in training",
-    )
-    stop_after_flat: int = Field(
-        3, ge=0, description="stop after this many steps in a row whose rewards are all equal (0 = never)"
-    )
-    samples_per_eval: int = Field(
-        4,
-        ge=0,
-        le=10_000,
-        description="held-out and training completions written to samples.jsonl per evaluation",
-    )
+    rewards: list[str] = Field(default_factory=list)
+    stop_after_flat: int = Field(3, ge=0)
+    samples_per_eval: int = Field(4, ge=0, le=10_000)
     eval_every: int = Field(5, ge=1)
-    eval_temperature: float = Field(0.0, ge=0.0, description="0 = greedy held-out accuracy")
-    checkpoint_every: int = Field(
-        10, ge=0, description="checkpoint every N steps (0 = only at the end; Ctrl-C/SIGTERM always saves)"
-    )
-    target_accuracy: float = Field(
-        0.6, gt=0.0, le=1.0, description="--compare: time to this held-out accuracy"
-    )
-    time_limit_s: float | None = Field(
-        None,
-        gt=0.0,
-        description="stop after the step during which training wall time (evaluation excluded) reaches "
-        "this many seconds; the run then completes as usual (report, model/)",
-    )
-    model: Path | None = Field(
-        None, description="local transformers checkpoint (default: the built-in warm start)"
-    )
-    data: Path | None = Field(
-        None,
-        description="your problems: JSONL, parquet or a save_to_disk folder; formats and graders: task.* "
-        "(default: built-in task)",
-    )
+    eval_temperature: float = Field(0.0, ge=0.0)
+    checkpoint_every: int = Field(10, ge=0)
+    target_accuracy: float = Field(0.6, gt=0.0, le=1.0)
+    time_limit_s: float | None = Field(None, gt=0.0)
+    model: Path | None = None
+    data: Path | None = None
     eval_data: Path | None = None
-    eval_fraction: float = Field(
-        0.05, gt=0.0, lt=1.0, description="held-out share of --data without --eval-data"
-    )
+    eval_fraction: float = Field(0.05, gt=0.0, lt=1.0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    threads: int | None = Field(
-        None,
-        ge=1,
-        description="torch CPU threads (default: 1 for the built-in models; a --model on the CPU is "
-        "calibrated at start-up, 1 thread vs every core, see grpo_parts.train.lifecycle.threads; cuda: torch's choice)",
-    )
+    threads: int | None = Field(None, ge=1)
     progress: bool = True
-    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
-        default_factory=list,
-        description="experiment trackers that get every metrics row and the config (none by default); "
-        "'none', a list, or a comma-separated string; each needs its extra: pip install -e '.[wandb]' in a "
-        "checkout, or pip install 'grpo-parts[wandb]'",
-    )
-    project: str = Field(
-        "grpo-parts",
-        min_length=1,
-        description="tracker project: the W&B project (WANDB_PROJECT wins), MLflow experiment "
-        "(MLFLOW_EXPERIMENT_NAME wins) and Trackio project",
-    )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(default_factory=list)
+    project: str = Field("grpo-parts", min_length=1)
 
     @field_validator("report_to", mode="before")
     @classmethod
@@ -179,9 +121,7 @@ class TrainConfig(BaseModel):
         and the fields in :data:`TASK_DEFAULTS` take the task's default when not given."""
         if not isinstance(data, dict):
             return data
-        task = data.get("task")
-        if task is None:
-            task = {}
+        task = {} if data.get("task") is None else data["task"]
         if isinstance(task, dict):
             task = {"name": "data" if data.get("data") is not None else DEFAULT_TASK, **task}
             data = {**data, "task": task}
@@ -235,7 +175,6 @@ class TrainConfig(BaseModel):
         return self
 
     def with_reference_parts(self) -> TrainConfig:
-        """The same run with every part switched to its reference implementation."""
         return self.model_copy(update={"parts": PartsConfig(**REFERENCE_PARTS)})
 
 
@@ -279,10 +218,8 @@ def _yaml_problem(e: Exception, where: bool = True) -> str:
 def load_config(
     path: Path | str | None = None, overrides: dict[str, Any] | None = None, sets: list[str] | None = None
 ) -> TrainConfig:
-    """Build a :class:`TrainConfig` from an optional YAML file, then dotted overrides (later wins).
-
-    Validation errors are re-raised as :class:`GRPOPartsError` naming the field, the value and the rule.
-    """
+    """Build a :class:`TrainConfig` from an optional YAML file, then dotted overrides (later wins);
+    validation errors become :class:`GRPOPartsError` naming the field, the value and the rule."""
     import yaml
 
     tree: dict[str, Any] = {}
@@ -316,10 +253,9 @@ def load_config(
 
 
 def _error_line(err: Any) -> str:
-    """One pydantic error as ``field: message, got value``. Our own validators' messages already
-    start with the field they concern (``ValueError``s, which pydantic prefixes "Value error, "), relative
-    to the section that raised them: those get the section's path in front (``advantage`` +
-    ``norm: ...`` -> ``advantage.norm: ...``) rather than both repeated."""
+    """One pydantic error as ``field: message, got value``. Our validators' messages (``ValueError``s,
+    prefixed "Value error, ") start with their field relative to the section that raised them, so they
+    get the section's path in front: ``advantage`` + ``norm: ...`` -> ``advantage.norm: ...``."""
     loc = ".".join(str(x) for x in err["loc"])
     msg = str(err["msg"])
     if err.get("type") == "value_error":

@@ -2,12 +2,9 @@
 once, for the config (:func:`apply_skip_defaults`, before validation) and the ``--compare`` arms, and
 said in the run's first lines (:func:`skip_notes`).
 
-- ``history`` takes :data:`TRAIN_HISTORY_KWARGS` under the given ``parts.prompt_skip_kwargs``;
-- with skipping on and ``loss.agg`` not given, the loss is :data:`SKIP_DEFAULT_AGG`;
-- opt-in everywhere (``parts.prompt_skip=history``): on fresh seeds it reached the target sooner and
-  ended higher than the same run with skipping off on a 200-problem pool, but not on a pool with a
-  hard tail (docs/results.md, "The finite-data default"), so a finite-data run says so in one line and
-  leaves it off.
+Skipping is opt-in (``parts.prompt_skip=history``): on fresh seeds it won on one finite pool and lost
+on one with a hard tail (docs/results.md, "The finite-data default"), so a finite-data run says so in
+one line and leaves it off.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..core import AdvantageConfig, LossConfig
+from ..core import LossConfig
 from ..skip.protocol import prompt_skip_reasons
 
 log = logging.getLogger("grpo_parts.train")
@@ -37,8 +34,6 @@ EVIDENCE = "docs/results.md#the-finite-data-default-54"
 
 
 def skip_default_loss(loss: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
-    """``loss`` (its fields as given) with :data:`SKIP_DEFAULT_AGG`; ``norm_constant`` as given, else
-    ``max_new_tokens``."""
     return {**loss, "agg": SKIP_DEFAULT_AGG, "norm_constant": loss.get("norm_constant", max_new_tokens)}
 
 
@@ -64,32 +59,20 @@ def _skip_loss(data: dict[str, Any], max_new_tokens: int) -> dict[str, Any] | No
     return skip_default_loss(loss, data.get("max_new_tokens", max_new_tokens))
 
 
-def finite_data(data: Any) -> bool:
-    """Whether a config (or its fields as given, ``task`` filled in) trains on a finite set that it
-    goes over epoch after epoch: ``--data``, or a built-in task's ``task.train_size``."""
-    fields = data if isinstance(data, dict) else {"data": data.data, "task": data.task}
-    task = fields.get("task")
-    size = task.get("train_size") if isinstance(task, dict) else getattr(task, "train_size", None)
-    return fields.get("data") is not None or size is not None
+def finite_data(config: Any) -> bool:
+    """Whether a config trains on a finite set that it goes over epoch after epoch: ``--data``, or a
+    built-in task's ``task.train_size``."""
+    return config.data is not None or getattr(config.task, "train_size", None) is not None
 
 
-def skip_refusals(data: Any, max_new_tokens: int) -> list[str] | None:
+def skip_refusals(config: Any) -> list[str] | None:
     """Why skipping could not be unbiased with a config's advantage and the loss it would train with
-    skipping on (:func:`_skip_loss`); ``data``: a config or its fields as given (None: a section is
-    invalid, and its field reports it)."""
-    if not isinstance(data, dict):
-        data = {"advantage": data.advantage, "loss": data.loss, "max_new_tokens": data.max_new_tokens}
-    advantage, loss = _given(data.get("advantage")), _skip_loss(data, max_new_tokens)
-    if advantage is None or loss is None:
-        return None
+    skipping on (:func:`_skip_loss`; None: that loss is invalid)."""
     try:
-        return prompt_skip_reasons(
-            AdvantageConfig.model_validate(advantage[0]),
-            LossConfig.model_validate(loss),
-            empty_rows=False,  # the trainer's sampler emits >= 1 token per completion
-        )
+        loss = LossConfig.model_validate(_skip_loss({"loss": config.loss}, config.max_new_tokens))
     except ValidationError:
         return None
+    return prompt_skip_reasons(config.advantage, loss, empty_rows=False)  # every row has >= 1 token
 
 
 def apply_skip_defaults(data: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
@@ -121,7 +104,7 @@ def skip_notes(config: Any) -> list[str]:
             "parts.prompt_skip: off (opt-in: on fresh seeds it won on one finite pool and lost on one "
             f"with a hard tail, {EVIDENCE}); --set parts.prompt_skip=history turns it on"
         )
-        reasons = skip_refusals(config, config.max_new_tokens) or []
+        reasons = skip_refusals(config) or []
         if reasons:
             line += f", though not with this config: {reasons[0]}"
     else:

@@ -88,7 +88,7 @@ def test_allow_frozen_counts_frozen_rollouts():
         logs = rollout(ex)[0]["extra_logs"]
         assert logs["parts/sampler/frozen_rollouts"] == float(k)
         assert logs["parts/sampler/weight_syncs"] == 0.0
-    assert ex.weight_counters() == {"weight_syncs": 0.0, "frozen_rollouts": 2.0}
+    assert ex.policy_copy.counters() == {"weight_syncs": 0.0, "frozen_rollouts": 2.0}
 
 
 def test_sync_weights_copies_into_the_samplers_model():

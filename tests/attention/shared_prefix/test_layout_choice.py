@@ -24,7 +24,6 @@ from grpo_parts.attention.shared_prefix.layout_choice import (
     padding_free_cost,
     score_weight,
 )
-from grpo_parts.attention.shared_prefix.padding_free import padding_free_tokens
 
 
 def test_choose_layout_weighs_scores_against_tokens():  # type: ignore[no-untyped-def]
@@ -68,7 +67,7 @@ def test_varlen_never_costs_more_than_the_grid(batch):  # type: ignore[no-untype
     for eager in (False, True):  # eager: whole squares on both sides
         grid = grid_cost(facts, chunks, info["grid_slots"], eager)
         free = padding_free_cost(facts, dense=False, eager=eager)
-        assert free.tokens == padding_free_tokens(batch) <= grid.tokens
+        assert free.tokens == GroupFacts.of(batch).padding_free_tokens <= grid.tokens
         assert free.scores <= grid.scores + 1e-9
 
 
@@ -88,7 +87,7 @@ def _near_uniform() -> LogprobBatch:
 def test_a_dense_mask_keeps_the_grid_the_varlen_cascade_takes_padding_free():  # type: ignore[no-untyped-def]
     model = exact_model("llama", vocab_size=48, hidden_size=32, num_heads=4, num_kv_heads=2, num_layers=1)
     batch = _near_uniform()
-    assert padding_free_tokens(batch) == 163
+    assert GroupFacts.of(batch).padding_free_tokens == 163
     for kernel, options, expected in (
         ("sdpa", {}, "padding_free"),
         ("sdpa", {"varlen": False}, "grid"),

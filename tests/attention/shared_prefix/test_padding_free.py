@@ -16,8 +16,9 @@ from test_shared_prefix_architectures import refusal
 from grpo_parts.attention import LogprobBatch
 from grpo_parts.attention.reference import RepeatedPrefixAttention
 from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
+from grpo_parts.attention.shared_prefix.facts import GroupFacts
 from grpo_parts.attention.shared_prefix.layout_choice import choose_layout
-from grpo_parts.attention.shared_prefix.padding_free import build_padding_free_inputs, padding_free_tokens
+from grpo_parts.attention.shared_prefix.padding_free import build_padding_free_inputs
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 from grpo_parts.tiny import family_missing
 
@@ -104,7 +105,7 @@ def test_model_tokens_and_logit_rows_are_exact():  # type: ignore[no-untyped-def
     plen, clen = batch.prompt_mask.sum(-1), batch.completion_mask.sum(-1)
     prompts = {int(g): int(plen[batch.group_index == g][0]) for g in torch.unique(batch.group_index)}
     assert grouped.input_ids.shape == (1, sum(prompts.values()) + int(clen.sum()))
-    assert grouped.input_ids.shape[1] == padding_free_tokens(batch)
+    assert grouped.input_ids.shape[1] == GroupFacts.of(batch).padding_free_tokens
     # logit rows: each group's last prompt token (shared by its rows' first tokens), then one per
     # completion token after a row's first
     assert grouped.keep.numel() == len(prompts) + int(clen.sum()) - clen.numel()

@@ -9,7 +9,7 @@ from _attention_helpers import exact_model, pack, random_batch, use_exact_eager
 from grpo_parts.attention.protocol import LogprobBatch
 from grpo_parts.attention.reference import RepeatedPrefixAttention
 from grpo_parts.attention.shared_prefix.backend import SharedPrefixAttention
-from grpo_parts.attention.shared_prefix.packed import packed_completion_logprobs, unpack
+from grpo_parts.attention.shared_prefix.packed import unpack
 from grpo_parts.errors import GRPOPartsError, NotSupportedError
 
 ATOL = 1e-10
@@ -50,18 +50,13 @@ def test_packed_inputs_match_reference():  # type: ignore[no-untyped-def]
     )
     ids, cu, plens = pack(batch)
     ref = RepeatedPrefixAttention().completion_logprobs(model, batch).logprobs
-    out = packed_completion_logprobs(model, ids.unsqueeze(0), cu, plens, batch.group_index).logprobs
-    assert out.shape == ids.shape
-    expected = torch.cat(
-        [
-            torch.cat([torch.zeros(int(p)), ref[n][batch.completion_mask[n].bool()]])
-            for n, p in enumerate(plens)
-        ]
-    )
+    unpacked, rows, cols = unpack(ids.unsqueeze(0), cu, plens, batch.group_index)
+    assert int(unpacked.completion_mask.sum()) == int(batch.completion_mask.sum()) == rows.numel()
+    # rows, cols: the completion tokens in packed order, which is the batch's row-major order
+    out = SharedPrefixAttention().completion_logprobs(model, unpacked).logprobs[rows, cols]
+    expected = ref[batch.completion_mask.bool()]
     torch.testing.assert_close(out, expected.to(out.dtype), atol=ATOL, rtol=0)
-    _assert_grads_close(model, _grads(model, out.sum()), _grads(model, ref.sum()))
-    back, _, _ = unpack(ids, cu, plens, batch.group_index)
-    assert int(back.completion_mask.sum()) == int(batch.completion_mask.sum())
+    _assert_grads_close(model, _grads(model, out.sum()), _grads(model, expected.sum()))
     with pytest.raises(GRPOPartsError, match="cu_seqlens"):
         unpack(ids, cu[:-1], plens[:-1], batch.group_index[:-1])
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_parts.sampler.speculative.cost_model import (
-    AcceptanceEstimate,
-    CostModel,
-    batch_grid,
-    expected_tokens,
-)
+from grpo_parts.sampler.speculative.acceptance import AcceptanceEstimate, expected_tokens
+from grpo_parts.sampler.speculative.cost_model import CostModel, batch_grid
 
 
 def gpu_like() -> CostModel:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_parts.sampler.speculative.cost_model import (
+from grpo_parts.sampler.speculative.acceptance import (
     AcceptanceEstimate,
-    CostModel,
     chain_expected_tokens,
     expected_tokens,
 )
+from grpo_parts.sampler.speculative.cost_model import CostModel
 
 
 def gpu_like() -> CostModel:

@@ -11,8 +11,8 @@ import pytest
 from grpo_parts.errors import GRPOPartsError
 from grpo_parts.task.reasoning import ReasoningConfig, ReasoningTask
 from grpo_parts.train.config import TrainConfig, load_config
-from grpo_parts.train.experiments.arms import ARMS, GRESO, STRONG, arm_configs, arm_summary
-from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, TRAIN_HISTORY_KWARGS
+from grpo_parts.train.experiments.arms import ARMS, GRESO, arm_configs, arm_summary
+from grpo_parts.train.skip_defaults import SKIP_DEFAULT_AGG, STRONG_RULE, TRAIN_HISTORY_KWARGS
 
 EVERY = ["keep_all", "cppo", "dppo", "cppo+skip", "dppo+skip"]
 
@@ -67,14 +67,14 @@ def test_fewer_arms_roll_out_only_the_kept_prompts_over_the_configured_skip_sett
     }  # fmt: skip
     assert more["cppo+skip_strong"].parts.prompt_skip_kwargs == {
         "min_keep_prob": 0.2,
-        **STRONG,
+        **STRONG_RULE,
         "step_size": "fill",
     }
     # the strong, filling arm is this door's default history settings
     assert more["cppo+skip_strong"].parts.prompt_skip_kwargs == {"min_keep_prob": 0.2, **TRAIN_HISTORY_KWARGS}
     assert more["cppo+skip_strong_fewer"].parts.prompt_skip_kwargs == {
         "min_keep_prob": 0.2,
-        **STRONG,
+        **STRONG_RULE,
         "step_size": "fewer",
     }
     assert GRESO == {"keep_base": 0.5, "base_step": 0.01, "target_share": 0.25}  # the paper's rule

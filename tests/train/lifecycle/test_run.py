@@ -97,8 +97,8 @@ def test_missing_model_path_fails_before_creating_a_run_folder(tmp_path: Path, t
 def test_a_vision_language_model_is_refused_in_one_line_before_a_run_folder(
     tmp_path: Path, tiny_overrides: Any
 ) -> None:
-    """A VLM checkpoint (#55: served through TRL's door and your own loop, not this trainer yet)
-    gets one line naming what it is and where it trains, never a loader's traceback."""
+    """A VLM checkpoint on a text task gets one line naming what it is and where it trains (the
+    vision task, tests/train/test_vision_run.py), never a loader's traceback."""
     from grpo_parts.tiny_vision import tiny_processor, tiny_vlm
 
     model = tiny_vlm("llava")
@@ -106,7 +106,7 @@ def test_a_vision_language_model_is_refused_in_one_line_before_a_run_folder(
     tiny_processor(model).save_pretrained(tmp_path / "vlm")
     cfg = load_config(overrides=tiny_overrides(tmp_path / "vlm", tmp_path / "runs", name="x"))
     with pytest.raises(
-        GRPOPartsError, match="is a vision-language model .llava.; grpo-parts train runs text"
+        GRPOPartsError, match="is a vision-language model .llava.; grpo-parts train trains one on image prompts"
     ):
         train(cfg)
     assert not (tmp_path / "runs" / "x").exists()

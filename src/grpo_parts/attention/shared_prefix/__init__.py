@@ -1,9 +1,5 @@
-"""The shared-prefix attention backend (Prefix Grouper): each prompt encoded once per group.
-
-A call reads check (:mod:`.guard`) -> plan (:mod:`.plan`) -> run (:mod:`.run`), one file each;
-docs/attention.md, "How it works", walks through the package. Its names: the backend, and the name
-(:data:`.run.KERNEL_NAME`) and registration of its attention function.
-"""
+"""The shared-prefix attention backend (:mod:`.backend`) and its attention function's name and
+registration; docs/attention.md, "How it works", walks through the package."""
 
 from __future__ import annotations
 

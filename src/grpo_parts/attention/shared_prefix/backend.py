@@ -1,10 +1,7 @@
-"""Shared-prefix attention backend (Prefix Grouper, arXiv 2506.05433): each prompt is encoded once
-per group, with the same log-probs and gradients as
-:class:`~grpo_parts.attention.reference.RepeatedPrefixAttention`.
-
-``completion_logprobs`` reads check (:mod:`.guard`; the kernel is chosen here) -> plan (:mod:`.plan`)
--> run (:mod:`.run`). Architectures where the layout cannot reach every layer are refused, never
-computed wrong (docs/attention.md, "The guard").
+"""Shared-prefix attention backend (Prefix Grouper, arXiv 2506.05433): the reference's log-probs and
+gradients, each prompt encoded once per group. A call reads check (:mod:`.guard`; the kernel is chosen
+here) -> plan (:mod:`.plan`) -> run (:mod:`.run`); what the layout cannot reach is refused, never computed
+wrong (docs/attention.md, "The guard").
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from collections import Counter
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from ...compat import config_values
 from ...errors import GRPOPartsError, NotSupportedError
@@ -25,28 +23,26 @@ from .padding_free import LAYOUTS
 from .plan import Plan, PlanSettings, make_plan
 from .run import PlanRun, probe_reasons, register_attention
 
-__all__ = ["KERNEL_PRIORITY", "SharedPrefixAttention"]
-
 #: ``kernel="auto"`` tries these in order
 KERNEL_PRIORITY: tuple[str, ...] = ("sdpa", "flex", "eager")
 
 
 class SharedPrefixAttention:
-    """Optimized ``AttentionBackend``. ``kernel``: ``"auto"`` (default), ``"sdpa"``, ``"eager"``,
-    ``"flex"``; see :mod:`.kernels` for what each supports. ``last_choice`` explains the last
-    automatic choice. ``probe``: :meth:`not_supported_reasons` runs the one-token probe
-    (:func:`.run.probe_reasons`); the check after every forward runs either way. ``max_chunks`` /
-    ``chunk_overhead_tokens``: the groups may be split into up to this many grids when that saves
-    more token slots than this per extra forward (:mod:`.chunking`; 1 = always one grid; ``None`` =
-    8). ``tile_elems`` / ``suffix_flash_min``: the grid ``sdpa`` kernel's score tiles and when its
-    suffixes use flash (:mod:`.cascade`). With several processes (FSDP, ZeRO, DDP) the ranks of
-    ``rank_group`` (default: all) agree on the number of model calls per call of
-    :meth:`completion_logprobs` (:meth:`.plan.Plan.agreed`), so every rank must call it equally often; ``last_plan`` says what the last call did. ``layout``: ``"grid"``,
-    ``"padding_free"`` (:mod:`.padding_free`) or ``"auto"`` (:func:`.layout_choice.choose_layout`:
-    smaller estimated cost); ``layout_counts`` counts the calls of each. ``varlen``: the padding-free
+    """Optimized ``AttentionBackend``. ``kernel``: ``"auto"`` (default), ``"sdpa"``, ``"eager"`` or
+    ``"flex"`` (what each supports: :mod:`.kernels`); ``last_choice`` explains the last automatic
+    choice. ``layout``: ``"grid"``, ``"padding_free"`` (:mod:`.padding_free`) or ``"auto"`` (the
+    smaller estimated cost, :func:`.layout_choice.choose_layout`); ``layout_counts`` counts the calls
+    of each. ``probe``: :meth:`not_supported_reasons` runs the one-token probe; the check after every
+    forward runs either way. ``max_chunks`` / ``chunk_overhead_tokens``: split the groups into up to
+    this many grids (``None``: 8; 1: one grid) when that saves more token slots than this per extra
+    forward (:mod:`.chunking`). ``tile_elems`` / ``suffix_flash_min``: the grid ``sdpa`` kernel's
+    score tiles and when its suffixes use flash (:mod:`.cascade`). ``varlen``: the padding-free
     ``sdpa`` kernel is the varlen cascade (:mod:`.varlen`), ``eager`` its plain-ops equivalent
-    (:mod:`.varlen_eager`; False: a dense mask per span, masked SDPA / eager); ``attention_calls``
-    (and ``last_plan["attention_calls"]``) count the padding-free attention calls per path."""
+    (:mod:`.varlen_eager`; False: a dense mask per span); ``attention_calls`` (and
+    ``last_plan["attention_calls"]``) count the padding-free attention calls per path. With several
+    processes (FSDP, ZeRO, DDP) the ranks of ``rank_group`` (default: all) agree on the model calls
+    of each :meth:`completion_logprobs` call (:meth:`.plan.Plan.agreed`), so every rank must call it
+    equally often; ``last_plan`` says what the last call did."""
 
     name: ClassVar[str] = "shared_prefix"
 
@@ -73,19 +69,14 @@ class SharedPrefixAttention:
         self.layout_counts: Counter[str] = Counter()
         self.varlen = varlen
         self.attention_calls: Counter[str] = Counter()
-        self.tile_elems = tile_elems
-        self.suffix_flash_min = suffix_flash_min
+        self.tile_elems, self.suffix_flash_min = tile_elems, suffix_flash_min
         self.probe = probe
-        self.chunk_overhead_tokens = chunk_overhead_tokens
-        self.max_chunks = max_chunks
+        self.max_chunks, self.chunk_overhead_tokens = max_chunks, chunk_overhead_tokens
         self.rank_group = rank_group
         self.last_choice: str = ""
-        #: how the last call split the groups into grids (:func:`.chunking.chunk_plan`'s info)
         self.last_plan: dict[str, Any] = {}
 
-    # ------------------------------------------------------------------------------ capabilities
-
-    def _model_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None) -> list[str]:
+    def _model_reasons(self, model: nn.Module, batch: LogprobBatch | None) -> list[str]:
         """:func:`.guard.model_reasons`; a check that itself fails (a config this code cannot read) is a
         reason, never an exception."""
         try:
@@ -99,27 +90,17 @@ class SharedPrefixAttention:
         except Exception as e:  # noqa: BLE001
             return [f"model: {model_kind(model)}: the capability check failed: {type(e).__name__}: {e}"]
 
-    def _softcap(self, model: torch.nn.Module) -> bool:
-        return any(v is not None for v in config_values(text_config(model), "attn_logit_softcapping"))
-
-    def _sinks(self, model: torch.nn.Module) -> bool:
-        """Attention sinks (gpt-oss and others: a ``sinks`` tensor on the attention modules)."""
-        return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
-
-    def kernel_reasons(self, model: torch.nn.Module, kernel: str) -> list[str]:
+    def kernel_reasons(self, model: nn.Module, kernel: str) -> list[str]:
         from .kernels import kernel_reasons
 
         p = next(model.parameters())
-        return kernel_reasons(
-            kernel,
-            device=p.device,
-            dtype=p.dtype,
-            softcap=self._softcap(model),
-            grad=torch.is_grad_enabled(),
-            sinks=self._sinks(model),
-        )
+        softcap = any(v is not None for v in config_values(text_config(model), "attn_logit_softcapping"))
+        # attention sinks (gpt-oss and others): a ``sinks`` tensor on the attention modules
+        sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+        grad = torch.is_grad_enabled()
+        return kernel_reasons(kernel, device=p.device, dtype=p.dtype, softcap=softcap, grad=grad, sinks=sinks)
 
-    def _kernels(self, model: torch.nn.Module) -> tuple[str | None, dict[str, list[str]]]:
+    def _kernels(self, model: nn.Module) -> tuple[str | None, dict[str, list[str]]]:
         """``(the kernel to run, why the ones tried before it were refused)``: ``self.kernel``, or the
         first supported in :data:`KERNEL_PRIORITY`; None when every one tried is refused."""
         refused: dict[str, list[str]] = {}
@@ -135,9 +116,8 @@ class SharedPrefixAttention:
             return refused[self.kernel]
         return [f"{n}: {'; '.join(r)}" for n, r in refused.items()]
 
-    def choose_kernel(self, model: torch.nn.Module) -> str:
-        """The kernel to run (``self.kernel`` or the first supported in :data:`KERNEL_PRIORITY`);
-        sets :attr:`last_choice` to an explanation."""
+    def choose_kernel(self, model: nn.Module) -> str:
+        """:meth:`_kernels`' kernel (raising when there is none); sets :attr:`last_choice` to why."""
         kernel, refused = self._kernels(model)
         if kernel is None:
             raise NotSupportedError(f"shared_prefix[{self.kernel}]", self._refused(refused))
@@ -145,11 +125,9 @@ class SharedPrefixAttention:
         self.last_choice = f"kernel {kernel!r} (requested)" if self.kernel != "auto" else "\n".join(lines)
         return kernel
 
-    def not_supported_reasons(self, model: torch.nn.Module, batch: LogprobBatch | None = None) -> list[str]:
-        """Why this backend cannot run ``model`` (and ``batch``); empty = supported. With ``probe``
-        (the constructor's, default True) a model that passes the static checks is run once on a
-        one-token probe (cached per model, :func:`.run.probe_reasons`) to prove that the layout reaches
-        every decoder layer. ``model`` may be wrapped (DDP, FSDP1, DeepSpeed: :mod:`grpo_parts.wrappers`)."""
+    def not_supported_reasons(self, model: nn.Module, batch: LogprobBatch | None = None) -> list[str]:
+        """The static checks, then (``probe``) one forward on a one-token probe, cached per model, proving
+        that the layout reaches every decoder layer (:func:`.run.probe_reasons`)."""
         model = calls_through(model)
         out = self._model_reasons(model, batch)
         if not out:
@@ -162,10 +140,8 @@ class SharedPrefixAttention:
     def register_kernel(self) -> str | None:
         return register_attention()
 
-    # ------------------------------------------------------------------------------- plan, run
-
     def plan(
-        self, model: torch.nn.Module, batch: LogprobBatch, *, packed: bool = False, agree: bool = True
+        self, model: nn.Module, batch: LogprobBatch, *, packed: bool = False, agree: bool = True
     ) -> Plan:
         """What :meth:`completion_logprobs` runs for ``batch``: kernel, layout, model calls, tokens
         (:mod:`.plan`). ``packed``: bound the grid by the packed rows (adapters fed packed rows);
@@ -194,7 +170,7 @@ class SharedPrefixAttention:
 
     def run(
         self,
-        model: torch.nn.Module,
+        model: nn.Module,
         batch: LogprobBatch,
         plan: Plan,
         temperature: float = 1.0,
@@ -214,11 +190,7 @@ class SharedPrefixAttention:
         return out
 
     def completion_logprobs(
-        self,
-        model: torch.nn.Module,
-        batch: LogprobBatch,
-        temperature: float = 1.0,
-        compute_entropy: bool = False,
+        self, model: nn.Module, batch: LogprobBatch, temperature: float = 1.0, compute_entropy: bool = False
     ) -> LogprobOutput:
         """Log-probs (and entropies) of ``batch``'s completions, equal to the reference's: check,
         :meth:`plan`, :meth:`run`. ``model`` may be wrapped (DDP, FSDP1, DeepSpeed's engine): the

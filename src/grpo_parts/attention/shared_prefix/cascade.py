@@ -18,15 +18,10 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def flash_ops() -> tuple[Any, Any] | None:
-    aten = torch.ops.aten
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
-        aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
-    ):
-        return (
-            aten._scaled_dot_product_flash_attention_for_cpu,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward,
-        )
-    return None
+    """PyTorch's CPU flash-attention ``(forward, backward)`` ops, or None where this torch lacks them."""
+    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return None if fwd is None or bwd is None else (fwd, bwd)
 
 
 def _slot_tiles(g: int, rows_per_slot: int, elems_per_row: int, tile_elems: int) -> list[tuple[int, int]]:
@@ -135,18 +130,8 @@ class _Cascade(torch.autograd.Function):
         deltaf = _flat_slots(delta, p, g, s, rep)
         if ctx.flash_b:
             k4, v4 = _slots4(kf, vf, g * b, hk, rep)
-            outf = _flat_slots(out, p, g, s, rep)
-            dq4, dk4, dv4 = bwd(
-                dof.reshape(g * b, h, s, d),
-                qf.reshape(g * b, h, s, d),
-                k4,
-                v4,
-                outf.reshape(g * b, h, s, d),
-                lsf.reshape(g * b, h, s),
-                0.0,
-                True,
-                scale=scale,
-            )
+            do4, q4, o4 = (x.reshape(g * b, h, s, d) for x in (dof, qf, _flat_slots(out, p, g, s, rep)))
+            dq4, dk4, dv4 = bwd(do4, q4, k4, v4, o4, lsf.reshape(g * b, h, s), 0.0, True, scale=scale)
             dqf = dq4.reshape(qf.shape)
             dkf = dk4.reshape(g * b, hk, rep, s, d).sum(2).reshape(kf.shape)
             dvf = dv4.reshape(g * b, hk, rep, s, d).sum(2).reshape(vf.shape)

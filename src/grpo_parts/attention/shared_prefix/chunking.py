@@ -16,16 +16,6 @@ import torch
 from ..protocol import PLAN_CHUNKS, PLAN_GRID_SLOTS, LogprobBatch
 from .facts import GroupFacts
 
-__all__ = [
-    "MAX_PLANNED_GROUPS",
-    "MAX_SPLIT_ROWS",
-    "chunk_plan",
-    "empty_call_batch",
-    "grid_calls",
-    "one_grid_per_group",
-    "split_long_tails",
-]
-
 #: above this many groups the plan is not searched (one grid): the search is O(chunks x groups^2)
 MAX_PLANNED_GROUPS = 1024
 
@@ -65,10 +55,10 @@ def _segment_costs(rows: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> torc
 def chunk_plan(
     facts: GroupFacts, overhead_tokens: int, max_chunks: int
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """``(row indices of each chunk, on the CPU, info)`` of a batch's :class:`.facts.GroupFacts`;
-    info: ``groups``, ``chunks``, ``grid_slots`` (the plan's
-    token slots), ``single_grid_slots`` (one grid), ``repeated_slots`` (``N x (P + S)``, what the
-    reference pads to). One chunk when splitting does not pay for its extra forwards."""
+    """``(row indices of each chunk, on the CPU, info)`` of a batch's :class:`.facts.GroupFacts`; info:
+    ``groups``, ``chunks``, ``grid_slots`` (the plan's token slots), ``single_grid_slots`` (one grid),
+    ``repeated_slots`` (``N x (P + S)``, what the reference pads to). One chunk when splitting does
+    not pay for its extra forwards."""
     row_group, rows, p, s = facts.row_group, facts.rows, facts.prompt, facts.longest
     b, n = rows.numel(), row_group.numel()
     single = float(b * (int(p.max()) + int(rows.max()) * int(s.max()))) if b else 0.0

@@ -13,8 +13,6 @@ import torch
 
 from ..protocol import LogprobBatch
 
-__all__ = ["GroupFacts"]
-
 
 @dataclass(frozen=True)
 class GroupFacts:
@@ -24,8 +22,7 @@ class GroupFacts:
     the token counts every decision reads: ``packed_tokens`` (every row's prompt and completion back
     to back, what a packed forward runs), ``padding_free_tokens`` (each group's prompt once plus
     every completion token: the padding-free layout without the one padding column it may add) and
-    ``max_span`` (the longest row, prompt plus completion: the reference's largest position id + 1).
-    Plain fields, computed once: planning reads them without calling back into this module."""
+    ``max_span`` (the longest row, prompt plus completion: the reference's largest position id + 1)."""
 
     row_group: torch.Tensor
     prompt_row: torch.Tensor

@@ -126,11 +126,8 @@ def position_tables(model: torch.nn.Module) -> list[tuple[str, int]]:
     out = []
     for name, mod in decoder_of(model).named_modules():
         last = name.rsplit(".", 1)[-1]
-        if (
-            isinstance(mod, torch.nn.Embedding)
-            and mod is not tokens
-            and (last == "wpe" or "position" in last)
-        ):
+        table = isinstance(mod, torch.nn.Embedding) and (last == "wpe" or "position" in last)
+        if table and mod is not tokens:
             out.append((name, mod.num_embeddings - int(getattr(mod, "offset", 0) or 0)))
     _TABLES[key] = out
     return out
@@ -299,11 +296,10 @@ PASSING_ERRORS: tuple[type[BaseException], ...] = (
 
 @contextlib.contextmanager
 def refusing(stage: str, model: Any) -> Iterator[None]:
-    """Turn an unexpected exception of a ``stage`` of the shared-prefix call (the capability
-    check, the layout choice, the plan, building the layout, the forward, un-grouping) into a
-    :class:`~grpo_parts.errors.NotSupportedError` that names the model, the stage and the cause: a
-    model the capability check accepted must never crash the backend with a raw ``TypeError``.
-    Our own errors, running out of memory and failed collectives (not the architecture) pass."""
+    """Turn an unexpected exception of a ``stage`` of the shared-prefix call (the check, the plan,
+    building the layout, the forward, un-grouping) into a :class:`~grpo_parts.errors.NotSupportedError`
+    naming the model, the stage and the cause: a model the check accepted must never crash the backend
+    with a raw ``TypeError``. :data:`PASSING_ERRORS` (not the architecture's) pass."""
     try:
         yield
     except PASSING_ERRORS:

@@ -25,9 +25,7 @@ def grid_images(
     assert batch.vision is not None
     groups = torch.unique(batch.group_index).tolist()  # grid row r holds the r-th group, ascending
     images = batch.vision.gather(groups)
-    layout = grouped.layout
-    pw = layout.prefix_len
-    valid = layout.prefix_valid
+    pw, valid = grouped.layout.prefix_len, grouped.layout.prefix_valid
     if valid is None:
         valid = torch.ones_like(grouped.input_ids[:, :pw], dtype=torch.bool)
     prefix_pos, deltas = row_positions(model, grouped.input_ids[:, :pw], valid, images)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ...compat import own_attention, own_attention_function, sdpa_attention_forward
-from ...errors import GRPOPartsError, NotSupportedError
+from ...errors import NotSupportedError
 from .cascade import flash_ops, repeat_kv, sdpa_cascade
 from .layout import LAYOUT_KWARG, PrefixLayout
 from .padding_free import PaddingFreeLayout, padding_free_attention
@@ -29,9 +29,6 @@ def _split(x: torch.Tensor, lay: PrefixLayout) -> tuple[torch.Tensor, torch.Tens
     b, h, _, d = x.shape
     p = lay.prefix_len
     return x[:, :, :p], x[:, :, p:].reshape(b, h, lay.num_slots, lay.slot_len, d)
-
-
-# ----------------------------------------------------------------------------------------- eager
 
 
 def _eager(
@@ -78,9 +75,6 @@ def _eager(
     return out_p, out_s
 
 
-# ------------------------------------------------------------------------------------------ flex
-
-
 def _flex(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PrefixLayout, scale: float, softcap: float | None
 ):  # -> [B, H, L, D]
@@ -90,12 +84,9 @@ def _flex(
     p, s = lay.prefix_len, lay.slot_len
     idx = torch.arange(l_, device=q.device)
     seg = torch.where(idx < p, 0, (idx - p) // s + 1)  # 0 = prefix, i+1 = slot i
-    valid = (
-        lay.prefix_valid
-        if lay.prefix_valid is not None
-        else torch.ones(b, p, dtype=torch.bool, device=q.device)
-    )
-    valid_k = torch.cat([valid, torch.ones(b, l_ - p, dtype=torch.bool, device=q.device)], dim=1)
+    valid_k = torch.ones(b, l_, dtype=torch.bool, device=q.device)
+    if lay.prefix_valid is not None:
+        valid_k[:, :p] = lay.prefix_valid
 
     def mask_mod(bi, hi, qi, ki):  # type: ignore[no-untyped-def]
         own = (seg[ki] == seg[qi]) & (ki <= qi)
@@ -109,23 +100,11 @@ def _flex(
     return flex_attention(q, k, v, block_mask=block, scale=scale, score_mod=mod, enable_gqa=True)
 
 
-# ------------------------------------------------------------------------------ the attention fn
-
-
-#: keyword arguments the kernel reads
-HANDLED_KWARGS: tuple[str, ...] = ("dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal")
 #: keyword arguments transformers passes to attention functions that do not change the attention
 #: here: positions (the model applied them to q/k already; the layout gives each token its own
 #: position), cache and output switches, MoE router outputs
 INERT_KWARGS = frozenset(
-    {
-        "position_ids",
-        "cache_position",
-        "use_cache",
-        "output_router_logits",
-        "output_hidden_states",
-        "return_dict",
-    }
+    "position_ids cache_position use_cache output_router_logits output_hidden_states return_dict".split()
 )
 #: accepted only when None/False: attention weights are not returned, no KV cache is read
 FALSY_KWARGS = frozenset({"output_attentions", "past_key_value", "past_key_values", "cache"})
@@ -138,7 +117,7 @@ def _where(module: torch.nn.Module) -> str:
 
 
 def kwarg_reasons(module: torch.nn.Module, kwargs: dict[str, Any], *, fallback: bool = False) -> list[str]:
-    """Keyword arguments the kernel would otherwise ignore (anything not in :data:`HANDLED_KWARGS` or
+    """Keyword arguments the kernel would otherwise ignore (anything beyond its named parameters and
     :data:`INERT_KWARGS`, not None, and for :data:`FALSY_KWARGS` not false): each is a refusal. In the
     SDPA ``fallback`` (no layout) the :data:`FALSY_KWARGS` are inert too, as for transformers' SDPA."""
     inert = INERT_KWARGS | FALSY_KWARGS if fallback else INERT_KWARGS
@@ -290,20 +269,15 @@ def _run_kernel(
     """The layout's kernel on ``[B, H, L, D]`` inputs (checks passed); output ``[B, L, H, Dv]``."""
     if isinstance(lay, PaddingFreeLayout):
         out = padding_free_attention(query, key, value, lay, scale, softcap, s_aux)
-        return out.transpose(1, 2).contiguous()
-    if lay.kernel == "flex":
+    elif lay.kernel == "flex":
         out = _flex(query, key, value, lay, scale, softcap)
-        return out.transpose(1, 2).contiguous()
-    if lay.kernel == "sdpa":
-        return sdpa_cascade(query, key, value, lay, scale).transpose(1, 2).contiguous()
-    n_rep = query.shape[1] // key.shape[1]
-    k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
-    if lay.kernel == "eager":
+    elif lay.kernel == "sdpa":
+        out = sdpa_cascade(query, key, value, lay, scale)
+    else:  # eager (kernel_reasons refused any other kernel)
+        n_rep = query.shape[1] // key.shape[1]
+        k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
         out_p, out_s = _eager(query, k, v, lay, scale, softcap, s_aux)
-    else:  # pragma: no cover - kernel_reasons refuses unknown kernels
-        raise GRPOPartsError(f"kernel: unknown {lay.kernel!r}")
-    b, h = query.shape[:2]
-    out = torch.cat([out_p, out_s.reshape(b, h, -1, value.shape[-1])], dim=2)
+        out = torch.cat([out_p, out_s.reshape(*query.shape[:2], -1, value.shape[-1])], dim=2)
     return out.transpose(1, 2).contiguous()
 
 

@@ -42,15 +42,11 @@ class Receipts:
 @dataclass(frozen=True)
 class PrefixLayout:
     """Segment boundaries of the grid (identical for every row), as the attention kernels see them.
-
-    ``prefix_valid: [B, Pp]`` is True on real prefix tokens, or None when every prompt has length
-    ``Pp`` (no key mask needed). ``max_span`` is the longest real sequence (prompt + completion):
-    attention never spans more tokens than this (used to check sliding windows).
-
-    ``receipts``: the attention modules that received this layout, appended by the kernel on each
-    call; after the forward, :func:`~grpo_parts.attention.shared_prefix.guard.layout_shortfall` requires one
-    in every decoder layer (a layer that ran without the layout attended over the whole grid row).
-    """
+    ``prefix_valid: [B, Pp]``: True on real prefix tokens (None: every prompt is ``Pp`` long).
+    ``max_span``: the longest real sequence (prompt + completion), checked against sliding windows.
+    ``receipts``: the attention modules the kernel ran with this layout; after the forward,
+    :func:`.guard.layout_shortfall` requires one in every decoder layer (a layer without the layout
+    attended over the whole grid row)."""
 
     prefix_len: int
     num_slots: int
@@ -86,9 +82,9 @@ def _check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
     pm, cm = batch.prompt_mask.bool(), batch.completion_mask.bool()
     bad = (~pm[:, -1]).nonzero()
     if bad.numel():
-        r = int(bad[0])
         raise GRPOPartsError(
-            f"LogprobBatch.prompt_mask: expected left-padded prompts (last column real), row {r} ends in padding"
+            f"LogprobBatch.prompt_mask: expected left-padded prompts (last column real), row {int(bad[0])} "
+            "ends in padding"
         )
     gaps = (cm[:, 1:] & ~cm[:, :-1]).any(-1).nonzero()
     if gaps.numel():
@@ -100,9 +96,8 @@ def _check_masks(batch: LogprobBatch) -> tuple[torch.Tensor, torch.Tensor]:
     clen = cm.sum(-1)
     empty = (clen == 0).nonzero()
     if empty.numel():
-        r = int(empty[0])
         raise GRPOPartsError(
-            f"LogprobBatch.completion_mask: expected >= 1 completion token per row, row {r} has 0 "
+            f"LogprobBatch.completion_mask: expected >= 1 completion token per row, row {int(empty[0])} has 0 "
             "(an empty suffix has no tokens to score; drop the row before calling the backend)"
         )
     return pm, cm
@@ -236,8 +231,7 @@ def build_grouped_inputs(
     g, s = int(sizes.max()), int(clen.max())
     plen = plen_row[rep]  # [B]
     top = int((plen_row + clen).max()) - 1  # this batch's largest position id
-    if max_position is None:
-        max_position = top
+    max_position = top if max_position is None else max_position
     # a grid with no padding token at all whose rows end below max_position: one more prefix column
     pw = pp + int(top < max_position and b * (pp + g * s) == int(plen.sum() + clen.sum()))
 

@@ -167,8 +167,5 @@ def auto_costs(
     ``varlen=False`` (masked eager or SDPA); ``eager`` computes whole squares."""
     kernel = build.kernel
     dense, eager = kernel in ("eager", "sdpa") and not build.varlen, kernel == "eager"
-    return (
-        grid_cost(grid, chunks, grid_slots, eager),
-        padding_free_cost(free, dense, eager),
-        score_weight(config),
-    )
+    grid_c = grid_cost(grid, chunks, grid_slots, eager)
+    return grid_c, padding_free_cost(free, dense, eager), score_weight(config)

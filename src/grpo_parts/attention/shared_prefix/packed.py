@@ -1,16 +1,12 @@
-"""Shared-prefix log-probs for *packed* (padding-free) batches, as verl's remove-padding path and
-OpenRLHF's ``--ds.packing_samples`` feed them (sequences back to back, delimited by ``cu_seqlens``).
-
-:func:`packed_completion_logprobs` unpacks into a :class:`LogprobBatch` (index maps, no per-token
-loop), runs any ``AttentionBackend`` and packs the result back.
-"""
+"""*Packed* (padding-free) batches, as verl's remove-padding path feeds them (sequences back to back,
+delimited by ``cu_seqlens``), unpacked into a :class:`LogprobBatch` by index maps, no per-token loop."""
 
 from __future__ import annotations
 
 import torch
 
 from ...errors import GRPOPartsError, check_tensor
-from ..protocol import AttentionBackend, LogprobBatch, LogprobOutput
+from ..protocol import LogprobBatch
 
 
 def unpack(
@@ -56,40 +52,3 @@ def unpack(
     completion_mask[rows, cols] = 1
     batch = LogprobBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, group_index)
     return batch, rows, cols
-
-
-def packed_completion_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    group_index: torch.Tensor,
-    *,
-    backend: AttentionBackend | None = None,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
-) -> LogprobOutput:
-    """Per-token log-probs of a packed batch: ``logprobs: [total]`` where position ``i`` holds
-    ``log p(token_i | earlier tokens of its sequence)`` for completion tokens and 0 for prompt
-    tokens (verl's rolled convention is ``out[i + 1]`` at ``i``; shift in the adapter).
-
-    ``cu_seqlens: [N+1]`` sequence offsets, ``prompt_lens: [N]`` prompt length of each sequence,
-    ``group_index: [N]`` the prompt each sequence belongs to. ``backend`` defaults to
-    :class:`~grpo_parts.attention.shared_prefix.backend.SharedPrefixAttention` (``kernel="auto"``)."""
-    if backend is None:
-        from .backend import SharedPrefixAttention
-
-        backend = SharedPrefixAttention()
-    batch, rows, cols = unpack(input_ids, cu_seqlens, prompt_lens, group_index)
-    out = backend.completion_logprobs(model, batch, temperature=temperature, compute_entropy=compute_entropy)
-    total = input_ids.numel()
-    lens = cu_seqlens.diff()
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=input_ids.device), lens)
-    off = torch.arange(total, device=input_ids.device) - cu_seqlens[:-1].long()[seq]
-    is_completion = off >= prompt_lens[seq]
-
-    def pack(x: torch.Tensor) -> torch.Tensor:
-        flat = x.new_zeros(total)
-        return flat.masked_scatter(is_completion, x[rows, cols])
-
-    return LogprobOutput(pack(out.logprobs), None if out.entropies is None else pack(out.entropies))

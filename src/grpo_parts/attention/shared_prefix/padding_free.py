@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from ..protocol import LogprobBatch
-from .facts import GroupFacts
 from .layout import GroupedInputs, LayoutSettings, Receipts, Rows, checked_rows
 
 #: the layouts by name, in the order ``layout="auto"`` prefers them on a tie (:mod:`.layout_choice`)
@@ -51,12 +50,6 @@ class PaddingFreeLayout:
     varlen: bool = True
     receipts: Receipts = field(default_factory=Receipts, compare=False, repr=False)
     masks: _Masks = field(default_factory=_Masks, compare=False, repr=False)
-
-
-def padding_free_tokens(batch: LogprobBatch) -> int:
-    """Tokens of the padding-free layout of ``batch``: each group's prompt once plus every completion
-    token (without the padding column :func:`build_padding_free_inputs` may add)."""
-    return GroupFacts.of(batch).padding_free_tokens
 
 
 def _span_offsets(r: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,9 +126,6 @@ def build_padding_free_inputs(
         spans.append((real_len, length))
     layout = PaddingFreeLayout(length, tuple(spans), sid, top + 1, settings.kernel, settings.varlen)
     return GroupedInputs(ids[None], pos[None], layout, keep, torch.zeros_like(r.row_group), row_keep, r.clen)
-
-
-# ------------------------------------------------------------------------------------- kernels
 
 
 def _span_masks(lay: PaddingFreeLayout) -> list[torch.Tensor]:
@@ -250,12 +240,5 @@ def _flex(
     def score_mod(score, bi, hi, qi, ki):  # type: ignore[no-untyped-def]
         return torch.tanh(score / softcap) * softcap
 
-    return flex_attention(  # type: ignore[no-any-return]
-        q,
-        k,
-        v,
-        block_mask=lay.masks.block,
-        scale=scale,
-        score_mod=None if softcap is None else score_mod,
-        enable_gqa=True,
-    )
+    mod = None if softcap is None else score_mod
+    return flex_attention(q, k, v, block_mask=lay.masks.block, scale=scale, score_mod=mod, enable_gqa=True)  # type: ignore[no-any-return]

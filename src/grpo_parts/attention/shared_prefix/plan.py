@@ -2,10 +2,7 @@
 
 :func:`make_plan` reads the group facts in one host sync and returns a frozen :class:`Plan`: kernel,
 layout (:mod:`.layout_choice`), the model calls (:mod:`.chunking`) with the empty calls that keep
-ranks in step (:meth:`Plan.agreed`), token counts and :meth:`Plan.info`. The run decides nothing.
-Adapters that agree on more than the call count plan without agreement, make their one all-reduce
-and call :meth:`Plan.agreed`; no planner lives outside this package.
-
+ranks in step (:meth:`Plan.agreed`), token counts and :meth:`Plan.info`; the run decides nothing.
 ``packed=True`` (verl's remove-padding, OpenRLHF's ``packing_samples``) guarantees ``Plan.tokens``
 never exceeds the packed tokens (docs/attention.md, "Sub-groups for long tails inside a group").
 """
@@ -23,8 +20,6 @@ from .chunking import chunk_plan, grid_calls, split_long_tails
 from .facts import GroupFacts
 from .layout import LayoutSettings
 from .layout_choice import auto_costs, choose_layout
-
-__all__ = ["GroupFacts", "Plan", "PlanSettings", "make_plan"]  # GroupFacts: from .facts
 
 
 @dataclass(frozen=True)

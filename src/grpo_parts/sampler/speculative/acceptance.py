@@ -1,6 +1,5 @@
-"""Online chain acceptance for the cost model (:mod:`.cost_model`): the geometric per-token rate
-and the measured per-depth acceptance of chains, per batch-size bucket, and the expected tokens a
-verification emits under each."""
+"""Online chain acceptance for the cost model: the geometric per-token rate and the measured per-depth
+acceptance of chains, per batch-size bucket, and the expected tokens a verification emits under each."""
 
 from __future__ import annotations
 

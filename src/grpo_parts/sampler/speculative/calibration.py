@@ -1,7 +1,5 @@
 """Start-up timing of the speculative sampler's costs on the running machine (FastGRPO's budget
-``C``, measured): :func:`calibrate_policy`, :func:`calibrate_draft`, into a
-:class:`~.cost_model.CostModel` (:func:`calibrate`).
-"""
+``C``, measured) into a :class:`~.cost_model.CostModel`."""
 
 from __future__ import annotations
 
@@ -106,15 +104,9 @@ def _prefilled_cache(
 
 
 def _cached_forward(
-    model: torch.nn.Module,
-    cache: Any,
-    clen: int,
-    step: torch.Tensor,
-    lay: Any,
-    lean: LeanForward | None,
-    cache_kw: str,
-    sync: Callable[[], Any],
-) -> Callable[[], None]:
+    model: torch.nn.Module, cache: Any, clen: int, step: torch.Tensor, lay: Any, lean: LeanForward | None,
+    cache_kw: str, sync: Callable[[], Any],
+) -> Callable[[], None]:  # fmt: skip
     """One timed cell: the decode loop's forward of ``step: [A, T]`` on ``cache`` (its layout chosen
     for ``T``, the lean forward where the loop runs it), then the cache cropped back to ``clen``."""
     a, t = step.shape
@@ -122,6 +114,7 @@ def _cached_forward(
     mask = torch.ones(a, clen + t, dtype=torch.long, device=device)
     pos = torch.arange(clen, clen + t, device=device).expand(a, t)
     extra = {} if lay is None else {LAYOUT_KWARG: lay}
+    model_kw = {cache_kw: cache, **extra}
 
     def fwd() -> None:
         if lay is not None:
@@ -129,14 +122,7 @@ def _cached_forward(
         if lean is not None:
             lean(step, mask, pos, cache, extra=extra)
         else:
-            model(
-                input_ids=step,
-                attention_mask=mask,
-                position_ids=pos,
-                use_cache=True,
-                **{cache_kw: cache},
-                **extra,
-            )
+            model(input_ids=step, attention_mask=mask, position_ids=pos, use_cache=True, **model_kw)
         crop_cache(cache, clen)
         sync()
 
@@ -145,14 +131,10 @@ def _cached_forward(
 
 @torch.no_grad()
 def calibrate_policy(
-    model: torch.nn.Module,
-    batch_sizes: Sequence[int],
-    tokens: Sequence[int],
-    context_len: int | Callable[[int], int],
-    repeats: int = 2,
-    layout: Callable[[int], Any] | None = None,
+    model: torch.nn.Module, batch_sizes: Sequence[int], tokens: Sequence[int],
+    context_len: int | Callable[[int], int], repeats: int = 2, layout: Callable[[int], Any] | None = None,
     lean: LeanForward | None = None,
-) -> dict[int, list[float]]:
+) -> dict[int, list[float]]:  # fmt: skip
     """Time the policy's cached forward of ``A x T`` tokens on a ``context_len`` cache (random ids;
     a callable gives the context per batch size ``A``).
 
@@ -160,8 +142,7 @@ def calibrate_policy(
     with ``layout(A)`` (a :class:`~.decode_attention.DecodeLayout` for ``A`` rows, or None), they
     carry the decode attention's layout, so the caller selects that kernel around the call: online
     rescaling keeps the calibrated *shape* in ``T``, so it must be the loop's own (the log's
-    "Calibration on the decode loop's own forwards"). Minimum of ``repeats`` runs after a warm-up
-    (the least disturbed by other processes).
+    "Calibration on the decode loop's own forwards"). Best of ``repeats`` runs after a warm-up.
     """
     device = next(model.parameters()).device
     vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator, union-attr]
@@ -174,19 +155,8 @@ def calibrate_policy(
         cache = _prefilled_cache(model, a, clen, vocab, gen, device)
         lay = None if layout is None else layout(a)
         # each cell's random ids drawn from the one generator, in cell order
-        fwds = [
-            _cached_forward(
-                model,
-                cache,
-                clen,
-                torch.randint(0, vocab, (a, t), generator=gen).to(device),
-                lay,
-                lean,
-                cache_kw,
-                sync,
-            )
-            for t in tokens
-        ]
+        steps = [torch.randint(0, vocab, (a, t), generator=gen).to(device) for t in tokens]
+        fwds = [_cached_forward(model, cache, clen, step, lay, lean, cache_kw, sync) for step in steps]
         fwds[0]()  # warm-up: once per batch size (a new cache size), not per cell
         row = _best_times(fwds, repeats)
         # cost never decreases with more tokens; enforce it against timing noise
@@ -203,14 +173,9 @@ DRAFT_CONTEXT = 64
 
 @torch.no_grad()
 def calibrate_draft(
-    draft: DraftModel,
-    model: torch.nn.Module,
-    cost: CostModel,
-    params: SamplingParams,
-    context_len: int,
-    max_tokens: int,
-    repeats: int = 2,
-) -> None:
+    draft: DraftModel, model: torch.nn.Module, cost: CostModel, params: SamplingParams, context_len: int,
+    max_tokens: int, repeats: int = 2,
+) -> None:  # fmt: skip
     """Time ``draft.propose`` of 1 and ``max_tokens`` tokens at every calibrated batch size on a
     context of random ids (random policy features for hidden-state drafts) of at most
     :data:`DRAFT_CONTEXT` tokens; fills ``cost.draft_fixed`` / ``cost.draft_per_token``."""

@@ -14,16 +14,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .acceptance import AcceptanceEstimate, chain_expected_tokens, expected_tokens
-
-__all__ = [
-    "AcceptanceEstimate",
-    "CostModel",
-    "batch_grid",
-    "chain_expected_tokens",
-    "expected_tokens",
-    "token_grid",
-]
+from .acceptance import chain_expected_tokens, expected_tokens
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -65,8 +56,7 @@ class CostModel:
     #: prediction at that batch size, draft lengths not tried yet included (cache housekeeping,
     #: sampling and verification maths grow with ``A x (k + 1)`` and are not in the calibrated forward)
     scale: dict[tuple[int, bool], float] = field(default_factory=dict)
-    #: the last ``RECENT`` measured ratios and residuals per key; ``scale`` and ``overhead`` are their
-    #: lower medians with a prior (ratio 1, residual 0), see :meth:`observe_step`
+    #: the measurements per key that ``scale`` and ``overhead`` are the medians of
     recent: dict[tuple[int, bool], RecentSteps] = field(default_factory=dict)
     #: decode attention calls per path while the table was timed (all 0: the model's own attention)
     calibration_calls: dict[str, int] = field(default_factory=dict)
@@ -114,9 +104,8 @@ class CostModel:
         load corrects itself, while the *shape* of the cost in ``k`` stays the calibrated one (a
         per-``k`` measurement would let timing noise on one step lock in a worse draft length).
 
-        Both are lower medians of the last :data:`RECENT` measurements and a prior, not running
-        means, so one outlier moves nothing and two in a row set the new level (docs/results.md; the
-        log's "Robust step-time corrections")."""
+        Both are lower medians (:class:`RecentSteps`; docs/results.md, the log's "Robust step-time
+        corrections")."""
         key = (self.bucket(a), k > 0)
         ratio = seconds / max(self._predict(a, k) if predicted is None else predicted, 1e-9)
         t = k + 1 if tokens is None else tokens
@@ -187,17 +176,6 @@ class CostModel:
     def break_even_acceptance(self, active: int) -> float:
         """Smallest acceptance rate at which drafting one token beats plain decoding (>= 1: never)."""
         return self.margin * self.step_time(active, 1) / self.step_time(active, 0) - 1.0
-
-    def summary(self) -> dict[str, float]:
-        out = {}
-        for b in self.batch_sizes:
-            out[f"t_verify_b{b}_t1_ms"] = 1e3 * self.t_verify(b, 1)
-            out[f"t_verify_b{b}_t{self.tokens[-1]}_ms"] = 1e3 * self.t_verify(b, self.tokens[-1])
-        for b in sorted(self.draft_fixed):
-            out[f"t_draft_b{b}_per_token_ms"] = 1e3 * self.draft_per_token[b]
-        for (b, spec), sec in sorted(self.overhead.items()):
-            out[f"overhead_b{b}_{'spec_per_token' if spec else 'plain'}_ms"] = 1e3 * sec
-        return out
 
 
 #: measurements per (batch size, kind) that the step-time corrections are medians of

@@ -3,9 +3,8 @@
 The first ``P`` cache columns (the prompt) are identical within a group and never moved by the decode
 loop, so :func:`shared_prompt_attention` scores them with the group's queries stacked and the
 completion columns per row, in one softmax with the forward's own mask. Other GQA decode forwards
-run :func:`grouped_query_attention` (no per-head ``repeat_kv`` copy of the cache). Registered as
-:data:`KERNEL_NAME`, fed the :class:`DecodeLayout` as :data:`LAYOUT_KWARG`; anything else runs the
-model's own attention. docs/speculative.md, "Decode attention over the shared prompt".
+run :func:`grouped_query_attention` (no per-head ``repeat_kv`` copy of the cache); anything else runs
+the model's own attention. docs/speculative.md, "Decode attention over the shared prompt".
 """
 
 from __future__ import annotations
@@ -133,7 +132,6 @@ class DecodeRows(Protocol):
     """What :func:`shared_prompt_decoding` reads and sets on the decode loop's state
     (:class:`~grpo_parts.sampler.speculative.decode_loop.DecodeState`)."""
 
-    #: the policy
     model: Any
     #: ``[N]`` the prompt (group) of every row; ``act: [A]`` the rows still generating
     group: torch.Tensor
@@ -201,15 +199,9 @@ def kernel_reasons(model: torch.nn.Module) -> list[str]:
 
 
 def decode_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
     """transformers ``AttentionInterface`` function: shared-prompt attention when the forward
     carries a :class:`DecodeLayout` that chose it and nothing in the call changes the maths
     (sliding window, soft-cap, sinks, dropout, a cache narrower than the prompt); otherwise, for a

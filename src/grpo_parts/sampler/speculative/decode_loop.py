@@ -1,9 +1,4 @@
-"""The speculative sampler's decode loop state: one rollout's buffers and the rows still generating.
-
-:class:`DecodeState` owns every row's outputs and the active rows' KV cache (with *holes*), mask,
-positions, last tokens and unseen policy features; ``prefill``, ``plain_step``, ``emit``,
-``drop_finished`` and ``release`` change it.
-"""
+"""The speculative sampler's decode loop state: one rollout's buffers and the rows still generating."""
 
 from __future__ import annotations
 
@@ -83,17 +78,12 @@ class DecodeState:
     def tmax(self) -> int:
         return self.params.max_new_tokens
 
-    # ------------------------------------------------------------------ start
     @classmethod
     def prefill(
-        cls,
-        model: Any,
-        prompts: PromptBatch,
-        params: SamplingParams,
-        expanded: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        need_h: bool,
+        cls, model: Any, prompts: PromptBatch, params: SamplingParams,
+        expanded: tuple[torch.Tensor, torch.Tensor, torch.Tensor], need_h: bool,
         generator: torch.Generator | None,
-    ) -> DecodeState:
+    ) -> DecodeState:  # fmt: skip
         """Prefill each prompt once and copy its cache to its G rows (the group shares the prompt,
         as in Prefix Grouper and vLLM's prefix caching); positions count real tokens only (left
         padding), as in the reference sampler. Samples every row's first token."""
@@ -128,7 +118,6 @@ class DecodeState:
             cache_kw=cache_kwarg(model), dtype=next(model.parameters()).dtype, room_layers=room,
         )  # fmt: skip
 
-    # ------------------------------------------------------------------ per step
     def drop_finished(self) -> bool:
         """Remove finished rows from the active state and the cache; False when none is left."""
         keep = ~self.done[self.act]
@@ -182,9 +171,8 @@ class DecodeState:
         self.last = sample_tokens(logits, params, generator)
         e = self.emitted[act]
         self.seq[act, self.width + e] = self.last
-        self.logps[act, e] = token_logprobs(logits, self.last, params.logprob_temperature).to(
-            self.logps.dtype
-        )
+        lp = token_logprobs(logits, self.last, params.logprob_temperature)
+        self.logps[act, e] = lp.to(self.logps.dtype)
         self.emitted[act] = e + 1
         self.done[act] = torch.isin(self.last, self.eos) | (e + 1 >= self.tmax)
         self.next_pos = self.next_pos + 1
@@ -275,9 +263,8 @@ class DecodeState:
         n_acc, path, nxt = verifier(logits, tokens, parents, params, generator)
         d = path.shape[1]
         j = torch.arange(d + 1, device=inp.device)
-        src = torch.cat(
-            [torch.zeros(a, 1, dtype=torch.long, device=inp.device), path], 1
-        )  # predicted token j
+        root = torch.zeros(a, 1, dtype=torch.long, device=inp.device)
+        src = torch.cat([root, path], 1)  # predicted token j
         emitted = torch.where(j[None, :] == n_acc[:, None], nxt[:, None], inp.gather(1, src.roll(-1, 1)))
         lg = logits.gather(1, src[..., None].expand(-1, -1, logits.shape[-1]))
         lp = token_logprobs(lg, emitted, params.logprob_temperature)

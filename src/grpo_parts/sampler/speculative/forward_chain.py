@@ -37,8 +37,6 @@ class ForwardChain:
 
     autocasts: tuple[Any, ...] = ()
     to_fp32: bool = False
-    #: the wrappers walked through, outermost first (for messages and tests)
-    layers: tuple[str, ...] = ()
 
     @property
     def plain(self) -> bool:
@@ -81,19 +79,19 @@ def _closure(fn: Any) -> dict[str, Any]:
     return out
 
 
-def _step(fn: Any) -> tuple[str, Any, Any, bool] | None:
-    """One recognised layer: ``(name, next callable, autocast or None, converts to fp32)``."""
+def _step(fn: Any) -> tuple[Any, Any, bool] | None:
+    """One recognised layer: ``(next callable, autocast or None, converts to fp32)``."""
     free = _closure(fn)
-    if _code_is(fn, _ACCELERATE_FP32) and "model_forward" in free:
-        return "accelerate convert_outputs_to_fp32", free["model_forward"], None, True
+    if _code_is(fn, _ACCELERATE_FP32) and "model_forward" in free:  # accelerate's convert_outputs_to_fp32
+        return free["model_forward"], None, True
     cls = type(fn)
     if (cls.__module__, cls.__qualname__) == _ACCELERATE_FP32_CLASS:
-        return "accelerate ConvertOutputsToFp32", getattr(fn, "model_forward", None), None, True
+        return getattr(fn, "model_forward", None), None, True
     if _code_is(fn, _TORCH_AUTOCAST) and isinstance(free.get("autocast_instance"), torch.autocast):
-        return "torch.autocast", free.get("func"), free["autocast_instance"], False
+        return free.get("func"), free["autocast_instance"], False
     if _code_is(fn, _TRL_FUSED_HEAD) and "original_forward" in free:
         # a pass-through unless called with fused_lm_head=True (the decode loop never is)
-        return "TRL fused LM head", free["original_forward"], None, False
+        return free["original_forward"], None, False
     return None
 
 
@@ -103,10 +101,10 @@ def forward_chain(model: torch.nn.Module) -> tuple[ForwardChain | None, str | No
     fn: Any = model.__dict__.get("forward")
     cls_forward = type(model).forward
     autocasts: list[Any] = []
-    to_fp32, layers = False, list[str]()
+    to_fp32 = False
     for _ in range(16):
         if fn is None or fn is cls_forward:
-            return ForwardChain(tuple(autocasts), to_fp32, tuple(layers)), None
+            return ForwardChain(tuple(autocasts), to_fp32), None
         if isinstance(fn, types.MethodType):
             if fn.__self__ is not model:
                 break
@@ -115,8 +113,7 @@ def forward_chain(model: torch.nn.Module) -> tuple[ForwardChain | None, str | No
         step = _step(fn)
         if step is None:
             break
-        name, fn, ac, fp32 = step
-        layers.append(name)
+        fn, ac, fp32 = step
         if ac is not None:
             autocasts.append(ac)
         to_fp32 = to_fp32 or fp32

@@ -2,9 +2,8 @@
 
 A small policy's decode forward is mostly transformers' per-call overhead (docs/results.md, "Lean
 decode forward"), so this path calls the policy's own weights, rotary module, KV cache and attention
-function with the modeling code's maths in the same order (:mod:`grpo_parts.decoding.lean_layer`).
-Exact up to float rounding; :func:`lean_forward_reasons` says which models it does not serve.
-docs/speculative.md, "Decode forwards without the framework's overhead".
+function with the modeling code's maths in the same order (:mod:`grpo_parts.decoding.lean_layer`),
+exact up to float rounding. docs/speculative.md, "Decode forwards without the framework's overhead".
 """
 
 from __future__ import annotations
@@ -97,10 +96,8 @@ def _module_reasons(model: Any) -> list[str]:
     if patched:
         out.append(f"model: {patched[0]}.forward is replaced on the instance")
     if hooked:
-        out.append(
-            f"model: forward hooks on {hooked[0]!r}"
-            + (f" and {len(hooked) - 1} more" if len(hooked) > 1 else "")
-        )
+        more = f" and {len(hooked) - 1} more" if len(hooked) > 1 else ""
+        out.append(f"model: forward hooks on {hooked[0]!r}{more}")
     out += layer_reasons(model.model.layers, ARCHITECTURES[model.config.model_type])
     if type(model.model.norm).__name__ not in RMS_NORMS:
         out.append("model: final norm is not an RMSNorm of the table")
@@ -145,7 +142,6 @@ class LeanForward:
             raise NotSupportedError("lean forward", reasons)
         self.model: Any = model
         self.qk_norm = ARCHITECTURES[model.config.model_type]
-        self.calls = 0
         #: what the model's own forward runs under (accelerate's autocast and float32 outputs)
         chain = top_forward_chain(model)[0]
         self.chain = None if chain is None or chain.plain else chain
@@ -190,7 +186,6 @@ class LeanForward:
         for i, ly in enumerate(layers):
             h = lean_layer(ly, h, rope, mask, cache, i, fn, kw, self.qk_norm)
         h = rms_norm(h, inner.norm)
-        self.calls += 1
         return LeanOutput(F.linear(h, m.lm_head.weight, m.lm_head.bias), (h,) if need_h else None)
 
 

@@ -1,10 +1,5 @@
-"""Which policies the speculative sampler can serve exactly, read from the model's config.
-
-Recurrent / convolutional layers are refused (their cache cannot roll back to an accepted prefix);
-sliding-window models are served while prompt + ``max_new_tokens`` fits in ``W - 1`` cache columns
-(the window counts cache columns, holes included); weights sharded across processes are refused
-(:func:`sharded_reasons`). docs/speculative.md, "Models served".
-"""
+"""Which policies the speculative sampler can serve exactly, read from the model's config
+(docs/speculative.md, "Models served")."""
 
 from __future__ import annotations
 
@@ -14,20 +9,10 @@ import torch
 
 from ...wrappers import sharding
 
-#: layer kinds whose cache holds one key/value entry per token (everything else is recurrent)
+#: layer kinds whose cache holds one key/value entry per token, or none (everything else is recurrent)
 ATTENTION_KINDS = frozenset(
-    {
-        "full_attention",
-        "sliding_attention",
-        "chunked_attention",
-        "attention",
-        "global",
-        "local",
-        "mlp",
-        "moe",
-        "-",
-    }
-)
+    {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local"}
+) | {"mlp", "moe", "-"}
 #: model types with no per-token cache at all
 RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
 #: ``hybrid_override_pattern`` characters (Nemotron-H): M = Mamba-2, * = attention, - = MLP, E = MoE

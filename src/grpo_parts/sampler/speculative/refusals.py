@@ -1,10 +1,6 @@
-"""Never silently off: why a rollout's decode loop could not take its fast paths.
-
-The lean forward and the shared-prompt decode attention are checked per rollout against the policy
-as the trainer hands it over. :class:`PathRefusals` logs each distinct set of reasons once per
-sampler and the rollout counts it (:data:`~..stats.LEAN_FORWARD_REFUSED`,
-:data:`~..stats.DECODE_ATTENTION_REFUSED`), so a lost path shows in the metrics.
-"""
+"""Never silently off: why a rollout's decode loop could not take its fast paths (the lean forward
+and the shared-prompt decode attention, checked per rollout against the policy as the trainer hands
+it over), logged and counted in the rollout's stats, so a lost path shows in the metrics."""
 
 from __future__ import annotations
 

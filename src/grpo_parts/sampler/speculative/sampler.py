@@ -25,9 +25,10 @@ from ...wrappers import inner_model
 from .. import stats as keys
 from ..protocol import PromptBatch, Rollout, SamplingParams, image_prompt_reasons
 from ..reference import check_model, completion_mask_from_eos, expand_prompts, padded_rollout
+from .acceptance import AcceptanceEstimate
 from .calibration import calibrate, calibration_context
 from .config import SpeculativeConfig
-from .cost_model import AcceptanceEstimate, CostModel
+from .cost_model import CostModel
 from .decode_attention import decode_attention_reasons, shared_prompt_decoding
 from .decode_loop import DecodeState
 from .lean_forward import lean_forward_for, lean_forward_reasons
@@ -50,14 +51,10 @@ class SpeculativeSampler:
     name: ClassVar[str] = "speculative"
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        draft: DraftModel,
-        config: SpeculativeConfig | None = None,
-        verifier: Verifier = verify_chain,
-        tree_verifier: TreeVerifier = verify_tree,
+        self, model: torch.nn.Module, draft: DraftModel, config: SpeculativeConfig | None = None,
+        verifier: Verifier = verify_chain, tree_verifier: TreeVerifier = verify_tree,
         sampled_tree_verifier: SampledTreeVerifier = verify_sampled_tree,
-    ):
+    ):  # fmt: skip
         reasons = check_model(model) or sharded_reasons(model) or recurrent_reasons(inner_model(model))
         if not reasons and config is not None and config.lean_forward == "on":
             reasons = lean_forward_reasons(inner_model(model))
@@ -66,8 +63,7 @@ class SpeculativeSampler:
         self.policy = model  # as given (maybe wrapped); self.model: what the decode loop runs
         self.model, self.draft, self.verifier = inner_model(model), draft, verifier
         self.config = config or SpeculativeConfig()
-        self.tree_verifier = tree_verifier
-        self.sampled_tree_verifier = sampled_tree_verifier  # for trees of sampled children
+        self.tree_verifier, self.sampled_tree_verifier = tree_verifier, sampled_tree_verifier
         self.tree_acceptance = TreeAcceptance(decay=self.config.acceptance_decay)
         self.tree_cost = TreeCost()
         self._tree_reasons = self.tree_reasons()
@@ -89,7 +85,6 @@ class SpeculativeSampler:
         #: steps between probes of a shape: 2, 4, 8, ... up to ``probe_every`` (measured early)
         self._shape_gap = {"chain": 2, "tree": 2}
 
-    # ------------------------------------------------------------------ Sampler protocol
     def not_supported_reasons(self, params: SamplingParams) -> list[str]:
         reasons = check_model(self.model) or sharded_reasons(self.policy) or recurrent_reasons(self.model)
         if reasons:
@@ -105,15 +100,11 @@ class SpeculativeSampler:
         self.draft.bind_policy(self.model)
 
     def calibrate(
-        self,
-        max_rows: int,
-        context_len: int | Callable[[int], int],
-        params: SamplingParams,
+        self, max_rows: int, context_len: int | Callable[[int], int], params: SamplingParams,
         prompt_len: int = 0,
-    ) -> CostModel:
-        """Measure policy verification cost (``A x T`` grid) and draft cost on this machine on the
-        decode loop's own forwards (:func:`.calibration.calibrate`; ``context_len``: cache columns,
-        or per batch size; rows of a group share the first ``prompt_len``)."""
+    ) -> CostModel:  # fmt: skip
+        """Time the policy's verification (``A x T`` grid) and the draft on this machine, on the decode
+        loop's own forwards (:func:`.calibration.calibrate`)."""
         cfg = self.config
         biggest = max(cfg.max_draft_tokens, cfg.max_tree_nodes if not self._tree_reasons else 0)
         attention = (cfg.decode_shared_prompt, not self.decode_attention_reasons(params))
@@ -365,8 +356,7 @@ class SpeculativeSampler:
 
     @torch.no_grad()
     def draft_training_batch(self, rollout: Rollout) -> DraftTrainingBatch:
-        """One plain forward of the policy over prompt + completion: its last hidden states and
-        logits at every position, ``loss_mask`` = positions whose next token the policy emitted."""
+        """One plain forward of the policy over prompt + completion (:class:`~..protocol.TrainsDraft`)."""
         ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
         attn = torch.cat([rollout.prompt_mask.long(), rollout.completion_mask.long()], 1)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)

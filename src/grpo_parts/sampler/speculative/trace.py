@@ -1,11 +1,9 @@
-"""What the speculative sampler did at every decode step of its last rollout, and why.
-
-docs/speculative.md, "What it did, per decode step", names the fields.
-"""
+"""What the speculative sampler did at every decode step of its last rollout, and why
+(docs/speculative.md, "What it did, per decode step", names the fields)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -32,27 +30,13 @@ class DecodeTrace:
         self.width.append(int((1 if k else 0) if width is None else width))
         self.tokens.append(round(float(tokens), 4))
         self.acceptance.append(round(float(acceptance), 4))
-        if cost is None or k > 0:  # the cost model's reasons are kept for plain steps only (cheap)
-            self.break_even.append(None)
-            self.t_plain_ms.append(None)
-            self.t_spec_ms.append(None)
-            return
-        self.break_even.append(round(float(cost.break_even_acceptance(active)), 4))
-        self.t_plain_ms.append(round(1e3 * float(cost.step_time(active, 0)), 4))
-        self.t_spec_ms.append(round(1e3 * float(cost.step_time(active, 1)), 4))
+        plain = cost is not None and k == 0  # the cost model's reasons are kept for plain steps only (cheap)
+        self.break_even.append(round(float(cost.break_even_acceptance(active)), 4) if plain else None)
+        self.t_plain_ms.append(round(1e3 * float(cost.step_time(active, 0)), 4) if plain else None)
+        self.t_spec_ms.append(round(1e3 * float(cost.step_time(active, 1)), 4) if plain else None)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "active": self.active,
-            "k": self.k,
-            "tokens": self.tokens,
-            "acceptance": self.acceptance,
-            "break_even": self.break_even,
-            "t_plain_ms": self.t_plain_ms,
-            "t_spec_ms": self.t_spec_ms,
-            "depth": self.depth,
-            "width": self.width,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def off_reason(trace: dict[str, Any]) -> str | None:

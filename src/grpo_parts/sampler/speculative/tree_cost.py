@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...draft.protocol import TreeBudget
-from .cost_model import CostModel, nearest_size
+from .acceptance import chain_expected_tokens
+from .cost_model import CostModel
 
 
 @dataclass
@@ -51,11 +52,7 @@ class TreeAcceptance:
         return out
 
     def expected_tokens(self, budget: TreeBudget, chain_rate: float) -> float:
-        total, run = 1.0, 1.0
-        for rate in self.rates(budget, chain_rate):
-            run *= rate
-            total += run
-        return total
+        return chain_expected_tokens(self.rates(budget, chain_rate), budget.depth)
 
 
 @dataclass
@@ -72,19 +69,15 @@ class TreeCost:
     def t_draft(self, cost: CostModel, a: int, budget: TreeBudget) -> float:
         """Measured, or before the first measurement a chain of the tree's depth (one draft call
         per level) scaled by the level's width relative to one token."""
-        got = self.draft.get((nearest_size(cost.batch_sizes, a), budget.nodes))
+        got = self.draft.get((cost.bucket(a), budget.nodes))
         if got is not None:
             return got
         return cost.t_draft(a, budget.depth) * max(1.0, budget.nodes / budget.depth) ** 0.5
 
 
 def tree_step_time(cost: CostModel, trees: TreeCost, a: int, budget: TreeBudget) -> float:
-    pred = (
-        cost.t_verify(a, budget.nodes + 1)
-        + trees.t_draft(cost, a, budget)
-        + cost.overhead_at(a, True, budget.nodes + 1)
-    )
-    return pred * cost.scale_at(a, True)
+    pred = cost.t_verify(a, budget.nodes + 1) + trees.t_draft(cost, a, budget)
+    return (pred + cost.overhead_at(a, True, budget.nodes + 1)) * cost.scale_at(a, True)
 
 
 def best_tree(
@@ -102,15 +95,9 @@ def best_tree(
 
 
 def choose_plan(
-    cost: CostModel,
-    trees: TreeCost,
-    acceptance: TreeAcceptance,
-    active: int,
-    chain_rate: float,
-    chain_k: int,
-    budgets: list[TreeBudget],
-    chain_rates: Sequence[float] | None = None,
-) -> int | TreeBudget:
+    cost: CostModel, trees: TreeCost, acceptance: TreeAcceptance, active: int, chain_rate: float,
+    chain_k: int, budgets: list[TreeBudget], chain_rates: Sequence[float] | None = None,
+) -> int | TreeBudget:  # fmt: skip
     """The best of the cost model's chain choice ``chain_k`` (0 = plain) and every tree budget;
     the chain is priced with its measured per-depth rates ``chain_rates`` where given (else with the
     geometric ``chain_rate``, which also sets the trees' prior)."""

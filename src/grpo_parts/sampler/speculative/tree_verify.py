@@ -38,12 +38,9 @@ def policy_draws(
 
 
 def verify_tree(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    params: SamplingParams,
+    logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, params: SamplingParams,
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Sample-then-match down each row's tree; see the module docstring."""
     x = policy_draws(logits, params, generator)  # [A, N+1]
     return walk_tree(x, tokens, parents, follow_any=False)
@@ -79,31 +76,14 @@ def walk_tree(
 
 
 def verify_sampled_tree(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None = None,
-    *,
-    probs: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, params: SamplingParams,
+    generator: torch.Generator | None = None, *, probs: torch.Tensor, renormalize_q: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Recursive rejection sampling without replacement down each row's sampled tree (the rule and
     why it is exact: docs/speculative.md, "Sampled trees"). A child with no ``q`` mass left (drawn
     past ``q``'s support) is skipped; with one child this is
-    :func:`~grpo_parts.sampler.speculative.verify.verify_chain`'s residual rule."""
-    return recursive_rejection_sampling(logits, tokens, parents, probs, params, generator, renormalize_q=True)
-
-
-def recursive_rejection_sampling(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    probs: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    renormalize_q: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`verify_sampled_tree`; ``renormalize_q=False`` keeps a rejected child's ``q`` mass (wrong)."""
+    :func:`~grpo_parts.sampler.speculative.verify.verify_chain`'s residual rule.
+    ``renormalize_q=False`` keeps a rejected child's ``q`` mass (wrong: the tests' negative control)."""
     if params.greedy:  # q is a point mass at each drawn child: RRS is sample-then-match
         return verify_tree(logits, tokens, parents, params, generator)
     a, n = tokens.shape

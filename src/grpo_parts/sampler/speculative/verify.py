@@ -23,12 +23,9 @@ Verifier = Callable[
 
 
 def verify_chain(
-    logits: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    params: SamplingParams,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+    params: SamplingParams, generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Residual rejection sampling. Returns ``num_accepted: [A]`` (leading draft tokens kept) and
     ``next_token: [A]`` (the correction at the first rejection, or the bonus token)."""
     a, k = draft_tokens.shape

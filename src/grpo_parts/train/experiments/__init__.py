@@ -1,2 +1,1 @@
-"""Runs side by side: ``--compare`` (:mod:`.compare`), its arms (:mod:`.arms`), seeds (:mod:`.seeds`),
-per-phase breakdowns (:mod:`.phases`) and ablations (:mod:`.ablation`)."""
+"""Runs side by side: ``--compare``, its arms and seeds, per-phase breakdowns and ablations."""

@@ -2,10 +2,7 @@
 
 The comparison's own ``amdahl_bound`` uses phase ratios measured with all parts on, so it cannot
 show parts that undo each other (CPPO keeping two rows of a group leaves shared-prefix attention
-less to share). The ablation runs one arm per optimized part -- the reference with only that part
-swapped in -- in the same alternation, composes the isolated phase ratios into ``amdahl_isolated``
-and reports ``composition = step_speedup / amdahl_isolated`` (1: the parts keep their gains
-together; < 1: they interfere) and each arm's final accuracy (docs/training.md, "--compare").
+less to share): ``composition = step_speedup / amdahl_isolated`` can (docs/training.md, "--compare").
 """
 
 from __future__ import annotations

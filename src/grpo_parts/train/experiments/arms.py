@@ -1,21 +1,22 @@
 """``grpo-parts train --compare --arms ...``: the arms of a comparison, by name, from one table, and
-what they are compared on (:func:`arm_summary`; every arm: docs/training.md, "--compare").
-
-``reference`` and ``optimized`` are the default pair (every reference part vs the configured parts).
-The filter arms keep the configured sampler and attention and change only what is trained and
-rolled out. When an arm skips prompts and ``loss.agg`` was left at its default, every arm trains the
-loss skipping trains (:data:`~..skip_defaults.SKIP_DEFAULT_AGG`), so the arms differ in their parts only.
-"""
+what they are compared on (:func:`arm_summary`; every arm: docs/training.md, "--compare"). When an arm
+skips prompts and ``loss.agg`` was left at its default, every arm trains the loss skipping trains
+(:data:`~..skip_defaults.SKIP_DEFAULT_AGG`), so the arms differ in their parts only."""
 
 from __future__ import annotations
 
+import json
+import math
+import statistics
 from typing import Any
 
 from ...errors import GRPOPartsError
 from ...skip.history import HistorySkipper
 from ..config import REFERENCE_PARTS, TrainConfig
 from ..reporting.metrics import summarize
+from ..reporting.report_format import fmt, pyplot, save_figure
 from ..skip_defaults import STRONG_RULE, TRAIN_HISTORY_KWARGS, skip_default_loss
+from .phases import median_of
 
 #: how the ``*_fewer`` arms skip: the step draws its prompts and rolls out only the kept ones
 FEWER: dict[str, Any] = {"step_size": "fewer"}
@@ -24,8 +25,6 @@ FILL: dict[str, Any] = {"step_size": "fill"}
 #: GRESO's rule as the paper sets it (the skipper's own defaults), pinned so an arm keeps its meaning
 #: whatever this door's default settings are
 GRESO: dict[str, Any] = {k: HistorySkipper.model_fields[k].default for k in STRONG_RULE}
-#: how the ``*_strong`` arms skip: a lower, faster-adapting exploration base (this door's default)
-STRONG: dict[str, Any] = dict(STRONG_RULE)
 
 
 def _max_weight(w: float) -> dict[str, Any]:
@@ -56,21 +55,16 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "dppo": {"filter": "dppo", "refill_rounds": 0, "prompt_skip": "none"},
     "cppo+skip": _skip("cppo", GRESO, FILL),
     "dppo+skip": _skip("dppo", GRESO, FILL),
-    # the step rolls out only the kept prompts (cheaper steps) instead of drawing more to fill up
     "cppo+skip_fewer": _skip("cppo", GRESO, FEWER),
     "dppo+skip_fewer": _skip("dppo", GRESO, FEWER),
     "keep_all+skip_fewer": _skip("keep_all", GRESO, FEWER),
-    # a stronger rule: a lower exploration base that adapts faster towards a lower zero-variance
-    # share (this door's default history settings, train/skip_defaults.STRONG_RULE)
-    "cppo+skip_strong": _skip("cppo", STRONG, FILL),
-    # both: the stronger rule, and the step rolls out only the prompts it keeps
-    "cppo+skip_strong_fewer": _skip("cppo", STRONG, FEWER),
-    # the same with a kept prompt weighing at most 2 or 3 (docs/results.md, "Five seeds, and bounded weights")
-    "cppo+skip_strong_fewer_w2": _skip("cppo", STRONG, FEWER, _max_weight(2.0)),
-    "cppo+skip_strong_fewer_w3": _skip("cppo", STRONG, FEWER, _max_weight(3.0)),
-    # the same rolling out at least half the drawn prompts (their probabilities raised together)
-    "cppo+skip_strong_fewer_f50": _skip("cppo", STRONG, FEWER, {"min_rollout_share": 0.5}),
-    # the skip probability from each prompt's pass-rate posterior instead of keep_base ** streak
+    # a lower exploration base that adapts faster towards a lower zero-variance share
+    "cppo+skip_strong": _skip("cppo", STRONG_RULE, FILL),
+    "cppo+skip_strong_fewer": _skip("cppo", STRONG_RULE, FEWER),
+    # a kept prompt weighing at most 2 or 3 (docs/results.md, "Five seeds, and bounded weights")
+    "cppo+skip_strong_fewer_w2": _skip("cppo", STRONG_RULE, FEWER, _max_weight(2.0)),
+    "cppo+skip_strong_fewer_w3": _skip("cppo", STRONG_RULE, FEWER, _max_weight(3.0)),
+    "cppo+skip_strong_fewer_f50": _skip("cppo", STRONG_RULE, FEWER, {"min_rollout_share": 0.5}),
     "cppo+skip_posterior": _skip("cppo", GRESO, FILL, {"rule": "posterior"}),
     # the paired arms that decide this door's finite-data default (docs/results.md): the configured
     # run with prompt skipping on or off, and every other setting -- the loss included -- as a user
@@ -168,12 +162,7 @@ TABLE = (
 TO_TARGET = ("time_to_target_s", "steps_to_target", "rollout_tokens_to_target")
 
 
-def _cell(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def arms_markdown(result: dict[str, Any]) -> list[str]:
-    """The arms side by side (one column per arm)."""
     arms = list(result["arms"])
     lines = [
         f"# Arms compared (target held-out accuracy {result['target_accuracy']:.2f}"
@@ -183,19 +172,13 @@ def arms_markdown(result: dict[str, Any]) -> list[str]:
         "|---|" + "---:|" * len(arms),
     ]
     for key, label, spec in TABLE:
-        lines.append(
-            f"| {label} | " + " | ".join(_cell(result["arms"][a].get(key), spec) for a in arms) + " |"
-        )
+        lines.append(f"| {label} | " + " | ".join(fmt(result["arms"][a].get(key), spec) for a in arms) + " |")
     return lines
 
 
 def plot_arms(runs: dict[str, list[dict[str, Any]]], target: float, path: Any) -> None:
     """Held-out accuracy against training wall time and against rollout tokens, one line per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(10, 4))
     for arm, rows in runs.items():
         tokens, points = 0.0, []
@@ -209,17 +192,12 @@ def plot_arms(runs: dict[str, list[dict[str, Any]]], target: float, path: Any) -
         ax.axhline(target, color="grey", linestyle=":")
         ax.set(xlabel=xlabel, ylabel="held-out accuracy")
     by_time.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def write_arms(
     out_dir: Any, runs: dict[str, list[dict[str, Any]]], target: float, info: dict[str, Any]
 ) -> dict[str, Any]:
-    """arms.json, arms.md and arms.png in ``out_dir``."""
-    import json
-
     result = {"target_accuracy": target, **info, "arms": {a: arm_summary(r, target) for a, r in runs.items()}}
     (out_dir / "arms.json").write_text(json.dumps(result, indent=2) + "\n")
     (out_dir / "arms.md").write_text("\n".join(arms_markdown(result)) + "\n")
@@ -230,9 +208,6 @@ def write_arms(
 def _median_to_target(vals: list[Any]) -> float | None:
     """The median with "not reached" (None) as +inf: an arm that misses the target in most seeds has
     no median (None), and one missed seed moves the median up, never down."""
-    import math
-    import statistics
-
     m = statistics.median([math.inf if v is None else float(v) for v in vals])
     return None if math.isinf(m) else m
 
@@ -240,8 +215,6 @@ def _median_to_target(vals: list[Any]) -> float | None:
 def aggregate_arms(per_seed: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
     """Per arm, the median over seeds of every numeric field (None where a seed has none; for the to-target
     fields, a seed that never reached the target counts as +inf) and how many seeds reached the target."""
-    from .phases import median_of
-
     arms = list(per_seed[0]["arms"])
     keys = [k for k, _, _ in TABLE if k != "seeds_reached"]
     med: dict[str, dict[str, Any]] = {}

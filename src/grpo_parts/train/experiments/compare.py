@@ -1,11 +1,5 @@
-"""``grpo-parts train --compare`` / ``grpo-parts bench e2e``: reference parts vs optimized parts.
-
-Both runs use the same config, seed, data stream and held-out set; only ``parts`` differs. They run
-in this process *in alternation* -- one step of each in turn -- so that load from other processes on
-a shared machine slows both alike; each run times only its own steps. They write ``<run>/reference``
-and ``<run>/optimized``; ``<run>/compare.{json,md,png}`` report time to the target held-out accuracy
-(training wall time, evaluation excluded), final accuracy, and both curves against wall time.
-"""
+"""``grpo-parts train --compare`` / ``grpo-parts bench e2e``: reference parts vs optimized parts, run in
+alternation so that load on a shared machine slows both alike (docs/training.md, "--compare")."""
 
 from __future__ import annotations
 
@@ -40,12 +34,9 @@ def compare(
             raise GRPOPartsError(
                 "--ablate: compares the default arms only (reference, optimized), got --arms"
             )
-        configs = arm_configs(config, arms)
-        _, results = _run_alternating(configs, out_dir)
-        seed = next(iter(configs.values())).seed
-        result = write_arms(
-            out_dir, {a: r.rows for a, r in results.items()}, config.target_accuracy, {"seed": seed}
-        )
+        _, results = _run_alternating(arm_configs(config, arms), out_dir)
+        rows = {a: r.rows for a, r in results.items()}
+        result = write_arms(out_dir, rows, config.target_accuracy, {"seed": config.seed})
         md = "arms.md"
     else:
         configs = {"reference": config.with_reference_parts(), "optimized": config}
@@ -108,14 +99,9 @@ def compare_seeds(
     ablate: bool = False,
     arms: list[str] | None = None,
 ) -> dict[str, Any]:
-    """:func:`compare` for ``seeds`` consecutive seeds (``config.seed``, ``config.seed + 1``, ...),
-    each in ``<run>/seed<S>``, plus ``<run>/compare_seeds.{json,md}``.
-
-    Time to target moves by several steps between seeds, so one seed says little: the aggregate
-    (:mod:`.seeds`) reports medians and means over them.
-    """
-    if seeds < 1:
-        raise GRPOPartsError(f"seeds: expected >= 1, got {seeds}")
+    """:func:`compare` for ``seeds`` consecutive seeds from ``config.seed``, each in ``<run>/seed<S>``,
+    plus ``<run>/compare_seeds.{json,md}``: time to target moves by several steps between seeds, so
+    one seed says little (:mod:`.seeds` reports medians and means over them)."""
     out_dir = out_dir or Path(config.out_dir) / (config.name or f"compare-{default_name()}")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise GRPOPartsError(f"name: folder {str(out_dir)!r} already exists; choose another --name")

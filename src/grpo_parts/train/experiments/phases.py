@@ -1,9 +1,6 @@
-"""Per-phase breakdown of reference vs optimized steps, and the step speedup Amdahl's law predicts.
-
-Phases (``metrics.jsonl`` columns): ``rollout``, ``logprobs``, ``update``, ``draft``, and ``other``
-(tokenising, rewards, advantages, filter). ``amdahl_bound = t_ref / (sum_i t_opt_i + other_ref)``:
-the measured step speedup falls below it by exactly what the optimized arm adds to ``other``.
-"""
+"""Per-phase breakdown of reference vs optimized steps, and the step speedup Amdahl's law predicts:
+``amdahl_bound = t_ref / (sum_i t_opt_i + other_ref)``, which the measured step speedup falls below by
+exactly what the optimized arm adds to ``other`` (tokenising, rewards, advantages, filter)."""
 
 from __future__ import annotations
 
@@ -26,13 +23,17 @@ def median_of(vals: list[Any]) -> float | None:
 
 
 def mean_of(vals: list[Any]) -> float | None:
-    """The mean of the values that are not None (None when there are none)."""
     vals = [v for v in vals if v is not None]
     return statistics.fmean(vals) if vals else None
 
 
-def _ratio(ref: float, opt: float) -> float | None:
-    return ref / opt if opt > 0 else None
+def _phase(r: float, o: float, t_ref: float) -> dict[str, float | None]:
+    return {
+        "reference_s": r,
+        "optimized_s": o,
+        "ratio": r / o if o > 0 else None,
+        "share": r / t_ref if t_ref > 0 else None,
+    }
 
 
 def phase_breakdown(ref: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
@@ -44,19 +45,9 @@ def phase_breakdown(ref: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
     for name, key in PHASES.items():
         r, o = float(ref.get(key) or 0.0), float(opt.get(key) or 0.0)
         named_ref, named_opt = named_ref + r, named_opt + o
-        phases[name] = {
-            "reference_s": r,
-            "optimized_s": o,
-            "ratio": _ratio(r, o),
-            "share": r / t_ref if t_ref > 0 else None,
-        }
-    o_ref, o_opt = max(t_ref - named_ref, 0.0), max(t_opt - named_opt, 0.0)
-    phases["other"] = {
-        "reference_s": o_ref,
-        "optimized_s": o_opt,
-        "ratio": _ratio(o_ref, o_opt),
-        "share": o_ref / t_ref if t_ref > 0 else None,
-    }
+        phases[name] = _phase(r, o, t_ref)
+    o_ref = max(t_ref - named_ref, 0.0)
+    phases["other"] = _phase(o_ref, max(t_opt - named_opt, 0.0), t_ref)
     predicted = named_opt + o_ref
     return {
         "phases": phases,
@@ -66,11 +57,6 @@ def phase_breakdown(ref: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
 
 
 def median_phases(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
-    """The per-phase medians over seeds (each field's median over the seeds that have it)."""
-    out: dict[str, Any] = {}
     names = per_seed[0]["phases"].keys() if per_seed else []
-    for name in names:
-        out[name] = {}
-        for field in ("reference_s", "optimized_s", "ratio", "share"):
-            out[name][field] = median_of([r["phases"][name][field] for r in per_seed])
-    return out
+    fields = ("reference_s", "optimized_s", "ratio", "share")
+    return {n: {f: median_of([r["phases"][n][f] for r in per_seed]) for f in fields} for n in names}

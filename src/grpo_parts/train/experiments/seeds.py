@@ -1,14 +1,5 @@
 """``--compare --seeds N``: aggregate the per-seed comparisons (medians, means, phases) and its markdown.
-
-JSON keys (a contract, tested): ``speedup_to_target`` (median over seeds), ``step_speedup`` (median),
-``accuracy_diff`` (mean, optimized - reference), ``rollout_share`` (median share of the reference
-step spent in rollout), ``amdahl_bound`` (median), ``phases`` (per phase, the median of each field);
-``per_seed`` holds every seed's ``compare.json`` with the same keys. Also: ``medians`` (per arm:
-time to target, steps to target, step time, final accuracy), ``goals`` (issue 17's targets, each
-with its value and whether it is met), with ``--ablate`` also ``amdahl_isolated``, ``composition`` and
-``ablation`` (see :mod:`.ablation`), and the older keys ``median_speedup_to_target``,
-``speedups_to_target``, ``mean_step_speedup``, ``mean_final_accuracy_diff``, ``passes``.
-"""
+The JSON keys are a contract (tested): docs/training.md, "--compare"."""
 
 from __future__ import annotations
 
@@ -85,8 +76,7 @@ def seeds_markdown(result: dict[str, Any]) -> list[str]:
         "| step ref / opt (s) | **step speedup** | Amdahl bound | final acc ref / opt | difference |",
         "|---:|---|---:|---|---|---:|---:|---|---:|",
     ]
-    rows = [*zip(result["seeds"], result["per_seed"])]
-    for s, r in rows:
+    for s, r in zip(result["seeds"], result["per_seed"]):
         ref, opt = r["runs"]["reference"], r["runs"]["optimized"]
         lines.append(
             f"| {s} | {_f(ref['time_to_target_s'], '.1f')} / {_f(opt['time_to_target_s'], '.1f')} "

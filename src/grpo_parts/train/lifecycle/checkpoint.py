@@ -1,11 +1,9 @@
 """Checkpoints: ``checkpoints/step-NNNNNN/`` folders, written atomically; ``checkpoints/last`` names the newest.
 
-A folder holds the module weights (``policy.safetensors``, ``draft.safetensors``), ``state.pt``
-(everything else :meth:`GRPOTrainer.state_dict` returns, tensors and plain containers only: read
-with ``torch.load(weights_only=True)``, so resuming never unpickles arbitrary objects) and
-``checkpoint.json`` (step, config, file sizes). It is written into ``.step-NNNNNN.tmp/``, fsynced,
-then renamed, so a kill leaves the previous checkpoint as it was; the previous one is also kept, for
-a checkpoint damaged later (docs/training.md, "Stopping and resuming").
+``state.pt`` holds tensors and plain containers only, read with ``torch.load(weights_only=True)`` so
+that resuming never unpickles arbitrary objects. A folder is written beside, fsynced and renamed, so a
+kill leaves the previous checkpoint as it was; that one is kept too, for a checkpoint damaged later
+(docs/training.md, "Stopping and resuming").
 """
 
 from __future__ import annotations
@@ -50,7 +48,6 @@ class Checkpoint:
     state: dict[str, Any] | None = None  # None until read in full
 
 
-# ------------------------------------------------------------------------------------ atomic files
 def fsync_path(path: Path) -> None:
     """Flush ``path`` (a file or a folder) to disk; any descriptor of the inode will do."""
     fd = os.open(path, os.O_RDONLY)
@@ -89,7 +86,6 @@ def replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------------ weights
 def _save_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """safetensors refuses tensors that share memory (tied embeddings): each is stored once and the
     other names are recorded as aliases in the file's metadata."""
@@ -150,7 +146,6 @@ def _join(rest: dict[str, Any], weights: dict[str, dict[str, torch.Tensor]]) -> 
     return rest
 
 
-# ------------------------------------------------------------------------------------ save
 def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
@@ -187,14 +182,11 @@ def checkpoint_steps(ckpt_dir: Path) -> dict[int, Path]:
 def _prune(ckpt_dir: Path, keep: set[int | None]) -> None:
     """Delete the checkpoints not in ``keep`` -- older ones, and later ones left by a timeline that a
     resume from an earlier checkpoint abandoned -- and ``.tmp``/``.old`` folders of a killed write."""
-    for s, p in checkpoint_steps(ckpt_dir).items():
-        if s not in keep:
-            shutil.rmtree(p, ignore_errors=True)
-    for p in ckpt_dir.glob(".step-*"):
+    stale = [p for s, p in checkpoint_steps(ckpt_dir).items() if s not in keep]
+    for p in [*stale, *ckpt_dir.glob(".step-*")]:
         shutil.rmtree(p, ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------------ load
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
@@ -286,7 +278,6 @@ def locate(path: Path) -> tuple[Path, Path]:
 
 def load_checkpoint(path: Path, full: bool = True) -> tuple[Path, Checkpoint]:
     """``(run folder, checkpoint)`` for ``--resume path``; ``full=False`` reads only ``checkpoint.json``.
-
     A damaged checkpoint is a one-line :class:`GRPOPartsError` naming the bad file and the newest
     earlier checkpoint that reads whole (with the command that resumes from it)."""
     run_dir = path
@@ -309,11 +300,9 @@ def _fallback(run_dir: Path, bad: Path) -> str:
     return "no other checkpoint of this run is intact"
 
 
-# ------------------------------------------------------------------------------------ the model
 def export_model(run_dir: Path, policy: Any, tokenizer: Any) -> Path:
-    """``run_dir/model/``: the policy as a ``save_pretrained`` folder (safetensors weights, config.json,
-    generation_config.json, tokenizer files) that ``from_pretrained``, vLLM and ``--model`` load as
-    they are. Written beside and renamed, like a checkpoint."""
+    """``run_dir/model/``: the policy as a ``save_pretrained`` folder that ``from_pretrained``, vLLM and
+    ``--model`` load as they are; written beside and renamed, like a checkpoint."""
     final, tmp = run_dir / "model", run_dir / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp)

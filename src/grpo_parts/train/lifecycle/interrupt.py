@@ -1,10 +1,7 @@
-"""Stopping a run cleanly on Ctrl-C (SIGINT) or SIGTERM.
-
-The first signal lets the step in progress finish (a step changes the RNG, data position, draft,
-policy and optimizer at different moments, and only a finished step resumes exactly), checkpoints
-it, marks the folder ``interrupted`` and exits 130 / 143 naming the resume command. A second signal
-stops at once, mid-step; the newest checkpoint on disk is what resumes.
-"""
+"""Stopping a run cleanly on Ctrl-C (SIGINT) or SIGTERM: the first signal lets the step in progress
+finish and checkpoints it (a step changes the RNG, data position, draft, policy and optimizer at
+different moments, and only a finished step resumes exactly); a second one stops at once, mid-step
+(docs/training.md, "Stopping and resuming")."""
 
 from __future__ import annotations
 
@@ -65,7 +62,7 @@ class StopRequest:
     """Inside ``with StopRequest(note) as stop:``, the first SIGINT/SIGTERM sets ``stop.signum`` and
     calls ``note(signum)``; a second one raises :class:`Interrupted`."""
 
-    def __init__(self, note: Callable[[int], None] | None = None):
+    def __init__(self, note: Callable[[int], None]):
         self.signum: int | None = None
         self.note = note
         self._cm = _handlers(self._handle)
@@ -74,8 +71,7 @@ class StopRequest:
         if self.signum is not None:
             raise Interrupted(signum)
         self.signum = signum
-        if self.note is not None:
-            self.note(signum)
+        self.note(signum)
 
     def __enter__(self) -> StopRequest:
         self._cm.__enter__()

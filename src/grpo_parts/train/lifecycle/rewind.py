@@ -1,12 +1,7 @@
-"""``--resume RUN/checkpoints/step-N --rewind``: resume from an earlier checkpoint of a run that went further.
-
-Resuming from a checkpoint that is not the run's newest would drop what came after it (the later
-checkpoints, ``model/``, the metrics rows, the report), so it is refused unless ``--rewind`` is given.
-``--rewind`` moves that later state aside into ``RUN/rewound-K/`` (K = 1, 2, ... the first free one)
-before the resumed run writes anything: the later checkpoint folders and ``model/`` are moved there,
-every other file and folder of the run (``metrics.jsonl``, ``config.yaml``, ``status.json``, the
-report, the plots, tracker logs, ...) is copied there as it was. Nothing is overwritten or deleted.
-"""
+"""``--resume RUN/checkpoints/step-N --rewind``: resume from an earlier checkpoint of a run that went
+further, after moving the later state aside into ``RUN/rewound-K/`` (later checkpoints and ``model/``
+moved, every other file copied): nothing is overwritten or deleted (docs/training.md, "Stopping and
+resuming")."""
 
 from __future__ import annotations
 
@@ -25,7 +20,6 @@ MOVED = ("model",)
 
 
 def later_checkpoints(run_dir: Path, step: int) -> list[Path]:
-    """The run's checkpoint folders after ``step``, oldest first."""
     return [p for s, p in sorted(checkpoint_steps(run_dir / "checkpoints").items()) if s > step]
 
 

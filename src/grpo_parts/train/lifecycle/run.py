@@ -1,10 +1,8 @@
 """A whole run: set up, train with a progress bar, evaluate, checkpoint, report, export the model.
 
-The run folder is created only after the config, model, data, parts (and, on resume, the
-checkpoint) have been validated; ``status.json`` (:mod:`.status`) says ``completed`` only at the very
-end, with ``report.md`` and ``model/``, so a folder never claims success it did not reach. Resuming
-with more steps rewrites ``config.yaml``'s ``steps``; fewer than done is an error (docs/training.md,
-"Stopping and resuming").
+The run folder is created only after the config, model, data, parts (and, on resume, the checkpoint)
+have been validated, and ``status.json`` (:mod:`.status`) says ``completed`` only at the very end, so a
+folder never claims success it did not reach (docs/training.md, "Stopping and resuming").
 """
 
 from __future__ import annotations
@@ -58,11 +56,11 @@ def default_name() -> str:
 
 
 def build_trainer(config: TrainConfig) -> tuple[GRPOTrainer, list[str]]:
-    """Policy, task and parts for ``config`` (validated), wrapped in a :class:`GRPOTrainer`."""
     setup = load_setup(config)
-    parts = build_parts(config.parts, setup.policy)
+    parts = build_parts(config.parts, setup.policy, images=setup.processor is not None)
+    text_or_images = setup.processor or setup.tokenizer
     trainer = GRPOTrainer(
-        config, setup.policy, setup.tokenizer, setup.task, parts, setup.eos_token_ids, setup.ref_model
+        config, setup.policy, text_or_images, setup.task, parts, setup.eos_token_ids, setup.ref_model
     )
     return trainer, setup.notes + parts.notes + skip_notes(config)
 
@@ -98,11 +96,8 @@ def check_resume_steps(run_dir: Path, ckpt: Checkpoint, steps: int, completed: b
 
 
 class RunSession:
-    """One run folder being trained: ``begin()``, ``advance()`` until ``done``, then ``finish()``.
-
-    Everything is validated (model, data, parts, the checkpoint) before the folder is touched.
-    ``--compare`` drives two sessions in alternation, so that load on a shared machine hits both arms alike.
-    """
+    """One run folder being trained: ``begin()``, ``advance()`` until ``done``, then ``finish()``
+    (``--compare`` drives several in alternation, so that load on a shared machine hits every arm alike)."""
 
     def __init__(
         self,
@@ -166,9 +161,6 @@ class RunSession:
             log.info("config.yaml: steps %d -> %d (resumed with --steps)", self.old_steps, self.config.steps)
             atomic_write_text(yaml_path, dump_config(self.config))
         keep = self.start_step if self.resume else None
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            if not self.resume or not (self.run_dir / name).exists():
-                (self.run_dir / name).write_text("")
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", keep_up_to_step=keep)
         self.samples = SampleLog(self.run_dir / "samples.jsonl", self.config, keep_up_to_step=keep)
         self._status("running")
@@ -197,7 +189,6 @@ class RunSession:
             self.samples.write(0, self.trainer.eval_samples, [])
 
     def _write(self, row: dict[str, Any]) -> None:
-        """A metrics row to ``metrics.jsonl`` and to every tracker of ``report_to``."""
         self.writer.write(row)
         self.trackers.log(row)
 
@@ -260,9 +251,7 @@ class RunSession:
         and return the exception whose message tells the user how to resume."""
         if step_finished and self.saved_step != self.trainer.step_idx:
             self.save()
-        self.writer.close()
-        self.samples.close()
-        self._close_trackers("interrupted")
+        self._close("interrupted")
         name, cmd = signal_name(signum), f"grpo-parts train --resume {shlex.quote(str(self.run_dir))}"
         where = f"after step {self.finished}" if step_finished else f"during step {self.finished + 1}"
         if self.saved_step is None:
@@ -277,12 +266,12 @@ class RunSession:
         if isinstance(e, (Interrupted, KeyboardInterrupt)):
             self.interrupted(getattr(e, "signum", 2), step_finished=False)
             return
-        self.writer.close()
-        self.samples.close()
-        self._close_trackers("failed")
+        self._close("failed")
         self._status("failed", error=f"{type(e).__name__}: {e}")
 
-    def _close_trackers(self, status: str) -> None:
+    def _close(self, status: str) -> None:
+        self.writer.close()
+        self.samples.close()
         if hasattr(self, "trackers"):  # (not yet there when the trackers themselves failed to start)
             self.trackers.finish(status)
 
@@ -298,18 +287,13 @@ def postfix(session: RunSession, row: dict[str, Any]) -> dict[str, str]:
 
 
 def train(
-    config: TrainConfig,
-    run_dir: Path | None = None,
-    resume: bool = False,
-    title: str = "",
-    rewind: bool = False,
+    config: TrainConfig, run_dir: Path | None = None, resume: bool = False, rewind: bool = False
 ) -> RunResult:
     """Run ``config`` into ``run_dir`` (default ``out_dir/name``); ``resume`` continues from its checkpoint
     (``run_dir`` is then the run folder, or one of its ``checkpoints/step-NNNNNN`` folders; an earlier
-    checkpoint than the newest needs ``rewind``, which moves the later state aside: :mod:`.rewind`).
-
-    Raises :class:`~.interrupt.Interrupted` on SIGINT/SIGTERM, after saving what resumes."""
-    session = RunSession(config, run_dir, resume, title, rewind)
+    checkpoint than the newest needs ``rewind``: :mod:`.rewind`). Raises :class:`~.interrupt.Interrupted`
+    on SIGINT/SIGTERM, after saving what resumes."""
+    session = RunSession(config, run_dir, resume, rewind=rewind)
     with StopRequest(session.note_stop) as stop, setup_frozen():
         try:
             _steps(session, stop)

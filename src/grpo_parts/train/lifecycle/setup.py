@@ -7,7 +7,7 @@ import copy
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -21,14 +21,14 @@ from ...task.data import Task
 from ...task.formats import load_records
 from ...task.jsonl import DataConfig, JsonlTask
 from ...task.reasoning import ReasoningConfig, ReasoningTask
+from ...task.vision import VisionConfig, VisionTask
 from ..config import DEFAULT_TASK, TrainConfig
 from .threads import calibrate_threads
 
 log = logging.getLogger("grpo_parts.train")
 
-BUILTIN_MODEL = "tiny_adder"
 #: built-in task name -> its committed warm start (a folder under grpo_parts/assets)
-BUILTIN_MODELS = {"arithmetic": BUILTIN_MODEL, "reasoning": "tiny_reasoner"}
+BUILTIN_MODELS = {"arithmetic": "tiny_adder", "reasoning": "tiny_reasoner", "vision": "tiny_counter"}
 
 
 def builtin_model_path(task: str = "arithmetic") -> Path:
@@ -43,8 +43,9 @@ class Setup:
     task: Task
     eos_token_ids: tuple[int, ...]
     ref_model: torch.nn.Module | None
-    device: torch.device
-    notes: list[str] = field(default_factory=list)
+    notes: list[str]
+    #: a vision-language policy's processor (prompts with images go through it), else None
+    processor: Any = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,8 +91,8 @@ def load_model(
             if getattr(config, "vision_config", None) is not None:
                 raise GRPOPartsError(
                     f"model: {str(path)!r} is a vision-language model ({config.model_type}); grpo-parts "
-                    "train runs text policies only so far: train a VLM with TRL's GRPOPartsTrainer or "
-                    "your own loop (docs/adapters/trl.md, 'Vision-language models'; examples/vlm_own_loop.py)"
+                    "train trains one on image prompts (task.name=vision, or --data records with images); "
+                    "the built-in text tasks need a causal LM: docs/training.md, 'The vision task'"
                 )
             attn = compat.attn_implementation(compat.causal_lm_class(config))  # sdpa where supported
             model = AutoModelForCausalLM.from_pretrained(
@@ -106,6 +107,50 @@ def load_model(
     tok.padding_side = "left"
     model = model.to(device)  # type: ignore[arg-type]
     return model.eval(), tok
+
+
+def load_vlm(
+    path: Path, dtype: torch.dtype, device: torch.device, image_tokens: int, progress: bool = True
+) -> tuple[torch.nn.Module, Any]:
+    """A local transformers vision-language model and its processor: ``AutoProcessor``'s files, or
+    for a checkpoint without them (the built-in warm start) the offline
+    :func:`~grpo_parts.tiny_vision.tiny_processor`, images resized to at most ``image_tokens``."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    from ...tiny_vision import tiny_processor
+
+    try:
+        with hf_progress(progress):
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            if getattr(config, "vision_config", None) is None:
+                raise GRPOPartsError(
+                    f"model: task.name=vision needs a vision-language model, got {config.model_type} at {str(path)!r}"
+                )
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
+            has_processor = (path / "processor_config.json").is_file() or (
+                path / "preprocessor_config.json"
+            ).is_file()
+            processor = (
+                AutoProcessor.from_pretrained(path, local_files_only=True)
+                if has_processor
+                else tiny_processor(model, max_image_tokens=image_tokens)
+            )
+    except GRPOPartsError:
+        raise
+    except (OSError, ValueError) as e:
+        raise GRPOPartsError(f"model: could not load {str(path)!r}: {e}") from None
+    processor.tokenizer.padding_side = "left"
+    return model.to(device).eval(), processor  # type: ignore[arg-type]
+
+
+def is_vlm(path: Path) -> bool:
+    """Whether the checkpoint folder ``path`` holds a vision-language model (a ``vision_config``)."""
+    import json
+
+    try:
+        return "vision_config" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # load_model says what is wrong with the folder
 
 
 def _load_tokenizer(path: Path) -> Any:
@@ -128,10 +173,8 @@ def _load_tokenizer(path: Path) -> Any:
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     ids: list[int] = []
-    for src in (
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-        tokenizer.eos_token_id,
-    ):
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
         for t in src if isinstance(src, (list, tuple)) else [src]:
             if t is not None and int(t) not in ids:
                 ids.append(int(t))
@@ -152,7 +195,6 @@ def with_rewards(task: Task, config: TrainConfig) -> Task:
 
 
 def _data_config(config: TrainConfig) -> DataConfig:
-    """The ``--data`` file's reading options (``task`` when it is a :class:`DataConfig`)."""
     return config.task if isinstance(config.task, DataConfig) else DataConfig()
 
 
@@ -193,14 +235,12 @@ def _builtin_task(config: TrainConfig, builtin: bool, notes: list[str]) -> Task 
 
 def _model_path(config: TrainConfig, builtin: bool) -> Path:
     """``--model``, or the built-in warm start of the task (for ``--data``, of the default task)."""
-    builtin_task = (
-        config.task.name if config.task.name in BUILTIN_MODELS else DEFAULT_TASK
-    )  # --data: its default
+    builtin_task = config.task.name if config.task.name in BUILTIN_MODELS else DEFAULT_TASK
     path = builtin_model_path(builtin_task) if builtin else Path(config.model)  # type: ignore[arg-type]
     if builtin and not (path / "config.json").is_file():
         raise GRPOPartsError(
-            f"model: the built-in warm start is missing at {str(path)!r}; run "
-            f"scripts/measure/warm_start.py --task {builtin_task}"
+            f"model: the built-in warm start is missing at {str(path)!r}; run scripts/measure/"
+            + ("vision_warm_start.py" if builtin_task == "vision" else f"warm_start.py --task {builtin_task}")
         )
     return path
 
@@ -222,10 +262,7 @@ def _reference_model(config: TrainConfig, policy: torch.nn.Module) -> torch.nn.M
     """A frozen copy of the initial policy when KL is in the loss or in the reward, else None."""
     if not (config.loss.kl_coef > 0 or config.advantage.kl_coef > 0):
         return None
-    ref_model = copy.deepcopy(policy).eval()
-    for p in ref_model.parameters():
-        p.requires_grad_(False)
-    return ref_model
+    return copy.deepcopy(policy).eval().requires_grad_(False)
 
 
 def load_setup(config: TrainConfig) -> Setup:
@@ -241,9 +278,22 @@ def load_setup(config: TrainConfig) -> Setup:
     task = _builtin_task(config, builtin, notes)
     torch.manual_seed(config.seed)
     path = _model_path(config, builtin)
-    policy, tok = load_model(path, dtype, device, progress=config.progress)
+    processor = None
+    vision = config.task if isinstance(config.task, VisionConfig) else None
+    if vision is not None or (config.data is not None and is_vlm(path)):
+        image_tokens = vision.image_tokens if vision is not None else VisionConfig().image_tokens
+        policy, processor = load_vlm(path, dtype, device, image_tokens, config.progress)
+        tok = processor.tokenizer
+    else:
+        policy, tok = load_model(path, dtype, device, progress=config.progress)
+    if vision is not None:
+        task = VisionTask(vision, processor, seed=config.seed)
+        notes.append(
+            f"task: built-in vision (how many squares: 1-{vision.max_shapes} in a {vision.image_size}-pixel "
+            f"image, {vision.image_tokens} image tokens per prompt)"
+        )
     if config.data is not None:
-        task = _data_task(config, tok, path, notes)
+        task = _data_task(config, processor or tok, path, notes)
     assert task is not None
     if config.rewards:
         task = with_rewards(task, config)
@@ -257,4 +307,4 @@ def load_setup(config: TrainConfig) -> Setup:
     ref_model = _reference_model(config, policy)
     for n in notes:
         log.info(n)
-    return Setup(policy, tok, task, eos_ids(policy, tok), ref_model, device, notes)
+    return Setup(policy, tok, task, eos_ids(policy, tok), ref_model, notes, processor)

@@ -1,9 +1,5 @@
-"""``status.json``: what a run folder is doing (``running``, ``completed``, ``interrupted``,
-``failed``), replaced atomically, so any reader sees a whole file; its fields: docs/training.md,
-"The run folder". A process killed with SIGKILL cannot update it, so :func:`read_status` adds
-``stale``: true when the writing process is gone (checked on the same host), null when it ran on
-another host, false when it is alive.
-"""
+"""``status.json``: what a run folder is doing, replaced atomically; its fields: docs/training.md, "The
+run folder". A process killed with SIGKILL cannot update it, so :func:`read_status` adds ``stale``."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""How many torch CPU threads a ``--model`` run on the CPU uses: chosen by a short calibration.
-
-torch's default (one thread per core) is often the slowest for GRPO on a CPU: rollout is hundreds of
-tiny ``[rows, 1]`` decode forwards, where waking and joining threads costs more than the work, while
-a forward+backward may still gain from more threads. Which count wins depends on model, shapes and
-load (docs/training.md, ``threads``), so :func:`calibrate_threads` measures both phases for 1 thread
-and for every core and estimates a step from them; it touches no RNG and leaves no gradients behind.
-``threads: N`` in the config skips it.
-"""
+"""How many torch CPU threads a ``--model`` run on the CPU uses: 1 or every core, whichever a short
+calibration estimates faster, since torch's default (one per core) is often the slowest for GRPO's
+tiny decode forwards (docs/training.md, ``threads``). It touches no RNG and leaves no gradients."""
 
 from __future__ import annotations
 
@@ -77,8 +71,7 @@ def calibrate_threads(
     best = min(est, key=lambda c: est[c])
     torch.set_num_threads(best)
     others = ", ".join(f"{est[c]:.2f} s with {c}" for c in cands if c != best)
-    note = (
+    return best, (
         f"threads: {best} (calibrated: estimated step {est[best]:.2f} s with {best} thread"
         f"{'s' if best > 1 else ''} vs {others}; set threads to fix it)"
     )
-    return best, note

@@ -1,11 +1,6 @@
-"""Experiment trackers (``report_to``): TensorBoard, Weights & Biases, MLflow, Trackio.
-
-Each goes through its library's own API, imported only when asked for, and logs every numeric key of
-every ``metrics.jsonl`` row at its ``step`` (nested dicts as ``a/b``; ``None`` is not logged) and the
-run's config. A missing library is a one-line error naming its extra before anything runs
-(:func:`check_trackers`). Tracker runs are named after the run folder and resumed with it: ``trackers.json``
-keeps their ids. What each tracker writes where: docs/training.md, "Experiment trackers".
-"""
+"""Experiment trackers (``report_to``): TensorBoard, Weights & Biases, MLflow, Trackio, each through
+its library's own API, imported only when asked for; tracker runs are named after the run folder and
+resumed with it (``trackers.json``). What each writes where: docs/training.md, "Experiment trackers"."""
 
 from __future__ import annotations
 
@@ -23,27 +18,19 @@ from typing import Any
 from ...errors import GRPOPartsError, install_hint
 
 log = logging.getLogger("grpo_parts.train")
-#: tracker name -> the module it imports (what must be installed); the extra is ``grpo-parts[<name>]``
-TRACKERS: dict[str, str] = {
-    "tensorboard": "tensorboard",
-    "wandb": "wandb",
-    "mlflow": "mlflow",
-    "trackio": "trackio",
-}
 IDS_FILE = "trackers.json"
 
 
 def check_trackers(names: Sequence[str]) -> None:
     """One-line :class:`GRPOPartsError` for the first requested tracker whose library is not installed."""
     for name in names:
-        module = TRACKERS[name]
         try:
-            found = importlib.util.find_spec(module) is not None
+            found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):
             found = False
         if not found:
             raise GRPOPartsError(
-                f"report_to: {name!r} needs the {module} package, which is not installed; expected it "
+                f"report_to: {name!r} needs the {name} package, which is not installed; expected it "
                 f"installed: {install_hint(name)} (or leave {name} out of --report-to)"
             )
 
@@ -167,7 +154,8 @@ def _quiet() -> Any:
             log.info("trackio: %s", line.strip())
 
 
-_CLASSES: dict[str, Any] = {
+#: tracker name (the module it imports, and its extra ``grpo-parts[<name>]``) -> its class
+TRACKERS: dict[str, Any] = {
     "tensorboard": _TensorBoard,
     "wandb": _Wandb,
     "mlflow": _MLflow,
@@ -179,7 +167,6 @@ class Trackers:
     """The run's trackers: ``log(row)`` each metrics row, ``finish(status)`` once."""
 
     def __init__(self, names: list[str], run_dir: Path, name: str, config: dict[str, Any], config_yaml: str):
-        check_trackers(names)
         self.trackers: dict[str, Any] = {}
         if not names:
             return
@@ -187,7 +174,7 @@ class Trackers:
         ids: dict[str, Any] = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
         for n in names:
             try:
-                self.trackers[n] = _CLASSES[n](run_dir, name, config, config_yaml, ids)
+                self.trackers[n] = TRACKERS[n](run_dir, name, config, config_yaml, ids)
             except GRPOPartsError:
                 raise
             except Exception as e:  # the library's own error (no login, server unreachable, ...)

@@ -1,3 +1,1 @@
-"""What a run writes for people: per-step metrics and summaries (:mod:`.metrics`), ``samples.jsonl``
-(:mod:`.samples`), report.md and its plots (:mod:`.report`, :mod:`.report_format`) and the sampler
-trace's report (:mod:`.trace_report`)."""
+"""What a run writes for people: metrics and summaries, samples.jsonl, report.md and its plots."""

@@ -80,12 +80,10 @@ ACCURACY_TOLERANCE = 0.03
 
 
 def accuracy_goal_met(diff: float | None) -> bool:
-    """``diff`` (optimized - reference final accuracy) is within :data:`ACCURACY_TOLERANCE` or better."""
     return diff is not None and diff >= -ACCURACY_TOLERANCE
 
 
 def summarize(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
-    """Headline numbers of one run."""
     curve = eval_curve(rows)
     steps = [r for r in rows if r.get("step", 0) > 0 and "time_step" in r]
     n = max(1, len(steps))

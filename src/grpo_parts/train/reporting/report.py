@@ -11,14 +11,15 @@ from ...sampler.stats import ACCEPTED_PER_VERIFY
 from ..experiments.ablation import ablation_lines, isolated_bound
 from ..experiments.phases import phase_breakdown
 from .metrics import accuracy_goal_met, eval_curve, summarize
-from .report_format import fmt, pyplot
+from .report_format import fmt, pyplot, save_figure
 from .trace_report import write_trace
 
 WALL_TIME = "training wall time (s)"
 
 
 def plot_run(rows: list[dict[str, Any]], out_dir: Path, title: str = "") -> list[str]:
-    """accuracy.png (vs step and vs wall time), step_time.png, acceptance.png; returns file names."""
+    """accuracy.png (train-batch and held-out accuracy vs step and vs wall time), step_time.png (the
+    step's phases, stacked) and acceptance.png (tokens per verification); returns file names."""
     plt = pyplot()
     steps = [r for r in rows if "time_step" in r]
     return [
@@ -28,17 +29,9 @@ def plot_run(rows: list[dict[str, Any]], out_dir: Path, title: str = "") -> list
     ]
 
 
-def _save(plt: Any, fig: Any, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
-
-
 def _plot_accuracy(
     plt: Any, rows: list[dict[str, Any]], steps: list[dict[str, Any]], out_dir: Path, title: str
 ) -> str:
-    """accuracy.png: train-batch and held-out accuracy vs step, held-out accuracy vs wall time."""
     curve = eval_curve(rows)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     if steps:
@@ -50,22 +43,20 @@ def _plot_accuracy(
     axes[1].set(xlabel=WALL_TIME, ylabel="held-out accuracy", ylim=(0, 1), title="accuracy vs wall time")
     axes[0].legend(loc="lower right")
     fig.suptitle(title)
-    return _save(plt, fig, out_dir / "accuracy.png")
+    return save_figure(plt, fig, out_dir / "accuracy.png")
 
 
 def _plot_step_time(plt: Any, steps: list[dict[str, Any]], out_dir: Path) -> str:
-    """step_time.png: rollout, training and other seconds per step, stacked."""
     fig, ax = plt.subplots(figsize=(7, 3.8))
     x = [r["step"] for r in steps]
     parts = [("time_rollout", "rollout"), ("time_training", "training"), ("time_other", "other")]
     ax.stackplot(x, *[[r.get(k) or 0.0 for r in steps] for k, _ in parts], labels=[n for _, n in parts])
     ax.set(xlabel="step", ylabel="seconds", title="step time breakdown")
     ax.legend(loc="upper right")
-    return _save(plt, fig, out_dir / "step_time.png")
+    return save_figure(plt, fig, out_dir / "step_time.png")
 
 
 def _plot_acceptance(plt: Any, steps: list[dict[str, Any]], out_dir: Path) -> str:
-    """acceptance.png: tokens per verification per step (a note when no speculative sampler ran)."""
     fig, ax = plt.subplots(figsize=(7, 3.8))
     acc = [(r["step"], r[ACCEPTED_PER_VERIFY]) for r in steps if r.get(ACCEPTED_PER_VERIFY) is not None]
     if acc:
@@ -75,7 +66,7 @@ def _plot_acceptance(plt: Any, steps: list[dict[str, Any]], out_dir: Path) -> st
         text = "no speculative sampler in this run\n(1 token per policy forward)"
         ax.text(0.5, 0.5, text, ha="center", va="center")
         ax.set(title="speculative acceptance length", xticks=[], yticks=[])
-    return _save(plt, fig, out_dir / "acceptance.png")
+    return save_figure(plt, fig, out_dir / "acceptance.png")
 
 
 def write_report(
@@ -85,6 +76,20 @@ def write_report(
     s = summarize(rows, target)
     files = plot_run(rows, run_dir, info.get("title", run_dir.name))
     trace_files, trace_lines = write_trace(run_dir, info.get("traces") or {})
+    shared, lean = s.get("decode_attention_shared_fraction"), s.get("lean_forward_fraction")
+    speculative: list[str] = []
+    if shared is not None:
+        speculative += [
+            f"Decode attention: {shared:.0%} of the speculative decode loop's attention calls read each "
+            "group's prompt once (the rest: the policy's own attention).",
+            "",
+        ]
+    if lean is not None:
+        speculative += [
+            f"Lean decode forward: {lean:.0%} of the speculative decode loop's forwards called the policy's "
+            "weights directly (the rest: the model's own forward; the log says why).",
+            "",
+        ]
     lines = [
         f"# GRPO run `{run_dir.name}`",
         "",
@@ -105,25 +110,7 @@ def write_report(
         f"| {fmt(s['mean_rollout_s'])} | {fmt(s['mean_training_s'])} | {fmt(s['mean_other_s'])} "
         f"| {fmt(s['tokens_per_s'], '.0f')} | {fmt(s[ACCEPTED_PER_VERIFY], '.2f')} | {fmt(s[KEPT_FRACTION], '.2f')} |",
         "",
-        *(
-            [
-                f"Decode attention: {s['decode_attention_shared_fraction']:.0%} of the speculative decode loop's "
-                "attention calls read each group's prompt once (the rest: the policy's own attention).",
-                "",
-            ]
-            if s.get("decode_attention_shared_fraction") is not None
-            else []
-        ),
-        *(
-            [
-                f"Lean decode forward: {s['lean_forward_fraction']:.0%} of the speculative decode loop's "
-                "forwards called the policy's weights directly (the rest: the model's own forward; "
-                "the log says why).",
-                "",
-            ]
-            if s.get("lean_forward_fraction") is not None
-            else []
-        ),
+        *speculative,
         *[f"![{f}]({f})" for f in files],
         "",
         *trace_lines,
@@ -159,15 +146,22 @@ def write_compare(
     result = compare_result(sums, target, info)
     (out_dir / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot_compare(runs, target, info, out_dir)
-    (out_dir / "compare.md").write_text("\n".join(compare_lines(result, sums, target, info)) + "\n")
+    (out_dir / "compare.md").write_text("\n".join(compare_lines(result)) + "\n")
     return result
 
 
 def compare_result(sums: dict[str, dict[str, Any]], target: float, info: dict[str, Any]) -> dict[str, Any]:
     """compare.json: speedups, accuracy difference, phase breakdown (and ablation) from the arms'
-    summaries (``reference``, ``optimized``, any ``only_*``), with ``info`` and the summaries."""
+    summaries (``reference``, ``optimized``, any ``only_*``), with ``info`` and the summaries (None
+    where a side has no value)."""
     ref, opt = sums["reference"], sums["optimized"]
-    speedup, step_speedup, diff = _headline(ref, opt)
+    speedup = None
+    if ref["time_to_target_s"] and opt["time_to_target_s"]:
+        speedup = ref["time_to_target_s"] / opt["time_to_target_s"]
+    diff = None
+    if ref["final_accuracy"] is not None and opt["final_accuracy"] is not None:
+        diff = opt["final_accuracy"] - ref["final_accuracy"]
+    step_speedup = ref["mean_step_s"] / opt["mean_step_s"] if opt["mean_step_s"] else None
     return {
         "target_accuracy": target,
         "speedup_to_target": speedup,
@@ -183,23 +177,9 @@ def compare_result(sums: dict[str, dict[str, Any]], target: float, info: dict[st
     }
 
 
-def _headline(ref: dict[str, Any], opt: dict[str, Any]) -> tuple[float | None, float | None, float | None]:
-    """``(speedup to target, mean step speedup, final accuracy difference)`` of optimized over
-    reference (None where a side has no value)."""
-    speedup = None
-    if ref["time_to_target_s"] and opt["time_to_target_s"]:
-        speedup = ref["time_to_target_s"] / opt["time_to_target_s"]
-    diff = None
-    if ref["final_accuracy"] is not None and opt["final_accuracy"] is not None:
-        diff = opt["final_accuracy"] - ref["final_accuracy"]
-    step_speedup = ref["mean_step_s"] / opt["mean_step_s"] if opt["mean_step_s"] else None
-    return speedup, step_speedup, diff
-
-
 def _plot_compare(
     runs: dict[str, list[dict[str, Any]]], target: float, info: dict[str, Any], out_dir: Path
 ) -> None:
-    """compare.png: held-out accuracy vs training wall time of every arm, and the target."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rows in runs.items():
@@ -208,28 +188,27 @@ def _plot_compare(
     ax.axhline(target, color="0.5", ls="--", lw=1, label=f"target {target:.0%}")
     ax.set(xlabel=WALL_TIME, ylabel="held-out accuracy", ylim=(0, 1), title="reference vs optimized parts")
     ax.legend(loc="lower right", fontsize=8)
-    _save(plt, fig, out_dir / "compare.png")
+    save_figure(plt, fig, out_dir / "compare.png")
 
 
-def compare_lines(
-    result: dict[str, Any], sums: dict[str, dict[str, Any]], target: float, info: dict[str, Any]
-) -> list[str]:
+def compare_lines(result: dict[str, Any]) -> list[str]:
     """compare.md: the arms' table, the speedup and accuracy verdict, phases and ablation."""
+    target = result["target_accuracy"]
     lines = [
         "# Reference vs optimized parts (same seed, same data)",
         "",
-        *[f"- {k}: {v}" for k, v in info.get("parts", {}).items()],
+        *[f"- {k}: {v}" for k, v in result.get("parts", {}).items()],
         "",
         f"| parts | start acc | final acc | time to {target:.0%} (s) | steps to target | mean step (s) | rollout (s) | training (s) | accepted/verify | kept |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, s in sums.items():
+    for name, s in result["runs"].items():
         lines.append(
             f"| {name} | {fmt(s['initial_accuracy'])} | {fmt(s['final_accuracy'])} | {fmt(s['time_to_target_s'], '.1f')} "
             f"| {fmt(s['steps_to_target'])} | {fmt(s['mean_step_s'])} | {fmt(s['mean_rollout_s'])} "
             f"| {fmt(s['mean_training_s'])} | {fmt(s[ACCEPTED_PER_VERIFY], '.2f')} | {fmt(s[KEPT_FRACTION], '.2f')} |"
         )
-    speedup, step_speedup, diff = _headline(sums["reference"], sums["optimized"])
+    speedup, step_speedup, diff = result["speedup_to_target"], result["step_speedup"], result["accuracy_diff"]
     return [
         *lines,
         "",

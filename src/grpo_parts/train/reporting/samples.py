@@ -1,12 +1,6 @@
-"""Seeing what is learnt: ``samples.jsonl`` and the flat-reward check.
-
-At every evaluation, ``samples_per_eval`` held-out completions (greedy by default, graded by the task's
-grader) and as many of the last step's training completions (sampled, with their training reward)
-go to ``samples.jsonl``, one JSON object per line: ``step``, ``split`` (``eval`` / ``train``),
-``prompt``, ``answer``, ``completion``, ``reward``. A step whose rewards are all equal teaches nothing
-(every advantage is zero): it logs a WARNING naming the grader with one completion next to its answer,
-and after ``stop_after_flat`` such steps in a row the run stops (the caller saves a checkpoint first).
-"""
+"""Seeing what is learnt: ``samples.jsonl`` and the flat-reward check: a step whose rewards are all
+equal teaches nothing (every advantage is zero), and after ``stop_after_flat`` such steps in a row the
+run stops (docs/training.md, "Seeing what is learnt")."""
 
 from __future__ import annotations
 

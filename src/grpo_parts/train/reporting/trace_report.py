@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ...sampler.speculative.trace import off_reason
-from .report_format import pyplot
+from .report_format import pyplot, save_figure
 
 
 def write_trace(run_dir: Path, traces: dict[int, dict[str, Any]]) -> tuple[list[str], list[str]]:
@@ -71,11 +71,10 @@ def tree_table(t: dict[str, Any], rows: int = 12) -> list[str]:
     depth, width = t.get("depth") or [0] * n, t.get("width") or [0] * n
     lines = ["| decode step | active rows | nodes per row | depth | width | tokens per verification |",
              "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for i in idx:
-        lines.append(
-            f"| {i} | {t['active'][i]} | {t['k'][i]} | {depth[i]} | {width[i]} | {t['tokens'][i]:.2f} |"
-        )
-    return lines
+    return lines + [
+        f"| {i} | {t['active'][i]} | {t['k'][i]} | {depth[i]} | {width[i]} | {t['tokens'][i]:.2f} |"
+        for i in idx
+    ]
 
 
 def _plot(path: Path, traces: dict[int, dict[str, Any]]) -> None:
@@ -96,6 +95,4 @@ def _plot(path: Path, traces: dict[int, dict[str, Any]]) -> None:
     axes[3].set(xlabel="decode step", ylabel="tokens per\nverification")
     for ax in axes:
         ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)

@@ -1,9 +1,6 @@
-"""The GRPO step, composed from the parts: rollout, reward and advantages, filter (and refill),
-old-policy and reference log-probs, draft update, policy update (docs/training.md, "The step").
-
-Time is split into rollout (sampler calls), training (log-probs, draft and policy updates) and other
-(tokenising, rewards, filter); held-out evaluation is timed separately, outside ``wall_time``.
-"""
+"""The GRPO step, composed from the parts (docs/training.md, "The step"). Time is split into rollout
+(sampler calls), training (log-probs, draft and policy updates) and other (tokenising, rewards,
+filter); held-out evaluation is timed separately, outside ``wall_time``."""
 
 from __future__ import annotations
 
@@ -20,6 +17,7 @@ import torch
 from ...attention.protocol import PLAN_CHUNKS, CountsAttentionCalls, LogprobBatch, ReportsPlan
 from ...core import grpo_loss
 from ...counters import ATTENTION_CALLS
+from ...errors import NotSupportedError
 from ...filter.protocol import KEPT_FRACTION, WEIGHTED_ROWS
 from ...filter.refill import FilledBatch, Refiller, RefillOutcome, fill_rollouts
 from ...sampler.protocol import SamplingParams, TracesDecode, TrainsDraft
@@ -31,10 +29,10 @@ from ...task.data import (
     Task,
     completion_ids,
     decode_completions,
-    encode_prompts,
+    encode_problems,
     eval_accuracy,
 )
-from ...types import PromptBatch, Rollout, Stateful
+from ...types import PromptBatch, Rollout, Stateful, VisionInputs
 from ..config import TrainConfig
 from .minibatches import Minibatch, split_minibatches, weighted_filter_reasons
 from .parts import Parts
@@ -58,7 +56,8 @@ class ProblemStream(Iterator[Problem]):
 
 
 class GRPOTrainer:
-    """Holds the policy, optimizer, parts and data position; ``step()`` runs one GRPO step."""
+    """Holds the policy, optimizer, parts and data position; ``step()`` runs one GRPO step.
+    ``tokenizer``: the policy's tokenizer, or a vision-language policy's processor."""
 
     def __init__(
         self,
@@ -77,9 +76,8 @@ class GRPOTrainer:
             policy.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.pad_token_id = int(
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
-        )
+        pad = getattr(tokenizer, "tokenizer", tokenizer).pad_token_id  # a processor's tokenizer's
+        self.pad_token_id = int(pad if pad is not None else eos_token_ids[0])
         self.params = SamplingParams(
             group_size=config.group_size, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             top_p=config.top_p, top_k=config.top_k, eos_token_ids=eos_token_ids, pad_token_id=self.pad_token_id,
@@ -94,8 +92,6 @@ class GRPOTrainer:
         self.data_pos = 0
         self.wall_time = 0.0
         self.eval_set = task.eval_problems()
-        from ...errors import NotSupportedError
-
         reasons = parts.sampler.not_supported_reasons(self.params)
         if reasons:
             raise NotSupportedError(f"sampler {parts.names.get('sampler')!r}", reasons)
@@ -103,11 +99,15 @@ class GRPOTrainer:
         if reasons:
             raise NotSupportedError(f"filter {parts.names.get('filter')!r}", reasons)
 
-    # ------------------------------------------------------------------------------------ steps
     def prompt_batch(self, problems: list[Problem]) -> PromptBatch:
-        """The problems' prompts, tokenized and left-padded, on the policy's device."""
-        pb = encode_prompts(self.tokenizer, [p.prompt for p in problems])
-        return PromptBatch(pb.input_ids.to(self.device), pb.attention_mask.to(self.device))
+        """The problems' prompts, tokenized and left-padded (with their images), on the policy's device."""
+        pb = encode_problems(self.tokenizer, problems)
+        vision = None
+        if pb.vision is not None:
+            vision = VisionInputs(
+                tuple({k: v.to(self.device) for k, v in d.items()} for d in pb.vision.per_prompt)
+            )
+        return PromptBatch(pb.input_ids.to(self.device), pb.attention_mask.to(self.device), vision)
 
     def step(self) -> dict[str, Any]:
         """One GRPO step (see the module docstring); returns its row of ``metrics.jsonl``."""
@@ -145,8 +145,7 @@ class GRPOTrainer:
             observe_step(self._draw, acc.rollouts, acc.rewards)  # then the metrics: the history after it
             m.update(self._draw.metrics(self.config.group_size, m["completion_len"]))
         if isinstance(self.task, ReportsRewardTerms):
-            for name, value in self.task.last_per_function.items():
-                m[f"reward_{name}"] = value
+            m.update({f"reward_{name}": value for name, value in self.task.last_per_function.items()})
         self.last_samples = acc.samples  # (completion, problem, reward) of this step, for samples.jsonl
         return m
 
@@ -210,7 +209,6 @@ class GRPOTrainer:
         return info, time.perf_counter() - t0
 
     def _decode_trace(self) -> dict[str, Any] | None:
-        """The sampler's per-decode-step trace of its last rollout, when it keeps one."""
         sampler = self.parts.sampler
         trace = sampler.last_trace if isinstance(sampler, TracesDecode) else None
         return None if trace is None else trace.as_dict()
@@ -325,7 +323,6 @@ class GRPOTrainer:
         self.policy.train(was)
         return accuracy, time.perf_counter() - t0
 
-    # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly: weights, optimizer, draft, data, RNG."""
         state: dict[str, Any] = {

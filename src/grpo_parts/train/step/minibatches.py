@@ -1,11 +1,7 @@
-"""Which kept rows each optimizer step of a rollout batch trains on, and with which loss denominators.
-
-Each minibatch holds whole groups (shared-prefix attention needs a prompt's rows together). A plain
-filter's kept groups are split and each minibatch normalised by its own rows. A weighted filter
-(:class:`~grpo_parts.filter.protocol.WeighsLoss`, ``dppo``) is split on *every rolled-out* prompt,
-before the draw, and each minibatch's kept rows are weighted over the tokens / sequences of all its
-rolled-out rows; a minibatch the draw emptied is skipped (docs/training.md, "The step").
-"""
+"""Which kept rows each optimizer step of a rollout batch trains on, and with which loss denominators:
+whole groups each (shared-prefix attention needs a prompt's rows together); a weighted filter's
+minibatches are cut before the draw and normalised by all their rolled-out rows (docs/training.md,
+"The step")."""
 
 from __future__ import annotations
 
@@ -58,14 +54,9 @@ def split_minibatches(
     for groups in torch.tensor_split(torch.arange(n_groups), min(minibatches, n_groups)):
         rows = torch.isin(full_group, groups).nonzero().squeeze(-1)
         if rows.numel():
-            out.append(
-                Minibatch(
-                    rows.to(ro.group_index.device),
-                    filled.weights[rows.to(filled.weights.device)],
-                    float(filled.group_tokens[groups].sum()),
-                    float(seqs[groups].sum()),
-                )
-            )
+            w = filled.weights[rows.to(filled.weights.device)]
+            tokens, n_seqs = float(filled.group_tokens[groups].sum()), float(seqs[groups].sum())
+            out.append(Minibatch(rows.to(ro.group_index.device), w, tokens, n_seqs))
     return out
 
 

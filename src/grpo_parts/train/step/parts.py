@@ -1,9 +1,7 @@
 """Build the five parts from :class:`~grpo_parts.parts_config.PartsConfig` by name, through
 :mod:`grpo_parts.build`, with the rules of ``grpo-parts train`` alone: a *default* name missing from
 this installation falls back to the reference with a logged note (its kwargs dropped), while a name
-the user set must exist; the speculative sampler's ``train_draft`` is off (the loop trains and times
-the draft itself); the attention backend refuses a policy it cannot serve, clearly.
-"""
+the user set must exist."""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ from typing import Any
 import torch
 
 from ...build import (
-    DEFAULT_KWARGS,
     build_attention,
     build_draft,
     build_filter,
@@ -27,13 +24,14 @@ from ...build import (
 from ...errors import GRPOPartsError, NotSupportedError
 from ...parts_config import DOOR_DEFAULTS
 from ...sampler import get_sampler_class
+from ...sampler.protocol import image_prompt_reasons
 from ...skip.protocol import PromptSkipper
 from ...skip.reference import KeepEveryPrompt
 from ..config import REFERENCE_PARTS, PartsConfig
 
 log = logging.getLogger("grpo_parts.train")
 
-__all__ = ["DEFAULT_KWARGS", "Parts", "build_parts", "resolve_name"]
+__all__ = ["Parts", "build_parts", "resolve_name"]
 
 
 @dataclass
@@ -82,10 +80,16 @@ def _kwargs(part: str, name: str, cfg: PartsConfig) -> dict[str, Any]:
     return dict(getattr(cfg, f"{part}_kwargs")) if getattr(cfg, part) == name else {}
 
 
-def build_parts(cfg: PartsConfig, policy: torch.nn.Module) -> Parts:
-    """Instantiate sampler (with its draft), attention backend and filter for ``policy``."""
+def build_parts(
+    cfg: PartsConfig,
+    policy: torch.nn.Module,
+    images: bool = False,
+    defaults: Mapping[str, Any] = DOOR_DEFAULTS["train"],
+) -> Parts:
+    """The parts ``cfg`` names. ``images``: the prompts carry images; a sampler that cannot roll
+    them out is the reference's (noted) when it is the default, refused with its reason when set."""
     notes: list[str] = []
-    names = {p: resolve_name(p, cfg, notes) for p in ("sampler", "draft", "attention", "filter")}
+    names = {p: resolve_name(p, cfg, notes, defaults) for p in ("sampler", "draft", "attention", "filter")}
     sampler_name = names["sampler"]
     assert sampler_name is not None
     draft = None
@@ -100,13 +104,22 @@ def build_parts(cfg: PartsConfig, policy: torch.nn.Module) -> Parts:
     if sampler_name == "speculative":
         skw.setdefault("train_draft", False)  # the loop trains the draft itself (and times it)
     sampler = build_sampler(sampler_name, policy, draft=draft, kwargs=skw, where="parts.sampler_kwargs")
+    if images and image_prompt_reasons(sampler):
+        if cfg.sampler != defaults.get("sampler"):  # set by the user: refused
+            raise NotSupportedError(f"parts.sampler {sampler_name!r}", image_prompt_reasons(sampler))
+        reason = image_prompt_reasons(sampler)[0]
+        note = f"parts.sampler: the default {sampler_name!r} does not take image prompts ({reason}); using the reference"
+        log.warning(note)
+        notes.append(note)
+        sampler, draft, names["sampler"], names["draft"] = (
+            build_sampler("reference", policy),
+            None,
+            "reference",
+            None,
+        )
     attention_name, filter_name = str(names["attention"]), str(names["filter"])
-    attention = build_attention(
-        attention_name,
-        policy,
-        kwargs=_kwargs("attention", attention_name, cfg),
-        where="parts.attention_kwargs",
-    )
+    akw = _kwargs("attention", attention_name, cfg)
+    attention = build_attention(attention_name, policy, kwargs=akw, where="parts.attention_kwargs")
     filt = build_filter(filter_name, kwargs=_kwargs("filter", filter_name, cfg), where="parts.filter_kwargs")
     reasons = attention.not_supported_reasons(policy)
     if reasons:

@@ -1,12 +1,7 @@
 """The trainer's side of prompt skipping (``parts.prompt_skip``): prompts drawn through a
-:class:`~grpo_parts.skip.draw.PromptDraw`, and the minibatches re-weighted for them.
-
-Each optimizer step's loss takes ``seq_weights`` = each kept row's filter weight times its prompt's
-``1 / p``, and ``num_seqs`` = the step's sequence count without skipping times ``drawn / rolled out``
-prompts: the drawn prompts' count, fixed before the draw, which keeps the estimate unbiased
-(docs/filter.md, "Skipping prompts before rollout"). After the fill the skipper observes the step's
-groups at once (one adaptation per step), and the step's row gets the skip metrics.
-"""
+:class:`~grpo_parts.skip.draw.PromptDraw`, and the minibatches re-weighted for them: each kept row times
+its prompt's ``1 / p`` over the drawn prompts' sequence count, fixed before the draw, which keeps the
+estimate unbiased (docs/training.md, "The step"; docs/filter.md, "Skipping prompts before rollout")."""
 
 from __future__ import annotations
 
