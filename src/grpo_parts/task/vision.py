@@ -106,7 +106,8 @@ class VisionTask:
 
     def eval_problems(self) -> list[Problem]:
         """The held-out set: the same layouts for every seed."""
-        rng, seen, out, misses = random.Random("eval"), set(), [], 0
+        rng, seen, misses = random.Random("eval"), set(), 0
+        out: list[Problem] = []
         while len(out) < self.config.num_eval:
             layout = self._layout(rng)
             if self._held_out(layout) and repr(layout) not in seen:

@@ -2,9 +2,9 @@
 once, for the config (:func:`apply_skip_defaults`, before validation) and the ``--compare`` arms, and
 said in the run's first lines (:func:`skip_notes`).
 
-Skipping is opt-in (``parts.prompt_skip=history``): on fresh seeds it won on one finite pool and lost
-on one with a hard tail (docs/results.md, "The finite-data default"), so a finite-data run says so in
-one line and leaves it off.
+Skipping is opt-in (``parts.prompt_skip=history``): paired against the same run without it on two
+finite pools, measured alone, it was sooner on neither (docs/results.md, "The finite-data default"),
+so a finite-data run says so in one line and leaves it off.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def skip_notes(config: Any) -> list[str]:
         if not finite_data(config) or "prompt_skip" in config.parts.model_fields_set:
             return []  # nothing could be skipped, or the user said so
         line = (
-            "parts.prompt_skip: off (opt-in: on fresh seeds it won on one finite pool and lost on one "
-            f"with a hard tail, {EVIDENCE}); --set parts.prompt_skip=history turns it on"
+            "parts.prompt_skip: off (opt-in: paired on two finite pools it was sooner on neither, "
+            f"{EVIDENCE}); --set parts.prompt_skip=history turns it on"
         )
         reasons = skip_refusals(config) or []
         if reasons:

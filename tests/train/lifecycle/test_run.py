@@ -106,7 +106,8 @@ def test_a_vision_language_model_is_refused_in_one_line_before_a_run_folder(
     tiny_processor(model).save_pretrained(tmp_path / "vlm")
     cfg = load_config(overrides=tiny_overrides(tmp_path / "vlm", tmp_path / "runs", name="x"))
     with pytest.raises(
-        GRPOPartsError, match="is a vision-language model .llava.; grpo-parts train trains one on image prompts"
+        GRPOPartsError,
+        match="is a vision-language model .llava.; grpo-parts train trains one on image prompts",
     ):
         train(cfg)
     assert not (tmp_path / "runs" / "x").exists()

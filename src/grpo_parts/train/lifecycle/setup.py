@@ -110,35 +110,38 @@ def load_model(
 
 
 def load_vlm(
-    path: Path, dtype: torch.dtype, device: torch.device, image_tokens: int, progress: bool = True
+    path: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
 ) -> tuple[torch.nn.Module, Any]:
     """A local transformers vision-language model and its processor: ``AutoProcessor``'s files, or
-    for a checkpoint without them (the built-in warm start) the offline
-    :func:`~grpo_parts.tiny_vision.tiny_processor`, images resized to at most ``image_tokens``."""
+    for a tiny model whose config names :data:`TINY_PROCESSOR` (the built-in warm start, and what a
+    run exports from it) the offline :func:`~grpo_parts.tiny_vision.tiny_processor` rebuilt."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    from ...tiny_vision import tiny_processor
+    from ...tiny_vision import TINY_PROCESSOR, tiny_processor
 
     try:
         with hf_progress(progress):
             config = AutoConfig.from_pretrained(path, local_files_only=True)
             if getattr(config, "vision_config", None) is None:
                 raise GRPOPartsError(
-                    f"model: task.name=vision needs a vision-language model, got {config.model_type} at {str(path)!r}"
+                    f"model: image prompts need a vision-language model, got {config.model_type} at {str(path)!r}"
                 )
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
-            has_processor = (path / "processor_config.json").is_file() or (
-                path / "preprocessor_config.json"
-            ).is_file()
+            tiny = getattr(config, TINY_PROCESSOR, None)
             processor = (
-                AutoProcessor.from_pretrained(path, local_files_only=True)
-                if has_processor
-                else tiny_processor(model, max_image_tokens=image_tokens)
+                tiny_processor(model, **tiny)
+                if tiny
+                else AutoProcessor.from_pretrained(path, local_files_only=True)
             )
     except GRPOPartsError:
         raise
     except (OSError, ValueError) as e:
         raise GRPOPartsError(f"model: could not load {str(path)!r}: {e}") from None
+    if not hasattr(processor, "image_processor"):
+        raise GRPOPartsError(
+            f"model: {str(path)!r} has no image processor (AutoProcessor found a {type(processor).__name__}); "
+            "expected the processor's files beside the weights (processor.save_pretrained)"
+        )
     processor.tokenizer.padding_side = "left"
     return model.to(device).eval(), processor  # type: ignore[arg-type]
 
@@ -281,8 +284,7 @@ def load_setup(config: TrainConfig) -> Setup:
     processor = None
     vision = config.task if isinstance(config.task, VisionConfig) else None
     if vision is not None or (config.data is not None and is_vlm(path)):
-        image_tokens = vision.image_tokens if vision is not None else VisionConfig().image_tokens
-        policy, processor = load_vlm(path, dtype, device, image_tokens, config.progress)
+        policy, processor = load_vlm(path, dtype, device, config.progress)
         tok = processor.tokenizer
     else:
         policy, tok = load_model(path, dtype, device, progress=config.progress)
