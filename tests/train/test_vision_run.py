@@ -14,15 +14,23 @@ import pytest
 import torch
 
 from grpo_parts.cli import main
+from grpo_parts.compat import transformers_version
+from grpo_parts.errors import GRPOPartsError
 from grpo_parts.train.config import load_config
 from grpo_parts.train.lifecycle.run import train
-from grpo_parts.train.lifecycle.setup import load_vlm
+from grpo_parts.train.lifecycle.setup import VISION_TASK_MIN, load_vlm
 from grpo_parts.train.reporting.metrics import read_metrics
 
 #: a short run: 4 prompts x 4 completions, CPPO pruning half with one refill round
 SHORT = {"steps": 2, "prompts_per_step": 4, "group_size": 4, "eval_every": 2, "task.num_eval": 8,
          "stop_after_flat": 0, "progress": False, "parts.refill_rounds": 1,
          "parts.filter_kwargs": {"pruning_rate": 0.5}}  # fmt: skip
+
+
+#: the built-in vision task's warm start and processor need transformers >= 5 (refused below it)
+NEEDS_5 = pytest.mark.skipif(
+    transformers_version() < VISION_TASK_MIN, reason="the vision task is refused below 5.0"
+)
 
 
 def _rows(tmp_path: Path, **over: Any) -> tuple[Path, list[dict[str, Any]]]:
@@ -33,6 +41,7 @@ def _rows(tmp_path: Path, **over: Any) -> tuple[Path, list[dict[str, Any]]]:
     return run.run_dir, [r for r in read_metrics(run.run_dir / "metrics.jsonl") if "reward" in r]
 
 
+@NEEDS_5
 def test_the_vision_task_trains_with_every_part_that_takes_images(tmp_path: Path) -> None:
     run_dir, rows = _rows(tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -53,6 +62,7 @@ def test_the_vision_task_trains_with_every_part_that_takes_images(tmp_path: Path
     assert hasattr(processor, "image_processor") and processor.tokenizer.padding_side == "left"
 
 
+@NEEDS_5
 def test_the_default_sampler_falls_back_and_a_set_one_is_refused() -> None:
     """The rule lives in build_parts: a default that cannot take images gives way to the reference
     (noted); the same sampler set by the user is refused with its reason."""
@@ -70,6 +80,7 @@ def test_the_default_sampler_falls_back_and_a_set_one_is_refused() -> None:
         build_parts(cfg, model, images=True, defaults={"sampler": "reference"})
 
 
+@NEEDS_5
 def test_the_reference_arm_matches_the_optimized_arm_at_step_zero(tmp_path: Path) -> None:
     """The same first rollout (one seed) scored by the reference attention (each image repeated per
     completion) and by the shared prefix: the first step's loss and old log-probs agree."""
@@ -106,6 +117,7 @@ def alternate(completions, image, **kwargs):
 """
 
 
+@NEEDS_5
 def test_data_records_with_images_train_a_vlm(tmp_path: Path) -> None:
     """``--data`` in TRL's conversational image format (an ``image`` column of PNG paths) with a VLM
     checkpoint: the images reach the sampler and the shared-prefix attention, once per prompt."""
@@ -128,3 +140,10 @@ def test_data_records_with_images_train_a_vlm(tmp_path: Path) -> None:
                  "--out-dir", str(tmp_path), "--name", "data", "--no-progress", "-q"]) == 0  # fmt: skip
     rows_out = [r for r in read_metrics(tmp_path / "data" / "metrics.jsonl") if "reward" in r]
     assert rows_out and rows_out[0]["attention_grids"] > 0
+
+
+@pytest.mark.skipif(transformers_version() >= VISION_TASK_MIN, reason="the floor's refusal")
+def test_the_vision_task_is_refused_in_one_line_below_its_transformers(tmp_path: Path) -> None:
+    with pytest.raises(GRPOPartsError, match=r"^task.name: 'vision' needs transformers >= 5.0"):
+        train(load_config(overrides={"out_dir": str(tmp_path), "name": "v", "task.name": "vision", **SHORT}))
+    assert not (tmp_path / "v").exists()

@@ -28,6 +28,8 @@ from .threads import calibrate_threads
 log = logging.getLogger("grpo_parts.train")
 
 #: built-in task name -> its committed warm start (a folder under grpo_parts/assets)
+#: the transformers release the built-in vision task needs (see load_setup)
+VISION_TASK_MIN = (5, 0)
 BUILTIN_MODELS = {"arithmetic": "tiny_adder", "reasoning": "tiny_reasoner", "vision": "tiny_counter"}
 
 
@@ -283,6 +285,12 @@ def load_setup(config: TrainConfig) -> Setup:
     path = _model_path(config, builtin)
     processor = None
     vision = config.task if isinstance(config.task, VisionConfig) else None
+    if vision is not None and builtin and compat.transformers_version() < VISION_TASK_MIN:
+        raise GRPOPartsError(
+            f"task.name: 'vision' needs transformers >= {'.'.join(map(str, VISION_TASK_MIN))} for its warm start "
+            f"(its Qwen2-VL takes logits_to_keep, and its offline processor needs no video processor, from then "
+            f"on), got {'.'.join(map(str, compat.transformers_version()))}; or --model a VLM of your own"
+        )
     if vision is not None or (config.data is not None and is_vlm(path)):
         policy, processor = load_vlm(path, dtype, device, config.progress)
         tok = processor.tokenizer
