@@ -112,11 +112,16 @@ def load_model(
 
 
 def load_vlm(
-    path: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = True,
+    image_tokens: int | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """A local transformers vision-language model and its processor: ``AutoProcessor``'s files, or
     for a tiny model whose config names :data:`TINY_PROCESSOR` (the built-in warm start, and what a
-    run exports from it) the offline :func:`~grpo_parts.tiny_vision.tiny_processor` rebuilt."""
+    run exports from it) the offline :func:`~grpo_parts.tiny_vision.tiny_processor` rebuilt, its
+    images resized to at most ``image_tokens`` when given."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     from ...tiny_vision import TINY_PROCESSOR, tiny_processor
@@ -131,7 +136,9 @@ def load_vlm(
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
             tiny = getattr(config, TINY_PROCESSOR, None)
             processor = (
-                tiny_processor(model, **tiny)
+                tiny_processor(
+                    model, **{**tiny, **({"max_image_tokens": image_tokens} if image_tokens else {})}
+                )
                 if tiny
                 else AutoProcessor.from_pretrained(path, local_files_only=True)
             )
@@ -292,7 +299,8 @@ def load_setup(config: TrainConfig) -> Setup:
             f"on), got {'.'.join(map(str, compat.transformers_version()))}; or --model a VLM of your own"
         )
     if vision is not None or (config.data is not None and is_vlm(path)):
-        policy, processor = load_vlm(path, dtype, device, config.progress)
+        image_tokens = None if vision is None else vision.image_tokens
+        policy, processor = load_vlm(path, dtype, device, config.progress, image_tokens)
         tok = processor.tokenizer
     else:
         policy, tok = load_model(path, dtype, device, progress=config.progress)
