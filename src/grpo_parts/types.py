@@ -132,6 +132,10 @@ class VisionInputs:
         out["num_images"] = [_image_count(self.per_prompt[r]) for r in rows]
         return out
 
+    def to(self, device: torch.device | str) -> VisionInputs:
+        """The same images on ``device``."""
+        return VisionInputs(tuple({k: v.to(device) for k, v in p.items()} for p in self.per_prompt))
+
     def gather(self, groups: list[int]) -> dict[str, torch.Tensor]:
         """The model keywords of prompts ``groups`` in that order (a prompt named twice brings its
         images twice): each key's tensors concatenated along their first dim; {} when none has images."""

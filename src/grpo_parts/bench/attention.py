@@ -186,15 +186,12 @@ def _to(batch: Any, w: torch.Tensor, device: torch.device) -> tuple[Any, torch.T
     """``batch`` (a LogprobBatch, its images too) and the weights ``w`` on ``device``."""
     from dataclasses import replace
 
-    from ..types import VisionInputs
-
     moved = {
         f: getattr(batch, f).to(device)
         for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "group_index")
     }
     if batch.vision is not None:
-        per = tuple({k: v.to(device) for k, v in p.items()} for p in batch.vision.per_prompt)
-        moved["vision"] = VisionInputs(per)
+        moved["vision"] = batch.vision.to(device)
     return replace(batch, **moved), w.to(device)
 
 

@@ -122,6 +122,11 @@ def completion_ids(rollout: Rollout) -> list[list[int]]:
     ]
 
 
+def text_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer itself, or a vision-language processor's tokenizer (what encodes its text)."""
+    return getattr(tokenizer, "tokenizer", tokenizer)
+
+
 def encode_prompts(tokenizer: Any, prompts: Sequence[str]) -> PromptBatch:
     """Tokenize and left-pad ``prompts`` (the tokenizer's own special tokens included, e.g. BOS)."""
     ids = [list(tokenizer(p).input_ids) for p in prompts]
@@ -134,7 +139,7 @@ def encode_problems(tokenizer: Any, problems: Sequence[Problem]) -> PromptBatch:
     is the policy's processor (``processor(text=..., images=...)`` expands each placeholder) and each
     prompt's images ride along once in ``PromptBatch.vision``."""
     if not any(p.images for p in problems):
-        return encode_prompts(getattr(tokenizer, "tokenizer", tokenizer), [p.prompt for p in problems])
+        return encode_prompts(text_tokenizer(tokenizer), [p.prompt for p in problems])
     images = [image for p in problems for image in p.images]
     out = tokenizer(text=[p.prompt for p in problems], images=images, padding=True, return_tensors="pt")
     vision = VisionInputs.from_processor(out, [len(p.images) for p in problems])

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import GRPOPartsError
-from .data import Problem
+from .data import Problem, text_tokenizer
 from .formats import Record, load_records
 from .graders import MATH_INSTALL, describe, exact_match, final_answer, make_grader, math_verify_installed
 from .reasoning import INSTRUCTION
@@ -100,7 +100,7 @@ def render(records: list[Record], tokenizer: Any, model: str) -> list[Problem]:
                 "or prompt/answer records"
             )
         text = tokenizer.apply_chat_template(r.prompt, tokenize=False, add_generation_prompt=True)
-        tok = getattr(tokenizer, "tokenizer", tokenizer)  # a processor renders, its tokenizer encodes
+        tok = text_tokenizer(tokenizer)  # a processor renders, its tokenizer encodes
         bos = getattr(tok, "bos_token", None)
         if bos and text.startswith(bos) and tok("").input_ids[:1] == [tok.bos_token_id]:
             text = text[len(bos) :]  # the tokenizer adds BOS itself when the prompt is encoded
@@ -190,7 +190,7 @@ class JsonlTask:
             train = [r for i, r in enumerate(records) if i not in held]
             evals = [records[i] for i in sorted(held)]
         train_p, eval_p = render(train, tokenizer, model), render(evals, tokenizer, model)
-        text_tok = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+        text_tok = text_tokenizer(tokenizer)
         note = None if text_tok is None else check_chars(text_tok, train_p + eval_p, cfg.unknown_chars)
         grader, delimiter, why = choose_grader(cfg, fmt, builtin_task_of([p.prompt for p in train_p]))
         task = cls(train_p, eval_p, seed, make_grader(grader, delimiter), describe(grader, delimiter))

@@ -31,8 +31,9 @@ from ...task.data import (
     decode_completions,
     encode_problems,
     eval_accuracy,
+    text_tokenizer,
 )
-from ...types import PromptBatch, Rollout, Stateful, VisionInputs
+from ...types import PromptBatch, Rollout, Stateful
 from ..config import TrainConfig
 from .minibatches import Minibatch, split_minibatches, weighted_filter_reasons
 from .parts import Parts
@@ -76,7 +77,7 @@ class GRPOTrainer:
             policy.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        pad = getattr(tokenizer, "tokenizer", tokenizer).pad_token_id  # a processor's tokenizer's
+        pad = text_tokenizer(tokenizer).pad_token_id
         self.pad_token_id = int(pad if pad is not None else eos_token_ids[0])
         self.params = SamplingParams(
             group_size=config.group_size, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
@@ -102,11 +103,7 @@ class GRPOTrainer:
     def prompt_batch(self, problems: list[Problem]) -> PromptBatch:
         """The problems' prompts, tokenized and left-padded (with their images), on the policy's device."""
         pb = encode_problems(self.tokenizer, problems)
-        vision = None
-        if pb.vision is not None:
-            vision = VisionInputs(
-                tuple({k: v.to(self.device) for k, v in d.items()} for d in pb.vision.per_prompt)
-            )
+        vision = None if pb.vision is None else pb.vision.to(self.device)
         return PromptBatch(pb.input_ids.to(self.device), pb.attention_mask.to(self.device), vision)
 
     def step(self) -> dict[str, Any]:

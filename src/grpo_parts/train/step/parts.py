@@ -92,6 +92,14 @@ def build_parts(
     names = {p: resolve_name(p, cfg, notes, defaults) for p in ("sampler", "draft", "attention", "filter")}
     sampler_name = names["sampler"]
     assert sampler_name is not None
+    reasons = image_prompt_reasons(get_sampler_class(sampler_name)) if images else []
+    if reasons:  # decided before anything is built (a draft for a sampler that will not run)
+        if cfg.sampler != defaults.get("sampler"):  # set by the user: refused
+            raise NotSupportedError(f"parts.sampler {sampler_name!r}", reasons)
+        note = f"parts.sampler: the default {sampler_name!r} does not take image prompts ({reasons[0]}); using the reference"
+        log.warning(note)
+        notes.append(note)
+        sampler_name = names["sampler"] = "reference"
     draft = None
     if takes_draft(get_sampler_class(sampler_name)):
         if names["draft"] is None:
@@ -104,19 +112,6 @@ def build_parts(
     if sampler_name == "speculative":
         skw.setdefault("train_draft", False)  # the loop trains the draft itself (and times it)
     sampler = build_sampler(sampler_name, policy, draft=draft, kwargs=skw, where="parts.sampler_kwargs")
-    if images and image_prompt_reasons(sampler):
-        if cfg.sampler != defaults.get("sampler"):  # set by the user: refused
-            raise NotSupportedError(f"parts.sampler {sampler_name!r}", image_prompt_reasons(sampler))
-        reason = image_prompt_reasons(sampler)[0]
-        note = f"parts.sampler: the default {sampler_name!r} does not take image prompts ({reason}); using the reference"
-        log.warning(note)
-        notes.append(note)
-        sampler, draft, names["sampler"], names["draft"] = (
-            build_sampler("reference", policy),
-            None,
-            "reference",
-            None,
-        )
     attention_name, filter_name = str(names["attention"]), str(names["filter"])
     akw = _kwargs("attention", attention_name, cfg)
     attention = build_attention(attention_name, policy, kwargs=akw, where="parts.attention_kwargs")
